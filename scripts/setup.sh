@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs the Debian packages k3 needs to build and test. Idempotent: packages
+# already present are not reinstalled, so the README commands stay fast on a
+# machine that has run this once. Needs root (or sudo) only when something is missing.
+set -euo pipefail
+
+# Build and run: compiler, JSON (safetensors headers, configs), PCRE2 (the Kimi
+# pre-tokenizer pattern needs Unicode properties), libmicrohttpd (dashboard),
+# liburing (batched expert reads).
+BUILD_PKGS="build-essential pkg-config libjansson-dev libpcre2-dev libmicrohttpd-dev liburing-dev"
+# Tests: PyTorch + NumPy for the reference tools (fixtures are committed, so these
+# are only needed to regenerate them), Node.js/npm for the tiktoken cross-check,
+# Chromium for the dashboard end-to-end test, util-linux for prlimit.
+TEST_PKGS="python3 python3-numpy util-linux nodejs"
+
+want="$BUILD_PKGS"
+case "${1:-}" in
+  --test) want="$BUILD_PKGS $TEST_PKGS" ;;
+  --dev)  want="$BUILD_PKGS $TEST_PKGS python3-torch chromium" ;;
+esac
+
+missing=()
+for p in $want; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "k3 setup: installing ${missing[*]}" >&2
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

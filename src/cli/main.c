@@ -1,0 +1,115 @@
+/* main.c: the `k3` command. One table of subcommands; `k3 MODEL_DIR ...` is
+ * accepted as `k3 run MODEL_DIR ...` (the released engine's form). */
+#include "cli/commands.h"
+
+#include <stdarg.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define K3_VERSION "0.1.0"
+
+typedef struct {
+    const char *name;
+    int (*fn)(int, char **);
+    const char *const *help;
+    const char *summary;
+} command;
+
+static const command commands[] = {
+    {"run", cmd_run, &cmd_run_help, "generate text from a model directory"},
+    {"inspect", cmd_inspect, &cmd_inspect_help, "census of a checkpoint: bytes, parameters, layer map"},
+    {"tokenize", cmd_tokenize, &cmd_tokenize_help, "text to token ids with a tiktoken tokenizer"},
+    {"detokenize", cmd_detokenize, &cmd_detokenize_help, "token ids to bytes"},
+    {"pack-trunk", cmd_pack_trunk, &cmd_pack_trunk_help, "pack the dense trunk into one streamable file"},
+    {"cache-sim", cmd_cache_sim, &cmd_cache_sim_help, "replay an expert trace under cache policies"},
+    {"doctor", cmd_doctor, &cmd_doctor_help, "check this machine and suggest a budget"},
+    {"prepare", cmd_prepare, &cmd_prepare_help, "train a BPE tokenizer and tokenize a text corpus"},
+    {"train", cmd_train, &cmd_train_help, "train a K3-architecture model from scratch"},
+    {"export", cmd_export, &cmd_export_help, "export a training checkpoint as a model directory"},
+    {"dashboard", cmd_dashboard, &cmd_dashboard_help, "serve a live web page for training runs"},
+};
+#define NCOMMANDS (sizeof commands / sizeof commands[0])
+
+int k3_report(const k3_err *err) {
+    fprintf(stderr, "k3: %s\n", err->msg[0] ? err->msg : "unknown error");
+    return err->code ? err->code : K3_EXIT_RUNTIME;
+}
+
+int k3_usage_error(const char *cmd, const char *fmt, ...) {
+    char msg[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "k3: %s: %s (see 'k3 help %s')\n", cmd, msg, cmd);
+    return K3_EXIT_USAGE;
+}
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "k3 " K3_VERSION ": run and train Kimi K3-architecture models on a CPU\n\n"
+            "usage: k3 COMMAND [ARGS...]\n"
+            "       k3 MODEL_DIR [ARGS...]      same as 'k3 run MODEL_DIR ...'\n"
+            "       k3 help COMMAND | k3 COMMAND --help\n"
+            "       k3 --version\n\ncommands:\n");
+    for (size_t i = 0; i < NCOMMANDS; i++)
+        fprintf(f, "  %-11s %s%s\n", commands[i].name, commands[i].summary,
+                commands[i].fn ? "" : " (not in this build)");
+    fprintf(f,
+            "\nexit codes:\n"
+            "  0  success\n"
+            "  1  runtime failure (I/O error, out of memory)\n"
+            "  2  usage error, or invalid config or input\n"
+            "  3  refused up front: the run cannot fit the memory budget\n"
+            "  4  checkpoint data error (truncated shard, bad header, wrong dtype or shape)\n");
+}
+
+static const command *find(const char *name) {
+    for (size_t i = 0; i < NCOMMANDS; i++)
+        if (strcmp(commands[i].name, name) == 0) return &commands[i];
+    return NULL;
+}
+
+static int print_help(const command *c) {
+    if (!c->fn || !c->help) {
+        fprintf(stderr, "k3: command '%s' is not available in this build\n", c->name);
+        return K3_EXIT_USAGE;
+    }
+    fputs(*c->help, stdout);
+    return K3_OK;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        usage(stderr);
+        return K3_EXIT_USAGE;
+    }
+    const char *a = argv[1];
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return K3_OK; }
+    if (!strcmp(a, "--version") || !strcmp(a, "-V")) { printf("k3 %s\n", K3_VERSION); return K3_OK; }
+    if (!strcmp(a, "help")) {
+        if (argc < 3) { usage(stdout); return K3_OK; }
+        const command *c = find(argv[2]);
+        if (!c) { fprintf(stderr, "k3: unknown command '%s' (see 'k3 --help')\n", argv[2]); return K3_EXIT_USAGE; }
+        return print_help(c);
+    }
+    const command *c = find(a);
+    if (!c) {
+        struct stat st;
+        if (stat(a, &st) == 0 && S_ISDIR(st.st_mode)) {
+            /* k3 MODEL_DIR ...: rewrite as k3 run MODEL_DIR ... */
+            c = find("run");
+            argv[0] = (char *)"run";
+            if (!c->fn) { fprintf(stderr, "k3: command 'run' is not available in this build\n"); return K3_EXIT_USAGE; }
+            return c->fn(argc, argv);
+        }
+        fprintf(stderr, "k3: unknown command '%s' (see 'k3 --help')\n", a);
+        return K3_EXIT_USAGE;
+    }
+    for (int i = 2; i < argc; i++) {
+        if (!strcmp(argv[i], "--")) break;
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return print_help(c);
+    }
+    if (!c->fn) { fprintf(stderr, "k3: command '%s' is not available in this build\n", a); return K3_EXIT_USAGE; }
+    return c->fn(argc - 1, argv + 1);
+}

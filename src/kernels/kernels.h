@@ -1,0 +1,119 @@
+/* kernels.h: the numeric kernels of k3. One module, used by inference and
+ * training alike. Every kernel has a scalar reference path and a SIMD path
+ * (AVX-512 where the CPU has it) that give IDENTICAL bits; tests check both.
+ *
+ * Canonical reduction order (the determinism contract). A dot product of
+ * length n is computed with 16 lane accumulators: lane l accumulates elements
+ * j = l, l+16, l+32, ... in increasing j with a fused multiply-add
+ * (acc[l] = fmaf(w[j], x[j], acc[l])), starting from +0.0f; the lanes are then
+ * combined by a fixed tree: for s = 8, 4, 2, 1: acc[l] += acc[l+s] for l < s;
+ * the result is acc[0]. The scalar path does exactly this with fmaf; the SIMD
+ * path does it with one 16-wide vector and the same tree. Consequences:
+ *  - results do not depend on thread count: threads split rows, never a dot;
+ *  - k_matmul over n inputs gives, for each input, the same bits as k_matvec;
+ *  - a weight's storage (F32, BF16, MXFP4) only changes how w[j] is formed:
+ *    BF16 widens exactly; MXFP4 forms E2M1[code] * 2^(scale-127) exactly in
+ *    f32, so an MXFP4 product equals the F32 product of its dequantised matrix.
+ * Sums that are not dots (norm statistics, softmax denominators) use the same
+ * 16-lane + tree scheme with plain adds (k_sum, k_sumsq) unless stated.
+ *
+ * Layouts: matrices are row-major [rows][cols] and compute y = W x (row = output
+ * feature), as stored in the checkpoint. Activations are f32. */
+#ifndef K3_KERNELS_H
+#define K3_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+
+/* ---- path selection --------------------------------------------------- */
+/* Force the scalar reference path (true) or allow SIMD (false, default when
+ * the CPU supports it). Tests flip this to compare both paths bit for bit. */
+void k_set_scalar(bool scalar_only);
+bool k_simd_available(void);
+const char *k_path_name(void); /* "avx512" or "scalar" */
+
+/* ---- weights ------------------------------------------------------------ */
+typedef enum { KW_F32 = 0, KW_BF16, KW_MXFP4 } kw_type;
+
+typedef struct {
+    kw_type type;
+    int rows, cols;          /* logical shape; cols is the contraction dim */
+    const void *data;        /* F32: float[rows][cols]; BF16: uint16_t[rows][cols];
+                                MXFP4: uint8_t packed[rows][cols/2], low nibble =
+                                even element */
+    const uint8_t *scales;   /* MXFP4 only: E8M0 [rows][cols/group] */
+    int group;               /* MXFP4 group size (32 in K3) */
+} k3_mat;
+
+/* E2M1 code -> value; scale byte 255 (NaN in OCP MX) zeroes its group. */
+extern const float k_e2m1[16];
+float k_e8m0(uint8_t s); /* 2^(s-127) exactly, 0 for 255 */
+
+/* Decode one row (or a column range) of any weight to f32 (for tests/export;
+ * the hot paths never materialise a whole MXFP4 matrix). */
+void k_mat_row(const k3_mat *W, int row, float *out);
+
+/* ---- products ------------------------------------------------------------ */
+float k_dot(const float *w, const float *x, int n);       /* canonical order */
+void k_matvec(const k3_mat *W, const float *x, float *y);  /* y[rows] = W x; OpenMP over rows */
+/* Y[t][rows] = W X[t] for t < n, X is [n][cols]. Same bits as n k_matvec calls. */
+void k_matmul(const k3_mat *W, const float *X, int n, float *Y);
+/* Like k_matvec but only rows [r0, r1). */
+void k_matvec_rows(const k3_mat *W, const float *x, float *y, int r0, int r1);
+
+/* ---- elementwise and norms ----------------------------------------------- */
+float k_sum(const float *x, int n);
+float k_sumsq(const float *x, int n);
+/* y = g * x / sqrt(mean(x^2) + eps); g may be NULL (no gain). y may alias x. */
+void k_rmsnorm(float *y, const float *x, const float *g, int n, float eps);
+/* x /= sqrt(sum(x^2) + eps), in place (KDA q/k, eps 1e-6). */
+void k_l2norm(float *x, int n, float eps);
+float k_sigmoid(float x);
+void k_silu(float *x, int n);
+/* out[i] = [b1*tanh(a/b1)*sigmoid(a)] * [b2*tanh(u/b2)], sigmoid of the UNCAPPED a. */
+void k_situ_glu(float *out, const float *gate, const float *up, int n, float b1, float b2);
+/* softmax in place over n (max-subtracted, f32). */
+void k_softmax(float *x, int n);
+
+/* ---- KDA ------------------------------------------------------------------ */
+/* Depthwise causal conv over T steps, C channels, K taps, fused SiLU.
+ * x: [T][C] pre-conv inputs; w: [C][K] (w[c][K-1] multiplies the current input);
+ * state: [C][K-1] the previous K-1 inputs per channel, oldest first (zeros at
+ * sequence start); updated to the last K-1 inputs on return. y: [T][C]. */
+void k_shortconv_silu(float *y, const float *x, int T, int C, const float *w, int K, float *state);
+
+/* Log-decay g[h][d] = lower * sigmoid(exp(A_log[h]) * (z[h*D+d] + dt_bias[h*D+d]))
+ * for one position; z, g: [H*D]. */
+void k_kda_gate(float *g, const float *z, const float *A_log, const float *dt_bias, int H, int D,
+                float lower);
+
+/* Recurrent KDA over T positions, H heads, head dim D, state S [H][D][D]
+ * (rows = key channels, cols = value channels), updated in place.
+ * q, k: [T][H*D], already L2-normalised per head (q NOT yet scaled: the kernel
+ * multiplies by 1/sqrt(D)); v: [T][H*D]; g: [T][H*D] log-decay; beta: [T][H].
+ * Per step: S = diag(exp g) S; u = S^T k; S += k (beta (v - u))^T; o = S^T q/sqrt(D).
+ * o: [T][H*D]. */
+void k_kda_recurrent(float *o, float *S, const float *q, const float *k, const float *v,
+                     const float *g, const float *beta, int T, int H, int D);
+/* Chunkwise (UT/WY) form of the same function, chunk length C (e.g. 16..64);
+ * within-chunk decays as exp(G_i - G_j) differences, never exp(G)*exp(-G).
+ * Agrees with k_kda_recurrent to fp32 rounding (not bitwise). */
+void k_kda_chunked(float *o, float *S, const float *q, const float *k, const float *v,
+                   const float *g, const float *beta, int T, int H, int D, int C);
+
+/* Head-wise output: out[h] = rmsnorm(o[h]; gain[D], eps) * sigmoid(gate[h]) for
+ * one position, o/gate/out: [H*D]. */
+void k_kda_out_norm_gate(float *out, const float *o, const float *gain, const float *gate, int H, int D,
+                         float eps);
+
+/* ---- router ----------------------------------------------------------------- */
+/* Given logits [n] (router product), computes s = sigmoid(logits), selects the k
+ * largest s + bias (bias may be NULL); ties go to the LOWER expert index.
+ * Writes idx[k] (in descending order of selection score) and weights w[k] from
+ * the unbiased s, renormalised to sum 1 if renorm && k > 1 (denominator
+ * sum + 1e-20), then multiplied by scale. */
+void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale,
+                   int *idx, float *w);
+
+#endif

@@ -1,0 +1,50 @@
+/* tokenizer.h: the Kimi tiktoken-style byte-level BPE tokenizer.
+ *
+ * Loads tiktoken.model (base64 token, rank per line) + tokenizer_config.json
+ * (named specials in added_tokens_decoder; 256 reserved ids after the base
+ * ranks, unnamed ones are <|reserved_token_N|>). Pre-tokenizes with the exact
+ * Kimi pattern (PCRE2, UTF + Unicode properties, JIT), then merges byte pairs
+ * by lowest rank. Byte-for-byte identical to tiktoken. */
+#ifndef K3_TOKENIZER_H
+#define K3_TOKENIZER_H
+
+#include "util/common.h"
+
+typedef struct k3_tokenizer k3_tokenizer;
+
+/* dir holds tiktoken.model and (optionally) tokenizer_config.json. */
+int tok_load(const char *dir, k3_tokenizer **out, k3_err *err);
+void tok_free(k3_tokenizer *t);
+
+int tok_vocab_size(const k3_tokenizer *t);    /* base ranks + specials */
+int tok_n_base(const k3_tokenizer *t);        /* number of BPE ranks */
+int tok_eos_id(const k3_tokenizer *t);        /* from config eos_token, -1 if none */
+int tok_bos_id(const k3_tokenizer *t);
+int tok_special_id(const k3_tokenizer *t, const char *name); /* -1 if not a special */
+
+/* Encode UTF-8 text. allow_special: named specials in the text become their ids;
+ * otherwise they are encoded as plain text. *ids is malloc'd. Invalid UTF-8 is
+ * an error (K3_EXIT_USAGE). */
+int tok_encode(const k3_tokenizer *t, const char *text, size_t len, bool allow_special,
+               int32_t **ids, size_t *n, k3_err *err);
+
+/* The bytes of one id (NULL for an id outside the vocabulary). */
+const uint8_t *tok_token_bytes(const k3_tokenizer *t, int32_t id, size_t *len);
+/* All ids to bytes; *out is malloc'd (not NUL-terminated, *len set). */
+int tok_decode(const k3_tokenizer *t, const int32_t *ids, size_t n, uint8_t **out, size_t *len,
+               k3_err *err);
+
+/* Incremental decoder: feed ids one at a time; emits only complete UTF-8
+ * sequences (a partial multi-byte character is held back until completed;
+ * bytes that can never form valid UTF-8 are emitted as they are at flush). */
+typedef struct {
+    const k3_tokenizer *tok;
+    uint8_t pending[8];
+    int npending;
+} tok_stream;
+void tok_stream_init(tok_stream *s, const k3_tokenizer *t);
+/* Appends printable bytes to out (capacity cap); returns bytes written. */
+size_t tok_stream_feed(tok_stream *s, int32_t id, uint8_t *out, size_t cap);
+size_t tok_stream_flush(tok_stream *s, uint8_t *out, size_t cap);
+
+#endif

@@ -1,0 +1,321 @@
+/* common.c: see common.h. */
+#include "util/common.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <libgen.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+int k3_fail(k3_err *err, int code, const char *fmt, ...) {
+    if (err) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+        va_end(ap);
+        /* one line only: a message must never spill onto a second line */
+        for (char *c = err->msg; *c; c++)
+            if (*c == '\n' || *c == '\r') *c = ' ';
+        err->code = code;
+    }
+    return code;
+}
+
+static void oom(size_t n) {
+    fprintf(stderr, "k3: out of memory (%zu bytes)\n", n);
+    exit(K3_EXIT_RUNTIME);
+}
+
+void *xmalloc(size_t size) {
+    void *p = malloc(size ? size : 1);
+    if (!p) oom(size);
+    return p;
+}
+
+void *xcalloc(size_t n, size_t size) {
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) oom(n * size);
+    return p;
+}
+
+bool k3_mul_ok(uint64_t a, uint64_t b, uint64_t *out) {
+    uint64_t r;
+    if (__builtin_mul_overflow(a, b, &r)) return false;
+    if (out) *out = r;
+    return true;
+}
+
+void *xmalloc_array(size_t n, size_t size) {
+    size_t t;
+    if (__builtin_mul_overflow(n, size, &t)) oom(SIZE_MAX);
+    return xmalloc(t);
+}
+
+void *xrealloc(void *p, size_t size) {
+    void *q = realloc(p, size ? size : 1);
+    if (!q) oom(size);
+    return q;
+}
+
+void *xrealloc_array(void *p, size_t n, size_t size) {
+    size_t t;
+    if (__builtin_mul_overflow(n, size, &t)) oom(SIZE_MAX);
+    return xrealloc(p, t);
+}
+
+char *xstrdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = xmalloc(n);
+    memcpy(d, s, n);
+    return d;
+}
+
+void *xmalloc_aligned(size_t size) {
+    void *p = NULL;
+    size_t rounded = (size + 63) & ~(size_t)63;
+    if (rounded < size || posix_memalign(&p, 64, rounded ? rounded : 64) != 0) oom(size);
+    return p;
+}
+
+uint16_t k3_f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = { .f = f };
+    if (isnan(f)) return (uint16_t)((v.u >> 16) | 0x40); /* quiet NaN, keep sign */
+    uint32_t lsb = (v.u >> 16) & 1;
+    v.u += 0x7fff + lsb;
+    return (uint16_t)(v.u >> 16);
+}
+
+float k3_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) {
+        /* zero or subnormal: man * 2^-24, exact in f32 */
+        float m = (float)man * 0x1p-24f;
+        return sign ? -m : m;
+    } else if (exp == 31) {
+        v.u = sign | 0x7f800000u | (man << 13);
+    } else {
+        v.u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return v.f;
+}
+
+uint16_t k3_f32_to_f16(float f) {
+    union { float f; uint32_t u; } v = { .f = f };
+    uint16_t sign = (uint16_t)((v.u >> 16) & 0x8000);
+    if (isnan(f)) return sign | 0x7e00;
+    float a = fabsf(f);
+    if (a >= 65520.0f) return sign | 0x7c00; /* rounds to inf */
+    if (a < 0x1p-14f) {
+        /* subnormal: round a / 2^-24 to nearest even integer */
+        float q = nearbyintf(a * 0x1p24f);
+        return sign | (uint16_t)q;
+    }
+    uint32_t u = v.u & 0x7fffffffu;
+    uint32_t lsb = (u >> 13) & 1;
+    u += 0xfff + lsb;
+    uint32_t exp = (u >> 23) - 112, man = (u >> 13) & 0x3ff;
+    return sign | (uint16_t)((exp << 10) | man);
+}
+
+int k3_read_file(const char *path, char **data, size_t *len, k3_err *err) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return k3_fail(err, K3_EXIT_USAGE, "%s: cannot open: %s", path, strerror(errno));
+    size_t cap = 1 << 16, n = 0;
+    char *buf = xmalloc(cap);
+    for (;;) {
+        if (n + 1 >= cap) buf = xrealloc(buf, cap *= 2);
+        size_t r = fread(buf + n, 1, cap - n - 1, f);
+        n += r;
+        if (r == 0) break;
+    }
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) {
+        free(buf);
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: read error", path);
+    }
+    buf[n] = 0;
+    *data = buf;
+    if (len) *len = n;
+    return K3_OK;
+}
+
+static int fsync_dir_of(const char *path) {
+    char *copy = xstrdup(path);
+    int fd = open(dirname(copy), O_RDONLY | O_DIRECTORY);
+    free(copy);
+    if (fd < 0) return -1;
+    int r = fsync(fd);
+    close(fd);
+    return r;
+}
+
+int k3_atomic_open(k3_atomic_file *af, const char *path, k3_err *err) {
+    memset(af, 0, sizeof *af);
+    af->path = xstrdup(path);
+    size_t n = strlen(path) + 32;
+    af->tmp = xmalloc(n);
+    snprintf(af->tmp, n, "%s.tmp.%ld", path, (long)getpid());
+    af->f = fopen(af->tmp, "wb");
+    if (!af->f) {
+        int e = errno;
+        free(af->path); free(af->tmp);
+        af->path = af->tmp = NULL;
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create: %s", path, strerror(e));
+    }
+    return K3_OK;
+}
+
+int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *err) {
+    if (len && fwrite(data, 1, len, af->f) != len)
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: write failed: %s", af->tmp, strerror(errno));
+    return K3_OK;
+}
+
+int k3_atomic_commit(k3_atomic_file *af, k3_err *err) {
+    int rc = K3_OK;
+    if (fflush(af->f) != 0 || fsync(fileno(af->f)) != 0)
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: flush failed: %s", af->tmp, strerror(errno));
+    if (fclose(af->f) != 0 && rc == K3_OK)
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: close failed: %s", af->tmp, strerror(errno));
+    af->f = NULL;
+    if (rc == K3_OK && rename(af->tmp, af->path) != 0)
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: rename failed: %s", af->path, strerror(errno));
+    if (rc == K3_OK) fsync_dir_of(af->path);
+    else unlink(af->tmp);
+    free(af->path); free(af->tmp);
+    af->path = af->tmp = NULL;
+    return rc;
+}
+
+void k3_atomic_abort(k3_atomic_file *af) {
+    if (af->f) fclose(af->f);
+    if (af->tmp) unlink(af->tmp);
+    free(af->path); free(af->tmp);
+    memset(af, 0, sizeof *af);
+}
+
+int k3_write_file_atomic(const char *path, const void *data, size_t len, k3_err *err) {
+    k3_atomic_file af;
+    int rc = k3_atomic_open(&af, path, err);
+    if (rc) return rc;
+    if ((rc = k3_atomic_write(&af, data, len, err))) {
+        k3_atomic_abort(&af);
+        return rc;
+    }
+    return k3_atomic_commit(&af, err);
+}
+
+double k3_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+uint64_t k3_peak_rss_bytes(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_SELF, &ru) != 0) return 0;
+    return (uint64_t)ru.ru_maxrss * 1024u;
+}
+
+uint64_t k3_mem_available_bytes(void) {
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+    fclose(f);
+    return (uint64_t)kb * 1024u;
+}
+
+void k3_progress_start(k3_progress *p, const char *label, uint64_t total, bool bytes) {
+    memset(p, 0, sizeof *p);
+    p->label = label;
+    p->total = total;
+    p->bytes = bytes;
+    p->t0 = p->last = k3_now();
+    const char *env = getenv("K3_PROGRESS");
+    p->enabled = env ? atoi(env) != 0 : isatty(2);
+}
+
+static void fmt_amount(char *buf, size_t n, double v, bool bytes) {
+    if (!bytes) { snprintf(buf, n, "%.0f", v); return; }
+    const char *u[] = {"B", "KB", "MB", "GB", "TB"};
+    int i = 0;
+    while (v >= 1000.0 && i < 4) { v /= 1000.0; i++; }
+    snprintf(buf, n, "%.1f %s", v, u[i]);
+}
+
+static void progress_draw(k3_progress *p, bool final) {
+    double el = k3_now() - p->t0;
+    double frac = p->total ? (double)p->done / (double)p->total : 1.0;
+    if (frac > 1.0) frac = 1.0;
+    char bar[31];
+    int fill = (int)(frac * 30.0);
+    for (int i = 0; i < 30; i++) bar[i] = i < fill ? '=' : (i == fill ? '>' : ' ');
+    bar[30] = 0;
+    char done[32], total[32], rate[32];
+    fmt_amount(done, sizeof done, (double)p->done, p->bytes);
+    fmt_amount(total, sizeof total, (double)p->total, p->bytes);
+    fmt_amount(rate, sizeof rate, el > 0 ? (double)p->done / el : 0.0, p->bytes);
+    double eta = (frac > 0 && !final) ? el * (1.0 - frac) / frac : 0.0;
+    fprintf(stderr, "\r%s [%s] %3.0f%% %s/%s %s/s ETA %.0fs%s", p->label, bar, frac * 100.0,
+            done, total, rate, eta, final ? "\n" : "");
+    fflush(stderr);
+}
+
+void k3_progress_update(k3_progress *p, uint64_t done) {
+    p->done = done;
+    if (!p->enabled) return;
+    double now = k3_now();
+    if (now - p->last < 0.2) return;
+    p->last = now;
+    progress_draw(p, false);
+}
+
+void k3_progress_finish(k3_progress *p) {
+    if (p->enabled) progress_draw(p, true);
+}
+
+int k3_parse_ids(const char *s, int64_t max, int32_t **ids, size_t *n, k3_err *err) {
+    size_t cap = 16, cnt = 0;
+    int32_t *out = xmalloc_array(cap, sizeof *out);
+    const char *c = s;
+    while (*c) {
+        while (*c == ' ') c++;
+        if (*c < '0' || *c > '9') {
+            free(out);
+            return k3_fail(err, K3_EXIT_USAGE, "--ids: expected a decimal id at '%.20s'", c);
+        }
+        int64_t v = 0;
+        while (*c >= '0' && *c <= '9') {
+            v = v * 10 + (*c - '0');
+            if (v >= max) {
+                free(out);
+                return k3_fail(err, K3_EXIT_USAGE, "--ids: id out of range (vocabulary has %lld ids)",
+                               (long long)max);
+            }
+            c++;
+        }
+        while (*c == ' ') c++;
+        if (*c == ',') c++;
+        else if (*c) {
+            free(out);
+            return k3_fail(err, K3_EXIT_USAGE, "--ids: unexpected '%c'", *c);
+        }
+        if (cnt == cap) out = xrealloc_array(out, cap *= 2, sizeof *out);
+        out[cnt++] = (int32_t)v;
+    }
+    *ids = out;
+    *n = cnt;
+    return K3_OK;
+}

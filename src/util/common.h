@@ -1,0 +1,94 @@
+/* common.h: what every k3 module shares: exit codes, the error record, checked
+ * allocation, number conversions, atomic file writes, timing and progress.
+ *
+ * Error convention. A function that can fail returns an int: K3_OK (0) on
+ * success, else one of the exit codes below, and fills a k3_err with ONE line
+ * that names the file (or input) and the problem. The CLI prints that line as
+ * "k3: <msg>" and exits with the code. Library code never exits, except on
+ * allocation failure (xmalloc & co. print one line and exit K3_EXIT_RUNTIME). */
+#ifndef K3_COMMON_H
+#define K3_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdbool.h>
+#include <stdio.h>
+
+enum {
+    K3_OK = 0,
+    K3_EXIT_RUNTIME = 1, /* I/O failure, out of memory, internal error */
+    K3_EXIT_USAGE = 2,   /* bad flags, invalid config or input */
+    K3_EXIT_BUDGET = 3,  /* refused up front: cannot fit the memory budget */
+    K3_EXIT_DATA = 4,    /* checkpoint data error: truncated shard, bad header, wrong dtype/shape */
+};
+
+typedef struct {
+    int code;       /* one of the K3_EXIT_* codes, 0 when no error */
+    char msg[1024]; /* one line, no trailing newline */
+} k3_err;
+
+/* Sets err (may be NULL) and returns code, so callers can write
+ * `return k3_fail(err, K3_EXIT_DATA, "%s: header past end of file", path);` */
+int k3_fail(k3_err *err, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Checked allocation: never returns NULL; on failure prints
+ * "k3: out of memory (N bytes)" and exits K3_EXIT_RUNTIME.
+ * xmalloc_array/xcalloc check n*size for overflow. */
+void *xmalloc(size_t size);
+void *xcalloc(size_t n, size_t size);
+void *xmalloc_array(size_t n, size_t size);
+void *xrealloc(void *p, size_t size);
+void *xrealloc_array(void *p, size_t n, size_t size);
+char *xstrdup(const char *s);
+/* 64-byte aligned (for SIMD); free with free(). */
+void *xmalloc_aligned(size_t size);
+
+/* a*b with overflow detection: returns false on overflow. */
+bool k3_mul_ok(uint64_t a, uint64_t b, uint64_t *out);
+
+/* Exact conversions of 16-bit floats to f32, and round-to-nearest-even back. */
+static inline float k3_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
+    return v.f;
+}
+uint16_t k3_f32_to_bf16(float f);
+float k3_f16_to_f32(uint16_t h);
+uint16_t k3_f32_to_f16(float f);
+
+/* Whole-file read (NUL-terminated for convenience). */
+int k3_read_file(const char *path, char **data, size_t *len, k3_err *err);
+
+/* Atomic write of a small file: temp file in the same directory, fsync,
+ * rename over path, fsync the directory. */
+int k3_write_file_atomic(const char *path, const void *data, size_t len, k3_err *err);
+
+/* Streaming atomic writer for large outputs (checkpoints, packed trunks). */
+typedef struct {
+    char *path, *tmp;
+    FILE *f;
+} k3_atomic_file;
+int k3_atomic_open(k3_atomic_file *af, const char *path, k3_err *err);
+int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *err);
+int k3_atomic_commit(k3_atomic_file *af, k3_err *err); /* fsync + rename + dir fsync */
+void k3_atomic_abort(k3_atomic_file *af);              /* unlink the temp file */
+
+double k3_now(void);               /* monotonic seconds */
+uint64_t k3_peak_rss_bytes(void);  /* getrusage ru_maxrss */
+uint64_t k3_mem_available_bytes(void); /* /proc/meminfo MemAvailable, 0 if unknown */
+
+/* A one-line progress bar on stderr (only when stderr is a terminal, or when
+ * K3_PROGRESS=1): "label [=====>    ] 42% 1.2/3.0 GB 350 MB/s ETA 5s". */
+typedef struct {
+    const char *label;
+    uint64_t total, done;
+    double t0, last;
+    bool enabled, bytes;
+} k3_progress;
+void k3_progress_start(k3_progress *p, const char *label, uint64_t total, bool bytes);
+void k3_progress_update(k3_progress *p, uint64_t done);
+void k3_progress_finish(k3_progress *p);
+
+/* Parses "1,2,3" into ids; rejects anything but decimal integers in [0, max). */
+int k3_parse_ids(const char *s, int64_t max, int32_t **ids, size_t *n, k3_err *err);
+
+#endif

@@ -1,0 +1,40 @@
+# lib.sh: helpers for command-line tests. Source it from tests/cli/*.sh.
+# $K3 is the binary under test (bin/k3 or bin/k3-asan); $SHARED is ../shared.
+# Each script ends by calling `finish`, which prints "N passed, N failed".
+K3=${K3:-bin/k3}
+SHARED=${K3_SHARED:-../shared}
+OUT=tests/out/cli-$(basename "$0" .sh)
+mkdir -p "$OUT"
+_pass=0; _fail=0
+
+pass() { echo "PASS $1"; _pass=$((_pass + 1)); }
+fail() { echo "FAIL $1${2:+: $2}"; _fail=$((_fail + 1)); }
+
+# expect_exit NAME CODE CMD...: runs CMD, checks its exit code; for nonzero codes
+# also checks stderr is exactly one line starting "k3: " (the error contract).
+expect_exit() {
+  local name=$1 code=$2; shift 2
+  "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"
+  local rc=$?
+  if [ "$rc" -ne "$code" ]; then
+    fail "$name" "exit $rc, wanted $code; stderr: $(head -c 300 "$OUT/$name.err")"; return 1
+  fi
+  if [ "$code" -ne 0 ]; then
+    local lines; lines=$(grep -c '' "$OUT/$name.err")
+    if [ "$lines" -ne 1 ] || ! grep -q '^k3: ' "$OUT/$name.err"; then
+      fail "$name" "error is not one 'k3: ' line: $(head -c 300 "$OUT/$name.err")"; return 1
+    fi
+  fi
+  pass "$name"
+}
+
+# expect_err_contains NAME TEXT: the last expect_exit's stderr contains TEXT.
+expect_err_contains() {
+  if grep -qF -- "$2" "$OUT/$1.err"; then pass "$1:msg"; else fail "$1:msg" "stderr lacks '$2': $(head -c 300 "$OUT/$1.err")"; fi
+}
+# expect_out_contains NAME TEXT: the last expect_exit's stdout contains TEXT.
+expect_out_contains() {
+  if grep -qF -- "$2" "$OUT/$1.out"; then pass "$1:out"; else fail "$1:out" "stdout lacks '$2'"; fi
+}
+
+finish() { echo "$_pass passed, $_fail failed"; [ "$_fail" -eq 0 ]; }

@@ -1,0 +1,112 @@
+/* harness.c: registry and runner for tests/harness.h. */
+#include "harness.h"
+
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <time.h>
+
+#define MAX_TESTS 4096
+#define EXIT_SKIP 77
+
+static struct { const char *name, *file; t_fn fn; } tests[MAX_TESTS];
+static int ntests;
+static const char *current;
+
+void t_register(const char *name, const char *file, t_fn fn) {
+    if (ntests == MAX_TESTS) { fprintf(stderr, "harness: too many tests\n"); exit(2); }
+    tests[ntests].name = name;
+    tests[ntests].file = file;
+    tests[ntests].fn = fn;
+    ntests++;
+}
+
+static int failed_flag;
+
+void t_fail_at(const char *file, int line, const char *fmt, ...) {
+    va_list ap;
+    fprintf(stderr, "  %s:%d: ", file, line);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    failed_flag = 1;
+}
+
+void t_skip(const char *reason) {
+    fprintf(stderr, "  skipped: %s\n", reason);
+    fflush(NULL);
+    _exit(EXIT_SKIP);
+}
+
+static const char *ring(const char *a, const char *b) {
+    static char bufs[8][4096];
+    static int i;
+    char *d = bufs[i++ & 7];
+    snprintf(d, 4096, "%s/%s", a, b);
+    return d;
+}
+
+const char *t_shared(const char *rel) {
+    const char *root = getenv("K3_SHARED");
+    return ring(root ? root : "../shared", rel);
+}
+
+const char *t_repo(const char *rel) { return ring(".", rel); }
+
+const char *t_outdir(void) {
+    static char d[1024];
+    mkdir("tests/out", 0755);
+    snprintf(d, sizeof d, "tests/out/%s", current ? current : "unknown");
+    mkdir(d, 0755);
+    return d;
+}
+
+static int cmp(const void *a, const void *b) {
+    const typeof(tests[0]) *x = a, *y = b;
+    int c = strcmp(x->file, y->file);
+    return c ? c : strcmp(x->name, y->name);
+}
+
+int main(int argc, char **argv) {
+    qsort(tests, (size_t)ntests, sizeof tests[0], cmp);
+    int pass = 0, fail = 0, skip = 0;
+    for (int i = 0; i < ntests; i++) {
+        if (argc > 1) { /* filter: run tests whose name or file contains any argument */
+            int hit = 0;
+            for (int a = 1; a < argc; a++)
+                if (strstr(tests[i].name, argv[a]) || strstr(tests[i].file, argv[a])) hit = 1;
+            if (!hit) continue;
+        }
+        current = tests[i].name;
+        fflush(NULL);
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        pid_t pid = fork();
+        if (pid < 0) { perror("fork"); return 2; }
+        if (pid == 0) {
+            failed_flag = 0;
+            tests[i].fn();
+            fflush(NULL);
+            _exit(failed_flag ? 1 : 0);
+        }
+        int st = 0;
+        waitpid(pid, &st, 0);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        const char *verdict;
+        if (WIFEXITED(st) && WEXITSTATUS(st) == 0) { verdict = "PASS"; pass++; }
+        else if (WIFEXITED(st) && WEXITSTATUS(st) == EXIT_SKIP) { verdict = "SKIP"; skip++; }
+        else {
+            verdict = "FAIL"; fail++;
+            if (WIFSIGNALED(st)) fprintf(stderr, "  killed by signal %d\n", WTERMSIG(st));
+        }
+        printf("%s %s (%.2fs)\n", verdict, tests[i].name, s);
+        fflush(stdout);
+    }
+    printf("%d passed, %d failed, %d skipped\n", pass, fail, skip);
+    return fail ? 1 : 0;
+}

@@ -1,0 +1,57 @@
+/* Tests for util/common: 16-bit float conversions against exhaustive
+ * properties, atomic writes, id parsing. */
+#include "harness.h"
+#include "util/common.h"
+
+#include <math.h>
+#include <string.h>
+#include <stdlib.h>
+
+TEST(bf16_roundtrip_all_patterns) {
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = k3_bf16_to_f32((uint16_t)h);
+        if (isnan(f)) continue;
+        CHECKF(k3_f32_to_bf16(f) == h, "bf16 0x%04x -> %g -> 0x%04x", h, f, k3_f32_to_bf16(f));
+    }
+}
+
+TEST(f16_roundtrip_all_patterns) {
+    for (uint32_t h = 0; h < 65536; h++) {
+        float f = k3_f16_to_f32((uint16_t)h);
+        if (isnan(f)) continue;
+        CHECKF(k3_f32_to_f16(f) == h, "f16 0x%04x -> %g -> 0x%04x", h, f, k3_f32_to_f16(f));
+    }
+    /* known values from the IEEE 754 binary16 definition */
+    CHECK(k3_f16_to_f32(0x0001) == 0x1p-24f);
+    CHECK(k3_f16_to_f32(0x3c00) == 1.0f);
+    CHECK(k3_f16_to_f32(0x7bff) == 65504.0f);
+    CHECK(isinf(k3_f16_to_f32(0x7c00)));
+}
+
+TEST(bf16_rounds_to_nearest_even) {
+    /* 1 + 2^-8 is exactly halfway between bf16 1.0 and 1.0078125: ties to even (1.0) */
+    CHECK(k3_f32_to_bf16(1.0f + 0x1p-8f) == 0x3f80);
+    CHECK(k3_f32_to_bf16(1.0f + 0x1p-8f + 0x1p-20f) == 0x3f81);
+}
+
+TEST(atomic_write_replaces_whole_file) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/f.txt", t_outdir());
+    k3_err err = {0};
+    CHECK(k3_write_file_atomic(path, "first", 5, &err) == 0);
+    CHECK(k3_write_file_atomic(path, "second!", 7, &err) == 0);
+    char *d; size_t n;
+    CHECK(k3_read_file(path, &d, &n, &err) == 0);
+    CHECK(n == 7 && memcmp(d, "second!", 7) == 0);
+    free(d);
+}
+
+TEST(parse_ids_rejects_garbage) {
+    int32_t *ids; size_t n; k3_err err = {0};
+    CHECK(k3_parse_ids("1,2, 3", 10, &ids, &n, &err) == 0);
+    CHECK(n == 3 && ids[2] == 3);
+    free(ids);
+    CHECK(k3_parse_ids("1,x", 10, &ids, &n, &err) == K3_EXIT_USAGE);
+    CHECK(k3_parse_ids("10", 10, &ids, &n, &err) == K3_EXIT_USAGE);
+    CHECK(k3_parse_ids("-1", 10, &ids, &n, &err) == K3_EXIT_USAGE);
+}
