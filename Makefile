@@ -16,7 +16,7 @@ ASNFLAGS:= -O1 -g -march=native -fsanitize=address,undefined \
 LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lm
 
 LIB_SRC  := $(shell find src -name '*.c' ! -path 'src/cli/main.c' | sort)
-TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c
+TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c tests/tjson.c
 
 REL_LIB  := $(LIB_SRC:%.c=build/rel/%.o)
 ASN_LIB  := $(LIB_SRC:%.c=build/asan/%.o)
@@ -55,3 +55,9 @@ clean:
 	rm -rf build bin
 
 -include $(shell find build -name '*.d' 2>/dev/null)
+
+# Benchmarks: every bench/<name>.c is a program bin/bench_<name> (not a test).
+BENCH_SRC := $(sort $(wildcard bench/*.c))
+bench: $(BENCH_SRC:bench/%.c=bin/bench_%)
+bin/bench_%: build/rel/bench/%.o $(REL_LIB) | bin
+	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)

@@ -11,7 +11,7 @@ BUILD_PKGS="build-essential pkg-config libjansson-dev libpcre2-dev libmicrohttpd
 # Tests: PyTorch + NumPy for the reference tools (fixtures are committed, so these
 # are only needed to regenerate them), Node.js/npm for the tiktoken cross-check,
 # Chromium for the dashboard end-to-end test, util-linux for prlimit.
-TEST_PKGS="python3 python3-numpy util-linux nodejs"
+TEST_PKGS="python3 python3-numpy util-linux nodejs clang"
 
 want="$BUILD_PKGS"
 case "${1:-}" in
