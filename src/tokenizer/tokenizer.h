@@ -47,4 +47,18 @@ void tok_stream_init(tok_stream *s, const k3_tokenizer *t);
 size_t tok_stream_feed(tok_stream *s, int32_t id, uint8_t *out, size_t cap);
 size_t tok_stream_flush(tok_stream *s, uint8_t *out, size_t cap);
 
+/* ---- pre-tokenization (also used by the BPE trainer) ------------------- */
+/* The Kimi pattern rewritten for PCRE2 (class intersections expanded) and the
+ * GPT-2 pattern. */
+extern const char *const TOK_PATTERN_KIMI;
+extern const char *const TOK_PATTERN_GPT2;
+typedef struct tok_splitter tok_splitter;
+int tok_splitter_new(const char *pattern, tok_splitter **out, k3_err *err);
+void tok_splitter_free(tok_splitter *s);
+/* Calls cb for every piece of text (consecutive, covering all of it, in order).
+ * Thread-safe for concurrent calls on one splitter. Returns nonzero (and fills
+ * err) on a regex or UTF-8 error; a nonzero return from cb stops early. */
+int tok_split(const tok_splitter *s, const char *text, size_t len,
+              int (*cb)(const char *piece, size_t n, void *ctx), void *ctx, k3_err *err);
+
 #endif
