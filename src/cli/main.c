@@ -81,7 +81,7 @@ static int print_help(const command *c) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        usage(stderr);
+        fprintf(stderr, "k3: no command given (see 'k3 --help')\n");
         return K3_EXIT_USAGE;
     }
     const char *a = argv[1];
