@@ -32,7 +32,7 @@ bool k_simd_available(void) {
 void k_set_scalar(bool scalar_only) { g_force_scalar = scalar_only; }
 
 const k_vops *k_ops(void) {
-#if defined(__x86_64__) && defined(K3_AVX512_READY)
+#if defined(__x86_64__)
     if (!g_force_scalar && k_simd_available()) return &k_avx512_ops;
 #endif
     return &k_scalar_ops;

@@ -1,0 +1,332 @@
+/* kernels_avx512.c: the AVX-512 primitive table. Every function repeats the
+ * scalar reference of kernels.c / kmath.h operation for operation, so the
+ * bits are identical: 16-lane dots use one zmm accumulator (lane l holds
+ * elements l, l+16, ...), tails use masked FMAs that leave unused lanes
+ * untouched, and the same 8-4-2-1 tree closes every dot. exp/tanh/sigmoid
+ * are the kmath.h algorithms lane by lane.
+ *
+ * The functions carry target attributes and are reached only through
+ * k_ops() after a CPUID check, so the binary still runs without AVX-512. */
+#if defined(__x86_64__)
+
+#include "kernels/internal.h"
+#include "kernels/kmath.h"
+
+#include <immintrin.h>
+
+#define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define INL static inline __attribute__((always_inline)) TGT
+
+INL __mmask16 tailmask(int r) { return (__mmask16)((1u << r) - 1u); }
+
+INL float tree(__m512 v) {
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); /* l += l+8 */
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));      /* l += l+4 */
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                       /* l += l+2 */
+    __m128 d = _mm_add_ss(c, _mm_movehdup_ps(c));                                        /* l += l+1 */
+    return _mm_cvtss_f32(d);
+}
+
+/* ---- math, lane by lane as kmath.h ------------------------------------------------ */
+
+INL __m512 v_exp(__m512 x) {
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(KM_EXP_LO));
+    xc = _mm512_min_ps(xc, _mm512_set1_ps(KM_EXP_HI));
+    __m512 kf = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(KM_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(KM_LN2_HI), xc);
+    r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(KM_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(KM_E7);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_E6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_E5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_E4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_E3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_E2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i k = _mm512_cvtps_epi32(kf);
+    __m512i k1 = _mm512_srai_epi32(k, 1), k2 = _mm512_sub_epi32(k, k1);
+    __m512i b127 = _mm512_set1_epi32(127);
+    __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k1, b127), 23));
+    __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k2, b127), 23));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+    return _mm512_mask_blend_ps(nan, y, _mm512_add_ps(x, x));
+}
+
+INL __m512 v_neg(__m512 x) { return _mm512_xor_ps(x, _mm512_set1_ps(-0.0f)); }
+
+INL __m512 v_sigmoid(__m512 x) {
+    __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_ps(one, _mm512_add_ps(one, v_exp(v_neg(x))));
+}
+
+INL __m512 v_tanh(__m512 x) {
+    __m512 sign = _mm512_set1_ps(-0.0f);
+    __m512 a = _mm512_andnot_ps(sign, x);
+    __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(KM_TANH_SMALL), _CMP_LT_OQ);
+    __m512 z = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(KM_T5);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(KM_T4));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(KM_T3));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(KM_T2));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(KM_T1));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(KM_T0));
+    __m512 ys = _mm512_fmadd_ps(_mm512_mul_ps(x, z), p, x);
+    __m512 one = _mm512_set1_ps(1.0f);
+    __m512 e = v_exp(_mm512_add_ps(a, a));
+    __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+    __m512 yl = _mm512_or_ps(_mm512_andnot_ps(sign, t), _mm512_and_ps(sign, x)); /* copysign */
+    return _mm512_mask_blend_ps(small, yl, ys);
+}
+
+/* ---- primitives ---------------------------------------------------------------------- */
+
+TGT static float v_dot(const float *a, const float *b, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
+    if (j < n) {
+        __mmask16 m = tailmask(n - j);
+        acc = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(m, a + j), _mm512_maskz_loadu_ps(m, b + j), acc, m);
+    }
+    return tree(acc);
+}
+
+TGT static float v_sum(const float *x, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + j));
+    if (j < n) {
+        __mmask16 m = tailmask(n - j);
+        acc = _mm512_mask_add_ps(acc, m, acc, _mm512_maskz_loadu_ps(m, x + j));
+    }
+    return tree(acc);
+}
+
+/* Elementwise loops: full vectors, then one masked vector; lanes beyond n
+ * are computed on zeros and never stored. */
+#define ELEMWISE(n, BODY)                                                  \
+    do {                                                                   \
+        int j_ = 0;                                                        \
+        for (; j_ + 16 <= (n); j_ += 16) {                                 \
+            __mmask16 m = 0xffff;                                          \
+            int j = j_;                                                    \
+            BODY;                                                          \
+        }                                                                  \
+        if (j_ < (n)) {                                                    \
+            __mmask16 m = tailmask((n) - j_);                              \
+            int j = j_;                                                    \
+            BODY;                                                          \
+        }                                                                  \
+    } while (0)
+#define LD(p) _mm512_maskz_loadu_ps(m, (p) + j)
+#define ST(p, v) _mm512_mask_storeu_ps((p) + j, m, (v))
+
+TGT static void v_axpy(float *y, float a, const float *x, int n) {
+    __m512 va = _mm512_set1_ps(a);
+    ELEMWISE(n, ST(y, _mm512_fmadd_ps(va, LD(x), LD(y))));
+}
+TGT static void v_vfma(float *y, const float *a, const float *b, int n) {
+    ELEMWISE(n, ST(y, _mm512_fmadd_ps(LD(a), LD(b), LD(y))));
+}
+TGT static void v_scale(float *y, const float *x, float s, int n) {
+    __m512 vs = _mm512_set1_ps(s);
+    ELEMWISE(n, ST(y, _mm512_mul_ps(LD(x), vs)));
+}
+TGT static void v_vmul(float *y, const float *a, const float *b, int n) {
+    ELEMWISE(n, ST(y, _mm512_mul_ps(LD(a), LD(b))));
+}
+TGT static void v_vadd(float *y, const float *a, const float *b, int n) {
+    ELEMWISE(n, ST(y, _mm512_add_ps(LD(a), LD(b))));
+}
+TGT static void v_vexp(float *y, const float *x, int n) { ELEMWISE(n, ST(y, v_exp(LD(x)))); }
+TGT static void v_subscale(float *y, const float *a, const float *b, float s, int n) {
+    __m512 vs = _mm512_set1_ps(s);
+    ELEMWISE(n, ST(y, _mm512_mul_ps(_mm512_sub_ps(LD(a), LD(b)), vs)));
+}
+TGT static void v_divs(float *y, const float *x, float d, int n) {
+    __m512 vd = _mm512_set1_ps(d);
+    ELEMWISE(n, ST(y, _mm512_div_ps(LD(x), vd)));
+}
+TGT static void v_silu(float *x, int n) {
+    __m512 one = _mm512_set1_ps(1.0f);
+    ELEMWISE(n, {
+        __m512 v = LD(x);
+        ST(x, _mm512_div_ps(v, _mm512_add_ps(one, v_exp(v_neg(v)))));
+    });
+}
+TGT static void v_situ(float *out, const float *gate, const float *up, int n, float b1, float b2) {
+    __m512 vb1 = _mm512_set1_ps(b1), vb2 = _mm512_set1_ps(b2);
+    ELEMWISE(n, {
+        __m512 a = LD(gate);
+        __m512 g = _mm512_mul_ps(_mm512_mul_ps(vb1, v_tanh(_mm512_div_ps(a, vb1))), v_sigmoid(a));
+        __m512 u = _mm512_mul_ps(vb2, v_tanh(_mm512_div_ps(LD(up), vb2)));
+        ST(out, _mm512_mul_ps(g, u));
+    });
+}
+TGT static void v_sigmoid_mul(float *y, const float *gate, int n) {
+    ELEMWISE(n, ST(y, _mm512_mul_ps(LD(y), v_sigmoid(LD(gate)))));
+}
+
+/* ---- products ---------------------------------------------------------------------------
+ * A tile is RB weight rows x TB inputs with one zmm accumulator per pair,
+ * sweeping the columns in 16-wide steps: each accumulator sees its row's
+ * elements in the canonical order, and the tile shape only changes which
+ * independent dots run side by side (to hide FMA latency and to decode a
+ * weight vector once for TB inputs). */
+
+typedef struct {
+    const k3_mat *W;
+    const float *X;
+    float *Y;
+    int cols, rows;
+} prod;
+
+/* weight vector (16 columns starting at j) of row r; m masks a tail */
+INL __m512 w_f32(const prod *P, int r, int j, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, (const float *)P->W->data + (size_t)r * (size_t)P->cols + j);
+}
+INL __m512 w_bf16(const prod *P, int r, int j, __mmask16 m) {
+    const uint16_t *p = (const uint16_t *)P->W->data + (size_t)r * (size_t)P->cols + j;
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+/* MXFP4: 8 packed bytes -> 16 codes in element order (byte i gives elements
+ * 2i, low nibble, and 2i+1, high nibble), looked up in the E2M1 table by a
+ * permute (it reads only the low 4 index bits), times the group's scale. */
+INL __m512 w_mx(const prod *P, int r, int j, float scale) {
+    const uint8_t *p = (const uint8_t *)P->W->data + (size_t)r * ((size_t)P->cols / 2) + (size_t)(j / 2);
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    __m512i d = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+    d = _mm512_srlv_epi32(d, _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0));
+    __m512 v = _mm512_permutexvar_ps(d, _mm512_loadu_ps(k_e2m1));
+    return _mm512_mul_ps(v, _mm512_set1_ps(scale));
+}
+
+static float e8m0_tab[256];
+__attribute__((constructor)) static void e8m0_init(void) {
+    for (int s = 0; s < 256; s++) e8m0_tab[s] = k_e8m0((uint8_t)s);
+}
+
+#define TILE_BODY(RB, TB, WLOAD)                                                               \
+    __m512 acc[RB][TB];                                                                        \
+    for (int i = 0; i < RB; i++)                                                               \
+        for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                          \
+    int j = 0;                                                                                 \
+    for (; j + 16 <= P->cols; j += 16) {                                                       \
+        const __mmask16 m = 0xffff;                                                            \
+        (void)m;                                                                               \
+        __m512 w[RB];                                                                          \
+        for (int i = 0; i < RB; i++) w[i] = WLOAD(r + i, j);                                   \
+        for (int t = 0; t < TB; t++) {                                                         \
+            __m512 x = _mm512_loadu_ps(P->X + (size_t)(t0 + t) * (size_t)P->cols + j);         \
+            for (int i = 0; i < RB; i++) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]);      \
+        }                                                                                      \
+    }                                                                                          \
+    if (j < P->cols) {                                                                         \
+        const __mmask16 m = tailmask(P->cols - j);                                             \
+        __m512 w[RB];                                                                          \
+        for (int i = 0; i < RB; i++) w[i] = WLOAD(r + i, j);                                   \
+        for (int t = 0; t < TB; t++) {                                                         \
+            __m512 x = _mm512_maskz_loadu_ps(m, P->X + (size_t)(t0 + t) * (size_t)P->cols + j); \
+            for (int i = 0; i < RB; i++) acc[i][t] = _mm512_mask3_fmadd_ps(w[i], x, acc[i][t], m); \
+        }                                                                                      \
+    }                                                                                          \
+    for (int i = 0; i < RB; i++)                                                               \
+        for (int t = 0; t < TB; t++) P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(acc[i][t]);
+
+#define WF32(rr, jj) w_f32(P, rr, jj, m)
+#define WBF16(rr, jj) w_bf16(P, rr, jj, m)
+
+/* MXFP4 (cols and group multiples of 16, checked by the caller): the scale
+ * index advances every group/16 vectors. */
+#define TILE_MX_BODY(RB, TB)                                                                   \
+    __m512 acc[RB][TB];                                                                        \
+    for (int i = 0; i < RB; i++)                                                               \
+        for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                          \
+    const int G = P->W->group, ng = (P->cols + G - 1) / G, vpg = G / 16;                       \
+    const uint8_t *sc = P->W->scales + (size_t)r * (size_t)ng;                                 \
+    int gi = 0, left = vpg;                                                                    \
+    float s[RB];                                                                               \
+    for (int i = 0; i < RB; i++) s[i] = e8m0_tab[sc[(size_t)i * ng]];                          \
+    for (int j = 0; j < P->cols; j += 16) {                                                    \
+        if (left == 0) {                                                                       \
+            gi++;                                                                              \
+            left = vpg;                                                                        \
+            for (int i = 0; i < RB; i++) s[i] = e8m0_tab[sc[(size_t)i * ng + gi]];             \
+        }                                                                                      \
+        left--;                                                                                \
+        __m512 w[RB];                                                                          \
+        for (int i = 0; i < RB; i++) w[i] = w_mx(P, r + i, j, s[i]);                           \
+        for (int t = 0; t < TB; t++) {                                                         \
+            __m512 x = _mm512_loadu_ps(P->X + (size_t)(t0 + t) * (size_t)P->cols + j);         \
+            for (int i = 0; i < RB; i++) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]);      \
+        }                                                                                      \
+    }                                                                                          \
+    for (int i = 0; i < RB; i++)                                                               \
+        for (int t = 0; t < TB; t++) P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(acc[i][t]);
+
+/* One specialised function per tile shape, so the accumulators are fixed
+ * arrays the compiler keeps in registers. */
+#define DEF_TILES(NAME, BODY, ...)                                                             \
+    TGT static void NAME##_8x1(const prod *P, int r, int t0) { BODY(8, 1, ##__VA_ARGS__) }      \
+    TGT static void NAME##_4x4(const prod *P, int r, int t0) { BODY(4, 4, ##__VA_ARGS__) }      \
+    TGT static void NAME##_4x1(const prod *P, int r, int t0) { BODY(4, 1, ##__VA_ARGS__) }      \
+    TGT static void NAME##_1x4(const prod *P, int r, int t0) { BODY(1, 4, ##__VA_ARGS__) }      \
+    TGT static void NAME##_1x1(const prod *P, int r, int t0) { BODY(1, 1, ##__VA_ARGS__) }
+
+DEF_TILES(tile_f32, TILE_BODY, WF32)
+DEF_TILES(tile_bf16, TILE_BODY, WBF16)
+DEF_TILES(tile_mx, TILE_MX_BODY)
+
+/* Token blocks sized so their inputs stay in L2 while the block's weight rows
+ * stream past; inside, RB x TB tiles, then the edges with narrower tiles. */
+#define TOK_BLOCK_BYTES (512 * 1024)
+
+#define DRIVE(TILE)                                                                        \
+    do {                                                                                   \
+        size_t rowb = (size_t)P.cols * sizeof(float);                                      \
+        int nb = (int)(TOK_BLOCK_BYTES / (rowb ? rowb : 1));                               \
+        if (nb < 4) nb = 4;                                                                \
+        for (int b0 = 0; b0 < n; b0 += nb) {                                               \
+            int b1 = b0 + nb < n ? b0 + nb : n;                                            \
+            if (b1 - b0 == 1) { /* matvec: 8 rows side by side */                          \
+                int r = r0;                                                                \
+                for (; r + 8 <= r1; r += 8) TILE##_8x1(&P, r, b0);                         \
+                for (; r < r1; r++) TILE##_1x1(&P, r, b0);                                 \
+                continue;                                                                  \
+            }                                                                              \
+            int r = r0;                                                                    \
+            for (; r + 4 <= r1; r += 4) {                                                  \
+                int t = b0;                                                                \
+                for (; t + 4 <= b1; t += 4) TILE##_4x4(&P, r, t);                          \
+                for (; t < b1; t++) TILE##_4x1(&P, r, t);                                  \
+            }                                                                              \
+            for (; r < r1; r++) {                                                          \
+                int t = b0;                                                                \
+                for (; t + 4 <= b1; t += 4) TILE##_1x4(&P, r, t);                          \
+                for (; t < b1; t++) TILE##_1x1(&P, r, t);                                  \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+
+TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1) {
+    prod P = {.W = W, .X = X, .Y = Y, .cols = W->cols, .rows = W->rows};
+    switch (W->type) {
+    case KW_F32: DRIVE(tile_f32); break;
+    case KW_BF16: DRIVE(tile_bf16); break;
+    case KW_MXFP4:
+        if (W->cols % 16 == 0 && W->group % 16 == 0 && W->group > 0) DRIVE(tile_mx);
+        else k_scalar_ops.rowdots(W, X, n, Y, r0, r1); /* odd layouts: same bits, slower */
+        break;
+    }
+}
+
+const k_vops k_avx512_ops = {
+    .dot = v_dot, .sum = v_sum, .axpy = v_axpy, .vfma = v_vfma, .scale = v_scale, .vmul = v_vmul,
+    .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
+    .rowdots = v_rowdots, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
+};
+
+#endif
