@@ -163,7 +163,8 @@ static float s_row_dot(const k3_mat *W, int r, const float *x) {
     return k_tree16(acc);
 }
 
-static void s_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1) {
+static void s_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux) {
+    (void)aux;
     for (int t = 0; t < n; t++)
         for (int r = r0; r < r1; r++)
             Y[(size_t)t * (size_t)W->rows + (size_t)r] = s_row_dot(W, r, X + (size_t)t * (size_t)W->cols);
@@ -172,7 +173,7 @@ static void s_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, 
 const k_vops k_scalar_ops = {
     .dot = s_dot, .sum = s_sum, .axpy = s_axpy, .vfma = s_vfma, .scale = s_scale, .vmul = s_vmul,
     .vadd = s_vadd, .vexp = s_vexp, .subscale = s_subscale, .divs = s_divs,
-    .rowdots = s_rowdots, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
+    .prepare = NULL, .rowdots = s_rowdots, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
 };
 
 /* ---- products --------------------------------------------------------------- */
@@ -187,12 +188,14 @@ static void rows_driver(const k3_mat *W, const float *X, int n, float *Y, int r0
     const k_vops *ops = k_ops();
     int nb = (r1 - r0 + K_ROW_BLOCK - 1) / K_ROW_BLOCK;
     double work = (double)(r1 - r0) * (double)W->cols * (double)n;
+    void *aux = ops->prepare ? ops->prepare(W, X, n) : NULL;
 #pragma omp parallel for schedule(static) if (work > 65536.0 && nb > 1)
     for (int b = 0; b < nb; b++) {
         int a = r0 + b * K_ROW_BLOCK;
         int e = a + K_ROW_BLOCK < r1 ? a + K_ROW_BLOCK : r1;
-        ops->rowdots(W, X, n, Y, a, e);
+        ops->rowdots(W, X, n, Y, a, e, aux);
     }
+    free(aux);
 }
 
 void k_matvec(const k3_mat *W, const float *x, float *y) { rows_driver(W, x, 1, y, 0, W->rows); }

@@ -12,7 +12,10 @@
 #include "kernels/internal.h"
 #include "kernels/kmath.h"
 
+#include "util/common.h"
+
 #include <immintrin.h>
+#include <string.h>
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define INL static inline __attribute__((always_inline)) TGT
@@ -179,29 +182,43 @@ TGT static void v_sigmoid_mul(float *y, const float *gate, int n) {
 typedef struct {
     const k3_mat *W;
     const float *X;
+    const float *aux; /* MXFP4: X with each 16-block in the decode's lane order */
     float *Y;
     int cols, rows;
 } prod;
 
-/* weight vector (16 columns starting at j) of row r; m masks a tail */
-INL __m512 w_f32(const prod *P, int r, int j, __mmask16 m) {
-    return _mm512_maskz_loadu_ps(m, (const float *)P->W->data + (size_t)r * (size_t)P->cols + j);
+/* weight vector: 16 columns starting at j of a row; m masks a tail */
+INL __m512 ld_f32(const void *row, int j, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, (const float *)row + j);
 }
-INL __m512 w_bf16(const prod *P, int r, int j, __mmask16 m) {
-    const uint16_t *p = (const uint16_t *)P->W->data + (size_t)r * (size_t)P->cols + j;
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+INL __m512 ld_bf16(const void *row, int j, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + j);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-/* MXFP4: 8 packed bytes -> 16 codes in element order (byte i gives elements
- * 2i, low nibble, and 2i+1, high nibble), looked up in the E2M1 table by a
- * permute (it reads only the low 4 index bits), times the group's scale. */
-INL __m512 w_mx(const prod *P, int r, int j, float scale) {
-    const uint8_t *p = (const uint8_t *)P->W->data + (size_t)r * ((size_t)P->cols / 2) + (size_t)(j / 2);
-    __m128i b = _mm_loadl_epi64((const __m128i *)p);
-    __m512i d = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
-    d = _mm512_srlv_epi32(d, _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0));
-    __m512 v = _mm512_permutexvar_ps(d, _mm512_loadu_ps(k_e2m1));
-    return _mm512_mul_ps(v, _mm512_set1_ps(scale));
+
+/* MXFP4 decode in a permuted lane order. The 8 bytes holding elements
+ * j..j+15 are broadcast as one qword: dword lane 2i then holds bytes 0-3 and
+ * lane 2i+1 bytes 4-7, so shifting both by 4i leaves in the low nibble the
+ * code of element i (lane 2i) and of element 8+i (lane 2i+1). A permute
+ * reads only those 4 index bits to look the value up in the E2M1 table
+ * already multiplied by the group scale (exact: a power of two).
+ * The canonical order only asks that each accumulator lane see the elements
+ * of one residue class mod 16 in increasing order; a fixed permutation of the
+ * lanes, applied to x as well (prepare) and undone before the tree, keeps
+ * every lane's sequence of FMAs, hence the bits. Costs per 16 weights: one
+ * broadcast load, one shift, one permute, one FMA. */
+INL __m512i mx_shifts(void) {
+    return _mm512_set_epi32(28, 28, 24, 24, 20, 20, 16, 16, 12, 12, 8, 8, 4, 4, 0, 0);
+}
+INL __m512 w_mx(const uint8_t *row, int j, __m512 lut, __m512i sh) {
+    long long q;
+    memcpy(&q, row + j / 2, 8);
+    return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(q), sh), lut);
+}
+/* lane l of a permuted accumulator holds canonical lane pi(l): pi(2i) = i,
+ * pi(2i+1) = 8 + i; this gathers them back to canonical positions. */
+INL __m512 mx_unpermute(__m512 acc) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0), acc);
 }
 
 static float e8m0_tab[256];
@@ -209,63 +226,73 @@ __attribute__((constructor)) static void e8m0_init(void) {
     for (int s = 0; s < 256; s++) e8m0_tab[s] = k_e8m0((uint8_t)s);
 }
 
-#define TILE_BODY(RB, TB, WLOAD)                                                               \
-    __m512 acc[RB][TB];                                                                        \
-    for (int i = 0; i < RB; i++)                                                               \
-        for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                          \
-    int j = 0;                                                                                 \
-    for (; j + 16 <= P->cols; j += 16) {                                                       \
-        const __mmask16 m = 0xffff;                                                            \
-        (void)m;                                                                               \
-        __m512 w[RB];                                                                          \
-        for (int i = 0; i < RB; i++) w[i] = WLOAD(r + i, j);                                   \
-        for (int t = 0; t < TB; t++) {                                                         \
-            __m512 x = _mm512_loadu_ps(P->X + (size_t)(t0 + t) * (size_t)P->cols + j);         \
-            for (int i = 0; i < RB; i++) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]);      \
-        }                                                                                      \
-    }                                                                                          \
-    if (j < P->cols) {                                                                         \
-        const __mmask16 m = tailmask(P->cols - j);                                             \
-        __m512 w[RB];                                                                          \
-        for (int i = 0; i < RB; i++) w[i] = WLOAD(r + i, j);                                   \
-        for (int t = 0; t < TB; t++) {                                                         \
-            __m512 x = _mm512_maskz_loadu_ps(m, P->X + (size_t)(t0 + t) * (size_t)P->cols + j); \
-            for (int i = 0; i < RB; i++) acc[i][t] = _mm512_mask3_fmadd_ps(w[i], x, acc[i][t], m); \
-        }                                                                                      \
-    }                                                                                          \
-    for (int i = 0; i < RB; i++)                                                               \
-        for (int t = 0; t < TB; t++) P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(acc[i][t]);
+#define UNROLL _Pragma("GCC unroll 16")
 
-#define WF32(rr, jj) w_f32(P, rr, jj, m)
-#define WBF16(rr, jj) w_bf16(P, rr, jj, m)
+#define TILE_BODY(RB, TB, LD, ESZ)                                                             \
+    const int cols = P->cols;                                                                  \
+    const char *wr[RB];                                                                        \
+    const float *xr[TB];                                                                       \
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        wr[i] = (const char *)P->W->data + (size_t)(r + i) * (size_t)cols * ESZ;               \
+    UNROLL for (int t = 0; t < TB; t++) xr[t] = P->X + (size_t)(t0 + t) * (size_t)cols;        \
+    __m512 acc[RB][TB];                                                                        \
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                   \
+    int j = 0;                                                                                 \
+    for (; j + 16 <= cols; j += 16) {                                                          \
+        __m512 w[RB];                                                                          \
+        UNROLL for (int i = 0; i < RB; i++) w[i] = LD(wr[i], j, 0xffff);                       \
+        UNROLL for (int t = 0; t < TB; t++) {                                                  \
+            __m512 x = _mm512_loadu_ps(xr[t] + j);                                             \
+            UNROLL for (int i = 0; i < RB; i++) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]); \
+        }                                                                                      \
+    }                                                                                          \
+    if (j < cols) {                                                                            \
+        const __mmask16 m = tailmask(cols - j);                                                \
+        __m512 w[RB];                                                                          \
+        UNROLL for (int i = 0; i < RB; i++) w[i] = LD(wr[i], j, m);                            \
+        UNROLL for (int t = 0; t < TB; t++) {                                                  \
+            __m512 x = _mm512_maskz_loadu_ps(m, xr[t] + j);                                    \
+            UNROLL for (int i = 0; i < RB; i++) acc[i][t] = _mm512_mask3_fmadd_ps(w[i], x, acc[i][t], m); \
+        }                                                                                      \
+    }                                                                                          \
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        UNROLL for (int t = 0; t < TB; t++)                                                    \
+            P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(acc[i][t]);
+
 
 /* MXFP4 (cols and group multiples of 16, checked by the caller): the scale
  * index advances every group/16 vectors. */
 #define TILE_MX_BODY(RB, TB)                                                                   \
+    const int cols = P->cols;                                                                  \
+    const int G = P->W->group, ng = (cols + G - 1) / G, vpg = G / 16;                          \
+    const uint8_t *wr[RB], *sc[RB];                                                            \
+    const float *xr[TB];                                                                       \
+    UNROLL for (int i = 0; i < RB; i++) {                                                      \
+        wr[i] = (const uint8_t *)P->W->data + (size_t)(r + i) * (size_t)(cols / 2);            \
+        sc[i] = P->W->scales + (size_t)(r + i) * (size_t)ng;                                   \
+    }                                                                                          \
+    UNROLL for (int t = 0; t < TB; t++) xr[t] = P->aux + (size_t)(t0 + t) * (size_t)cols;      \
     __m512 acc[RB][TB];                                                                        \
-    for (int i = 0; i < RB; i++)                                                               \
-        for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                          \
-    const int G = P->W->group, ng = (P->cols + G - 1) / G, vpg = G / 16;                       \
-    const uint8_t *sc = P->W->scales + (size_t)r * (size_t)ng;                                 \
-    int gi = 0, left = vpg;                                                                    \
-    float s[RB];                                                                               \
-    for (int i = 0; i < RB; i++) s[i] = e8m0_tab[sc[(size_t)i * ng]];                          \
-    for (int j = 0; j < P->cols; j += 16) {                                                    \
-        if (left == 0) {                                                                       \
-            gi++;                                                                              \
-            left = vpg;                                                                        \
-            for (int i = 0; i < RB; i++) s[i] = e8m0_tab[sc[(size_t)i * ng + gi]];             \
-        }                                                                                      \
-        left--;                                                                                \
-        __m512 w[RB];                                                                          \
-        for (int i = 0; i < RB; i++) w[i] = w_mx(P, r + i, j, s[i]);                           \
-        for (int t = 0; t < TB; t++) {                                                         \
-            __m512 x = _mm512_loadu_ps(P->X + (size_t)(t0 + t) * (size_t)P->cols + j);         \
-            for (int i = 0; i < RB; i++) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]);      \
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                   \
+    const __m512 e2m1 = _mm512_loadu_ps(k_e2m1);                                               \
+    const __m512i sh = mx_shifts();                                                            \
+    for (int g = 0, j = 0; g < ng; g++) {                                                      \
+        __m512 lut[RB];                                                                        \
+        UNROLL for (int i = 0; i < RB; i++) lut[i] = _mm512_mul_ps(e2m1, _mm512_set1_ps(e8m0_tab[sc[i][g]])); \
+        for (int v = 0; v < vpg; v++, j += 16) {                                               \
+            __m512 w[RB];                                                                      \
+            UNROLL for (int i = 0; i < RB; i++) w[i] = w_mx(wr[i], j, lut[i], sh);             \
+            UNROLL for (int t = 0; t < TB; t++) {                                              \
+                __m512 x = _mm512_loadu_ps(xr[t] + j);                                         \
+                UNROLL for (int i = 0; i < RB; i++) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]); \
+            }                                                                                  \
         }                                                                                      \
     }                                                                                          \
-    for (int i = 0; i < RB; i++)                                                               \
-        for (int t = 0; t < TB; t++) P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(acc[i][t]);
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        UNROLL for (int t = 0; t < TB; t++)                                                    \
+            P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(mx_unpermute(acc[i][t]));
 
 /* One specialised function per tile shape, so the accumulators are fixed
  * arrays the compiler keeps in registers. */
@@ -276,8 +303,8 @@ __attribute__((constructor)) static void e8m0_init(void) {
     TGT static void NAME##_1x4(const prod *P, int r, int t0) { BODY(1, 4, ##__VA_ARGS__) }      \
     TGT static void NAME##_1x1(const prod *P, int r, int t0) { BODY(1, 1, ##__VA_ARGS__) }
 
-DEF_TILES(tile_f32, TILE_BODY, WF32)
-DEF_TILES(tile_bf16, TILE_BODY, WBF16)
+DEF_TILES(tile_f32, TILE_BODY, ld_f32, 4)
+DEF_TILES(tile_bf16, TILE_BODY, ld_bf16, 2)
 DEF_TILES(tile_mx, TILE_MX_BODY)
 
 /* Token blocks sized so their inputs stay in L2 while the block's weight rows
@@ -311,14 +338,30 @@ DEF_TILES(tile_mx, TILE_MX_BODY)
         }                                                                                  \
     } while (0)
 
-TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1) {
-    prod P = {.W = W, .X = X, .Y = Y, .cols = W->cols, .rows = W->rows};
+static bool mx_fast(const k3_mat *W) { return W->cols % 16 == 0 && W->group > 0 && W->group % 16 == 0; }
+
+/* For MXFP4: a copy of X with every 16-block in the decode's lane order
+ * (lane 2i <- element i, lane 2i+1 <- element 8+i), made once per product. */
+static void *v_prepare(const k3_mat *W, const float *X, int n) {
+    if (W->type != KW_MXFP4 || !mx_fast(W) || n <= 0) return NULL;
+    size_t tot = (size_t)n * (size_t)W->cols;
+    float *Xp = xmalloc_aligned(tot * sizeof *Xp);
+    for (size_t b = 0; b < tot; b += 16)
+        for (int i = 0; i < 8; i++) {
+            Xp[b + 2 * i] = X[b + i];
+            Xp[b + 2 * i + 1] = X[b + 8 + i];
+        }
+    return Xp;
+}
+
+TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux) {
+    prod P = {.W = W, .X = X, .aux = aux, .Y = Y, .cols = W->cols, .rows = W->rows};
     switch (W->type) {
     case KW_F32: DRIVE(tile_f32); break;
     case KW_BF16: DRIVE(tile_bf16); break;
     case KW_MXFP4:
-        if (W->cols % 16 == 0 && W->group % 16 == 0 && W->group > 0) DRIVE(tile_mx);
-        else k_scalar_ops.rowdots(W, X, n, Y, r0, r1); /* odd layouts: same bits, slower */
+        if (mx_fast(W) && aux) DRIVE(tile_mx);
+        else k_scalar_ops.rowdots(W, X, n, Y, r0, r1, NULL); /* odd layouts: same bits, slower */
         break;
     }
 }
@@ -326,7 +369,7 @@ TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int 
 const k_vops k_avx512_ops = {
     .dot = v_dot, .sum = v_sum, .axpy = v_axpy, .vfma = v_vfma, .scale = v_scale, .vmul = v_vmul,
     .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
-    .rowdots = v_rowdots, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
+    .prepare = v_prepare, .rowdots = v_rowdots, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
 };
 
 #endif
