@@ -475,7 +475,8 @@ static tmat make_mat(kw_type type, int rows, int cols, int group) {
         size_t ng = (size_t)rows * ((size_t)(cols + group - 1) / group);
         t.sc = keep(xmalloc(ng));
         for (size_t i = 0; i < ng; i++) t.sc[i] = (uint8_t)(115 + rnd() % 16);
-        if (ng > 2) t.sc[1] = 255;
+        if (ng > 2) t.sc[1] = 255; /* zeroed group */
+        if (ng > 3) t.sc[3] = 0;   /* the subnormal scale 2^-127 */
         t.m.scales = t.sc;
         t.buf = p;
     }

@@ -25,6 +25,11 @@ typedef struct {
      * returned for this (W, X) (NULL when prepare is NULL or declined). */
     void *(*prepare)(const k3_mat *W, const float *X, int n);
     void (*rowdots)(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux);
+    /* C[m][j] += sum_k A(m,k) B[k][j] for m < M, j < N, k < K, with
+     * A(m,k) = A[m*sam + k*sak]; each C element gets fma(A(m,k), B[k][j], c)
+     * for k = 0, 1, ... in order (the same bits as a loop of axpy). */
+    void (*gemm_acc)(float *C, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+                     const float *B, int ldb);
     void (*silu)(float *x, int n);
     void (*situ)(float *out, const float *gate, const float *up, int n, float b1, float b2);
     void (*sigmoid_mul)(float *y, const float *gate, int n);          /* y *= sigmoid(gate) */

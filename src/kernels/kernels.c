@@ -120,6 +120,12 @@ static void s_subscale(float *y, const float *a, const float *b, float s, int n)
 static void s_divs(float *y, const float *x, float d, int n) {
     for (int j = 0; j < n; j++) y[j] = x[j] / d;
 }
+static void s_gemm_acc(float *C, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+                       const float *B, int ldb) {
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K; k++)
+            s_axpy(C + (size_t)m * ldc, A[(size_t)m * sam + (size_t)k * sak], B + (size_t)k * ldb, N);
+}
 static void s_silu(float *x, int n) {
     for (int j = 0; j < n; j++) x[j] = x[j] / (1.0f + km_exp(-x[j]));
 }
@@ -173,7 +179,7 @@ static void s_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, 
 const k_vops k_scalar_ops = {
     .dot = s_dot, .sum = s_sum, .axpy = s_axpy, .vfma = s_vfma, .scale = s_scale, .vmul = s_vmul,
     .vadd = s_vadd, .vexp = s_vexp, .subscale = s_subscale, .divs = s_divs,
-    .prepare = NULL, .rowdots = s_rowdots, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
+    .prepare = NULL, .rowdots = s_rowdots, .gemm_acc = s_gemm_acc, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
 };
 
 /* ---- products --------------------------------------------------------------- */

@@ -20,6 +20,8 @@
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define INL static inline __attribute__((always_inline)) TGT
 
+#define UNROLL _Pragma("GCC unroll 16")
+
 INL __mmask16 tailmask(int r) { return (__mmask16)((1u << r) - 1u); }
 
 INL float tree(__m512 v) {
@@ -172,6 +174,48 @@ TGT static void v_sigmoid_mul(float *y, const float *gate, int n) {
     ELEMWISE(n, ST(y, _mm512_mul_ps(LD(y), v_sigmoid(LD(gate)))));
 }
 
+/* C += A B panels for the chunked KDA: 4 rows x 32 columns of C stay in
+ * registers while k runs, so each element still sees its FMAs in k order. */
+TGT static void v_gemm_acc(float *C, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+                           const float *B, int ldb) {
+    for (int j = 0; j < N; j += 32) {
+        __mmask16 m0 = N - j >= 16 ? 0xffff : tailmask(N - j);
+        __mmask16 m1 = N - j >= 32 ? 0xffff : (N - j > 16 ? tailmask(N - j - 16) : 0);
+        int m = 0;
+        for (; m + 4 <= M; m += 4) {
+            __m512 c[4][2];
+            UNROLL for (int r = 0; r < 4; r++) {
+                c[r][0] = _mm512_maskz_loadu_ps(m0, C + (size_t)(m + r) * ldc + j);
+                c[r][1] = _mm512_maskz_loadu_ps(m1, C + (size_t)(m + r) * ldc + j + 16);
+            }
+            for (int k = 0; k < K; k++) {
+                __m512 b0 = _mm512_maskz_loadu_ps(m0, B + (size_t)k * ldb + j);
+                __m512 b1 = _mm512_maskz_loadu_ps(m1, B + (size_t)k * ldb + j + 16);
+                UNROLL for (int r = 0; r < 4; r++) {
+                    __m512 a = _mm512_set1_ps(A[(size_t)(m + r) * sam + (size_t)k * sak]);
+                    c[r][0] = _mm512_fmadd_ps(a, b0, c[r][0]);
+                    c[r][1] = _mm512_fmadd_ps(a, b1, c[r][1]);
+                }
+            }
+            UNROLL for (int r = 0; r < 4; r++) {
+                _mm512_mask_storeu_ps(C + (size_t)(m + r) * ldc + j, m0, c[r][0]);
+                _mm512_mask_storeu_ps(C + (size_t)(m + r) * ldc + j + 16, m1, c[r][1]);
+            }
+        }
+        for (; m < M; m++) {
+            __m512 c0 = _mm512_maskz_loadu_ps(m0, C + (size_t)m * ldc + j);
+            __m512 c1 = _mm512_maskz_loadu_ps(m1, C + (size_t)m * ldc + j + 16);
+            for (int k = 0; k < K; k++) {
+                __m512 a = _mm512_set1_ps(A[(size_t)m * sam + (size_t)k * sak]);
+                c0 = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m0, B + (size_t)k * ldb + j), c0);
+                c1 = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m1, B + (size_t)k * ldb + j + 16), c1);
+            }
+            _mm512_mask_storeu_ps(C + (size_t)m * ldc + j, m0, c0);
+            _mm512_mask_storeu_ps(C + (size_t)m * ldc + j + 16, m1, c1);
+        }
+    }
+}
+
 /* ---- products ---------------------------------------------------------------------------
  * A tile is RB weight rows x TB inputs with one zmm accumulator per pair,
  * sweeping the columns in 16-wide steps: each accumulator sees its row's
@@ -225,8 +269,6 @@ static float e8m0_tab[256];
 __attribute__((constructor)) static void e8m0_init(void) {
     for (int s = 0; s < 256; s++) e8m0_tab[s] = k_e8m0((uint8_t)s);
 }
-
-#define UNROLL _Pragma("GCC unroll 16")
 
 #define TILE_BODY(RB, TB, LD, ESZ)                                                             \
     const int cols = P->cols;                                                                  \
@@ -369,7 +411,7 @@ TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int 
 const k_vops k_avx512_ops = {
     .dot = v_dot, .sum = v_sum, .axpy = v_axpy, .vfma = v_vfma, .scale = v_scale, .vmul = v_vmul,
     .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
-    .prepare = v_prepare, .rowdots = v_rowdots, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
+    .prepare = v_prepare, .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
 };
 
 #endif
