@@ -71,12 +71,12 @@ FIXTURES = {
         dict()),
     "s5_kda_heavy": (
         "AttnRes block size 5 over 7 layers (partial last block); all KDA but one MLA layer; "
-        "conv kernel 5; one KDA head of dim 32; one MLA head with rope dim 0 and no output "
-        "gate; latent_moe_use_norm false (no routed_expert_norm tensor) with "
+        "conv kernel 5; one KDA head of dim 32; one MLA head with no output gate "
+        "(mla_use_output_gate false, no g_proj); latent_moe_use_norm false (no routed_expert_norm tensor) with "
         "routed_scaling_factor 1.7; gate lower bound -8; SiTU betas 1/3 (caps reached)",
         dict(attn_res_block_size=5, num_hidden_layers=7, layer_map="KKKKKMK",
              short_conv_kernel_size=5, num_heads=1, head_dim=32, num_attention_heads=1,
-             qk_rope_head_dim=0, mla_use_output_gate=False, latent_moe_use_norm=False,
+             mla_use_output_gate=False, latent_moe_use_norm=False,
              gate_lower_bound=-8.0, activation_situ_beta=1.0, activation_situ_linear_beta=3.0,
              num_experts=5, num_experts_per_token=3, routed_scaling_factor=1.7),
         dict()),
@@ -109,6 +109,11 @@ FIXTURES = {
              qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16, num_experts=8,
              num_experts_per_token=2, num_shared_experts=2, routed_expert_hidden_size=64,
              moe_intermediate_size=32),
+        dict()),
+    "mla_rope0": (
+        "qk_rope_head_dim 0: no rope slice at all (kv_a_proj_with_mqa has r_kv rows, the "
+        "score scale is 1/sqrt(d_n)); kept apart because a reader may refuse d_r = 0",
+        dict(layer_map="KMKMM", qk_rope_head_dim=0, qk_nope_head_dim=24),
         dict()),
     "mla_latent_eps": (
         "MLA latents small enough (q_a_proj, kv_a_proj_with_mqa scaled by 1e-3) that the "
