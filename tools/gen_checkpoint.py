@@ -525,6 +525,36 @@ def fit_target(spec, opts, target, dim):
     return spec
 
 
+def generate_with_reference(a, spec):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import k3_ref as R
+    ids = R.parse_ids(a.ref_ids)
+    first = a.seed
+    for a.seed in range(first, first + max(1, a.tries)):
+        generate(a.out, spec, a)
+        cfg, W = R.open_model(a.out)
+        res = R.reference(cfg, W, ids, a.ref_gen)
+        t2, rt = res["min_top2_margin"], res["min_router_margin"]
+        print(f"seed {a.seed}: greedy {res['generated_ids']}, min top-2 gap {t2:.3g}, "
+              f"min router gap {rt:.3g}", file=sys.stderr)
+        if t2 >= a.min_top2 and rt >= a.min_router:
+            lg = res["logits"]
+            out = {"note": "tools/k3_ref.py float64 reference on this checkpoint; tf_pred[i] is "
+                           "the argmax of the row for fed_ids[i]",
+                   "seed": a.seed, "mla_latent_eps": R.RELEASE_MLA_LATENT_EPS,
+                   "prompt_ids": ids, "generated_ids": res["generated_ids"],
+                   "fed_ids": res["fed_ids"], "tf_pred": res["tf_pred"],
+                   "min_top2_margin": t2,
+                   "min_router_margin": rt if math.isfinite(rt) else None,
+                   "logits_head": [[float("%.9g" % v) for v in r] for r in lg[:, :16].tolist()]}
+            with open(os.path.join(a.out, "reference.json"), "w") as f:
+                json.dump(out, f)
+                f.write("\n")
+            return 0
+    print(f"gen_checkpoint: no seed in {first}..{a.seed} meets the margins", file=sys.stderr)
+    return 1
+
+
 def parse_set(spec, items):
     for it in items or []:
         if "=" not in it:
@@ -572,6 +602,16 @@ def main(argv=None):
                     "or 'auto' (../shared/tokenizers/kimi when vocab_size >= 163840)")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
     ap.add_argument("--dry-run", action="store_true", help="print the size and config only")
+    ap.add_argument("--ref-ids", metavar="IDS",
+                    help="after writing, run tools/k3_ref.py (float64) on these prompt ids and "
+                    "store OUT/reference.json: greedy ids, teacher-forced argmax, margins")
+    ap.add_argument("--ref-gen", type=int, default=16, help="greedy steps for --ref-ids")
+    ap.add_argument("--min-top2", type=float, default=0.0,
+                    help="with --ref-ids: re-seed (seed+1, ...) until every top-2 logit gap "
+                    "is at least this")
+    ap.add_argument("--min-router", type=float, default=0.0,
+                    help="with --ref-ids: ... and every router k-th/(k+1)-th gap at least this")
+    ap.add_argument("--tries", type=int, default=10, help="seeds to try with --min-*")
     a = ap.parse_args(argv)
     try:
         spec = dict(PRESETS[a.preset])
@@ -610,8 +650,10 @@ def main(argv=None):
             print(json.dumps(config_json(spec, a), indent=1))
             print(f"tensor bytes {total_bytes(plan(spec, a))}", file=sys.stderr)
             return 0
-        generate(a.out, spec, a)
-        return 0
+        if not a.ref_ids:
+            generate(a.out, spec, a)
+            return 0
+        return generate_with_reference(a, spec)
     except GenError as e:
         print(f"gen_checkpoint: {e}", file=sys.stderr)
         return 2

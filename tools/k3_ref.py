@@ -724,7 +724,27 @@ def peer_check(shared, latent_eps):
     got = lg[:, :want.shape[1]].numpy()
     ok &= _ok(np.abs(got - want).max() <= 2e-5,
               f"ref_k3 logits_head max|d| {np.abs(got - want).max():.3g} (fixture printed to 6 decimals)")
-    # 3. module fixtures (ops/) through the same functions
+    # 3. MXFP4 decoding on real released bytes, and our quantiser round trip
+    d = json.load(open(os.path.join(peer, "mxfp4.json")))
+    pk = np.array(d["packed"]["data"], dtype=np.uint8).reshape(d["packed"]["shape"])
+    sc = np.array(d["scales"]["data"], dtype=np.uint8).reshape(d["scales"]["shape"])
+    got = mxfp4_dequant(pk, sc, d["group_size"]).numpy()
+    want = np.array(d["expected"]["data"], dtype=np.float64).reshape(d["expected"]["shape"])
+    ok &= _ok(np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want)),
+              "mxfp4.json: real released bytes decode bit-exactly (incl. -0)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gen_checkpoint
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((64, 256)) * np.exp(rng.uniform(-6, 2, (64, 1)))).astype(np.float32)
+    qp, qs = gen_checkpoint.mx_quantize(w)
+    back = mxfp4_dequant(qp, qs).numpy()
+    g = np.abs(w.reshape(64, 8, 32)).max(2)
+    step = np.ldexp(1.0, qs.astype(np.int64) - 127)          # E2M1 unit of each group
+    covers = bool((g <= 6 * step).all() and (g > 3 * step).all())
+    half = np.repeat(step, 32, axis=1)                           # worst gap between codes is 2 units
+    ok &= _ok(covers and bool((np.abs(back - w) <= half + 1e-30).all()),
+              "gen_checkpoint MXFP4 quantiser: scale covers each group max, error <= half a step")
+    # 4. module fixtures (ops/) through the same functions
     ok &= ops_check(os.path.join(peer, "ops"), latent_eps)
     return ok
 
