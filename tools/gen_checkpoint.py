@@ -299,6 +299,23 @@ def total_bytes(shards):
     return sum(tensor_bytes(t) for s in shards for t in s)
 
 
+def touched_bytes(shards, spec):
+    """Weight bytes one decoded token reads: every non-expert tensor except the
+    embedding, one embedding row, and k of N_e routed experts per MoE layer."""
+    tot = 0
+    k, ne = spec["num_experts_per_token"], spec["num_experts"]
+    for s in shards:
+        for t in s:
+            n = tensor_bytes(t)
+            if t[0].endswith("embed_tokens.weight"):
+                tot += n // spec["vocab_size"]
+            elif ".experts." in t[0]:
+                tot += n * k / ne
+            else:
+                tot += n
+    return int(tot)
+
+
 # ---------------------------------------------------------------------------
 # values
 
@@ -494,7 +511,8 @@ def generate(out, spec, opts, quiet=False):
         print(f"{out}: {len(shards)} shards, {total} tensor bytes "
               f"({total / 1e6:.1f} MB), layer map {layer_kinds(spec)}, "
               f"{spec['num_experts']} experts top-{spec['num_experts_per_token']} "
-              f"({opts.experts}, {opts.mx_method if opts.experts == 'mxfp4' else '-'})",
+              f"({opts.experts}, {opts.mx_method if opts.experts == 'mxfp4' else '-'}), "
+              f"{touched_bytes(shards, spec) / 1e6:.1f} MB of weights read per decoded token",
               file=sys.stderr)
     return total
 
@@ -648,7 +666,9 @@ def main(argv=None):
             a.mx_method = "quantize" if nel <= 64 << 20 else "sample"
         if a.dry_run:
             print(json.dumps(config_json(spec, a), indent=1))
-            print(f"tensor bytes {total_bytes(plan(spec, a))}", file=sys.stderr)
+            sh = plan(spec, a)
+            print(f"tensor bytes {total_bytes(sh)}, weight bytes read per decoded token "
+                  f"{touched_bytes(sh, spec)}", file=sys.stderr)
             return 0
         if not a.ref_ids:
             generate(a.out, spec, a)
