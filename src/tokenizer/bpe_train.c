@@ -85,8 +85,9 @@ static void counts_grow(bpe_counts *c) {
 static void counts_add_hashed(bpe_counts *c, const uint8_t *s, size_t n, uint64_t h,
                               uint64_t count) {
     if (!count) return;
-    if (n > UINT32_MAX) { /* a 4 GB piece: impossible from the pattern, refuse quietly */
-        return;
+    if (n > UINT32_MAX) { /* bpe_count_docs refuses such documents up front */
+        fprintf(stderr, "k3: BPE: a %zu-byte pre-token is longer than 4 GiB\n", n);
+        exit(K3_EXIT_RUNTIME);
     }
     if ((c->n + 1) * 4 > c->cap * 3) counts_grow(c);
     size_t j = h & (c->cap - 1);
@@ -164,6 +165,8 @@ static bool find_special(const char *p, size_t n, const char *const *specials,
 static int count_doc(bpe_counts *c, const tok_splitter *sp, const char *p, size_t n,
                      const char *const *specials, const size_t *slen, int n_specials,
                      k3_err *err) {
+    if (n > UINT32_MAX)
+        return k3_fail(err, K3_EXIT_USAGE, "a %zu-byte document is longer than 4 GiB", n);
     while (n) {
         size_t at = n, len = 0;
         if (!find_special(p, n, specials, slen, n_specials, &at, &len)) at = n;

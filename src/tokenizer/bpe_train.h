@@ -25,6 +25,7 @@
 typedef struct bpe_counts bpe_counts;
 bpe_counts *bpe_counts_new(void);
 void bpe_counts_free(bpe_counts *c);
+/* n must be below 4 GiB (a longer piece exits like an allocation failure). */
 void bpe_counts_add(bpe_counts *c, const uint8_t *bytes, size_t n, uint64_t count);
 void bpe_counts_merge(bpe_counts *dst, const bpe_counts *src); /* dst += src */
 size_t bpe_counts_unique(const bpe_counts *c);                 /* distinct pieces */
