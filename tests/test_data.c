@@ -135,3 +135,35 @@ TEST(shard_writer_is_atomic) {
     CHECK(access(path, F_OK) != 0);
     CHECK(shard_writer_open(path, 0, K3_SHARD_NO_EOT, 0, &w, &err) == K3_EXIT_USAGE);
 }
+
+/* A prepared directory: shard + tokenizer files; the hash ties them. */
+TEST(data_dir_split_checks_tokenizer) {
+    const char *d = t_outdir();
+    char path[1024];
+    k3_err err = {0};
+    k3_shard s;
+    const char *names[3] = {"train.bin", "tiktoken.model", "tokenizer_config.json"};
+    for (int i = 0; i < 3; i++) { /* scratch directories persist between runs */
+        snprintf(path, sizeof path, "%s/%s", d, names[i]);
+        unlink(path);
+    }
+    CHECK(data_open_split(d, "train", 0, &s, &err) == K3_EXIT_USAGE);
+    CHECKF(strstr(err.msg, "no train.bin (make it with k3 prepare)"), "%s", err.msg);
+    snprintf(path, sizeof path, "%s/tiktoken.model", d);
+    CHECK(k3_write_file_atomic(path, "YQ== 0\n", 7, &err) == 0);
+    uint64_t h1, h2;
+    CHECK(data_tokenizer_hash(d, &h1, &err) == 0);
+    int32_t ids[4] = {1, 2, 3, 0};
+    snprintf(path, sizeof path, "%s/train.bin", d);
+    CHECK(write_shard(path, 300, ids, 4, h1, &err) == 0);
+    CHECKF(data_open_split(d, "train", 300, &s, &err) == 0, "%s", err.msg);
+    CHECK(s.info.n_tokens == 4);
+    shard_close(&s);
+    /* a different tokenizer config changes the hash: the shard is refused */
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", d);
+    CHECK(k3_write_file_atomic(path, "{}", 2, &err) == 0);
+    CHECK(data_tokenizer_hash(d, &h2, &err) == 0 && h2 != h1);
+    CHECK(data_open_split(d, "train", 300, &s, &err) == K3_EXIT_USAGE);
+    CHECKF(strstr(err.msg, "different tokenizer"), "%s", err.msg);
+    CHECK(data_open_split(d, "val", 0, &s, &err) == K3_EXIT_USAGE && strstr(err.msg, "no val.bin"));
+}

@@ -220,6 +220,24 @@ int shard_open(const char *path, uint32_t expect_vocab, uint64_t expect_hash, k3
     return 0;
 }
 
+int data_open_split(const char *dir, const char *split, uint32_t expect_vocab, k3_shard *s,
+                    k3_err *err) {
+    char path[4096];
+    if (snprintf(path, sizeof path, "%s/%s.bin", dir, split) >= (int)sizeof path)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
+    if (access(path, F_OK) != 0)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: no %s.bin (make it with k3 prepare)", dir, split);
+    uint64_t h = 0;
+    char tm[4096];
+    if (snprintf(tm, sizeof tm, "%s/tiktoken.model", dir) >= (int)sizeof tm)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
+    if (access(tm, F_OK) != 0)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: no tiktoken.model beside the shards", dir);
+    int rc = data_tokenizer_hash(dir, &h, err);
+    if (rc) return rc;
+    return shard_open(path, expect_vocab, h, s, err);
+}
+
 void shard_close(k3_shard *s) {
     if (s->map) munmap(s->map, s->map_len);
     memset(s, 0, sizeof *s);

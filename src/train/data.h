@@ -65,6 +65,13 @@ int shard_open(const char *path, uint32_t expect_vocab, uint64_t expect_hash, k3
                k3_err *err);
 void shard_close(k3_shard *s);
 
+/* Opens DIR/<split>.bin (split "train" or "val") as written by k3 prepare,
+ * checking it against the tokenizer in DIR (data_tokenizer_hash) and, if
+ * expect_vocab is not 0, the vocabulary size. A directory without the shard
+ * is K3_EXIT_USAGE "DIR: no train.bin (make it with k3 prepare)". */
+int data_open_split(const char *dir, const char *split, uint32_t expect_vocab, k3_shard *s,
+                    k3_err *err);
+
 static inline int32_t shard_token(const k3_shard *s, uint64_t i) {
     return s->info.token_bytes == 2 ? (int32_t)((const uint16_t *)s->tokens)[i]
                                     : (int32_t)((const uint32_t *)s->tokens)[i];
