@@ -258,8 +258,7 @@ function renderLoss() {
   if (smooth > 0) series.push({ pts: raw, cls: 'train-raw' });
   series.push({ pts: raw.map((p, i) => [p[0], sm[i]]), cls: 'train' });
   series.push({ pts: ev.map((r) => [r.step, r.val_loss]), cls: 'val', dots: 'val-dot' });
-  const st = S.state || {};
-  lineChart(svg, series, { log: $('logscale').checked, xmax: st.total_steps, empty: 'waiting for the first step' });
+  lineChart(svg, series, { log: $('logscale').checked, empty: 'waiting for the first step' });
   svg.dataset.trainPoints = String(raw.length);
   svg.dataset.valPoints = String(ev.length);
   svg._data = { tr, ev, sm };
@@ -296,13 +295,15 @@ function hoverLoss(ev) {
 
 function renderMinis() {
   const tr = trainRecs();
-  const xmax = (S.state || {}).total_steps;
-  const mk = (id, key, fmtFn, zero) =>
-    lineChart($(id), [{ pts: tr.map((r) => [r.step, r[key]]), cls: 'mini' }], { fmt: fmtFn, xmax, zero, empty: 'no data yet' });
-  mk('c-lr', 'lr', (v) => fmtSig(v, 2), true);
-  mk('c-tps', 'tokens_per_s', fmtTick, true);
-  mk('c-gn', 'grad_norm', fmtTick, true);
-  mk('c-rss', 'peak_rss_bytes', (v) => fmtBytes(v).replace('.0 ', ' '), true);
+  const mk = (id, pts, fmtFn) => lineChart($(id), [{ pts, cls: 'mini' }], { fmt: fmtFn, zero: true, empty: 'no data yet' });
+  mk('c-lr', tr.map((r) => [r.step, r.lr]), (v) => fmtSig(v, 2));
+  mk('c-tps', tr.map((r) => [r.step, r.tokens_per_s]), fmtTick);
+  mk('c-gn', tr.map((r) => [r.step, r.grad_norm]), fmtTick);
+  // memory in one binary unit for the whole axis, named in the title
+  const maxRss = Math.max(0, ...tr.map((r) => (isNum(r.peak_rss_bytes) ? r.peak_rss_bytes : 0)));
+  const [unit, div] = maxRss >= 8 * 2 ** 30 ? ['GiB', 2 ** 30] : ['MiB', 2 ** 20];
+  setText('h-rss', `peak RSS (${unit})`);
+  mk('c-rss', tr.map((r) => [r.step, isNum(r.peak_rss_bytes) ? r.peak_rss_bytes / div : null]), fmtTick);
 }
 
 // White at the mean, red above (x4 saturates), blue below, black when dead.
@@ -326,7 +327,7 @@ function renderHeat() {
   }
   const nexp = Math.max(0, ...layers.map((l) => (Array.isArray(l.loads) ? l.loads.length : 0)));
   const avail = Math.max(220, box.clientWidth || 600);
-  const labelW = 34, colW = 58, right = 2 * colW + 6;
+  const labelW = 34, colW = 72, right = 2 * colW + 6;
   const cell = nexp ? Math.max(5, Math.min(22, Math.floor((avail - labelW - right) / nexp))) : 0;
   const rowH = Math.max(10, Math.min(18, cell || 16));
   const W = labelW + nexp * cell + right, H = 18 + layers.length * rowH + 4;
