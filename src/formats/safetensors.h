@@ -66,4 +66,14 @@ int st_read_f32(st_index *ix, const st_tensor *t, float *dst, k3_err *err);
  * (buffered fallback when the filesystem refuses it). */
 int st_pread(st_index *ix, int shard, uint64_t off, void *dst, uint64_t len, k3_err *err);
 
+/* Added by the formats work (additive): */
+/* O_DIRECT on (default) or off for st_pread/st_read*. Environment K3_DIRECT_IO=0
+ * turns it off for every index. Buffered reads are used anyway where the
+ * filesystem refuses O_DIRECT. */
+void st_set_direct(st_index *ix, bool on);
+/* Validate one whole safetensors file image held in memory (8-byte length,
+ * header, data) exactly as st_open validates a shard; name is used in
+ * messages. For the fuzzer and tests. */
+int st_check_buffer(const void *file, size_t len, const char *name, size_t *ntensors, k3_err *err);
+
 #endif
