@@ -125,8 +125,8 @@ def inventory(c):
             for e in range(c.Ne):
                 x = m + "experts.%d." % e
                 out.append((x + "w1.weight", [c.I, c.lat], "muon", "routed experts"))
-                out.append((x + "w2.weight", [c.lat, c.I], "muon", "routed experts"))
                 out.append((x + "w3.weight", [c.I, c.lat], "muon", "routed experts"))
+                out.append((x + "w2.weight", [c.lat, c.I], "muon", "routed experts"))
     out.append((P_MODEL + "norm.weight", [E], "adamw_nd", "final norm+attnres"))
     out.append((P_MODEL + "output_attn_res_norm.weight", [E], "adamw_nd", "final norm+attnres"))
     out.append((P_MODEL + "output_attn_res_proj.weight", [1, E], "adamw", "final norm+attnres"))
