@@ -322,7 +322,9 @@ static float *logits_all(k3_model *m, const int32_t *ids, int n, int step) {
     if (step <= 0) step = n;
     for (int i = 0; i < n; i += step) {
         int k = n - i < step ? n - i : step;
-        if (k3_forward(m, s, ids + i, k, lg + (size_t)i * V, true, &err)) {
+        if (k3_forward(m, s, ids + i, k, lg + (size_t)i * V, true, &err) || k3_state_scratch_overflow(s)) {
+            if (k3_state_scratch_overflow(s)) fprintf(stderr, "  scratch plan short by %llu bytes\n",
+                                                      (unsigned long long)k3_state_scratch_overflow(s));
             fprintf(stderr, "  %s\n", err.msg);
             free(lg);
             lg = NULL;

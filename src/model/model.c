@@ -25,6 +25,7 @@ typedef struct {
     size_t cap, used, high;
     void **extra;
     size_t nextra, cextra;
+    uint64_t overflow;   /* bytes ever served by the heap fallback */
 } k3_ws;
 
 #define WS_ALIGN 64
@@ -43,6 +44,7 @@ static void *ws_get(k3_ws *w, size_t bytes) {
     }
     void *p = xmalloc_aligned(n);
     w->extra[w->nextra++] = p;
+    w->overflow += n;
     w->high += n;
     return p;
 }
@@ -215,7 +217,9 @@ static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cac
     }
     int nmax = pos0 + T;
     float *qabs = ws_f(ws, (size_t)H * rkv), *ctx = ws_f(ws, (size_t)H * rkv);
-    float *rowbuf = ws_f(ws, (size_t)H * rkv), *score = ws_f(ws, (size_t)H * nmax);
+    /* scores: one row of nmax per thread, not per head (long contexts) */
+    int nthr = omp_get_max_threads();
+    float *rowbuf = ws_f(ws, (size_t)H * rkv), *score = ws_f(ws, (size_t)nthr * nmax);
     float *att = ws_f(ws, (size_t)T * H * dv);
     float scale = 1.0f / sqrtf((float)dq);
     for (int t = 0; t < T; t++) {
@@ -229,7 +233,7 @@ static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cac
                 k_mat_row(&w->kv_b, h * hkv + i, row);
                 for (int j = 0; j < rkv; j++) qa[j] = fmaf(qh[i], row[j], qa[j]);
             }
-            float *s = score + (size_t)h * nmax;
+            float *s = score + (size_t)omp_get_thread_num() * nmax;
             for (int p = 0; p < n; p++) {
                 const float *lat = cache->latent + (size_t)p * W;
                 s[p] = (k_dot(qa, lat, rkv) + k_dot(qh + dn, lat + rkv, dr)) * scale;
@@ -394,7 +398,7 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
         size_t H = (size_t)c->mla_heads, dq = (size_t)(c->qk_nope_dim + c->qk_rope_dim),
                dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim;
         m = wsz(t * H * dq) + wsz(t * (size_t)c->q_lora_rank) + wsz(t * W) + 3 * wsz(H * rkv) +
-            wsz(H * (size_t)max_pos) + 2 * wsz(t * H * dv);
+            wsz((size_t)omp_get_max_threads() * (size_t)max_pos) + 2 * wsz(t * H * dv);
         if (m > need) need = m;
     }
     if (c->dense_inter > 0) { /* mlp() */
@@ -494,6 +498,8 @@ void k3_state_free(k3_state *s) {
 
 int k3_state_pos(const k3_state *s) { return s->pos; }
 
+uint64_t k3_state_scratch_overflow(const k3_state *s) { return s->ws.overflow; }
+
 /* ---- weight sources ------------------------------------------------------------------ */
 
 static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err *err) {
@@ -522,9 +528,11 @@ static int layer_forward(const k3_config *c, float mla_eps, const k3_layer_w *w,
     size_t TE = (size_t)T * E;
     size_t mark = ws->used;
     float *a = ws_f(ws, TE), *xn = ws_f(ws, TE), *sub = ws_f(ws, TE);
+    size_t inner = ws->used; /* each step below releases its temporaries back to here */
     bool empty = false;
     if (*nb > 0) attnres(c, w->attn_res_q, (const float *const *)buf, *nb + 1, T, a, ws);
     else memcpy(a, buf[0], TE * sizeof(float));
+    ws->used = inner;
     if (L % c->attn_res_block_size == 0) {
         (*nb)++;
         empty = true;
@@ -532,10 +540,12 @@ static int layer_forward(const k3_config *c, float mla_eps, const k3_layer_w *w,
     rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
     if (w->kind == 'K') kda(c, &w->kda, ks, xn, T, sub, ws);
     else mla(c, mla_eps, &w->mla, mc, pos0, xn, T, sub, ws);
+    ws->used = inner;
     float *p = buf[*nb];
     if (empty) memcpy(p, sub, TE * sizeof(float));
     else add_rows(p, sub, TE);
     attnres(c, w->mlp_res_q, (const float *const *)buf, *nb + 1, T, a, ws);
+    ws->used = inner;
     rmsnorm_rows(xn, a, w->post_norm, T, E, c->rms_eps);
     if (w->dense) {
         mlp(c, &w->mlp, xn, T, sub, ws);

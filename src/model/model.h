@@ -68,6 +68,9 @@ int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err);
 void k3_state_reset(k3_state *s);  /* back to position 0, state zeroed */
 void k3_state_free(k3_state *s);
 int k3_state_pos(const k3_state *s);
+/* Scratch bytes that had to come from the heap because the plan was short
+ * (0 when k3_state_size is right; the tests check it). */
+uint64_t k3_state_scratch_overflow(const k3_state *s);
 
 /* ---- forward ----------------------------------------------------------- */
 /* Feeds n >= 1 tokens at the state's position and advances it by n.
