@@ -145,7 +145,7 @@ void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float 
  *   o     = recurrent delta rule with per-channel decay exp(g)
  *   y     = o_proj(RMSNorm_head(o; o_norm) * sigmoid(g_proj x)) */
 static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y,
-                k3_ws *ws) {
+                int chunk, k3_ws *ws) {
     int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     size_t TP = (size_t)T * P;
     float *pre = ws_f(ws, 3 * TP), *qkv = ws_f(ws, 3 * TP);
@@ -169,7 +169,8 @@ static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const f
     for (int t = 0; t < T; t++)
         k_kda_gate(g + (size_t)t * P, z + (size_t)t * P, w->A_log, w->dt_bias, H, D, c->gate_lower_bound);
     float *o = pre + 2 * TP;
-    k_kda_recurrent(o, st->S, q, k, v, g, beta, T, H, D);
+    if (chunk > 0 && T > 1) k_kda_chunked(o, st->S, q, k, v, g, beta, T, H, D, chunk);
+    else k_kda_recurrent(o, st->S, q, k, v, g, beta, T, H, D);
     float *gate = q, *normed = k; /* q and k are consumed */
     k_matmul(&w->g, x, T, gate);
     for (int t = 0; t < T; t++)
@@ -181,7 +182,7 @@ static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const f
 void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y) {
     k3_ws ws;
     ws_init(&ws, 0);
-    kda(c, w, st, x, T, y, &ws);
+    kda(c, w, st, x, T, y, 0, &ws);
     ws_free(&ws);
 }
 
@@ -521,9 +522,9 @@ void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
  *   3. p += Attn(RMSNorm(a; input_layernorm))    (p = that, when empty)
  *   4. m = AttnRes(mlp_res, blocks + [p])
  *   5. p += MLP(RMSNorm(m; post_attention_layernorm)) */
-static int layer_forward(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_kda_state *ks,
-                         k3_mla_cache *mc, int pos0, float **buf, int *nb, int T, const k3_weight_source *src,
-                         k3_ws *ws, k3_err *err) {
+static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const k3_layer_w *w, int L,
+                         k3_kda_state *ks, k3_mla_cache *mc, int pos0, float **buf, int *nb, int T,
+                         const k3_weight_source *src, k3_ws *ws, k3_err *err) {
     int E = c->hidden_size;
     size_t TE = (size_t)T * E;
     size_t mark = ws->used;
@@ -538,7 +539,7 @@ static int layer_forward(const k3_config *c, float mla_eps, const k3_layer_w *w,
         empty = true;
     }
     rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
-    if (w->kind == 'K') kda(c, &w->kda, ks, xn, T, sub, ws);
+    if (w->kind == 'K') kda(c, &w->kda, ks, xn, T, sub, kda_chunk, ws);
     else mla(c, mla_eps, &w->mla, mc, pos0, xn, T, sub, ws);
     ws->used = inner;
     float *p = buf[*nb];
@@ -566,7 +567,7 @@ int k3_layer(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_k
              int pos0, float **buf, int *nb, int T, k3_err *err) {
     k3_ws ws;
     ws_init(&ws, 0);
-    int rc = layer_forward(c, mla_eps, w, L, ks, mc, pos0, buf, nb, T, NULL, &ws, err);
+    int rc = layer_forward(c, mla_eps, 0, w, L, ks, mc, pos0, buf, nb, T, NULL, &ws, err);
     ws_free(&ws);
     return rc;
 }
@@ -587,7 +588,8 @@ static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, fl
         const k3_layer_w *w;
         int rc = m->src.layer_get(m->src.ctx, L, &w, err);
         if (rc) return rc;
-        rc = layer_forward(c, m->mla_eps, w, L, &s->kda[L], &s->mla[L], s->pos, bufp, &nb, T, &m->src, &s->ws, err);
+        rc = layer_forward(c, m->mla_eps, m->kda_chunk, w, L, &s->kda[L], &s->mla[L], s->pos, bufp, &nb, T, &m->src,
+                           &s->ws, err);
         if (m->src.layer_put) m->src.layer_put(m->src.ctx, L);
         if (rc) return rc;
     }

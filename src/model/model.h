@@ -34,6 +34,11 @@ typedef struct {
     int layers;            /* run only the first N layers (0: all); --layers */
     bool peer_mla_eps;     /* MLA latent norms use rms_norm_eps (the peer's 1e-5)
                               instead of the released fixed 1e-6 (spec section 9) */
+    int kda_chunk;         /* > 0: multi-token calls (prefill) use the chunkwise
+                              KDA form with this chunk length. Faster for long
+                              prompts, equal to fp32 rounding but NOT bitwise to
+                              the recurrent form, so prefill and token-by-token
+                              logits then differ in the last bits. 0: recurrent. */
 } k3_model_opts;
 
 /* Opens a model directory (config.json + *.safetensors in the released layout,
