@@ -21,6 +21,7 @@ int tok_n_base(const k3_tokenizer *t);        /* number of BPE ranks */
 int tok_eos_id(const k3_tokenizer *t);        /* from config eos_token, -1 if none */
 int tok_bos_id(const k3_tokenizer *t);
 int tok_special_id(const k3_tokenizer *t, const char *name); /* -1 if not a special */
+size_t tok_max_token_bytes(const k3_tokenizer *t); /* longest token or special name */
 
 /* Encode UTF-8 text. allow_special: named specials in the text become their ids;
  * otherwise they are encoded as plain text. *ids is malloc'd. Invalid UTF-8 is
@@ -43,7 +44,10 @@ typedef struct {
     int npending;
 } tok_stream;
 void tok_stream_init(tok_stream *s, const k3_tokenizer *t);
-/* Appends printable bytes to out (capacity cap); returns bytes written. */
+/* Appends printable bytes to out (capacity cap); returns bytes written.
+ * cap must be at least tok_max_token_bytes(t) + 3 (a token plus a held-back
+ * partial character); the concatenated output of feed + flush is always
+ * exactly the concatenated token bytes. */
 size_t tok_stream_feed(tok_stream *s, int32_t id, uint8_t *out, size_t cap);
 size_t tok_stream_flush(tok_stream *s, uint8_t *out, size_t cap);
 
