@@ -21,9 +21,12 @@ struct k3_tokenizer {
     int n_base, n_vocab;
     uint8_t *blob;   /* bytes of every id (base tokens, then special names) */
     uint32_t *off;   /* id i is blob[off[i] .. off[i+1]) */
-    int32_t *ht;     /* open addressing: base token bytes -> id, -1 empty */
+    /* open addressing: base token bytes -> id. Each slot keeps 32 bits of
+     * the hash so a probe touches the token bytes only on a likely hit. */
+    struct slot { uint32_t tag; int32_t id; } *ht; /* id -1: empty */
     uint32_t ht_mask;
     int32_t byte_id[256];
+    int32_t *pair_id; /* [65536]: id of each 2-byte token or -1 (the hot BPE lookup) */
     size_t max_len;  /* longest token (base or special), in bytes */
     int eos, bos;
     bool special_first[256]; /* first bytes of special names */
@@ -51,12 +54,16 @@ static inline uint64_t hash_bytes(const uint8_t *p, size_t n) {
 /* Base-token id of p[0..n), or -1. */
 static inline int32_t lookup(const k3_tokenizer *t, const uint8_t *p, size_t n) {
     if (n == 1) return t->byte_id[p[0]];
-    uint32_t i = (uint32_t)hash_bytes(p, n) & t->ht_mask;
+    if (n == 2) return t->pair_id[p[0] << 8 | p[1]];
+    uint64_t h = hash_bytes(p, n);
+    uint32_t i = (uint32_t)h & t->ht_mask, tag = (uint32_t)(h >> 32);
     for (;;) {
-        int32_t id = t->ht[i];
-        if (id < 0) return -1;
-        uint32_t o = t->off[id];
-        if (t->off[id + 1] - o == n && memcmp(t->blob + o, p, n) == 0) return id;
+        struct slot s = t->ht[i];
+        if (s.id < 0) return -1;
+        if (s.tag == tag) {
+            uint32_t o = t->off[s.id];
+            if (t->off[s.id + 1] - o == n && memcmp(t->blob + o, p, n) == 0) return s.id;
+        }
         i = (i + 1) & t->ht_mask;
     }
 }
@@ -65,11 +72,16 @@ static inline int32_t lookup(const k3_tokenizer *t, const uint8_t *p, size_t n) 
 static int32_t insert(k3_tokenizer *t, int32_t id) {
     const uint8_t *p = t->blob + t->off[id];
     size_t n = t->off[id + 1] - t->off[id];
-    uint32_t i = (uint32_t)hash_bytes(p, n) & t->ht_mask;
+    uint64_t h = hash_bytes(p, n);
+    uint32_t i = (uint32_t)h & t->ht_mask, tag = (uint32_t)(h >> 32);
     for (;;) {
-        int32_t o = t->ht[i];
-        if (o < 0) { t->ht[i] = id; return -1; }
-        if (t->off[o + 1] - t->off[o] == n && memcmp(t->blob + t->off[o], p, n) == 0) return o;
+        struct slot s = t->ht[i];
+        if (s.id < 0) {
+            t->ht[i] = (struct slot){tag, id};
+            return -1;
+        }
+        if (s.tag == tag && t->off[s.id + 1] - t->off[s.id] == n && memcmp(t->blob + t->off[s.id], p, n) == 0)
+            return s.id;
         i = (i + 1) & t->ht_mask;
     }
 }
@@ -181,13 +193,17 @@ static int load_ranks(k3_tokenizer *t, const char *path, k3_err *err) {
     memset(t->ht, 0xFF, cap * sizeof *t->ht);
     t->ht_mask = (uint32_t)(cap - 1);
     for (int i = 0; i < 256; i++) t->byte_id[i] = -1;
+    t->pair_id = xmalloc_array(65536, sizeof *t->pair_id);
+    memset(t->pair_id, 0xFF, 65536 * sizeof *t->pair_id);
     for (size_t i = 0; i < n; i++) {
         int32_t dup = insert(t, (int32_t)i);
         if (dup >= 0)
             return k3_fail(err, K3_EXIT_USAGE, "%s:%zu: token duplicates the one of rank %d", path,
                            i + 1, dup);
         size_t l = t->off[i + 1] - t->off[i];
-        if (l == 1) t->byte_id[t->blob[t->off[i]]] = (int32_t)i;
+        const uint8_t *b = t->blob + t->off[i];
+        if (l == 1) t->byte_id[b[0]] = (int32_t)i;
+        if (l == 2) t->pair_id[b[0] << 8 | b[1]] = (int32_t)i;
         if (l > t->max_len) t->max_len = l;
     }
     /* Byte-level BPE can spell any text only if every byte is a token. */
@@ -324,6 +340,7 @@ void tok_free(k3_tokenizer *t) {
     free(t->blob);
     free(t->off);
     free(t->ht);
+    free(t->pair_id);
     tok_splitter_free(t->split);
     free(t);
 }

@@ -1,3 +1,7 @@
+#!/usr/bin/env python3
+# make_corpus.py: writes the tokenizer test corpus (run from the repository root:
+#   python3 tools/tiktoken-check/make_corpus.py tests/fixtures/tokenizer/corpus.json
+# then node tools/tiktoken-check/expected.js for the reference ids).
 import json
 C = []
 def c(name, text, allow=False):
@@ -79,6 +83,13 @@ c("special_allowed_spaces_before", "text   <|im_end|>   more\n\n<|im_end|>\n", T
 c("special_allowed_partial", "<|im_end| <|im_en <|reserved_token_1|> [BOS", True)
 c("special_allowed_reserved", "a<|reserved_token_163600|>b<|reserved_token_163837|>", True)
 c("special_unicode_around", "中文<|im_end|>日本語[EOS]한국어", True)
+# long single pieces take the heap-based merge path (over 128 bytes)
+import random
+rng = random.Random(3)
+c("long_random_word", "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(2000)))
+c("long_random_han", "".join(chr(rng.randrange(0x4E00, 0x9FA0)) for _ in range(700)))
+c("long_random_punct", "".join(rng.choice("=-+*/<>!?.,;:#%&|~^") for _ in range(1500)))
+c("long_emoji_run", "".join(chr(rng.randrange(0x1F600, 0x1F650)) for _ in range(400)))
 import sys
 json.dump(C, open(sys.argv[1], "w"), ensure_ascii=True, indent=0)
 print(len(C))
