@@ -148,6 +148,13 @@ TEST(tokenizer_whole_files_match_tiktoken_and_roundtrip) {
         CHECKF(blen == len && memcmp(back, data, len) == 0, "%s: roundtrip differs", p);
         free(back);
         free(ids);
+        /* and with specials allowed (the spec names a few) */
+        CHECKF(tok_encode(t, data, len, true, &ids, &n, &err) == 0, "%s: %s", p, err.msg);
+        snprintf(hex, sizeof hex, "%016llx", (unsigned long long)hash_ids(ids, n));
+        CHECKF(n == (size_t)tj_num(f, "count_special") &&
+                   strcmp(hex, json_string_value(json_object_get(f, "hash_special"))) == 0,
+               "%s with specials: %zu ids hash %s; tiktoken %.0f ids", p, n, hex, tj_num(f, "count_special"));
+        free(ids);
         free(data);
     }
     json_decref(exp);

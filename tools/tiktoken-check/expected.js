@@ -9,7 +9,6 @@
 "use strict";
 const fs = require("fs");
 const path = require("path");
-const { Tiktoken } = require("./node_modules/tiktoken");
 const { kimiEncoder, probeBlock, BLOCK, hashIds } = require("./kimi.js");
 
 const enc = kimiEncoder();
@@ -27,8 +26,9 @@ const files = [
   "../shared/tokenizers/kimi/SOURCE.md",
 ].map((p) => {
   const text = new TextDecoder("utf-8", { fatal: true }).decode(fs.readFileSync(p));
-  const ids = enc.encode_ordinary(text);
-  return { path: p, count: ids.length, hash: hashIds(ids) };
+  const ids = enc.encode_ordinary(text), sids = enc.encode(text, "all");
+  return { path: p, count: ids.length, hash: hashIds(ids),
+           count_special: sids.length, hash_special: hashIds(sids) };
 });
 
 // Every Unicode scalar value, in blocks of BLOCK code points, through probe contexts.
