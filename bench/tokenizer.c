@@ -1,12 +1,13 @@
 /* bench/tokenizer.c: encode throughput of the Kimi tokenizer, in MB of UTF-8
  * input per second, on TinyStories (English) and on a multilingual text built
- * from the test corpus. tools/tiktoken-check/bench.js measures npm tiktoken on
- * the same two texts.
+ * from the test corpus, single-threaded. tools/tiktoken-check/bench.js
+ * measures npm tiktoken on the same two texts.
  *
  *   make bin/bench_tokenizer && bin/bench_tokenizer [TOK_DIR] */
 #include "tokenizer/tokenizer.h"
 
 #include <jansson.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -78,6 +79,9 @@ static void bench(const k3_tokenizer *t, const char *name, const char *text, siz
 
 int main(int argc, char **argv) {
     const char *dir = argc > 1 ? argv[1] : "../shared/tokenizers/kimi";
+    /* one thread, like tiktoken (tok_encode would otherwise cut inputs over
+     * 1 MiB into chunks and encode them in parallel) */
+    omp_set_num_threads(1);
     k3_err err = {0};
     k3_tokenizer *t;
     double t0 = k3_now();

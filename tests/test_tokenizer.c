@@ -10,6 +10,7 @@
 #include "tokenizer/tokenizer.h"
 
 #include <dirent.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -436,6 +437,48 @@ TEST(tokenizer_concurrent_encodes_agree) {
     }
     CHECK(bad == 0);
     free(ref);
+    free(data);
+    tok_free(t);
+}
+
+/* tok_safe_cut: both sides of a cut encode to exactly the ids of the whole,
+ * and the parallel path of tok_encode equals the one-thread path. */
+TEST(tokenizer_safe_cuts_and_parallel_encode_agree) {
+    k3_tokenizer *t = load_kimi();
+    CHECK(t);
+    char *data;
+    size_t len;
+    k3_err err = {0};
+    CHECKF(k3_read_file(t_shared("docs/k3-checkpoint-format.md"), &data, &len, &err) == 0, "%s", err.msg);
+    int32_t *whole, *a, *b;
+    size_t nw, na, nb;
+    CHECK(tok_encode(t, data, len, true, &whole, &nw, &err) == 0);
+    int cuts = 0;
+    for (size_t at = 1; at < len; at += 997) {
+        size_t c = tok_safe_cut(t, data, len, at);
+        if (c >= len) break;
+        CHECK(c >= at && data[c - 1] == '\n');
+        CHECK(tok_encode(t, data, c, true, &a, &na, &err) == 0);
+        CHECK(tok_encode(t, data + c, len - c, true, &b, &nb, &err) == 0);
+        CHECKF(na + nb == nw && memcmp(a, whole, na * sizeof *a) == 0 && memcmp(b, whole + na, nb * sizeof *b) == 0,
+               "cut at %zu changes the ids", c);
+        free(a);
+        free(b);
+        cuts++;
+    }
+    CHECK(cuts > 20);
+    free(whole);
+    free(data);
+    /* > 1 MiB: chunked and parallel with 2 threads, one pass with 1 */
+    CHECKF(k3_read_file(t_shared("data/tinystories/train.txt"), &data, &len, &err) == 0, "%s", err.msg);
+    CHECK(len > (1u << 20));
+    omp_set_num_threads(1);
+    CHECK(tok_encode(t, data, len, false, &a, &na, &err) == 0);
+    omp_set_num_threads(2);
+    CHECK(tok_encode(t, data, len, false, &b, &nb, &err) == 0);
+    CHECK(na == nb && memcmp(a, b, na * sizeof *a) == 0);
+    free(a);
+    free(b);
     free(data);
     tok_free(t);
 }

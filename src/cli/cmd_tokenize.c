@@ -99,23 +99,41 @@ int cmd_tokenize(int argc, char **argv) {
     } else {
         len = strlen(text);
     }
-    int32_t *ids;
-    size_t n;
-    int rc = tok_encode(t, data ? data : text, len, allow, &ids, &n, &err);
-    if (rc && file) { /* name the file, not "input text" */
-        k3_err e2;
-        const char *m = strncmp(err.msg, "input text: ", 12) == 0 ? err.msg + 12 : err.msg;
-        k3_fail(&e2, err.code, "%s: %s", strcmp(file, "-") ? file : "standard input", m);
-        err = e2;
+    const char *in = data ? data : text;
+    const char *src = !file ? "--text" : strcmp(file, "-") ? file : "standard input";
+    size_t bad = tok_utf8_check((const uint8_t *)in, len);
+    if (bad != len) {
+        k3_fail(&err, K3_EXIT_USAGE, "%s: invalid UTF-8 at byte %zu", src, bad);
+        free(data);
+        tok_free(t);
+        return k3_report(&err);
     }
+    /* Long inputs go in chunks cut where the ids cannot change (tok_safe_cut),
+     * printed as they come, with a progress bar. */
+    k3_progress pr;
+    k3_progress_start(&pr, "tokenize", len, true);
+    if (json) fputs("{\"ids\": [", stdout);
+    size_t count = 0;
+    int rc = K3_OK;
+    for (size_t pos = 0; pos < len || (pos == 0 && len == 0);) {
+        size_t end = len - pos > (64u << 20) ? tok_safe_cut(t, in, len, pos + (64u << 20)) : len;
+        int32_t *ids;
+        size_t n;
+        rc = tok_encode(t, in + pos, end - pos, allow, &ids, &n, &err);
+        if (rc) break;
+        for (size_t i = 0; i < n; i++) printf(count + i ? (json ? ", %d" : ",%d") : "%d", ids[i]);
+        count += n;
+        free(ids);
+        pos = end;
+        k3_progress_update(&pr, pos);
+        if (len == 0) break;
+    }
+    k3_progress_finish(&pr);
     free(data);
     tok_free(t);
     if (rc) return k3_report(&err);
-    if (json) fputs("{\"ids\": [", stdout);
-    for (size_t i = 0; i < n; i++) printf(i ? (json ? ", %d" : ",%d") : "%d", ids[i]);
-    if (json) printf("], \"count\": %zu}", n);
+    if (json) printf("], \"count\": %zu}", count);
     putchar('\n');
-    free(ids);
     return finish_stdout();
 }
 

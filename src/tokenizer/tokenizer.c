@@ -11,6 +11,7 @@
 
 #include <errno.h>
 #include <jansson.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -30,6 +31,7 @@ struct k3_tokenizer {
     size_t max_len;  /* longest token (base or special), in bytes */
     int eos, bos;
     bool special_first[256]; /* first bytes of special names */
+    bool special_newline;     /* some special name holds a '\n' (no safe cuts) */
     tok_splitter *split;
 };
 
@@ -283,6 +285,7 @@ static int load_specials(k3_tokenizer *t, const char *path, k3_err *err) {
             t->off[t->n_base + i] = (uint32_t)w;
             w += l;
             t->special_first[(uint8_t)names[i][0]] = true;
+            if (strchr(names[i], '\n')) t->special_newline = true;
             if (l > t->max_len) t->max_len = l;
         }
         if (!rc) {
@@ -515,12 +518,10 @@ static int32_t find_special(const k3_tokenizer *t, const char *text, size_t len,
     return -1;
 }
 
-int tok_encode(const k3_tokenizer *t, const char *text, size_t len, bool allow_special,
-               int32_t **ids, size_t *n, k3_err *err) {
-    size_t bad = tok_utf8_check((const uint8_t *)text, len);
-    if (bad != len) return k3_fail(err, K3_EXIT_USAGE, "input text: invalid UTF-8 at byte %zu", bad);
-    idvec o = {0};
-    enc_ctx e = {t, &o};
+/* Encodes valid UTF-8 text[0..len) into o. */
+static int encode_range(const k3_tokenizer *t, const char *text, size_t len, bool allow_special,
+                        idvec *o, k3_err *err) {
+    enc_ctx e = {t, o};
     size_t pos = 0;
     int rc = K3_OK;
     while (pos <= len && !rc) {
@@ -528,15 +529,88 @@ int tok_encode(const k3_tokenizer *t, const char *text, size_t len, bool allow_s
         int32_t sp = allow_special ? find_special(t, text, len, pos, &at) : -1;
         rc = tok_split(t->split, text + pos, at - pos, on_piece, &e, err);
         if (sp < 0) break;
-        push(&o, sp);
+        push(o, sp);
         pos = at + (t->off[sp + 1] - t->off[sp]);
     }
-    if (rc) {
-        free(o.v);
-        return rc;
+    return rc;
+}
+
+/* Where the Kimi pattern always ends a piece: after a '\n' that is followed
+ * by a character that is not White_Space (here: a printable ASCII byte, which
+ * is enough to find one often). No alternative of the pattern continues past
+ * a '\n' into a non-space (the ones that take '\n' end in [\r\n]* or are
+ * all whitespace), and a whitespace run holding a '\n' is taken whole by
+ * \s*[\r\n]+ before (?!\S) is ever consulted, so the pieces on each side do
+ * not depend on the other. No special name holds a '\n' (checked at load),
+ * so none spans the cut either. */
+size_t tok_safe_cut(const k3_tokenizer *t, const char *text, size_t len, size_t at) {
+    if (t->special_newline) return len;
+    for (size_t i = at ? at : 1; i < len; i++)
+        if (text[i - 1] == '\n' && text[i] > ' ' && text[i] < 0x7F) return i;
+    return len;
+}
+
+#define PAR_MIN (1u << 20)  /* inputs at least this long are encoded in parallel */
+#define PAR_CHUNK (1u << 18)
+
+int tok_encode(const k3_tokenizer *t, const char *text, size_t len, bool allow_special,
+               int32_t **ids, size_t *n, k3_err *err) {
+    size_t bad = tok_utf8_check((const uint8_t *)text, len);
+    if (bad != len) return k3_fail(err, K3_EXIT_USAGE, "input text: invalid UTF-8 at byte %zu", bad);
+    /* Long texts: independent chunks at safe cuts, encoded in parallel and
+     * joined in order; the ids are the same as in one pass. */
+    size_t nch = 0, cap = 0, *cut = NULL;
+    if (len >= PAR_MIN && !omp_in_parallel() && omp_get_max_threads() > 1) {
+        for (size_t p = 0; p < len;) {
+            size_t q = tok_safe_cut(t, text, len, p + PAR_CHUNK);
+            if (nch + 2 > cap) cut = xrealloc_array(cut, cap = cap ? 2 * cap : 64, sizeof *cut);
+            if (!nch) cut[nch++] = 0;
+            cut[nch++] = q;
+            p = q;
+        }
+        nch--;
     }
-    *ids = o.v ? o.v : xmalloc(sizeof(int32_t));
-    *n = o.n;
+    if (nch < 2) {
+        free(cut);
+        idvec o = {0};
+        int rc = encode_range(t, text, len, allow_special, &o, err);
+        if (rc) {
+            free(o.v);
+            return rc;
+        }
+        *ids = o.v ? o.v : xmalloc(sizeof(int32_t));
+        *n = o.n;
+        return K3_OK;
+    }
+    idvec *parts = xcalloc(nch, sizeof *parts);
+    k3_err *errs = xcalloc(nch, sizeof *errs);
+    int *rcs = xcalloc(nch, sizeof *rcs);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t k = 0; k < nch; k++)
+        rcs[k] = encode_range(t, text + cut[k], cut[k + 1] - cut[k], allow_special, &parts[k], &errs[k]);
+    int rc = K3_OK;
+    size_t total = 0;
+    for (size_t k = 0; k < nch; k++) {
+        if (rcs[k] && !rc) {
+            rc = rcs[k];
+            if (err) *err = errs[k];
+        }
+        total += parts[k].n;
+    }
+    int32_t *out = rc ? NULL : xmalloc_array(total ? total : 1, sizeof *out);
+    size_t w = 0;
+    for (size_t k = 0; k < nch; k++) {
+        if (out) memcpy(out + w, parts[k].v, parts[k].n * sizeof *out);
+        w += parts[k].n;
+        free(parts[k].v);
+    }
+    free(parts);
+    free(errs);
+    free(rcs);
+    free(cut);
+    if (rc) return rc;
+    *ids = out;
+    *n = total;
     return K3_OK;
 }
 

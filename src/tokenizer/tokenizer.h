@@ -29,6 +29,12 @@ size_t tok_max_token_bytes(const k3_tokenizer *t); /* longest token or special n
 int tok_encode(const k3_tokenizer *t, const char *text, size_t len, bool allow_special,
                int32_t **ids, size_t *n, k3_err *err);
 
+/* A position >= at (or len) where text can be cut and both sides encoded
+ * separately with exactly the ids of encoding it whole (a '\n' followed by
+ * printable ASCII). For streaming long inputs; tok_encode already uses it to
+ * encode inputs of 1 MiB and more in parallel. */
+size_t tok_safe_cut(const k3_tokenizer *t, const char *text, size_t len, size_t at);
+
 /* The bytes of one id (NULL for an id outside the vocabulary). */
 const uint8_t *tok_token_bytes(const k3_tokenizer *t, int32_t id, size_t *len);
 /* All ids to bytes; *out is malloc'd (not NUL-terminated, *len set). */

@@ -23,6 +23,7 @@ const files = [
   "../shared/docs/k3-checkpoint-format.md",
   "../shared/docs/kimi-k3-tech-report.txt",
   "../shared/data/tinystories/valid.txt",
+  "../shared/data/tinystories/train.txt", // over 1 MiB: k3 encodes it in parallel chunks
   "../shared/tokenizers/kimi/SOURCE.md",
 ].map((p) => {
   const text = new TextDecoder("utf-8", { fatal: true }).decode(fs.readFileSync(p));
