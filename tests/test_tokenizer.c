@@ -482,3 +482,42 @@ TEST(tokenizer_safe_cuts_and_parallel_encode_agree) {
     free(data);
     tok_free(t);
 }
+
+/* The stream decoder on random byte tokens (valid UTF-8 pieces mixed with
+ * stray bytes): the output is always the input so far minus a held-back tail
+ * of at most 3 bytes that is a valid incomplete character, and everything
+ * comes out at flush. */
+TEST(tokenizer_stream_decoder_random_bytes) {
+    k3_tokenizer *t = load_kimi();
+    CHECK(t);
+    int32_t byte_id[256];
+    for (int32_t id = 0; id < tok_n_base(t); id++) {
+        size_t l;
+        const uint8_t *b = tok_token_bytes(t, id, &l);
+        if (l == 1) byte_id[b[0]] = id;
+    }
+    static const char *const pieces[] = {"a", "\xc3\xa9", "\xe4\xb8\xad", "\xf0\x9f\x98\x80", "\x80", "\xff",
+                                         "\xe0\x80", "\xed\xa0", "\xf4\x90", "\xc0", "\xf0\x9f"};
+    uint8_t in[8192], out[8192 + 16];
+    size_t nin = 0, nout = 0;
+    uint32_t r = 12345;
+    tok_stream s;
+    tok_stream_init(&s, t);
+    while (nin < 8000) {
+        r = r * 1103515245u + 12345u;
+        const char *p = pieces[(r >> 16) % (sizeof pieces / sizeof *pieces)];
+        for (; *p; p++) {
+            in[nin++] = (uint8_t)*p;
+            nout += tok_stream_feed(&s, byte_id[(uint8_t)*p], out + nout, sizeof out - nout);
+            CHECK(nout <= nin && nin - nout <= 3 && memcmp(in, out, nout) == 0);
+            size_t held = nin - nout;
+            if (held) { /* the tail is a valid start of a longer character */
+                uint8_t lead = in[nout];
+                CHECK(lead >= 0xC2 && lead <= 0xF4);
+            }
+        }
+    }
+    nout += tok_stream_flush(&s, out + nout, sizeof out - nout);
+    CHECK(nout == nin && memcmp(in, out, nin) == 0);
+    tok_free(t);
+}

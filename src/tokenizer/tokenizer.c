@@ -670,52 +670,53 @@ static void out_put(uint8_t *out, size_t cap, size_t *w, const uint8_t *p, size_
     *w += n;
 }
 
+/* May byte b stand at position k (1..3) of a sequence led by lead? (The
+ * second byte has tighter bounds after E0, ED, F0 and F4: no overlongs, no
+ * surrogates, nothing past U+10FFFF.) */
+static bool utf8_cont_ok(uint8_t lead, int k, uint8_t b) {
+    uint8_t lo = 0x80, hi = 0xBF;
+    if (k == 1) {
+        if (lead == 0xE0) lo = 0xA0;
+        if (lead == 0xED) hi = 0x9F;
+        if (lead == 0xF0) lo = 0x90;
+        if (lead == 0xF4) hi = 0x8F;
+    }
+    return b >= lo && b <= hi;
+}
+
+/* Emits every decided byte of pending: whole characters, and bytes that can
+ * never be part of one. Keeps a valid but incomplete tail (at most 3 bytes). */
+static void stream_drain(tok_stream *s, uint8_t *out, size_t cap, size_t *w) {
+    int i = 0;
+    while (i < s->npending) {
+        const uint8_t *p = s->pending + i;
+        int need = utf8_seq_len(p[0]), have = s->npending - i, k = 1;
+        if (need == 0) { /* never a lead byte */
+            out_put(out, cap, w, p, 1);
+            i++;
+            continue;
+        }
+        while (k < need && k < have && utf8_cont_ok(p[0], k, p[k])) k++;
+        if (k < need && k < have) { /* broken sequence: the lead goes out alone */
+            out_put(out, cap, w, p, 1);
+            i++;
+            continue;
+        }
+        if (k < need) break; /* incomplete so far: wait for the next token */
+        out_put(out, cap, w, p, (size_t)need);
+        i += need;
+    }
+    memmove(s->pending, s->pending + i, (size_t)(s->npending - i));
+    s->npending -= i;
+}
+
 size_t tok_stream_feed(tok_stream *s, int32_t id, uint8_t *out, size_t cap) {
     size_t len, w = 0;
     const uint8_t *b = tok_token_bytes(s->tok, id, &len);
     if (!b) return 0;
     for (size_t i = 0; i < len; i++) {
         s->pending[s->npending++] = b[i];
-        /* emit pending once it is a complete valid sequence, or can never become one */
-        for (;;) {
-            if (s->npending == 0) break;
-            int need = utf8_seq_len(s->pending[0]);
-            size_t ok = tok_utf8_check(s->pending, (size_t)s->npending);
-            if (need == 0) { /* stray byte: out as it is */
-                out_put(out, cap, &w, s->pending, 1);
-                memmove(s->pending, s->pending + 1, (size_t)--s->npending);
-                continue;
-            }
-            if (s->npending < need) {
-                /* still a valid prefix? (checks continuation bytes so far) */
-                uint8_t probe[4];
-                memcpy(probe, s->pending, (size_t)s->npending);
-                bool prefix_ok = true;
-                for (int k = 1; k < s->npending; k++) {
-                    /* the second byte has tighter bounds for E0, ED, F0, F4 */
-                    uint8_t lo = 0x80, hi = 0xBF, c0 = probe[0];
-                    if (k == 1) {
-                        if (c0 == 0xE0) lo = 0xA0;
-                        if (c0 == 0xED) hi = 0x9F;
-                        if (c0 == 0xF0) lo = 0x90;
-                        if (c0 == 0xF4) hi = 0x8F;
-                    }
-                    if (probe[k] < lo || probe[k] > hi) prefix_ok = false;
-                }
-                if (prefix_ok) break; /* wait for more bytes */
-                out_put(out, cap, &w, s->pending, 1); /* lead byte can never complete */
-                memmove(s->pending, s->pending + 1, (size_t)--s->npending);
-                continue;
-            }
-            if (ok >= (size_t)need) { /* a complete character */
-                out_put(out, cap, &w, s->pending, (size_t)need);
-            } else { /* lead byte with a bad continuation: lead goes out alone */
-                need = 1;
-                out_put(out, cap, &w, s->pending, 1);
-            }
-            memmove(s->pending, s->pending + need, (size_t)(s->npending - need));
-            s->npending -= need;
-        }
+        if (s->npending == 4 || i + 1 == len) stream_drain(s, out, cap, &w);
     }
     return w;
 }
