@@ -23,9 +23,11 @@ int tok_bos_id(const k3_tokenizer *t);
 int tok_special_id(const k3_tokenizer *t, const char *name); /* -1 if not a special */
 size_t tok_max_token_bytes(const k3_tokenizer *t); /* longest token or special name */
 
-/* Encode UTF-8 text. allow_special: named specials in the text become their ids;
- * otherwise they are encoded as plain text. *ids is malloc'd. Invalid UTF-8 is
- * an error (K3_EXIT_USAGE). */
+/* Encode UTF-8 text. allow_special: special names in the text (the named ones
+ * and <|reserved_token_N|>) become their ids (tiktoken encode(text, "all"));
+ * otherwise they are plain text (encode_ordinary). *ids is malloc'd. Invalid UTF-8 is
+ * an error (K3_EXIT_USAGE). Safe to call concurrently on one tokenizer; inputs
+ * of 1 MiB and more are encoded in parallel (OpenMP) with the same ids. */
 int tok_encode(const k3_tokenizer *t, const char *text, size_t len, bool allow_special,
                int32_t **ids, size_t *n, k3_err *err);
 
