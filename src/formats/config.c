@@ -338,7 +338,7 @@ int k3_config_parse(const char *json_text, const char *name, k3_config *c, k3_er
         {"kda head_dim", c->kda_head_dim}, {"short_conv_kernel_size", c->conv_kernel},
         {"num_attention_heads", c->mla_heads}, {"q_lora_rank", c->q_lora_rank},
         {"kv_lora_rank", c->kv_lora_rank}, {"qk_nope_head_dim", c->qk_nope_dim},
-        {"qk_rope_head_dim", c->qk_rope_dim}, {"v_head_dim", c->v_head_dim},
+        {"v_head_dim", c->v_head_dim},
         {"num_experts", c->num_experts}, {"num_experts_per_token", c->experts_per_token},
         {"routed_expert_hidden_size", c->latent_dim}, {"moe_intermediate_size", c->moe_inter},
         {"attn_res_block_size", c->attn_res_block_size}, {"moe_layer_freq", c->moe_layer_freq},
@@ -354,8 +354,10 @@ int k3_config_parse(const char *json_text, const char *name, k3_config *c, k3_er
                      c->experts_per_token, c->num_experts);
         goto out;
     }
-    if (c->num_shared_experts < 0 || c->first_k_dense_replace < 0 || c->dense_inter < 0) {
-        rc = k3_fail(err, K3_EXIT_USAGE, "%s: num_shared_experts, first_k_dense_replace and intermediate_size must not be negative",
+    /* qk_rope_head_dim 0 is allowed: NoPE means the rope slots are never
+     * rotated, so a model may simply have none (smol K3 does this) */
+    if (c->num_shared_experts < 0 || c->first_k_dense_replace < 0 || c->dense_inter < 0 || c->qk_rope_dim < 0) {
+        rc = k3_fail(err, K3_EXIT_USAGE, "%s: num_shared_experts, first_k_dense_replace, intermediate_size and qk_rope_head_dim must not be negative",
                      name);
         goto out;
     }
