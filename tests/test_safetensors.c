@@ -369,3 +369,22 @@ TEST(st_scanner_declines_unusual_names) {
         CHECKF(check_named(name, &a, false) == K3_EXIT_DATA, "raw tab at %d accepted", pos);
     }
 }
+
+/* A header need not list tensors in offset order; st_at still walks them
+ * in offset order. */
+TEST(st_header_out_of_offset_order) {
+    char *d = outpath("order");
+    mkdir(d, 0755);
+    char f[1100];
+    snprintf(f, sizeof f, "%s/model.safetensors", d);
+    write_st(f, "{\"c\":{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[6,9]},"
+                "\"b\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[2,6]},"
+                "\"a\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[0,2]}}", 9, 0);
+    st_index *ix = NULL;
+    k3_err err = {0};
+    CHECKF(st_open(d, &ix, &err) == 0, "%s", err.msg);
+    CHECK(st_count(ix) == 3);
+    CHECK(!strcmp(st_at(ix, 0)->name, "a") && !strcmp(st_at(ix, 1)->name, "b") && !strcmp(st_at(ix, 2)->name, "c"));
+    CHECK(st_find(ix, "c") == st_at(ix, 2));
+    st_close(ix);
+}

@@ -396,7 +396,10 @@ done:
  * section exactly, hash the names and refuse duplicates within the file. */
 static int finish_shard(shard_parse *out, const hdr_ctx *c, k3_err *err) {
     const char *fname = c->fname;
-    qsort(out->t, out->n, sizeof *out->t, cmp_offset);
+    /* writers emit the header in offset order: sort only when it is not */
+    bool sorted = true;
+    for (size_t i = 1; i < out->n && sorted; i++) sorted = cmp_offset(&out->t[i - 1], &out->t[i]) <= 0;
+    if (!sorted) qsort(out->t, out->n, sizeof *out->t, cmp_offset);
     uint64_t end = c->data_start;
     const char *prev = NULL;
     for (size_t i = 0; i < out->n; i++) {
