@@ -20,6 +20,9 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; }
 trap cleanup EXIT
 
+# the page embedded in the binary is the one in src/web/assets/
+if bash scripts/embed-web-assets.sh --check 2>"$OUT/assets.err"; then pass "assets-up-to-date"; else fail "assets-up-to-date" "$(cat "$OUT/assets.err")"; fi
+
 # ---- usage errors ----
 expect_exit dash-no-run-dir 2 "$K3" dashboard
 expect_exit dash-bad-port 2 "$K3" dashboard --run-dir "$OUT/runs" --port 70000
