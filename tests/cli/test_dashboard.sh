@@ -60,6 +60,13 @@ ln -s ../../outside/state.json "$D/state.json"
 mkdir -p "$OUT/outside/linked"
 printf '{"status":"finished","step":1}\n' >"$OUT/outside/linked/state.json"
 ln -s ../outside/linked "$OUT/runs/linked" # a symlinked run directory: not listed
+E=$OUT/runs/epsilon # a trainer that rounds its times to 10 s: timing from step_time_s
+mkdir -p "$E"
+now=$(date +%s)
+printf '{"status":"running","step":5,"total_steps":105,"started_at":%d0,"updated_at":%d0}\n' "$((now / 10))" "$((now / 10))" >"$E/state.json"
+for s in 1 2 3 4 5; do
+  printf '{"kind":"train","step":%d,"time":%d0,"train_loss":3,"step_time_s":0.%d}\n' "$s" "$((now / 10))" "$((s == 3 ? 9 : 5))"
+done >"$E/metrics.jsonl"
 sleep 0.5
 
 start_dash() { # LOG ARGS...: starts k3 dashboard on a free port; sets DPID and PORT
@@ -132,6 +139,9 @@ ok state-eta      grep -qE '"eta_s":[0-9]' "$OUT/body"
 get "/api/state?run=gamma"
 ok state-stale    body_has '"status":"stale"'
 ok state-badline  body_has '"metrics_bad_lines":1'
+get "/api/state?run=epsilon"
+ok timing-median  grep -qE '"sec_per_step":0.5(0*)?,' "$OUT/body"
+ok timing-eta     grep -qE '"eta_s":58(\.0*)?,' "$OUT/body"  # 100 steps x mean 0.58 s (times span < 60 s)
 get "/api/state?run=delta"
 ok symlink-state  body_lacks TOPSECRET
 ok symlink-state-reported body_has 'symbolic link'
