@@ -67,6 +67,10 @@ printf '{"status":"running","step":5,"total_steps":105,"started_at":%d0,"updated
 for s in 1 2 3 4 5; do
   printf '{"kind":"train","step":%d,"time":%d0,"train_loss":3,"step_time_s":0.%d}\n' "$s" "$((now / 10))" "$((s == 3 ? 9 : 5))"
 done >"$E/metrics.jsonl"
+Z=$OUT/runs/zeta # "running", fresh, but its trainer process (on this machine) is gone
+mkdir -p "$Z"
+true & gone=$!; wait "$gone"
+printf '{"status":"running","step":1,"total_steps":9,"updated_at":%s,"pid":%d,"hostname":"%s"}\n' "$(date +%s.%N)" "$gone" "$(hostname)" >"$Z/state.json"
 sleep 0.5
 
 start_dash() { # LOG ARGS...: starts k3 dashboard on a free port; sets DPID and PORT
@@ -142,6 +146,8 @@ ok state-badline  body_has '"metrics_bad_lines":1'
 get "/api/state?run=epsilon"
 ok timing-median  grep -qE '"sec_per_step":0.5(0*)?,' "$OUT/body"
 ok timing-eta     grep -qE '"eta_s":58(\.0*)?,' "$OUT/body"  # 100 steps x mean 0.58 s (times span < 60 s)
+get "/api/state?run=zeta"
+ok stale-pid-gone body_has "\"stale_reason\":\"trainer process $gone is gone\""
 get "/api/state?run=delta"
 ok symlink-state  body_lacks TOPSECRET
 ok symlink-state-reported body_has 'symbolic link'
