@@ -346,6 +346,12 @@ static json_t *derive(k3_dashboard *d, run_t *r, const char *ioerr) {
     step_timing(&r->metrics, &med, &mean);
     double limit = d->stale_after;
     if (isfinite(med) && 5 * med > limit) limit = 5 * med;
+    /* An evaluation, a sample, a checkpoint or the start-up writes nothing until
+     * it ends, and on a CPU may take minutes: allow five times as long. */
+    const char *phase = st ? json_string_value(json_object_get(st, "phase")) : NULL;
+    if (phase && (!strcmp(phase, "eval") || !strcmp(phase, "sample") || !strcmp(phase, "checkpoint") ||
+                  !strcmp(phase, "init")))
+        limit *= 5;
     const char *reason = NULL;
     char why[160];
     if (known && !strcmp(status, "running")) {

@@ -69,6 +69,10 @@ for s in 1 2 3 4 5; do
 done >"$E/metrics.jsonl"
 Z=$OUT/runs/zeta # "running", fresh, but its trainer process (on this machine) is gone
 mkdir -p "$Z"
+for ph in eval train; do # 100 s without a write: fine in an evaluation, stale in training
+  mkdir -p "$OUT/runs/quiet-$ph"
+  printf '{"status":"running","step":3,"total_steps":9,"updated_at":%d,"phase":"%s"}\n' "$((now - 100))" "$ph" >"$OUT/runs/quiet-$ph/state.json"
+done
 true & gone=$!; wait "$gone"
 printf '{"status":"running","step":1,"total_steps":9,"updated_at":%s,"pid":%d,"hostname":"%s"}\n' "$(date +%s.%N)" "$gone" "$(hostname)" >"$Z/state.json"
 sleep 0.5
@@ -146,6 +150,8 @@ ok state-badline  body_has '"metrics_bad_lines":1'
 get "/api/state?run=epsilon"
 ok timing-median  grep -qE '"sec_per_step":0.5(0*)?,' "$OUT/body"
 ok timing-eta     grep -qE '"eta_s":58(\.0*)?,' "$OUT/body"  # 100 steps x mean 0.58 s (times span < 60 s)
+get "/api/state?run=quiet-eval";  ok quiet-eval-running body_has '"status":"running","stale":false'
+get "/api/state?run=quiet-train"; ok quiet-train-stale  body_has '"status":"stale","stale":true'
 get "/api/state?run=zeta"
 ok stale-pid-gone body_has "\"stale_reason\":\"trainer process $gone is gone\""
 get "/api/state?run=delta"
