@@ -338,13 +338,17 @@ int k3_config_parse(const char *json_text, const char *name, k3_config *c, k3_er
         {"kda head_dim", c->kda_head_dim}, {"short_conv_kernel_size", c->conv_kernel},
         {"num_attention_heads", c->mla_heads}, {"q_lora_rank", c->q_lora_rank},
         {"kv_lora_rank", c->kv_lora_rank}, {"qk_nope_head_dim", c->qk_nope_dim},
-        {"qk_rope_head_dim", c->qk_rope_dim}, {"v_head_dim", c->v_head_dim},
+        {"v_head_dim", c->v_head_dim},
         {"num_experts", c->num_experts}, {"num_experts_per_token", c->experts_per_token},
         {"routed_expert_hidden_size", c->latent_dim}, {"moe_intermediate_size", c->moe_inter},
         {"attn_res_block_size", c->attn_res_block_size}, {"moe_layer_freq", c->moe_layer_freq},
     };
     for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
         if ((rc = positive(&r, pos[i].k, pos[i].v))) goto out;
+    if (c->qk_rope_dim < 0) { /* 0 is valid: NoPE with no rope slot (the smol configs) */
+        rc = k3_fail(err, K3_EXIT_USAGE, "%s: qk_rope_head_dim must not be negative (got %d)", name, c->qk_rope_dim);
+        goto out;
+    }
     if (c->num_layers > K3_MAX_LAYERS) {
         rc = k3_fail(err, K3_EXIT_USAGE, "%s: num_hidden_layers %d exceeds %d", name, c->num_layers, K3_MAX_LAYERS);
         goto out;
