@@ -475,7 +475,8 @@ static tmat make_mat(kw_type type, int rows, int cols, int group) {
         size_t ng = (size_t)rows * ((size_t)(cols + group - 1) / group);
         t.sc = keep(xmalloc(ng));
         for (size_t i = 0; i < ng; i++) t.sc[i] = (uint8_t)(115 + rnd() % 16);
-        if (ng > 2) t.sc[1] = 255;
+        if (ng > 2) t.sc[1] = 255; /* zeroed group */
+        if (ng > 3) t.sc[3] = 0;   /* the subnormal scale 2^-127 */
         t.m.scales = t.sc;
         t.buf = p;
     }
@@ -526,6 +527,7 @@ static void products_agree(kw_type type, int rows, int cols, int group, int ntok
         }
     }
     omp_set_num_threads(2);
+    pool_free();
 }
 
 TEST(products_scalar_simd_threads_matmul_agree) {
@@ -630,5 +632,210 @@ TEST(kda_scalar_equals_simd_and_threads) {
             }
     }
     omp_set_num_threads(2);
+    pool_free();
+}
+
+/* ---- our own PyTorch fixtures (tools/kernels_ref.py) ------------------------------------ */
+
+static void own_kda(const char *file) {
+    json_t *j = tj_load(t_repo(file));
+    CHECK(j);
+    int T = (int)tj_num(j, "T"), H = (int)tj_num(j, "H"), D = (int)tj_num(j, "D");
+    size_t n, ns;
+    float *q = fx(j, "q", &n), *k = fx(j, "k", NULL), *v = fx(j, "v", NULL), *g = fx(j, "g", NULL);
+    float *beta = fx(j, "beta", NULL), *S0 = fx(j, "S0", &ns), *want = fx(j, "out", NULL);
+    float *swant = fx(j, "state_out", NULL);
+    CHECK(q && k && v && g && beta && S0 && want && swant);
+    CHECK(n == (size_t)T * H * D && ns == (size_t)H * D * D);
+    for (int pass = 0; pass < 2; pass++) {
+        k_set_scalar(pass == 0);
+        float *o = fzero(n), *S = fcopy(S0, ns);
+        k_kda_recurrent(o, S, q, k, v, g, beta, T, H, D);
+        CLOSE(o, want, n, (size_t)D);
+        CLOSE(S, swant, ns, (size_t)D);
+        static const int Cs[] = {1, 3, 8, 16, 64};
+        for (size_t c = 0; c < sizeof Cs / sizeof Cs[0]; c++) {
+            float *o2 = fzero(n), *S2 = fcopy(S0, ns);
+            k_kda_chunked(o2, S2, q, k, v, g, beta, T, H, D, Cs[c]);
+            CLOSE(o2, want, n, (size_t)D);
+            CLOSE(S2, swant, ns, (size_t)D);
+        }
+        /* decode one step at a time from the carried state */
+        float *o3 = fzero(n), *S3 = fcopy(S0, ns);
+        size_t P = (size_t)H * D;
+        for (int t = 0; t < T; t++)
+            k_kda_recurrent(o3 + t * P, S3, q + t * P, k + t * P, v + t * P, g + t * P, beta + (size_t)t * H, 1, H, D);
+        CLOSE(o3, want, n, (size_t)D);
+    }
+    json_decref(j);
+    pool_free();
+}
+TEST(own_kda_h3_d32_carried_state) { own_kda("tests/fixtures/kernels/kda_h3_d32.json"); }
+TEST(own_kda_h2_d8_lower_minus2) { own_kda("tests/fixtures/kernels/kda_h2_d8.json"); }
+TEST(own_kda_h1_d64_long) { own_kda("tests/fixtures/kernels/kda_h1_d64.json"); }
+
+TEST(own_kda_gate_other_shape_and_bound) {
+    json_t *j = tj_load(t_repo("tests/fixtures/kernels/gate_h3_d12.json"));
+    CHECK(j);
+    int T = (int)tj_num(j, "T"), H = (int)tj_num(j, "H"), D = (int)tj_num(j, "D");
+    float lower = (float)tj_num(j, "lower");
+    size_t n;
+    float *z = fx(j, "z", &n), *A = fx(j, "A_log", NULL), *dtb = fx(j, "dt_bias", NULL), *want = fx(j, "g", NULL);
+    CHECK(z && A && dtb && want && n == (size_t)T * H * D);
+    for (int pass = 0; pass < 2; pass++) {
+        k_set_scalar(pass == 0);
+        float *g = fzero(n);
+        for (int t = 0; t < T; t++) k_kda_gate(g + (size_t)t * H * D, z + (size_t)t * H * D, A, dtb, H, D, lower);
+        CLOSE(g, want, n, (size_t)D);
+    }
+    json_decref(j);
+    pool_free();
+}
+
+static void own_conv(const char *file) {
+    json_t *j = tj_load(t_repo(file));
+    CHECK(j);
+    int T = (int)tj_num(j, "T"), C = (int)tj_num(j, "C"), K = (int)tj_num(j, "K");
+    size_t nx, ns, nx2;
+    float *x = fx(j, "x", &nx), *w = fx(j, "w", NULL), *st0 = fx(j, "state", &ns), *x2 = fx(j, "x2", &nx2);
+    float *want = fx(j, "out", NULL), *swant = fx(j, "state_after", NULL), *want2 = fx(j, "out2", NULL);
+    CHECK(x && w && st0 && x2 && want && swant && want2);
+    CHECK(nx == (size_t)T * C && ns == (size_t)C * (K - 1));
+    for (int pass = 0; pass < 2; pass++) {
+        k_set_scalar(pass == 0);
+        float *st = fcopy(st0, ns), *y = fzero(nx), *y2 = fzero(nx2);
+        k_shortconv_silu(y, x, T, C, w, K, st);
+        CLOSE(y, want, nx, (size_t)C);
+        CLOSE(st, swant, ns, ns);
+        k_shortconv_silu(y2, x2, (int)(nx2 / (size_t)C), C, w, K, st);
+        CLOSE(y2, want2, nx2, (size_t)C);
+    }
+    json_decref(j);
+    pool_free();
+}
+TEST(own_shortconv_k3) { own_conv("tests/fixtures/kernels/conv_k3.json"); }
+TEST(own_shortconv_k5) { own_conv("tests/fixtures/kernels/conv_k5.json"); }
+TEST(own_shortconv_k2) { own_conv("tests/fixtures/kernels/conv_k2.json"); }
+
+TEST(own_situ_other_betas) {
+    json_t *j = tj_load(t_repo("tests/fixtures/kernels/situ_betas.json"));
+    CHECK(j);
+    json_t *cases = json_object_get(j, "cases");
+    CHECK(json_array_size(cases) >= 2);
+    for (size_t c = 0; c < json_array_size(cases); c++) {
+        json_t *cs = json_array_get(cases, c);
+        size_t n;
+        float *a = fx(cs, "gate", &n), *u = fx(cs, "up", NULL), *want = fx(cs, "out", NULL);
+        float b1 = (float)tj_num(cs, "b1"), b2 = (float)tj_num(cs, "b2");
+        CHECK(a && u && want);
+        for (int pass = 0; pass < 2; pass++) {
+            k_set_scalar(pass == 0);
+            float *got = fzero(n);
+            k_situ_glu(got, a, u, (int)n, b1, b2);
+            CLOSE(got, want, n, n);
+            for (size_t i = 0; i < n; i++) CHECK(fabsf(got[i]) <= b1 * b2);
+        }
+    }
+    json_decref(j);
+    pool_free();
+}
+
+TEST(own_router_cases) {
+    json_t *j = tj_load(t_repo("tests/fixtures/kernels/router_cases.json"));
+    CHECK(j);
+    json_t *cases = json_object_get(j, "cases");
+    CHECK(json_array_size(cases) == 3);
+    for (size_t c = 0; c < json_array_size(cases); c++) {
+        json_t *cs = json_object_get(json_array_get(cases, c), "rows");
+        json_t *hd = json_array_get(cases, c);
+        int n = (int)tj_num(hd, "n"), k = (int)tj_num(hd, "k");
+        bool renorm = json_is_true(json_object_get(hd, "renorm"));
+        float scale = (float)tj_num(hd, "scale");
+        for (size_t r = 0; r < json_array_size(cs); r++) {
+            json_t *row = json_array_get(cs, r);
+            size_t nl, ni;
+            float *lg = fx(row, "logits", &nl), *bias = fx(row, "bias", NULL), *want = fx(row, "w", NULL);
+            int64_t *widx = keep(tj_ints(json_object_get(row, "idx"), &ni));
+            CHECK(lg && bias && want && widx && nl == (size_t)n && ni == (size_t)k);
+            int idx[64];
+            float w[64];
+            k_router_topk(lg, bias, n, k, renorm, scale, idx, w);
+            for (int i = 0; i < k; i++) CHECKF(idx[i] == widx[i], "case %zu row %zu slot %d", c, r, i);
+            CLOSE(w, want, (size_t)k, (size_t)k);
+        }
+    }
+    json_decref(j);
+    pool_free();
+}
+
+TEST(own_norms_softmax) {
+    json_t *j = tj_load(t_repo("tests/fixtures/kernels/norms.json"));
+    CHECK(j);
+    size_t n, ng;
+    float *x = fx(j, "x", &n), *gain = fx(j, "gain", &ng);
+    float *w1 = fx(j, "rms_gain", NULL), *w2 = fx(j, "rms_nogain", NULL), *w3 = fx(j, "l2", NULL);
+    float *w4 = fx(j, "softmax_of_4x", NULL);
+    float eps = (float)tj_num(j, "eps");
+    CHECK(x && gain && w1 && w2 && w3 && w4 && n % ng == 0);
+    for (int pass = 0; pass < 2; pass++) {
+        k_set_scalar(pass == 0);
+        float *a = fzero(n), *b = fzero(n), *c = fcopy(x, n), *d = fzero(n);
+        for (size_t r = 0; r < n / ng; r++) {
+            k_rmsnorm(a + r * ng, x + r * ng, gain, (int)ng, eps);
+            k_rmsnorm(b + r * ng, x + r * ng, NULL, (int)ng, eps);
+            k_l2norm(c + r * ng, (int)ng, 1e-6f);
+            for (size_t i = 0; i < ng; i++) d[r * ng + i] = 4.0f * x[r * ng + i];
+            k_softmax(d + r * ng, (int)ng);
+        }
+        CLOSE(a, w1, n, ng);
+        CLOSE(b, w2, n, ng);
+        CLOSE(c, w3, n, ng);
+        CLOSE(d, w4, n, ng);
+    }
+    json_decref(j);
+    pool_free();
+}
+
+static void own_mxfp4(const char *file) {
+    json_t *j = tj_load(t_repo(file));
+    CHECK(j);
+    int rows = (int)tj_num(j, "rows"), cols = (int)tj_num(j, "cols"), G = (int)tj_num(j, "group");
+    size_t np, ns, nx, ny;
+    float *pf = fx(j, "packed", &np), *sf = fx(j, "scales", &ns), *x = fx(j, "x", &nx), *want = fx(j, "y", &ny);
+    CHECK(pf && sf && x && want && np == (size_t)rows * cols / 2 && ns == (size_t)rows * (cols / G));
+    uint8_t *packed = keep(xmalloc(np)), *scales = keep(xmalloc(ns));
+    for (size_t i = 0; i < np; i++) packed[i] = (uint8_t)pf[i];
+    for (size_t i = 0; i < ns; i++) scales[i] = (uint8_t)sf[i];
+    k3_mat M = {.type = KW_MXFP4, .rows = rows, .cols = cols, .data = packed, .scales = scales, .group = G};
+    int ntok = (int)(nx / (size_t)cols);
+    for (int pass = 0; pass < 2; pass++) {
+        k_set_scalar(pass == 0);
+        float *y = fzero(ny);
+        k_matmul(&M, x, ntok, y);
+        CLOSE(y, want, ny, (size_t)rows);
+    }
+    json_decref(j);
+    pool_free();
+}
+TEST(own_mxfp4_matvec_vs_torch_dequant) { own_mxfp4("tests/fixtures/kernels/mxfp4_matvec.json"); }
+TEST(own_mxfp4_group16) { own_mxfp4("tests/fixtures/kernels/mxfp4_group16.json"); }
+
+TEST(own_bf16_matvec) {
+    json_t *j = tj_load(t_repo("tests/fixtures/kernels/bf16_matvec.json"));
+    CHECK(j);
+    int rows = (int)tj_num(j, "rows"), cols = (int)tj_num(j, "cols");
+    size_t nb, nx, ny;
+    float *bf = fx(j, "bits", &nb), *x = fx(j, "x", &nx), *want = fx(j, "y", &ny);
+    CHECK(bf && x && want && nb == (size_t)rows * cols);
+    uint16_t *bits = keep(xmalloc_array(nb, 2));
+    for (size_t i = 0; i < nb; i++) bits[i] = (uint16_t)bf[i];
+    k3_mat M = {.type = KW_BF16, .rows = rows, .cols = cols, .data = bits};
+    for (int pass = 0; pass < 2; pass++) {
+        k_set_scalar(pass == 0);
+        float *y = fzero(ny);
+        for (size_t t = 0; t < nx / (size_t)cols; t++) k_matvec(&M, x + t * cols, y + t * rows);
+        CLOSE(y, want, ny, (size_t)rows);
+    }
+    json_decref(j);
     pool_free();
 }

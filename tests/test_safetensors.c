@@ -145,11 +145,31 @@ TEST(st_single_file_and_buffer_check) {
     CHECK(st_count(ix) == 3 && st_nshards(ix) == 1);
     st_close(ix);
     char *data;
-    size_t n, nt = 0;
+    size_t n;
+    st_buffer_info a;
     CHECK(k3_read_file(path, &data, &n, &err) == 0);
-    CHECK(st_check_buffer(data, n, "buf", &nt, &err) == 0 && nt == 3);
-    CHECK(st_check_buffer(data, n - 1, "buf", &nt, &err) == K3_EXIT_DATA);
+    CHECK(st_check_buffer(data, n, "buf", false, &a, &err) == 0 && a.ntensors == 3);
+    CHECK(st_check_buffer(data, n - 1, "buf", false, &a, &err) == K3_EXIT_DATA);
     free(data);
+}
+
+/* The fast scanner and jansson read the peer shards identically; the shard
+ * with an escaped name is declined by the scanner and read by jansson. */
+TEST(st_fast_scanner_agrees_with_jansson) {
+    const char *files[2] = {PEER_ST "/model-00001-of-00002.safetensors", PEER_ST "/model-00002-of-00002.safetensors"};
+    for (int i = 0; i < 2; i++) {
+        char *data;
+        size_t n;
+        k3_err err = {0};
+        CHECK(k3_read_file(t_shared(files[i]), &data, &n, &err) == 0);
+        st_buffer_info a, b;
+        CHECKF(st_check_buffer(data, n, "f", false, &a, &err) == 0, "%s", err.msg);
+        CHECKF(st_check_buffer(data, n, "f", true, &b, &err) == 0, "%s", err.msg);
+        free(data);
+        CHECK(a.ntensors == b.ntensors && a.digest == b.digest && a.nmeta == b.nmeta && !b.fast);
+        CHECK(a.fast == (i == 0)); /* shard 2 holds weird\\name."with"quotes */
+        CHECK(a.nmeta == (i == 0 ? 2 : 0));
+    }
 }
 
 /* One malformed case: a directory holding just this file must be refused. */
@@ -184,7 +204,9 @@ TEST(st_malformed_files_refused) {
         {"lone_surrogate", "{\"a\\ud800\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1, 0, K3_EXIT_DATA, "bad safetensors header"},
         {"meta_not_strings", "{\"__metadata__\":{\"k\":1}}", 0, 0, K3_EXIT_DATA, "__metadata__"},
     };
-    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    for (size_t ii = 0; ii < 2 * sizeof cases / sizeof cases[0]; ii++) {
+        size_t i = ii % (sizeof cases / sizeof cases[0]);
+        setenv("K3_ST_JANSSON", ii >= sizeof cases / sizeof cases[0] ? "1" : "0", 1);
         const bad_case *c = &cases[i];
         char dir[1024], file[1100];
         snprintf(dir, sizeof dir, "%s/%s", t_outdir(), c->label);
@@ -200,6 +222,7 @@ TEST(st_malformed_files_refused) {
                c->label, err.msg, c->msg);
         CHECKF(!strchr(err.msg, '\n'), "%s: multi-line message", c->label);
     }
+    unsetenv("K3_ST_JANSSON");
 }
 
 TEST(st_zero_byte_file_missing_path_empty_dir) {
@@ -233,6 +256,8 @@ static void two_shards(const char *dir, const char *h2) {
 }
 
 static int open_with_index(const char *dir, const char *index_json, k3_err *err) {
+    static int k;
+    setenv("K3_ST_JANSSON", (k++ & 1) ? "1" : "0", 1); /* alternate the two parsers */
     char f[1100];
     snprintf(f, sizeof f, "%s/model.safetensors.index.json", dir);
     if (index_json) write_bytes(f, index_json, strlen(index_json));
@@ -258,6 +283,7 @@ TEST(st_index_json_cross_checked) {
     const char *good = "{\"metadata\":{\"total_size\":5},\"weight_map\":{"
                        "\"x\":\"model-00001-of-000002.safetensors\",\"y\":\"model-00002-of-000002.safetensors\"}}";
     CHECKF(open_with_index(d, good, &err) == 0, "%s", err.msg);
+    CHECKF(open_with_index(d, good, &err) == 0, "%s", err.msg);
     struct { const char *json, *msg; } bad[] = {
         {"{\"weight_map\":{\"x\":\"model-00001-of-000002.safetensors\",\"y\":\"model-00003-of-000002.safetensors\"}}", "not in the directory"},
         {"{\"weight_map\":{\"x\":\"model-00001-of-000002.safetensors\",\"y\":\"model-00002-of-000002.safetensors\",\"z\":\"model-00002-of-000002.safetensors\"}}", "names tensor 'z'"},
@@ -266,12 +292,14 @@ TEST(st_index_json_cross_checked) {
         {"{\"metadata\":{\"total_size\":6},\"weight_map\":{\"x\":\"model-00001-of-000002.safetensors\",\"y\":\"model-00002-of-000002.safetensors\"}}", "total_size 6"},
         {"{\"weight_map\":[]}", "no weight_map"},
         {"{\"weight_map\":{", "bad JSON"},
+        {"{\"weight_map\":{\"x\":\"model-00001-of-000002.safetensors\",\"x\":\"model-00001-of-000002.safetensors\"}}", "x"},
     };
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    for (size_t i = 0; i < 2 * sizeof bad / sizeof bad[0]; i++) {
+        size_t j = i / 2;
         memset(&err, 0, sizeof err);
-        int rc = open_with_index(d, bad[i].json, &err);
+        int rc = open_with_index(d, bad[j].json, &err);
         CHECKF(rc == K3_EXIT_DATA, "case %zu: rc %d (%s)", i, rc, err.msg);
-        CHECKF(strstr(err.msg, "model.safetensors.index.json") && strstr(err.msg, bad[i].msg), "case %zu: %s", i,
+        CHECKF(strstr(err.msg, "model.safetensors.index.json") && strstr(err.msg, bad[j].msg), "case %zu: %s", i,
                err.msg);
     }
 }

@@ -358,8 +358,10 @@ int k3_config_parse(const char *json_text, const char *name, k3_config *c, k3_er
                      c->experts_per_token, c->num_experts);
         goto out;
     }
-    if (c->num_shared_experts < 0 || c->first_k_dense_replace < 0 || c->dense_inter < 0) {
-        rc = k3_fail(err, K3_EXIT_USAGE, "%s: num_shared_experts, first_k_dense_replace and intermediate_size must not be negative",
+    /* qk_rope_head_dim 0 is allowed: NoPE means the rope slots are never
+     * rotated, so a model may simply have none (smol K3 does this) */
+    if (c->num_shared_experts < 0 || c->first_k_dense_replace < 0 || c->dense_inter < 0 || c->qk_rope_dim < 0) {
+        rc = k3_fail(err, K3_EXIT_USAGE, "%s: num_shared_experts, first_k_dense_replace, intermediate_size and qk_rope_head_dim must not be negative",
                      name);
         goto out;
     }

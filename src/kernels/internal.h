@@ -21,7 +21,15 @@ typedef struct {
     void (*vexp)(float *y, const float *x, int n);                   /* y = km_exp(x) */
     void (*subscale)(float *y, const float *a, const float *b, float s, int n); /* y = (a - b) * s */
     void (*divs)(float *y, const float *x, float d, int n);          /* y = x / d */
-    void (*rowdots)(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1);
+    /* Y[t][r] for t < n, r0 <= r < r1 (Y is [n][rows]); aux is what prepare
+     * returned for this (W, X) (NULL when prepare is NULL or declined). */
+    void *(*prepare)(const k3_mat *W, const float *X, int n);
+    void (*rowdots)(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux);
+    /* C[m][j] += sum_k A(m,k) B[k][j] for m < M, j < N, k < K, with
+     * A(m,k) = A[m*sam + k*sak]; each C element gets fma(A(m,k), B[k][j], c)
+     * for k = 0, 1, ... in order (the same bits as a loop of axpy). */
+    void (*gemm_acc)(float *C, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+                     const float *B, int ldb);
     void (*silu)(float *x, int n);
     void (*situ)(float *out, const float *gate, const float *up, int n, float b1, float b2);
     void (*sigmoid_mul)(float *y, const float *gate, int n);          /* y *= sigmoid(gate) */

@@ -115,7 +115,7 @@ void k_kda_recurrent(float *o, float *S, const float *q, const float *k, const f
  * exponent is <= 0. */
 
 typedef struct {
-    float *Q, *A, *B, *W, *KS, *EG, *dsum, *e, *ke, *c, *kd;
+    float *Q, *A, *B, *W, *KS, *EG, *KD, *QD, *dsum, *e, *ke;
 } chunk_buf;
 
 static void chunk_head(const k_vops *ops, chunk_buf *bf, float *o, float *S, const float *q,
@@ -145,27 +145,28 @@ static void chunk_head(const k_vops *ops, chunk_buf *bf, float *o, float *S, con
         ops->vexp(bf->e, bf->dsum, D);
         ops->vmul(KS + (size_t)s * D, ks, bf->e, D);
     }
-    for (int t = 0; t < L; t++) { /* forward substitution for w_t */
-        float *c = bf->c;
-        memcpy(c, ROW(v, t), (size_t)D * sizeof *c);
-        ops->vmul(bf->kd, ROW(k, t), EG + (size_t)t * D, D);
-        for (int i = 0; i < D; i++) ops->axpy(c, -bf->kd[i], S + (size_t)i * D, D);
+    /* The three products with S0 run as C += A S0 panels (gemm_acc keeps
+     * each element's FMA sequence: increasing i, exactly as a per-row loop). */
+    float *KD = bf->KD, *QD = bf->QD;
+    for (int t = 0; t < L; t++) {
+        ops->vmul(KD + (size_t)t * D, ROW(k, t), EG + (size_t)t * D, D);
+        ops->scale(KD + (size_t)t * D, KD + (size_t)t * D, -1.0f, D); /* exact negation */
+        ops->vmul(QD + (size_t)t * D, Q + (size_t)t * D, EG + (size_t)t * D, D);
+        memcpy(W + (size_t)t * D, ROW(v, t), (size_t)D * sizeof *W);
+        memset(ROW(o, t), 0, (size_t)D * sizeof *o);
+    }
+    ops->gemm_acc(W, D, L, D, KD, D, 1, D, S, D);      /* W_t = v_t - S0^T kd_t */
+    ops->gemm_acc(o, (int)P, L, D, QD, D, 1, D, S, D); /* o_t = S0^T qd_t */
+    for (int t = 0; t < L; t++) { /* forward substitution: the UT transform */
+        float *c = W + (size_t)t * D;
         for (int s = 0; s < t; s++) ops->axpy(c, -A[(size_t)t * L + s], W + (size_t)s * D, D);
-        ops->scale(W + (size_t)t * D, c, beta[(size_t)t * H], D);
+        ops->scale(c, c, beta[(size_t)t * H], D);
     }
-    for (int t = 0; t < L; t++) { /* outputs from S0 and W */
-        float *ot = ROW(o, t);
-        memset(ot, 0, (size_t)D * sizeof *ot);
-        ops->vmul(bf->kd, Q + (size_t)t * D, EG + (size_t)t * D, D);
-        for (int i = 0; i < D; i++) ops->axpy(ot, bf->kd[i], S + (size_t)i * D, D);
-        for (int s = 0; s <= t; s++) ops->axpy(ot, B[(size_t)t * L + s], W + (size_t)s * D, D);
-    }
+    for (int t = 0; t < L; t++)
+        for (int s = 0; s <= t; s++) ops->axpy(ROW(o, t), B[(size_t)t * L + s], W + (size_t)s * D, D);
     const float *EL = EG + (size_t)(L - 1) * D; /* state to the chunk end */
-    for (int i = 0; i < D; i++) {
-        float *Si = S + (size_t)i * D;
-        ops->scale(Si, Si, EL[i], D);
-        for (int s = 0; s < L; s++) ops->axpy(Si, KS[(size_t)s * D + i], W + (size_t)s * D, D);
-    }
+    for (int i = 0; i < D; i++) ops->scale(S + (size_t)i * D, S + (size_t)i * D, EL[i], D);
+    ops->gemm_acc(S, D, D, D, KS, 1, D, L, W, D); /* S += KS^T W */
 #undef ROW
 }
 
@@ -179,7 +180,7 @@ void k_kda_chunked(float *o, float *S, const float *q, const float *k, const flo
 #pragma omp parallel for schedule(static) if ((double)T * H * D * D > 32768.0)
     for (int h = 0; h < H; h++) {
         chunk_buf bf;
-        size_t tot = 4 * Cs * Ds + 2 * Cs * Cs + 5 * Ds;
+        size_t tot = 6 * Cs * Ds + 2 * Cs * Cs + 3 * Ds;
         float *mem = xmalloc_array(tot, sizeof *mem);
         float *p = mem;
         bf.Q = p; p += Cs * Ds;
@@ -191,8 +192,8 @@ void k_kda_chunked(float *o, float *S, const float *q, const float *k, const flo
         bf.dsum = p; p += Ds;
         bf.e = p; p += Ds;
         bf.ke = p; p += Ds;
-        bf.c = p; p += Ds;
-        bf.kd = p;
+        bf.KD = p; p += Cs * Ds;
+        bf.QD = p;
         float *Sh = S + (size_t)h * Ds * Ds;
         for (int t0 = 0; t0 < T; t0 += C) {
             int L = T - t0 < C ? T - t0 : C;

@@ -32,7 +32,7 @@ bool k_simd_available(void) {
 void k_set_scalar(bool scalar_only) { g_force_scalar = scalar_only; }
 
 const k_vops *k_ops(void) {
-#if defined(__x86_64__) && defined(K3_AVX512_READY)
+#if defined(__x86_64__)
     if (!g_force_scalar && k_simd_available()) return &k_avx512_ops;
 #endif
     return &k_scalar_ops;
@@ -120,6 +120,12 @@ static void s_subscale(float *y, const float *a, const float *b, float s, int n)
 static void s_divs(float *y, const float *x, float d, int n) {
     for (int j = 0; j < n; j++) y[j] = x[j] / d;
 }
+static void s_gemm_acc(float *C, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+                       const float *B, int ldb) {
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K; k++)
+            s_axpy(C + (size_t)m * ldc, A[(size_t)m * sam + (size_t)k * sak], B + (size_t)k * ldb, N);
+}
 static void s_silu(float *x, int n) {
     for (int j = 0; j < n; j++) x[j] = x[j] / (1.0f + km_exp(-x[j]));
 }
@@ -163,7 +169,8 @@ static float s_row_dot(const k3_mat *W, int r, const float *x) {
     return k_tree16(acc);
 }
 
-static void s_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1) {
+static void s_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux) {
+    (void)aux;
     for (int t = 0; t < n; t++)
         for (int r = r0; r < r1; r++)
             Y[(size_t)t * (size_t)W->rows + (size_t)r] = s_row_dot(W, r, X + (size_t)t * (size_t)W->cols);
@@ -172,7 +179,7 @@ static void s_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, 
 const k_vops k_scalar_ops = {
     .dot = s_dot, .sum = s_sum, .axpy = s_axpy, .vfma = s_vfma, .scale = s_scale, .vmul = s_vmul,
     .vadd = s_vadd, .vexp = s_vexp, .subscale = s_subscale, .divs = s_divs,
-    .rowdots = s_rowdots, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
+    .prepare = NULL, .rowdots = s_rowdots, .gemm_acc = s_gemm_acc, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
 };
 
 /* ---- products --------------------------------------------------------------- */
@@ -187,12 +194,14 @@ static void rows_driver(const k3_mat *W, const float *X, int n, float *Y, int r0
     const k_vops *ops = k_ops();
     int nb = (r1 - r0 + K_ROW_BLOCK - 1) / K_ROW_BLOCK;
     double work = (double)(r1 - r0) * (double)W->cols * (double)n;
+    void *aux = ops->prepare ? ops->prepare(W, X, n) : NULL;
 #pragma omp parallel for schedule(static) if (work > 65536.0 && nb > 1)
     for (int b = 0; b < nb; b++) {
         int a = r0 + b * K_ROW_BLOCK;
         int e = a + K_ROW_BLOCK < r1 ? a + K_ROW_BLOCK : r1;
-        ops->rowdots(W, X, n, Y, a, e);
+        ops->rowdots(W, X, n, Y, a, e, aux);
     }
+    free(aux);
 }
 
 void k_matvec(const k3_mat *W, const float *x, float *y) { rows_driver(W, x, 1, y, 0, W->rows); }
