@@ -345,10 +345,6 @@ int k3_config_parse(const char *json_text, const char *name, k3_config *c, k3_er
     };
     for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
         if ((rc = positive(&r, pos[i].k, pos[i].v))) goto out;
-    if (c->qk_rope_dim < 0) { /* 0 is valid: NoPE with no rope slot (the smol configs) */
-        rc = k3_fail(err, K3_EXIT_USAGE, "%s: qk_rope_head_dim must not be negative (got %d)", name, c->qk_rope_dim);
-        goto out;
-    }
     if (c->num_layers > K3_MAX_LAYERS) {
         rc = k3_fail(err, K3_EXIT_USAGE, "%s: num_hidden_layers %d exceeds %d", name, c->num_layers, K3_MAX_LAYERS);
         goto out;
