@@ -2,7 +2,6 @@
  * accepted as `k3 run MODEL_DIR ...` (the released engine's form). */
 #include "cli/commands.h"
 
-#include <stdarg.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -29,21 +28,6 @@ static const command commands[] = {
     {"dashboard", cmd_dashboard, &cmd_dashboard_help, "serve a live web page for training runs"},
 };
 #define NCOMMANDS (sizeof commands / sizeof commands[0])
-
-int k3_report(const k3_err *err) {
-    fprintf(stderr, "k3: %s\n", err->msg[0] ? err->msg : "unknown error");
-    return err->code ? err->code : K3_EXIT_RUNTIME;
-}
-
-int k3_usage_error(const char *cmd, const char *fmt, ...) {
-    char msg[768];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    fprintf(stderr, "k3: %s: %s (see 'k3 help %s')\n", cmd, msg, cmd);
-    return K3_EXIT_USAGE;
-}
 
 static void usage(FILE *f) {
     fprintf(f,
@@ -81,7 +65,7 @@ static int print_help(const command *c) {
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        usage(stderr);
+        fprintf(stderr, "k3: no command given (see 'k3 --help')\n");
         return K3_EXIT_USAGE;
     }
     const char *a = argv[1];

@@ -60,5 +60,8 @@ void tok_splitter_free(tok_splitter *s);
  * err) on a regex or UTF-8 error; a nonzero return from cb stops early. */
 int tok_split(const tok_splitter *s, const char *text, size_t len,
               int (*cb)(const char *piece, size_t n, void *ctx), void *ctx, k3_err *err);
+/* Strict UTF-8 check (no overlongs, surrogates or code points past U+10FFFF):
+ * the offset of the first invalid byte, or len when all of it is valid. */
+size_t tok_utf8_check(const uint8_t *p, size_t len);
 
 #endif

@@ -1,0 +1,154 @@
+/* io.c: see io.h. */
+#include "memory/io.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <liburing.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct k3_io {
+    int depth;
+    bool direct;
+    bool have_ring;
+    struct io_uring ring;
+    uint64_t bytes;
+    double seconds;
+};
+
+k3_io *k3_io_new(int depth, bool direct) {
+    k3_io *io = xcalloc(1, sizeof *io);
+    io->depth = depth < 1 ? 1 : depth;
+    io->direct = direct;
+    if (io->depth > 1 && io_uring_queue_init((unsigned)io->depth, &io->ring, 0) == 0) io->have_ring = true;
+    return io;
+}
+
+void k3_io_free(k3_io *io) {
+    if (!io) return;
+    if (io->have_ring) io_uring_queue_exit(&io->ring);
+    free(io);
+}
+
+const char *k3_io_backend(const k3_io *io) { return io->have_ring ? "io_uring" : "pread"; }
+uint64_t k3_io_bytes(const k3_io *io) { return io->bytes; }
+double k3_io_seconds(const k3_io *io) { return io->seconds; }
+
+int k3_io_open(k3_io *io, const char *path, int *fd, bool *is_direct, k3_err *err) {
+    int f = -1;
+    bool d = false;
+    if (io->direct) {
+        f = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+        if (f >= 0) d = true;
+    }
+    if (f < 0) f = open(path, O_RDONLY | O_CLOEXEC);
+    if (f < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", path, strerror(errno));
+    *fd = f;
+    if (is_direct) *is_direct = d;
+    return K3_OK;
+}
+
+void *k3_io_alloc(uint64_t size) {
+    void *p = NULL;
+    uint64_t r = (size + K3_IO_ALIGN - 1) & ~(uint64_t)(K3_IO_ALIGN - 1);
+    if (r < size || posix_memalign(&p, K3_IO_ALIGN, r ? r : K3_IO_ALIGN) != 0) {
+        fprintf(stderr, "k3: out of memory (%llu bytes)\n", (unsigned long long)size);
+        exit(K3_EXIT_RUNTIME);
+    }
+    return p;
+}
+
+uint64_t k3_io_span(uint64_t offset, uint64_t len) {
+    uint64_t a = offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+    uint64_t b = (offset + len + K3_IO_ALIGN - 1) & ~(uint64_t)(K3_IO_ALIGN - 1);
+    return b - a;
+}
+
+static int cmp_req(const void *x, const void *y) {
+    const k3_io_req *a = *(k3_io_req *const *)x, *b = *(k3_io_req *const *)y;
+    if (a->fd != b->fd) return a->fd < b->fd ? -1 : 1;
+    return a->offset < b->offset ? -1 : (a->offset > b->offset);
+}
+
+/* One aligned read; if the fd is O_DIRECT and the filesystem refuses the
+ * read (EINVAL), drop O_DIRECT on that descriptor and go on buffered: the
+ * bytes are the same, only the page cache is involved. */
+static int read_full(int fd, void *buf, uint64_t len, uint64_t off, uint64_t need, k3_err *err) {
+    uint64_t got = 0;
+    while (got < len) {
+        ssize_t r = pread(fd, (char *)buf + got, len - got, (off_t)(off + got));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0 && errno == EINVAL) {
+            int fl = fcntl(fd, F_GETFL);
+            if (fl >= 0 && (fl & O_DIRECT) && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0) continue;
+        }
+        if (r < 0)
+            return k3_fail(err, K3_EXIT_RUNTIME, "read of %llu bytes at offset %llu failed: %s",
+                           (unsigned long long)len, (unsigned long long)off, strerror(errno));
+        if (r == 0) break;
+        got += (uint64_t)r;
+    }
+    if (got < need)
+        return k3_fail(err, K3_EXIT_DATA, "short read at offset %llu: file ends %llu bytes early",
+                       (unsigned long long)off, (unsigned long long)(need - got));
+    return K3_OK;
+}
+
+int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
+    double t0 = k3_now();
+    k3_io_req **order = xmalloc_array(n ? n : 1, sizeof *order);
+    for (size_t i = 0; i < n; i++) order[i] = &reqs[i];
+    qsort(order, n, sizeof *order, cmp_req);
+    int rc = K3_OK;
+    if (!io->have_ring) {
+        for (size_t i = 0; i < n && rc == K3_OK; i++) {
+            k3_io_req *q = order[i];
+            uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+            uint64_t span = k3_io_span(q->offset, q->len);
+            rc = read_full(q->fd, q->buf, span, a, q->offset - a + q->len, err);
+            q->data = (const char *)q->buf + (q->offset - a);
+            io->bytes += span;
+        }
+    } else {
+        size_t next = 0, done = 0, inflight = 0;
+        while (done < n && rc == K3_OK) {
+            while (next < n && inflight < (size_t)io->depth) {
+                struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
+                if (!sqe) break;
+                k3_io_req *q = order[next];
+                uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+                io_uring_prep_read(sqe, q->fd, q->buf, (unsigned)k3_io_span(q->offset, q->len), a);
+                io_uring_sqe_set_data(sqe, q);
+                next++;
+                inflight++;
+            }
+            io_uring_submit(&io->ring);
+            struct io_uring_cqe *cqe;
+            int w = io_uring_wait_cqe(&io->ring, &cqe);
+            if (w < 0) { rc = k3_fail(err, K3_EXIT_RUNTIME, "io_uring wait failed: %s", strerror(-w)); break; }
+            k3_io_req *q = io_uring_cqe_get_data(cqe);
+            int res = cqe->res;
+            io_uring_cqe_seen(&io->ring, cqe);
+            inflight--;
+            done++;
+            uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+            uint64_t span = k3_io_span(q->offset, q->len), need = q->offset - a + q->len;
+            q->data = (const char *)q->buf + (q->offset - a);
+            if (res >= 0 && (uint64_t)res >= need) { io->bytes += (uint64_t)res; continue; }
+            /* short or refused: finish this one synchronously (it reports EOF precisely) */
+            rc = read_full(q->fd, q->buf, span, a, need, err);
+            io->bytes += span;
+        }
+        /* drain anything still in flight so buffers are not written later */
+        while (inflight > 0) {
+            struct io_uring_cqe *cqe;
+            if (io_uring_wait_cqe(&io->ring, &cqe) < 0) break;
+            io_uring_cqe_seen(&io->ring, cqe);
+            inflight--;
+        }
+    }
+    free(order);
+    io->seconds += k3_now() - t0;
+    return rc;
+}

@@ -1,0 +1,45 @@
+/* io.h: batched positional reads for streaming weights from disk.
+ *
+ * The engine reads large runs (a trunk layer, a routed expert's six tensors)
+ * whose offsets are not page aligned. With O_DIRECT the kernel needs aligned
+ * offsets, lengths and buffers, so each request reads the aligned superset of
+ * its range into a caller-provided aligned buffer and reports where its bytes
+ * start inside it. Batches are submitted through io_uring (several reads in
+ * flight, sorted by file and offset, which is what made expert reads fast on
+ * NVMe); where io_uring or O_DIRECT is refused, plain pread is the fallback,
+ * and the result bytes are the same either way. */
+#ifndef K3_MEMORY_IO_H
+#define K3_MEMORY_IO_H
+
+#include "util/common.h"
+
+#define K3_IO_ALIGN 4096u
+
+typedef struct {
+    int fd;                /* an fd from k3_io_open (O_DIRECT if it was allowed) */
+    uint64_t offset, len;  /* the bytes wanted */
+    void *buf;             /* K3_IO_ALIGN-aligned, capacity >= k3_io_span(offset, len) */
+    const void *data;      /* out: where the wanted bytes start inside buf */
+} k3_io_req;
+
+typedef struct k3_io k3_io;
+
+/* depth: reads in flight (1 = synchronous pread). direct: try O_DIRECT. */
+k3_io *k3_io_new(int depth, bool direct);
+void k3_io_free(k3_io *io);
+/* Opens path read-only, with O_DIRECT when the io was created with direct and
+ * the filesystem accepts it (else buffered). */
+int k3_io_open(k3_io *io, const char *path, int *fd, bool *is_direct, k3_err *err);
+/* A K3_IO_ALIGN-aligned buffer (O_DIRECT needs block alignment); free() it. */
+void *k3_io_alloc(uint64_t size);
+/* Bytes of aligned buffer needed to read [offset, offset+len). */
+uint64_t k3_io_span(uint64_t offset, uint64_t len);
+/* Reads every request (any order of completion; submission sorted by fd then
+ * offset). Short reads past end of file are an error naming the request. */
+int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err);
+/* Cumulative bytes read from disk and seconds spent waiting in k3_io_read. */
+uint64_t k3_io_bytes(const k3_io *io);
+double k3_io_seconds(const k3_io *io);
+const char *k3_io_backend(const k3_io *io); /* "io_uring" or "pread" */
+
+#endif

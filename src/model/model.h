@@ -1,0 +1,233 @@
+/* model.h: the K3 forward pass, its decode state and token sampling.
+ *
+ * Typical use (error handling elided):
+ *
+ *     k3_model *m;  k3_model_open("MODEL_DIR", NULL, &m, &err);
+ *     k3_state *s;  k3_state_new(m, max_positions, &s, &err);
+ *     float *logits = xmalloc_array(k3_model_config(m)->vocab_size, sizeof(float));
+ *     k3_forward(m, s, prompt, n_prompt, logits, false, &err);   // prefill
+ *     for (...) { int id = k3_argmax(logits, V); k3_forward(m, s, &id, 1, logits, false, &err); }
+ *     k3_state_free(s); k3_model_free(m);
+ *
+ * Arithmetic contract. Every token is computed with the same per-token
+ * arithmetic whether it arrives in a prefill batch or alone: batch products
+ * use k_matmul (same bits as k_matvec per row), KDA uses the recurrent kernel,
+ * MLA attends position by position. So feeding a sequence in any split (one
+ * prefill, token by token, or a full recompute) gives the same logits bits,
+ * and so does any thread count (kernels split rows, never a reduction).
+ *
+ * Layer graph: k3-checkpoint-format.md section 6 (AttnRes section 7, KDA 8,
+ * MLA 9, LatentMoE 10, dense MLP 11, head 12); the equations are in model.c.
+ * Everything is computed in f32; BF16 weights stay BF16 in memory. */
+#ifndef K3_MODEL_H
+#define K3_MODEL_H
+
+#include "formats/config.h"
+#include "kernels/kernels.h"
+#include "util/common.h"
+
+typedef struct k3_model k3_model;
+typedef struct k3_state k3_state;
+
+/* ---- opening a model -------------------------------------------------- */
+typedef struct {
+    int layers;            /* run only the first N layers (0: all); --layers */
+    bool peer_mla_eps;     /* MLA latent norms use rms_norm_eps (the peer's 1e-5)
+                              instead of the released fixed 1e-6 (spec section 9) */
+} k3_model_opts;
+
+/* Opens a model directory (config.json + *.safetensors in the released layout,
+ * spec section 3). opts may be NULL. Errors: K3_EXIT_USAGE for a missing
+ * directory or an invalid config, K3_EXIT_DATA for a missing tensor or a wrong
+ * shape/dtype (one line naming the tensor), K3_EXIT_RUNTIME for I/O. */
+int k3_model_open(const char *dir, const k3_model_opts *opts, k3_model **out, k3_err *err);
+/* Opens the peer oracle's flat f32 blob (tiny_k3.json + tiny_k3.bin: tensor
+ * name -> element offset and shape, names with '.' -> '_'); for tests. */
+int k3_model_open_blob(const char *json_path, const char *bin_path, const k3_model_opts *opts,
+                       k3_model **out, k3_err *err);
+void k3_model_free(k3_model *m);
+
+/* The effective config (num_layers already cut to opts.layers). */
+const k3_config *k3_model_config(const k3_model *m);
+/* Bytes of weights held in memory (mapped or allocated) by this model. */
+uint64_t k3_model_weight_bytes(const k3_model *m);
+
+/* ---- decode state ----------------------------------------------------- */
+/* Per-layer state: KDA recurrent S [H][D][D] and the ShortConv history (last
+ * K-1 pre-conv inputs of q, k, v); MLA latent cache (r_kv + d_rope floats per
+ * position: the normalised c_kv and the raw shared rope key); plus scratch for
+ * a prefill chunk. Sized for max_pos positions at creation. */
+typedef struct {
+    uint64_t kda_bytes;      /* KDA S + conv history, all KDA layers */
+    uint64_t mla_bytes;      /* latent cache at max_pos, all MLA layers */
+    uint64_t scratch_bytes;  /* activations of one prefill chunk */
+    uint64_t total;          /* sum of the three */
+} k3_state_plan;
+k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos);
+int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err);
+void k3_state_reset(k3_state *s);  /* back to position 0, state zeroed */
+void k3_state_free(k3_state *s);
+int k3_state_pos(const k3_state *s);
+
+/* ---- forward ----------------------------------------------------------- */
+/* Feeds n >= 1 tokens at the state's position and advances it by n.
+ * logits: NULL (none computed), [n][V] when all_logits, else [V] for the last
+ * token. Errors: an id outside [0, V) or a full state -> K3_EXIT_USAGE (the
+ * state is left unchanged); a weight-source failure passes its code through. */
+int k3_forward(k3_model *m, k3_state *s, const int32_t *ids, int n, float *logits, bool all_logits,
+               k3_err *err);
+
+/* ---- sampling ------------------------------------------------------------ */
+/* Greedy: the largest logit, lowest index among equals. */
+int k3_argmax(const float *logits, int n);
+
+typedef struct {
+    float temperature;  /* <= 0: greedy (the other fields are ignored) */
+    int top_k;          /* 0: off */
+    float top_p;        /* 1 (or >= 1): off */
+    float min_p;        /* 0: off; keep tokens with p >= min_p * p_max */
+    uint64_t seed;
+    uint64_t rng;       /* PRNG state, set by k3_sampler_init */
+    float *probs;       /* scratch, [V] */
+    int *order;         /* scratch, [V] */
+    int n;
+} k3_sampler;
+void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p,
+                     float min_p, uint64_t seed);
+void k3_sampler_free(k3_sampler *sp);
+/* Draws the next id. Reproducible for a seed: the same logits sequence gives the
+ * same ids on every machine (own PRNG, f64 cumulative sums in a fixed order). */
+int k3_sample(k3_sampler *sp, const float *logits);
+
+/* ======================================================================
+ * Lower level: bound weights and per-module functions. Used by model.c, the
+ * unit tests (peer module fixtures) and weight sources that stream layers or
+ * experts from disk instead of holding them (issue 4).
+ * ====================================================================== */
+
+typedef struct { k3_mat gate, up, down; } k3_mlp_w;            /* SiTU-GLU MLP */
+typedef struct { k3_mat w1, w3, w2; } k3_expert_w;            /* gate, up, down (latent) */
+
+typedef struct {
+    k3_mat q, k, v;              /* [P][E] */
+    float *conv[3];              /* q, k, v depthwise taps [P][K] */
+    k3_mat f_a, f_b;             /* [D][E], [P][D] */
+    float *A_log;                /* [H] (first H stored values) */
+    float *dt_bias;              /* [P] */
+    k3_mat b;                    /* [H][E] */
+    k3_mat g;                    /* [P][E] full-rank output gate */
+    float *o_norm;               /* [D] shared by all heads */
+    k3_mat o;                    /* [E][P] */
+} k3_kda_w;
+
+typedef struct {
+    k3_mat q_a;                  /* [r_q][E] (q_lora_rank > 0) */
+    float *q_a_norm;             /* [r_q] */
+    k3_mat q_b;                  /* [H(d_n+d_r)][r_q], or q_proj [H(d_n+d_r)][E] when r_q == 0 */
+    k3_mat kv_a;                 /* [r_kv + d_r][E] */
+    float *kv_a_norm;            /* [r_kv] */
+    k3_mat kv_b;                 /* [H(d_n+d_v)][r_kv] */
+    k3_mat o;                    /* [E][H d_v] */
+    k3_mat g;                    /* [H d_v][E]; rows == 0 when the config has no output gate */
+} k3_mla_w;
+
+typedef struct {
+    k3_mat router;               /* [N_e][E] */
+    float *router_bias;          /* [N_e] selection-only bias */
+    k3_mat down;                 /* W_down [l][E] */
+    float *norm;                 /* [l] RMSNorm of the routed aggregate; NULL when off */
+    k3_mat up;                   /* W_up [E][l] */
+    k3_mlp_w shared;             /* fused shared experts, width N_s*I; rows == 0 if none */
+    k3_expert_w *experts;        /* [N_e] when resident; NULL when a source serves them */
+} k3_moe_w;
+
+typedef struct {
+    char kind;                   /* 'K' KDA or 'M' MLA */
+    bool dense;                  /* dense MLP instead of LatentMoE */
+    float *attn_res_q, *mlp_res_q;  /* AttnRes pseudo-query with the key-norm gain folded in: gamma*w [E] */
+    float *input_norm, *post_norm;  /* [E] */
+    k3_kda_w kda;
+    k3_mla_w mla;
+    k3_mlp_w mlp;                /* dense layers */
+    k3_moe_w moe;                /* MoE layers */
+} k3_layer_w;
+
+/* Where weights come from. The default source serves everything from memory
+ * (mapped shards or the blob); a streaming source (issue 4) replaces it with
+ * k3_model_set_source. Calls are made in forward order: layer_get(L) before
+ * layer L computes and layer_put(L) after; experts_get once per layer per
+ * forward call with the union of the chunk's selected experts (ascending,
+ * distinct), filling ex[i] for ids[i]; experts_put when done with them. */
+typedef struct {
+    void *ctx;
+    int (*layer_get)(void *ctx, int layer, const k3_layer_w **w, k3_err *err);
+    void (*layer_put)(void *ctx, int layer);
+    int (*experts_get)(void *ctx, int layer, const int *ids, int n, k3_expert_w *ex, k3_err *err);
+    void (*experts_put)(void *ctx, int layer, const int *ids, int n);
+} k3_weight_source;
+void k3_model_set_source(k3_model *m, const k3_weight_source *src); /* NULL: back to resident */
+
+/* Tensor lookup used by the binder: name is relative, in the released
+ * spelling ("embed_tokens.weight", "lm_head.weight", "self_attn.q_proj.weight",
+ * "block_sparse_moe.experts.3.w1.weight_packed", ...) with layer >= 0 for a
+ * layer's tensors and -1 for model-level ones. Returns K3_OK and fills t, 1 when
+ * the tensor does not exist, or an error code. data must stay valid while the
+ * model lives; it need not be aligned (the binder copies when it is not). */
+typedef enum { KT_F32 = 0, KT_F16, KT_BF16, KT_U8 } k3_tdtype;
+typedef struct {
+    k3_tdtype dtype;
+    int rank;
+    int64_t shape[4];
+    const void *data;
+    const char *where;           /* full name / file for messages */
+} k3_tensor;
+typedef int (*k3_lookup_fn)(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err);
+/* (On "absent" the lookup still sets t->where to the full name it looked for.) */
+
+/* The peer blob / peer fixture spelling of a relative released name: dots become
+ * '_' and the MoE members take the reference module's names (gate -> mlp_gate,
+ * routed_expert_down_proj -> mlp_down, shared_experts.gate_proj -> mlp_shared_w1,
+ * experts.E.w1 -> mlp_experts_E_w1, ...). layer >= 0 prefixes "layers_L_" only
+ * when with_layer_prefix. Returns false when buf is too small. */
+bool k3_peer_name(int layer, bool with_layer_prefix, const char *name, char *buf, size_t n);
+
+/* Binds layer L's tensors (checking every shape and dtype against cfg) into w;
+ * allocations are recorded in *owned (free with k3_owned_free). */
+typedef struct { void **ptrs; size_t n, cap; uint64_t bytes; } k3_owned;
+int k3_bind_layer(const k3_config *cfg, int L, k3_lookup_fn fn, void *ctx, k3_layer_w *w,
+                  k3_owned *owned, k3_err *err);
+void k3_owned_free(k3_owned *o);
+/* Records p (malloc'd, `bytes` long) in o and returns it. */
+void *k3_own(k3_owned *o, void *p, uint64_t bytes);
+
+/* Module functions on T positions (rows of [T][E] activations), exactly as
+ * the model uses them. pos0 is the absolute position of row 0 (MLA). */
+typedef struct {
+    float *S;                    /* [H][D][D] */
+    float *conv;                 /* [3][P][K-1]: q, k, v histories, oldest first */
+} k3_kda_state;
+typedef struct {
+    float *latent;               /* [max_pos][r_kv + d_r] */
+    int max_pos;
+} k3_mla_cache;
+
+/* AttnRes: out[t] = sum_i softmax_i(<v_i[t], q> / rms(v_i[t])) v_i[t] over
+ * sources src[0..nsrc) each [T][E]. */
+void k3_attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
+                float *out);
+void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y);
+void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
+            const float *x, int T, float *y);
+/* experts: [N_e] bound experts (any selection may be used). */
+void k3_moe(const k3_config *c, const k3_moe_w *w, const k3_expert_w *experts, const float *x, int T,
+            float *y);
+void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y);
+/* One decoder layer (section 6) on T positions. buf[0..*nb) hold the completed
+ * block vectors and buf[*nb] the running partial sum, each [T][E]; at a block
+ * boundary (L % attn_res_block_size == 0) the partial becomes block *nb, *nb
+ * grows by one and the new partial is written to buf[*nb] (so buf needs one
+ * spare entry). ks / mc: the layer's KDA state or MLA cache (the other unused). */
+int k3_layer(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_kda_state *ks, k3_mla_cache *mc,
+             int pos0, float **buf, int *nb, int T, k3_err *err);
+
+#endif
