@@ -297,19 +297,25 @@ static void emit_token(run_ctx *r, int32_t id) {
     }
 }
 
-/* Feeds the prompt; when dumping, in slices so every prompt row is written
- * without holding [n][V]. Leaves the last row's logits in r->logits[0..V). */
+/* Feeds the prompt in slices (a progress bar for long prompts; when dumping,
+ * every prompt row is written without holding [n][V]); the split does not
+ * change the logits bits. Leaves the last row's logits in r->logits[0..V). */
 static int prefill(run_ctx *r, k3_err *err) {
     size_t V = (size_t)k3_model_config(r->m)->vocab_size;
-    if (!r->dumping) return k3_forward(r->m, r->s, r->seq, (int)r->nprompt, r->logits, false, err);
     const size_t slice = 64;
+    k3_progress pb;
+    k3_progress_start(&pb, "prefill", r->nprompt, false);
+    if (r->a->quiet) pb.enabled = false;
     for (size_t i = 0; i < r->nprompt; i += slice) {
         size_t n = r->nprompt - i < slice ? r->nprompt - i : slice;
-        int rc = k3_forward(r->m, r->s, r->seq + i, (int)n, r->logits, true, err);
-        if (!rc) rc = dump_rows(&r->df, r->logits, n * V, err);
+        bool last = i + n == r->nprompt;
+        int rc = k3_forward(r->m, r->s, r->seq + i, (int)n, r->dumping || last ? r->logits : NULL, r->dumping, err);
+        if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, n * V, err);
         if (rc) return rc;
-        if (n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
+        if (r->dumping && n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
+        k3_progress_update(&pb, i + n);
     }
+    k3_progress_finish(&pb);
     return K3_OK;
 }
 
