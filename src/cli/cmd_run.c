@@ -127,6 +127,10 @@ static int parse_args(int argc, char **argv, run_args *a) {
 #define NEED_VALUE() \
     do { if (!v) return k3_usage_error("run", "%s needs a value", o); i++; } while (0)
         int64_t n;
+        if (!strcmp(o, "--help") || !strcmp(o, "-h")) { /* reached through `k3 MODEL_DIR --help` */
+            fputs(cmd_run_help, stdout);
+            return -1;
+        }
         if (o[0] != '-' || !o[1]) {
             if (a->model_dir) return k3_usage_error("run", "unexpected argument '%s'", o);
             a->model_dir = o;
@@ -485,6 +489,7 @@ done:
 int cmd_run(int argc, char **argv) {
     run_args a;
     int rc = parse_args(argc, argv, &a);
+    if (rc < 0) return K3_OK; /* --help */
     if (rc) return rc;
     k3_err err = {0};
     rc = run(&a, &err);
