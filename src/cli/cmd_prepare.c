@@ -42,9 +42,8 @@ const char *const cmd_prepare_help =
     "\n"
     "tokenizer:\n"
     "  --vocab-size N             total ids, specials included (default 8192). The\n"
-    "                             tokenizer layout keeps 256 special ids after the BPE\n"
-    "                             tokens (<|endoftext|> is the first), so N-256 are BPE\n"
-    "                             tokens; at least 512\n"
+    "                             one id after the BPE tokens is the special\n"
+    "                             <|endoftext|>, so N-1 are BPE tokens; at least 257\n"
     "  --tokenizer-stories N      train on the first N training stories (default all)\n"
     "  --pattern kimi|gpt2        pre-tokenizer pattern (default kimi)\n"
     "  --tokenizer DIR            reuse the tokenizer in DIR instead of training one\n"
@@ -54,7 +53,10 @@ const char *const cmd_prepare_help =
     "line and exit 2.\n";
 
 #define EOT_TEXT "<|endoftext|>"
-#define N_RESERVED 256 /* special ids after the ranks, as tok_load lays them out */
+/* Special ids after the BPE ranks. The Kimi layout reserves 256; a trained
+ * tokenizer records its own count ("num_reserved_special_tokens") so a small
+ * vocabulary is not spent on unused specials: just <|endoftext|>. */
+#define N_RESERVED 1
 
 typedef enum { FMT_AUTO, FMT_STORIES, FMT_TEXT, FMT_JSONL } fmt_t;
 
@@ -441,9 +443,9 @@ int cmd_prepare(int argc, char **argv) {
     if (!rc && !out_dir) rc = k3_usage_error("prepare", "--output-dir DIR is required");
     if (!rc && have_val_stories + have_val_frac + (n_vin > 0) > 1)
         rc = k3_usage_error("prepare", "give only one of --validation-input, --validation-stories, --validation-fraction");
-    if (!rc && !tok_dir && vocab < 2 * N_RESERVED)
-        rc = k3_usage_error("prepare", "--vocab-size %llu is too small: the 256 byte tokens and %d special ids need at least %d",
-                            (unsigned long long)vocab, N_RESERVED, 2 * N_RESERVED);
+    if (!rc && !tok_dir && vocab < 256 + N_RESERVED)
+        rc = k3_usage_error("prepare", "--vocab-size %llu is too small: the 256 byte tokens and %d special id%s need at least %d",
+                            (unsigned long long)vocab, N_RESERVED, N_RESERVED == 1 ? "" : "s", 256 + N_RESERVED);
     if (rc) {
         free(inputs);
         free(vinputs);

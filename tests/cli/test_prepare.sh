@@ -26,9 +26,10 @@ expect_out_contains prepare_valid "bytes/token"
 [ "$(json_num "$D/stats.json" validation stories)" = 100 ] && pass stats_val_stories || fail stats_val_stories
 [ "$(json_num "$D/stats.json" "" vocab_size)" = 1024 ] && pass stats_vocab || fail stats_vocab
 [ "$(json_num "$D/stats.json" "" tokenizer_stories)" = 600 ] && pass stats_tok_stories || fail stats_tok_stories
-# 768 BPE ranks (1024 - 256 special ids), <|endoftext|> right after them
-[ "$(wc -l <"$D/tiktoken.model")" = 768 ] && pass ranks_768 || fail ranks_768
-grep -q '"768"' "$D/tokenizer_config.json" && pass eot_id_768 || fail eot_id_768
+# 1023 BPE ranks (1024 - 1 special id), <|endoftext|> right after them
+[ "$(wc -l <"$D/tiktoken.model")" = 1023 ] && pass ranks_1023 || fail ranks_1023
+grep -q '"1023"' "$D/tokenizer_config.json" && pass eot_id_1023 || fail eot_id_1023
+grep -q '"num_reserved_special_tokens": 1' "$D/tokenizer_config.json" && pass reserved_1 || fail reserved_1
 # the story bytes add up: 803,233 file bytes minus, per story, the newline
 # ending its last line and the 14-byte line "<|endoftext|>\n"
 tb=$(json_num "$D/stats.json" train bytes); vb=$(json_num "$D/stats.json" validation bytes)
@@ -70,7 +71,7 @@ expect_err_contains err_missing "nope.txt"
 : >"$OUT/empty.txt"
 expect_exit err_empty 2 $K3 prepare --input "$OUT/empty.txt" --output-dir "$OUT/e"
 expect_err_contains err_empty "empty corpus"
-expect_exit err_vocab 2 $K3 prepare --input "$VALID" --output-dir "$OUT/e" --vocab-size 300
+expect_exit err_vocab 2 $K3 prepare --input "$VALID" --output-dir "$OUT/e" --vocab-size 256
 expect_err_contains err_vocab "too small"
 expect_exit err_no_input 2 $K3 prepare --output-dir "$OUT/e"
 expect_exit err_no_output 2 $K3 prepare --input "$VALID"
