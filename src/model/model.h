@@ -34,6 +34,11 @@ typedef struct {
     int layers;            /* run only the first N layers (0: all); --layers */
     bool peer_mla_eps;     /* MLA latent norms use rms_norm_eps (the peer's 1e-5)
                               instead of the released fixed 1e-6 (spec section 9) */
+    int kda_chunk;         /* > 0: multi-token calls (prefill) use the chunkwise
+                              KDA form with this chunk length. Faster for long
+                              prompts, equal to fp32 rounding but NOT bitwise to
+                              the recurrent form, so prefill and token-by-token
+                              logits then differ in the last bits. 0: recurrent. */
 } k3_model_opts;
 
 /* Opens a model directory (config.json + *.safetensors in the released layout,
@@ -68,6 +73,9 @@ int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err);
 void k3_state_reset(k3_state *s);  /* back to position 0, state zeroed */
 void k3_state_free(k3_state *s);
 int k3_state_pos(const k3_state *s);
+/* Scratch bytes that had to come from the heap because the plan was short
+ * (0 when k3_state_size is right; the tests check it). */
+uint64_t k3_state_scratch_overflow(const k3_state *s);
 
 /* ---- forward ----------------------------------------------------------- */
 /* Feeds n >= 1 tokens at the state's position and advances it by n.
