@@ -263,3 +263,81 @@ TEST(export_bf16_and_mxfp4_logits_close_to_training_forward) {
     json_decref(j);
     tm_free(&m);
 }
+
+/* ---- the shipped default model (models/default, docs/default-model.md) ------------------- */
+
+/* The shipped model has learned TinyStories: on the second story of the
+ * held-out valid.txt (no story of it was trained on) its teacher-forced loss is
+ * far below the untrained ln(2048) = 7.62 (measured: see the printed figure and
+ * docs/default-model.md), and its greedy continuation of "Once upon a time" is
+ * text. Skips when the model directory is absent (a checkout without it). */
+#include "tokenizer/tokenizer.h"
+TEST(export_default_model_predicts_stories) {
+    const char *dir = t_repo("models/default");
+    k3_model *km;
+    k3_err err = {0};
+    char cfgp[1100];
+    snprintf(cfgp, sizeof cfgp, "%s/config.json", dir);
+    FILE *f = fopen(cfgp, "rb");
+    if (!f) SKIP("no models/default");
+    fclose(f);
+    CHECKF(k3_model_open(dir, NULL, &km, &err) == 0, "%s", err.msg);
+    k3_tokenizer *tok;
+    CHECKF(tok_load(dir, &tok, &err) == 0, "%s", err.msg);
+    char *text;
+    size_t len;
+    CHECK(k3_read_file(t_shared("data/tinystories/valid.txt"), &text, &len, &err) == 0);
+    const char *s = strstr(text, "<|endoftext|>\n");
+    CHECK(s);
+    s += strlen("<|endoftext|>\n");
+    const char *e = strstr(s, "<|endoftext|>");
+    CHECK(e);
+    int32_t *ids;
+    size_t n;
+    CHECK(tok_encode(tok, s, (size_t)(e - s), false, &ids, &n, &err) == 0);
+    if (n > 128) n = 128;
+    const int V = k3_model_config(km)->vocab_size;
+    k3_state *st;
+    CHECK(k3_state_new(km, (int)n + 16, &st, &err) == 0);
+    float *lg = xmalloc_array(n * (size_t)V, sizeof(float));
+    CHECK(k3_forward(km, st, ids, (int)n, lg, true, &err) == 0);
+    double loss = 0;
+    for (size_t t = 0; t + 1 < n; t++) {
+        const float *r = lg + t * V;
+        double mx = -INFINITY, z = 0;
+        for (int v = 0; v < V; v++) mx = fmax(mx, r[v]);
+        for (int v = 0; v < V; v++) z += exp(r[v] - mx);
+        loss += mx + log(z) - r[ids[t + 1]];
+    }
+    loss /= (double)(n - 1);
+    printf("  models/default: loss %.3f on %zu tokens of a held-out story\n", loss, n);
+    CHECKF(loss < 3.0, "loss %.3f", loss);
+    /* greedy continuation of "Once upon a time": 16 tokens of text */
+    int32_t *p;
+    size_t np;
+    CHECK(tok_encode(tok, "Once upon a time", 16, false, &p, &np, &err) == 0);
+    k3_state_reset(st);
+    CHECK(k3_forward(km, st, p, (int)np, lg, false, &err) == 0);
+    int32_t out[16];
+    int ng = 0;
+    for (; ng < 16; ng++) {
+        out[ng] = k3_argmax(lg, V);
+        if (out[ng] >= tok_n_base(tok)) break;
+        CHECK(k3_forward(km, st, &out[ng], 1, lg, false, &err) == 0);
+    }
+    uint8_t *b;
+    size_t bl;
+    CHECK(ng >= 8 && tok_decode(tok, out, (size_t)ng, &b, &bl, &err) == 0);
+    int letters = 0;
+    for (size_t i = 0; i < bl; i++) letters += (b[i] >= 'a' && b[i] <= 'z');
+    printf("  greedy: Once upon a time%.*s\n", (int)bl, (const char *)b);
+    CHECK(letters >= 10);
+    free(b);
+    free(p);
+    free(lg);
+    free(ids);
+    free(text);
+    k3_state_free(st);
+    tok_free(tok);
+    k3_model_free(km);
+}

@@ -61,4 +61,16 @@ expect_exit bad_experts 2 $K3 export "$CK" "$E/o7" --experts int4
 expect_exit one_argument 2 $K3 export "$CK"
 touch "$E/file"
 expect_exit out_is_a_file 2 $K3 export "$CK" "$E/file" --no-tokenizer
+
+# the shipped default model (docs/default-model.md): loads, decodes a few ids, fits the size cap
+M=models/default
+if [ -s "$M/config.json" ]; then
+  expect_exit default_model_ids 0 $K3 run "$M" --ids 1,2,3 --gen 8 --quiet --out "$OUT/default.json"
+  tr -d ' \n' < "$OUT/default.json" | grep -qE '"generated_ids":\[[0-9]+(,[0-9]+)*\]' && pass default_model_generates \
+    || fail default_model_generates "$(head -c 300 "$OUT/default.json")"
+  size=$(cat "$M"/* | wc -c)
+  [ "$size" -le 25000000 ] && pass default_model_size || fail default_model_size "$size bytes"
+else
+  echo "SKIP default_model: no $M"
+fi
 finish
