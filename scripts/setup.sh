@@ -10,14 +10,18 @@ set -euo pipefail
 BUILD_PKGS="build-essential pkg-config libjansson-dev libpcre2-dev libmicrohttpd-dev liburing-dev"
 # Tests: PyTorch + NumPy for the reference tools (fixtures are committed, so these
 # are only needed to regenerate them), Node.js/npm for the tiktoken cross-check,
-# Chromium for the dashboard end-to-end test, util-linux for prlimit.
-TEST_PKGS="python3 python3-numpy util-linux nodejs clang"
+# Chromium (driven by npm playwright-core) for the dashboard end-to-end test,
+# curl for the dashboard's HTTP tests, util-linux for prlimit.
+TEST_PKGS="python3 python3-numpy util-linux nodejs clang chromium curl"
 
 want="$BUILD_PKGS"
 case "${1:-}" in
   --test) want="$BUILD_PKGS $TEST_PKGS" ;;
-  --dev)  want="$BUILD_PKGS $TEST_PKGS python3-torch chromium" ;;
+  --dev)  want="$BUILD_PKGS $TEST_PKGS python3-torch" ;;
 esac
+# Debian's nodejs comes without npm (a separate package); a Node.js that already
+# has npm (such as NodeSource's) must not get Debian's npm, which conflicts with it.
+if [ "$want" != "$BUILD_PKGS" ] && ! command -v npm >/dev/null 2>&1; then want="$want npm"; fi
 
 missing=()
 for p in $want; do
@@ -30,4 +34,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# The dashboard end-to-end test's npm packages (playwright-core, no browser
+# download: it drives Debian's /usr/bin/chromium), exactly as package-lock.json says.
+e2e="$(cd "$(dirname "$0")/.." && pwd)/tests/e2e"
+if [ "$want" != "$BUILD_PKGS" ] && [ ! -d "$e2e/node_modules/playwright-core" ]; then
+  echo "k3 setup: npm ci in tests/e2e" >&2
+  (cd "$e2e" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
 fi

@@ -315,8 +315,11 @@ def load_config(path):
 class Weights:
     """Name resolution (released prefix or bare), float64 conversion, MXFP4 experts."""
 
-    def __init__(self, src, cfg, cache_experts=True):
+    def __init__(self, src, cfg, cache_experts=True, dtype=F64):
         self.src, self.cfg = src, cfg
+        # float64 is the reference; float32 exists only to estimate how far an fp32
+        # engine can drift on a given model (the fixture conditioning check)
+        self.dtype = dtype
         self.cache = {}
         self.cache_experts = cache_experts
 
@@ -337,7 +340,7 @@ class Weights:
         n = self._resolve(name)
         if n is None:
             raise RefError(f"missing tensor {name}")
-        t = self.src.f64(n)
+        t = self.src.f64(n).to(self.dtype)
         if shape is not None and list(t.shape) != list(shape):
             raise RefError(f"tensor {name}: shape {list(t.shape)}, want {list(shape)}")
         self.cache[name] = t
@@ -364,6 +367,7 @@ class Weights:
             t = mxfp4_dequant(np.asarray(p), np.asarray(s), self.cfg.group)
         else:
             t = self.get(base + ".weight")
+        t = t.to(self.dtype)
         if list(t.shape) != [rows, cols]:
             raise RefError(f"{base}: shape {list(t.shape)}, want {[rows, cols]}")
         if self.cache_experts:
@@ -371,13 +375,13 @@ class Weights:
         return t
 
 
-def open_model(path=None, blob=None, cache_experts=True):
+def open_model(path=None, blob=None, cache_experts=True, dtype=F64):
     if blob:
         fb = FlatBlob(blob)
         cfg = Config(fb.meta, blob)
-        return cfg, Weights(fb, cfg, cache_experts)
+        return cfg, Weights(fb, cfg, cache_experts, dtype)
     cfg = load_config(path)
-    return cfg, Weights(SafetensorsDir(path), cfg, cache_experts)
+    return cfg, Weights(SafetensorsDir(path), cfg, cache_experts, dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -448,8 +452,8 @@ def kda_attention(cfg, W, l, x, want_state=False):
     else:
         g = -A * torch.nn.functional.softplus(zb)
     alpha = torch.exp(g)                                                    # [T,H,D]
-    S = torch.zeros(H, D, D, dtype=F64)
-    o = torch.zeros(T, H, D, dtype=F64)
+    S = torch.zeros(H, D, D, dtype=x.dtype)
+    o = torch.zeros(T, H, D, dtype=x.dtype)
     for t in range(T):
         S = alpha[t].unsqueeze(2) * S
         u = torch.einsum("hij,hi->hj", S, k[t])
@@ -519,7 +523,7 @@ def route(cfg, W, l, x):
         ss = torch.gather(sel, 1, order)
         margin = ss[:, cfg.topk - 1] - ss[:, cfg.topk]
     else:
-        margin = torch.full((x.shape[0],), float("inf"), dtype=F64)
+        margin = torch.full((x.shape[0],), float("inf"), dtype=x.dtype)
     p = torch.gather(s, 1, idx)
     if cfg.renorm and cfg.topk > 1:
         p = p / (p.sum(1, keepdim=True) + 1e-20)
@@ -538,7 +542,7 @@ def moe(cfg, W, l, x, stats=None):
         z = linear(x, W.layer(l, m + "routed_expert_down_proj.weight", [lat, E]))
     else:
         lat, z = E, x
-    u = torch.zeros(T, lat, dtype=F64)
+    u = torch.zeros(T, lat, dtype=x.dtype)
     I = cfg.I
     for e in torch.unique(idx).tolist():
         rows, slot = (idx == e).nonzero(as_tuple=True)
@@ -611,6 +615,8 @@ def forward(cfg, W, ids, latent_eps=RELEASE_MLA_LATENT_EPS, n_layers=None, stats
         partial = partial + mlp(rmsnorm(m, lw("post_attention_layernorm.weight", [E]), cfg.eps))
         if stats is not None:
             stats.setdefault("max_abs_partial", []).append(float(partial.abs().max()))
+            if "capture" in stats:
+                stats["capture"].append(partial.clone())
     if cfg.S is None:
         x = partial
     else:
@@ -718,7 +724,27 @@ def peer_check(shared, latent_eps):
     got = lg[:, :want.shape[1]].numpy()
     ok &= _ok(np.abs(got - want).max() <= 2e-5,
               f"ref_k3 logits_head max|d| {np.abs(got - want).max():.3g} (fixture printed to 6 decimals)")
-    # 3. module fixtures (ops/) through the same functions
+    # 3. MXFP4 decoding on real released bytes, and our quantiser round trip
+    d = json.load(open(os.path.join(peer, "mxfp4.json")))
+    pk = np.array(d["packed"]["data"], dtype=np.uint8).reshape(d["packed"]["shape"])
+    sc = np.array(d["scales"]["data"], dtype=np.uint8).reshape(d["scales"]["shape"])
+    got = mxfp4_dequant(pk, sc, d["group_size"]).numpy()
+    want = np.array(d["expected"]["data"], dtype=np.float64).reshape(d["expected"]["shape"])
+    ok &= _ok(np.array_equal(got, want) and np.array_equal(np.signbit(got), np.signbit(want)),
+              "mxfp4.json: real released bytes decode bit-exactly (incl. -0)")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gen_checkpoint
+    rng = np.random.default_rng(5)
+    w = (rng.standard_normal((64, 256)) * np.exp(rng.uniform(-6, 2, (64, 1)))).astype(np.float32)
+    qp, qs = gen_checkpoint.mx_quantize(w)
+    back = mxfp4_dequant(qp, qs).numpy()
+    g = np.abs(w.reshape(64, 8, 32)).max(2)
+    step = np.ldexp(1.0, qs.astype(np.int64) - 127)          # E2M1 unit of each group
+    covers = bool((g <= 6 * step).all() and (g > 3 * step).all())
+    half = np.repeat(step, 32, axis=1)                           # worst gap between codes is 2 units
+    ok &= _ok(covers and bool((np.abs(back - w) <= half + 1e-30).all()),
+              "gen_checkpoint MXFP4 quantiser: scale covers each group max, error <= half a step")
+    # 4. module fixtures (ops/) through the same functions
     ok &= ops_check(os.path.join(peer, "ops"), latent_eps)
     return ok
 
@@ -817,7 +843,9 @@ def result_json(res, cfg, latent_eps, head=None):
         "vocab_size": cfg.V,
         "logits_cols": rows.shape[1],
         "min_top2_margin": res["min_top2_margin"],
-        "min_router_margin": res["min_router_margin"],
+        # null when k == N_e (no selection to flip); JSON has no Infinity
+        "min_router_margin": (res["min_router_margin"]
+                              if math.isfinite(res["min_router_margin"]) else None),
         "logits": [[float("%.9g" % v) for v in r] for r in rows.tolist()],
     }
 

@@ -125,8 +125,8 @@ def inventory(c):
             for e in range(c.Ne):
                 x = m + "experts.%d." % e
                 out.append((x + "w1.weight", [c.I, c.lat], "muon", "routed experts"))
-                out.append((x + "w2.weight", [c.lat, c.I], "muon", "routed experts"))
                 out.append((x + "w3.weight", [c.I, c.lat], "muon", "routed experts"))
+                out.append((x + "w2.weight", [c.lat, c.I], "muon", "routed experts"))
     out.append((P_MODEL + "norm.weight", [E], "adamw_nd", "final norm+attnres"))
     out.append((P_MODEL + "output_attn_res_norm.weight", [E], "adamw_nd", "final norm+attnres"))
     out.append((P_MODEL + "output_attn_res_proj.weight", [1, E], "adamw", "final norm+attnres"))
@@ -425,6 +425,30 @@ def make_params(c, gen):
     return P
 
 
+def init_params(c, gen):
+    """The trainer's initialisation (same distributions as tm_init in
+    src/train/train.c, drawn from torch's generator): norm gains 1,
+    pseudo-queries 0, A_log 0, dt_bias inverse-softplus of LogUniform(1e-3,
+    1e-1), conv taps U(+-1/sqrt(K)), every other matrix N(0, 0.02^2)."""
+    P = {}
+    for name, shape, group, comp in inventory(c):
+        if name.endswith("norm.weight") or "layernorm" in name:
+            t = torch.ones(shape)
+        elif name.endswith("res_proj.weight") or name.endswith("A_log"):
+            t = torch.zeros(shape)
+        elif name.endswith("dt_bias"):
+            dt = torch.exp(math.log(1e-3) + torch.rand(shape, generator=gen) *
+                           (math.log(1e-1) - math.log(1e-3))).clamp(min=1e-4)
+            t = dt + torch.log(-torch.expm1(-dt))
+        elif "conv1d" in name:
+            b = 1.0 / math.sqrt(c.K)
+            t = (2 * torch.rand(shape, generator=gen) - 1) * b
+        else:
+            t = 0.02 * torch.randn(shape, generator=gen)
+        P[name] = t.to(DT).requires_grad_(True)
+    return P
+
+
 class Blob:
     def __init__(self):
         self.data = bytearray()
@@ -441,7 +465,7 @@ def fixture(cfg_path, outdir):
     gen = torch.Generator().manual_seed(1234)
     P = make_params(c, gen)
     biases = {l: 0.05 * torch.randn(c.Ne, generator=gen) for l in moe_layers(c)}
-    B, T = 2, 12
+    B, T = 2, 20
     tokens = torch.randint(0, c.V, (B, T + 1), generator=gen)
     blob = Blob()
     meta = {"config": "grad-config.json", "B": B, "T": T}
@@ -463,11 +487,24 @@ def fixture(cfg_path, outdir):
     for l, qb in zip(moe_layers(c), qbs):
         blob.add("qb/" + bias_name(l), qb_update(c, qb))
 
-    # 10 optimiser steps, AdamW only and Muon, micro-batch 2 x accumulation 2.
+    # 10 optimiser steps, AdamW only and Muon, micro-batch 2 x accumulation 2,
+    # from the trainer's own initialisation (a well-conditioned start: from the
+    # deliberately rough gradient-test parameters the trajectory is chaotic and
+    # float32 cannot follow float64 for long).
     steps, accum = 10, 2
+    P = init_params(c, gen)
+    biases = {l: torch.zeros(c.Ne) for l in moe_layers(c)}
+    for name, *_ in inventory(c):
+        blob.add("init/" + name, P[name])
+    # learnable data: each sequence follows t' = (7 t + 3) mod V from a random
+    # start, with one random token in ten
     data = torch.randint(0, c.V, (steps, accum * B, T + 1), generator=gen)
+    noise = torch.rand(steps, accum * B, T + 1, generator=gen) < 0.1
+    for i in range(1, T + 1):
+        nxt = (7 * data[:, :, i - 1] + 3) % c.V
+        data[:, :, i] = torch.where(noise[:, :, i], data[:, :, i], nxt)
     blob.add("steps/tokens", data.to(torch.float32))
-    meta.update({"steps": steps, "accum": accum, "lr": 0.02, "weight_decay": 0.1,
+    meta.update({"steps": steps, "accum": accum, "lr": 0.01, "weight_decay": 0.1,
                  "adam_betas": [0.9, 0.95], "adam_eps": 1e-8, "muon_momentum": 0.95,
                  "clip": 1.0, "warmup_frac": 0.01, "min_lr_ratio": 0.1})
     for mode in ["adamw", "muon"]:

@@ -58,4 +58,13 @@ int k3_config_parse(const char *json_text, const char *name, k3_config *cfg, k3_
 /* "KKKMKKKM..." into buf (L+1 bytes). */
 void k3_config_layer_map(const k3_config *cfg, char *buf, size_t n);
 
+/* Added by the formats work (additive): where config meets checkpoint. Checks
+ * that the embedding and lm_head are [vocab_size, hidden_size] (released names
+ * language_model.model.embed_tokens.weight / language_model.lm_head.weight, or
+ * the same without the language_model. prefix) and, when the checkpoint holds
+ * packed MXFP4 experts (U8 *.experts.*.weight_packed), that both expert dims
+ * divide by the MXFP4 group. K3_EXIT_DATA on mismatch. */
+typedef struct st_index st_index;
+int k3_config_check_index(const k3_config *cfg, const st_index *ix, k3_err *err);
+
 #endif

@@ -66,4 +66,24 @@ int st_read_f32(st_index *ix, const st_tensor *t, float *dst, k3_err *err);
  * (buffered fallback when the filesystem refuses it). */
 int st_pread(st_index *ix, int shard, uint64_t off, void *dst, uint64_t len, k3_err *err);
 
+/* Added by the formats work (additive): */
+/* O_DIRECT on (default) or off for st_pread/st_read*. Environment K3_DIRECT_IO=0
+ * turns it off for every index. Buffered reads are used anyway where the
+ * filesystem refuses O_DIRECT. */
+void st_set_direct(st_index *ix, bool on);
+/* Validate one whole safetensors file image held in memory (8-byte length,
+ * header, data) exactly as st_open validates a shard; name is used in
+ * messages. Headers are read by a fast strict scanner that declines anything
+ * unusual (escaped or non-ASCII names, ...), which jansson then parses;
+ * use_jansson skips the scanner (so does K3_ST_JANSSON=1 for st_open). info
+ * (may be NULL) gets the tensor count, a digest of names, dtypes, shapes,
+ * offsets and metadata, and which parser answered. For the fuzzer and tests. */
+typedef struct {
+    size_t ntensors, nmeta;
+    uint64_t digest;
+    bool fast;
+} st_buffer_info;
+int st_check_buffer(const void *file, size_t len, const char *name, bool use_jansson, st_buffer_info *info,
+                    k3_err *err);
+
 #endif

@@ -182,6 +182,14 @@ typedef struct {
     const char *where;           /* full name / file for messages */
 } k3_tensor;
 typedef int (*k3_lookup_fn)(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err);
+/* (On "absent" the lookup still sets t->where to the full name it looked for.) */
+
+/* The peer blob / peer fixture spelling of a relative released name: dots become
+ * '_' and the MoE members take the reference module's names (gate -> mlp_gate,
+ * routed_expert_down_proj -> mlp_down, shared_experts.gate_proj -> mlp_shared_w1,
+ * experts.E.w1 -> mlp_experts_E_w1, ...). layer >= 0 prefixes "layers_L_" only
+ * when with_layer_prefix. Returns false when buf is too small. */
+bool k3_peer_name(int layer, bool with_layer_prefix, const char *name, char *buf, size_t n);
 
 /* Binds layer L's tensors (checking every shape and dtype against cfg) into w;
  * allocations are recorded in *owned (free with k3_owned_free). */
@@ -189,6 +197,8 @@ typedef struct { void **ptrs; size_t n, cap; uint64_t bytes; } k3_owned;
 int k3_bind_layer(const k3_config *cfg, int L, k3_lookup_fn fn, void *ctx, k3_layer_w *w,
                   k3_owned *owned, k3_err *err);
 void k3_owned_free(k3_owned *o);
+/* Records p (malloc'd, `bytes` long) in o and returns it. */
+void *k3_own(k3_owned *o, void *p, uint64_t bytes);
 
 /* Module functions on T positions (rows of [T][E] activations), exactly as
  * the model uses them. pos0 is the absolute position of row 0 (MLA). */
@@ -212,5 +222,12 @@ void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cach
 void k3_moe(const k3_config *c, const k3_moe_w *w, const k3_expert_w *experts, const float *x, int T,
             float *y);
 void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y);
+/* One decoder layer (section 6) on T positions. buf[0..*nb) hold the completed
+ * block vectors and buf[*nb] the running partial sum, each [T][E]; at a block
+ * boundary (L % attn_res_block_size == 0) the partial becomes block *nb, *nb
+ * grows by one and the new partial is written to buf[*nb] (so buf needs one
+ * spare entry). ks / mc: the layer's KDA state or MLA cache (the other unused). */
+int k3_layer(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_kda_state *ks, k3_mla_cache *mc,
+             int pos0, float **buf, int *nb, int T, k3_err *err);
 
 #endif

@@ -1,0 +1,1149 @@
+/* safetensors.c: see safetensors.h.
+ *
+ * Opening runs in two phases. Phase 1 parses every shard's header on its own
+ * (OpenMP, one shard per task, plus the optional model.safetensors.index.json
+ * as one more task) into a per-shard table sorted by offset; nothing is shared
+ * between tasks, so errors are kept per shard and the first one in shard order
+ * is reported, whatever the thread count. Phase 2 is serial and linear: it
+ * concatenates the tables, builds an open-addressing hash of the names (which
+ * also finds duplicates across shards) and cross-checks the index file.
+ *
+ * The validation follows the safetensors format as the reference library
+ * enforces it: tensors tile the data section exactly (no overlap, no gap, no
+ * trailing bytes) and each span equals dtype size x product(shape). */
+#include "formats/safetensors.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "safetensors data is little-endian; this reader assumes a little-endian host"
+#endif
+
+/* The largest header we accept. Real K3 shards carry ~0.8 MB of header; the
+ * cap only stops a corrupt length from asking for gigabytes. */
+#define ST_MAX_HEADER (256u << 20)
+/* Alignment and bounce-buffer size for O_DIRECT reads. 4096 satisfies every
+ * logical block size Linux filesystems use. */
+#define ST_DIRECT_ALIGN 4096u
+#define ST_BOUNCE (8u << 20)
+
+static const char *const dtype_names[ST_NDTYPES] = {
+    "F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"};
+static const size_t dtype_sizes[ST_NDTYPES] = {8, 4, 2, 2, 8, 4, 2, 1, 1, 1};
+
+const char *st_dtype_name(st_dtype d) {
+    return (unsigned)d < ST_NDTYPES ? dtype_names[d] : "?";
+}
+size_t st_dtype_size(st_dtype d) { return (unsigned)d < ST_NDTYPES ? dtype_sizes[d] : 0; }
+
+
+/* Name hash, eight bytes at a time: it runs over ~35 MB of names (twice,
+ * with the index file) when the release is opened. */
+static uint64_t hash_n(const char *s, size_t n) {
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ (n * 0xff51afd7ed558ccdull);
+    for (; n >= 8; s += 8, n -= 8) {
+        uint64_t w;
+        memcpy(&w, s, 8);
+        h = (h ^ w) * 0xff51afd7ed558ccdull;
+        h ^= h >> 32;
+    }
+    uint64_t w = 0;
+    memcpy(&w, s, n);
+    h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
+    return h ^ (h >> 29);
+}
+static uint64_t hash_name(const char *s) { return hash_n(s, strlen(s)); }
+
+/* ---- phase 1: one header ---------------------------------------------- */
+
+typedef struct {
+    st_tensor *t;
+    uint64_t *hash;
+    size_t n, cap;
+    char *names;       /* arena holding every name of this shard (header-sized) */
+    size_t names_used;
+    json_t *meta;      /* __metadata__ object or NULL */
+} shard_parse;
+
+/* What the validator needs to know about the file. */
+typedef struct {
+    const char *fname;
+    int shard;
+    uint64_t data_start, data_len;
+} hdr_ctx;
+
+static void shard_parse_free(shard_parse *p) {
+    free(p->t);
+    free(p->hash);
+    free(p->names);
+    if (p->meta) json_decref(p->meta);
+    memset(p, 0, sizeof *p);
+}
+
+/* Resets p for a fresh parse of a header of hlen bytes (keeps no tensors). */
+static void shard_parse_init(shard_parse *p, size_t hlen) {
+    shard_parse_free(p);
+    p->cap = 64;
+    p->t = xmalloc_array(p->cap, sizeof *p->t);
+    /* every name is a JSON string of the header, so the names fit in hlen */
+    p->names = xmalloc(hlen + 1);
+}
+
+static int cmp_offset(const void *a, const void *b) {
+    const st_tensor *x = a, *y = b;
+    if (x->offset != y->offset) return x->offset < y->offset ? -1 : 1;
+    if (x->nbytes != y->nbytes) return x->nbytes < y->nbytes ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+/* Validates one tensor entry and appends it. Both parsers end here, so a
+ * header gets the same checks and messages whichever parser read it.
+ * name is already in the arena; rank may exceed ST_MAX_RANK (then refused). */
+static int add_tensor(shard_parse *out, const hdr_ctx *c, const char *name, const char *dtype,
+                      size_t dtlen, const uint64_t *shape, size_t rank, uint64_t b0, uint64_t b1,
+                      k3_err *err) {
+    int d = -1;
+    for (int i = 0; i < ST_NDTYPES; i++)
+        if (strlen(dtype_names[i]) == dtlen && memcmp(dtype, dtype_names[i], dtlen) == 0) d = i;
+    if (d < 0)
+        return k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': unknown dtype '%.*s'", c->fname, name,
+                       (int)(dtlen > 64 ? 64 : dtlen), dtype);
+    if (rank > ST_MAX_RANK)
+        return k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': rank %zu exceeds %d", c->fname, name, rank,
+                       ST_MAX_RANK);
+    uint64_t numel = 1, nbytes = 0;
+    bool ovf = false;
+    for (size_t i = 0; i < rank; i++)
+        if (!k3_mul_ok(numel, shape[i], &numel)) ovf = true;
+    for (size_t i = 0; i < rank; i++)
+        if (shape[i] > (uint64_t)INT64_MAX) ovf = true;
+    if (ovf || numel > (uint64_t)INT64_MAX || !k3_mul_ok(numel, dtype_sizes[d], &nbytes))
+        return k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': shape overflows", c->fname, name);
+    if (b1 < b0)
+        return k3_fail(err, K3_EXIT_DATA,
+                       "%s: tensor '%s': data_offsets must be [begin, end] with 0 <= begin <= end", c->fname,
+                       name);
+    if (b1 - b0 != nbytes)
+        return k3_fail(err, K3_EXIT_DATA,
+                       "%s: tensor '%s': data_offsets span %llu bytes but %s x %llu elements needs %llu",
+                       c->fname, name, (unsigned long long)(b1 - b0), dtype_names[d],
+                       (unsigned long long)numel, (unsigned long long)nbytes);
+    if (b1 > c->data_len)
+        return k3_fail(err, K3_EXIT_DATA,
+                       "%s: tensor '%s': data_offsets end %llu is past the data section (%llu bytes; truncated file?)",
+                       c->fname, name, (unsigned long long)b1, (unsigned long long)c->data_len);
+    if (out->n == out->cap) out->t = xrealloc_array(out->t, out->cap *= 2, sizeof *out->t);
+    st_tensor *t = &out->t[out->n++];
+    memset(t, 0, sizeof *t);
+    t->name = name;
+    t->dtype = (st_dtype)d;
+    t->rank = (int)rank;
+    for (size_t i = 0; i < rank; i++) t->shape[i] = (int64_t)shape[i];
+    t->numel = (int64_t)numel;
+    t->nbytes = nbytes;
+    t->offset = c->data_start + b0;
+    t->shard = c->shard;
+    return K3_OK;
+}
+
+static char *arena_put(shard_parse *out, const char *s, size_t n) {
+    char *d = out->names + out->names_used;
+    memcpy(d, s, n);
+    d[n] = 0;
+    out->names_used += n + 1;
+    return d;
+}
+
+/* -- the fast path: a strict scanner for the shape every safetensors writer
+ * emits (ASCII names without escapes, non-negative integers). It accepts a
+ * subset of JSON and reads it exactly as jansson would; on anything outside
+ * that subset it answers BAIL and the header is parsed again by jansson. The
+ * fuzzer (fuzz/fuzz_safetensors.c) checks that both parsers agree. jansson
+ * alone reads ~50 MB/s, too slow for the release's 75 MB of headers. */
+#define BAIL (-1)
+
+typedef struct {
+    const char *p, *e;
+} scan;
+
+static inline void sk_ws(scan *s) {
+    while (s->p < s->e && (*s->p == ' ' || *s->p == '\n' || *s->p == '\r' || *s->p == '\t')) s->p++;
+}
+static inline bool sk_ch(scan *s, char c) {
+    sk_ws(s);
+    if (s->p < s->e && *s->p == c) {
+        s->p++;
+        return true;
+    }
+    return false;
+}
+/* A string of printable ASCII without escapes; *b, *n get its contents. */
+static inline bool sk_str(scan *s, const char **b, size_t *n) {
+    sk_ws(s);
+    if (s->p >= s->e || *s->p != '"') return false;
+    const char *q = ++s->p;
+    for (; q < s->e; q++) {
+        unsigned char ch = (unsigned char)*q;
+        if (ch == '"') break;
+        if (ch < 0x20 || ch >= 0x7f || ch == '\\') return false;
+    }
+    if (q >= s->e) return false;
+    *b = s->p;
+    *n = (size_t)(q - s->p);
+    s->p = q + 1;
+    return true;
+}
+/* A non-negative JSON integer of at most 18 digits (fits int64 either way). */
+static inline bool sk_uint(scan *s, uint64_t *v) {
+    sk_ws(s);
+    const char *q = s->p;
+    uint64_t x = 0;
+    while (q < s->e && *q >= '0' && *q <= '9' && q - s->p < 19) x = x * 10 + (uint64_t)(*q++ - '0');
+    size_t nd = (size_t)(q - s->p);
+    if (nd == 0 || nd > 18 || (nd > 1 && *s->p == '0')) return false;
+    if (q < s->e && (*q == '.' || *q == 'e' || *q == 'E' || (*q >= '0' && *q <= '9'))) return false;
+    s->p = q;
+    *v = x;
+    return true;
+}
+/* [u, u, ...] storing at most max values; *n gets the full count. */
+static inline bool sk_uints(scan *s, uint64_t *v, size_t max, size_t *n) {
+    *n = 0;
+    if (!sk_ch(s, '[')) return false;
+    if (sk_ch(s, ']')) return true;
+    do {
+        uint64_t x;
+        if (!sk_uint(s, &x)) return false;
+        if (*n < max) v[*n] = x;
+        (*n)++;
+    } while (sk_ch(s, ','));
+    return sk_ch(s, ']');
+}
+static inline bool key_is(const char *k, size_t n, const char *lit) {
+    return strlen(lit) == n && memcmp(k, lit, n) == 0;
+}
+
+static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_parse *out, k3_err *err) {
+    scan s = {json, json + len};
+    if (!sk_ch(&s, '{')) return BAIL;
+    if (sk_ch(&s, '}')) goto end;
+    do {
+        const char *k;
+        size_t kn;
+        if (!sk_str(&s, &k, &kn) || !sk_ch(&s, ':')) return BAIL;
+        if (key_is(k, kn, "__metadata__")) {
+            if (out->meta || !sk_ch(&s, '{')) return BAIL;
+            out->meta = json_object();
+            if (sk_ch(&s, '}')) continue;
+            do {
+                const char *mk, *mv;
+                size_t mkn, mvn;
+                if (!sk_str(&s, &mk, &mkn) || !sk_ch(&s, ':') || !sk_str(&s, &mv, &mvn)) return BAIL;
+                char *ks = arena_put(out, mk, mkn);
+                json_t *vs = json_stringn(mv, mvn);
+                bool dup = json_object_get(out->meta, ks) != NULL;
+                out->names_used -= mkn + 1; /* the key was only needed as a C string */
+                if (dup || !vs) {
+                    json_decref(vs);
+                    return BAIL;
+                }
+                json_object_set_new(out->meta, ks, vs);
+            } while (sk_ch(&s, ','));
+            if (!sk_ch(&s, '}')) return BAIL;
+            continue;
+        }
+        const char *dt = NULL;
+        size_t dtn = 0, rank = 0, noff = 0;
+        uint64_t shape[ST_MAX_RANK], offs[2];
+        bool have_s = false, have_o = false;
+        if (!sk_ch(&s, '{')) return BAIL;
+        do {
+            const char *f;
+            size_t fn;
+            if (!sk_str(&s, &f, &fn) || !sk_ch(&s, ':')) return BAIL;
+            if (key_is(f, fn, "dtype")) {
+                if (dt || !sk_str(&s, &dt, &dtn)) return BAIL;
+            } else if (key_is(f, fn, "shape")) {
+                if (have_s || !sk_uints(&s, shape, ST_MAX_RANK, &rank)) return BAIL;
+                have_s = true;
+            } else if (key_is(f, fn, "data_offsets")) {
+                if (have_o || !sk_uints(&s, offs, 2, &noff) || noff != 2) return BAIL;
+                have_o = true;
+            } else {
+                return BAIL;
+            }
+        } while (sk_ch(&s, ','));
+        if (!sk_ch(&s, '}') || !dt || !have_s || !have_o) return BAIL;
+        if (rank > ST_MAX_RANK) rank = ST_MAX_RANK + 1; /* refused by add_tensor */
+        char *name = arena_put(out, k, kn);
+        int rc = add_tensor(out, c, name, dt, dtn, shape, rank, offs[0], offs[1], err);
+        if (rc) return rc;
+    } while (sk_ch(&s, ','));
+    if (!sk_ch(&s, '}')) return BAIL;
+end:
+    sk_ws(&s);
+    return s.p == s.e ? K3_OK : BAIL;
+}
+
+/* A JSON integer that is >= 0, as uint64. */
+static bool get_u64(const json_t *v, uint64_t *out) {
+    if (!json_is_integer(v)) return false;
+    json_int_t i = json_integer_value(v);
+    if (i < 0) return false;
+    *out = (uint64_t)i;
+    return true;
+}
+
+/* -- the general path: jansson, for every header the scanner declines. */
+static int parse_jansson(const char *json, size_t len, const hdr_ctx *c, shard_parse *out, k3_err *err) {
+    const char *fname = c->fname;
+    json_error_t je;
+    json_t *root = json_loadb(json, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root)
+        return k3_fail(err, K3_EXIT_DATA, "%s: bad safetensors header: %s (at header byte %d)", fname, je.text,
+                       je.position);
+    if (!json_is_object(root)) {
+        json_decref(root);
+        return k3_fail(err, K3_EXIT_DATA, "%s: bad safetensors header: not a JSON object", fname);
+    }
+    int rc = K3_OK;
+    const char *key;
+    json_t *val;
+    json_object_foreach(root, key, val) {
+        if (strcmp(key, "__metadata__") == 0) {
+            const char *mk;
+            json_t *mv;
+            if (!json_is_object(val)) {
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: __metadata__ is not an object", fname);
+                goto done;
+            }
+            json_object_foreach(val, mk, mv) if (!json_is_string(mv)) {
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: __metadata__ value '%s' is not a string", fname, mk);
+                goto done;
+            }
+            out->meta = json_incref(val);
+            continue;
+        }
+        char *name = arena_put(out, key, strlen(key));
+        if (!json_is_object(val)) {
+            rc = k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': entry is not an object", fname, name);
+            goto done;
+        }
+        json_t *jd = NULL, *js = NULL, *jo = NULL;
+        const char *k2;
+        json_t *v2;
+        json_object_foreach(val, k2, v2) {
+            if (!strcmp(k2, "dtype")) jd = v2;
+            else if (!strcmp(k2, "shape")) js = v2;
+            else if (!strcmp(k2, "data_offsets")) jo = v2;
+            else {
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': unexpected key '%s'", fname, name, k2);
+                goto done;
+            }
+        }
+        if (!json_is_string(jd) || !json_is_array(js) || !json_is_array(jo)) {
+            rc = k3_fail(err, K3_EXIT_DATA,
+                         "%s: tensor '%s': needs string dtype, array shape and array data_offsets", fname, name);
+            goto done;
+        }
+        size_t rank = json_array_size(js);
+        uint64_t shape[ST_MAX_RANK], b0, b1;
+        for (size_t i = 0; i < rank && i < ST_MAX_RANK; i++)
+            if (!get_u64(json_array_get(js, i), &shape[i])) {
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': shape[%zu] is not a non-negative integer",
+                             fname, name, i);
+                goto done;
+            }
+        if (json_array_size(jo) != 2 || !get_u64(json_array_get(jo, 0), &b0) ||
+            !get_u64(json_array_get(jo, 1), &b1)) {
+            rc = k3_fail(err, K3_EXIT_DATA,
+                         "%s: tensor '%s': data_offsets must be [begin, end] with 0 <= begin <= end", fname, name);
+            goto done;
+        }
+        if ((rc = add_tensor(out, c, name, json_string_value(jd), json_string_length(jd), shape,
+                             rank, b0, b1, err)))
+            goto done;
+    }
+done:
+    json_decref(root);
+    return rc;
+}
+
+/* After either parser: sort by offset, demand that the spans tile the data
+ * section exactly, hash the names and refuse duplicates within the file. */
+static int finish_shard(shard_parse *out, const hdr_ctx *c, k3_err *err) {
+    const char *fname = c->fname;
+    qsort(out->t, out->n, sizeof *out->t, cmp_offset);
+    uint64_t end = c->data_start;
+    const char *prev = NULL;
+    for (size_t i = 0; i < out->n; i++) {
+        st_tensor *t = &out->t[i];
+        if (t->nbytes == 0) continue; /* an empty tensor occupies nothing */
+        if (t->offset < end)
+            return k3_fail(err, K3_EXIT_DATA, "%s: tensors '%s' and '%s' overlap", fname, prev ? prev : "?",
+                           t->name);
+        if (t->offset > end)
+            return k3_fail(err, K3_EXIT_DATA, "%s: %llu unused bytes before tensor '%s' (gap in data section)",
+                           fname, (unsigned long long)(t->offset - end), t->name);
+        end = t->offset + t->nbytes;
+        prev = t->name;
+    }
+    if (end != c->data_start + c->data_len)
+        return k3_fail(err, K3_EXIT_DATA, "%s: %llu trailing bytes after the last tensor", fname,
+                       (unsigned long long)(c->data_start + c->data_len - end));
+    out->hash = xmalloc_array(out->n ? out->n : 1, sizeof *out->hash);
+    size_t cap = 16;
+    while (cap < 2 * out->n) cap *= 2;
+    uint32_t *slots = xcalloc(cap, sizeof *slots);
+    int rc = K3_OK;
+    for (size_t i = 0; i < out->n && rc == K3_OK; i++) {
+        uint64_t h = out->hash[i] = hash_name(out->t[i].name);
+        for (size_t sl = h & (cap - 1);; sl = (sl + 1) & (cap - 1)) {
+            if (!slots[sl]) {
+                slots[sl] = (uint32_t)(i + 1);
+                break;
+            }
+            size_t j = slots[sl] - 1;
+            if (out->hash[j] == h && strcmp(out->t[j].name, out->t[i].name) == 0) {
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: bad safetensors header: duplicate tensor '%s'", fname,
+                             out->t[i].name);
+                break;
+            }
+        }
+    }
+    free(slots);
+    return rc;
+}
+
+/* Parses and validates the header text json[0..len). use_jansson skips the
+ * fast scanner; *fast (may be NULL) tells which parser produced the result. */
+static int parse_header(const char *json, size_t len, const hdr_ctx *c, bool use_jansson, shard_parse *out,
+                        bool *fast, k3_err *err) {
+    memset(out, 0, sizeof *out);
+    shard_parse_init(out, len);
+    int rc = use_jansson ? BAIL : parse_fast(json, len, c, out, err);
+    if (fast) *fast = rc != BAIL;
+    if (rc == BAIL) {
+        shard_parse_init(out, len);
+        rc = parse_jansson(json, len, c, out, err);
+    }
+    if (rc == K3_OK) rc = finish_shard(out, c, err);
+    if (rc) shard_parse_free(out);
+    return rc;
+}
+
+static bool force_jansson(void) {
+    const char *e = getenv("K3_ST_JANSSON");
+    return e && strcmp(e, "1") == 0;
+}
+
+/* Reads exactly len bytes at off; K3_EXIT_DATA on early end of file. */
+static int pread_full(int fd, void *dst, size_t len, uint64_t off, const char *path, k3_err *err) {
+    char *p = dst;
+    while (len) {
+        ssize_t r = pread(fd, p, len, (off_t)off);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return k3_fail(err, K3_EXIT_RUNTIME, "%s: read error: %s", path, strerror(errno));
+        }
+        if (r == 0) return k3_fail(err, K3_EXIT_DATA, "%s: unexpected end of file", path);
+        p += r;
+        len -= (size_t)r;
+        off += (uint64_t)r;
+    }
+    return K3_OK;
+}
+
+static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *out, k3_err *err) {
+    memset(out, 0, sizeof *out);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", path, strerror(errno));
+    struct stat stt;
+    int rc = K3_OK;
+    char *buf = NULL;
+    if (fstat(fd, &stt) != 0) {
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot stat: %s", path, strerror(errno));
+        goto out;
+    }
+    uint64_t fsize = (uint64_t)stt.st_size;
+    if (fsize < 8) {
+        rc = k3_fail(err, K3_EXIT_DATA, "%s: file is %llu bytes, too short for the 8-byte header length",
+                     path, (unsigned long long)fsize);
+        goto out;
+    }
+    unsigned char lenb[8];
+    if ((rc = pread_full(fd, lenb, 8, 0, path, err))) goto out;
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | lenb[i];
+    if (hlen > fsize - 8) {
+        rc = k3_fail(err, K3_EXIT_DATA, "%s: header length %llu runs past the end of the file (%llu bytes)",
+                     path, (unsigned long long)hlen, (unsigned long long)fsize);
+        goto out;
+    }
+    if (hlen < 2 || hlen > ST_MAX_HEADER) {
+        rc = k3_fail(err, K3_EXIT_DATA, "%s: implausible header length %llu", path,
+                     (unsigned long long)hlen);
+        goto out;
+    }
+    buf = xmalloc((size_t)hlen);
+    if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
+    sh->file_size = fsize;
+    sh->data_start = 8 + hlen;
+    hdr_ctx c = {path, shard, 8 + hlen, fsize - 8 - hlen};
+    rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), out, NULL, err);
+    if (rc == K3_OK) sh->ntensors = (int)out->n;
+out:
+    free(buf);
+    close(fd);
+    return rc;
+}
+
+int st_check_buffer(const void *file, size_t len, const char *name, bool use_jansson, st_buffer_info *info,
+                    k3_err *err) {
+    const unsigned char *b = file;
+    if (info) memset(info, 0, sizeof *info);
+    if (len < 8)
+        return k3_fail(err, K3_EXIT_DATA, "%s: file is %zu bytes, too short for the 8-byte header length",
+                       name, len);
+    uint64_t hlen = 0;
+    for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | b[i];
+    if (hlen > len - 8)
+        return k3_fail(err, K3_EXIT_DATA, "%s: header length %llu runs past the end of the file (%zu bytes)",
+                       name, (unsigned long long)hlen, len);
+    if (hlen < 2 || hlen > ST_MAX_HEADER)
+        return k3_fail(err, K3_EXIT_DATA, "%s: implausible header length %llu", name,
+                       (unsigned long long)hlen);
+    shard_parse p;
+    hdr_ctx c = {name, 0, 8 + hlen, len - 8 - hlen};
+    bool fast = false;
+    int rc = parse_header((const char *)b + 8, (size_t)hlen, &c, use_jansson, &p, &fast, err);
+    if (info) info->fast = fast;
+    if (rc) return rc;
+    if (info) {
+        /* a digest of everything the index keeps, in offset order */
+        uint64_t h = 0x9e3779b97f4a7c15ull;
+        for (size_t i = 0; i < p.n; i++) {
+            const st_tensor *t = &p.t[i];
+            uint64_t v[4 + ST_MAX_RANK] = {p.hash[i], (uint64_t)t->dtype, (uint64_t)t->rank, t->offset};
+            for (int r = 0; r < t->rank; r++) v[4 + r] = (uint64_t)t->shape[r];
+            for (int r = 0; r < 4 + t->rank; r++) h = (h ^ v[r]) * 0x100000001b3ull;
+        }
+        info->ntensors = p.n;
+        info->digest = h;
+        const char *k;
+        json_t *v;
+        if (p.meta) json_object_foreach(p.meta, k, v) {
+            h = (h ^ hash_name(k)) * 0x100000001b3ull;
+            h = (h ^ hash_name(json_string_value(v))) * 0x100000001b3ull;
+        }
+        info->digest = h;
+        info->nmeta = p.meta ? json_object_size(p.meta) : 0;
+    }
+    shard_parse_free(&p);
+    return K3_OK;
+}
+
+/* ---- the index --------------------------------------------------------- */
+
+typedef struct {
+    st_tensor *t;          /* this shard's tensors, offset order */
+    char *names;
+    json_t *meta;
+    /* lazily opened; guarded by st_index.lock */
+    int fd, fd_direct;     /* -1 until opened; fd_direct -2 when refused */
+    const unsigned char *map;
+} shard_priv;
+
+/* One hash slot: the name pointer and hash bits live in the slot so a probe
+ * touches one cache line plus the name itself. idx is tensor index + 1. */
+typedef struct {
+    const char *name;
+    uint32_t idx, h32;
+} st_slot;
+
+struct st_index {
+    int nshards;
+    st_shard *shards;
+    shard_priv *priv;
+    size_t n;
+    const st_tensor **tp;  /* every tensor, shard then offset order */
+    st_slot *slots;        /* open addressing over the names */
+    size_t mask;
+    bool direct;           /* try O_DIRECT in st_pread */
+    pthread_mutex_t lock;
+};
+
+size_t st_count(const st_index *ix) { return ix->n; }
+const st_tensor *st_at(const st_index *ix, size_t i) { return i < ix->n ? ix->tp[i] : NULL; }
+int st_nshards(const st_index *ix) { return ix->nshards; }
+const st_shard *st_shard_at(const st_index *ix, int i) {
+    return i >= 0 && i < ix->nshards ? &ix->shards[i] : NULL;
+}
+
+/* Index of the tensor named s[0..n), or -1. */
+static long find_n(const st_index *ix, const char *s, size_t n) {
+    uint64_t h = hash_n(s, n);
+    for (size_t sl = h & ix->mask;; sl = (sl + 1) & ix->mask) {
+        const st_slot *e = &ix->slots[sl];
+        if (!e->idx) return -1;
+        if (e->h32 == (uint32_t)(h >> 32) && strncmp(e->name, s, n) == 0 && e->name[n] == 0)
+            return (long)e->idx - 1;
+    }
+}
+
+const st_tensor *st_find(const st_index *ix, const char *name) {
+    long i = find_n(ix, name, strlen(name));
+    return i < 0 ? NULL : ix->tp[i];
+}
+
+const char *st_metadata(const st_index *ix, int shard, const char *key) {
+    if (shard < 0 || shard >= ix->nshards || !ix->priv[shard].meta) return NULL;
+    return json_string_value(json_object_get(ix->priv[shard].meta, key));
+}
+
+void st_set_direct(st_index *ix, bool on) { ix->direct = on; }
+
+void st_close(st_index *ix) {
+    if (!ix) return;
+    for (int i = 0; i < ix->nshards; i++) {
+        shard_priv *p = &ix->priv[i];
+        if (p->map) munmap((void *)p->map, ix->shards[i].file_size);
+        if (p->fd >= 0) close(p->fd);
+        if (p->fd_direct >= 0) close(p->fd_direct);
+        free(p->t);
+        free(p->names);
+        if (p->meta) json_decref(p->meta);
+        free(ix->shards[i].path);
+    }
+    pthread_mutex_destroy(&ix->lock);
+    free(ix->priv);
+    free(ix->shards);
+    free(ix->tp);
+    free(ix->slots);
+    free(ix);
+}
+
+static int cmp_str(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+static bool ends_with(const char *s, const char *suf) {
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && strcmp(s + a - b, suf) == 0;
+}
+
+static char *path_join(const char *dir, const char *name) {
+    size_t n = strlen(dir) + strlen(name) + 2;
+    char *p = xmalloc(n);
+    snprintf(p, n, "%s%s%s", dir, ends_with(dir, "/") ? "" : "/", name);
+    return p;
+}
+
+/* Lists the *.safetensors regular files of dir, sorted by name. */
+static int list_shards(const char *dir, char ***out, int *n, k3_err *err) {
+    DIR *d = opendir(dir);
+    if (!d) return k3_fail(err, K3_EXIT_USAGE, "%s: cannot open directory: %s", dir, strerror(errno));
+    int cap = 16, cnt = 0;
+    char **v = xmalloc_array((size_t)cap, sizeof *v);
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.' || !ends_with(e->d_name, ".safetensors")) continue;
+        char *p = path_join(dir, e->d_name);
+        struct stat st;
+        if (stat(p, &st) != 0 || !S_ISREG(st.st_mode)) {
+            free(p);
+            continue;
+        }
+        if (cnt == cap) v = xrealloc_array(v, (size_t)(cap *= 2), sizeof *v);
+        v[cnt++] = p;
+    }
+    closedir(d);
+    qsort(v, (size_t)cnt, sizeof *v, cmp_str);
+    *out = v;
+    *n = cnt;
+    return K3_OK;
+}
+
+static const char *base_name(const char *p) {
+    const char *s = strrchr(p, '/');
+    return s ? s + 1 : p;
+}
+
+/* model.safetensors.index.json, read into (name, file) pairs. The scanner
+ * above reads the usual shape ({"metadata":{"total_size":N},"weight_map":{..}}
+ * with plain ASCII names); anything else goes through jansson. */
+typedef struct {
+    const char *name, *file;
+    size_t nlen, flen;
+} wm_entry;
+
+typedef struct {
+    char *text;
+    json_t *root;        /* set when jansson parsed it (the strings live there) */
+    wm_entry *e;
+    size_t n, cap;
+    bool has_total;
+    uint64_t total;
+} index_parse;
+
+static void index_parse_free(index_parse *p) {
+    free(p->text);
+    if (p->root) json_decref(p->root);
+    free(p->e);
+    memset(p, 0, sizeof *p);
+}
+
+static void wm_add(index_parse *p, const char *name, size_t nlen, const char *file, size_t flen) {
+    if (p->n == p->cap) p->e = xrealloc_array(p->e, p->cap = p->cap ? 2 * p->cap : 1024, sizeof *p->e);
+    p->e[p->n++] = (wm_entry){name, file, nlen, flen};
+}
+
+static int index_fast(index_parse *p, size_t len) {
+    scan s = {p->text, p->text + len};
+    bool seen_meta = false, seen_map = false;
+    if (!sk_ch(&s, '{')) return BAIL;
+    do {
+        const char *k;
+        size_t kn;
+        if (!sk_str(&s, &k, &kn) || !sk_ch(&s, ':')) return BAIL;
+        if (key_is(k, kn, "metadata") && !seen_meta) {
+            seen_meta = true;
+            if (!sk_ch(&s, '{')) return BAIL;
+            if (sk_ch(&s, '}')) continue;
+            const char *mk;
+            size_t mkn;
+            if (!sk_str(&s, &mk, &mkn) || !key_is(mk, mkn, "total_size") || !sk_ch(&s, ':') ||
+                !sk_uint(&s, &p->total) || !sk_ch(&s, '}'))
+                return BAIL;
+            p->has_total = true;
+        } else if (key_is(k, kn, "weight_map") && !seen_map) {
+            seen_map = true;
+            if (!sk_ch(&s, '{')) return BAIL;
+            if (sk_ch(&s, '}')) continue;
+            do {
+                const char *n, *f;
+                size_t nn, fn;
+                if (!sk_str(&s, &n, &nn) || !sk_ch(&s, ':') || !sk_str(&s, &f, &fn)) return BAIL;
+                wm_add(p, n, nn, f, fn);
+            } while (sk_ch(&s, ','));
+            if (!sk_ch(&s, '}')) return BAIL;
+        } else {
+            return BAIL;
+        }
+    } while (sk_ch(&s, ','));
+    if (!sk_ch(&s, '}') || !seen_map) return BAIL;
+    sk_ws(&s);
+    return s.p == s.e ? K3_OK : BAIL;
+}
+
+static int index_load(const char *ipath, index_parse *p, k3_err *err) {
+    memset(p, 0, sizeof *p);
+    size_t len = 0;
+    int fd = open(ipath, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        int e = errno;
+        if (fd >= 0) close(fd);
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", ipath, strerror(e));
+    }
+    len = (size_t)st.st_size;
+    p->text = xmalloc(len + 1);
+    int rc = pread_full(fd, p->text, len, 0, ipath, err);
+    close(fd);
+    if (rc) return rc;
+    p->text[len] = 0;
+    if (!force_jansson() && index_fast(p, len) == K3_OK) return K3_OK;
+    p->n = 0;
+    p->has_total = false;
+    json_error_t je;
+    p->root = json_loadb(p->text, len, JSON_REJECT_DUPLICATES, &je);
+    if (!p->root)
+        return k3_fail(err, K3_EXIT_DATA, "%s: bad JSON: %s (line %d)", ipath, je.text, je.line);
+    json_t *wm = json_object_get(p->root, "weight_map");
+    if (!json_is_object(wm)) return k3_fail(err, K3_EXIT_DATA, "%s: no weight_map object", ipath);
+    const char *name;
+    json_t *v;
+    json_object_foreach(wm, name, v) {
+        if (!json_is_string(v))
+            return k3_fail(err, K3_EXIT_DATA, "%s: weight_map value for '%s' is not a string", ipath, name);
+        wm_add(p, name, strlen(name), json_string_value(v), json_string_length(v));
+    }
+    json_t *ts = json_object_get(json_object_get(p->root, "metadata"), "total_size");
+    if (ts) {
+        if (!get_u64(ts, &p->total))
+            return k3_fail(err, K3_EXIT_DATA, "%s: metadata.total_size is not a non-negative integer", ipath);
+        p->has_total = true;
+    }
+    return K3_OK;
+}
+
+
+
+/* Cross-checks the index file against the shards: every name it maps must be
+ * in the shard it names, no name twice, and as many names as tensors (so the
+ * two name sets are equal); metadata.total_size, when present, must equal
+ * the tensor bytes. */
+static int check_index(st_index *ix, const index_parse *p, const char *ipath, k3_err *err) {
+    unsigned char *seen = xcalloc(ix->n ? ix->n : 1, 1);
+    /* shard base names by hash: the weight map is in name order, so its
+     * file names change from one entry to the next */
+    size_t fcap = 16;
+    while (fcap < 4 * (size_t)ix->nshards) fcap *= 2;
+    int *fslot = xmalloc_array(fcap, sizeof *fslot);
+    for (size_t i = 0; i < fcap; i++) fslot[i] = -1;
+    for (int k = 0; k < ix->nshards; k++) {
+        const char *b = base_name(ix->shards[k].path);
+        size_t sl = hash_n(b, strlen(b)) & (fcap - 1);
+        while (fslot[sl] >= 0) sl = (sl + 1) & (fcap - 1);
+        fslot[sl] = k;
+    }
+    /* the lookups are independent: do them in parallel, then walk the
+     * results in order so the first problem reported is always the same */
+    long *tix = xmalloc_array(p->n ? p->n : 1, sizeof *tix);
+    int *shard_of = xmalloc_array(p->n ? p->n : 1, sizeof *shard_of);
+    long nent = (long)p->n;
+#pragma omp parallel for schedule(static)
+    for (long i = 0; i < nent; i++) {
+        const wm_entry *e = &p->e[i];
+        int s = -1;
+        for (size_t sl = hash_n(e->file, e->flen) & (fcap - 1); fslot[sl] >= 0; sl = (sl + 1) & (fcap - 1)) {
+            const char *b = base_name(ix->shards[fslot[sl]].path);
+            if (strncmp(b, e->file, e->flen) == 0 && b[e->flen] == 0) {
+                s = fslot[sl];
+                break;
+            }
+        }
+        shard_of[i] = s;
+        tix[i] = s < 0 ? -1 : find_n(ix, e->name, e->nlen);
+    }
+    int rc = K3_OK;
+    for (size_t i = 0; i < p->n && rc == K3_OK; i++) {
+        const wm_entry *e = &p->e[i];
+        int s = shard_of[i];
+        long t = tix[i];
+        int nl = (int)(e->nlen > 200 ? 200 : e->nlen), fl = (int)(e->flen > 200 ? 200 : e->flen);
+        if (s < 0)
+            rc = k3_fail(err, K3_EXIT_DATA, "%s: names shard '%.*s' (for '%.*s'), which is not in the directory",
+                         ipath, fl, e->file, nl, e->name);
+        else if (t < 0)
+            rc = k3_fail(err, K3_EXIT_DATA, "%s: names tensor '%.*s', which no shard holds", ipath, nl, e->name);
+        else if (ix->tp[t]->shard != s)
+            rc = k3_fail(err, K3_EXIT_DATA, "%s: maps '%.*s' to %.*s but it is in %s", ipath, nl, e->name, fl,
+                         e->file, base_name(ix->shards[ix->tp[t]->shard].path));
+        else if (seen[t]++)
+            rc = k3_fail(err, K3_EXIT_DATA, "%s: lists tensor '%.*s' twice", ipath, nl, e->name);
+    }
+    free(tix);
+    free(shard_of);
+    for (size_t i = 0; i < ix->n && rc == K3_OK; i++)
+        if (!seen[i])
+            rc = k3_fail(err, K3_EXIT_DATA, "%s: does not list tensor '%s' (in %s)", ipath, ix->tp[i]->name,
+                         base_name(ix->shards[ix->tp[i]->shard].path));
+    free(seen);
+    free(fslot);
+    if (rc == K3_OK && p->has_total) {
+        uint64_t total = 0;
+        for (size_t i = 0; i < ix->n; i++) total += ix->tp[i]->nbytes;
+        if (p->total != total)
+            rc = k3_fail(err, K3_EXIT_DATA, "%s: metadata.total_size %llu but the shards hold %llu tensor bytes",
+                         ipath, (unsigned long long)p->total, (unsigned long long)total);
+    }
+    return rc;
+}
+
+int st_open(const char *path, st_index **out, k3_err *err) {
+    *out = NULL;
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: %s", path, strerror(errno));
+    char **files = NULL;
+    int nfiles = 0, rc;
+    char *ipath = NULL;
+    if (S_ISDIR(st.st_mode)) {
+        if ((rc = list_shards(path, &files, &nfiles, err))) return rc;
+        if (nfiles == 0) {
+            free(files);
+            return k3_fail(err, K3_EXIT_USAGE, "%s: no *.safetensors shards in this directory", path);
+        }
+        ipath = path_join(path, "model.safetensors.index.json");
+        if (access(ipath, F_OK) != 0) {
+            free(ipath);
+            ipath = NULL;
+        }
+    } else {
+        files = xmalloc(sizeof *files);
+        files[0] = xstrdup(path);
+        nfiles = 1;
+    }
+
+    st_index *ix = xcalloc(1, sizeof *ix);
+    pthread_mutex_init(&ix->lock, NULL);
+    ix->nshards = nfiles;
+    ix->shards = xcalloc((size_t)nfiles, sizeof *ix->shards);
+    ix->priv = xcalloc((size_t)nfiles, sizeof *ix->priv);
+    for (int i = 0; i < nfiles; i++) {
+        ix->shards[i].path = files[i];
+        ix->priv[i].fd = ix->priv[i].fd_direct = -1;
+    }
+    free(files);
+    const char *env = getenv("K3_DIRECT_IO");
+    ix->direct = !(env && strcmp(env, "0") == 0);
+
+    /* phase 1: every header (and the index file) in parallel */
+    shard_parse *sp = xcalloc((size_t)nfiles, sizeof *sp);
+    k3_err *serr = xcalloc((size_t)nfiles, sizeof *serr);
+    int *scode = xcalloc((size_t)nfiles, sizeof *scode);
+    index_parse ip = {0};
+    k3_err ierr = {0};
+    int icode = K3_OK;
+    json_object_seed(0); /* before any thread creates an object */
+    int ntasks = nfiles + (ipath ? 1 : 0);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int task = 0; task < ntasks; task++) {
+        if (ipath && task == 0) {
+            /* the index file is the largest single parse: start it first */
+            icode = index_load(ipath, &ip, &ierr);
+            continue;
+        }
+        int s = task - (ipath ? 1 : 0);
+        scode[s] = parse_file(ix->shards[s].path, s, &ix->shards[s], &sp[s], &serr[s]);
+    }
+    rc = K3_OK;
+    for (int s = 0; s < nfiles && rc == K3_OK; s++)
+        if (scode[s]) {
+            if (err) *err = serr[s];
+            rc = scode[s];
+        }
+    free(serr);
+    free(scode);
+    if (rc == K3_OK && icode) {
+        if (err) *err = ierr;
+        rc = icode;
+    }
+    if (rc) {
+        for (int s = 0; s < nfiles; s++) shard_parse_free(&sp[s]);
+        free(sp);
+        index_parse_free(&ip);
+        free(ipath);
+        st_close(ix);
+        return rc;
+    }
+
+    /* phase 2: concatenate in shard order, hash, find duplicates */
+    size_t total = 0;
+    for (int s = 0; s < nfiles; s++) total += sp[s].n;
+    if (total >= UINT32_MAX / 2) {
+        rc = k3_fail(err, K3_EXIT_DATA, "%s: too many tensors (%zu)", path, total);
+        total = 0;
+    }
+    ix->n = total;
+    ix->tp = xmalloc_array(total ? total : 1, sizeof *ix->tp);
+    size_t cap = 16;
+    while (cap < 2 * total) cap *= 2;
+    ix->mask = cap - 1;
+    ix->slots = xcalloc(cap, sizeof *ix->slots);
+    size_t k = 0;
+    for (int s = 0; s < nfiles && rc == K3_OK; s++) {
+        for (size_t j = 0; j < sp[s].n && rc == K3_OK; j++) {
+            size_t i = k + j;
+            uint64_t h = sp[s].hash[j];
+            ix->tp[i] = &sp[s].t[j];
+            const char *name = sp[s].t[j].name;
+            for (size_t sl = h & ix->mask;; sl = (sl + 1) & ix->mask) {
+                st_slot *e = &ix->slots[sl];
+                if (!e->idx) {
+                    *e = (st_slot){name, (uint32_t)(i + 1), (uint32_t)(h >> 32)};
+                    break;
+                }
+                if (e->h32 == (uint32_t)(h >> 32) && strcmp(e->name, name) == 0) {
+                    rc = k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s' is also in %s", ix->shards[s].path, name,
+                                 ix->shards[ix->tp[e->idx - 1]->shard].path);
+                    break;
+                }
+            }
+        }
+        k += sp[s].n;
+        /* the shard keeps its tensors, names and metadata; tp points in */
+        ix->priv[s].t = sp[s].t;
+        ix->priv[s].names = sp[s].names;
+        ix->priv[s].meta = sp[s].meta;
+        sp[s].t = NULL;
+        sp[s].names = NULL;
+        sp[s].meta = NULL;
+        shard_parse_free(&sp[s]);
+    }
+    for (int s = 0; s < nfiles; s++) shard_parse_free(&sp[s]);
+    free(sp);
+    if (rc == K3_OK && ipath) rc = check_index(ix, &ip, ipath, err);
+    index_parse_free(&ip);
+    free(ipath);
+    if (rc) {
+        st_close(ix);
+        return rc;
+    }
+    *out = ix;
+    return K3_OK;
+}
+
+/* ---- data access ------------------------------------------------------- */
+
+static int shard_fd(st_index *ix, int s, k3_err *err) {
+    shard_priv *p = &ix->priv[s];
+    pthread_mutex_lock(&ix->lock);
+    if (p->fd < 0) {
+        p->fd = open(ix->shards[s].path, O_RDONLY | O_CLOEXEC);
+        if (p->fd < 0) {
+            int e = errno;
+            pthread_mutex_unlock(&ix->lock);
+            return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", ix->shards[s].path, strerror(e));
+        }
+    }
+    pthread_mutex_unlock(&ix->lock);
+    return K3_OK;
+}
+
+const void *st_data(st_index *ix, const st_tensor *t, k3_err *err) {
+    int s = t->shard;
+    shard_priv *p = &ix->priv[s];
+    if (shard_fd(ix, s, err)) return NULL;
+    pthread_mutex_lock(&ix->lock);
+    if (!p->map) {
+        struct stat st;
+        /* a file that shrank since indexing would SIGBUS on access: refuse it */
+        if (fstat(p->fd, &st) != 0 || (uint64_t)st.st_size != ix->shards[s].file_size) {
+            pthread_mutex_unlock(&ix->lock);
+            k3_fail(err, K3_EXIT_DATA, "%s: file changed size since it was indexed", ix->shards[s].path);
+            return NULL;
+        }
+        void *m = mmap(NULL, ix->shards[s].file_size, PROT_READ, MAP_SHARED, p->fd, 0);
+        if (m == MAP_FAILED) {
+            int e = errno;
+            pthread_mutex_unlock(&ix->lock);
+            k3_fail(err, K3_EXIT_RUNTIME, "%s: mmap failed: %s", ix->shards[s].path, strerror(e));
+            return NULL;
+        }
+        p->map = m;
+    }
+    pthread_mutex_unlock(&ix->lock);
+    return p->map + t->offset;
+}
+
+/* The O_DIRECT descriptor of shard s, or -1 when O_DIRECT is off or refused. */
+static int direct_fd(st_index *ix, int s) {
+    shard_priv *p = &ix->priv[s];
+    if (!ix->direct) return -1;
+    pthread_mutex_lock(&ix->lock);
+    if (p->fd_direct == -1) {
+        int fd = open(ix->shards[s].path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        p->fd_direct = fd >= 0 ? fd : -2; /* tmpfs and friends say EINVAL: stay buffered */
+    }
+    int fd = p->fd_direct;
+    pthread_mutex_unlock(&ix->lock);
+    return fd >= 0 ? fd : -1;
+}
+
+/* O_DIRECT read through an aligned bounce buffer. Returns 0, or -1 when the
+ * filesystem refuses (EINVAL) so the caller falls back, or an error code. */
+static int pread_direct(int fd, uint64_t off, unsigned char *dst, uint64_t len, const char *path,
+                        k3_err *err) {
+    const uint64_t A = ST_DIRECT_ALIGN;
+    uint64_t start = off & ~(A - 1), stop = (off + len + A - 1) & ~(A - 1);
+    size_t bsz = (size_t)(stop - start < ST_BOUNCE ? stop - start : ST_BOUNCE);
+    void *bounce = NULL;
+    if (posix_memalign(&bounce, A, bsz) != 0) return -1;
+    int rc = 0;
+    for (uint64_t pos = start; pos < off + len;) {
+        size_t want = (size_t)(stop - pos < bsz ? stop - pos : bsz);
+        ssize_t r = pread(fd, bounce, want, (off_t)pos);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            rc = errno == EINVAL ? -1 : k3_fail(err, K3_EXIT_RUNTIME, "%s: read error: %s", path, strerror(errno));
+            break;
+        }
+        uint64_t got_end = pos + (uint64_t)r;
+        uint64_t lo = pos > off ? pos : off, hi = got_end < off + len ? got_end : off + len;
+        if (hi > lo) memcpy(dst + (lo - off), (unsigned char *)bounce + (lo - pos), (size_t)(hi - lo));
+        if ((size_t)r < want && got_end < off + len) {
+            /* a short O_DIRECT read that is not at EOF: retry the rest aligned */
+            if (r == 0) {
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: unexpected end of file", path);
+                break;
+            }
+            pos = got_end & ~(A - 1);
+            continue;
+        }
+        pos += want;
+    }
+    free(bounce);
+    return rc;
+}
+
+int st_pread(st_index *ix, int shard, uint64_t off, void *dst, uint64_t len, k3_err *err) {
+    if (shard < 0 || shard >= ix->nshards)
+        return k3_fail(err, K3_EXIT_RUNTIME, "st_pread: shard %d out of range", shard);
+    const st_shard *sh = &ix->shards[shard];
+    if (off > sh->file_size || len > sh->file_size - off)
+        return k3_fail(err, K3_EXIT_DATA, "%s: read of %llu bytes at %llu is past the end of the file",
+                       sh->path, (unsigned long long)len, (unsigned long long)off);
+    if (len == 0) return K3_OK;
+    int dfd = direct_fd(ix, shard);
+    if (dfd >= 0) {
+        int r = pread_direct(dfd, off, dst, len, sh->path, err);
+        if (r >= 0) return r;
+        /* refused mid-way: remember and fall back to buffered reads */
+        pthread_mutex_lock(&ix->lock);
+        if (ix->priv[shard].fd_direct >= 0) close(ix->priv[shard].fd_direct);
+        ix->priv[shard].fd_direct = -2;
+        pthread_mutex_unlock(&ix->lock);
+    }
+    int rc = shard_fd(ix, shard, err);
+    if (rc) return rc;
+    return pread_full(ix->priv[shard].fd, dst, (size_t)len, off, sh->path, err);
+}
+
+int st_read(st_index *ix, const st_tensor *t, void *dst, k3_err *err) {
+    return st_pread(ix, t->shard, t->offset, dst, t->nbytes, err);
+}
+
+int st_read_f32(st_index *ix, const st_tensor *t, float *dst, k3_err *err) {
+    size_t n = (size_t)t->numel;
+    switch (t->dtype) {
+    case ST_F32:
+        return st_read(ix, t, dst, err);
+    case ST_F16:
+    case ST_BF16: {
+        /* read the 16-bit values into the front half of dst, then widen from
+         * the back so no value is overwritten before it is read */
+        int rc = st_read(ix, t, dst, err);
+        if (rc) return rc;
+        const unsigned char *raw = (const unsigned char *)dst;
+        for (size_t i = n; i-- > 0;) {
+            uint16_t h;
+            memcpy(&h, raw + 2 * i, 2);
+            float f = t->dtype == ST_BF16 ? k3_bf16_to_f32(h) : k3_f16_to_f32(h);
+            memcpy((unsigned char *)dst + 4 * i, &f, 4);
+        }
+        return K3_OK;
+    }
+    case ST_F64: {
+        double *tmp = xmalloc_array(n ? n : 1, sizeof *tmp);
+        int rc = st_read(ix, t, tmp, err);
+        if (rc == K3_OK)
+            for (size_t i = 0; i < n; i++) dst[i] = (float)tmp[i];
+        free(tmp);
+        return rc;
+    }
+    default:
+        return k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s' is %s, not a float dtype",
+                       ix->shards[t->shard].path, t->name, st_dtype_name(t->dtype));
+    }
+}

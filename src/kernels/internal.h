@@ -1,0 +1,52 @@
+/* internal.h (src/kernels only): the seam between the portable reference
+ * code and the AVX-512 file. Everything here obeys the canonical order of
+ * kernels.h, so a table of scalar functions and a table of vector functions
+ * are interchangeable bit for bit. */
+#ifndef K3_KERNELS_INTERNAL_H
+#define K3_KERNELS_INTERNAL_H
+
+#include "kernels/kernels.h"
+
+/* Vector primitives on f32 arrays of any length n >= 0. All are elementwise
+ * (no order question) except dot/sum/sumsq, which use the 16-lane + tree
+ * order. Composite kernels (KDA, norms) are written once on top of these. */
+typedef struct {
+    float (*dot)(const float *a, const float *b, int n);
+    float (*sum)(const float *x, int n);
+    void (*axpy)(float *y, float a, const float *x, int n);          /* y = fma(a, x, y) */
+    void (*vfma)(float *y, const float *a, const float *b, int n);   /* y = fma(a, b, y) */
+    void (*scale)(float *y, const float *x, float s, int n);         /* y = x * s */
+    void (*vmul)(float *y, const float *a, const float *b, int n);   /* y = a * b */
+    void (*vadd)(float *y, const float *a, const float *b, int n);   /* y = a + b */
+    void (*vexp)(float *y, const float *x, int n);                   /* y = km_exp(x) */
+    void (*subscale)(float *y, const float *a, const float *b, float s, int n); /* y = (a - b) * s */
+    void (*divs)(float *y, const float *x, float d, int n);          /* y = x / d */
+    /* Y[t][r] for t < n, r0 <= r < r1 (Y is [n][rows]); aux is what prepare
+     * returned for this (W, X) (NULL when prepare is NULL or declined). */
+    void *(*prepare)(const k3_mat *W, const float *X, int n);
+    void (*rowdots)(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux);
+    /* C[m][j] += sum_k A(m,k) B[k][j] for m < M, j < N, k < K, with
+     * A(m,k) = A[m*sam + k*sak]; each C element gets fma(A(m,k), B[k][j], c)
+     * for k = 0, 1, ... in order (the same bits as a loop of axpy). */
+    void (*gemm_acc)(float *C, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+                     const float *B, int ldb);
+    void (*silu)(float *x, int n);
+    void (*situ)(float *out, const float *gate, const float *up, int n, float b1, float b2);
+    void (*sigmoid_mul)(float *y, const float *gate, int n);          /* y *= sigmoid(gate) */
+} k_vops;
+
+extern const k_vops k_scalar_ops;
+#if defined(__x86_64__)
+extern const k_vops k_avx512_ops;
+#endif
+/* The table in force (scalar when forced or when the CPU lacks AVX-512). */
+const k_vops *k_ops(void);
+
+/* Canonical 16-lane tree over acc[16] (destroys acc). */
+static inline float k_tree16(float *acc) {
+    for (int s = 8; s >= 1; s >>= 1)
+        for (int l = 0; l < s; l++) acc[l] += acc[l + s];
+    return acc[0];
+}
+
+#endif

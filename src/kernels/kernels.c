@@ -1,0 +1,289 @@
+/* kernels.c: path selection, the scalar reference for every primitive, and
+ * the public kernels written once on top of the primitive table (see
+ * internal.h). The scalar code here IS the definition of the results; the
+ * AVX-512 file must reproduce it bit for bit. */
+#include "kernels/internal.h"
+#include "kernels/kmath.h"
+#include "util/common.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- path selection ------------------------------------------------------ */
+
+static bool g_force_scalar = false;
+
+bool k_simd_available(void) {
+#if defined(__x86_64__)
+    static int have = -1;
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+               __builtin_cpu_supports("fma");
+    }
+    return have;
+#else
+    return false;
+#endif
+}
+
+void k_set_scalar(bool scalar_only) { g_force_scalar = scalar_only; }
+
+const k_vops *k_ops(void) {
+#if defined(__x86_64__)
+    if (!g_force_scalar && k_simd_available()) return &k_avx512_ops;
+#endif
+    return &k_scalar_ops;
+}
+
+const char *k_path_name(void) { return k_ops() == &k_scalar_ops ? "scalar" : "avx512"; }
+
+/* ---- weights --------------------------------------------------------------- */
+
+const float k_e2m1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                          -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+float k_e8m0(uint8_t s) {
+    if (s == 255) return 0.0f;
+    if (s == 0) return 0x1p-127f; /* the one subnormal scale */
+    return km_pow2i((int)s - 127);
+}
+
+/* Bytes per row of packed MXFP4 and scale bytes per row. MXFP4 rows need an
+ * even cols (two codes per byte); the loader checks shapes. */
+static inline size_t mx_row_bytes(const k3_mat *W) { return (size_t)W->cols / 2; }
+static inline size_t mx_row_groups(const k3_mat *W) {
+    return ((size_t)W->cols + (size_t)W->group - 1) / (size_t)W->group;
+}
+
+void k_mat_row(const k3_mat *W, int row, float *out) {
+    size_t n = (size_t)W->cols;
+    switch (W->type) {
+    case KW_F32:
+        memcpy(out, (const float *)W->data + (size_t)row * n, n * sizeof(float));
+        break;
+    case KW_BF16: {
+        const uint16_t *p = (const uint16_t *)W->data + (size_t)row * n;
+        for (size_t j = 0; j < n; j++) out[j] = k3_bf16_to_f32(p[j]);
+        break;
+    }
+    case KW_MXFP4: {
+        const uint8_t *p = (const uint8_t *)W->data + (size_t)row * mx_row_bytes(W);
+        const uint8_t *sc = W->scales + (size_t)row * mx_row_groups(W);
+        for (size_t j = 0; j < n; j++) {
+            uint8_t b = p[j >> 1];
+            int code = (j & 1) ? (b >> 4) : (b & 15);
+            out[j] = k_e2m1[code] * k_e8m0(sc[j / (size_t)W->group]);
+        }
+        break;
+    }
+    }
+}
+
+/* ---- scalar primitives (the reference) ------------------------------------ */
+
+static float s_dot(const float *w, const float *x, int n) {
+    float acc[16] = {0};
+    for (int j = 0; j < n; j++) acc[j & 15] = fmaf(w[j], x[j], acc[j & 15]);
+    return k_tree16(acc);
+}
+
+static float s_sum(const float *x, int n) {
+    float acc[16] = {0};
+    for (int j = 0; j < n; j++) acc[j & 15] += x[j];
+    return k_tree16(acc);
+}
+
+static void s_axpy(float *y, float a, const float *x, int n) {
+    for (int j = 0; j < n; j++) y[j] = fmaf(a, x[j], y[j]);
+}
+static void s_vfma(float *y, const float *a, const float *b, int n) {
+    for (int j = 0; j < n; j++) y[j] = fmaf(a[j], b[j], y[j]);
+}
+static void s_scale(float *y, const float *x, float s, int n) {
+    for (int j = 0; j < n; j++) y[j] = x[j] * s;
+}
+static void s_vmul(float *y, const float *a, const float *b, int n) {
+    for (int j = 0; j < n; j++) y[j] = a[j] * b[j];
+}
+static void s_vadd(float *y, const float *a, const float *b, int n) {
+    for (int j = 0; j < n; j++) y[j] = a[j] + b[j];
+}
+static void s_vexp(float *y, const float *x, int n) {
+    for (int j = 0; j < n; j++) y[j] = km_exp(x[j]);
+}
+static void s_subscale(float *y, const float *a, const float *b, float s, int n) {
+    for (int j = 0; j < n; j++) y[j] = (a[j] - b[j]) * s;
+}
+static void s_divs(float *y, const float *x, float d, int n) {
+    for (int j = 0; j < n; j++) y[j] = x[j] / d;
+}
+static void s_gemm_acc(float *C, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+                       const float *B, int ldb) {
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K; k++)
+            s_axpy(C + (size_t)m * ldc, A[(size_t)m * sam + (size_t)k * sak], B + (size_t)k * ldb, N);
+}
+static void s_silu(float *x, int n) {
+    for (int j = 0; j < n; j++) x[j] = x[j] / (1.0f + km_exp(-x[j]));
+}
+static void s_situ(float *out, const float *gate, const float *up, int n, float b1, float b2) {
+    for (int j = 0; j < n; j++) {
+        float a = gate[j];
+        float g = (b1 * km_tanh(a / b1)) * km_sigmoid(a);
+        out[j] = g * (b2 * km_tanh(up[j] / b2));
+    }
+}
+static void s_sigmoid_mul(float *y, const float *gate, int n) {
+    for (int j = 0; j < n; j++) y[j] = y[j] * km_sigmoid(gate[j]);
+}
+
+/* One weight row against one input, canonical order; w[j] is formed exactly
+ * in f32 from the stored type. */
+static float s_row_dot(const k3_mat *W, int r, const float *x) {
+    int n = W->cols;
+    float acc[16] = {0};
+    switch (W->type) {
+    case KW_F32: return s_dot((const float *)W->data + (size_t)r * (size_t)n, x, n);
+    case KW_BF16: {
+        const uint16_t *p = (const uint16_t *)W->data + (size_t)r * (size_t)n;
+        for (int j = 0; j < n; j++) acc[j & 15] = fmaf(k3_bf16_to_f32(p[j]), x[j], acc[j & 15]);
+        break;
+    }
+    case KW_MXFP4: {
+        const uint8_t *p = (const uint8_t *)W->data + (size_t)r * mx_row_bytes(W);
+        const uint8_t *sc = W->scales + (size_t)r * mx_row_groups(W);
+        int G = W->group;
+        float s = 0;
+        for (int j = 0; j < n; j++) {
+            if (j % G == 0) s = k_e8m0(sc[j / G]);
+            uint8_t b = p[j >> 1];
+            int code = (j & 1) ? (b >> 4) : (b & 15);
+            acc[j & 15] = fmaf(k_e2m1[code] * s, x[j], acc[j & 15]);
+        }
+        break;
+    }
+    }
+    return k_tree16(acc);
+}
+
+static void s_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux) {
+    (void)aux;
+    for (int t = 0; t < n; t++)
+        for (int r = r0; r < r1; r++)
+            Y[(size_t)t * (size_t)W->rows + (size_t)r] = s_row_dot(W, r, X + (size_t)t * (size_t)W->cols);
+}
+
+const k_vops k_scalar_ops = {
+    .dot = s_dot, .sum = s_sum, .axpy = s_axpy, .vfma = s_vfma, .scale = s_scale, .vmul = s_vmul,
+    .vadd = s_vadd, .vexp = s_vexp, .subscale = s_subscale, .divs = s_divs,
+    .prepare = NULL, .rowdots = s_rowdots, .gemm_acc = s_gemm_acc, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
+};
+
+/* ---- products --------------------------------------------------------------- */
+
+float k_dot(const float *w, const float *x, int n) { return k_ops()->dot(w, x, n); }
+
+/* Threads split rows into fixed blocks; every dot is computed whole by one
+ * thread, so the bits never depend on the thread count. Small products stay
+ * on the calling thread (the fork costs more than the work). */
+#define K_ROW_BLOCK 16
+static void rows_driver(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1) {
+    const k_vops *ops = k_ops();
+    int nb = (r1 - r0 + K_ROW_BLOCK - 1) / K_ROW_BLOCK;
+    double work = (double)(r1 - r0) * (double)W->cols * (double)n;
+    void *aux = ops->prepare ? ops->prepare(W, X, n) : NULL;
+#pragma omp parallel for schedule(static) if (work > 65536.0 && nb > 1)
+    for (int b = 0; b < nb; b++) {
+        int a = r0 + b * K_ROW_BLOCK;
+        int e = a + K_ROW_BLOCK < r1 ? a + K_ROW_BLOCK : r1;
+        ops->rowdots(W, X, n, Y, a, e, aux);
+    }
+    free(aux);
+}
+
+void k_matvec(const k3_mat *W, const float *x, float *y) { rows_driver(W, x, 1, y, 0, W->rows); }
+
+void k_matvec_rows(const k3_mat *W, const float *x, float *y, int r0, int r1) {
+    if (r0 < 0) r0 = 0;
+    if (r1 > W->rows) r1 = W->rows;
+    if (r1 > r0) rows_driver(W, x, 1, y, r0, r1);
+}
+
+void k_matmul(const k3_mat *W, const float *X, int n, float *Y) {
+    if (n > 0) rows_driver(W, X, n, Y, 0, W->rows);
+}
+
+/* ---- elementwise and norms ---------------------------------------------------- */
+
+float k_sum(const float *x, int n) { return k_ops()->sum(x, n); }
+/* The square sum is the canonical dot of x with itself (fma per element). */
+float k_sumsq(const float *x, int n) { return k_ops()->dot(x, x, n); }
+
+void k_rmsnorm(float *y, const float *x, const float *g, int n, float eps) {
+    const k_vops *ops = k_ops();
+    float ms = ops->dot(x, x, n) / (float)n;
+    float r = sqrtf(ms + eps);
+    ops->divs(y, x, r, n);
+    if (g) ops->vmul(y, y, g, n);
+}
+
+void k_l2norm(float *x, int n, float eps) {
+    const k_vops *ops = k_ops();
+    float r = sqrtf(ops->dot(x, x, n) + eps);
+    ops->divs(x, x, r, n);
+}
+
+float k_sigmoid(float x) { return km_sigmoid(x); }
+void k_silu(float *x, int n) { k_ops()->silu(x, n); }
+
+void k_situ_glu(float *out, const float *gate, const float *up, int n, float b1, float b2) {
+    k_ops()->situ(out, gate, up, n, b1, b2);
+}
+
+void k_softmax(float *x, int n) {
+    if (n <= 0) return;
+    const k_vops *ops = k_ops();
+    float m = x[0];
+    for (int i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    for (int i = 0; i < n; i++) x[i] -= m;
+    ops->vexp(x, x, n);
+    float s = ops->sum(x, n);
+    ops->divs(x, x, s, n);
+}
+
+/* ---- router ------------------------------------------------------------------ */
+
+void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale,
+                   int *idx, float *w) {
+    if (k > n) k = n;
+    float *s = xmalloc_array((size_t)(n > 0 ? n : 1), sizeof *s);
+    float *sel = xmalloc_array((size_t)(n > 0 ? n : 1), sizeof *sel);
+    unsigned char *taken = xcalloc((size_t)(n > 0 ? n : 1), 1);
+    for (int j = 0; j < n; j++) {
+        s[j] = km_sigmoid(logits[j]);
+        float v = bias ? s[j] + bias[j] : s[j];
+        sel[j] = v != v ? -INFINITY : v; /* a NaN score is never preferred */
+    }
+    /* k passes of "best remaining": strict > keeps the lowest index on ties. */
+    for (int i = 0; i < k; i++) {
+        int best = -1;
+        for (int j = 0; j < n; j++)
+            if (!taken[j] && (best < 0 || sel[j] > sel[best])) best = j;
+        taken[best] = 1;
+        idx[i] = best;
+        w[i] = s[best];
+    }
+    if (renorm && k > 1) {
+        float tot = 0;
+        for (int i = 0; i < k; i++) tot += w[i];
+        tot += 1e-20f;
+        for (int i = 0; i < k; i++) w[i] /= tot;
+    }
+    for (int i = 0; i < k; i++) w[i] *= scale;
+    free(s);
+    free(sel);
+    free(taken);
+}

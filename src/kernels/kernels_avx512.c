@@ -1,0 +1,417 @@
+/* kernels_avx512.c: the AVX-512 primitive table. Every function repeats the
+ * scalar reference of kernels.c / kmath.h operation for operation, so the
+ * bits are identical: 16-lane dots use one zmm accumulator (lane l holds
+ * elements l, l+16, ...), tails use masked FMAs that leave unused lanes
+ * untouched, and the same 8-4-2-1 tree closes every dot. exp/tanh/sigmoid
+ * are the kmath.h algorithms lane by lane.
+ *
+ * The functions carry target attributes and are reached only through
+ * k_ops() after a CPUID check, so the binary still runs without AVX-512. */
+#if defined(__x86_64__)
+
+#include "kernels/internal.h"
+#include "kernels/kmath.h"
+
+#include "util/common.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define INL static inline __attribute__((always_inline)) TGT
+
+#define UNROLL _Pragma("GCC unroll 16")
+
+INL __mmask16 tailmask(int r) { return (__mmask16)((1u << r) - 1u); }
+
+INL float tree(__m512 v) {
+    __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); /* l += l+8 */
+    __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));      /* l += l+4 */
+    __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));                                       /* l += l+2 */
+    __m128 d = _mm_add_ss(c, _mm_movehdup_ps(c));                                        /* l += l+1 */
+    return _mm_cvtss_f32(d);
+}
+
+/* ---- math, lane by lane as kmath.h ------------------------------------------------ */
+
+INL __m512 v_exp(__m512 x) {
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(KM_EXP_LO));
+    xc = _mm512_min_ps(xc, _mm512_set1_ps(KM_EXP_HI));
+    __m512 kf = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(KM_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(KM_LN2_HI), xc);
+    r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(KM_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(KM_E7);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_E6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_E5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_E4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_E3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_E2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i k = _mm512_cvtps_epi32(kf);
+    __m512i k1 = _mm512_srai_epi32(k, 1), k2 = _mm512_sub_epi32(k, k1);
+    __m512i b127 = _mm512_set1_epi32(127);
+    __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k1, b127), 23));
+    __m512 s2 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(k2, b127), 23));
+    __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+    return _mm512_mask_blend_ps(nan, y, _mm512_add_ps(x, x));
+}
+
+INL __m512 v_neg(__m512 x) { return _mm512_xor_ps(x, _mm512_set1_ps(-0.0f)); }
+
+INL __m512 v_sigmoid(__m512 x) {
+    __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_ps(one, _mm512_add_ps(one, v_exp(v_neg(x))));
+}
+
+INL __m512 v_tanh(__m512 x) {
+    __m512 sign = _mm512_set1_ps(-0.0f);
+    __m512 a = _mm512_andnot_ps(sign, x);
+    __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(KM_TANH_SMALL), _CMP_LT_OQ);
+    __m512 z = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(KM_T5);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(KM_T4));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(KM_T3));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(KM_T2));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(KM_T1));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(KM_T0));
+    __m512 ys = _mm512_fmadd_ps(_mm512_mul_ps(x, z), p, x);
+    __m512 one = _mm512_set1_ps(1.0f);
+    __m512 e = v_exp(_mm512_add_ps(a, a));
+    __m512 t = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+    __m512 yl = _mm512_or_ps(_mm512_andnot_ps(sign, t), _mm512_and_ps(sign, x)); /* copysign */
+    return _mm512_mask_blend_ps(small, yl, ys);
+}
+
+/* ---- primitives ---------------------------------------------------------------------- */
+
+TGT static float v_dot(const float *a, const float *b, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
+    if (j < n) {
+        __mmask16 m = tailmask(n - j);
+        acc = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(m, a + j), _mm512_maskz_loadu_ps(m, b + j), acc, m);
+    }
+    return tree(acc);
+}
+
+TGT static float v_sum(const float *x, int n) {
+    __m512 acc = _mm512_setzero_ps();
+    int j = 0;
+    for (; j + 16 <= n; j += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + j));
+    if (j < n) {
+        __mmask16 m = tailmask(n - j);
+        acc = _mm512_mask_add_ps(acc, m, acc, _mm512_maskz_loadu_ps(m, x + j));
+    }
+    return tree(acc);
+}
+
+/* Elementwise loops: full vectors, then one masked vector; lanes beyond n
+ * are computed on zeros and never stored. */
+#define ELEMWISE(n, BODY)                                                  \
+    do {                                                                   \
+        int j_ = 0;                                                        \
+        for (; j_ + 16 <= (n); j_ += 16) {                                 \
+            __mmask16 m = 0xffff;                                          \
+            int j = j_;                                                    \
+            BODY;                                                          \
+        }                                                                  \
+        if (j_ < (n)) {                                                    \
+            __mmask16 m = tailmask((n) - j_);                              \
+            int j = j_;                                                    \
+            BODY;                                                          \
+        }                                                                  \
+    } while (0)
+#define LD(p) _mm512_maskz_loadu_ps(m, (p) + j)
+#define ST(p, v) _mm512_mask_storeu_ps((p) + j, m, (v))
+
+TGT static void v_axpy(float *y, float a, const float *x, int n) {
+    __m512 va = _mm512_set1_ps(a);
+    ELEMWISE(n, ST(y, _mm512_fmadd_ps(va, LD(x), LD(y))));
+}
+TGT static void v_vfma(float *y, const float *a, const float *b, int n) {
+    ELEMWISE(n, ST(y, _mm512_fmadd_ps(LD(a), LD(b), LD(y))));
+}
+TGT static void v_scale(float *y, const float *x, float s, int n) {
+    __m512 vs = _mm512_set1_ps(s);
+    ELEMWISE(n, ST(y, _mm512_mul_ps(LD(x), vs)));
+}
+TGT static void v_vmul(float *y, const float *a, const float *b, int n) {
+    ELEMWISE(n, ST(y, _mm512_mul_ps(LD(a), LD(b))));
+}
+TGT static void v_vadd(float *y, const float *a, const float *b, int n) {
+    ELEMWISE(n, ST(y, _mm512_add_ps(LD(a), LD(b))));
+}
+TGT static void v_vexp(float *y, const float *x, int n) { ELEMWISE(n, ST(y, v_exp(LD(x)))); }
+TGT static void v_subscale(float *y, const float *a, const float *b, float s, int n) {
+    __m512 vs = _mm512_set1_ps(s);
+    ELEMWISE(n, ST(y, _mm512_mul_ps(_mm512_sub_ps(LD(a), LD(b)), vs)));
+}
+TGT static void v_divs(float *y, const float *x, float d, int n) {
+    __m512 vd = _mm512_set1_ps(d);
+    ELEMWISE(n, ST(y, _mm512_div_ps(LD(x), vd)));
+}
+TGT static void v_silu(float *x, int n) {
+    __m512 one = _mm512_set1_ps(1.0f);
+    ELEMWISE(n, {
+        __m512 v = LD(x);
+        ST(x, _mm512_div_ps(v, _mm512_add_ps(one, v_exp(v_neg(v)))));
+    });
+}
+TGT static void v_situ(float *out, const float *gate, const float *up, int n, float b1, float b2) {
+    __m512 vb1 = _mm512_set1_ps(b1), vb2 = _mm512_set1_ps(b2);
+    ELEMWISE(n, {
+        __m512 a = LD(gate);
+        __m512 g = _mm512_mul_ps(_mm512_mul_ps(vb1, v_tanh(_mm512_div_ps(a, vb1))), v_sigmoid(a));
+        __m512 u = _mm512_mul_ps(vb2, v_tanh(_mm512_div_ps(LD(up), vb2)));
+        ST(out, _mm512_mul_ps(g, u));
+    });
+}
+TGT static void v_sigmoid_mul(float *y, const float *gate, int n) {
+    ELEMWISE(n, ST(y, _mm512_mul_ps(LD(y), v_sigmoid(LD(gate)))));
+}
+
+/* C += A B panels for the chunked KDA: 4 rows x 32 columns of C stay in
+ * registers while k runs, so each element still sees its FMAs in k order. */
+TGT static void v_gemm_acc(float *C, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+                           const float *B, int ldb) {
+    for (int j = 0; j < N; j += 32) {
+        __mmask16 m0 = N - j >= 16 ? 0xffff : tailmask(N - j);
+        __mmask16 m1 = N - j >= 32 ? 0xffff : (N - j > 16 ? tailmask(N - j - 16) : 0);
+        int m = 0;
+        for (; m + 4 <= M; m += 4) {
+            __m512 c[4][2];
+            UNROLL for (int r = 0; r < 4; r++) {
+                c[r][0] = _mm512_maskz_loadu_ps(m0, C + (size_t)(m + r) * ldc + j);
+                c[r][1] = _mm512_maskz_loadu_ps(m1, C + (size_t)(m + r) * ldc + j + 16);
+            }
+            for (int k = 0; k < K; k++) {
+                __m512 b0 = _mm512_maskz_loadu_ps(m0, B + (size_t)k * ldb + j);
+                __m512 b1 = _mm512_maskz_loadu_ps(m1, B + (size_t)k * ldb + j + 16);
+                UNROLL for (int r = 0; r < 4; r++) {
+                    __m512 a = _mm512_set1_ps(A[(size_t)(m + r) * sam + (size_t)k * sak]);
+                    c[r][0] = _mm512_fmadd_ps(a, b0, c[r][0]);
+                    c[r][1] = _mm512_fmadd_ps(a, b1, c[r][1]);
+                }
+            }
+            UNROLL for (int r = 0; r < 4; r++) {
+                _mm512_mask_storeu_ps(C + (size_t)(m + r) * ldc + j, m0, c[r][0]);
+                _mm512_mask_storeu_ps(C + (size_t)(m + r) * ldc + j + 16, m1, c[r][1]);
+            }
+        }
+        for (; m < M; m++) {
+            __m512 c0 = _mm512_maskz_loadu_ps(m0, C + (size_t)m * ldc + j);
+            __m512 c1 = _mm512_maskz_loadu_ps(m1, C + (size_t)m * ldc + j + 16);
+            for (int k = 0; k < K; k++) {
+                __m512 a = _mm512_set1_ps(A[(size_t)m * sam + (size_t)k * sak]);
+                c0 = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m0, B + (size_t)k * ldb + j), c0);
+                c1 = _mm512_fmadd_ps(a, _mm512_maskz_loadu_ps(m1, B + (size_t)k * ldb + j + 16), c1);
+            }
+            _mm512_mask_storeu_ps(C + (size_t)m * ldc + j, m0, c0);
+            _mm512_mask_storeu_ps(C + (size_t)m * ldc + j + 16, m1, c1);
+        }
+    }
+}
+
+/* ---- products ---------------------------------------------------------------------------
+ * A tile is RB weight rows x TB inputs with one zmm accumulator per pair,
+ * sweeping the columns in 16-wide steps: each accumulator sees its row's
+ * elements in the canonical order, and the tile shape only changes which
+ * independent dots run side by side (to hide FMA latency and to decode a
+ * weight vector once for TB inputs). */
+
+typedef struct {
+    const k3_mat *W;
+    const float *X;
+    const float *aux; /* MXFP4: X with each 16-block in the decode's lane order */
+    float *Y;
+    int cols, rows;
+} prod;
+
+/* weight vector: 16 columns starting at j of a row; m masks a tail */
+INL __m512 ld_f32(const void *row, int j, __mmask16 m) {
+    return _mm512_maskz_loadu_ps(m, (const float *)row + j);
+}
+INL __m512 ld_bf16(const void *row, int j, __mmask16 m) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + j);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* MXFP4 decode in a permuted lane order. The 8 bytes holding elements
+ * j..j+15 are broadcast as one qword: dword lane 2i then holds bytes 0-3 and
+ * lane 2i+1 bytes 4-7, so shifting both by 4i leaves in the low nibble the
+ * code of element i (lane 2i) and of element 8+i (lane 2i+1). A permute
+ * reads only those 4 index bits to look the value up in the E2M1 table
+ * already multiplied by the group scale (exact: a power of two).
+ * The canonical order only asks that each accumulator lane see the elements
+ * of one residue class mod 16 in increasing order; a fixed permutation of the
+ * lanes, applied to x as well (prepare) and undone before the tree, keeps
+ * every lane's sequence of FMAs, hence the bits. Costs per 16 weights: one
+ * broadcast load, one shift, one permute, one FMA. */
+INL __m512i mx_shifts(void) {
+    return _mm512_set_epi32(28, 28, 24, 24, 20, 20, 16, 16, 12, 12, 8, 8, 4, 4, 0, 0);
+}
+INL __m512 w_mx(const uint8_t *row, int j, __m512 lut, __m512i sh) {
+    long long q;
+    memcpy(&q, row + j / 2, 8);
+    return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(q), sh), lut);
+}
+/* lane l of a permuted accumulator holds canonical lane pi(l): pi(2i) = i,
+ * pi(2i+1) = 8 + i; this gathers them back to canonical positions. */
+INL __m512 mx_unpermute(__m512 acc) {
+    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0), acc);
+}
+
+static float e8m0_tab[256];
+__attribute__((constructor)) static void e8m0_init(void) {
+    for (int s = 0; s < 256; s++) e8m0_tab[s] = k_e8m0((uint8_t)s);
+}
+
+#define TILE_BODY(RB, TB, LD, ESZ)                                                             \
+    const int cols = P->cols;                                                                  \
+    const char *wr[RB];                                                                        \
+    const float *xr[TB];                                                                       \
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        wr[i] = (const char *)P->W->data + (size_t)(r + i) * (size_t)cols * ESZ;               \
+    UNROLL for (int t = 0; t < TB; t++) xr[t] = P->X + (size_t)(t0 + t) * (size_t)cols;        \
+    __m512 acc[RB][TB];                                                                        \
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                   \
+    int j = 0;                                                                                 \
+    for (; j + 16 <= cols; j += 16) {                                                          \
+        __m512 w[RB];                                                                          \
+        UNROLL for (int i = 0; i < RB; i++) w[i] = LD(wr[i], j, 0xffff);                       \
+        UNROLL for (int t = 0; t < TB; t++) {                                                  \
+            __m512 x = _mm512_loadu_ps(xr[t] + j);                                             \
+            UNROLL for (int i = 0; i < RB; i++) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]); \
+        }                                                                                      \
+    }                                                                                          \
+    if (j < cols) {                                                                            \
+        const __mmask16 m = tailmask(cols - j);                                                \
+        __m512 w[RB];                                                                          \
+        UNROLL for (int i = 0; i < RB; i++) w[i] = LD(wr[i], j, m);                            \
+        UNROLL for (int t = 0; t < TB; t++) {                                                  \
+            __m512 x = _mm512_maskz_loadu_ps(m, xr[t] + j);                                    \
+            UNROLL for (int i = 0; i < RB; i++) acc[i][t] = _mm512_mask3_fmadd_ps(w[i], x, acc[i][t], m); \
+        }                                                                                      \
+    }                                                                                          \
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        UNROLL for (int t = 0; t < TB; t++)                                                    \
+            P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(acc[i][t]);
+
+
+/* MXFP4 (cols and group multiples of 16, checked by the caller): the scale
+ * index advances every group/16 vectors. */
+#define TILE_MX_BODY(RB, TB)                                                                   \
+    const int cols = P->cols;                                                                  \
+    const int G = P->W->group, ng = (cols + G - 1) / G, vpg = G / 16;                          \
+    const uint8_t *wr[RB], *sc[RB];                                                            \
+    const float *xr[TB];                                                                       \
+    UNROLL for (int i = 0; i < RB; i++) {                                                      \
+        wr[i] = (const uint8_t *)P->W->data + (size_t)(r + i) * (size_t)(cols / 2);            \
+        sc[i] = P->W->scales + (size_t)(r + i) * (size_t)ng;                                   \
+    }                                                                                          \
+    UNROLL for (int t = 0; t < TB; t++) xr[t] = P->aux + (size_t)(t0 + t) * (size_t)cols;      \
+    __m512 acc[RB][TB];                                                                        \
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                   \
+    const __m512 e2m1 = _mm512_loadu_ps(k_e2m1);                                               \
+    const __m512i sh = mx_shifts();                                                            \
+    for (int g = 0, j = 0; g < ng; g++) {                                                      \
+        __m512 lut[RB];                                                                        \
+        UNROLL for (int i = 0; i < RB; i++) lut[i] = _mm512_mul_ps(e2m1, _mm512_set1_ps(e8m0_tab[sc[i][g]])); \
+        for (int v = 0; v < vpg; v++, j += 16) {                                               \
+            __m512 w[RB];                                                                      \
+            UNROLL for (int i = 0; i < RB; i++) w[i] = w_mx(wr[i], j, lut[i], sh);             \
+            UNROLL for (int t = 0; t < TB; t++) {                                              \
+                __m512 x = _mm512_loadu_ps(xr[t] + j);                                         \
+                UNROLL for (int i = 0; i < RB; i++) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]); \
+            }                                                                                  \
+        }                                                                                      \
+    }                                                                                          \
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        UNROLL for (int t = 0; t < TB; t++)                                                    \
+            P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(mx_unpermute(acc[i][t]));
+
+/* One specialised function per tile shape, so the accumulators are fixed
+ * arrays the compiler keeps in registers. */
+#define DEF_TILES(NAME, BODY, ...)                                                             \
+    TGT static void NAME##_8x1(const prod *P, int r, int t0) { BODY(8, 1, ##__VA_ARGS__) }      \
+    TGT static void NAME##_4x4(const prod *P, int r, int t0) { BODY(4, 4, ##__VA_ARGS__) }      \
+    TGT static void NAME##_4x1(const prod *P, int r, int t0) { BODY(4, 1, ##__VA_ARGS__) }      \
+    TGT static void NAME##_1x4(const prod *P, int r, int t0) { BODY(1, 4, ##__VA_ARGS__) }      \
+    TGT static void NAME##_1x1(const prod *P, int r, int t0) { BODY(1, 1, ##__VA_ARGS__) }
+
+DEF_TILES(tile_f32, TILE_BODY, ld_f32, 4)
+DEF_TILES(tile_bf16, TILE_BODY, ld_bf16, 2)
+DEF_TILES(tile_mx, TILE_MX_BODY)
+
+/* Token blocks sized so their inputs stay in L2 while the block's weight rows
+ * stream past; inside, RB x TB tiles, then the edges with narrower tiles. */
+#define TOK_BLOCK_BYTES (512 * 1024)
+
+#define DRIVE(TILE)                                                                        \
+    do {                                                                                   \
+        size_t rowb = (size_t)P.cols * sizeof(float);                                      \
+        int nb = (int)(TOK_BLOCK_BYTES / (rowb ? rowb : 1));                               \
+        if (nb < 4) nb = 4;                                                                \
+        for (int b0 = 0; b0 < n; b0 += nb) {                                               \
+            int b1 = b0 + nb < n ? b0 + nb : n;                                            \
+            if (b1 - b0 == 1) { /* matvec: 8 rows side by side */                          \
+                int r = r0;                                                                \
+                for (; r + 8 <= r1; r += 8) TILE##_8x1(&P, r, b0);                         \
+                for (; r < r1; r++) TILE##_1x1(&P, r, b0);                                 \
+                continue;                                                                  \
+            }                                                                              \
+            int r = r0;                                                                    \
+            for (; r + 4 <= r1; r += 4) {                                                  \
+                int t = b0;                                                                \
+                for (; t + 4 <= b1; t += 4) TILE##_4x4(&P, r, t);                          \
+                for (; t < b1; t++) TILE##_4x1(&P, r, t);                                  \
+            }                                                                              \
+            for (; r < r1; r++) {                                                          \
+                int t = b0;                                                                \
+                for (; t + 4 <= b1; t += 4) TILE##_1x4(&P, r, t);                          \
+                for (; t < b1; t++) TILE##_1x1(&P, r, t);                                  \
+            }                                                                              \
+        }                                                                                  \
+    } while (0)
+
+static bool mx_fast(const k3_mat *W) { return W->cols % 16 == 0 && W->group > 0 && W->group % 16 == 0; }
+
+/* For MXFP4: a copy of X with every 16-block in the decode's lane order
+ * (lane 2i <- element i, lane 2i+1 <- element 8+i), made once per product. */
+static void *v_prepare(const k3_mat *W, const float *X, int n) {
+    if (W->type != KW_MXFP4 || !mx_fast(W) || n <= 0) return NULL;
+    size_t tot = (size_t)n * (size_t)W->cols;
+    float *Xp = xmalloc_aligned(tot * sizeof *Xp);
+    for (size_t b = 0; b < tot; b += 16)
+        for (int i = 0; i < 8; i++) {
+            Xp[b + 2 * i] = X[b + i];
+            Xp[b + 2 * i + 1] = X[b + 8 + i];
+        }
+    return Xp;
+}
+
+TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux) {
+    prod P = {.W = W, .X = X, .aux = aux, .Y = Y, .cols = W->cols, .rows = W->rows};
+    switch (W->type) {
+    case KW_F32: DRIVE(tile_f32); break;
+    case KW_BF16: DRIVE(tile_bf16); break;
+    case KW_MXFP4:
+        if (mx_fast(W) && aux) DRIVE(tile_mx);
+        else k_scalar_ops.rowdots(W, X, n, Y, r0, r1, NULL); /* odd layouts: same bits, slower */
+        break;
+    }
+}
+
+const k_vops k_avx512_ops = {
+    .dot = v_dot, .sum = v_sum, .axpy = v_axpy, .vfma = v_vfma, .scale = v_scale, .vmul = v_vmul,
+    .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
+    .prepare = v_prepare, .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
+};
+
+#endif

@@ -1,0 +1,709 @@
+/* model.c: the K3 layer graph (k3-checkpoint-format.md sections 6-12).
+ *
+ * Read top to bottom: the workspace, then one function per equation block of
+ * the spec (AttnRes, KDA, MLA, LatentMoE, dense MLP), then the decoder layer
+ * and the model forward, then the decode state and the sampler.
+ *
+ * Activations are [T][width] row-major f32 for a chunk of T consecutive
+ * positions. Every per-position quantity is computed with arithmetic that does
+ * not depend on T or on the thread count (see model.h), which is what makes
+ * prefill, token-by-token decoding and full recomputation agree bit for bit. */
+#include "model/model_impl.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- workspace ------------------------------------------------------------
+ * A bump allocator for the temporaries of one forward chunk. The state sizes
+ * it from ws_need() so a forward never allocates; should the estimate ever
+ * fall short, the overflow is served by the heap (and kept until the next
+ * reset), never by a crash. */
+typedef struct {
+    char *base;
+    size_t cap, used, high;
+    void **extra;
+    size_t nextra, cextra;
+} k3_ws;
+
+#define WS_ALIGN 64
+
+static void *ws_get(k3_ws *w, size_t bytes) {
+    size_t n = (bytes + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;
+    if (w->used + n <= w->cap) {
+        void *p = w->base + w->used;
+        w->used += n;
+        if (w->used > w->high) w->high = w->used;
+        return p;
+    }
+    if (w->nextra == w->cextra) {
+        w->cextra = w->cextra ? 2 * w->cextra : 8;
+        w->extra = xrealloc_array(w->extra, w->cextra, sizeof *w->extra);
+    }
+    void *p = xmalloc_aligned(n);
+    w->extra[w->nextra++] = p;
+    w->high += n;
+    return p;
+}
+static float *ws_f(k3_ws *w, size_t n) { return ws_get(w, n * sizeof(float)); }
+static int *ws_i(k3_ws *w, size_t n) { return ws_get(w, n * sizeof(int)); }
+
+static void ws_reset(k3_ws *w) {
+    for (size_t i = 0; i < w->nextra; i++) free(w->extra[i]);
+    w->nextra = 0;
+    w->used = 0;
+}
+static void ws_init(k3_ws *w, size_t cap) {
+    memset(w, 0, sizeof *w);
+    w->cap = cap;
+    w->base = cap ? xmalloc_aligned(cap) : NULL;
+}
+static void ws_free(k3_ws *w) {
+    ws_reset(w);
+    free(w->extra);
+    free(w->base);
+    memset(w, 0, sizeof *w);
+}
+
+/* Bytes ws_get rounds n floats to. */
+static size_t wsz(size_t nfloats) { return (nfloats * 4 + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
+
+/* ---- helpers ----------------------------------------------------------------- */
+
+/* A view of rows [r0, r0+n) of a float matrix (never MXFP4 here). */
+static k3_mat mat_rows(const k3_mat *W, int r0, int n) {
+    k3_mat v = *W;
+    size_t es = W->type == KW_BF16 ? 2 : 4;
+    v.data = (const char *)W->data + (size_t)r0 * (size_t)W->cols * es;
+    v.rows = n;
+    return v;
+}
+
+static void rmsnorm_rows(float *y, const float *x, const float *g, int T, int n, float eps) {
+    for (int t = 0; t < T; t++) k_rmsnorm(y + (size_t)t * n, x + (size_t)t * n, g, n, eps);
+}
+
+static void add_rows(float *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] += x[i];
+}
+
+/* ---- AttnRes (section 7) -------------------------------------------------------
+ * Keys are the RMSNormed sources (gain folded into q at load time), values the
+ * RAW sources; one softmax over sources per position. */
+static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
+                    float *out, k3_ws *ws) {
+    int E = c->hidden_size;
+    float *logit = ws_f(ws, (size_t)nsrc);
+    for (int t = 0; t < T; t++) {
+        for (int i = 0; i < nsrc; i++) {
+            const float *v = src[i] + (size_t)t * E;
+            float inv = 1.0f / sqrtf(k_sumsq(v, E) / (float)E + c->rms_eps);
+            logit[i] = k_dot(v, q, E) * inv;
+        }
+        k_softmax(logit, nsrc);
+        float *o = out + (size_t)t * E;
+        memset(o, 0, (size_t)E * sizeof *o);
+        for (int i = 0; i < nsrc; i++) {
+            const float *v = src[i] + (size_t)t * E;
+            for (int j = 0; j < E; j++) o[j] = fmaf(logit[i], v[j], o[j]);
+        }
+    }
+}
+
+void k3_attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T, float *out) {
+    k3_ws ws;
+    ws_init(&ws, 0);
+    attnres(c, q, src, nsrc, T, out, &ws);
+    ws_free(&ws);
+}
+
+/* ---- SiTU-GLU MLP (sections 5, 11; also the shared experts) ------------------ */
+static void mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y, k3_ws *ws) {
+    int I = w->gate.rows;
+    float *g = ws_f(ws, (size_t)T * I), *u = ws_f(ws, (size_t)T * I);
+    k_matmul(&w->gate, x, T, g);
+    k_matmul(&w->up, x, T, u);
+    k_situ_glu(g, g, u, T * I, c->situ_beta, c->situ_linear_beta);
+    k_matmul(&w->down, g, T, y);
+}
+
+void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y) {
+    k3_ws ws;
+    ws_init(&ws, 0);
+    mlp(c, w, x, T, y, &ws);
+    ws_free(&ws);
+}
+
+/* ---- Kimi Delta Attention (section 8) -------------------------------------------
+ *   q,k,v = SiLU(ShortConv(W x))      carried history: last K-1 pre-conv inputs
+ *   q,k   = L2-normalised per head    (q's 1/sqrt(D) is applied in the kernel)
+ *   beta  = sigmoid(b_proj x)         one scalar per head
+ *   g     = g_min * sigmoid(exp(A_log[h]) * (f_b(f_a x) + dt_bias))
+ *   o     = recurrent delta rule with per-channel decay exp(g)
+ *   y     = o_proj(RMSNorm_head(o; o_norm) * sigmoid(g_proj x)) */
+static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y,
+                k3_ws *ws) {
+    int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
+    size_t TP = (size_t)T * P;
+    float *pre = ws_f(ws, 3 * TP), *qkv = ws_f(ws, 3 * TP);
+    k_matmul(&w->q, x, T, pre);
+    k_matmul(&w->k, x, T, pre + TP);
+    k_matmul(&w->v, x, T, pre + 2 * TP);
+    for (int j = 0; j < 3; j++)
+        k_shortconv_silu(qkv + j * TP, pre + j * TP, T, P, w->conv[j], K, st->conv + (size_t)j * P * (K - 1));
+    float *q = qkv, *k = qkv + TP, *v = qkv + 2 * TP;
+    for (size_t i = 0; i < (size_t)T * H; i++) {
+        k_l2norm(q + i * D, D, 1e-6f);
+        k_l2norm(k + i * D, D, 1e-6f);
+    }
+    float *beta = ws_f(ws, (size_t)T * H);
+    k_matmul(&w->b, x, T, beta);
+    for (int i = 0; i < T * H; i++) beta[i] = k_sigmoid(beta[i]);
+    float *fa = ws_f(ws, (size_t)T * D), *z = pre; /* pre-conv inputs are consumed */
+    k_matmul(&w->f_a, x, T, fa);
+    k_matmul(&w->f_b, fa, T, z);
+    float *g = pre + TP;
+    for (int t = 0; t < T; t++)
+        k_kda_gate(g + (size_t)t * P, z + (size_t)t * P, w->A_log, w->dt_bias, H, D, c->gate_lower_bound);
+    float *o = pre + 2 * TP;
+    k_kda_recurrent(o, st->S, q, k, v, g, beta, T, H, D);
+    float *gate = q, *normed = k; /* q and k are consumed */
+    k_matmul(&w->g, x, T, gate);
+    for (int t = 0; t < T; t++)
+        k_kda_out_norm_gate(normed + (size_t)t * P, o + (size_t)t * P, w->o_norm, gate + (size_t)t * P, H, D,
+                            c->rms_eps);
+    k_matmul(&w->o, normed, T, y);
+}
+
+void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y) {
+    k3_ws ws;
+    ws_init(&ws, 0);
+    kda(c, w, st, x, T, y, &ws);
+    ws_free(&ws);
+}
+
+/* ---- Gated MLA with NoPE (section 9) ---------------------------------------------
+ *   c_q  = RMSNorm(q_a x; eps_lat)        q_h = [q_nope_h ; q_rope_h] = (q_b c_q)_h
+ *   c    = kv_a x:  c_kv = RMSNorm(c[0:r_kv]; eps_lat), k_rope = c[r_kv:]  (one key for all heads)
+ *   the cache holds [c_kv ; k_rope] per position: the LATENT, never expanded keys
+ *   score_h(s) = (q_nope_h . Wk_h c_kv(s) + q_rope_h . k_rope(s)) / sqrt(d_n + d_r)
+ *   a_h        = Wv_h sum_s softmax(score_h)_s c_kv(s)
+ *   y          = o_proj(sigmoid(g_proj x) * a)
+ * Wk_h / Wv_h are head h's key / value rows of kv_b_proj; they are absorbed into
+ * the query (Wk_h^T q_nope_h) and applied once to the attended latent, which is
+ * the same function as expanding every cached position. No rotary anywhere. */
+static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
+                const float *x, int T, float *y, k3_ws *ws) {
+    int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+    int rq = c->q_lora_rank, rkv = c->kv_lora_rank, dq = dn + dr, W = rkv + dr, hkv = dn + dv;
+    float *q = ws_f(ws, (size_t)T * H * dq);
+    if (rq > 0) {
+        float *cq = ws_f(ws, (size_t)T * rq);
+        k_matmul(&w->q_a, x, T, cq);
+        rmsnorm_rows(cq, cq, w->q_a_norm, T, rq, eps_lat);
+        k_matmul(&w->q_b, cq, T, q);
+    } else {
+        k_matmul(&w->q_b, x, T, q);
+    }
+    float *cc = ws_f(ws, (size_t)T * W);
+    k_matmul(&w->kv_a, x, T, cc);
+    for (int t = 0; t < T; t++) {
+        float *lat = cache->latent + (size_t)(pos0 + t) * W;
+        k_rmsnorm(lat, cc + (size_t)t * W, w->kv_a_norm, rkv, eps_lat);
+        memcpy(lat + rkv, cc + (size_t)t * W + rkv, (size_t)dr * sizeof(float));
+    }
+    int nmax = pos0 + T;
+    float *qabs = ws_f(ws, (size_t)H * rkv), *ctx = ws_f(ws, (size_t)H * rkv);
+    float *rowbuf = ws_f(ws, (size_t)H * rkv), *score = ws_f(ws, (size_t)H * nmax);
+    float *att = ws_f(ws, (size_t)T * H * dv);
+    float scale = 1.0f / sqrtf((float)dq);
+    for (int t = 0; t < T; t++) {
+        int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
+#pragma omp parallel for schedule(static)
+        for (int h = 0; h < H; h++) {
+            const float *qh = q + ((size_t)t * H + h) * dq;
+            float *qa = qabs + (size_t)h * rkv, *row = rowbuf + (size_t)h * rkv;
+            memset(qa, 0, (size_t)rkv * sizeof *qa);
+            for (int i = 0; i < dn; i++) {
+                k_mat_row(&w->kv_b, h * hkv + i, row);
+                for (int j = 0; j < rkv; j++) qa[j] = fmaf(qh[i], row[j], qa[j]);
+            }
+            float *s = score + (size_t)h * nmax;
+            for (int p = 0; p < n; p++) {
+                const float *lat = cache->latent + (size_t)p * W;
+                s[p] = (k_dot(qa, lat, rkv) + k_dot(qh + dn, lat + rkv, dr)) * scale;
+            }
+            k_softmax(s, n);
+            float *cx = ctx + (size_t)h * rkv;
+            memset(cx, 0, (size_t)rkv * sizeof *cx);
+            for (int p = 0; p < n; p++) {
+                const float *lat = cache->latent + (size_t)p * W;
+                for (int j = 0; j < rkv; j++) cx[j] = fmaf(s[p], lat[j], cx[j]);
+            }
+        }
+        for (int h = 0; h < H; h++) {
+            k3_mat wv = mat_rows(&w->kv_b, h * hkv + dn, dv);
+            k_matvec(&wv, ctx + (size_t)h * rkv, att + ((size_t)t * H + h) * dv);
+        }
+    }
+    if (w->g.rows) {
+        float *gate = ws_f(ws, (size_t)T * H * dv);
+        k_matmul(&w->g, x, T, gate);
+        for (size_t i = 0; i < (size_t)T * H * dv; i++) att[i] *= k_sigmoid(gate[i]);
+    }
+    k_matmul(&w->o, att, T, y);
+}
+
+void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
+            const float *x, int T, float *y) {
+    k3_ws ws;
+    ws_init(&ws, 0);
+    mla(c, latent_eps, w, cache, pos0, x, T, y, &ws);
+    ws_free(&ws);
+}
+
+/* ---- Stable LatentMoE (section 10) -------------------------------------------------
+ *   s = sigmoid(router x); T = top-k of s + bias (bias selects only)
+ *   p = s_T / sum(s_T) * routed_scaling_factor
+ *   z = W_down x                          [l]
+ *   u = sum_j p_j * w2_j SiTU(w1_j z, w3_j z)   summed in slot order
+ *   r = W_up RMSNorm(u; routed_expert_norm)
+ *   y = r + shared(x)                     shared experts unweighted
+ * The chunk's selected experts are fetched once (ascending ids) and each runs
+ * on all the rows that chose it; row results land in their slot, so the sum
+ * order per token is the router's slot order whatever the chunk. */
+typedef struct {
+    const k3_weight_source *src;   /* NULL: experts[] holds every expert */
+    const k3_expert_w *experts;
+    int layer;
+} expert_access;
+
+static int moe(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x, int T,
+               float *y, k3_ws *ws, k3_err *err) {
+    int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
+    float *rl = ws_f(ws, (size_t)T * N), *wt = ws_f(ws, (size_t)T * k);
+    int *idx = ws_i(ws, (size_t)T * k);
+    k_matmul(&w->router, x, T, rl);
+    for (int t = 0; t < T; t++)
+        k_router_topk(rl + (size_t)t * N, w->router_bias, N, k, c->moe_renormalize, c->routed_scaling_factor,
+                      idx + (size_t)t * k, wt + (size_t)t * k);
+    float *z = ws_f(ws, (size_t)T * l);
+    k_matmul(&w->down, x, T, z);
+
+    /* union of the selections, ascending */
+    int *cnt = ws_i(ws, (size_t)N), *ids = ws_i(ws, (size_t)N);
+    memset(cnt, 0, (size_t)N * sizeof *cnt);
+    for (int i = 0; i < T * k; i++) cnt[idx[i]]++;
+    int nu = 0;
+    for (int e = 0; e < N; e++)
+        if (cnt[e]) ids[nu++] = e;
+    k3_expert_w *ex = ws_get(ws, (size_t)nu * sizeof *ex);
+    if (xa->src) {
+        int rc = xa->src->experts_get(xa->src->ctx, xa->layer, ids, nu, ex, err);
+        if (rc) return rc;
+    } else {
+        for (int i = 0; i < nu; i++) ex[i] = xa->experts[ids[i]];
+    }
+
+    float *eo = ws_f(ws, (size_t)T * k * l);
+    float *zin = ws_f(ws, (size_t)T * l), *h1 = ws_f(ws, (size_t)T * I), *h3 = ws_f(ws, (size_t)T * I);
+    float *out = ws_f(ws, (size_t)T * l);
+    int *slot = ws_i(ws, (size_t)T);
+    for (int u = 0; u < nu; u++) {
+        int n = 0;
+        for (int i = 0; i < T * k; i++)
+            if (idx[i] == ids[u]) {
+                memcpy(zin + (size_t)n * l, z + (size_t)(i / k) * l, (size_t)l * sizeof(float));
+                slot[n++] = i;
+            }
+        k_matmul(&ex[u].w1, zin, n, h1);
+        k_matmul(&ex[u].w3, zin, n, h3);
+        k_situ_glu(h1, h1, h3, n * I, c->situ_beta, c->situ_linear_beta);
+        k_matmul(&ex[u].w2, h1, n, out);
+        for (int r = 0; r < n; r++)
+            memcpy(eo + (size_t)slot[r] * l, out + (size_t)r * l, (size_t)l * sizeof(float));
+    }
+    if (xa->src && xa->src->experts_put) xa->src->experts_put(xa->src->ctx, xa->layer, ids, nu);
+
+    float *agg = zin; /* gathered inputs are consumed */
+    for (int t = 0; t < T; t++) {
+        float *a = agg + (size_t)t * l;
+        memset(a, 0, (size_t)l * sizeof *a);
+        for (int s = 0; s < k; s++) {
+            const float *e = eo + ((size_t)t * k + s) * l;
+            float p = wt[(size_t)t * k + s];
+            for (int j = 0; j < l; j++) a[j] = fmaf(p, e[j], a[j]);
+        }
+        if (w->norm) k_rmsnorm(a, a, w->norm, l, c->rms_eps);
+    }
+    k_matmul(&w->up, agg, T, y);
+    if (w->shared.gate.rows) {
+        float *sh = ws_f(ws, (size_t)T * E);
+        mlp(c, &w->shared, x, T, sh, ws);
+        add_rows(y, sh, (size_t)T * E);
+    }
+    return K3_OK;
+}
+
+void k3_moe(const k3_config *c, const k3_moe_w *w, const k3_expert_w *experts, const float *x, int T,
+            float *y) {
+    k3_ws ws;
+    ws_init(&ws, 0);
+    expert_access xa = {.experts = experts};
+    moe(c, w, &xa, x, T, y, &ws, NULL);
+    ws_free(&ws);
+}
+
+/* ---- the decode state ------------------------------------------------------------------ */
+
+struct k3_state {
+    const k3_model *m;
+    int pos, max_pos, chunk;
+    int nbuf;                 /* block vectors + partial held at once */
+    k3_kda_state *kda;        /* [num_layers], S == NULL for MLA layers */
+    k3_mla_cache *mla;        /* [num_layers], latent == NULL for KDA layers */
+    float *kda_mem, *mla_mem;
+    size_t kda_floats, mla_floats;
+    float *blk;               /* [nbuf][chunk][E] */
+    k3_ws ws;
+};
+
+/* Positions a prefill call processes at once: bounds the activations while
+ * letting every weight be read once per chunk. */
+#define K3_CHUNK 64
+
+static int n_boundaries(const k3_config *c) {
+    int S = c->attn_res_block_size > 0 ? c->attn_res_block_size : 1;
+    return (c->num_layers + S - 1) / S;
+}
+
+/* Upper bound on the workspace of one chunk of T positions with positions up
+ * to max_pos, mirroring the ws_get calls above (one module at a time, plus the
+ * three [T][E] activations the layer loop holds). */
+static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
+    size_t E = (size_t)c->hidden_size, t = (size_t)T, need = 0, m;
+    size_t nsrc = (size_t)n_boundaries(c) + 1;
+    size_t base = 3 * wsz(t * E) + wsz(nsrc) + 2 * WS_ALIGN;
+    if (c->n_kda_layers) { /* kda() */
+        size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, P = H * D;
+        m = 2 * wsz(3 * t * P) + wsz(t * H) + wsz(t * D);
+        if (m > need) need = m;
+    }
+    if (c->n_mla_layers) { /* mla() */
+        size_t H = (size_t)c->mla_heads, dq = (size_t)(c->qk_nope_dim + c->qk_rope_dim),
+               dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim;
+        m = wsz(t * H * dq) + wsz(t * (size_t)c->q_lora_rank) + wsz(t * W) + 3 * wsz(H * rkv) +
+            wsz(H * (size_t)max_pos) + 2 * wsz(t * H * dv);
+        if (m > need) need = m;
+    }
+    if (c->dense_inter > 0) { /* mlp() */
+        m = 2 * wsz(t * (size_t)c->dense_inter);
+        if (m > need) need = m;
+    }
+    if (c->num_experts > 0) { /* moe(), including its shared-expert mlp() */
+        size_t N = (size_t)c->num_experts, k = (size_t)c->experts_per_token, l = (size_t)c->latent_dim,
+               I = (size_t)c->moe_inter, S = (size_t)c->num_shared_experts * I;
+        m = wsz(t * N) + 2 * wsz(t * k) + wsz(t * l) + 2 * wsz(N) + (N * sizeof(k3_expert_w) + WS_ALIGN) +
+            wsz(t * k * l) + 2 * wsz(t * l) + 2 * wsz(t * I) + wsz(t) + wsz(t * E) + 2 * wsz(t * S);
+        if (m > need) need = m;
+    }
+    return base + need;
+}
+
+static int state_chunk(int64_t max_pos) { return max_pos < K3_CHUNK ? (int)(max_pos > 0 ? max_pos : 1) : K3_CHUNK; }
+
+k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) {
+    const k3_config *c = &m->cfg;
+    k3_state_plan p = {0};
+    uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
+    uint64_t kda_f = (uint64_t)c->kda_heads * c->kda_head_dim * c->kda_head_dim + 3 * P * (uint64_t)(c->conv_kernel - 1);
+    uint64_t W = (uint64_t)c->kv_lora_rank + c->qk_rope_dim;
+    int nk = 0, nm = 0;
+    for (int L = 0; L < c->num_layers; L++) {
+        if (c->layer_kind[L] == 'K') nk++;
+        else nm++;
+    }
+    p.kda_bytes = (uint64_t)nk * kda_f * 4;
+    uint64_t mla = 0;
+    if (max_pos < 0 || !k3_mul_ok(W * 4 * (uint64_t)nm, (uint64_t)max_pos, &mla)) mla = UINT64_MAX / 4;
+    p.mla_bytes = mla;
+    int chunk = state_chunk(max_pos);
+    int64_t mp = max_pos > (int64_t)1 << 40 ? (int64_t)1 << 40 : max_pos; /* ws_need only sizes scores */
+    p.scratch_bytes = (uint64_t)(n_boundaries(c) + 1) * chunk * c->hidden_size * 4 + ws_need(c, chunk, mp);
+    p.total = p.kda_bytes + p.mla_bytes + p.scratch_bytes;
+    if (p.total < p.mla_bytes) p.total = UINT64_MAX;
+    return p;
+}
+
+int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err) {
+    const k3_config *c = &m->cfg;
+    if (max_pos < 1) return k3_fail(err, K3_EXIT_USAGE, "state length %d must be at least 1", max_pos);
+    k3_state *s = xcalloc(1, sizeof *s);
+    s->m = m;
+    s->max_pos = max_pos;
+    s->chunk = state_chunk(max_pos);
+    s->nbuf = n_boundaries(c) + 1;
+    int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
+    size_t kda_f = (size_t)H * D * D + 3 * (size_t)P * (K - 1), W = (size_t)c->kv_lora_rank + c->qk_rope_dim;
+    int nk = 0, nm = 0;
+    for (int L = 0; L < c->num_layers; L++) {
+        if (c->layer_kind[L] == 'K') nk++;
+        else nm++;
+    }
+    s->kda_floats = (size_t)nk * kda_f;
+    s->mla_floats = (size_t)nm * W * (size_t)max_pos;
+    s->kda_mem = xcalloc(s->kda_floats ? s->kda_floats : 1, sizeof(float));
+    s->mla_mem = xcalloc(s->mla_floats ? s->mla_floats : 1, sizeof(float));
+    s->kda = xcalloc((size_t)c->num_layers, sizeof *s->kda);
+    s->mla = xcalloc((size_t)c->num_layers, sizeof *s->mla);
+    size_t ok = 0, om = 0;
+    for (int L = 0; L < c->num_layers; L++) {
+        if (c->layer_kind[L] == 'K') {
+            s->kda[L].S = s->kda_mem + ok;
+            s->kda[L].conv = s->kda_mem + ok + (size_t)H * D * D;
+            ok += kda_f;
+        } else {
+            s->mla[L].latent = s->mla_mem + om;
+            s->mla[L].max_pos = max_pos;
+            om += W * (size_t)max_pos;
+        }
+    }
+    s->blk = xmalloc_aligned((size_t)s->nbuf * s->chunk * c->hidden_size * sizeof(float));
+    ws_init(&s->ws, ws_need(c, s->chunk, max_pos));
+    *out = s;
+    return K3_OK;
+}
+
+void k3_state_reset(k3_state *s) {
+    memset(s->kda_mem, 0, s->kda_floats * sizeof(float));
+    memset(s->mla_mem, 0, s->mla_floats * sizeof(float));
+    s->pos = 0;
+}
+
+void k3_state_free(k3_state *s) {
+    if (!s) return;
+    free(s->kda_mem);
+    free(s->mla_mem);
+    free(s->kda);
+    free(s->mla);
+    free(s->blk);
+    ws_free(&s->ws);
+    free(s);
+}
+
+int k3_state_pos(const k3_state *s) { return s->pos; }
+
+/* ---- weight sources ------------------------------------------------------------------ */
+
+static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err *err) {
+    (void)err;
+    *w = &((k3_model *)ctx)->layers[layer];
+    return K3_OK;
+}
+
+void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
+    if (src) m->src = *src;
+    else m->src = (k3_weight_source){.ctx = m, .layer_get = resident_layer_get};
+}
+
+/* ---- decoder layer (section 6) ----------------------------------------------------------
+ * buf[0..nb) are the completed block vectors, buf[nb] the running partial sum;
+ * at a boundary layer the partial becomes block nb and buf[nb+1] the new one.
+ *   1. a = AttnRes(attn_res, blocks + [p])        (layer 0: a = p, the embedding)
+ *   2. if L % S == 0: blocks.append(p); p = empty
+ *   3. p += Attn(RMSNorm(a; input_layernorm))    (p = that, when empty)
+ *   4. m = AttnRes(mlp_res, blocks + [p])
+ *   5. p += MLP(RMSNorm(m; post_attention_layernorm)) */
+static int layer_forward(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_kda_state *ks,
+                         k3_mla_cache *mc, int pos0, float **buf, int *nb, int T, const k3_weight_source *src,
+                         k3_ws *ws, k3_err *err) {
+    int E = c->hidden_size;
+    size_t TE = (size_t)T * E;
+    size_t mark = ws->used;
+    float *a = ws_f(ws, TE), *xn = ws_f(ws, TE), *sub = ws_f(ws, TE);
+    bool empty = false;
+    if (*nb > 0) attnres(c, w->attn_res_q, (const float *const *)buf, *nb + 1, T, a, ws);
+    else memcpy(a, buf[0], TE * sizeof(float));
+    if (L % c->attn_res_block_size == 0) {
+        (*nb)++;
+        empty = true;
+    }
+    rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
+    if (w->kind == 'K') kda(c, &w->kda, ks, xn, T, sub, ws);
+    else mla(c, mla_eps, &w->mla, mc, pos0, xn, T, sub, ws);
+    float *p = buf[*nb];
+    if (empty) memcpy(p, sub, TE * sizeof(float));
+    else add_rows(p, sub, TE);
+    attnres(c, w->mlp_res_q, (const float *const *)buf, *nb + 1, T, a, ws);
+    rmsnorm_rows(xn, a, w->post_norm, T, E, c->rms_eps);
+    if (w->dense) {
+        mlp(c, &w->mlp, xn, T, sub, ws);
+    } else {
+        expert_access xa = {.experts = w->moe.experts, .layer = L};
+        if (src && src->experts_get) xa.src = src;
+        else if (!w->moe.experts)
+            return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: the weight source serves no experts", L);
+        int rc = moe(c, &w->moe, &xa, xn, T, sub, ws, err);
+        if (rc) return rc;
+    }
+    add_rows(p, sub, TE);
+    ws->used = mark;
+    return K3_OK;
+}
+
+int k3_layer(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_kda_state *ks, k3_mla_cache *mc,
+             int pos0, float **buf, int *nb, int T, k3_err *err) {
+    k3_ws ws;
+    ws_init(&ws, 0);
+    int rc = layer_forward(c, mla_eps, w, L, ks, mc, pos0, buf, nb, T, NULL, &ws, err);
+    ws_free(&ws);
+    return rc;
+}
+
+/* ---- model forward (sections 6 and 12) ---------------------------------------------------- */
+static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, float *logits, bool all,
+                         k3_err *err) {
+    const k3_config *c = &m->cfg;
+    int E = c->hidden_size;
+    size_t TE = (size_t)T * E;
+    ws_reset(&s->ws);
+    float *bufp[K3_MAX_LAYERS + 1];
+    for (int i = 0; i < s->nbuf; i++) bufp[i] = s->blk + (size_t)i * s->chunk * E;
+    int nb = 0;
+    /* h0 = embed_tokens[token], no scaling */
+    for (int t = 0; t < T; t++) k_mat_row(&m->embed, ids[t], bufp[0] + (size_t)t * E);
+    for (int L = 0; L < c->num_layers; L++) {
+        const k3_layer_w *w;
+        int rc = m->src.layer_get(m->src.ctx, L, &w, err);
+        if (rc) return rc;
+        rc = layer_forward(c, m->mla_eps, w, L, &s->kda[L], &s->mla[L], s->pos, bufp, &nb, T, &m->src, &s->ws, err);
+        if (m->src.layer_put) m->src.layer_put(m->src.ctx, L);
+        if (rc) return rc;
+    }
+    if (logits) {
+        /* x = AttnRes(out, blocks + [partial]); logits = lm_head RMSNorm(x) */
+        float *x = ws_f(&s->ws, TE);
+        attnres(c, m->out_res_q, (const float *const *)bufp, nb + 1, T, x, &s->ws);
+        if (all) {
+            rmsnorm_rows(x, x, m->norm, T, E, c->rms_eps);
+            k_matmul(&m->lm_head, x, T, logits);
+        } else {
+            float *last = x + (size_t)(T - 1) * E;
+            k_rmsnorm(last, last, m->norm, E, c->rms_eps);
+            k_matvec(&m->lm_head, last, logits);
+        }
+    }
+    s->pos += T;
+    return K3_OK;
+}
+
+int k3_forward(k3_model *m, k3_state *s, const int32_t *ids, int n, float *logits, bool all_logits,
+               k3_err *err) {
+    const k3_config *c = &m->cfg;
+    if (n < 1) return k3_fail(err, K3_EXIT_USAGE, "no tokens to feed");
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab_size)
+            return k3_fail(err, K3_EXIT_USAGE, "token id %d is outside the vocabulary [0, %d)", ids[i],
+                           c->vocab_size);
+    if (n > s->max_pos - s->pos)
+        return k3_fail(err, K3_EXIT_USAGE, "state is full: %d positions used of %d, %d more requested", s->pos,
+                       s->max_pos, n);
+    size_t V = (size_t)c->vocab_size;
+    for (int c0 = 0; c0 < n; c0 += s->chunk) {
+        int T = n - c0 < s->chunk ? n - c0 : s->chunk;
+        float *lg = NULL;
+        if (logits && all_logits) lg = logits + (size_t)c0 * V;
+        else if (logits && c0 + T == n) lg = logits;
+        int rc = forward_chunk(m, s, ids + c0, T, lg, all_logits, err);
+        if (rc) return rc;
+    }
+    return K3_OK;
+}
+
+/* ---- sampling ----------------------------------------------------------------------------- */
+
+int k3_argmax(const float *logits, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (logits[i] > logits[best]) best = i;
+    return best;
+}
+
+/* splitmix64: a small, well-mixed generator; its sequence is the same everywhere. */
+static uint64_t rng_next(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p, float min_p,
+                     uint64_t seed) {
+    memset(sp, 0, sizeof *sp);
+    sp->temperature = temperature;
+    sp->top_k = top_k;
+    sp->top_p = top_p;
+    sp->min_p = min_p;
+    sp->seed = seed;
+    sp->rng = seed;
+    sp->n = vocab;
+    sp->probs = xmalloc_array((size_t)vocab, sizeof *sp->probs);
+    sp->order = xmalloc_array((size_t)vocab, sizeof *sp->order);
+}
+
+void k3_sampler_free(k3_sampler *sp) {
+    free(sp->probs);
+    free(sp->order);
+    sp->probs = NULL;
+    sp->order = NULL;
+}
+
+static const float *g_sort_p; /* qsort has no context argument */
+static int by_prob_desc(const void *a, const void *b) {
+    int i = *(const int *)a, j = *(const int *)b;
+    if (g_sort_p[i] != g_sort_p[j]) return g_sort_p[i] > g_sort_p[j] ? -1 : 1;
+    return i - j; /* lower id first among equals: a total order, so qsort is deterministic */
+}
+
+int k3_sample(k3_sampler *sp, const float *logits) {
+    int V = sp->n;
+    if (sp->temperature <= 0) return k3_argmax(logits, V);
+    /* softmax(logits / temperature) in double, max-subtracted */
+    int best = k3_argmax(logits, V);
+    double mx = logits[best], sum = 0;
+    for (int i = 0; i < V; i++) {
+        double e = exp(((double)logits[i] - mx) / sp->temperature);
+        sp->probs[i] = (float)e;
+        sum += e;
+    }
+    for (int i = 0; i < V; i++) sp->probs[i] = (float)(sp->probs[i] / sum);
+    for (int i = 0; i < V; i++) sp->order[i] = i;
+    g_sort_p = sp->probs;
+    qsort(sp->order, (size_t)V, sizeof *sp->order, by_prob_desc);
+    int keep = V;
+    if (sp->top_k > 0 && sp->top_k < keep) keep = sp->top_k;
+    if (sp->min_p > 0) {
+        float floor_p = sp->min_p * sp->probs[sp->order[0]];
+        int k = 1;
+        while (k < keep && sp->probs[sp->order[k]] >= floor_p) k++;
+        keep = k;
+    }
+    if (sp->top_p > 0 && sp->top_p < 1) {
+        double cum = 0;
+        int k = 0;
+        while (k < keep) {
+            cum += sp->probs[sp->order[k++]];
+            if (cum >= sp->top_p) break;
+        }
+        keep = k;
+    }
+    double total = 0;
+    for (int k = 0; k < keep; k++) total += sp->probs[sp->order[k]];
+    double r = (double)(rng_next(&sp->rng) >> 11) * 0x1p-53 * total, cum = 0;
+    for (int k = 0; k < keep; k++) {
+        cum += sp->probs[sp->order[k]];
+        if (r < cum) return sp->order[k];
+    }
+    return sp->order[keep - 1];
+}

@@ -1,0 +1,226 @@
+/* tops.c: training-side operations; see tops.h. */
+#include "train/tops.h"
+
+#include <string.h>
+
+#include "kernels/kernels.h"
+#include "util/common.h"
+
+void t_linear(float *Y, const float *X, const float *W, int n, int in, int out) {
+    if (n <= 0) return;
+    k3_mat m = {.type = KW_F32, .rows = out, .cols = in, .data = W};
+    k_matmul(&m, X, n, Y);
+}
+
+/* Tiles keep an accumulator block in L1 while the weight streams past; the
+ * sum for each output element still runs over the contraction index in
+ * increasing order, so tiling never changes the bits. */
+enum { RB = 32, IB = 128 };
+
+void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate) {
+    int nrb = (n + RB - 1) / RB, nib = (in + IB - 1) / IB;
+#pragma omp parallel for schedule(static)
+    for (int job = 0; job < nrb * nib; job++) {
+        int n0 = (job / nib) * RB, i0 = (job % nib) * IB;
+        int rn = n - n0 < RB ? n - n0 : RB, ri = in - i0 < IB ? in - i0 : IB;
+        float acc[RB][IB];
+        for (int r = 0; r < rn; r++) memset(acc[r], 0, sizeof(float) * (size_t)ri);
+        for (int o = 0; o < out; o++) {
+            const float *w = W + (size_t)o * in + i0;
+            for (int r = 0; r < rn; r++) {
+                float a = dY[(size_t)(n0 + r) * out + o];
+                if (a == 0.0f) continue; /* exact: fmaf(0, w, acc) == acc for finite w */
+                float *ac = acc[r];
+                for (int i = 0; i < ri; i++) ac[i] = fmaf(a, w[i], ac[i]);
+            }
+        }
+        for (int r = 0; r < rn; r++) {
+            float *d = dX + (size_t)(n0 + r) * in + i0;
+            if (accumulate)
+                for (int i = 0; i < ri; i++) d[i] += acc[r][i];
+            else
+                memcpy(d, acc[r], sizeof(float) * (size_t)ri);
+        }
+    }
+}
+
+void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out) {
+    int nob = (out + RB - 1) / RB, nib = (in + IB - 1) / IB;
+#pragma omp parallel for schedule(static)
+    for (int job = 0; job < nob * nib; job++) {
+        int o0 = (job / nib) * RB, i0 = (job % nib) * IB;
+        int ro = out - o0 < RB ? out - o0 : RB, ri = in - i0 < IB ? in - i0 : IB;
+        float acc[RB][IB];
+        for (int r = 0; r < ro; r++) memset(acc[r], 0, sizeof(float) * (size_t)ri);
+        for (int t = 0; t < n; t++) {
+            const float *x = X + (size_t)t * in + i0;
+            const float *dy = dY + (size_t)t * out + o0;
+            for (int r = 0; r < ro; r++) {
+                float a = dy[r];
+                if (a == 0.0f) continue;
+                float *ac = acc[r];
+                for (int i = 0; i < ri; i++) ac[i] = fmaf(a, x[i], ac[i]);
+            }
+        }
+        for (int r = 0; r < ro; r++) {
+            float *d = dW + (size_t)(o0 + r) * in + i0;
+            for (int i = 0; i < ri; i++) d[i] += acc[r][i];
+        }
+    }
+}
+
+void t_rmsnorm(float *y, float *r, const float *x, const float *g, int n, int dim, float eps) {
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < n; t++) {
+        const float *xr = x + (size_t)t * dim;
+        float *yr = y + (size_t)t * dim;
+        float inv = 1.0f / sqrtf(k_sumsq(xr, dim) / (float)dim + eps);
+        if (r) r[t] = inv;
+        for (int d = 0; d < dim; d++) yr[d] = g ? g[d] * (xr[d] * inv) : xr[d] * inv;
+    }
+}
+
+void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const float *r,
+                   const float *g, int n, int dim, bool accumulate) {
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < n; t++) {
+        const float *xr = x + (size_t)t * dim, *dyr = dy + (size_t)t * dim;
+        float *dxr = dx + (size_t)t * dim;
+        float inv = r[t];
+        /* y = g * xhat, xhat = x r: dx = r (dxhat - xhat mean(dxhat xhat)) */
+        double c = 0.0;
+        for (int d = 0; d < dim; d++) {
+            float dxh = g ? dyr[d] * g[d] : dyr[d];
+            c += (double)dxh * (double)(xr[d] * inv);
+        }
+        float cm = (float)(c / dim);
+        for (int d = 0; d < dim; d++) {
+            float dxh = g ? dyr[d] * g[d] : dyr[d];
+            float v = inv * (dxh - (xr[d] * inv) * cm);
+            dxr[d] = accumulate ? dxr[d] + v : v;
+        }
+    }
+    if (dg) {
+#pragma omp parallel for schedule(static)
+        for (int d = 0; d < dim; d++) {
+            float s = 0.0f;
+            for (int t = 0; t < n; t++)
+                s = fmaf(dy[(size_t)t * dim + d], x[(size_t)t * dim + d] * r[t], s);
+            dg[d] += s;
+        }
+    }
+}
+
+void t_situ(float *h, const float *a, const float *u, size_t m, float b1, float b2) {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < m; i++) {
+        float ga = b1 * tanhf(a[i] / b1) * t_sigmoid(a[i]);
+        float gu = b2 * tanhf(u[i] / b2);
+        h[i] = ga * gu;
+    }
+}
+
+void t_situ_bwd(float *da, float *du, const float *dh, const float *a, const float *u, size_t m,
+                float b1, float b2) {
+#pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < m; i++) {
+        float ta = tanhf(a[i] / b1), sa = t_sigmoid(a[i]), tu = tanhf(u[i] / b2);
+        float A = b1 * ta * sa, U = b2 * tu;
+        float dA = (1.0f - ta * ta) * sa + b1 * ta * sa * (1.0f - sa);
+        float dU = 1.0f - tu * tu;
+        da[i] = dh[i] * U * dA;
+        du[i] = dh[i] * A * dU;
+    }
+}
+
+void t_attnres(float *out, float *alpha, float *r, const float *const *src, int m,
+               const float *gn, const float *w, int n, int dim, float eps) {
+    float *gw = xmalloc_array((size_t)dim, sizeof(float));
+    for (int d = 0; d < dim; d++) gw[d] = gn[d] * w[d];
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < n; t++) {
+        float *al = alpha + (size_t)t * m, *rr = r + (size_t)t * m;
+        float mx = -INFINITY;
+        for (int i = 0; i < m; i++) {
+            const float *v = src[i] + (size_t)t * dim;
+            rr[i] = 1.0f / sqrtf(k_sumsq(v, dim) / (float)dim + eps);
+            al[i] = rr[i] * k_dot(gw, v, dim);
+            if (al[i] > mx) mx = al[i];
+        }
+        float s = 0.0f;
+        for (int i = 0; i < m; i++) { al[i] = expf(al[i] - mx); s += al[i]; }
+        for (int i = 0; i < m; i++) al[i] /= s;
+        float *o = out + (size_t)t * dim;
+        for (int d = 0; d < dim; d++) {
+            float acc = 0.0f;
+            for (int i = 0; i < m; i++) acc = fmaf(al[i], src[i][(size_t)t * dim + d], acc);
+            o[d] = acc;
+        }
+    }
+    free(gw);
+}
+
+void t_attnres_bwd(float *const *dsrc, float *dgn, float *dw, const float *dout,
+                   const float *alpha, const float *r, const float *const *src, int m,
+                   const float *gn, const float *w, int n, int dim, float eps) {
+    (void)eps;
+    float *gw = xmalloc_array((size_t)dim, sizeof(float));
+    for (int d = 0; d < dim; d++) gw[d] = gn[d] * w[d];
+    float *coef = xmalloc_array((size_t)n * m, sizeof(float)); /* ds_i * r_i per row */
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < n; t++) {
+        const float *al = alpha + (size_t)t * m, *rr = r + (size_t)t * m;
+        const float *dy = dout + (size_t)t * dim;
+        float dal[64], ds[64];
+        float mix = 0.0f;
+        for (int i = 0; i < m; i++) {
+            dal[i] = k_dot(dy, src[i] + (size_t)t * dim, dim);
+            mix += al[i] * dal[i];
+        }
+        for (int i = 0; i < m; i++) {
+            ds[i] = al[i] * (dal[i] - mix);
+            const float *v = src[i] + (size_t)t * dim;
+            float *dv = dsrc[i] + (size_t)t * dim;
+            /* s_i = r_i <gw, v_i>, r_i = (mean(v^2)+eps)^-1/2 */
+            float gv = k_dot(gw, v, dim);
+            float c1 = ds[i] * rr[i];
+            float c2 = ds[i] * gv * rr[i] * rr[i] * rr[i] / (float)dim;
+            for (int d = 0; d < dim; d++) dv[d] += al[i] * dy[d] + (c1 * gw[d] - c2 * v[d]);
+            coef[(size_t)t * m + i] = c1;
+        }
+    }
+#pragma omp parallel for schedule(static)
+    for (int d = 0; d < dim; d++) {
+        float s = 0.0f;
+        for (int t = 0; t < n; t++)
+            for (int i = 0; i < m; i++) s = fmaf(coef[(size_t)t * m + i], src[i][(size_t)t * dim + d], s);
+        dgn[d] += s * w[d];
+        dw[d] += s * gn[d];
+    }
+    free(coef);
+    free(gw);
+}
+
+void t_cross_entropy(const float *logits, const int *targets, int n, int V, double *loss_sum,
+                     float *dlogits, float scale) {
+    double *row = xmalloc_array((size_t)n, sizeof(double));
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < n; t++) {
+        const float *l = logits + (size_t)t * V;
+        float mx = -INFINITY;
+        for (int v = 0; v < V; v++) if (l[v] > mx) mx = l[v];
+        double s = 0.0;
+        for (int v = 0; v < V; v++) s += exp((double)(l[v] - mx));
+        double lse = log(s) + mx;
+        row[t] = lse - l[targets[t]];
+        if (dlogits) {
+            float *dl = dlogits + (size_t)t * V;
+            for (int v = 0; v < V; v++) dl[v] = (float)(exp((double)l[v] - lse)) * scale;
+            dl[targets[t]] -= scale;
+        }
+    }
+    double s = 0.0;
+    for (int t = 0; t < n; t++) s += row[t];
+    *loss_sum = s;
+    free(row);
+}

@@ -1,0 +1,57 @@
+/* tops.h: the training-side numeric operations (internal to src/train).
+ *
+ * Forward products go through kernels.h (k_matmul), so the training forward is
+ * the inference function with the inference kernels. Every backward here is
+ * plain scalar C with explicit fmaf, parallel over OUTPUT elements only (one
+ * thread owns each output and sums in a fixed order), so gradients have the
+ * same bits whatever the thread count.
+ *
+ * Shapes: activations are row-major [n][dim]; a weight W is [out][in] and the
+ * forward is Y = X W^T. */
+#ifndef K3_TRAIN_TOPS_H
+#define K3_TRAIN_TOPS_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <stdbool.h>
+
+/* Y[n][out] = X[n][in] W^T (W f32 [out][in]). */
+void t_linear(float *Y, const float *X, const float *W, int n, int in, int out);
+/* dX[n][in] (+)= dY[n][out] W. accumulate=false overwrites dX. */
+void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate);
+/* dW[out][in] += dY^T X (sum over the n rows in increasing order). */
+void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out);
+
+/* RMSNorm rows: y = g * x * r, r = 1/sqrt(mean(x^2)+eps); r[n] saved (may be NULL).
+ * g may be NULL (no gain). */
+void t_rmsnorm(float *y, float *r, const float *x, const float *g, int n, int dim, float eps);
+/* Backward: given x, r, g, dy -> dx (+)= ..., dg += ... (dg may be NULL). */
+void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const float *r,
+                   const float *g, int n, int dim, bool accumulate);
+
+/* SiTU-GLU h = [b1 tanh(a/b1) sig(a)] * [b2 tanh(u/b2)] over m elements, and its
+ * backward (da, du overwritten). */
+void t_situ(float *h, const float *a, const float *u, size_t m, float b1, float b2);
+void t_situ_bwd(float *da, float *du, const float *dh, const float *a, const float *u, size_t m,
+                float b1, float b2);
+
+static inline float t_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* Block AttnRes over m sources (each [n][dim]): per row, k_i = rmsnorm(v_i; gn),
+ * s_i = <k_i, w>, a = softmax(s), out = sum_i a_i v_i. Saves alpha[n][m] and the
+ * per-source inverse rms r[n][m] for the backward. */
+void t_attnres(float *out, float *alpha, float *r, const float *const *src, int m,
+               const float *gn, const float *w, int n, int dim, float eps);
+/* Backward: dsrc[i] += ..., dgn += ..., dw += ... */
+void t_attnres_bwd(float *const *dsrc, float *dgn, float *dw, const float *dout,
+                   const float *alpha, const float *r, const float *const *src, int m,
+                   const float *gn, const float *w, int n, int dim, float eps);
+
+/* Cross-entropy over rows of logits [n][V] with targets; writes the per-row loss
+ * sum to *loss_sum (double, rows added in order) and, if dlogits != NULL, the
+ * gradient (softmax - onehot) * scale into dlogits (may alias logits). */
+void t_cross_entropy(const float *logits, const int *targets, int n, int V, double *loss_sum,
+                     float *dlogits, float scale);
+
+#endif

@@ -1,0 +1,587 @@
+/* train.c: the training model: parameter table, initialisation, and the
+ * layer-level forward/backward (embedding, Block AttnRes, norms, head,
+ * cross-entropy). The attention and MLP sublayers live in tkda.c, tmla.c and
+ * tmoe.c. Spec: ../shared/docs/k3-checkpoint-format.md sections 5-12. */
+#include "train/tinternal.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "kernels/kernels.h"
+
+/* ---- parameter table ------------------------------------------------------- */
+
+static size_t add_param(tmodel *m, int *cap, const char *name, int rank, int d0, int d1, int d2,
+                        tgroup group, const char *component) {
+    if (m->np == *cap) {
+        *cap = *cap ? *cap * 2 : 256;
+        m->params = xrealloc_array(m->params, (size_t)*cap, sizeof(tparam));
+    }
+    tparam *p = &m->params[m->np++];
+    memset(p, 0, sizeof *p);
+    int n = snprintf(p->name, sizeof p->name, "%s", name);
+    if (n < 0 || (size_t)n >= sizeof p->name) {
+        fprintf(stderr, "k3: internal: parameter name too long: %s\n", name);
+        exit(K3_EXIT_RUNTIME);
+    }
+    p->rank = rank;
+    p->shape[0] = d0;
+    p->shape[1] = d1;
+    p->shape[2] = d2;
+    p->numel = (size_t)d0 * (size_t)(rank > 1 ? d1 : 1) * (size_t)(rank > 2 ? d2 : 1);
+    p->off = m->nw;
+    p->group = group;
+    p->component = component;
+    m->nw += p->numel;
+    return p->off;
+}
+
+static void set_blocks(tmodel *m, int n, const int *rows) {
+    tparam *p = &m->params[m->np - 1];
+    p->nblocks = n;
+    p->blocks = xmalloc_array((size_t)n, sizeof(int));
+    memcpy(p->blocks, rows, sizeof(int) * (size_t)n);
+}
+
+#define PFX "language_model.model."
+
+static size_t addf(tmodel *m, int *cap, int layer, const char *suffix, int rank, int d0, int d1,
+                   int d2, tgroup g, const char *comp) {
+    char name[160];
+    int n = layer >= 0 ? snprintf(name, sizeof name, PFX "layers.%d.%s", layer, suffix)
+                       : snprintf(name, sizeof name, "%s", suffix);
+    if (n < 0 || (size_t)n >= sizeof name) {
+        fprintf(stderr, "k3: internal: name overflow\n");
+        exit(K3_EXIT_RUNTIME);
+    }
+    return add_param(m, cap, name, rank, d0, d1, d2, g, comp);
+}
+
+void tm_bias_name(int layer, char *buf, size_t n) {
+    int r = snprintf(buf, n, PFX "layers.%d.block_sparse_moe.gate.e_score_correction_bias", layer);
+    if (r < 0 || (size_t)r >= n) buf[0] = 0;
+}
+
+int tm_build(tmodel *m, const k3_config *c, k3_err *err) {
+    memset(m, 0, sizeof *m);
+    m->cfg = *c;
+    const int E = c->hidden_size, L = c->num_layers;
+    if (c->attn_res_block_size <= 0)
+        return k3_fail(err, K3_EXIT_USAGE, "config: the trainer needs attn_res_block_size > 0");
+    if ((L + c->attn_res_block_size - 1) / c->attn_res_block_size + 1 > 64)
+        return k3_fail(err, K3_EXIT_USAGE, "config: more than 64 AttnRes sources");
+    if (!c->latent_moe_use_norm || !c->mla_output_gate)
+        return k3_fail(err, K3_EXIT_USAGE,
+                       "config: the trainer supports latent_moe_use_norm and mla_use_output_gate true only");
+    if (c->experts_per_token < 1 || c->experts_per_token > c->num_experts || c->experts_per_token > 64 ||
+        c->num_experts > 1024)
+        return k3_fail(err, K3_EXIT_USAGE,
+                       "config: the trainer needs 1 <= num_experts_per_token <= min(num_experts, 64) and "
+                       "num_experts <= 1024");
+    int cap = 0;
+    m->layers = xcalloc((size_t)L, sizeof(tm_layer));
+    m->moe_layer = xcalloc((size_t)L, sizeof(int));
+    m->embed = addf(m, &cap, -1, PFX "embed_tokens.weight", 2, c->vocab_size, E, 0, TG_ADAMW, "embedding");
+    for (int l = 0; l < L; l++) {
+        tm_layer *y = &m->layers[l];
+        y->kind = c->layer_kind[l];
+        y->dense = c->layer_dense[l];
+        y->moe = -1;
+        const char *nc = "norms+attnres";
+        y->in_norm = addf(m, &cap, l, "input_layernorm.weight", 1, E, 0, 0, TG_ADAMW_ND, nc);
+        y->post_norm = addf(m, &cap, l, "post_attention_layernorm.weight", 1, E, 0, 0, TG_ADAMW_ND, nc);
+        y->attn_res_norm = addf(m, &cap, l, "self_attention_res_norm.weight", 1, E, 0, 0, TG_ADAMW_ND, nc);
+        y->mlp_res_norm = addf(m, &cap, l, "mlp_res_norm.weight", 1, E, 0, 0, TG_ADAMW_ND, nc);
+        y->attn_res_proj = addf(m, &cap, l, "self_attention_res_proj.weight", 2, 1, E, 0, TG_ADAMW, nc);
+        y->mlp_res_proj = addf(m, &cap, l, "mlp_res_proj.weight", 2, 1, E, 0, TG_ADAMW, nc);
+        if (y->kind == 'K') {
+            const int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
+            int rows[TM_MAX_BLOCKS];
+            if (H > TM_MAX_BLOCKS) return k3_fail(err, K3_EXIT_USAGE, "config: too many KDA heads");
+            for (int h = 0; h < H; h++) rows[h] = D;
+            const char *kc = "kda";
+            y->kda.qkv = addf(m, &cap, l, "self_attn.q_proj.weight", 2, P, E, 0, TG_MUON_HEADS, kc);
+            set_blocks(m, H, rows);
+            addf(m, &cap, l, "self_attn.k_proj.weight", 2, P, E, 0, TG_MUON_HEADS, kc);
+            set_blocks(m, H, rows);
+            addf(m, &cap, l, "self_attn.v_proj.weight", 2, P, E, 0, TG_MUON_HEADS, kc);
+            set_blocks(m, H, rows);
+            y->kda.conv = addf(m, &cap, l, "self_attn.q_conv1d.weight", 3, P, 1, K, TG_ADAMW, kc);
+            addf(m, &cap, l, "self_attn.k_conv1d.weight", 3, P, 1, K, TG_ADAMW, kc);
+            addf(m, &cap, l, "self_attn.v_conv1d.weight", 3, P, 1, K, TG_ADAMW, kc);
+            y->kda.f_a = addf(m, &cap, l, "self_attn.f_a_proj.weight", 2, D, E, 0, TG_MUON, kc);
+            y->kda.f_b = addf(m, &cap, l, "self_attn.f_b_proj.weight", 2, P, D, 0, TG_MUON, kc);
+            y->kda.A_log = addf(m, &cap, l, "self_attn.A_log", 1, H, 0, 0, TG_ADAMW_ND, kc);
+            y->kda.dt_bias = addf(m, &cap, l, "self_attn.dt_bias", 1, P, 0, 0, TG_ADAMW_ND, kc);
+            y->kda.b_proj = addf(m, &cap, l, "self_attn.b_proj.weight", 2, H, E, 0, TG_MUON, kc);
+            y->kda.g_proj = addf(m, &cap, l, "self_attn.g_proj.weight", 2, P, E, 0, TG_MUON, kc);
+            y->kda.o_norm = addf(m, &cap, l, "self_attn.o_norm.weight", 1, D, 0, 0, TG_ADAMW_ND, kc);
+            y->kda.o_proj = addf(m, &cap, l, "self_attn.o_proj.weight", 2, E, P, 0, TG_MUON, kc);
+        } else {
+            const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+            int rows[TM_MAX_BLOCKS];
+            if (2 * H > TM_MAX_BLOCKS) return k3_fail(err, K3_EXIT_USAGE, "config: too many MLA heads");
+            const char *mc = "mla";
+            y->mla.q_a = addf(m, &cap, l, "self_attn.q_a_proj.weight", 2, c->q_lora_rank, E, 0, TG_MUON, mc);
+            y->mla.q_a_norm = addf(m, &cap, l, "self_attn.q_a_layernorm.weight", 1, c->q_lora_rank, 0, 0,
+                                   TG_ADAMW_ND, mc);
+            y->mla.q_b = addf(m, &cap, l, "self_attn.q_b_proj.weight", 2, H * (dn + dr), c->q_lora_rank, 0,
+                              TG_MUON_HEADS, mc);
+            for (int h = 0; h < H; h++) rows[h] = dn + dr;
+            set_blocks(m, H, rows);
+            y->mla.kv_a = addf(m, &cap, l, "self_attn.kv_a_proj_with_mqa.weight", 2, c->kv_lora_rank + dr, E,
+                               0, TG_MUON, mc);
+            y->mla.kv_a_norm = addf(m, &cap, l, "self_attn.kv_a_layernorm.weight", 1, c->kv_lora_rank, 0, 0,
+                                    TG_ADAMW_ND, mc);
+            y->mla.kv_b = addf(m, &cap, l, "self_attn.kv_b_proj.weight", 2, H * (dn + dv), c->kv_lora_rank,
+                               0, TG_MUON_HEADS, mc);
+            for (int h = 0; h < H; h++) { rows[2 * h] = dn; rows[2 * h + 1] = dv; }
+            set_blocks(m, 2 * H, rows);
+            y->mla.o_proj = addf(m, &cap, l, "self_attn.o_proj.weight", 2, E, H * dv, 0, TG_MUON, mc);
+            y->mla.g_proj = addf(m, &cap, l, "self_attn.g_proj.weight", 2, H * dv, E, 0, TG_MUON, mc);
+        }
+        if (y->dense) {
+            const int I = c->dense_inter;
+            const char *dc = "dense mlp";
+            y->mlp.gate_up = addf(m, &cap, l, "mlp.gate_proj.weight", 2, I, E, 0, TG_MUON, dc);
+            addf(m, &cap, l, "mlp.up_proj.weight", 2, I, E, 0, TG_MUON, dc);
+            y->mlp.down = addf(m, &cap, l, "mlp.down_proj.weight", 2, E, I, 0, TG_MUON, dc);
+        } else {
+            const int Ne = c->num_experts, lat = c->latent_dim, I = c->moe_inter;
+            const int W = c->num_shared_experts * I;
+            y->moe = m->n_moe;
+            m->moe_layer[m->n_moe++] = l;
+            moe_w *q = &y->moe_w;
+            q->router = addf(m, &cap, l, "block_sparse_moe.gate.weight", 2, Ne, E, 0, TG_MUON, "router");
+            q->lat_down = addf(m, &cap, l, "block_sparse_moe.routed_expert_down_proj.weight", 2, lat, E, 0,
+                               TG_MUON, "latent proj");
+            q->lat_norm = addf(m, &cap, l, "block_sparse_moe.routed_expert_norm.weight", 1, lat, 0, 0,
+                               TG_ADAMW_ND, "latent proj");
+            q->lat_up = addf(m, &cap, l, "block_sparse_moe.routed_expert_up_proj.weight", 2, E, lat, 0,
+                             TG_MUON, "latent proj");
+            const char *sc = "shared experts";
+            q->shared.gate_up = addf(m, &cap, l, "block_sparse_moe.shared_experts.gate_proj.weight", 2, W, E,
+                                     0, TG_MUON, sc);
+            addf(m, &cap, l, "block_sparse_moe.shared_experts.up_proj.weight", 2, W, E, 0, TG_MUON, sc);
+            q->shared.down = addf(m, &cap, l, "block_sparse_moe.shared_experts.down_proj.weight", 2, E, W, 0,
+                                  TG_MUON, sc);
+            q->w13 = xmalloc_array((size_t)Ne, sizeof(size_t));
+            q->w2 = xmalloc_array((size_t)Ne, sizeof(size_t));
+            for (int e = 0; e < Ne; e++) {
+                char s[96];
+                const char *rc = "routed experts";
+                snprintf(s, sizeof s, "block_sparse_moe.experts.%d.w1.weight", e);
+                q->w13[e] = addf(m, &cap, l, s, 2, I, lat, 0, TG_MUON, rc);
+                snprintf(s, sizeof s, "block_sparse_moe.experts.%d.w3.weight", e);
+                addf(m, &cap, l, s, 2, I, lat, 0, TG_MUON, rc);
+                snprintf(s, sizeof s, "block_sparse_moe.experts.%d.w2.weight", e);
+                q->w2[e] = addf(m, &cap, l, s, 2, lat, I, 0, TG_MUON, rc);
+            }
+        }
+    }
+    const char *fc = "final norm+attnres";
+    m->norm = addf(m, &cap, -1, PFX "norm.weight", 1, E, 0, 0, TG_ADAMW_ND, fc);
+    m->out_res_norm = addf(m, &cap, -1, PFX "output_attn_res_norm.weight", 1, E, 0, 0, TG_ADAMW_ND, fc);
+    m->out_res_proj = addf(m, &cap, -1, PFX "output_attn_res_proj.weight", 2, 1, E, 0, TG_ADAMW, fc);
+    m->head = addf(m, &cap, -1, "language_model.lm_head.weight", 2, c->vocab_size, E, 0, TG_ADAMW, "lm_head");
+    m->w = xcalloc(m->nw, sizeof(float));
+    m->g = xcalloc(m->nw, sizeof(float));
+    m->bias = xcalloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)c->num_experts, sizeof(float));
+    m->load = xcalloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)c->num_experts, sizeof(int64_t));
+    return K3_OK;
+}
+
+static void acts_free(tmodel *m);
+
+void tm_free(tmodel *m) {
+    if (!m->params) return;
+    acts_free(m);
+    for (int i = 0; i < m->np; i++) free(m->params[i].blocks);
+    for (int l = 0; l < m->cfg.num_layers; l++) {
+        free(m->layers[l].moe_w.w13);
+        free(m->layers[l].moe_w.w2);
+    }
+    free(m->params);
+    free(m->layers);
+    free(m->moe_layer);
+    free(m->w);
+    free(m->g);
+    free(m->bias);
+    free(m->load);
+    free(m->qb_marg);
+    memset(m, 0, sizeof *m);
+}
+
+int tm_find(const tmodel *m, const char *name) {
+    for (int i = 0; i < m->np; i++)
+        if (strcmp(m->params[i].name, name) == 0) return i;
+    return -1;
+}
+
+float *tm_bias(tmodel *m, int layer) {
+    int q = m->layers[layer].moe;
+    return q < 0 ? NULL : m->bias + (size_t)q * m->cfg.num_experts;
+}
+
+size_t tm_print_inventory(const tmodel *m, FILE *f) {
+    static const char *order[] = {"embedding", "kda", "mla", "dense mlp", "router", "latent proj",
+                                  "shared experts", "routed experts", "norms+attnres",
+                                  "final norm+attnres", "lm_head"};
+    size_t total = 0;
+    for (size_t k = 0; k < sizeof order / sizeof order[0]; k++) {
+        size_t n = 0;
+        for (int i = 0; i < m->np; i++)
+            if (strcmp(m->params[i].component, order[k]) == 0) n += m->params[i].numel;
+        if (n) fprintf(f, "%-20s %12zu\n", order[k], n);
+        total += n;
+    }
+    fprintf(f, "%-20s %12zu\n", "total", total);
+    fprintf(f, "%-20s %12zu\n", "router biases (buf)", (size_t)m->n_moe * (size_t)m->cfg.num_experts);
+    return total;
+}
+
+/* ---- initialisation ----------------------------------------------------------- */
+
+/* splitmix64: a counter-based generator, so each tensor's stream depends only
+ * on (seed, tensor index), never on the order tensors are initialised in. */
+static uint64_t splitmix(uint64_t *s) {
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+static double unif(uint64_t *s) { return (double)(splitmix(s) >> 11) * (1.0 / 9007199254740992.0); }
+static double gauss(uint64_t *s) {
+    double u1 = unif(s), u2 = unif(s);
+    if (u1 < 1e-300) u1 = 1e-300;
+    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+}
+
+static bool ends_with(const char *s, const char *suf) {
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && strcmp(s + a - b, suf) == 0;
+}
+
+/* Distributions (report section 2.1.1 and 2.2 where it says; the rest the
+ * common practice its references follow):
+ *  - norm gains 1; AttnRes pseudo-queries 0 (uniform mixing at start);
+ *  - A_log 0 (A = 1, report: "We initialize A_h = 0");
+ *  - dt_bias = inverse softplus of dt ~ LogUniform(1e-3, 1e-1) (Mamba-2/GDN/
+ *    Kimi Linear), giving initial retention exp(-5 sigmoid(dt_bias)) in about
+ *    (0.64, 0.995);
+ *  - ShortConv taps U(-1/sqrt(K), 1/sqrt(K)) (the depthwise conv default);
+ *  - every other matrix (embeddings, projections, router, experts, head)
+ *    N(0, 0.02^2), the released initializer_range. */
+void tm_init(tmodel *m, uint64_t seed) {
+    const int K = m->cfg.conv_kernel;
+    for (int i = 0; i < m->np; i++) {
+        tparam *p = &m->params[i];
+        float *w = m->w + p->off;
+        uint64_t s = seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(i + 1));
+        if (ends_with(p->name, "norm.weight") || ends_with(p->name, "layernorm.weight")) {
+            for (size_t j = 0; j < p->numel; j++) w[j] = 1.0f;
+        } else if (ends_with(p->name, "res_proj.weight") || ends_with(p->name, "A_log")) {
+            memset(w, 0, sizeof(float) * p->numel);
+        } else if (ends_with(p->name, "dt_bias")) {
+            for (size_t j = 0; j < p->numel; j++) {
+                double dt = exp(log(1e-3) + unif(&s) * (log(1e-1) - log(1e-3)));
+                if (dt < 1e-4) dt = 1e-4;
+                w[j] = (float)(dt + log(-expm1(-dt)));
+            }
+        } else if (strstr(p->name, "conv1d")) {
+            double b = 1.0 / sqrt((double)K);
+            for (size_t j = 0; j < p->numel; j++) w[j] = (float)((2.0 * unif(&s) - 1.0) * b);
+        } else {
+            for (size_t j = 0; j < p->numel; j++) w[j] = (float)(0.02 * gauss(&s));
+        }
+    }
+    memset(m->bias, 0, sizeof(float) * (size_t)m->n_moe * (size_t)m->cfg.num_experts);
+}
+
+/* ---- activations ------------------------------------------------------------------ */
+
+static int n_blocks(const k3_config *c) {
+    return (c->num_layers + c->attn_res_block_size - 1) / c->attn_res_block_size;
+}
+
+static void acts_free(tmodel *m) {
+    tm_acts *a = m->acts;
+    if (!a) return;
+    for (int l = 0; l < m->cfg.num_layers; l++) {
+        layer_acts *x = &a->l[l];
+        float *bufs[] = {x->a, x->al_a, x->r_a, x->xin, x->rin, x->p_mid, x->p_out, x->mm, x->al_m,
+                         x->r_m, x->xm, x->rm};
+        for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+        if (m->layers[l].kind == 'K') kda_free(&x->kda); else mla_free(&x->mla);
+        if (m->layers[l].dense) mlp_free(&x->mlp); else moe_free(&x->moe);
+    }
+    free(a->l);
+    float *bufs[] = {a->h0, a->xf, a->al_f, a->r_f, a->xn, a->rn, a->dblk, a->d1, a->d2, a->d3, a->d4,
+                     a->scratch};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    free(a->tok);
+    free(a->tgt);
+    free(a);
+    m->acts = NULL;
+    free(m->logits);
+    m->logits = NULL;
+}
+
+static float *fa(size_t n) { return xmalloc_array(n ? n : 1, sizeof(float)); }
+
+static void acts_ensure(tmodel *m, int B, int T) {
+    tm_acts *a = m->acts;
+    if (a && a->B == B && a->T == T) return;
+    acts_free(m);
+    const k3_config *c = &m->cfg;
+    const int E = c->hidden_size, L = c->num_layers, S = c->attn_res_block_size;
+    const size_t N = (size_t)B * T;
+    a = m->acts = xcalloc(1, sizeof(tm_acts));
+    a->cap = (int)N;
+    a->B = B;
+    a->T = T;
+    a->tok = xmalloc_array(N + (size_t)B, sizeof(int32_t));
+    a->tgt = xmalloc_array(N, sizeof(int));
+    a->h0 = fa(N * E);
+    a->l = xcalloc((size_t)L, sizeof(layer_acts));
+    size_t scr = 0;
+    for (int l = 0; l < L; l++) {
+        layer_acts *x = &a->l[l];
+        int nb_before = (l + S - 1) / S;          /* blocks completed before layer l */
+        int nb_after = l / S + 1;
+        x->m_a = nb_before ? nb_before + 1 : 0;
+        x->m_m = nb_after + 1;
+        if (x->m_a) {
+            x->a = fa(N * E);
+            x->al_a = fa(N * x->m_a);
+            x->r_a = fa(N * x->m_a);
+        }
+        x->xin = fa(N * E);
+        x->rin = fa(N);
+        x->p_mid = fa(N * E);
+        x->p_out = fa(N * E);
+        x->mm = fa(N * E);
+        x->al_m = fa(N * x->m_m);
+        x->r_m = fa(N * x->m_m);
+        x->xm = fa(N * E);
+        x->rm = fa(N);
+        size_t s1, s2;
+        if (m->layers[l].kind == 'K') {
+            kda_alloc(m, &x->kda, (int)N, B, T);
+            s1 = kda_scratch(m, (int)N);
+        } else {
+            mla_alloc(m, &x->mla, (int)N, B, T);
+            s1 = mla_scratch(m, (int)N);
+        }
+        if (m->layers[l].dense) {
+            mlp_alloc(&x->mlp, (int)N, c->dense_inter);
+            s2 = mlp_scratch(m, (int)N, c->dense_inter);
+        } else {
+            moe_alloc(m, &x->moe, (int)N);
+            s2 = moe_scratch(m, (int)N);
+        }
+        if (s1 > scr) scr = s1;
+        if (s2 > scr) scr = s2;
+    }
+    a->m_f = n_blocks(c) + 1;
+    a->xf = fa(N * E);
+    a->al_f = fa(N * a->m_f);
+    a->r_f = fa(N * a->m_f);
+    a->xn = fa(N * E);
+    a->rn = fa(N);
+    a->dblk = fa((size_t)n_blocks(c) * N * E);
+    a->d1 = fa(N * E);
+    a->d2 = fa(N * E);
+    a->d3 = fa(N * E);
+    a->d4 = fa(N * E);
+    a->scratch = fa(scr);
+    a->scratch_n = scr;
+    m->logits = fa(N * (size_t)c->vocab_size);
+}
+
+/* Block pointer b: b_0 is the embedding, b_n (n >= 1) the partial sum entering
+ * layer n*S, i.e. p_out of layer n*S-1. */
+static float *blk(tmodel *m, int b) {
+    const int S = m->cfg.attn_res_block_size;
+    return b == 0 ? m->acts->h0 : m->acts->l[b * S - 1].p_out;
+}
+
+/* ---- forward --------------------------------------------------------------------- */
+
+double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
+    const k3_config *c = &m->cfg;
+    const int E = c->hidden_size, L = c->num_layers, S = c->attn_res_block_size, V = c->vocab_size;
+    acts_ensure(m, B, T);
+    tm_acts *a = m->acts;
+    const int N = B * T;
+    memcpy(a->tok, tokens, sizeof(int32_t) * (size_t)B * (size_t)(T + 1));
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            const int32_t *row = tokens + (size_t)b * (T + 1);
+            memcpy(a->h0 + ((size_t)b * T + t) * E, m->w + m->embed + (size_t)row[t] * E, sizeof(float) * E);
+            a->tgt[b * T + t] = row[t + 1];
+        }
+    memset(m->load, 0, sizeof(int64_t) * (size_t)m->n_moe * (size_t)c->num_experts);
+    if (m->qb_record && m->qb_n + N > m->qb_cap) {
+        m->qb_cap = m->qb_n + N;
+        m->qb_marg = xrealloc_array(m->qb_marg, (size_t)m->qb_cap * (size_t)(m->n_moe ? m->n_moe : 1),
+                                    sizeof(float) * (size_t)c->num_experts);
+    }
+    const float *srcs[66];
+    const float *p_in = a->h0;
+    for (int l = 0; l < L; l++) {
+        const tm_layer *y = &m->layers[l];
+        layer_acts *x = &a->l[l];
+        int nbb = (l + S - 1) / S;
+        const float *ain = p_in;
+        if (x->m_a) {
+            for (int i = 0; i < nbb; i++) srcs[i] = blk(m, i);
+            srcs[nbb] = p_in;
+            t_attnres(x->a, x->al_a, x->r_a, srcs, x->m_a, m->w + y->attn_res_norm, m->w + y->attn_res_proj,
+                      N, E, c->rms_eps);
+            ain = x->a;
+        }
+        bool boundary = l % S == 0;
+        t_rmsnorm(x->xin, x->rin, ain, m->w + y->in_norm, N, E, c->rms_eps);
+        if (y->kind == 'K')
+            kda_forward(m, y, &x->kda, x->xin, x->p_mid, B, T);
+        else
+            mla_forward(m, y, &x->mla, x->xin, x->p_mid, B, T);
+        if (!boundary)
+            for (size_t i = 0; i < (size_t)N * E; i++) x->p_mid[i] += p_in[i];
+        int nba = l / S + 1;
+        for (int i = 0; i < nba; i++) srcs[i] = blk(m, i);
+        srcs[nba] = x->p_mid;
+        t_attnres(x->mm, x->al_m, x->r_m, srcs, x->m_m, m->w + y->mlp_res_norm, m->w + y->mlp_res_proj, N, E,
+                  c->rms_eps);
+        t_rmsnorm(x->xm, x->rm, x->mm, m->w + y->post_norm, N, E, c->rms_eps);
+        if (y->dense)
+            mlp_forward(m, &y->mlp, &x->mlp, c->dense_inter, x->xm, x->p_out, N);
+        else
+            moe_forward(m, y, &x->moe, x->xm, x->p_out, N);
+        for (size_t i = 0; i < (size_t)N * E; i++) x->p_out[i] += x->p_mid[i];
+        p_in = x->p_out;
+    }
+    int nb = n_blocks(c);
+    for (int i = 0; i < nb; i++) srcs[i] = blk(m, i);
+    srcs[nb] = p_in;
+    t_attnres(a->xf, a->al_f, a->r_f, srcs, a->m_f, m->w + m->out_res_norm, m->w + m->out_res_proj, N, E,
+              c->rms_eps);
+    t_rmsnorm(a->xn, a->rn, a->xf, m->w + m->norm, N, E, c->rms_eps);
+    t_linear(m->logits, a->xn, m->w + m->head, N, E, V);
+    double loss;
+    t_cross_entropy(m->logits, a->tgt, N, V, &loss, NULL, 0.0f);
+    if (m->qb_record) m->qb_n += N;
+    return loss;
+}
+
+/* ---- backward -------------------------------------------------------------------- */
+
+static void vadd(float *d, const float *s, size_t n) {
+    for (size_t i = 0; i < n; i++) d[i] += s[i];
+}
+
+void tm_backward(tmodel *m, float scale) {
+    const k3_config *c = &m->cfg;
+    const int E = c->hidden_size, L = c->num_layers, S = c->attn_res_block_size, V = c->vocab_size;
+    tm_acts *a = m->acts;
+    const int B = a->B, T = a->T, N = B * T;
+    const size_t NE = (size_t)N * E;
+    const int nb = n_blocks(c);
+    float *g = m->g;
+    double unused;
+    t_cross_entropy(m->logits, a->tgt, N, V, &unused, m->logits, scale); /* logits -> dlogits */
+    memset(a->dblk, 0, sizeof(float) * (size_t)nb * NE);
+    float *dp = a->d1, *dx = a->d2, *dn = a->d3;
+    /* head and final norm */
+    t_linear_dw(g + m->head, m->logits, a->xn, N, E, V);
+    t_linear_dx(dx, m->logits, m->w + m->head, N, E, V, false);
+    t_rmsnorm_bwd(dn, g + m->norm, dx, a->xf, a->rn, m->w + m->norm, N, E, false);
+    /* final AttnRes: sources blocks + last partial */
+    const float *srcs[66];
+    float *dsrc[66];
+    memset(dp, 0, sizeof(float) * NE);
+    for (int i = 0; i < nb; i++) { srcs[i] = blk(m, i); dsrc[i] = a->dblk + (size_t)i * NE; }
+    srcs[nb] = a->l[L - 1].p_out;
+    dsrc[nb] = dp;
+    t_attnres_bwd(dsrc, g + m->out_res_norm, g + m->out_res_proj, dn, a->al_f, a->r_f, srcs, a->m_f,
+                  m->w + m->out_res_norm, m->w + m->out_res_proj, N, E, c->rms_eps);
+    for (int l = L - 1; l >= 0; l--) {
+        const tm_layer *y = &m->layers[l];
+        layer_acts *x = &a->l[l];
+        const float *p_in = l ? a->l[l - 1].p_out : a->h0;
+        /* dp is d p_out; p_out = p_mid + f, so d p_mid = dp and d f = dp */
+        if (y->dense)
+            mlp_backward(m, &y->mlp, &x->mlp, c->dense_inter, x->xm, dp, dx, N, a->scratch, false);
+        else
+            moe_backward(m, y, &x->moe, x->xm, dp, dx, N, a->scratch);
+        t_rmsnorm_bwd(dn, g + y->post_norm, dx, x->mm, x->rm, m->w + y->post_norm, N, E, false);
+        int nba = l / S + 1;
+        for (int i = 0; i < nba; i++) { srcs[i] = blk(m, i); dsrc[i] = a->dblk + (size_t)i * NE; }
+        srcs[nba] = x->p_mid;
+        dsrc[nba] = dp;
+        t_attnres_bwd(dsrc, g + y->mlp_res_norm, g + y->mlp_res_proj, dn, x->al_m, x->r_m, srcs, x->m_m,
+                      m->w + y->mlp_res_norm, m->w + y->mlp_res_proj, N, E, c->rms_eps);
+        /* dp is now d p_mid = d t */
+        if (y->kind == 'K')
+            kda_backward(m, y, &x->kda, x->xin, dp, dx, B, T, a->scratch);
+        else
+            mla_backward(m, y, &x->mla, x->xin, dp, dx, B, T, a->scratch);
+        const float *ain = x->m_a ? x->a : p_in;
+        t_rmsnorm_bwd(dn, g + y->in_norm, dx, ain, x->rin, m->w + y->in_norm, N, E, false);
+        /* d p_in: at a boundary p_in is block l/S (its gradient so far sits in
+         * dblk); otherwise p_mid = p_in + t passes dp through. */
+        if (l % S == 0) memcpy(dp, a->dblk + (size_t)(l / S) * NE, sizeof(float) * NE);
+        if (x->m_a) {
+            int nbb = (l + S - 1) / S;
+            for (int i = 0; i < nbb; i++) { srcs[i] = blk(m, i); dsrc[i] = a->dblk + (size_t)i * NE; }
+            srcs[nbb] = p_in;
+            dsrc[nbb] = dp;
+            t_attnres_bwd(dsrc, g + y->attn_res_norm, g + y->attn_res_proj, dn, x->al_a, x->r_a, srcs, x->m_a,
+                          m->w + y->attn_res_norm, m->w + y->attn_res_proj, N, E, c->rms_eps);
+        } else {
+            vadd(dp, dn, NE);
+        }
+    }
+    /* dp = d h0: scatter into the embedding rows in token order */
+    float *ge = g + m->embed;
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            int32_t id = a->tok[(size_t)b * (T + 1) + t];
+            vadd(ge + (size_t)id * E, dp + ((size_t)b * T + t) * E, (size_t)E);
+        }
+}
+
+/* ---- Quantile Balancing -------------------------------------------------------------- */
+
+static int cmp_desc(const void *x, const void *y) {
+    float a = *(const float *)x, b = *(const float *)y;
+    return (a < b) - (a > b);
+}
+
+void tm_qb_update(tmodel *m) {
+    const int Ne = m->cfg.num_experts, k = m->cfg.experts_per_token;
+    const int n = m->qb_n;
+    if (n == 0 || k >= Ne || !m->qb_marg) { m->qb_n = 0; return; }
+    /* target load q = floor(n k / Ne); the bias is minus the (q+1)-th largest
+     * margin, so exactly q margins stay above the threshold (report eq. 14). */
+    const int q = (int)(((int64_t)n * k) / Ne);
+#pragma omp parallel for schedule(static)
+    for (int job = 0; job < m->n_moe * Ne; job++) {
+        int ly = job / Ne, e = job % Ne;
+        float *col = xmalloc_array((size_t)n, sizeof(float));
+        const size_t row = (size_t)m->n_moe * Ne;
+        for (int i = 0; i < n; i++) col[i] = m->qb_marg[(size_t)i * row + (size_t)ly * Ne + e];
+        qsort(col, (size_t)n, sizeof(float), cmp_desc);
+        m->bias[(size_t)ly * Ne + e] = -col[q];
+        free(col);
+    }
+    for (int ly = 0; ly < m->n_moe; ly++) {
+        float *b = m->bias + (size_t)ly * Ne;
+        double s = 0.0;
+        for (int e = 0; e < Ne; e++) s += b[e];
+        float mean = (float)(s / Ne);
+        for (int e = 0; e < Ne; e++) b[e] -= mean;
+    }
+    m->qb_n = 0;
+}

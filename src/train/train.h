@@ -1,0 +1,114 @@
+/* train.h: training a K3-architecture model in C (the public header of the
+ * training module; data.h is the token-shard side, owned separately).
+ *
+ * The model keeps every parameter in ONE flat f32 buffer (w) in the canonical
+ * order of the parameter table, with a gradient buffer (g) of the same layout;
+ * names are the released tensor names, so export maps one to one. The router's
+ * e_score_correction_bias is not a parameter: it lives in `bias`, receives no
+ * gradient and is set by Quantile Balancing.
+ *
+ * One micro-batch is B sequences of T+1 tokens (inputs t[0..T-1], targets
+ * t[1..T]). tm_forward saves every activation the backward needs; tm_backward
+ * ADDS the gradient of (scale * summed cross-entropy) to g, so accumulation is
+ * repeated forward/backward pairs with scale = 1/(tokens per optimiser step). */
+#ifndef K3_TRAIN_TRAIN_H
+#define K3_TRAIN_TRAIN_H
+
+#include "formats/config.h"
+#include "util/common.h"
+
+/* ---- parameter table ------------------------------------------------------- */
+typedef enum {
+    TG_ADAMW = 0,   /* AdamW with weight decay (embeddings, head, conv, pseudo-queries) */
+    TG_ADAMW_ND,    /* AdamW, no weight decay (norm gains, A_log, dt_bias) */
+    TG_MUON,        /* Muon on the whole 2-D matrix */
+    TG_MUON_HEADS,  /* Per-Head Muon: each row block orthogonalised on its own */
+} tgroup;
+
+#define TM_MAX_BLOCKS 256
+
+typedef struct {
+    char name[112];
+    int rank;
+    int shape[3];
+    size_t off, numel;     /* in floats, into w / g */
+    tgroup group;
+    int nblocks;           /* TG_MUON_HEADS: row counts of the blocks, in order */
+    int *blocks;           /* owned by the model */
+    const char *component; /* for the inventory breakdown */
+} tparam;
+
+typedef struct tm_layer tm_layer;  /* internal */
+typedef struct tm_acts tm_acts;    /* internal */
+
+typedef struct {
+    k3_config cfg;
+    int np;
+    tparam *params;
+    size_t nw;             /* total parameter floats */
+    float *w, *g;
+    int n_moe;             /* MoE layers, in layer order */
+    int *moe_layer;        /* [n_moe] layer index of each */
+    float *bias;           /* [n_moe][num_experts] router selection biases */
+    tm_layer *layers;      /* [L] */
+    size_t embed, head, norm, out_res_norm, out_res_proj; /* offsets */
+    tm_acts *acts;         /* activation workspace (allocated for cap tokens) */
+    float *logits;         /* [B*T][V] after tm_forward (gradient after tm_backward) */
+    /* Quantile Balancing: margins s - alpha of every token routed since the last
+     * tm_qb_update while qb_record is set: [qb_cap][n_moe][num_experts]. */
+    bool qb_record;
+    int qb_cap, qb_n;
+    float *qb_marg;
+    /* routing statistics of the last forward: load [n_moe][num_experts] */
+    int64_t *load;
+} tmodel;
+
+/* Builds the parameter table for cfg and allocates w, g (zero) and bias (zero).
+ * Refuses configs the trainer cannot run (K3_EXIT_USAGE, one line). */
+int tm_build(tmodel *m, const k3_config *cfg, k3_err *err);
+void tm_free(tmodel *m);
+/* Initialises every parameter (see train.c for the distributions) from seed. */
+void tm_init(tmodel *m, uint64_t seed);
+/* Index of a parameter by released name, -1 if none. */
+int tm_find(const tmodel *m, const char *name);
+/* Prints the per-component parameter inventory; returns the total. */
+size_t tm_print_inventory(const tmodel *m, FILE *f);
+/* Bias vector of MoE layer `layer` (NULL if the layer is dense). */
+float *tm_bias(tmodel *m, int layer);
+/* The released name of that bias. */
+void tm_bias_name(int layer, char *buf, size_t n);
+
+/* Forward over B sequences of T+1 tokens (ids < V); returns the SUM of the
+ * B*T cross-entropy terms. Keeps the logits in m->logits. */
+double tm_forward(tmodel *m, const int32_t *tokens, int B, int T);
+/* g += d(scale * loss_sum)/d params for the last tm_forward. */
+void tm_backward(tmodel *m, float scale);
+/* Recomputes every MoE layer's bias from the recorded margins (exact
+ * (1 - k/n) quantile, mean removed) and clears the record. */
+void tm_qb_update(tmodel *m);
+
+/* ---- optimiser ---------------------------------------------------------------- */
+typedef struct {
+    double lr, min_lr_ratio, warmup_frac, weight_decay, clip;
+    double beta1, beta2, eps;   /* AdamW */
+    double momentum;            /* Muon (Nesterov) */
+    bool muon;                  /* false: AdamW for every parameter */
+    int total_steps;
+} topt_cfg;
+
+void topt_defaults(topt_cfg *c);
+
+typedef struct {
+    topt_cfg c;
+    float *m1, *m2;      /* AdamW moments / Muon momentum (m1); same layout as w */
+    int64_t step;        /* optimiser steps taken */
+} topt;
+
+void topt_init(topt *o, const tmodel *m, const topt_cfg *c);
+void topt_free(topt *o);
+double topt_lr(const topt_cfg *c, int64_t step);
+/* Clips g to norm c.clip, applies one update to w, returns the pre-clip norm.
+ * Does not clear g. */
+double topt_step(topt *o, tmodel *m, double *lr_out);
+
+#endif

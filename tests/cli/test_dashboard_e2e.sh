@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# End-to-end: a trainer writes a run directory, `k3 dashboard` serves it, and
+# headless Chromium (Debian's /usr/bin/chromium, driven by npm playwright-core
+# from tests/e2e/) checks that the page follows the run: the step number and
+# the loss curve's point count grow between polls, the sample text appears.
+# Screenshots: tests/out/cli-test_dashboard_e2e/dashboard{,-phone}.png.
+#
+# The trainer is `k3 train` on the tiny config when this build has the train
+# and prepare commands and a configs/tiny*.json, else the synthetic writer
+# tests/dashboard/fake-trainer.sh. K3_E2E_TRAINER=train|fake forces one.
+set -u
+source tests/cli/lib.sh
+E2E=tests/e2e
+CHROMIUM=${CHROMIUM:-/usr/bin/chromium}
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; }
+trap cleanup EXIT
+
+if ! command -v node >/dev/null || ! command -v npm >/dev/null || [ ! -x "$CHROMIUM" ]; then
+  fail "e2e-prerequisites" "needs node, npm and $CHROMIUM: run scripts/setup.sh --test"
+  finish; exit 1
+fi
+if [ ! -d "$E2E/node_modules/playwright-core" ]; then
+  echo "installing $E2E/node_modules (npm ci)"
+  if ! (cd "$E2E" && npm ci --no-audit --no-fund) >"$OUT/npm.log" 2>&1; then
+    fail "e2e-npm-ci" "$(tail -n 5 "$OUT/npm.log")"; finish; exit 1
+  fi
+fi
+
+RUN=$OUT/run
+rm -rf "$RUN" "$OUT/data" "$OUT"/*.png
+mkdir -p "$RUN"
+trainer=${K3_E2E_TRAINER:-auto}
+config=$(ls configs/tiny*.json 2>/dev/null | head -n 1)
+if [ "$trainer" = auto ]; then
+  trainer=fake
+  if "$K3" help train >/dev/null 2>&1 && "$K3" help prepare >/dev/null 2>&1 && [ -n "$config" ]; then trainer=train; fi
+fi
+echo "trainer: $trainer"
+if [ "$trainer" = train ]; then
+  if ! "$K3" prepare --input "$SHARED/data/tinystories/valid.txt" --output-dir "$OUT/data" --vocab-size 512 \
+       --tokenizer-stories 400 --validation-stories 40 >"$OUT/prepare.log" 2>&1; then
+    fail "e2e-prepare" "$(tail -n 3 "$OUT/prepare.log")"; finish; exit 1
+  fi
+  "$K3" train --config "$config" --data-dir "$OUT/data" --output-dir "$RUN" --steps 2000 --batch-size 2 \
+    --gradient-accumulation 1 --seq-len 64 --eval-interval 4 --sample-interval 4 --sample-tokens 24 >"$OUT/train.log" 2>&1 &
+  PIDS+=($!); TPID=$!
+  SAMPLE=""
+else
+  bash tests/dashboard/fake-trainer.sh "$RUN" 600 0.25 8 4 16 &
+  PIDS+=($!); TPID=$!
+  SAMPLE="Once upon a time"
+fi
+
+"$K3" dashboard --run-dir "$RUN" --port 0 >"$OUT/server.log" 2>"$OUT/server.err" &
+DPID=$!; PIDS+=($DPID)
+URL=
+for _ in $(seq 100); do
+  URL=$(grep -o 'http://[^ ]*/' "$OUT/server.log" | head -n 1)
+  [ -n "$URL" ] && break
+  sleep 0.1
+done
+if [ -z "$URL" ]; then fail "e2e-server" "$(cat "$OUT/server.err")"; finish; exit 1; fi
+echo "dashboard at $URL (trainer pid $TPID)"
+
+DASH_URL=$URL E2E_OUT=$OUT E2E_SAMPLE=$SAMPLE CHROMIUM=$CHROMIUM timeout 300 node "$E2E/dashboard.test.mjs" >"$OUT/e2e.log" 2>&1
+cat "$OUT/e2e.log"
+while read -r line; do
+  case "$line" in
+    PASS\ *) pass "e2e[$trainer]: ${line#PASS }" ;;
+    FAIL\ *) fail "e2e[$trainer]: ${line#FAIL }" ;;
+  esac
+done <"$OUT/e2e.log"
+grep -qE '^[0-9]+ passed, [0-9]+ failed' "$OUT/e2e.log" || fail "e2e-summary" "the browser test ended early"
+if kill -0 "$TPID" 2>/dev/null; then pass "trainer still running at the end"; else fail "trainer" "exited early: $(tail -n 3 "$OUT/train.log" 2>/dev/null)"; fi
+
+kill -TERM "$TPID" 2>/dev/null; wait "$TPID" 2>/dev/null
+kill -INT "$DPID"; wait "$DPID"; rc=$?
+if [ "$rc" -eq 0 ]; then pass "dashboard stops on SIGINT"; else fail "dashboard stops on SIGINT" "exit $rc"; fi
+finish

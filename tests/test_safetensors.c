@@ -1,0 +1,332 @@
+/* Tests for formats/safetensors: the peer's edge-case shards (values checked
+ * against numpy/torch widening in tests/fixtures/formats/st_expect.json, made
+ * by tools/gen_st_expect.py), and malformed files generated here, each of
+ * which must be refused with the right code and a message naming the file. */
+#include "harness.h"
+#include "tjson.h"
+#include "formats/safetensors.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define PEER_ST "fixtures/peer/st"
+
+static void write_bytes(const char *path, const void *data, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return;
+    fwrite(data, 1, n, f);
+    fclose(f);
+}
+
+/* A safetensors file: 8-byte length, the header text, then ndata bytes of
+ * pattern. hlen_override (if nonzero) is written instead of strlen(header). */
+static void write_st(const char *path, const char *header, size_t ndata, uint64_t hlen_override) {
+    size_t hl = strlen(header);
+    size_t n = 8 + hl + ndata;
+    unsigned char *b = malloc(n);
+    uint64_t v = hlen_override ? hlen_override : hl;
+    for (int i = 0; i < 8; i++) b[i] = (unsigned char)(v >> (8 * i));
+    memcpy(b + 8, header, hl);
+    for (size_t i = 0; i < ndata; i++) b[8 + hl + i] = (unsigned char)(i * 7 + 1);
+    write_bytes(path, b, n);
+    free(b);
+}
+
+static char *outpath(const char *name) {
+    static char buf[4][1024];
+    static int k;
+    char *p = buf[k++ & 3];
+    snprintf(p, sizeof buf[0], "%s/%s", t_outdir(), name);
+    return p;
+}
+
+TEST(st_peer_two_shards_index) {
+    st_index *ix = NULL;
+    k3_err err = {0};
+    int rc = st_open(t_shared(PEER_ST), &ix, &err);
+    CHECKF(rc == 0, "%s", err.msg);
+    CHECK(st_nshards(ix) == 2);
+    CHECK(st_count(ix) == 13); /* __metadata__ is not a tensor */
+    CHECK(st_shard_at(ix, 0)->ntensors == 10 && st_shard_at(ix, 1)->ntensors == 3);
+    CHECK(st_metadata(ix, 0, "format") && strcmp(st_metadata(ix, 0, "format"), "pt") == 0);
+    CHECK(st_metadata(ix, 1, "format") == NULL);
+    const st_tensor *t = st_find(ix, "scalar.f32");
+    CHECK(t && t->rank == 0 && t->numel == 1 && t->nbytes == 4 && t->dtype == ST_F32);
+    t = st_find(ix, "empty.f32");
+    CHECK(t && t->rank == 2 && t->shape[0] == 0 && t->shape[1] == 8 && t->numel == 0 && t->nbytes == 0);
+    t = st_find(ix, "rank4.u8");
+    CHECK(t && t->rank == 4 && t->numel == 16);
+    t = st_find(ix, "weird\\name.\"with\"quotes");
+    CHECK(t && t->shard == 1 && t->numel == 3);
+    CHECK(st_find(ix, "__metadata__") == NULL);
+    CHECK(st_find(ix, "plain.f32") == NULL);
+    /* absolute offsets: data_start + relative begin */
+    t = st_find(ix, "plain.bf16.1d");
+    CHECK(t && t->offset == st_shard_at(ix, 0)->data_start + 1024 && t->nbytes == 256);
+    /* st_at is shard-then-offset order */
+    for (size_t i = 1; i < st_count(ix); i++) {
+        const st_tensor *a = st_at(ix, i - 1), *b = st_at(ix, i);
+        CHECK(a->shard < b->shard || (a->shard == b->shard && a->offset <= b->offset));
+    }
+    st_close(ix);
+}
+
+/* Compares every float tensor, widened through mmap and through pread
+ * (O_DIRECT on and off), against the independently computed bit patterns. */
+TEST(st_peer_values_widen_exactly) {
+    json_t *want = tj_load(t_repo("tests/fixtures/formats/st_expect.json"));
+    CHECK(want);
+    st_index *ix = NULL;
+    k3_err err = {0};
+    CHECKF(st_open(t_shared(PEER_ST), &ix, &err) == 0, "%s", err.msg);
+    int checked = 0;
+    for (int direct = 0; direct < 2; direct++) {
+        st_set_direct(ix, direct);
+        const char *name;
+        json_t *w;
+        json_object_foreach(want, name, w) {
+            const st_tensor *t = st_find(ix, name);
+            CHECKF(t, "missing %s", name);
+            json_t *bits = json_object_get(w, "f32_bits");
+            if (!bits) {
+                /* U8: raw bytes through st_read and st_data */
+                const char *hex = json_string_value(json_object_get(w, "bytes"));
+                CHECK(hex && strlen(hex) == 2 * t->nbytes);
+                unsigned char *buf = malloc(t->nbytes + 1);
+                CHECK(st_read(ix, t, buf, &err) == 0);
+                const unsigned char *m = st_data(ix, t, &err);
+                CHECK(m);
+                for (size_t i = 0; i < t->nbytes; i++) {
+                    unsigned v;
+                    sscanf(hex + 2 * i, "%2x", &v);
+                    CHECKF(buf[i] == v && m[i] == v, "%s byte %zu", name, i);
+                }
+                free(buf);
+                continue;
+            }
+            size_t n = json_array_size(bits);
+            CHECKF((int64_t)n == t->numel, "%s: %zu values, numel %lld", name, n, (long long)t->numel);
+            float *f = malloc((n ? n : 1) * sizeof *f);
+            CHECKF(st_read_f32(ix, t, f, &err) == 0, "%s", err.msg);
+            const unsigned char *m = st_data(ix, t, &err);
+            CHECK(m);
+            for (size_t i = 0; i < n; i++) {
+                uint32_t wb = (uint32_t)json_integer_value(json_array_get(bits, i)), gb, mb;
+                memcpy(&gb, &f[i], 4);
+                float mf;
+                if (t->dtype == ST_F32) memcpy(&mf, m + 4 * i, 4);
+                else {
+                    uint16_t h;
+                    memcpy(&h, m + 2 * i, 2);
+                    mf = t->dtype == ST_BF16 ? k3_bf16_to_f32(h) : k3_f16_to_f32(h);
+                }
+                memcpy(&mb, &mf, 4);
+                CHECKF(gb == wb && mb == wb, "%s[%zu]: pread 0x%08x mmap 0x%08x want 0x%08x", name, i, gb, mb, wb);
+                checked++;
+            }
+            free(f);
+        }
+    }
+    CHECK(checked > 500);
+    st_close(ix);
+    json_decref(want);
+}
+
+TEST(st_single_file_and_buffer_check) {
+    st_index *ix = NULL;
+    k3_err err = {0};
+    const char *p = t_shared(PEER_ST "/model-00002-of-00002.safetensors");
+    char path[1024];
+    snprintf(path, sizeof path, "%s", p);
+    CHECKF(st_open(path, &ix, &err) == 0, "%s", err.msg);
+    CHECK(st_count(ix) == 3 && st_nshards(ix) == 1);
+    st_close(ix);
+    char *data;
+    size_t n;
+    st_buffer_info a;
+    CHECK(k3_read_file(path, &data, &n, &err) == 0);
+    CHECK(st_check_buffer(data, n, "buf", false, &a, &err) == 0 && a.ntensors == 3);
+    CHECK(st_check_buffer(data, n - 1, "buf", false, &a, &err) == K3_EXIT_DATA);
+    free(data);
+}
+
+/* The fast scanner and jansson read the peer shards identically; the shard
+ * with an escaped name is declined by the scanner and read by jansson. */
+TEST(st_fast_scanner_agrees_with_jansson) {
+    const char *files[2] = {PEER_ST "/model-00001-of-00002.safetensors", PEER_ST "/model-00002-of-00002.safetensors"};
+    for (int i = 0; i < 2; i++) {
+        char *data;
+        size_t n;
+        k3_err err = {0};
+        CHECK(k3_read_file(t_shared(files[i]), &data, &n, &err) == 0);
+        st_buffer_info a, b;
+        CHECKF(st_check_buffer(data, n, "f", false, &a, &err) == 0, "%s", err.msg);
+        CHECKF(st_check_buffer(data, n, "f", true, &b, &err) == 0, "%s", err.msg);
+        free(data);
+        CHECK(a.ntensors == b.ntensors && a.digest == b.digest && a.nmeta == b.nmeta && !b.fast);
+        CHECK(a.fast == (i == 0)); /* shard 2 holds weird\\name."with"quotes */
+        CHECK(a.nmeta == (i == 0 ? 2 : 0));
+    }
+}
+
+/* One malformed case: a directory holding just this file must be refused. */
+typedef struct {
+    const char *label, *header;
+    size_t ndata;
+    uint64_t hlen;
+    int code;
+    const char *msg;
+} bad_case;
+
+TEST(st_malformed_files_refused) {
+    static const bad_case cases[] = {
+        {"truncated_header", "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 0, 500, K3_EXIT_DATA, "runs past the end"},
+        {"hlen_past_eof", "{}", 0, 1ull << 40, K3_EXIT_DATA, "runs past the end"},
+        {"hlen_tiny", "{}", 0, 1, K3_EXIT_DATA, "implausible header length"},
+        {"bad_json", "{\"a\":{\"dtype\":\"F32\",\"sha", 0, 0, K3_EXIT_DATA, "bad safetensors header"},
+        {"not_object", "[1,2,3]", 0, 0, K3_EXIT_DATA, "not a JSON object"},
+        {"oob", "{\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]}}", 8, 0, K3_EXIT_DATA, "past the data section"},
+        {"overlap", "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}", 12, 0, K3_EXIT_DATA, "overlap"},
+        {"gap", "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}", 8, 0, K3_EXIT_DATA, "gap"},
+        {"trailing", "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}", 8, 0, K3_EXIT_DATA, "trailing bytes"},
+        {"unknown_dtype", "{\"a\":{\"dtype\":\"F8_E4M3\",\"shape\":[4],\"data_offsets\":[0,4]}}", 4, 0, K3_EXIT_DATA, "unknown dtype 'F8_E4M3'"},
+        {"shape_mismatch", "{\"a\":{\"dtype\":\"BF16\",\"shape\":[3,3],\"data_offsets\":[0,16]}}", 16, 0, K3_EXIT_DATA, "needs 18"},
+        {"rank9", "{\"a\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,1,1,1,1,1],\"data_offsets\":[0,1]}}", 1, 0, K3_EXIT_DATA, "rank 9"},
+        {"negative_dim", "{\"a\":{\"dtype\":\"U8\",\"shape\":[-1],\"data_offsets\":[0,1]}}", 1, 0, K3_EXIT_DATA, "shape[0]"},
+        {"overflow", "{\"a\":{\"dtype\":\"F64\",\"shape\":[4294967296,4294967296],\"data_offsets\":[0,8]}}", 8, 0, K3_EXIT_DATA, "overflows"},
+        {"reversed_offsets", "{\"a\":{\"dtype\":\"U8\",\"shape\":[0],\"data_offsets\":[4,0]}}", 4, 0, K3_EXIT_DATA, "begin <= end"},
+        {"extra_key", "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1],\"x\":1}}", 1, 0, K3_EXIT_DATA, "unexpected key 'x'"},
+        {"dup_in_header", "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}", 2, 0, K3_EXIT_DATA, "duplicate"},
+        {"non_utf8_name", "{\"a\xff\xfe\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1, 0, K3_EXIT_DATA, "bad safetensors header"},
+        {"lone_surrogate", "{\"a\\ud800\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}", 1, 0, K3_EXIT_DATA, "bad safetensors header"},
+        {"meta_not_strings", "{\"__metadata__\":{\"k\":1}}", 0, 0, K3_EXIT_DATA, "__metadata__"},
+    };
+    for (size_t ii = 0; ii < 2 * sizeof cases / sizeof cases[0]; ii++) {
+        size_t i = ii % (sizeof cases / sizeof cases[0]);
+        setenv("K3_ST_JANSSON", ii >= sizeof cases / sizeof cases[0] ? "1" : "0", 1);
+        const bad_case *c = &cases[i];
+        char dir[1024], file[1100];
+        snprintf(dir, sizeof dir, "%s/%s", t_outdir(), c->label);
+        mkdir(dir, 0755);
+        snprintf(file, sizeof file, "%s/model.safetensors", dir);
+        write_st(file, c->header, c->ndata, c->hlen);
+        st_index *ix = NULL;
+        k3_err err = {0};
+        int rc = st_open(dir, &ix, &err);
+        CHECKF(rc == c->code, "%s: rc %d want %d (%s)", c->label, rc, c->code, err.msg);
+        CHECKF(ix == NULL, "%s: index returned on error", c->label);
+        CHECKF(strstr(err.msg, file) && strstr(err.msg, c->msg), "%s: message '%s' lacks file or '%s'",
+               c->label, err.msg, c->msg);
+        CHECKF(!strchr(err.msg, '\n'), "%s: multi-line message", c->label);
+    }
+    unsetenv("K3_ST_JANSSON");
+}
+
+TEST(st_zero_byte_file_missing_path_empty_dir) {
+    k3_err err = {0};
+    st_index *ix = NULL;
+    char *d = outpath("zero");
+    mkdir(d, 0755);
+    char f[1100];
+    snprintf(f, sizeof f, "%s/model.safetensors", d);
+    write_bytes(f, "", 0);
+    CHECK(st_open(d, &ix, &err) == K3_EXIT_DATA);
+    CHECKF(strstr(err.msg, "0 bytes") && strstr(err.msg, f), "%s", err.msg);
+    char *e = outpath("empty");
+    mkdir(e, 0755);
+    CHECK(st_open(e, &ix, &err) == K3_EXIT_USAGE);
+    CHECKF(strstr(err.msg, "no *.safetensors"), "%s", err.msg);
+    CHECK(st_open(outpath("does-not-exist"), &ix, &err) == K3_EXIT_USAGE);
+    CHECK(ix == NULL);
+}
+
+static const char *SH1 = "{\"x\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[0,2]}}";
+static const char *SH2 = "{\"y\":{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[0,3]}}";
+
+static void two_shards(const char *dir, const char *h2) {
+    mkdir(dir, 0755);
+    char f[1100];
+    snprintf(f, sizeof f, "%s/model-00001-of-000002.safetensors", dir);
+    write_st(f, SH1, 2, 0);
+    snprintf(f, sizeof f, "%s/model-00002-of-000002.safetensors", dir);
+    write_st(f, h2, 3, 0);
+}
+
+static int open_with_index(const char *dir, const char *index_json, k3_err *err) {
+    static int k;
+    setenv("K3_ST_JANSSON", (k++ & 1) ? "1" : "0", 1); /* alternate the two parsers */
+    char f[1100];
+    snprintf(f, sizeof f, "%s/model.safetensors.index.json", dir);
+    if (index_json) write_bytes(f, index_json, strlen(index_json));
+    else unlink(f);
+    st_index *ix = NULL;
+    int rc = st_open(dir, &ix, err);
+    st_close(ix);
+    return rc;
+}
+
+TEST(st_duplicate_across_shards) {
+    char *d = outpath("dup");
+    two_shards(d, "{\"x\":{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[0,3]}}");
+    k3_err err = {0};
+    CHECK(open_with_index(d, NULL, &err) == K3_EXIT_DATA);
+    CHECKF(strstr(err.msg, "'x' is also in") && strstr(err.msg, "model-00001-of-000002"), "%s", err.msg);
+}
+
+TEST(st_index_json_cross_checked) {
+    char *d = outpath("ixj");
+    two_shards(d, SH2);
+    k3_err err = {0};
+    const char *good = "{\"metadata\":{\"total_size\":5},\"weight_map\":{"
+                       "\"x\":\"model-00001-of-000002.safetensors\",\"y\":\"model-00002-of-000002.safetensors\"}}";
+    CHECKF(open_with_index(d, good, &err) == 0, "%s", err.msg);
+    CHECKF(open_with_index(d, good, &err) == 0, "%s", err.msg);
+    struct { const char *json, *msg; } bad[] = {
+        {"{\"weight_map\":{\"x\":\"model-00001-of-000002.safetensors\",\"y\":\"model-00003-of-000002.safetensors\"}}", "not in the directory"},
+        {"{\"weight_map\":{\"x\":\"model-00001-of-000002.safetensors\",\"y\":\"model-00002-of-000002.safetensors\",\"z\":\"model-00002-of-000002.safetensors\"}}", "names tensor 'z'"},
+        {"{\"weight_map\":{\"x\":\"model-00002-of-000002.safetensors\",\"y\":\"model-00002-of-000002.safetensors\"}}", "maps 'x'"},
+        {"{\"weight_map\":{\"x\":\"model-00001-of-000002.safetensors\"}}", "does not list tensor 'y'"},
+        {"{\"metadata\":{\"total_size\":6},\"weight_map\":{\"x\":\"model-00001-of-000002.safetensors\",\"y\":\"model-00002-of-000002.safetensors\"}}", "total_size 6"},
+        {"{\"weight_map\":[]}", "no weight_map"},
+        {"{\"weight_map\":{", "bad JSON"},
+        {"{\"weight_map\":{\"x\":\"model-00001-of-000002.safetensors\",\"x\":\"model-00001-of-000002.safetensors\"}}", "x"},
+    };
+    for (size_t i = 0; i < 2 * sizeof bad / sizeof bad[0]; i++) {
+        size_t j = i / 2;
+        memset(&err, 0, sizeof err);
+        int rc = open_with_index(d, bad[j].json, &err);
+        CHECKF(rc == K3_EXIT_DATA, "case %zu: rc %d (%s)", i, rc, err.msg);
+        CHECKF(strstr(err.msg, "model.safetensors.index.json") && strstr(err.msg, bad[j].msg), "case %zu: %s", i,
+               err.msg);
+    }
+}
+
+/* pread at unaligned offsets across 4096-byte blocks, O_DIRECT on and off;
+ * reads past the end of the file are refused. */
+TEST(st_pread_bounds_and_unaligned) {
+    char *d = outpath("pr");
+    mkdir(d, 0755);
+    /* 10000 bytes so O_DIRECT crosses several 4096 blocks at odd offsets */
+    char f[1100];
+    snprintf(f, sizeof f, "%s/model.safetensors", d);
+    write_st(f, "{\"a\":{\"dtype\":\"U8\",\"shape\":[10000],\"data_offsets\":[0,10000]}}", 10000, 0);
+    st_index *ix = NULL;
+    k3_err err = {0};
+    CHECKF(st_open(d, &ix, &err) == 0, "%s", err.msg);
+    const st_tensor *t = st_find(ix, "a");
+    unsigned char *buf = malloc(10000);
+    for (int direct = 0; direct < 2; direct++) {
+        st_set_direct(ix, direct);
+        memset(buf, 0, 10000);
+        CHECK(st_read(ix, t, buf, &err) == 0);
+        for (size_t i = 0; i < 10000; i++) CHECKF(buf[i] == (unsigned char)(i * 7 + 1), "byte %zu", i);
+        CHECK(st_pread(ix, 0, t->offset + 4093, buf, 5, &err) == 0);
+        CHECK(buf[0] == (unsigned char)(4093 * 7 + 1) && buf[4] == (unsigned char)(4097 * 7 + 1));
+        CHECK(st_pread(ix, 0, t->offset + 9999, buf, 2, &err) == K3_EXIT_DATA);
+    }
+    free(buf);
+    st_close(ix);
+}
