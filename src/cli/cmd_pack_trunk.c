@@ -24,6 +24,7 @@ int cmd_pack_trunk(int argc, char **argv) {
     bool verify = false;
     int o;
     optind = 1;
+    opterr = 0;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         if (o == 'v') verify = true;
         else return k3_usage_error("pack-trunk", "unknown option");

@@ -26,6 +26,12 @@ int k3_trunk_layer_of(const char *name) {
     return (int)v;
 }
 
+/* Identity of a checkpoint. Headers alone are not enough: two checkpoints of
+ * the same architecture (another seed, a fine-tune) have identical headers and
+ * sizes. So the hash also covers a sample of the data: the first and last
+ * IDENT_SAMPLE bytes of every trunk tensor, which any retraining changes.
+ * Cost: two small reads per trunk tensor (about 4,600 for the real K3). */
+#define IDENT_SAMPLE 64
 int k3_checkpoint_identity(st_index *ix, char out[17], k3_err *err) {
     uint64_t h = K3_FNV_OFFSET;
     for (int s = 0; s < st_nshards(ix); s++) {
@@ -40,6 +46,17 @@ int k3_checkpoint_identity(st_index *ix, char out[17], k3_err *err) {
         if (rc) { free(hdr); return rc; }
         h = k3_fnv1a64(h, hdr, hl);
         free(hdr);
+    }
+    size_t n = st_count(ix);
+    uint8_t buf[2 * IDENT_SAMPLE];
+    for (size_t i = 0; i < n; i++) {
+        const st_tensor *t = st_at(ix, i);
+        if (!k3_trunk_wants(t->name) || t->nbytes == 0) continue;
+        uint64_t k = t->nbytes < IDENT_SAMPLE ? t->nbytes : IDENT_SAMPLE;
+        int rc = st_pread(ix, t->shard, t->offset, buf, k, err);
+        if (!rc) rc = st_pread(ix, t->shard, t->offset + t->nbytes - k, buf + k, k, err);
+        if (rc) return rc;
+        h = k3_fnv1a64(h, buf, 2 * k);
     }
     snprintf(out, 17, "%016llx", (unsigned long long)h);
     return K3_OK;
@@ -90,6 +107,15 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     k3_trunk *t = xcalloc(1, sizeof *t);
     t->dir = xstrdup(trunk_dir);
     t->bin_path = join(trunk_dir, "trunk.bin");
+    /* A stale trunk.json next to a half-rewritten trunk.bin must never look
+     * complete: drop the index first; it is written again last. */
+    char *old_json = join(trunk_dir, "trunk.json");
+    if (unlink(old_json) != 0 && errno != ENOENT) {
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot remove: %s", old_json, strerror(errno));
+        free(old_json);
+        goto out;
+    }
+    free(old_json);
     if ((rc = k3_checkpoint_identity(ix, t->identity, err))) goto out;
 
     /* group trunk tensors by layer: run 0 = model level, run L+1 = layer L */
@@ -322,6 +348,15 @@ int k3_trunk_verify(const char *trunk_dir, const char *model_dir, k3_err *err) {
     if (rc) return rc;
     k3_trunk *t;
     if ((rc = k3_trunk_open(trunk_dir, ix, &t, err))) { st_close(ix); return rc; }
+    /* every trunk tensor of the source must be in the pack (the loop below
+     * checks the other direction) */
+    size_t want = 0, have = 0;
+    for (size_t i = 0; i < st_count(ix); i++) want += k3_trunk_wants(st_at(ix, i)->name);
+    for (int r = 0; r < t->nruns; r++) have += (size_t)t->runs[r].ntensors;
+    if (want != have) {
+        rc = k3_fail(err, K3_EXIT_DATA, "%s: holds %zu trunk tensors, the source has %zu", t->bin_path, have, want);
+        goto out;
+    }
     FILE *f = fopen(t->bin_path, "rb");
     if (!f) {
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", t->bin_path, strerror(errno));
