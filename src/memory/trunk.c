@@ -321,19 +321,23 @@ int k3_trunk_open(const char *trunk_dir, st_index *ix, k3_trunk **out, k3_err *e
             tt->nbytes = (uint64_t)tb;
         }
     }
-    if (!rc && ix) {
-        char id[17];
-        if ((rc = k3_checkpoint_identity(ix, id, err))) goto out;
-        if (strcmp(id, t->identity))
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: packed from a different checkpoint (identity %s, model has %s)", jpath,
-                         t->identity, id);
-    }
+    if (!rc && ix) rc = k3_trunk_check_source(t, ix, err);
 out:
     json_decref(root);
     free(jpath);
     if (rc) k3_trunk_free(t);
     else *out = t;
     return rc;
+}
+
+int k3_trunk_check_source(const k3_trunk *t, st_index *ix, k3_err *err) {
+    char id[17];
+    int rc = k3_checkpoint_identity(ix, id, err);
+    if (rc) return rc;
+    if (strcmp(id, t->identity))
+        return k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: packed from a different checkpoint (identity %s, model has %s)",
+                       t->dir, t->identity, id);
+    return K3_OK;
 }
 
 const k3_trunk_run *k3_trunk_run_for(const k3_trunk *t, int layer) {

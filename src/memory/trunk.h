@@ -8,8 +8,8 @@
  * its tensors can be used in place. TRUNK_DIR/trunk.json indexes the runs
  * (offset, bytes, CRC-32C), the tensors inside them (name, dtype, shape,
  * offset within the run) and the source checkpoint's identity (an FNV-1a hash
- * over every shard's name, size and header bytes), so a trunk packed from a
- * different checkpoint is refused. trunk.json is written last: a directory
+ * over every shard's name, size and header bytes and a sample of every trunk
+ * tensor's data), so a trunk packed from a different checkpoint is refused. trunk.json is written last: a directory
  * without it is an interrupted pack, and packing again starts clean. */
 #ifndef K3_MEMORY_TRUNK_H
 #define K3_MEMORY_TRUNK_H
@@ -50,7 +50,9 @@ typedef struct {
 bool k3_trunk_wants(const char *name);
 /* Layer index of a released name ("...layers.12....") or -1. */
 int k3_trunk_layer_of(const char *name);
-/* Identity of a checkpoint: hex FNV-1a over shard names, sizes and headers. */
+/* Identity of a checkpoint: hex FNV-1a over shard names, sizes and headers,
+ * and the first and last 64 bytes of every trunk tensor (so another checkpoint
+ * with the same shapes, e.g. a fine-tune, has another identity). */
 int k3_checkpoint_identity(st_index *ix, char out[17], k3_err *err);
 
 /* Packs model_dir's trunk into trunk_dir (created if needed). Progress on
@@ -62,6 +64,9 @@ int k3_trunk_verify(const char *trunk_dir, const char *model_dir, k3_err *err);
  * trunk was packed from that checkpoint). */
 int k3_trunk_open(const char *trunk_dir, st_index *ix, k3_trunk **out, k3_err *err);
 void k3_trunk_free(k3_trunk *t);
+/* The identity check alone (k3_trunk_open does it when given ix); split out so
+ * a run can check its memory plan before it reads any weight bytes. */
+int k3_trunk_check_source(const k3_trunk *t, st_index *ix, k3_err *err);
 /* The run for a layer (or K3_TRUNK_MODEL_RUN), NULL if absent. */
 const k3_trunk_run *k3_trunk_run_for(const k3_trunk *t, int layer);
 

@@ -413,8 +413,9 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
 
 static int state_chunk(int64_t max_pos) { return max_pos < K3_CHUNK ? (int)(max_pos > 0 ? max_pos : 1) : K3_CHUNK; }
 
-k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) {
-    const k3_config *c = &m->cfg;
+k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) { return k3_state_size_cfg(&m->cfg, max_pos); }
+
+k3_state_plan k3_state_size_cfg(const k3_config *c, int64_t max_pos) {
     k3_state_plan p = {0};
     uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
     uint64_t kda_f = (uint64_t)c->kda_heads * c->kda_head_dim * c->kda_head_dim + 3 * P * (uint64_t)(c->conv_kernel - 1);
@@ -497,8 +498,9 @@ int k3_state_pos(const k3_state *s) { return s->pos; }
 /* ---- weight sources ------------------------------------------------------------------ */
 
 static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err *err) {
-    (void)err;
-    *w = &((k3_model *)ctx)->layers[layer];
+    k3_model *m = ctx;
+    if (!m->layers) return k3_fail(err, K3_EXIT_RUNTIME, "model opened without layers and no weight source set");
+    *w = &m->layers[layer];
     return K3_OK;
 }
 

@@ -34,6 +34,9 @@ typedef struct {
     int layers;            /* run only the first N layers (0: all); --layers */
     bool peer_mla_eps;     /* MLA latent norms use rms_norm_eps (the peer's 1e-5)
                               instead of the released fixed 1e-6 (spec section 9) */
+    bool top_only;         /* bind only the model-level tensors (embeddings, head,
+                              final norms); the layers must then come from a weight
+                              source set with k3_model_set_source (issue 4: streaming) */
 } k3_model_opts;
 
 /* Opens a model directory (config.json + *.safetensors in the released layout,
@@ -64,6 +67,10 @@ typedef struct {
     uint64_t total;          /* sum of the three */
 } k3_state_plan;
 k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos);
+/* The same from a config alone (num_layers already cut to --layers, with
+ * n_kda_layers / n_mla_layers recounted), so a memory plan can be checked
+ * before any weight is read. */
+k3_state_plan k3_state_size_cfg(const k3_config *c, int64_t max_pos);
 int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err);
 void k3_state_reset(k3_state *s);  /* back to position 0, state zeroed */
 void k3_state_free(k3_state *s);
