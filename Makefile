@@ -61,3 +61,15 @@ BENCH_SRC := $(sort $(wildcard bench/*.c))
 bench: $(BENCH_SRC:bench/%.c=bin/bench_%)
 bin/bench_%: build/rel/bench/%.o $(REL_LIB) | bin
 	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)
+
+# Fuzzing (libFuzzer; needs clang): bin/fuzz_safetensors, bin/fuzz_config.
+# Only the parsers' sources are compiled, without OpenMP (its pragmas are
+# ignored), under ASan+UBSan. tests/cli/test_fuzz.sh runs each for a bounded
+# time; run longer by hand: bin/fuzz_config -max_total_time=600 fuzz/corpus/config
+FUZZ_CC    ?= clang
+FUZZ_FLAGS := -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
+              -Wall -Wextra -Werror -Wno-unknown-pragmas -D_GNU_SOURCE -Isrc
+FUZZ_SRC   := src/formats/safetensors.c src/formats/config.c src/util/common.c
+fuzz: bin/fuzz_safetensors bin/fuzz_config
+bin/fuzz_%: fuzz/fuzz_%.c $(FUZZ_SRC) src/formats/safetensors.h src/formats/config.h src/util/common.h | bin
+	$(FUZZ_CC) $(FUZZ_FLAGS) -o $@ $< $(FUZZ_SRC) -ljansson -lpthread -lm

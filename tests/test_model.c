@@ -322,7 +322,9 @@ static float *logits_all(k3_model *m, const int32_t *ids, int n, int step) {
     if (step <= 0) step = n;
     for (int i = 0; i < n; i += step) {
         int k = n - i < step ? n - i : step;
-        if (k3_forward(m, s, ids + i, k, lg + (size_t)i * V, true, &err)) {
+        if (k3_forward(m, s, ids + i, k, lg + (size_t)i * V, true, &err) || k3_state_scratch_overflow(s)) {
+            if (k3_state_scratch_overflow(s)) fprintf(stderr, "  scratch plan short by %llu bytes\n",
+                                                      (unsigned long long)k3_state_scratch_overflow(s));
             fprintf(stderr, "  %s\n", err.msg);
             free(lg);
             lg = NULL;
@@ -650,4 +652,32 @@ TEST(model_sampler_reproducible_and_filters) {
         CHECKF(x == 1 || x == 4, "top-p drew %d", x);
     }
     k3_sampler_free(&a);
+}
+
+TEST(model_chunked_kda_prefill_close_to_recurrent) {
+    json_t *ref = tj_load(t_shared("fixtures/peer/ref_k3.json"));
+    CHECK(ref);
+    k3_model_opts o = {.peer_mla_eps = true, .kda_chunk = 8};
+    k3_model *m = NULL;
+    k3_err err = {0};
+    CHECKF(!k3_model_open_blob(t_shared("fixtures/peer/tiny_k3.json"), t_shared("fixtures/peer/tiny_k3.bin"), &o, &m,
+                               &err), "%s", err.msg);
+    k3_model *r = open_oracle();
+    CHECK(r);
+    size_t n, ntf;
+    int32_t *full = ids_of(ref, "full_ids", &n), *tf = ids_of(ref, "tf_pred", &ntf);
+    int V = k3_model_config(m)->vocab_size;
+    float *a = logits_all(m, full, (int)n, 0), *b = logits_all(r, full, (int)n, 0);
+    int hits = 0;
+    for (size_t i = 0; a && i < n; i++) hits += k3_argmax(a + i * V, V) == tf[i];
+    bool ok = a && b && close_rows("chunked vs recurrent", a, b, n * V, (size_t)V);
+    free(a);
+    free(b);
+    free(full);
+    free(tf);
+    k3_model_free(m);
+    k3_model_free(r);
+    json_decref(ref);
+    CHECK(ok);
+    CHECKF(hits == 32, "teacher forcing with chunked KDA %d/32", hits);
 }

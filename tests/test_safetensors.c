@@ -330,3 +330,61 @@ TEST(st_pread_bounds_and_unaligned) {
     free(buf);
     st_close(ix);
 }
+
+/* Builds a one-tensor image with the given name as written in the JSON
+ * (pad: trailing spaces, so that two spellings can have equal offsets). */
+static int check_named_pad(const char *json_name, int pad, st_buffer_info *info, bool use_jansson) {
+    char hdr[512];
+    snprintf(hdr, sizeof hdr, "{\"%s\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}%*s", json_name,
+             pad, "");
+    size_t hl = strlen(hdr);
+    unsigned char img[600] = {0};
+    for (int i = 0; i < 8; i++) img[i] = (unsigned char)((uint64_t)hl >> (8 * i));
+    memcpy(img + 8, hdr, hl);
+    k3_err err = {0};
+    return st_check_buffer(img, 8 + hl + 1, "named", use_jansson, info, &err);
+}
+static int check_named(const char *json_name, st_buffer_info *info, bool use_jansson) {
+    return check_named_pad(json_name, 0, info, use_jansson);
+}
+
+/* The scanner takes plain ASCII names eight bytes at a time and declines any
+ * name with an escape, DEL or a non-ASCII byte wherever it sits; jansson then
+ * reads it, and an escaped name equals its plain spelling. */
+TEST(st_scanner_declines_unusual_names) {
+    st_buffer_info a, b;
+    CHECK(check_named("abcdefghijklmnopqrstuvwxyz0123456789.weight", &a, false) == 0 && a.fast);
+    for (int pos = 0; pos < 20; pos++) {
+        char name[64];
+        snprintf(name, sizeof name, "%.*s\x7f%s", pos, "abcdefghijklmnopqrstuvwxyz", "tail.weight");
+        CHECKF(check_named(name, &a, false) == 0 && !a.fast, "DEL at %d", pos);
+        CHECK(check_named(name, &b, true) == 0 && a.digest == b.digest);
+        snprintf(name, sizeof name, "%.*s\\/%s", pos, "abcdefghijklmnopqrstuvwxyz", "tail.weight");
+        CHECKF(check_named(name, &a, false) == 0 && !a.fast, "escape at %d", pos);
+        snprintf(name, sizeof name, "%.*s/%s", pos, "abcdefghijklmnopqrstuvwxyz", "tail.weight");
+        CHECKF(check_named_pad(name, 1, &b, false) == 0 && b.fast && a.digest == b.digest, "'\\/' == '/' at %d", pos);
+        snprintf(name, sizeof name, "%.*s\xc3\xa9%s", pos, "abcdefghijklmnopqrstuvwxyz", "tail.weight");
+        CHECKF(check_named(name, &a, false) == 0 && !a.fast, "UTF-8 at %d", pos);
+        snprintf(name, sizeof name, "%.*s\t%s", pos, "abcdefghijklmnopqrstuvwxyz", "tail.weight");
+        CHECKF(check_named(name, &a, false) == K3_EXIT_DATA, "raw tab at %d accepted", pos);
+    }
+}
+
+/* A header need not list tensors in offset order; st_at still walks them
+ * in offset order. */
+TEST(st_header_out_of_offset_order) {
+    char *d = outpath("order");
+    mkdir(d, 0755);
+    char f[1100];
+    snprintf(f, sizeof f, "%s/model.safetensors", d);
+    write_st(f, "{\"c\":{\"dtype\":\"U8\",\"shape\":[3],\"data_offsets\":[6,9]},"
+                "\"b\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[2,6]},"
+                "\"a\":{\"dtype\":\"BF16\",\"shape\":[1],\"data_offsets\":[0,2]}}", 9, 0);
+    st_index *ix = NULL;
+    k3_err err = {0};
+    CHECKF(st_open(d, &ix, &err) == 0, "%s", err.msg);
+    CHECK(st_count(ix) == 3);
+    CHECK(!strcmp(st_at(ix, 0)->name, "a") && !strcmp(st_at(ix, 1)->name, "b") && !strcmp(st_at(ix, 2)->name, "c"));
+    CHECK(st_find(ix, "c") == st_at(ix, 2));
+    st_close(ix);
+}

@@ -191,6 +191,20 @@ static inline bool sk_str(scan *s, const char **b, size_t *n) {
     sk_ws(s);
     if (s->p >= s->e || *s->p != '"') return false;
     const char *q = ++s->p;
+    /* eight bytes at a time while none is a quote, a backslash, a control
+     * character or outside printable ASCII (exact bit tests, no false
+     * negatives: a flagged word is finished byte by byte) */
+    const uint64_t ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
+    while (s->e - q >= 8) {
+        uint64_t w;
+        memcpy(&w, q, 8);
+        uint64_t lt20 = (w - ones * 0x20) & ~w & high;      /* any byte < 0x20 (or >= 0x80) */
+        uint64_t ge7f = ((w + ones * (127 - 0x7e)) | w) & high; /* any byte > 0x7e */
+        uint64_t xq = w ^ (ones * '"'), xb = w ^ (ones * '\\');
+        uint64_t quote = (xq - ones) & ~xq & high, bsl = (xb - ones) & ~xb & high;
+        if (lt20 | ge7f | quote | bsl) break;
+        q += 8;
+    }
     for (; q < s->e; q++) {
         unsigned char ch = (unsigned char)*q;
         if (ch == '"') break;
@@ -382,7 +396,10 @@ done:
  * section exactly, hash the names and refuse duplicates within the file. */
 static int finish_shard(shard_parse *out, const hdr_ctx *c, k3_err *err) {
     const char *fname = c->fname;
-    qsort(out->t, out->n, sizeof *out->t, cmp_offset);
+    /* writers emit the header in offset order: sort only when it is not */
+    bool sorted = true;
+    for (size_t i = 1; i < out->n && sorted; i++) sorted = cmp_offset(&out->t[i - 1], &out->t[i]) <= 0;
+    if (!sorted) qsort(out->t, out->n, sizeof *out->t, cmp_offset);
     uint64_t end = c->data_start;
     const char *prev = NULL;
     for (size_t i = 0; i < out->n; i++) {
@@ -463,13 +480,15 @@ static int pread_full(int fd, void *dst, size_t len, uint64_t off, const char *p
     return K3_OK;
 }
 
-static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *out, k3_err *err) {
+/* buf/cap: the calling thread's reusable header buffer (fresh large
+ * allocations would be page-faulted in for every shard). */
+static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *out, char **bufp, size_t *capp,
+                      k3_err *err) {
     memset(out, 0, sizeof *out);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", path, strerror(errno));
     struct stat stt;
     int rc = K3_OK;
-    char *buf = NULL;
     if (fstat(fd, &stt) != 0) {
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot stat: %s", path, strerror(errno));
         goto out;
@@ -494,7 +513,12 @@ static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *ou
                      (unsigned long long)hlen);
         goto out;
     }
-    buf = xmalloc((size_t)hlen);
+    if (*capp < hlen) {
+        free(*bufp);
+        *bufp = xmalloc((size_t)hlen);
+        *capp = (size_t)hlen;
+    }
+    char *buf = *bufp;
     if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
     sh->file_size = fsize;
     sh->data_start = 8 + hlen;
@@ -502,7 +526,6 @@ static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *ou
     rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), out, NULL, err);
     if (rc == K3_OK) sh->ntensors = (int)out->n;
 out:
-    free(buf);
     close(fd);
     return rc;
 }
@@ -590,8 +613,7 @@ const st_shard *st_shard_at(const st_index *ix, int i) {
 }
 
 /* Index of the tensor named s[0..n), or -1. */
-static long find_n(const st_index *ix, const char *s, size_t n) {
-    uint64_t h = hash_n(s, n);
+static long find_h(const st_index *ix, const char *s, size_t n, uint64_t h) {
     for (size_t sl = h & ix->mask;; sl = (sl + 1) & ix->mask) {
         const st_slot *e = &ix->slots[sl];
         if (!e->idx) return -1;
@@ -599,6 +621,8 @@ static long find_n(const st_index *ix, const char *s, size_t n) {
             return (long)e->idx - 1;
     }
 }
+
+static long find_n(const st_index *ix, const char *s, size_t n) { return find_h(ix, s, n, hash_n(s, n)); }
 
 const st_tensor *st_find(const st_index *ix, const char *name) {
     long i = find_n(ix, name, strlen(name));
@@ -811,19 +835,36 @@ static int check_index(st_index *ix, const index_parse *p, const char *ipath, k3
     long *tix = xmalloc_array(p->n ? p->n : 1, sizeof *tix);
     int *shard_of = xmalloc_array(p->n ? p->n : 1, sizeof *shard_of);
     long nent = (long)p->n;
+    /* Lookups go in batches: hash a batch and prefetch its slots, then
+     * prefetch the names those slots point to, then compare. The table is far
+     * larger than the caches, so this hides most of the memory latency. */
+    long nbatch = (nent + 15) / 16;
 #pragma omp parallel for schedule(static)
-    for (long i = 0; i < nent; i++) {
-        const wm_entry *e = &p->e[i];
-        int s = -1;
-        for (size_t sl = hash_n(e->file, e->flen) & (fcap - 1); fslot[sl] >= 0; sl = (sl + 1) & (fcap - 1)) {
-            const char *b = base_name(ix->shards[fslot[sl]].path);
-            if (strncmp(b, e->file, e->flen) == 0 && b[e->flen] == 0) {
-                s = fslot[sl];
-                break;
-            }
+    for (long bi = 0; bi < nbatch; bi++) {
+        long i0 = bi * 16, i1 = i0 + 16 < nent ? i0 + 16 : nent;
+        uint64_t h[16];
+        for (long i = i0; i < i1; i++) {
+            h[i - i0] = hash_n(p->e[i].name, p->e[i].nlen);
+            __builtin_prefetch(&ix->slots[h[i - i0] & ix->mask]);
         }
-        shard_of[i] = s;
-        tix[i] = s < 0 ? -1 : find_n(ix, e->name, e->nlen);
+        for (long i = i0; i < i1; i++) __builtin_prefetch(ix->slots[h[i - i0] & ix->mask].name);
+        for (long i = i0; i < i1; i++) {
+            const wm_entry *e = &p->e[i];
+            int s = -1;
+            /* consecutive entries usually name the same shard */
+            if (i > i0 && e->flen == p->e[i - 1].flen && memcmp(e->file, p->e[i - 1].file, e->flen) == 0)
+                s = shard_of[i - 1];
+            else
+                for (size_t sl = hash_n(e->file, e->flen) & (fcap - 1); fslot[sl] >= 0; sl = (sl + 1) & (fcap - 1)) {
+                    const char *b = base_name(ix->shards[fslot[sl]].path);
+                    if (strncmp(b, e->file, e->flen) == 0 && b[e->flen] == 0) {
+                        s = fslot[sl];
+                        break;
+                    }
+                }
+            shard_of[i] = s;
+            tix[i] = s < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i - i0]);
+        }
     }
     int rc = K3_OK;
     for (size_t i = 0; i < p->n && rc == K3_OK; i++) {
@@ -907,15 +948,21 @@ int st_open(const char *path, st_index **out, k3_err *err) {
     int icode = K3_OK;
     json_object_seed(0); /* before any thread creates an object */
     int ntasks = nfiles + (ipath ? 1 : 0);
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int task = 0; task < ntasks; task++) {
-        if (ipath && task == 0) {
-            /* the index file is the largest single parse: start it first */
-            icode = index_load(ipath, &ip, &ierr);
-            continue;
+#pragma omp parallel
+    {
+        char *buf = NULL;
+        size_t cap = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int task = 0; task < ntasks; task++) {
+            if (ipath && task == 0) {
+                /* the index file is the largest single parse: start it first */
+                icode = index_load(ipath, &ip, &ierr);
+                continue;
+            }
+            int s = task - (ipath ? 1 : 0);
+            scode[s] = parse_file(ix->shards[s].path, s, &ix->shards[s], &sp[s], &buf, &cap, &serr[s]);
         }
-        int s = task - (ipath ? 1 : 0);
-        scode[s] = parse_file(ix->shards[s].path, s, &ix->shards[s], &sp[s], &serr[s]);
+        free(buf);
     }
     rc = K3_OK;
     for (int s = 0; s < nfiles && rc == K3_OK; s++)
@@ -956,6 +1003,7 @@ int st_open(const char *path, st_index **out, k3_err *err) {
         for (size_t j = 0; j < sp[s].n && rc == K3_OK; j++) {
             size_t i = k + j;
             uint64_t h = sp[s].hash[j];
+            if (j + 8 < sp[s].n) __builtin_prefetch(&ix->slots[sp[s].hash[j + 8] & ix->mask], 1);
             ix->tp[i] = &sp[s].t[j];
             const char *name = sp[s].t[j].name;
             for (size_t sl = h & ix->mask;; sl = (sl + 1) & ix->mask) {

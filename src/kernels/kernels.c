@@ -156,12 +156,14 @@ static float s_row_dot(const k3_mat *W, int r, const float *x) {
         const uint8_t *p = (const uint8_t *)W->data + (size_t)r * mx_row_bytes(W);
         const uint8_t *sc = W->scales + (size_t)r * mx_row_groups(W);
         int G = W->group;
-        float s = 0;
-        for (int j = 0; j < n; j++) {
-            if (j % G == 0) s = k_e8m0(sc[j / G]);
-            uint8_t b = p[j >> 1];
-            int code = (j & 1) ? (b >> 4) : (b & 15);
-            acc[j & 15] = fmaf(k_e2m1[code] * s, x[j], acc[j & 15]);
+        for (int g0 = 0, gi = 0; g0 < n; g0 += G, gi++) {
+            float s = k_e8m0(sc[gi]);
+            int ge = g0 + G < n ? g0 + G : n;
+            for (int j = g0; j < ge; j++) {
+                uint8_t b = p[j >> 1];
+                int code = (j & 1) ? (b >> 4) : (b & 15);
+                acc[j & 15] = fmaf(k_e2m1[code] * s, x[j], acc[j & 15]);
+            }
         }
         break;
     }

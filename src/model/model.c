@@ -25,6 +25,7 @@ typedef struct {
     size_t cap, used, high;
     void **extra;
     size_t nextra, cextra;
+    uint64_t overflow;   /* bytes ever served by the heap fallback */
 } k3_ws;
 
 #define WS_ALIGN 64
@@ -43,6 +44,7 @@ static void *ws_get(k3_ws *w, size_t bytes) {
     }
     void *p = xmalloc_aligned(n);
     w->extra[w->nextra++] = p;
+    w->overflow += n;
     w->high += n;
     return p;
 }
@@ -143,7 +145,7 @@ void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float 
  *   o     = recurrent delta rule with per-channel decay exp(g)
  *   y     = o_proj(RMSNorm_head(o; o_norm) * sigmoid(g_proj x)) */
 static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y,
-                k3_ws *ws) {
+                int chunk, k3_ws *ws) {
     int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     size_t TP = (size_t)T * P;
     float *pre = ws_f(ws, 3 * TP), *qkv = ws_f(ws, 3 * TP);
@@ -167,7 +169,8 @@ static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const f
     for (int t = 0; t < T; t++)
         k_kda_gate(g + (size_t)t * P, z + (size_t)t * P, w->A_log, w->dt_bias, H, D, c->gate_lower_bound);
     float *o = pre + 2 * TP;
-    k_kda_recurrent(o, st->S, q, k, v, g, beta, T, H, D);
+    if (chunk > 0 && T > 1) k_kda_chunked(o, st->S, q, k, v, g, beta, T, H, D, chunk);
+    else k_kda_recurrent(o, st->S, q, k, v, g, beta, T, H, D);
     float *gate = q, *normed = k; /* q and k are consumed */
     k_matmul(&w->g, x, T, gate);
     for (int t = 0; t < T; t++)
@@ -179,7 +182,7 @@ static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const f
 void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y) {
     k3_ws ws;
     ws_init(&ws, 0);
-    kda(c, w, st, x, T, y, &ws);
+    kda(c, w, st, x, T, y, 0, &ws);
     ws_free(&ws);
 }
 
@@ -215,7 +218,9 @@ static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cac
     }
     int nmax = pos0 + T;
     float *qabs = ws_f(ws, (size_t)H * rkv), *ctx = ws_f(ws, (size_t)H * rkv);
-    float *rowbuf = ws_f(ws, (size_t)H * rkv), *score = ws_f(ws, (size_t)H * nmax);
+    /* scores: one row of nmax per thread, not per head (long contexts) */
+    int nthr = omp_get_max_threads();
+    float *rowbuf = ws_f(ws, (size_t)H * rkv), *score = ws_f(ws, (size_t)nthr * nmax);
     float *att = ws_f(ws, (size_t)T * H * dv);
     float scale = 1.0f / sqrtf((float)dq);
     for (int t = 0; t < T; t++) {
@@ -229,7 +234,7 @@ static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cac
                 k_mat_row(&w->kv_b, h * hkv + i, row);
                 for (int j = 0; j < rkv; j++) qa[j] = fmaf(qh[i], row[j], qa[j]);
             }
-            float *s = score + (size_t)h * nmax;
+            float *s = score + (size_t)omp_get_thread_num() * nmax;
             for (int p = 0; p < n; p++) {
                 const float *lat = cache->latent + (size_t)p * W;
                 s[p] = (k_dot(qa, lat, rkv) + k_dot(qh + dn, lat + rkv, dr)) * scale;
@@ -394,7 +399,7 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
         size_t H = (size_t)c->mla_heads, dq = (size_t)(c->qk_nope_dim + c->qk_rope_dim),
                dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim;
         m = wsz(t * H * dq) + wsz(t * (size_t)c->q_lora_rank) + wsz(t * W) + 3 * wsz(H * rkv) +
-            wsz(H * (size_t)max_pos) + 2 * wsz(t * H * dv);
+            wsz((size_t)omp_get_max_threads() * (size_t)max_pos) + 2 * wsz(t * H * dv);
         if (m > need) need = m;
     }
     if (c->dense_inter > 0) { /* mlp() */
@@ -495,6 +500,8 @@ void k3_state_free(k3_state *s) {
 
 int k3_state_pos(const k3_state *s) { return s->pos; }
 
+uint64_t k3_state_scratch_overflow(const k3_state *s) { return s->ws.overflow; }
+
 /* ---- weight sources ------------------------------------------------------------------ */
 
 static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err *err) {
@@ -517,27 +524,31 @@ void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
  *   3. p += Attn(RMSNorm(a; input_layernorm))    (p = that, when empty)
  *   4. m = AttnRes(mlp_res, blocks + [p])
  *   5. p += MLP(RMSNorm(m; post_attention_layernorm)) */
-static int layer_forward(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_kda_state *ks,
-                         k3_mla_cache *mc, int pos0, float **buf, int *nb, int T, const k3_weight_source *src,
-                         k3_ws *ws, k3_err *err) {
+static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const k3_layer_w *w, int L,
+                         k3_kda_state *ks, k3_mla_cache *mc, int pos0, float **buf, int *nb, int T,
+                         const k3_weight_source *src, k3_ws *ws, k3_err *err) {
     int E = c->hidden_size;
     size_t TE = (size_t)T * E;
     size_t mark = ws->used;
     float *a = ws_f(ws, TE), *xn = ws_f(ws, TE), *sub = ws_f(ws, TE);
+    size_t inner = ws->used; /* each step below releases its temporaries back to here */
     bool empty = false;
     if (*nb > 0) attnres(c, w->attn_res_q, (const float *const *)buf, *nb + 1, T, a, ws);
     else memcpy(a, buf[0], TE * sizeof(float));
+    ws->used = inner;
     if (L % c->attn_res_block_size == 0) {
         (*nb)++;
         empty = true;
     }
     rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
-    if (w->kind == 'K') kda(c, &w->kda, ks, xn, T, sub, ws);
+    if (w->kind == 'K') kda(c, &w->kda, ks, xn, T, sub, kda_chunk, ws);
     else mla(c, mla_eps, &w->mla, mc, pos0, xn, T, sub, ws);
+    ws->used = inner;
     float *p = buf[*nb];
     if (empty) memcpy(p, sub, TE * sizeof(float));
     else add_rows(p, sub, TE);
     attnres(c, w->mlp_res_q, (const float *const *)buf, *nb + 1, T, a, ws);
+    ws->used = inner;
     rmsnorm_rows(xn, a, w->post_norm, T, E, c->rms_eps);
     if (w->dense) {
         mlp(c, &w->mlp, xn, T, sub, ws);
@@ -558,7 +569,7 @@ int k3_layer(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_k
              int pos0, float **buf, int *nb, int T, k3_err *err) {
     k3_ws ws;
     ws_init(&ws, 0);
-    int rc = layer_forward(c, mla_eps, w, L, ks, mc, pos0, buf, nb, T, NULL, &ws, err);
+    int rc = layer_forward(c, mla_eps, 0, w, L, ks, mc, pos0, buf, nb, T, NULL, &ws, err);
     ws_free(&ws);
     return rc;
 }
@@ -579,7 +590,8 @@ static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, fl
         const k3_layer_w *w;
         int rc = m->src.layer_get(m->src.ctx, L, &w, err);
         if (rc) return rc;
-        rc = layer_forward(c, m->mla_eps, w, L, &s->kda[L], &s->mla[L], s->pos, bufp, &nb, T, &m->src, &s->ws, err);
+        rc = layer_forward(c, m->mla_eps, m->kda_chunk, w, L, &s->kda[L], &s->mla[L], s->pos, bufp, &nb, T, &m->src,
+                           &s->ws, err);
         if (m->src.layer_put) m->src.layer_put(m->src.ctx, L);
         if (rc) return rc;
     }

@@ -37,6 +37,11 @@ typedef struct {
     bool top_only;         /* bind only the model-level tensors (embeddings, head,
                               final norms); the layers must then come from a weight
                               source set with k3_model_set_source (issue 4: streaming) */
+    int kda_chunk;         /* > 0: multi-token calls (prefill) use the chunkwise
+                              KDA form with this chunk length. Faster for long
+                              prompts, equal to fp32 rounding but NOT bitwise to
+                              the recurrent form, so prefill and token-by-token
+                              logits then differ in the last bits. 0: recurrent. */
 } k3_model_opts;
 
 /* Opens a model directory (config.json + *.safetensors in the released layout,
@@ -75,6 +80,9 @@ int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err);
 void k3_state_reset(k3_state *s);  /* back to position 0, state zeroed */
 void k3_state_free(k3_state *s);
 int k3_state_pos(const k3_state *s);
+/* Scratch bytes that had to come from the heap because the plan was short
+ * (0 when k3_state_size is right; the tests check it). */
+uint64_t k3_state_scratch_overflow(const k3_state *s);
 
 /* ---- forward ----------------------------------------------------------- */
 /* Feeds n >= 1 tokens at the state's position and advances it by n.
@@ -106,8 +114,7 @@ void k3_sampler_free(k3_sampler *sp);
  * same ids on every machine (own PRNG, f64 cumulative sums in a fixed order). */
 int k3_sample(k3_sampler *sp, const float *logits);
 
-/* ======================================================================
- * Lower level: bound weights and per-module functions. Used by model.c, the
+/* =============================================================== * Lower level: bound weights and per-module functions. Used by model.c, the
  * unit tests (peer module fixtures) and weight sources that stream layers or
  * experts from disk instead of holding them (issue 4).
  * ====================================================================== */

@@ -21,12 +21,21 @@ int tok_n_base(const k3_tokenizer *t);        /* number of BPE ranks */
 int tok_eos_id(const k3_tokenizer *t);        /* from config eos_token, -1 if none */
 int tok_bos_id(const k3_tokenizer *t);
 int tok_special_id(const k3_tokenizer *t, const char *name); /* -1 if not a special */
+size_t tok_max_token_bytes(const k3_tokenizer *t); /* longest token or special name */
 
-/* Encode UTF-8 text. allow_special: named specials in the text become their ids;
- * otherwise they are encoded as plain text. *ids is malloc'd. Invalid UTF-8 is
- * an error (K3_EXIT_USAGE). */
+/* Encode UTF-8 text. allow_special: special names in the text (the named ones
+ * and <|reserved_token_N|>) become their ids (tiktoken encode(text, "all"));
+ * otherwise they are plain text (encode_ordinary). *ids is malloc'd. Invalid UTF-8 is
+ * an error (K3_EXIT_USAGE). Safe to call concurrently on one tokenizer; inputs
+ * of 1 MiB and more are encoded in parallel (OpenMP) with the same ids. */
 int tok_encode(const k3_tokenizer *t, const char *text, size_t len, bool allow_special,
                int32_t **ids, size_t *n, k3_err *err);
+
+/* A position >= at (or len) where text can be cut and both sides encoded
+ * separately with exactly the ids of encoding it whole (a '\n' followed by
+ * printable ASCII). For streaming long inputs; tok_encode already uses it to
+ * encode inputs of 1 MiB and more in parallel. */
+size_t tok_safe_cut(const k3_tokenizer *t, const char *text, size_t len, size_t at);
 
 /* The bytes of one id (NULL for an id outside the vocabulary). */
 const uint8_t *tok_token_bytes(const k3_tokenizer *t, int32_t id, size_t *len);
@@ -43,7 +52,10 @@ typedef struct {
     int npending;
 } tok_stream;
 void tok_stream_init(tok_stream *s, const k3_tokenizer *t);
-/* Appends printable bytes to out (capacity cap); returns bytes written. */
+/* Appends printable bytes to out (capacity cap); returns bytes written.
+ * cap must be at least tok_max_token_bytes(t) + 3 (a token plus a held-back
+ * partial character); the concatenated output of feed + flush is always
+ * exactly the concatenated token bytes. */
 size_t tok_stream_feed(tok_stream *s, int32_t id, uint8_t *out, size_t cap);
 size_t tok_stream_flush(tok_stream *s, uint8_t *out, size_t cap);
 

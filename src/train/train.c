@@ -212,6 +212,34 @@ void tm_free(tmodel *m) {
     memset(m, 0, sizeof *m);
 }
 
+void tm_view(tmodel *dst, const tmodel *src) {
+    *dst = *src;
+    dst->acts = NULL;
+    dst->logits = NULL;
+    dst->qb_record = false;
+    dst->qb_marg = NULL;
+    dst->qb_cap = dst->qb_n = 0;
+    dst->load = xcalloc((size_t)(src->n_moe ? src->n_moe : 1) * (size_t)src->cfg.num_experts, sizeof(int64_t));
+}
+
+void tm_view_free(tmodel *v) {
+    acts_free(v);
+    free(v->load);
+    memset(v, 0, sizeof *v);
+}
+
+bool tm_all_finite(const tmodel *m, int *bad) {
+    for (int i = 0; i < m->np; i++) {
+        const float *w = m->w + m->params[i].off;
+        for (size_t j = 0; j < m->params[i].numel; j++)
+            if (!isfinite(w[j])) {
+                if (bad) *bad = i;
+                return false;
+            }
+    }
+    return true;
+}
+
 int tm_find(const tmodel *m, const char *name) {
     for (int i = 0; i < m->np; i++)
         if (strcmp(m->params[i].name, name) == 0) return i;

@@ -69,6 +69,12 @@ int tm_build(tmodel *m, const k3_config *cfg, k3_err *err);
 void tm_free(tmodel *m);
 /* Initialises every parameter (see train.c for the distributions) from seed. */
 void tm_init(tmodel *m, uint64_t seed);
+/* A second model sharing m's parameters and biases, with its own activation
+ * workspace (sampling at another batch shape without disturbing training). */
+void tm_view(tmodel *view, const tmodel *m);
+void tm_view_free(tmodel *view);
+/* false (and *bad = the parameter index) if any parameter is NaN or infinite. */
+bool tm_all_finite(const tmodel *m, int *bad);
 /* Index of a parameter by released name, -1 if none. */
 int tm_find(const tmodel *m, const char *name);
 /* Prints the per-component parameter inventory; returns the total. */
@@ -110,5 +116,47 @@ double topt_lr(const topt_cfg *c, int64_t step);
 /* Clips g to norm c.clip, applies one update to w, returns the pre-clip norm.
  * Does not clear g. */
 double topt_step(topt *o, tmodel *m, double *lr_out);
+
+/* ---- checkpoints (ckpt.c) ------------------------------------------------------------ */
+typedef struct {
+    int64_t step, total_steps, data_position, best_step; /* best_step -1: no eval yet */
+    double best_val_loss;
+    uint64_t seed;
+    const char *config_json, *train_json, *data_dir;  /* JSON texts / path */
+} tckpt_meta;
+
+struct st_index;
+typedef struct {
+    struct st_index *ix;
+    const char *path;
+    tckpt_meta meta;     /* strings point into the index (valid until tckpt_close) */
+    int64_t opt_step;
+} tckpt;
+
+/* Atomic write of model, router biases, optimiser state and metadata. */
+int tckpt_save(const char *path, const tmodel *m, const topt *o, const tckpt_meta *meta, k3_err *err);
+/* Opens and validates a checkpoint's header and metadata (K3_EXIT_DATA when it
+ * is not one); then tckpt_load fills a model built from meta.config_json, and
+ * the optimiser state when o != NULL. */
+int tckpt_open(const char *path, tckpt *ck, k3_err *err);
+int tckpt_load(tckpt *ck, tmodel *m, topt *o, k3_err *err);
+void tckpt_close(tckpt *ck);
+
+/* ---- the training run (trainer.c) ------------------------------------------------------- */
+typedef struct {
+    const char *data_dir, *output_dir, *config_path, *resume;
+    int64_t steps, stop_at;          /* stop_at 0: none */
+    int batch, accum, seq;           /* 0: default (16, 2, 256) or the checkpoint's */
+    double lr;                       /* 0: default or the checkpoint's */
+    int eval_interval, sample_interval, sample_tokens, checkpoint_interval;
+    int64_t eval_tokens;             /* validation tokens per evaluation (0: default) */
+    bool skip_samples;
+    bool seed_set;
+    uint64_t seed;
+    int optimizer;                   /* 0 default/checkpoint, 1 muon, 2 adamw */
+    bool quiet;
+} ttrain_opts;
+
+int k3_train_run(const ttrain_opts *o, k3_err *err);
 
 #endif

@@ -281,12 +281,15 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 /* Timing of the recent train records (only those after the last step decrease,
- * i.e. written by the current trainer process): the median seconds per step
- * (robust to evaluation pauses; used for staleness) and the mean over the
- * window (includes them; used for the ETA). */
+ * i.e. written by the current trainer process). median: typical seconds per
+ * step, robust to evaluation pauses (for staleness); from the records'
+ * step_time_s when they have it, else from the gaps between their times.
+ * mean: seconds per step over the window including pauses (for the ETA); from
+ * the times when they span at least a minute, since a writer may round its
+ * times (%.9g rounds a Unix time to 10 s), else from step_time_s. */
 static void step_timing(const k3_jsonl *m, double *median, double *mean) {
     enum { WINDOW = 64 };
-    double t[WINDOW];
+    double t[WINDOW], st[WINDOW];
     int64_t s[WINDOW];
     int n = 0;
     *median = *mean = NAN;
@@ -294,20 +297,35 @@ static void step_timing(const k3_jsonl *m, double *median, double *mean) {
         const k3_jrec *rec = &m->recs[i];
         if (rec->kind != 't') continue;
         if (n > 0 && rec->step >= s[n - 1]) break; /* an older process's records */
-        if (!isfinite(rec->time)) continue;
         t[n] = rec->time;
+        st[n] = rec->step_time;
         s[n] = rec->step;
         n++;
     }
-    if (n < 2) return;
     double d[WINDOW];
     int nd = 0;
-    for (int i = 0; i + 1 < n; i++)
-        if (s[i] > s[i + 1] && t[i] >= t[i + 1]) d[nd++] = (t[i] - t[i + 1]) / (double)(s[i] - s[i + 1]);
-    if (nd == 0) return;
-    qsort(d, (size_t)nd, sizeof d[0], cmp_double);
-    *median = nd % 2 ? d[nd / 2] : 0.5 * (d[nd / 2 - 1] + d[nd / 2]);
-    if (s[0] > s[n - 1]) *mean = (t[0] - t[n - 1]) / (double)(s[0] - s[n - 1]);
+    for (int i = 0; i < n; i++)
+        if (isfinite(st[i]) && st[i] >= 0) d[nd++] = st[i];
+    double st_mean = NAN;
+    if (nd > 0) {
+        double sum = 0;
+        for (int i = 0; i < nd; i++) sum += d[i];
+        st_mean = sum / nd;
+    } else {
+        for (int i = 0; i + 1 < n; i++)
+            if (isfinite(t[i]) && isfinite(t[i + 1]) && s[i] > s[i + 1] && t[i] >= t[i + 1])
+                d[nd++] = (t[i] - t[i + 1]) / (double)(s[i] - s[i + 1]);
+    }
+    if (nd > 0) {
+        qsort(d, (size_t)nd, sizeof d[0], cmp_double);
+        *median = nd % 2 ? d[nd / 2] : 0.5 * (d[nd / 2 - 1] + d[nd / 2]);
+    }
+    int last = n - 1;
+    while (last > 0 && !isfinite(t[last])) last--;
+    if (n >= 2 && isfinite(t[0]) && s[0] > s[last] && t[0] - t[last] >= 60)
+        *mean = (t[0] - t[last]) / (double)(s[0] - s[last]);
+    else
+        *mean = st_mean;
 }
 
 /* The "dashboard" object of /api/state: what the page derives from the files. */
@@ -328,6 +346,12 @@ static json_t *derive(k3_dashboard *d, run_t *r, const char *ioerr) {
     step_timing(&r->metrics, &med, &mean);
     double limit = d->stale_after;
     if (isfinite(med) && 5 * med > limit) limit = 5 * med;
+    /* An evaluation, a sample, a checkpoint or the start-up writes nothing until
+     * it ends, and on a CPU may take minutes: allow five times as long. */
+    const char *phase = st ? json_string_value(json_object_get(st, "phase")) : NULL;
+    if (phase && (!strcmp(phase, "eval") || !strcmp(phase, "sample") || !strcmp(phase, "checkpoint") ||
+                  !strcmp(phase, "init")))
+        limit *= 5;
     const char *reason = NULL;
     char why[160];
     if (known && !strcmp(status, "running")) {

@@ -53,6 +53,7 @@ bool k3_dashboard_is_loopback(const char *host);
 typedef struct {
     int64_t step;
     double time; /* its "time" field, NAN when absent */
+    double step_time; /* its "step_time_s" field, NAN when absent */
     char kind;   /* 't' train, 'e' eval, 's' sample, '?' other */
     char *json;  /* compact JSON object, NUL-terminated */
     size_t len;

@@ -59,6 +59,8 @@ static void add_line(k3_jsonl *j, const char *line, size_t len) {
     char kind = classify(o);
     json_t *t = json_object_get(o, "time");
     double time = json_is_number(t) ? json_number_value(t) : NAN;
+    json_t *dt = json_object_get(o, "step_time_s");
+    double step_time = json_is_number(dt) ? json_number_value(dt) : NAN;
     if (j->strip_loads) json_object_del(o, "expert_load");
     /* 15 significant digits: Unix times keep their milliseconds, and a value
      * the trainer wrote with %.9g reads back as written (0.0006, not 0.00059999). */
@@ -72,7 +74,7 @@ static void add_line(k3_jsonl *j, const char *line, size_t len) {
         j->recs = xrealloc_array(j->recs, j->cap, sizeof *j->recs);
     }
     j->recs[j->n++] = (k3_jrec){
-        .step = json_integer_value(st), .time = time, .kind = kind, .json = s, .len = strlen(s)};
+        .step = json_integer_value(st), .time = time, .step_time = step_time, .kind = kind, .json = s, .len = strlen(s)};
     json_decref(o);
 }
 

@@ -20,6 +20,9 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; }
 trap cleanup EXIT
 
+# the page embedded in the binary is the one in src/web/assets/
+if bash scripts/embed-web-assets.sh --check 2>"$OUT/assets.err"; then pass "assets-up-to-date"; else fail "assets-up-to-date" "$(cat "$OUT/assets.err")"; fi
+
 # ---- usage errors ----
 expect_exit dash-no-run-dir 2 "$K3" dashboard
 expect_exit dash-bad-port 2 "$K3" dashboard --run-dir "$OUT/runs" --port 70000
@@ -57,6 +60,21 @@ ln -s ../../outside/state.json "$D/state.json"
 mkdir -p "$OUT/outside/linked"
 printf '{"status":"finished","step":1}\n' >"$OUT/outside/linked/state.json"
 ln -s ../outside/linked "$OUT/runs/linked" # a symlinked run directory: not listed
+E=$OUT/runs/epsilon # a trainer that rounds its times to 10 s: timing from step_time_s
+mkdir -p "$E"
+now=$(date +%s)
+printf '{"status":"running","step":5,"total_steps":105,"started_at":%d0,"updated_at":%d0}\n' "$((now / 10))" "$((now / 10))" >"$E/state.json"
+for s in 1 2 3 4 5; do
+  printf '{"kind":"train","step":%d,"time":%d0,"train_loss":3,"step_time_s":0.%d}\n' "$s" "$((now / 10))" "$((s == 3 ? 9 : 5))"
+done >"$E/metrics.jsonl"
+Z=$OUT/runs/zeta # "running", fresh, but its trainer process (on this machine) is gone
+mkdir -p "$Z"
+for ph in eval train; do # 100 s without a write: fine in an evaluation, stale in training
+  mkdir -p "$OUT/runs/quiet-$ph"
+  printf '{"status":"running","step":3,"total_steps":9,"updated_at":%d,"phase":"%s"}\n' "$((now - 100))" "$ph" >"$OUT/runs/quiet-$ph/state.json"
+done
+true & gone=$!; wait "$gone"
+printf '{"status":"running","step":1,"total_steps":9,"updated_at":%s,"pid":%d,"hostname":"%s"}\n' "$(date +%s.%N)" "$gone" "$(hostname)" >"$Z/state.json"
 sleep 0.5
 
 start_dash() { # LOG ARGS...: starts k3 dashboard on a free port; sets DPID and PORT
@@ -129,6 +147,13 @@ ok state-eta      grep -qE '"eta_s":[0-9]' "$OUT/body"
 get "/api/state?run=gamma"
 ok state-stale    body_has '"status":"stale"'
 ok state-badline  body_has '"metrics_bad_lines":1'
+get "/api/state?run=epsilon"
+ok timing-median  grep -qE '"sec_per_step":0.5(0*)?,' "$OUT/body"
+ok timing-eta     grep -qE '"eta_s":58(\.0*)?,' "$OUT/body"  # 100 steps x mean 0.58 s (times span < 60 s)
+get "/api/state?run=quiet-eval";  ok quiet-eval-running body_has '"status":"running","stale":false'
+get "/api/state?run=quiet-train"; ok quiet-train-stale  body_has '"status":"stale","stale":true'
+get "/api/state?run=zeta"
+ok stale-pid-gone body_has "\"stale_reason\":\"trainer process $gone is gone\""
 get "/api/state?run=delta"
 ok symlink-state  body_lacks TOPSECRET
 ok symlink-state-reported body_has 'symbolic link'

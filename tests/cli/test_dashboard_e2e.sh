@@ -42,8 +42,11 @@ if [ "$trainer" = train ]; then
        --tokenizer-stories 400 --validation-stories 40 >"$OUT/prepare.log" 2>&1; then
     fail "e2e-prepare" "$(tail -n 3 "$OUT/prepare.log")"; finish; exit 1
   fi
-  "$K3" train --config "$config" --data-dir "$OUT/data" --output-dir "$RUN" --steps 2000 --batch-size 2 \
-    --gradient-accumulation 1 --seq-len 64 --eval-interval 4 --sample-interval 4 --sample-tokens 24 >"$OUT/train.log" 2>&1 &
+  # a long schedule so the run is still going when the browser looks; frequent
+  # small evaluations and samples so the page has something to show at once
+  "$K3" train --config "$config" --data-dir "$OUT/data" --output-dir "$RUN" --steps 100000 --batch-size 2 \
+    --gradient-accumulation 1 --seq-len 64 --eval-interval 4 --eval-tokens 1024 --sample-interval 4 \
+    --sample-tokens 24 --checkpoint-interval 1000 >"$OUT/train.log" 2>&1 &
   PIDS+=($!); TPID=$!
   SAMPLE=""
 else

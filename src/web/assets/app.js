@@ -414,7 +414,8 @@ function renderHeader() {
   setText('eta', status === 'running' ? fmtDur(dash.eta_s) : status === 'finished' ? 'done' : '–');
   const now = isNum(dash.server_time) ? dash.server_time : Date.now() / 1000;
   setText('elapsed', isNum(st.started_at) ? fmtDur((['running', 'stale'].includes(status) ? now : (st.updated_at || now)) - st.started_at) : '–');
-  setText('age', isNum(dash.age_s) ? fmtDur(dash.age_s) + ' ago' : '–');
+  // a trainer that rounds its times can look up to a few seconds ahead of us
+  setText('age', isNum(dash.age_s) ? fmtDur(Math.max(0, dash.age_s)) + ' ago' : '–');
   document.title = `${step === null ? '' : step + '/' + (st.total_steps || '?') + ' · '}${S.run || ''} · k3 dashboard`;
 
   const notes = [];

@@ -1,0 +1,174 @@
+/* cmd_tokenize.c: `k3 tokenize` (text to ids) and `k3 detokenize` (ids to
+ * bytes) with a tiktoken tokenizer directory. */
+#include "cli/commands.h"
+#include "tokenizer/tokenizer.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+const char *const cmd_tokenize_help =
+    "usage: k3 tokenize TOK_DIR (--text S | --file F) [--allow-special] [--json]\n"
+    "\n"
+    "Encodes UTF-8 text to token ids with the tokenizer in TOK_DIR (tiktoken.model\n"
+    "and, optionally, tokenizer_config.json), exactly as tiktoken does.\n"
+    "\n"
+    "  --text S          the text to encode\n"
+    "  --file F          read the text from file F ('-' for standard input)\n"
+    "  --allow-special   special token names in the text (e.g. <|im_end|>) become\n"
+    "                    their ids; without it they are encoded as plain text\n"
+    "  --json            print {\"ids\": [...], \"count\": N} instead of the ids\n"
+    "\n"
+    "Prints the ids comma-separated on one line.\n"
+    "\n"
+    "exit codes: 0 ok; 1 I/O error; 2 usage error, invalid tokenizer files or\n"
+    "invalid UTF-8 input.\n";
+
+const char *const cmd_detokenize_help =
+    "usage: k3 detokenize TOK_DIR --ids 1,2,3\n"
+    "\n"
+    "Decodes token ids to bytes with the tokenizer in TOK_DIR and writes them to\n"
+    "standard output unchanged (special ids give their names).\n"
+    "\n"
+    "exit codes: 0 ok; 1 I/O error; 2 usage error, invalid tokenizer files or an\n"
+    "id outside the vocabulary.\n";
+
+static int read_input(const char *path, char **data, size_t *len, k3_err *err) {
+    if (strcmp(path, "-") != 0) return k3_read_file(path, data, len, err);
+    size_t cap = 1 << 16, n = 0;
+    char *buf = xmalloc(cap);
+    for (;;) {
+        if (n + 1 >= cap) buf = xrealloc(buf, cap *= 2);
+        size_t r = fread(buf + n, 1, cap - n - 1, stdin);
+        n += r;
+        if (r == 0) break;
+    }
+    if (ferror(stdin)) {
+        free(buf);
+        return k3_fail(err, K3_EXIT_RUNTIME, "standard input: read error");
+    }
+    buf[n] = 0;
+    *data = buf;
+    *len = n;
+    return K3_OK;
+}
+
+static int finish_stdout(void) {
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        k3_err err;
+        k3_fail(&err, K3_EXIT_RUNTIME, "standard output: write error");
+        return k3_report(&err);
+    }
+    return K3_OK;
+}
+
+int cmd_tokenize(int argc, char **argv) {
+    const char *dir = NULL, *text = NULL, *file = NULL;
+    bool allow = false, json = false;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--text") == 0 || strcmp(a, "--file") == 0) {
+            if (i + 1 >= argc) return k3_usage_error("tokenize", "%s needs a value", a);
+            if (text || file) return k3_usage_error("tokenize", "give one of --text or --file");
+            if (a[2] == 't') text = argv[++i];
+            else file = argv[++i];
+        } else if (strcmp(a, "--allow-special") == 0) {
+            allow = true;
+        } else if (strcmp(a, "--json") == 0) {
+            json = true;
+        } else if (a[0] == '-' && a[1]) {
+            return k3_usage_error("tokenize", "unknown option '%s'", a);
+        } else if (!dir) {
+            dir = a;
+        } else {
+            return k3_usage_error("tokenize", "unexpected argument '%s'", a);
+        }
+    }
+    if (!dir) return k3_usage_error("tokenize", "missing TOK_DIR");
+    if (!text && !file) return k3_usage_error("tokenize", "give --text S or --file F");
+
+    k3_err err = {0};
+    k3_tokenizer *t;
+    if (tok_load(dir, &t, &err)) return k3_report(&err);
+    char *data = NULL;
+    size_t len;
+    if (file) {
+        if (read_input(file, &data, &len, &err)) {
+            tok_free(t);
+            return k3_report(&err);
+        }
+    } else {
+        len = strlen(text);
+    }
+    const char *in = data ? data : text;
+    const char *src = !file ? "--text" : strcmp(file, "-") ? file : "standard input";
+    size_t bad = tok_utf8_check((const uint8_t *)in, len);
+    if (bad != len) {
+        k3_fail(&err, K3_EXIT_USAGE, "%s: invalid UTF-8 at byte %zu", src, bad);
+        free(data);
+        tok_free(t);
+        return k3_report(&err);
+    }
+    /* Long inputs go in chunks cut where the ids cannot change (tok_safe_cut),
+     * printed as they come, with a progress bar. */
+    k3_progress pr;
+    k3_progress_start(&pr, "tokenize", len, true);
+    if (json) fputs("{\"ids\": [", stdout);
+    size_t count = 0;
+    int rc = K3_OK;
+    for (size_t pos = 0; pos < len || (pos == 0 && len == 0);) {
+        size_t end = len - pos > (64u << 20) ? tok_safe_cut(t, in, len, pos + (64u << 20)) : len;
+        int32_t *ids;
+        size_t n;
+        rc = tok_encode(t, in + pos, end - pos, allow, &ids, &n, &err);
+        if (rc) break;
+        for (size_t i = 0; i < n; i++) printf(count + i ? (json ? ", %d" : ",%d") : "%d", ids[i]);
+        count += n;
+        free(ids);
+        pos = end;
+        k3_progress_update(&pr, pos);
+        if (len == 0) break;
+    }
+    k3_progress_finish(&pr);
+    free(data);
+    tok_free(t);
+    if (rc) return k3_report(&err);
+    if (json) printf("], \"count\": %zu}", count);
+    putchar('\n');
+    return finish_stdout();
+}
+
+int cmd_detokenize(int argc, char **argv) {
+    const char *dir = NULL, *ids_s = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--ids") == 0) {
+            if (i + 1 >= argc) return k3_usage_error("detokenize", "--ids needs a value");
+            ids_s = argv[++i];
+        } else if (a[0] == '-' && a[1]) {
+            return k3_usage_error("detokenize", "unknown option '%s'", a);
+        } else if (!dir) {
+            dir = a;
+        } else {
+            return k3_usage_error("detokenize", "unexpected argument '%s'", a);
+        }
+    }
+    if (!dir) return k3_usage_error("detokenize", "missing TOK_DIR");
+    if (!ids_s) return k3_usage_error("detokenize", "missing --ids");
+    k3_err err = {0};
+    k3_tokenizer *t;
+    if (tok_load(dir, &t, &err)) return k3_report(&err);
+    int32_t *ids;
+    size_t n;
+    int rc = k3_parse_ids(ids_s, tok_vocab_size(t), &ids, &n, &err);
+    uint8_t *bytes = NULL;
+    size_t len = 0;
+    if (!rc) {
+        rc = tok_decode(t, ids, n, &bytes, &len, &err);
+        free(ids);
+    }
+    tok_free(t);
+    if (rc) return k3_report(&err);
+    fwrite(bytes, 1, len, stdout);
+    free(bytes);
+    return finish_stdout();
+}

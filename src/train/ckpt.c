@@ -1,0 +1,194 @@
+/* ckpt.c: training checkpoints as one safetensors file (atomic: temp file,
+ * fsync, rename, directory fsync).
+ *
+ * Tensors, all F32, in the parameter table's order: every parameter under its
+ * released name; every router bias (…gate.e_score_correction_bias); the
+ * optimiser state as "optimizer.m1.<name>" (AdamW first moment, or the Muon
+ * momentum) and "optimizer.m2.<name>" (AdamW second moment; absent for Muon
+ * parameters, whose m2 is scratch). __metadata__ holds strings: format
+ * "k3-train", version, step, total_steps, seed, data_position, optimizer_step,
+ * best_val_loss, best_step, the model config (JSON text), the training
+ * settings (JSON text) and the data directory. */
+#include <jansson.h>
+#include <string.h>
+
+#include "formats/safetensors.h"
+#include "train/tinternal.h"
+
+typedef struct {
+    const char *name;
+    const float *data;
+    size_t n;
+    int rank;
+    int64_t shape[3];
+} wt;
+
+static bool muon_param(const topt *o, const tparam *p) {
+    return o->c.muon && (p->group == TG_MUON || p->group == TG_MUON_HEADS);
+}
+
+static int jset_str(json_t *o, const char *k, const char *v) { return json_object_set_new(o, k, json_string(v)); }
+
+int tckpt_save(const char *path, const tmodel *m, const topt *o, const tckpt_meta *meta, k3_err *err) {
+    const int Ne = m->cfg.num_experts;
+    size_t cap = (size_t)m->np * 3 + (size_t)m->n_moe + 1, n = 0;
+    wt *ts = xcalloc(cap, sizeof(wt));
+    char **names = xcalloc(cap, sizeof(char *));
+    for (int i = 0; i < m->np; i++) {
+        const tparam *p = &m->params[i];
+        ts[n] = (wt){p->name, m->w + p->off, p->numel, p->rank, {p->shape[0], p->shape[1], p->shape[2]}};
+        n++;
+    }
+    for (int q = 0; q < m->n_moe; q++) {
+        names[n] = xmalloc(160);
+        tm_bias_name(m->moe_layer[q], names[n], 160);
+        ts[n] = (wt){names[n], m->bias + (size_t)q * Ne, (size_t)Ne, 1, {Ne, 0, 0}};
+        n++;
+    }
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < m->np; i++) {
+            const tparam *p = &m->params[i];
+            if (k == 1 && muon_param(o, p)) continue;
+            size_t len = strlen(p->name) + 16;
+            names[n] = xmalloc(len);
+            snprintf(names[n], len, "optimizer.m%d.%s", k + 1, p->name);
+            ts[n] = (wt){names[n], (k ? o->m2 : o->m1) + p->off, p->numel, p->rank,
+                         {p->shape[0], p->shape[1], p->shape[2]}};
+            n++;
+        }
+    json_t *hdr = json_object();
+    json_t *md = json_object();
+    char buf[64];
+    jset_str(md, "format", "k3-train");
+    jset_str(md, "version", "1");
+#define MDI(key, v) (snprintf(buf, sizeof buf, "%lld", (long long)(v)), jset_str(md, key, buf))
+    MDI("step", meta->step);
+    MDI("total_steps", meta->total_steps);
+    MDI("optimizer_step", o->step);
+    MDI("data_position", meta->data_position);
+    snprintf(buf, sizeof buf, "%llu", (unsigned long long)meta->seed);
+    jset_str(md, "seed", buf);
+    if (meta->best_step >= 0) {
+        snprintf(buf, sizeof buf, "%.17g", meta->best_val_loss);
+        jset_str(md, "best_val_loss", buf);
+        MDI("best_step", meta->best_step);
+    }
+#undef MDI
+    jset_str(md, "config", meta->config_json ? meta->config_json : "{}");
+    jset_str(md, "train", meta->train_json ? meta->train_json : "{}");
+    jset_str(md, "data_dir", meta->data_dir ? meta->data_dir : "");
+    json_object_set_new(hdr, "__metadata__", md);
+    uint64_t off = 0;
+    for (size_t i = 0; i < n; i++) {
+        json_t *e = json_object();
+        json_object_set_new(e, "dtype", json_string("F32"));
+        json_t *sh = json_array();
+        for (int r = 0; r < ts[i].rank; r++) json_array_append_new(sh, json_integer(ts[i].shape[r]));
+        json_object_set_new(e, "shape", sh);
+        json_t *of = json_array();
+        json_array_append_new(of, json_integer((json_int_t)off));
+        off += ts[i].n * 4;
+        json_array_append_new(of, json_integer((json_int_t)off));
+        json_object_set_new(e, "data_offsets", of);
+        json_object_set_new(hdr, ts[i].name, e);
+    }
+    char *text = json_dumps(hdr, JSON_COMPACT);
+    json_decref(hdr);
+    size_t hl = strlen(text), pad = (8 - hl % 8) % 8;
+    char *h = xmalloc(hl + pad + 8);
+    uint64_t hlen = hl + pad;
+    for (int b = 0; b < 8; b++) h[b] = (char)((hlen >> (8 * b)) & 0xff);
+    memcpy(h + 8, text, hl);
+    memset(h + 8 + hl, ' ', pad);
+    free(text);
+    k3_atomic_file af;
+    int rc = k3_atomic_open(&af, path, err);
+    if (!rc) rc = k3_atomic_write(&af, h, hlen + 8, err);
+    for (size_t i = 0; !rc && i < n; i++) rc = k3_atomic_write(&af, ts[i].data, ts[i].n * 4, err);
+    if (!rc) rc = k3_atomic_commit(&af, err);
+    else k3_atomic_abort(&af);
+    free(h);
+    for (size_t i = 0; i < n; i++) free(names[i]);
+    free(names);
+    free(ts);
+    return rc;
+}
+
+static const char *md(st_index *ix, const char *key) { return st_metadata(ix, 0, key); }
+
+int tckpt_open(const char *path, tckpt *ck, k3_err *err) {
+    memset(ck, 0, sizeof *ck);
+    int rc = st_open(path, &ck->ix, err);
+    if (rc) return rc;
+    const char *f = md(ck->ix, "format");
+    if (!f || strcmp(f, "k3-train") != 0) {
+        st_close(ck->ix);
+        ck->ix = NULL;
+        return k3_fail(err, K3_EXIT_DATA, "%s: not a k3 training checkpoint (no format k3-train)", path);
+    }
+    const char *keys[] = {"step", "total_steps", "seed", "config", "train", "optimizer_step"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++)
+        if (!md(ck->ix, keys[i])) {
+            st_close(ck->ix);
+            ck->ix = NULL;
+            return k3_fail(err, K3_EXIT_DATA, "%s: checkpoint metadata lacks %s", path, keys[i]);
+        }
+    ck->path = path;
+    tckpt_meta *m = &ck->meta;
+    m->step = strtoll(md(ck->ix, "step"), NULL, 10);
+    m->total_steps = strtoll(md(ck->ix, "total_steps"), NULL, 10);
+    m->seed = strtoull(md(ck->ix, "seed"), NULL, 10);
+    m->data_position = md(ck->ix, "data_position") ? strtoll(md(ck->ix, "data_position"), NULL, 10) : 0;
+    m->best_step = md(ck->ix, "best_step") ? strtoll(md(ck->ix, "best_step"), NULL, 10) : -1;
+    m->best_val_loss = md(ck->ix, "best_val_loss") ? strtod(md(ck->ix, "best_val_loss"), NULL) : 0.0;
+    m->config_json = md(ck->ix, "config");
+    m->train_json = md(ck->ix, "train");
+    m->data_dir = md(ck->ix, "data_dir");
+    ck->opt_step = strtoll(md(ck->ix, "optimizer_step"), NULL, 10);
+    if (m->step < 0 || m->total_steps < 1)
+        return k3_fail(err, K3_EXIT_DATA, "%s: checkpoint metadata has a bad step", path);
+    return K3_OK;
+}
+
+void tckpt_close(tckpt *ck) {
+    if (ck->ix) st_close(ck->ix);
+    memset(ck, 0, sizeof *ck);
+}
+
+static int read_exact(tckpt *ck, const char *name, int rank, const int *shape, float *dst, k3_err *err) {
+    const st_tensor *t = st_find(ck->ix, name);
+    if (!t) return k3_fail(err, K3_EXIT_DATA, "%s: checkpoint lacks tensor %s", ck->path, name);
+    bool ok = t->dtype == ST_F32 && t->rank == rank;
+    for (int r = 0; ok && r < rank; r++) ok = t->shape[r] == shape[r];
+    if (!ok) return k3_fail(err, K3_EXIT_DATA, "%s: tensor %s has the wrong dtype or shape", ck->path, name);
+    return st_read(ck->ix, t, dst, err);
+}
+
+int tckpt_load(tckpt *ck, tmodel *m, topt *o, k3_err *err) {
+    int rc;
+    for (int i = 0; i < m->np; i++) {
+        tparam *p = &m->params[i];
+        if ((rc = read_exact(ck, p->name, p->rank, p->shape, m->w + p->off, err))) return rc;
+    }
+    for (int q = 0; q < m->n_moe; q++) {
+        char name[160];
+        tm_bias_name(m->moe_layer[q], name, sizeof name);
+        int sh = m->cfg.num_experts;
+        if ((rc = read_exact(ck, name, 1, &sh, m->bias + (size_t)q * sh, err))) return rc;
+    }
+    if (!o) return K3_OK;
+    for (int k = 0; k < 2; k++)
+        for (int i = 0; i < m->np; i++) {
+            tparam *p = &m->params[i];
+            float *dst = (k ? o->m2 : o->m1) + p->off;
+            if (k == 1 && muon_param(o, p)) {
+                memset(dst, 0, p->numel * sizeof(float));
+                continue;
+            }
+            char name[160];
+            snprintf(name, sizeof name, "optimizer.m%d.%s", k + 1, p->name);
+            if ((rc = read_exact(ck, name, p->rank, p->shape, dst, err))) return rc;
+        }
+    o->step = ck->opt_step;
+    return K3_OK;
+}

@@ -1,0 +1,765 @@
+/* trainer.c: `k3 train`: the training loop, evaluation, samples, checkpoints
+ * and the run directory (docs/run-dir.md).
+ *
+ * Determinism and resume. Everything a step does is a function of the saved
+ * state: the micro-batch windows are drawn by a counter-based hash of (seed,
+ * step, micro-batch, row), so the data position is the step itself; the
+ * learning rate is a function of (step, total); Quantile Balancing clears its
+ * margins at every step. A checkpoint therefore holds all a run needs, and
+ * `--resume` continues bit-identically. */
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <math.h>
+#include <omp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "train/data.h"
+#include "train/tinternal.h"
+#include "train/tvocab.h"
+
+static volatile sig_atomic_t g_stop;
+static void on_signal(int sig) { (void)sig; g_stop = 1; }
+
+static double wall(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+typedef struct {
+    ttrain_opts o;
+    char *config_text;
+    k3_config cfg;
+    tmodel m;
+    topt opt;
+    k3_shard train, val;
+    tvocab voc;
+    int B, T, A;
+    int64_t start, end, total;
+    uint64_t seed;
+    double best_loss;
+    int64_t best_step, ckpt_step;
+    char *train_json;
+    int metrics_fd, samples_fd;
+    double started;
+    json_t *latest, *latest_eval;
+    /* history for loss.svg */
+    int64_t *hs, *he;
+    double *hl, *hv;
+    size_t nh, ne, caph, cape;
+    const char *phase;
+    bool resumed;
+    int64_t resumed_from;
+    int64_t *step_load;
+    int64_t val_windows;
+} run;
+
+static char *path_in(const run *r, const char *name) {
+    size_t n = strlen(r->o.output_dir) + strlen(name) + 2;
+    char *p = xmalloc(n);
+    snprintf(p, n, "%s/%s", r->o.output_dir, name);
+    return p;
+}
+
+/* ---- JSON helpers ---------------------------------------------------------------- */
+
+static json_t *jnum(double v) { return isfinite(v) ? json_real(v) : json_null(); }
+
+/* Appends one record as a single write (docs/run-dir.md). */
+static int append_line(int fd, json_t *rec, const char *what, k3_err *err) {
+    char *s = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(9));
+    size_t n = strlen(s);
+    char *line = xmalloc(n + 2);
+    memcpy(line, s, n);
+    line[n] = '\n';
+    free(s);
+    ssize_t w = write(fd, line, n + 1);
+    free(line);
+    if (w != (ssize_t)(n + 1)) return k3_fail(err, K3_EXIT_RUNTIME, "%s: write failed: %s", what, strerror(errno));
+    return K3_OK;
+}
+
+/* Replaces every byte sequence that is not valid UTF-8 by U+FFFD. */
+static char *utf8_clean(const uint8_t *s, size_t n) {
+    char *out = xmalloc(n * 3 + 1);
+    size_t o = 0;
+    for (size_t i = 0; i < n;) {
+        uint8_t c = s[i];
+        int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        bool ok = len > 0 && i + (size_t)len <= n;
+        for (int k = 1; ok && k < len; k++) ok = (s[i + k] & 0xC0) == 0x80;
+        if (ok && len == 2) ok = c >= 0xC2;
+        if (ok && len == 3) {
+            uint32_t cp = ((uint32_t)(c & 15) << 12) | ((uint32_t)(s[i + 1] & 63) << 6) | (s[i + 2] & 63);
+            ok = cp >= 0x800 && (cp < 0xD800 || cp > 0xDFFF);
+        }
+        if (ok && len == 4) {
+            uint32_t cp = ((uint32_t)(c & 7) << 18) | ((uint32_t)(s[i + 1] & 63) << 12) |
+                          ((uint32_t)(s[i + 2] & 63) << 6) | (s[i + 3] & 63);
+            ok = cp >= 0x10000 && cp <= 0x10FFFF;
+        }
+        if (ok && c != 0) {
+            memcpy(out + o, s + i, (size_t)len);
+            o += (size_t)len;
+            i += (size_t)len;
+        } else {
+            memcpy(out + o, "\xEF\xBF\xBD", 3);
+            o += 3;
+            i++;
+        }
+    }
+    out[o] = 0;
+    return out;
+}
+
+static int write_state(run *r, const char *status, const char *error, k3_err *err) {
+    json_t *s = json_object();
+    json_object_set_new(s, "format", json_string("k3-run"));
+    json_object_set_new(s, "version", json_integer(1));
+    json_object_set_new(s, "status", json_string(status));
+    json_object_set_new(s, "step", json_integer(r->start));
+    json_object_set_new(s, "total_steps", json_integer(r->total));
+    json_object_set_new(s, "stop_at", r->o.stop_at ? json_integer(r->o.stop_at) : json_null());
+    json_object_set_new(s, "started_at", json_real(r->started));
+    json_object_set_new(s, "updated_at", json_real(wall()));
+    json_object_set_new(s, "resumed_from", r->resumed ? json_integer(r->resumed_from) : json_null());
+    json_object_set_new(s, "phase", json_string(r->phase));
+    json_object_set_new(s, "pid", json_integer(getpid()));
+    char host[256];
+    if (gethostname(host, sizeof host) == 0) {
+        host[sizeof host - 1] = 0;
+        json_object_set_new(s, "hostname", json_string(host));
+    }
+    json_object_set_new(s, "params", json_integer((json_int_t)r->m.nw));
+    json_t *cfg = json_loads(r->config_text, 0, NULL);
+    json_object_set_new(s, "config", cfg ? cfg : json_null());
+    if (r->o.config_path) json_object_set_new(s, "config_path", json_string(r->o.config_path));
+    json_t *tr = json_loads(r->train_json, 0, NULL);
+    json_object_set_new(s, "train", tr ? tr : json_null());
+    json_object_set(s, "latest", r->latest ? r->latest : json_null());
+    json_object_set(s, "latest_eval", r->latest_eval ? r->latest_eval : json_null());
+    json_object_set_new(s, "best_val_loss", r->best_step >= 0 ? jnum(r->best_loss) : json_null());
+    json_object_set_new(s, "best_step", r->best_step >= 0 ? json_integer(r->best_step) : json_null());
+    json_object_set_new(s, "checkpoint_step", r->ckpt_step >= 0 ? json_integer(r->ckpt_step) : json_null());
+    if (error) json_object_set_new(s, "error", json_string(error));
+    char *text = json_dumps(s, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
+    json_decref(s);
+    char *p = path_in(r, "state.json");
+    int rc = k3_write_file_atomic(p, text, strlen(text), err);
+    free(p);
+    free(text);
+    return rc;
+}
+
+/* ---- loss.svg --------------------------------------------------------------------- */
+
+typedef struct { char *b; size_t n, cap; } sbuf;
+static void __attribute__((format(printf, 2, 3))) sb_printf(sbuf *s, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int k = vsnprintf(s->b + s->n, s->cap - s->n, fmt, ap);
+        va_end(ap);
+        if (k < 0) return;
+        if ((size_t)k < s->cap - s->n) { s->n += (size_t)k; return; }
+        s->cap = (s->cap + (size_t)k + 1) * 2;
+        s->b = xrealloc(s->b, s->cap);
+    }
+}
+
+static int write_svg(run *r, k3_err *err) {
+    const double W = 720, H = 400, L = 60, R = 20, Tp = 30, Bt = 40;
+    double lo = INFINITY, hi = -INFINITY;
+    int64_t smax = 1;
+    for (size_t i = 0; i < r->nh; i++) {
+        if (isfinite(r->hl[i])) { lo = fmin(lo, r->hl[i]); hi = fmax(hi, r->hl[i]); }
+        if (r->hs[i] > smax) smax = r->hs[i];
+    }
+    for (size_t i = 0; i < r->ne; i++) {
+        if (isfinite(r->hv[i])) { lo = fmin(lo, r->hv[i]); hi = fmax(hi, r->hv[i]); }
+        if (r->he[i] > smax) smax = r->he[i];
+    }
+    if (!isfinite(lo)) { lo = 0; hi = 1; }
+    if (hi - lo < 1e-6) hi = lo + 1;
+    sbuf sb = {xmalloc(4096), 0, 4096};
+#define PR(...) sb_printf(&sb, __VA_ARGS__)
+    PR("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" viewBox=\"0 0 %g %g\">\n", W, H, W, H);
+    PR("<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
+    PR("<text x=\"%g\" y=\"20\" font-family=\"sans-serif\" font-size=\"14\">loss (nats/token) vs step: "
+       "<tspan fill=\"#1f77b4\">train</tspan> <tspan fill=\"#d62728\">validation</tspan></text>\n", L);
+    PR("<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" stroke=\"#888\"/>\n", L, Tp, W - L - R,
+       H - Tp - Bt);
+    for (int k = 0; k <= 4; k++) {
+        double v = lo + (hi - lo) * k / 4, y = H - Bt - (H - Tp - Bt) * k / 4;
+        PR("<text x=\"%g\" y=\"%g\" font-family=\"sans-serif\" font-size=\"11\" text-anchor=\"end\">%.3f</text>\n",
+           L - 4, y + 4, v);
+        double s = (double)smax * k / 4, x = L + (W - L - R) * k / 4;
+        PR("<text x=\"%g\" y=\"%g\" font-family=\"sans-serif\" font-size=\"11\" text-anchor=\"middle\">%.0f</text>\n",
+           x, H - Bt + 16, s);
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        size_t cnt = pass ? r->ne : r->nh;
+        if (!cnt) continue;
+        PR("<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%s\" points=\"", pass ? "#d62728" : "#1f77b4",
+           pass ? "2" : "1");
+        for (size_t i = 0; i < cnt; i++) {
+            double v = pass ? r->hv[i] : r->hl[i];
+            int64_t st = pass ? r->he[i] : r->hs[i];
+            if (!isfinite(v)) continue;
+            double x = L + (W - L - R) * (double)st / (double)smax;
+            double y = H - Bt - (H - Tp - Bt) * (v - lo) / (hi - lo);
+            PR("%.1f,%.1f ", x, y);
+        }
+        PR("\"/>\n");
+    }
+    PR("</svg>\n");
+#undef PR
+    char *p = path_in(r, "loss.svg");
+    int rc = k3_write_file_atomic(p, sb.b, sb.n, err);
+    free(p);
+    free(sb.b);
+    return rc;
+}
+
+static void hist_train(run *r, int64_t step, double loss) {
+    if (r->nh == r->caph) {
+        r->caph = r->caph ? r->caph * 2 : 1024;
+        r->hs = xrealloc_array(r->hs, r->caph, sizeof(int64_t));
+        r->hl = xrealloc_array(r->hl, r->caph, sizeof(double));
+    }
+    r->hs[r->nh] = step;
+    r->hl[r->nh++] = loss;
+}
+
+static void hist_eval(run *r, int64_t step, double loss) {
+    if (r->ne == r->cape) {
+        r->cape = r->cape ? r->cape * 2 : 256;
+        r->he = xrealloc_array(r->he, r->cape, sizeof(int64_t));
+        r->hv = xrealloc_array(r->hv, r->cape, sizeof(double));
+    }
+    r->he[r->ne] = step;
+    r->hv[r->ne++] = loss;
+}
+
+/* On resume: keep only records with step <= the checkpoint's (rewritten
+ * atomically), and rebuild the loss history from what is kept. */
+static int trim_jsonl(run *r, const char *name, bool history, k3_err *err) {
+    char *p = path_in(r, name);
+    char *text;
+    size_t len;
+    struct stat st;
+    if (stat(p, &st) != 0) { free(p); return K3_OK; }
+    int rc = k3_read_file(p, &text, &len, err);
+    if (rc) { free(p); return rc; }
+    char *out = xmalloc(len + 1);
+    size_t o = 0;
+    char *s = text, *end = text + len;
+    while (s < end) {
+        char *nl = memchr(s, '\n', (size_t)(end - s));
+        if (!nl) break; /* a partial last line is dropped */
+        json_t *j = json_loadb(s, (size_t)(nl - s), 0, NULL);
+        json_t *js = j ? json_object_get(j, "step") : NULL;
+        if (js && json_integer_value(js) <= r->start) {
+            memcpy(out + o, s, (size_t)(nl - s) + 1);
+            o += (size_t)(nl - s) + 1;
+            if (history) {
+                json_t *tl = json_object_get(j, "train_loss"), *vl = json_object_get(j, "val_loss");
+                if (tl) hist_train(r, json_integer_value(js), json_is_number(tl) ? json_number_value(tl) : NAN);
+                if (vl) hist_eval(r, json_integer_value(js), json_is_number(vl) ? json_number_value(vl) : NAN);
+            }
+        }
+        json_decref(j);
+        s = nl + 1;
+    }
+    rc = k3_write_file_atomic(p, out, o, err);
+    free(out);
+    free(text);
+    free(p);
+    return rc;
+}
+
+/* ---- data ------------------------------------------------------------------------- */
+
+/* Micro-batch a of step s: row b is the window of T+1 tokens starting at a
+ * position drawn by hashing (seed, s, a, b). */
+static void make_batch(run *r, int64_t step, int a, int32_t *tok) {
+    uint64_t span = r->train.info.n_tokens - (uint64_t)r->T; /* windows start in [0, span) */
+    for (int b = 0; b < r->B; b++) {
+        uint64_t h = mix64(r->seed * 0x9E3779B97F4A7C15ull + mix64((uint64_t)step * 0x100000001B3ull +
+                                                                  (uint64_t)a * 65537u + (uint64_t)b + 1));
+        shard_read(&r->train, h % span, (size_t)r->T + 1, tok + (size_t)b * (r->T + 1));
+    }
+}
+
+/* ---- evaluation and samples ----------------------------------------------------------- */
+
+static int evaluate(run *r, int64_t step, k3_err *err) {
+    r->phase = "eval";
+    write_state(r, "running", NULL, err);
+    const int B = r->B, T = r->T;
+    int32_t *tok = xmalloc_array((size_t)B * (T + 1), sizeof(int32_t));
+    double loss = 0;
+    int64_t ntok = 0, nbytes = 0;
+    for (int64_t w0 = 0; w0 < r->val_windows; w0 += B) {
+        for (int b = 0; b < B; b++) {
+            int64_t w = w0 + b < r->val_windows ? w0 + b : w0; /* pad the last batch; padded rows not counted */
+            shard_read(&r->val, (uint64_t)w * T, (size_t)T + 1, tok + (size_t)b * (T + 1));
+        }
+        tm_forward(&r->m, tok, B, T);
+        /* per-row losses: recompute from logits for the counted rows */
+        int rows = (int)(r->val_windows - w0 < B ? r->val_windows - w0 : B);
+        double s;
+        int *tg = xmalloc_array((size_t)rows * T, sizeof(int));
+        for (int b = 0; b < rows; b++)
+            for (int t = 0; t < T; t++) {
+                int id = tok[(size_t)b * (T + 1) + t + 1];
+                tg[b * T + t] = id;
+                nbytes += tvocab_text_bytes(&r->voc, id);
+            }
+        t_cross_entropy(r->m.logits, tg, rows * T, r->cfg.vocab_size, &s, NULL, 0.0f);
+        free(tg);
+        loss += s;
+        ntok += (int64_t)rows * T;
+    }
+    free(tok);
+    double vl = loss / (double)ntok;
+    double bpb = nbytes ? loss / ((double)nbytes * log(2.0)) : NAN;
+    json_t *rec = json_object();
+    json_object_set_new(rec, "kind", json_string("eval"));
+    json_object_set_new(rec, "step", json_integer(step));
+    json_object_set_new(rec, "time", json_real(wall()));
+    json_object_set_new(rec, "val_loss", jnum(vl));
+    json_object_set_new(rec, "val_bpb", jnum(bpb));
+    json_object_set_new(rec, "val_tokens", json_integer(ntok));
+    int rc = append_line(r->metrics_fd, rec, "metrics.jsonl", err);
+    json_decref(r->latest_eval);
+    r->latest_eval = rec;
+    hist_eval(r, step, vl);
+    if (!r->o.quiet) printf("eval step %lld | val_loss %.4f | val_bpb %.4f | %lld tokens\n", (long long)step, vl, bpb,
+                            (long long)ntok);
+    fflush(stdout);
+    if (!rc) rc = write_svg(r, err);
+    if (!rc && isfinite(vl) && (r->best_step < 0 || vl < r->best_loss)) {
+        r->best_loss = vl;
+        r->best_step = step;
+        r->phase = "checkpoint";
+        tckpt_meta meta = {step, r->total, step * (int64_t)r->A * r->B * r->T, r->best_step, r->best_loss,
+                           r->seed, r->config_text, r->train_json, r->o.data_dir};
+        char *p = path_in(r, "best.safetensors");
+        rc = tckpt_save(p, &r->m, &r->opt, &meta, err);
+        free(p);
+    }
+    r->phase = "train";
+    return rc;
+}
+
+static int sample(run *r, int64_t step, k3_err *err) {
+    r->phase = "sample";
+    write_state(r, "running", NULL, err);
+    const int n = r->o.sample_tokens, V = r->cfg.vocab_size;
+    tmodel view;
+    tm_view(&view, &r->m);
+    int32_t *tok = xcalloc((size_t)n + 2, sizeof(int32_t));
+    int start = r->voc.eot >= 0 ? r->voc.eot : 0;
+    tok[0] = start;
+    uint64_t rng = mix64(r->seed ^ mix64((uint64_t)step + 77));
+    int len = 1;
+    double *p = xmalloc_array((size_t)V, sizeof(double));
+    /* Causality lets one fixed-shape forward serve every position: logits at
+     * position t depend on tokens <= t only (the rest is padding). */
+    for (; len <= n; len++) {
+        tm_forward(&view, tok, 1, n);
+        const float *lg = view.logits + (size_t)(len - 1) * V;
+        double mx = -INFINITY, s = 0;
+        for (int v = 0; v < V; v++) if (lg[v] > mx) mx = lg[v];
+        for (int v = 0; v < V; v++) { p[v] = exp((lg[v] - mx) / 0.8); s += p[v]; }
+        rng = mix64(rng + 0x9E3779B97F4A7C15ull);
+        double u = (double)(rng >> 11) / 9007199254740992.0 * s, c = 0;
+        int id = V - 1;
+        for (int v = 0; v < V; v++) { c += p[v]; if (u < c) { id = v; break; } }
+        if (id == r->voc.eot) break;
+        tok[len] = id;
+    }
+    free(p);
+    tm_view_free(&view);
+    size_t cap = 16, bl = 0;
+    uint8_t *bytes = xmalloc(cap);
+    for (int i = 1; i < len && i <= n; i++) {
+        int id = tok[i];
+        int l = id < r->voc.n && r->voc.bytes[id] ? r->voc.len[id] : 0;
+        if (bl + (size_t)l + 1 > cap) { cap = (bl + (size_t)l + 1) * 2; bytes = xrealloc(bytes, cap); }
+        if (l) memcpy(bytes + bl, r->voc.bytes[id], (size_t)l);
+        bl += (size_t)l;
+    }
+    char *text = utf8_clean(bytes, bl);
+    free(bytes);
+    free(tok);
+    json_t *rec = json_object();
+    json_object_set_new(rec, "step", json_integer(step));
+    json_object_set_new(rec, "time", json_real(wall()));
+    json_object_set_new(rec, "text", json_string(text));
+    json_object_set_new(rec, "tokens", json_integer(len - 1));
+    int rc = append_line(r->samples_fd, rec, "samples.jsonl", err);
+    json_decref(rec);
+    if (!r->o.quiet) printf("sample step %lld: %s\n", (long long)step, text);
+    free(text);
+    r->phase = "train";
+    return rc;
+}
+
+static int checkpoint(run *r, int64_t step, k3_err *err) {
+    r->phase = "checkpoint";
+    write_state(r, "running", NULL, err);
+    tckpt_meta meta = {step, r->total, step * (int64_t)r->A * r->B * r->T, r->best_step, r->best_loss,
+                       r->seed, r->config_text, r->train_json, r->o.data_dir};
+    char *p = path_in(r, "latest.safetensors");
+    int rc = tckpt_save(p, &r->m, &r->opt, &meta, err);
+    free(p);
+    if (!rc) r->ckpt_step = step;
+    r->phase = "train";
+    return rc;
+}
+
+/* ---- one optimiser step ----------------------------------------------------------------- */
+
+static int train_step(run *r, int32_t *tok, k3_err *err) {
+    tmodel *m = &r->m;
+    const int Ne = r->cfg.num_experts;
+    double t0 = k3_now();
+    memset(m->g, 0, m->nw * sizeof(float));
+    memset(r->step_load, 0, sizeof(int64_t) * (size_t)(m->n_moe ? m->n_moe : 1) * Ne);
+    m->qb_record = true;
+    double loss = 0;
+    const float scale = 1.0f / (float)((int64_t)r->A * r->B * r->T);
+    for (int a = 0; a < r->A; a++) {
+        make_batch(r, r->start, a, tok);
+        loss += tm_forward(m, tok, r->B, r->T);
+        for (size_t i = 0; i < (size_t)m->n_moe * Ne; i++) r->step_load[i] += m->load[i];
+        tm_backward(m, scale);
+    }
+    m->qb_record = false;
+    loss *= scale;
+    double lr;
+    double gn = topt_step(&r->opt, m, &lr);
+    tm_qb_update(m);
+    r->start++;
+    double dt = k3_now() - t0;
+    int64_t toks = (int64_t)r->A * r->B * r->T;
+    json_t *rec = json_object();
+    json_object_set_new(rec, "kind", json_string("train"));
+    json_object_set_new(rec, "step", json_integer(r->start));
+    json_object_set_new(rec, "time", json_real(wall()));
+    json_object_set_new(rec, "train_loss", jnum(loss));
+    json_object_set_new(rec, "lr", json_real(lr));
+    json_object_set_new(rec, "grad_norm", jnum(gn));
+    json_object_set_new(rec, "tokens", json_integer(r->start * toks));
+    json_object_set_new(rec, "tokens_per_s", json_real(toks / dt));
+    json_object_set_new(rec, "step_time_s", json_real(dt));
+    json_object_set_new(rec, "peak_rss_bytes", json_integer((json_int_t)k3_peak_rss_bytes()));
+    if (m->n_moe) {
+        json_t *el = json_array();
+        for (int q = 0; q < m->n_moe; q++) {
+            const int64_t *ld = r->step_load + (size_t)q * Ne;
+            int64_t tot = 0, mx = 0, dead = 0;
+            for (int e = 0; e < Ne; e++) { tot += ld[e]; if (ld[e] > mx) mx = ld[e]; if (!ld[e]) dead++; }
+            json_t *o = json_object();
+            json_object_set_new(o, "layer", json_integer(m->moe_layer[q]));
+            json_object_set_new(o, "dead_frac", json_real((double)dead / Ne));
+            json_object_set_new(o, "max_over_mean", json_real(tot ? (double)mx * Ne / (double)tot : 1.0));
+            json_t *ls = json_array();
+            for (int e = 0; e < Ne; e++) json_array_append_new(ls, json_real(tot ? (double)ld[e] / tot : 0.0));
+            json_object_set_new(o, "loads", ls);
+            json_array_append_new(el, o);
+        }
+        json_object_set_new(rec, "expert_load", el);
+    }
+    int rc = append_line(r->metrics_fd, rec, "metrics.jsonl", err);
+    json_decref(r->latest);
+    r->latest = rec;
+    hist_train(r, r->start, loss);
+    if (!r->o.quiet)
+        printf("step %lld/%lld | loss %.4f | lr %.3g | grad norm %.3f | %.0f tok/s | %.2f s\n", (long long)r->start,
+               (long long)r->total, loss, lr, gn, toks / dt, dt);
+    fflush(stdout);
+    if (rc) return rc;
+    if (!isfinite(loss) || !isfinite(gn))
+        return k3_fail(err, K3_EXIT_RUNTIME, "step %lld: the loss or gradient is not finite", (long long)r->start);
+    return write_state(r, "running", NULL, err);
+}
+
+/* ---- setup ------------------------------------------------------------------------------ */
+
+static int parse_train_json(run *r, const char *text) {
+    json_t *j = json_loads(text, 0, NULL);
+    if (!j) return -1;
+    if (!r->B) r->B = (int)json_integer_value(json_object_get(j, "batch_size"));
+    if (!r->T) r->T = (int)json_integer_value(json_object_get(j, "seq_len"));
+    if (!r->A) r->A = (int)json_integer_value(json_object_get(j, "grad_accum"));
+    if (r->opt.c.lr == 0) r->opt.c.lr = json_real_value(json_object_get(j, "lr"));
+    if (!r->o.optimizer) {
+        const char *o = json_string_value(json_object_get(j, "optimizer"));
+        r->o.optimizer = o && strcmp(o, "adamw") == 0 ? 2 : 1;
+    }
+    json_decref(j);
+    return 0;
+}
+
+static char *make_train_json(const run *r) {
+    json_t *j = json_object();
+    json_object_set_new(j, "batch_size", json_integer(r->B));
+    json_object_set_new(j, "seq_len", json_integer(r->T));
+    json_object_set_new(j, "grad_accum", json_integer(r->A));
+    json_object_set_new(j, "tokens_per_step", json_integer((json_int_t)r->A * r->B * r->T));
+    json_object_set_new(j, "lr", json_real(r->opt.c.lr));
+    json_object_set_new(j, "min_lr_ratio", json_real(r->opt.c.min_lr_ratio));
+    int64_t warm = (int64_t)ceil(r->opt.c.warmup_frac * (double)r->total);
+    json_object_set_new(j, "warmup_steps", json_integer(warm < 1 ? 1 : warm));
+    json_object_set_new(j, "weight_decay", json_real(r->opt.c.weight_decay));
+    json_object_set_new(j, "grad_clip", json_real(r->opt.c.clip));
+    json_object_set_new(j, "eval_interval", json_integer(r->o.eval_interval));
+    json_object_set_new(j, "sample_interval", json_integer(r->o.skip_samples ? 0 : r->o.sample_interval));
+    json_object_set_new(j, "seed", json_integer((json_int_t)r->seed));
+    json_object_set_new(j, "optimizer", json_string(r->opt.c.muon ? "muon" : "adamw"));
+    json_object_set_new(j, "threads", json_integer(omp_get_max_threads()));
+    char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(17));
+    json_decref(j);
+    return s;
+}
+
+static bool same_layout(const tmodel *a, const tmodel *b) {
+    if (a->np != b->np) return false;
+    for (int i = 0; i < a->np; i++) {
+        if (strcmp(a->params[i].name, b->params[i].name) != 0 || a->params[i].rank != b->params[i].rank) return false;
+        for (int k = 0; k < a->params[i].rank; k++)
+            if (a->params[i].shape[k] != b->params[i].shape[k]) return false;
+    }
+    return a->cfg.rms_eps == b->cfg.rms_eps && a->cfg.gate_lower_bound == b->cfg.gate_lower_bound &&
+           a->cfg.attn_res_block_size == b->cfg.attn_res_block_size &&
+           a->cfg.experts_per_token == b->cfg.experts_per_token && a->cfg.situ_beta == b->cfg.situ_beta &&
+           a->cfg.situ_linear_beta == b->cfg.situ_linear_beta;
+}
+
+static int open_fd(run *r, const char *name, int *fd, k3_err *err) {
+    char *p = path_in(r, name);
+    *fd = open(p, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+    int rc = *fd < 0 ? k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", p, strerror(errno)) : K3_OK;
+    free(p);
+    return rc;
+}
+
+static int setup(run *r, k3_err *err) {
+    const ttrain_opts *o = &r->o;
+    int rc;
+    tckpt ck = {0};
+    bool have_ck = false;
+    topt_cfg oc;
+    topt_defaults(&oc);
+    r->B = o->batch;
+    r->T = o->seq;
+    r->A = o->accum;
+    r->opt.c.lr = o->lr;
+    r->best_step = -1;
+    r->ckpt_step = -1;
+    if (o->resume) {
+        if ((rc = tckpt_open(o->resume, &ck, err))) return rc;
+        have_ck = true;
+        r->config_text = xstrdup(ck.meta.config_json);
+        if (parse_train_json(r, ck.meta.train_json))
+            return k3_fail(err, K3_EXIT_DATA, "%s: checkpoint training settings are not JSON", o->resume);
+        r->seed = o->seed_set ? o->seed : ck.meta.seed;
+        r->start = ck.meta.step;
+        r->resumed = true;
+        r->resumed_from = ck.meta.step;
+        r->best_step = ck.meta.best_step;
+        r->best_loss = ck.meta.best_val_loss;
+        r->ckpt_step = ck.meta.step;
+        if ((rc = k3_config_parse(r->config_text, o->resume, &r->cfg, err))) { tckpt_close(&ck); return rc; }
+    } else {
+        size_t len;
+        if ((rc = k3_read_file(o->config_path, &r->config_text, &len, err))) return rc;
+        if ((rc = k3_config_parse(r->config_text, o->config_path, &r->cfg, err))) return rc;
+        r->seed = o->seed_set ? o->seed : 1337;
+    }
+    if (!r->B) r->B = 16;
+    if (!r->T) r->T = 256;
+    if (!r->A) r->A = 2;
+    if (r->opt.c.lr == 0) r->opt.c.lr = 3e-3;
+    oc.lr = r->opt.c.lr;
+    oc.muon = r->o.optimizer != 2;
+    oc.total_steps = (int)o->steps;
+    r->total = o->steps;
+    r->end = o->stop_at && o->stop_at < o->steps ? o->stop_at : o->steps;
+    if (have_ck && r->start >= r->end) {
+        tckpt_close(&ck);
+        return k3_fail(err, K3_EXIT_USAGE, "%s: the checkpoint is at step %lld, nothing to do for --steps %lld%s",
+                       o->resume, (long long)r->start, (long long)o->steps, o->stop_at ? " / --stop-at" : "");
+    }
+    if ((rc = tm_build(&r->m, &r->cfg, err))) { if (have_ck) tckpt_close(&ck); return rc; }
+    if (have_ck && o->config_path) {
+        /* a config given with --resume must describe the checkpoint's model */
+        char *text;
+        size_t len;
+        k3_config c2;
+        tmodel m2;
+        if ((rc = k3_read_file(o->config_path, &text, &len, err))) { tckpt_close(&ck); return rc; }
+        rc = k3_config_parse(text, o->config_path, &c2, err);
+        free(text);
+        if (rc) { tckpt_close(&ck); return rc; }
+        if ((rc = tm_build(&m2, &c2, err))) { tckpt_close(&ck); return rc; }
+        bool same = same_layout(&m2, &r->m);
+        tm_free(&m2);
+        if (!same) {
+            tckpt_close(&ck);
+            return k3_fail(err, K3_EXIT_USAGE, "%s: config disagrees with the checkpoint %s", o->config_path,
+                           o->resume);
+        }
+    }
+    topt_init(&r->opt, &r->m, &oc);
+    if (have_ck) {
+        rc = tckpt_load(&ck, &r->m, &r->opt, err);
+        tckpt_close(&ck);
+        if (rc) return rc;
+    } else {
+        tm_init(&r->m, r->seed);
+    }
+    int bad;
+    if (!tm_all_finite(&r->m, &bad))
+        return k3_fail(err, K3_EXIT_DATA, "parameter %s is not finite", r->m.params[bad].name);
+    /* data */
+    if ((rc = data_open_split(o->data_dir, "train", (uint32_t)r->cfg.vocab_size, &r->train, err))) return rc;
+    if ((rc = data_open_split(o->data_dir, "val", (uint32_t)r->cfg.vocab_size, &r->val, err))) return rc;
+    if (r->train.info.n_tokens < (uint64_t)r->T + 2)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: train split has %llu tokens, fewer than --seq-len + 2", o->data_dir,
+                       (unsigned long long)r->train.info.n_tokens);
+    if (r->val.info.n_tokens < (uint64_t)r->T + 1)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: validation split has %llu tokens, fewer than --seq-len + 1",
+                       o->data_dir, (unsigned long long)r->val.info.n_tokens);
+    int64_t avail = (int64_t)((r->val.info.n_tokens - 1) / (uint64_t)r->T);
+    int64_t want = (o->eval_tokens ? o->eval_tokens : 65536) / r->T;
+    r->val_windows = want < 1 ? 1 : want < avail ? want : avail;
+    if ((rc = tvocab_load(o->data_dir, r->cfg.vocab_size, &r->voc, err))) return rc;
+    r->train_json = make_train_json(r);
+    r->step_load = xcalloc((size_t)(r->m.n_moe ? r->m.n_moe : 1) * (size_t)r->cfg.num_experts, sizeof(int64_t));
+    /* run directory */
+    if (mkdir(o->output_dir, 0755) != 0 && errno != EEXIST)
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", o->output_dir, strerror(errno));
+    if (!r->resumed) {
+        char *p = path_in(r, "latest.safetensors");
+        struct stat st;
+        bool exists = stat(p, &st) == 0;
+        free(p);
+        if (exists)
+            return k3_fail(err, K3_EXIT_USAGE,
+                           "%s: already holds a run (latest.safetensors); continue it with --resume %s/latest.safetensors "
+                           "or choose another --output-dir",
+                           o->output_dir, o->output_dir);
+        /* a fresh run starts fresh files */
+        const char *names[] = {"metrics.jsonl", "samples.jsonl"};
+        for (int i = 0; i < 2; i++) {
+            char *q = path_in(r, names[i]);
+            if ((rc = k3_write_file_atomic(q, "", 0, err))) { free(q); return rc; }
+            free(q);
+        }
+    } else {
+        if ((rc = trim_jsonl(r, "metrics.jsonl", true, err))) return rc;
+        if ((rc = trim_jsonl(r, "samples.jsonl", false, err))) return rc;
+    }
+    if ((rc = open_fd(r, "metrics.jsonl", &r->metrics_fd, err))) return rc;
+    if ((rc = open_fd(r, "samples.jsonl", &r->samples_fd, err))) return rc;
+    return K3_OK;
+}
+
+static void teardown(run *r) {
+    if (r->metrics_fd > 0) close(r->metrics_fd);
+    if (r->samples_fd > 0) close(r->samples_fd);
+    shard_close(&r->train);
+    shard_close(&r->val);
+    tvocab_free(&r->voc);
+    topt_free(&r->opt);
+    tm_free(&r->m);
+    json_decref(r->latest);
+    json_decref(r->latest_eval);
+    free(r->config_text);
+    free(r->train_json);
+    free(r->hs);
+    free(r->hl);
+    free(r->he);
+    free(r->hv);
+    free(r->step_load);
+}
+
+int k3_train_run(const ttrain_opts *opts, k3_err *err) {
+    run r;
+    memset(&r, 0, sizeof r);
+    r.o = *opts;
+    if (!r.o.eval_interval) r.o.eval_interval = 250;
+    if (!r.o.sample_interval) r.o.sample_interval = 500;
+    if (!r.o.sample_tokens) r.o.sample_tokens = 128;
+    if (!r.o.checkpoint_interval) r.o.checkpoint_interval = r.o.eval_interval;
+    r.started = wall();
+    r.phase = "init";
+    int rc = setup(&r, err);
+    if (rc) {
+        if (r.metrics_fd > 0) write_state(&r, "failed", err->msg, &(k3_err){0});
+        teardown(&r);
+        return rc;
+    }
+    g_stop = 0;
+    struct sigaction sa = {0}, old_int, old_term;
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+    if (!r.o.quiet) {
+        printf("k3 train: %s, %lld parameters (router biases not counted)\n",
+               r.o.config_path ? r.o.config_path : r.o.resume, (long long)r.m.nw);
+        tm_print_inventory(&r.m, stdout);
+        printf("batch %d x %d tokens x accumulation %d = %d tokens/step, %lld steps, lr %g (%s), seed %llu%s\n", r.B,
+               r.T, r.A, r.A * r.B * r.T, (long long)r.total, r.opt.c.lr, r.opt.c.muon ? "Muon + AdamW" : "AdamW",
+               (unsigned long long)r.seed, r.resumed ? ", resumed" : "");
+        fflush(stdout);
+    }
+    write_state(&r, "running", NULL, err);
+    r.phase = "train";
+    if (!r.resumed) {
+        rc = evaluate(&r, 0, err);
+        if (!rc && !r.o.skip_samples && r.o.sample_interval > 0) rc = sample(&r, 0, err);
+    }
+    int32_t *tok = xmalloc_array((size_t)r.B * (r.T + 1), sizeof(int32_t));
+    bool stopped = false;
+    while (!rc && r.start < r.end) {
+        rc = train_step(&r, tok, err);
+        if (rc) break;
+        int64_t s = r.start;
+        bool last = s == r.end;
+        if (g_stop) { stopped = true; last = true; }
+        if (s % r.o.eval_interval == 0 || (last && s == r.total)) rc = evaluate(&r, s, err);
+        if (!rc && !r.o.skip_samples && r.o.sample_interval > 0 && s % r.o.sample_interval == 0)
+            rc = sample(&r, s, err);
+        if (!rc && (s % r.o.checkpoint_interval == 0 || last)) rc = checkpoint(&r, s, err);
+        if (stopped) break;
+    }
+    free(tok);
+    r.phase = "done";
+    if (rc) {
+        write_state(&r, "failed", err->msg, &(k3_err){0});
+    } else {
+        if (!r.ne || r.he[r.ne - 1] != r.start) write_svg(&r, err);
+        rc = write_state(&r, r.start == r.total ? "finished" : "stopped", NULL, err);
+    }
+    sigaction(SIGINT, &old_int, NULL);
+    sigaction(SIGTERM, &old_term, NULL);
+    teardown(&r);
+    return rc;
+}
