@@ -225,7 +225,8 @@ static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cac
     float scale = 1.0f / sqrtf((float)dq);
     for (int t = 0; t < T; t++) {
         int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
-#pragma omp parallel for schedule(static)
+        /* heads in parallel only when there is enough work to pay for the fork */
+#pragma omp parallel for schedule(static) if ((double)H * n * (rkv + dn) > 65536.0)
         for (int h = 0; h < H; h++) {
             const float *qh = q + ((size_t)t * H + h) * dq;
             float *qa = qabs + (size_t)h * rkv, *row = rowbuf + (size_t)h * rkv;
@@ -720,4 +721,48 @@ int k3_sample(k3_sampler *sp, const float *logits) {
         if (r < cum) return sp->order[k];
     }
     return sp->order[keep - 1];
+}
+
+/* ---- accounting ----------------------------------------------------------------------------- */
+
+static uint64_t mat_bytes(const k3_mat *w) {
+    if (!w->rows) return 0;
+    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
+    switch (w->type) {
+    case KW_F32: return n * 4;
+    case KW_BF16: return n * 2;
+    case KW_MXFP4: return n / 2 + n / (uint64_t)(w->group > 0 ? w->group : 32);
+    }
+    return 0;
+}
+
+static uint64_t mlp_bytes(const k3_mlp_w *w) { return mat_bytes(&w->gate) + mat_bytes(&w->up) + mat_bytes(&w->down); }
+
+uint64_t k3_model_bytes_per_token(const k3_model *m) {
+    const k3_config *c = &m->cfg;
+    uint64_t E = (uint64_t)c->hidden_size, b = 0;
+    b += mat_bytes(&m->embed) / (uint64_t)c->vocab_size + mat_bytes(&m->lm_head) + 2 * E * 4;
+    for (int L = 0; L < c->num_layers; L++) {
+        const k3_layer_w *w = &m->layers[L];
+        b += 6 * E * 4;
+        if (w->kind == 'K') {
+            const k3_kda_w *k = &w->kda;
+            b += mat_bytes(&k->q) + mat_bytes(&k->k) + mat_bytes(&k->v) + mat_bytes(&k->f_a) + mat_bytes(&k->f_b) +
+                 mat_bytes(&k->b) + mat_bytes(&k->g) + mat_bytes(&k->o);
+        } else {
+            const k3_mla_w *a = &w->mla;
+            b += mat_bytes(&a->q_a) + mat_bytes(&a->q_b) + mat_bytes(&a->kv_a) + mat_bytes(&a->kv_b) +
+                 mat_bytes(&a->o) + mat_bytes(&a->g);
+        }
+        if (w->dense) {
+            b += mlp_bytes(&w->mlp);
+        } else {
+            const k3_moe_w *e = &w->moe;
+            b += mat_bytes(&e->router) + mat_bytes(&e->down) + mat_bytes(&e->up) + mlp_bytes(&e->shared);
+            if (e->experts) /* k experts of this layer's (uniform) shape */
+                b += (uint64_t)c->experts_per_token *
+                     (mat_bytes(&e->experts[0].w1) + mat_bytes(&e->experts[0].w3) + mat_bytes(&e->experts[0].w2));
+        }
+    }
+    return b;
 }

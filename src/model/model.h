@@ -59,6 +59,9 @@ void k3_model_free(k3_model *m);
 const k3_config *k3_model_config(const k3_model *m);
 /* Bytes of weights held in memory (mapped or allocated) by this model. */
 uint64_t k3_model_weight_bytes(const k3_model *m);
+/* Weight bytes one decoded token reads: every trunk matrix, k routed experts
+ * per MoE layer, the lm_head and one embedding row (norm vectors included). */
+uint64_t k3_model_bytes_per_token(const k3_model *m);
 
 /* ---- decode state ----------------------------------------------------- */
 /* Per-layer state: KDA recurrent S [H][D][D] and the ShortConv history (last

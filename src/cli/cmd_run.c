@@ -1,0 +1,487 @@
+/* cmd_run.c: `k3 run MODEL_DIR` (also `k3 MODEL_DIR`): prefill a prompt, then
+ * decode token by token (or recompute the whole prefix each step with --full),
+ * streaming text to stdout and a report to stderr. */
+#include "cli/commands.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+const char *const cmd_run_help =
+    "usage: k3 run MODEL_DIR [options]      (or: k3 MODEL_DIR [options])\n"
+    "\n"
+    "Runs a Kimi K3-architecture checkpoint: prefills the prompt, then generates\n"
+    "token by token, carrying the KDA state and the MLA latent cache. Text streams\n"
+    "to stdout as it is produced (or the ids, without a tokenizer); the report\n"
+    "(timings, tokens/s, peak RSS) goes to stderr.\n"
+    "\n"
+    "prompt (exactly one):\n"
+    "  --prompt TEXT        encode TEXT with the tokenizer (named specials allowed)\n"
+    "  --prompt-file FILE   the same, reading FILE\n"
+    "  --ids 1,2,3          token ids as given (works without a tokenizer)\n"
+    "\n"
+    "options:\n"
+    "  --tok DIR            tokenizer directory (tiktoken.model); default MODEL_DIR,\n"
+    "                       where a missing tokenizer is fine (then only --ids works)\n"
+    "  --gen N              generate at most N tokens (default 32); generation also\n"
+    "                       stops at the config's eos_token_id (else the tokenizer's)\n"
+    "  --incremental        prefill once, then feed one token per step (default)\n"
+    "  --full               recompute the whole prefix every step (a check: the\n"
+    "                       logits are bit-identical to --incremental)\n"
+    "  --temperature T      sample at temperature T (default 0: greedy argmax)\n"
+    "  --top-k K, --top-p P, --min-p P   sampling filters (need --temperature > 0)\n"
+    "  --seed S             sampling seed (default 0); same seed, same tokens\n"
+    "  --threads N          OpenMP threads (the logits do not depend on N)\n"
+    "  --layers N           run only the first N layers (partial checkpoints)\n"
+    "  --max-memory SIZE    memory budget, e.g. 8G (default: MemAvailable); the run\n"
+    "                       is refused up front (exit 3) if weights + state at the\n"
+    "                       requested length do not fit\n"
+    "  --kda-chunk C        prefill KDA in the chunkwise form, chunk length C\n"
+    "                       (faster for long prompts; equal to fp32 rounding, not\n"
+    "                       bit-identical to token-by-token decoding)\n"
+    "  --peer-mla-eps       MLA latent norms use rms_norm_eps (the peer engine's\n"
+    "                       reading) instead of the released fixed 1e-6\n"
+    "  --out FILE.json      write prompt_ids, generated_ids, text, prefill_s,\n"
+    "                       decode_s, tokens_per_s, peak_rss_bytes, threads, ...\n"
+    "  --dump-logits FILE   little-endian f32 rows of vocab_size logits, one per\n"
+    "                       token fed (the prompt, then the first N-1 generated);\n"
+    "                       row i predicts token i+1\n"
+    "  --quiet              print nothing but errors (use with --out)\n"
+    "\n"
+    "exit codes: 0 ok, 1 runtime/I-O, 2 usage or bad input (empty prompt, id\n"
+    "outside the vocabulary), 3 cannot fit the memory budget, 4 checkpoint data\n"
+    "error (missing tensor, wrong shape or dtype)\n";
+
+typedef struct {
+    const char *model_dir, *tok_dir, *prompt, *prompt_file, *ids, *out, *dump;
+    int64_t gen;
+    bool full, incremental, quiet, peer_eps;
+    int threads, layers, kda_chunk;
+    float temperature, top_p, min_p;
+    int top_k;
+    uint64_t seed, max_memory;
+    bool sampling_flag;
+} run_args;
+
+/* ---- argument parsing ---------------------------------------------------- */
+
+static bool parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
+static bool parse_f(const char *s, float *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || *end || !isfinite(v)) return false;
+    *out = (float)v;
+    return true;
+}
+
+static bool parse_size(const char *s, uint64_t *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || v < 0 || !isfinite(v)) return false;
+    double mul = 1;
+    if (*end) {
+        switch (*end) {
+        case 'k': case 'K': mul = 1024.0; break;
+        case 'm': case 'M': mul = 1024.0 * 1024; break;
+        case 'g': case 'G': mul = 1024.0 * 1024 * 1024; break;
+        case 't': case 'T': mul = 1024.0 * 1024 * 1024 * 1024; break;
+        default: return false;
+        }
+        end++;
+        if (*end == 'B' || *end == 'b') end++;
+        if (*end) return false;
+    }
+    double b = v * mul;
+    if (b >= 1.8e19) return false;
+    *out = (uint64_t)b;
+    return true;
+}
+
+static int parse_args(int argc, char **argv, run_args *a) {
+    memset(a, 0, sizeof *a);
+    a->gen = 32;
+    a->top_p = 1.0f;
+    for (int i = 1; i < argc; i++) {
+        const char *o = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define NEED_VALUE() \
+    do { if (!v) return k3_usage_error("run", "%s needs a value", o); i++; } while (0)
+        int64_t n;
+        if (o[0] != '-' || !o[1]) {
+            if (a->model_dir) return k3_usage_error("run", "unexpected argument '%s'", o);
+            a->model_dir = o;
+        } else if (!strcmp(o, "--tok")) { NEED_VALUE(); a->tok_dir = v; }
+        else if (!strcmp(o, "--prompt")) { NEED_VALUE(); if (a->prompt) return k3_usage_error("run", "--prompt given twice"); a->prompt = v; }
+        else if (!strcmp(o, "--prompt-file")) { NEED_VALUE(); if (a->prompt_file) return k3_usage_error("run", "--prompt-file given twice"); a->prompt_file = v; }
+        else if (!strcmp(o, "--ids")) { NEED_VALUE(); if (a->ids) return k3_usage_error("run", "--ids given twice"); a->ids = v; }
+        else if (!strcmp(o, "--gen")) {
+            NEED_VALUE();
+            if (!parse_i64(v, 0, INT64_MAX / 2, &n)) return k3_usage_error("run", "--gen: '%s' is not a count >= 0", v);
+            a->gen = n;
+        } else if (!strcmp(o, "--full")) a->full = true;
+        else if (!strcmp(o, "--incremental")) a->incremental = true;
+        else if (!strcmp(o, "--quiet")) a->quiet = true;
+        else if (!strcmp(o, "--peer-mla-eps")) a->peer_eps = true;
+        else if (!strcmp(o, "--out")) { NEED_VALUE(); a->out = v; }
+        else if (!strcmp(o, "--dump-logits")) { NEED_VALUE(); a->dump = v; }
+        else if (!strcmp(o, "--threads")) {
+            NEED_VALUE();
+            if (!parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--threads: '%s' is not in 1..4096", v);
+            a->threads = (int)n;
+        } else if (!strcmp(o, "--layers")) {
+            NEED_VALUE();
+            if (!parse_i64(v, 1, K3_MAX_LAYERS, &n)) return k3_usage_error("run", "--layers: '%s' is not a layer count >= 1", v);
+            a->layers = (int)n;
+        } else if (!strcmp(o, "--kda-chunk")) {
+            NEED_VALUE();
+            if (!parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--kda-chunk: '%s' is not in 1..4096", v);
+            a->kda_chunk = (int)n;
+        } else if (!strcmp(o, "--temperature")) {
+            NEED_VALUE();
+            if (!parse_f(v, &a->temperature) || a->temperature < 0)
+                return k3_usage_error("run", "--temperature: '%s' is not a number >= 0", v);
+        } else if (!strcmp(o, "--top-k")) {
+            NEED_VALUE();
+            if (!parse_i64(v, 0, INT_MAX, &n)) return k3_usage_error("run", "--top-k: '%s' is not a count >= 0", v);
+            a->top_k = (int)n;
+            a->sampling_flag = true;
+        } else if (!strcmp(o, "--top-p")) {
+            NEED_VALUE();
+            if (!parse_f(v, &a->top_p) || a->top_p <= 0 || a->top_p > 1)
+                return k3_usage_error("run", "--top-p: '%s' is not in (0, 1]", v);
+            a->sampling_flag = true;
+        } else if (!strcmp(o, "--min-p")) {
+            NEED_VALUE();
+            if (!parse_f(v, &a->min_p) || a->min_p < 0 || a->min_p > 1)
+                return k3_usage_error("run", "--min-p: '%s' is not in [0, 1]", v);
+            a->sampling_flag = true;
+        } else if (!strcmp(o, "--seed")) {
+            NEED_VALUE();
+            if (!parse_i64(v, 0, INT64_MAX, &n)) return k3_usage_error("run", "--seed: '%s' is not an integer >= 0", v);
+            a->seed = (uint64_t)n;
+        } else if (!strcmp(o, "--max-memory")) {
+            NEED_VALUE();
+            if (!parse_size(v, &a->max_memory) || !a->max_memory)
+                return k3_usage_error("run", "--max-memory: '%s' is not a size like 512M or 8G", v);
+        } else {
+            return k3_usage_error("run", "unknown option '%s'", o);
+        }
+#undef NEED_VALUE
+    }
+    if (!a->model_dir) return k3_usage_error("run", "no MODEL_DIR given");
+    int np = !!a->prompt + !!a->prompt_file + !!a->ids;
+    if (np != 1)
+        return k3_usage_error("run", np ? "give only one of --prompt, --prompt-file, --ids"
+                                        : "give a prompt: --prompt TEXT, --prompt-file FILE or --ids 1,2,3");
+    if (a->full && a->incremental) return k3_usage_error("run", "--full and --incremental exclude each other");
+    if (a->sampling_flag && a->temperature <= 0)
+        return k3_usage_error("run", "--top-k/--top-p/--min-p need --temperature > 0");
+    return K3_OK;
+}
+
+/* ---- helpers ------------------------------------------------------------- */
+
+static bool is_file(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+static int load_tokenizer(const run_args *a, k3_tokenizer **tok, k3_err *err) {
+    *tok = NULL;
+    const char *dir = a->tok_dir ? a->tok_dir : a->model_dir;
+    char path[4096];
+    int k = snprintf(path, sizeof path, "%s/tiktoken.model", dir);
+    if (k < 0 || (size_t)k >= sizeof path) return k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
+    if (!a->tok_dir && !is_file(path)) return K3_OK; /* no tokenizer in the model dir: ids only */
+    return tok_load(dir, tok, err);
+}
+
+static int prompt_ids(const run_args *a, const k3_tokenizer *tok, int vocab, int32_t **ids, size_t *n,
+                      k3_err *err) {
+    if (a->ids) {
+        if (!*a->ids) return k3_fail(err, K3_EXIT_USAGE, "--ids: empty prompt");
+        return k3_parse_ids(a->ids, vocab, ids, n, err);
+    }
+    const char *what = a->prompt ? "--prompt" : a->prompt_file;
+    if (!tok)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: no tokenizer (no tiktoken.model in %s): use --ids or --tok DIR", what,
+                       a->model_dir);
+    char *text = NULL;
+    size_t len;
+    if (a->prompt) {
+        text = xstrdup(a->prompt);
+        len = strlen(text);
+    } else {
+        int rc = k3_read_file(a->prompt_file, &text, &len, err);
+        if (rc) return rc;
+    }
+    int rc = K3_OK;
+    if (len == 0) rc = k3_fail(err, K3_EXIT_USAGE, "%s: empty prompt", what);
+    else rc = tok_encode(tok, text, len, true, ids, n, err);
+    free(text);
+    if (!rc && *n == 0) rc = k3_fail(err, K3_EXIT_USAGE, "%s: the prompt encodes to no tokens", what);
+    for (size_t i = 0; !rc && i < *n; i++)
+        if ((*ids)[i] >= vocab)
+            rc = k3_fail(err, K3_EXIT_USAGE, "%s: token id %d is outside the model's vocabulary [0, %d)", what,
+                         (*ids)[i], vocab);
+    if (rc) {
+        free(*ids);
+        *ids = NULL;
+    }
+    return rc;
+}
+
+static double gib(uint64_t b) { return (double)b / (1024.0 * 1024 * 1024); }
+
+/* Writes n rows of logits to the dump (little-endian f32). */
+static int dump_rows(k3_atomic_file *df, const float *rows, size_t nfloats, k3_err *err) {
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the logits dump assumes a little-endian host"
+#endif
+    return k3_atomic_write(df, rows, nfloats * sizeof(float), err);
+}
+
+/* ---- the run ---------------------------------------------------------------------- */
+
+typedef struct {
+    const run_args *a;
+    k3_model *m;
+    k3_state *s;
+    k3_tokenizer *tok;
+    tok_stream ts;
+    uint8_t *tbuf;
+    size_t tbuf_cap;
+    int32_t *seq;      /* prompt + generated */
+    size_t nseq, nprompt;
+    float *logits;     /* [chunk][V] when dumping the prompt, else [V] */
+    k3_atomic_file df;
+    bool dumping;
+} run_ctx;
+
+static void emit_token(run_ctx *r, int32_t id) {
+    if (r->tok) {
+        size_t len = 0;
+        tok_token_bytes(r->tok, id, &len);
+        if (len + 16 > r->tbuf_cap) {
+            r->tbuf_cap = len + 16;
+            r->tbuf = xrealloc(r->tbuf, r->tbuf_cap);
+        }
+        size_t k = tok_stream_feed(&r->ts, id, r->tbuf, r->tbuf_cap);
+        if (!r->a->quiet && k) {
+            fwrite(r->tbuf, 1, k, stdout);
+            fflush(stdout);
+        }
+    } else if (!r->a->quiet) {
+        printf("%s%d", r->nseq > r->nprompt + 1 ? " " : "", id);
+        fflush(stdout);
+    }
+}
+
+/* Feeds the prompt; when dumping, in slices so every prompt row is written
+ * without holding [n][V]. Leaves the last row's logits in r->logits[0..V). */
+static int prefill(run_ctx *r, k3_err *err) {
+    size_t V = (size_t)k3_model_config(r->m)->vocab_size;
+    if (!r->dumping) return k3_forward(r->m, r->s, r->seq, (int)r->nprompt, r->logits, false, err);
+    const size_t slice = 64;
+    for (size_t i = 0; i < r->nprompt; i += slice) {
+        size_t n = r->nprompt - i < slice ? r->nprompt - i : slice;
+        int rc = k3_forward(r->m, r->s, r->seq + i, (int)n, r->logits, true, err);
+        if (!rc) rc = dump_rows(&r->df, r->logits, n * V, err);
+        if (rc) return rc;
+        if (n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
+    }
+    return K3_OK;
+}
+
+/* One decode step: the logits after feeding seq[nseq-1]. */
+static int step(run_ctx *r, k3_err *err) {
+    size_t V = (size_t)k3_model_config(r->m)->vocab_size;
+    int rc;
+    if (r->a->full) {
+        k3_state_reset(r->s);
+        rc = k3_forward(r->m, r->s, r->seq, (int)r->nseq, r->logits, false, err);
+    } else {
+        rc = k3_forward(r->m, r->s, r->seq + r->nseq - 1, 1, r->logits, false, err);
+    }
+    if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, V, err);
+    return rc;
+}
+
+static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int threads, const char *stop, k3_err *err) {
+    json_t *o = json_object(), *pi = json_array(), *gi = json_array();
+    for (size_t i = 0; i < r->nprompt; i++) json_array_append_new(pi, json_integer(r->seq[i]));
+    for (size_t i = r->nprompt; i < r->nseq; i++) json_array_append_new(gi, json_integer(r->seq[i]));
+    size_t ngen = r->nseq - r->nprompt;
+    json_object_set_new(o, "model", json_string(r->a->model_dir));
+    json_object_set_new(o, "prompt_ids", pi);
+    json_object_set_new(o, "generated_ids", gi);
+    if (r->tok) {
+        /* ids the tokenizer does not know (a model vocabulary larger than the
+         * tokenizer's) have no text, as in the stream */
+        int32_t *known = xmalloc_array(ngen ? ngen : 1, sizeof *known);
+        size_t nk = 0;
+        for (size_t i = r->nprompt; i < r->nseq; i++)
+            if (r->seq[i] < tok_vocab_size(r->tok)) known[nk++] = r->seq[i];
+        uint8_t *bytes = NULL;
+        size_t len = 0;
+        int rc = tok_decode(r->tok, known, nk, &bytes, &len, err);
+        free(known);
+        if (rc) { json_decref(o); return rc; }
+        /* invalid UTF-8 cannot go into JSON as is: replace it */
+        json_t *t = json_stringn((const char *)bytes, len);
+        if (!t) {
+            for (size_t i = 0; i < len; i++)
+                if (bytes[i] >= 0x80) bytes[i] = '?';
+            t = json_stringn((const char *)bytes, len);
+        }
+        json_object_set_new(o, "text", t ? t : json_string(""));
+        free(bytes);
+    }
+    json_object_set_new(o, "mode", json_string(r->a->full ? "full" : "incremental"));
+    json_object_set_new(o, "stop", json_string(stop));
+    json_object_set_new(o, "prefill_s", json_real(prefill_s));
+    json_object_set_new(o, "decode_s", json_real(decode_s));
+    double steps = ngen > 1 ? (double)(ngen - 1) : 0;
+    json_object_set_new(o, "tokens_per_s", json_real(decode_s > 0 ? steps / decode_s : 0));
+    json_object_set_new(o, "prefill_tokens_per_s", json_real(prefill_s > 0 ? (double)r->nprompt / prefill_s : 0));
+    json_object_set_new(o, "peak_rss_bytes", json_integer((json_int_t)k3_peak_rss_bytes()));
+    json_object_set_new(o, "threads", json_integer(threads));
+    json_object_set_new(o, "layers", json_integer(k3_model_config(r->m)->num_layers));
+    char *txt = json_dumps(o, JSON_INDENT(1));
+    json_decref(o);
+    if (!txt) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot serialise the report", r->a->out);
+    size_t tl = strlen(txt);
+    char *withnl = xmalloc(tl + 2);
+    memcpy(withnl, txt, tl);
+    withnl[tl] = '\n';
+    free(txt);
+    int rc = k3_write_file_atomic(r->a->out, withnl, tl + 1, err);
+    free(withnl);
+    return rc;
+}
+
+static int run(const run_args *a, k3_err *err) {
+    run_ctx r = {.a = a};
+    int rc;
+    if (a->threads > 0) omp_set_num_threads(a->threads);
+    int threads = omp_get_max_threads();
+    k3_model_opts mo = {.layers = a->layers, .peer_mla_eps = a->peer_eps, .kda_chunk = a->kda_chunk};
+    if ((rc = k3_model_open(a->model_dir, &mo, &r.m, err))) goto done;
+    const k3_config *c = k3_model_config(r.m);
+    size_t V = (size_t)c->vocab_size;
+    if ((rc = load_tokenizer(a, &r.tok, err))) goto done;
+    int32_t *pids = NULL;
+    if ((rc = prompt_ids(a, r.tok, c->vocab_size, &pids, &r.nprompt, err))) goto done;
+
+    /* the memory plan, before any state is allocated */
+    int64_t max_pos = (int64_t)r.nprompt + a->gen;
+    k3_state_plan plan = k3_state_size(r.m, max_pos);
+    uint64_t wbytes = k3_model_weight_bytes(r.m);
+    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (a->dump ? 64 : 1);
+    uint64_t need = plan.total + wbytes + logit_bytes;
+    if (need < plan.total) need = UINT64_MAX;
+    uint64_t budget = a->max_memory ? a->max_memory : k3_mem_available_bytes();
+    const char *bname = a->max_memory ? "--max-memory" : "MemAvailable";
+    if ((budget && need > budget) || max_pos > INT_MAX - 1) {
+        free(pids);
+        rc = k3_fail(err, K3_EXIT_BUDGET,
+                     "%s: %zu prompt + %lld generated tokens need %.3f GiB (weights %.3f, KDA state %.3f, "
+                     "MLA cache %.3f, scratch %.3f) but %s is %.3f GiB",
+                     a->model_dir, r.nprompt, (long long)a->gen, gib(need), gib(wbytes), gib(plan.kda_bytes),
+                     gib(plan.mla_bytes), gib(plan.scratch_bytes), bname, gib(budget));
+        goto done;
+    }
+    if ((rc = k3_state_new(r.m, (int)max_pos, &r.s, err))) { free(pids); goto done; }
+    r.seq = xmalloc_array((size_t)max_pos, sizeof *r.seq);
+    memcpy(r.seq, pids, r.nprompt * sizeof *r.seq);
+    free(pids);
+    r.nseq = r.nprompt;
+    r.logits = xmalloc_array(V * (a->dump ? 64 : 1), sizeof(float));
+    if (a->dump) {
+        if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto done;
+        r.dumping = true;
+    }
+    if (r.tok) tok_stream_init(&r.ts, r.tok);
+    int eos = c->eos_token_id >= 0 ? c->eos_token_id : (r.tok ? tok_eos_id(r.tok) : -1);
+    if (!a->quiet)
+        fprintf(stderr, "model %s: %d layers (%s), vocab %d; prompt %zu tokens; threads %d; plan %.3f GiB of %.3f GiB (%s)\n",
+                a->model_dir, c->num_layers, a->full ? "full recompute" : "incremental", c->vocab_size, r.nprompt,
+                threads, gib(need), gib(budget), bname);
+
+    k3_sampler sp;
+    k3_sampler_init(&sp, (int)V, a->temperature, a->top_k, a->top_p, a->min_p, a->seed);
+    double t0 = k3_now();
+    const char *stop = "length";
+    rc = prefill(&r, err);
+    double t1 = k3_now(), t2 = t1;
+    for (int64_t g = 0; !rc && g < a->gen; g++) {
+        int id = k3_sample(&sp, r.logits);
+        r.seq[r.nseq++] = id;
+        emit_token(&r, id);
+        if (id == eos) { stop = "eos"; break; }
+        if (g + 1 < a->gen) rc = step(&r, err);
+    }
+    t2 = k3_now();
+    k3_sampler_free(&sp);
+    if (rc) goto done;
+    if (r.tok && !a->quiet) {
+        uint8_t tail[16];
+        size_t k = tok_stream_flush(&r.ts, tail, sizeof tail);
+        if (k) fwrite(tail, 1, k, stdout);
+    }
+    if (!a->quiet && r.nseq > r.nprompt) putchar('\n');
+    fflush(stdout);
+    if (r.dumping) {
+        if ((rc = k3_atomic_commit(&r.df, err))) { r.dumping = false; goto done; }
+        r.dumping = false;
+    }
+    size_t ngen = r.nseq - r.nprompt;
+    double prefill_s = t1 - t0, decode_s = t2 - t1;
+    if (!a->quiet)
+        fprintf(stderr,
+                "prefill %zu tokens in %.3f s (%.1f tok/s); generated %zu tokens (stop: %s), decode %.3f s "
+                "(%.2f tok/s); peak RSS %.1f MiB; threads %d\n",
+                r.nprompt, prefill_s, prefill_s > 0 ? (double)r.nprompt / prefill_s : 0.0, ngen, stop, decode_s,
+                decode_s > 0 && ngen > 1 ? (double)(ngen - 1) / decode_s : 0.0,
+                (double)k3_peak_rss_bytes() / (1024.0 * 1024), threads);
+    if (a->out) rc = write_out_json(&r, prefill_s, decode_s, threads, stop, err);
+done:
+    if (r.dumping) k3_atomic_abort(&r.df);
+    free(r.seq);
+    free(r.logits);
+    free(r.tbuf);
+    k3_state_free(r.s);
+    if (r.tok) tok_free(r.tok);
+    k3_model_free(r.m);
+    return rc;
+}
+
+int cmd_run(int argc, char **argv) {
+    run_args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc) return rc;
+    k3_err err = {0};
+    rc = run(&a, &err);
+    if (rc) return k3_report(&err);
+    return K3_OK;
+}
