@@ -220,7 +220,7 @@ TEST(stream_plan_refusals) {
     o.cache_gb = -1;
     o.mem_limit = 1000;
     CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_EXIT_BUDGET);
-    CHECKF(strstr(err.msg, "available") != NULL, "%s", err.msg);
+    CHECKF(strstr(err.msg, "--max-memory") != NULL, "%s", err.msg);
     /* a long context grows the MLA cache linearly */
     o.mem_limit = 1ull << 40;
     k3_mem_plan q;

@@ -307,10 +307,11 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
     uint64_t limit = o->mem_limit ? o->mem_limit : k3_mem_available_bytes();
     if (limit && p->total + K3_PLAN_OVERHEAD > limit)
         return k3_fail(err, K3_EXIT_BUDGET,
-                       "the memory plan needs %.3f GB (trunk %.3f, experts %.3f, state %.3f) + %.3f GB overhead but %.3f "
-                       "GB is available: choose a smaller --preset, --trunk-gb or --cache-gb, or fewer positions",
+                       "the memory plan needs %.3f GB (trunk %.3f, experts %.3f, state %.3f at %lld positions) + %.3f GB "
+                       "overhead but %s is %.3f GB: choose a smaller --preset, --trunk-gb or --cache-gb, or fewer positions",
                        gb(p->total), gb(p->trunk_bytes), gb(p->expert_bytes + p->table_bytes), gb(p->state.total),
-                       gb(K3_PLAN_OVERHEAD), gb(limit));
+                       (long long)max_pos, gb(K3_PLAN_OVERHEAD), o->mem_limit ? "--max-memory" : "MemAvailable",
+                       gb(limit));
     return K3_OK;
 }
 
@@ -331,8 +332,8 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
         else snprintf(x, sizeof x, "%.3g", o->cache_gb);
         snprintf(lim, sizeof lim, "--trunk-gb %s, --cache-gb %s", t, x);
     }
-    fprintf(f, "k3: memory plan (%s%s%s; %lld positions)\n", o->preset ? "preset " : "", o->preset ? o->preset : "",
-            o->preset ? ", " : "", (long long)p->max_pos);
+    fprintf(f, "k3: memory plan (%s%s%s%lld positions)\n", o->preset ? "preset " : "", o->preset ? o->preset : "",
+            o->preset ? "; " : "", (long long)p->max_pos);
     fprintf(f, "k3:   budget               %s\n", lim);
     mb_cell(b, sizeof b, p->head_bytes);
     fprintf(f, "k3:   model-level tensors %s  head, final norms, embedding rows in use (mapped)\n", b);
