@@ -317,7 +317,8 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
 
 static void mb_cell(char *buf, size_t n, uint64_t b) {
     if (b >= 1000000000ull) snprintf(buf, n, "%8.3f GB", gb(b));
-    else snprintf(buf, n, "%8.1f MB", (double)b / 1e6);
+    else if (b >= 1000000ull) snprintf(buf, n, "%8.1f MB", (double)b / 1e6);
+    else snprintf(buf, n, "%8.1f kB", (double)b / 1e3);
 }
 
 void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
@@ -348,15 +349,15 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
             fprintf(f, "k3:   trunk pinned        %s  no layer pinned\n", b);
         mb_cell(b, sizeof b, p->ring_bytes);
         if (p->ring_slots)
-            fprintf(f, "k3:   ring slots          %s  %d x %.1f MB, layers %d-%d streamed%s\n", b, p->ring_slots,
-                    (double)p->slot_bytes / 1e6, p->pinned, p->num_layers - 1,
+            fprintf(f, "k3:   ring slots          %s  %d x %.1f kB, layers %d-%d streamed%s\n", b, p->ring_slots,
+                    (double)p->slot_bytes / 1e3, p->pinned, p->num_layers - 1,
                     p->ring_slots == 2 ? ", next layer read during compute" : ", no read-ahead (one slot)");
         else
             fprintf(f, "k3:   ring slots          %s  none (every layer pinned)\n", b);
     }
     mb_cell(b, sizeof b, p->expert_bytes);
-    fprintf(f, "k3:   expert cache        %s  %lld of %lld experts x %.2f MB (%s) + %d batch buffers; chunk %d\n", b,
-            (long long)p->cache_experts, (long long)p->total_experts, (double)p->expert_buf / 1e6,
+    fprintf(f, "k3:   expert cache        %s  %lld of %lld experts x %.1f kB (%s) + %d batch buffers; chunk %d\n", b,
+            (long long)p->cache_experts, (long long)p->total_experts, (double)p->expert_buf / 1e3,
             xc_policy_name(o->policy), p->batch_experts, p->chunk);
     mb_cell(b, sizeof b, p->table_bytes);
     fprintf(f, "k3:   cache tables        %s\n", b);
