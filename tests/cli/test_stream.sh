@@ -7,6 +7,8 @@
 # run report, the cache trace, and the faults: a trunk from another
 # checkpoint, a shard truncated after packing, a read error mid-run.
 . "$(dirname "$0")/lib.sh"
+# OpenMP threads spinning at barriers starve the I/O thread on a busy machine
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 SRC=tests/fixtures/gen/k3_like
 M=$OUT/model
 T=$OUT/trunk
