@@ -321,8 +321,14 @@ static void mb_cell(char *buf, size_t n, uint64_t b) {
     else snprintf(buf, n, "%8.1f kB", (double)b / 1e3);
 }
 
+static const char *hsize(uint64_t b, char *buf, size_t n) {
+    mb_cell(buf, n, b);
+    while (*buf == ' ') buf++;
+    return buf;
+}
+
 void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
-    char b[32], lim[96];
+    char b[32], h[32], lim[96];
     if (o->trunk_gb < 0 && o->cache_gb < 0) snprintf(lim, sizeof lim, "no limits");
     else snprintf(lim, sizeof lim, "trunk %s GB, cache %s GB", o->trunk_gb < 0 ? "all" : "", o->cache_gb < 0 ? "all" : "");
     if (o->trunk_gb >= 0 || o->cache_gb >= 0) {
@@ -343,21 +349,23 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
         fprintf(f, "k3:   trunk resident      %s  %d layers mapped from the shards (no --trunk)\n", b, p->num_layers);
     } else {
         mb_cell(b, sizeof b, p->pinned_bytes);
-        if (p->pinned > 0)
+        if (p->pinned > 1)
             fprintf(f, "k3:   trunk pinned        %s  layers 0-%d resident\n", b, p->pinned - 1);
+        else if (p->pinned == 1)
+            fprintf(f, "k3:   trunk pinned        %s  layer 0 resident\n", b);
         else
             fprintf(f, "k3:   trunk pinned        %s  no layer pinned\n", b);
         mb_cell(b, sizeof b, p->ring_bytes);
         if (p->ring_slots)
-            fprintf(f, "k3:   ring slots          %s  %d x %.1f kB, layers %d-%d streamed%s\n", b, p->ring_slots,
-                    (double)p->slot_bytes / 1e3, p->pinned, p->num_layers - 1,
+            fprintf(f, "k3:   ring slots          %s  %d x %s, layers %d-%d streamed%s\n", b, p->ring_slots,
+                    hsize(p->slot_bytes, h, sizeof h), p->pinned, p->num_layers - 1,
                     p->ring_slots == 2 ? ", next layer read during compute" : ", no read-ahead (one slot)");
         else
             fprintf(f, "k3:   ring slots          %s  none (every layer pinned)\n", b);
     }
     mb_cell(b, sizeof b, p->expert_bytes);
-    fprintf(f, "k3:   expert cache        %s  %lld of %lld experts x %.1f kB (%s) + %d batch buffers; chunk %d\n", b,
-            (long long)p->cache_experts, (long long)p->total_experts, (double)p->expert_buf / 1e3,
+    fprintf(f, "k3:   expert cache        %s  %lld of %lld experts x %s (%s) + %d batch buffers; chunk %d\n", b,
+            (long long)p->cache_experts, (long long)p->total_experts, hsize(p->expert_buf, h, sizeof h),
             xc_policy_name(o->policy), p->batch_experts, p->chunk);
     mb_cell(b, sizeof b, p->table_bytes);
     fprintf(f, "k3:   cache tables        %s\n", b);
