@@ -9,6 +9,9 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=0:detect_leaks=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tests/lsan.supp}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+# Tests share 2 cores with each other: spinning OpenMP barriers stall badly
+# when a thread is descheduled, so waiting threads sleep instead.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 P=0; F=0; S=0
 
 tally() { # reads a log, adds its closing counts

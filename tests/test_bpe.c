@@ -271,3 +271,78 @@ TEST(bpe_counts_do_not_depend_on_threads) {
     tok_splitter_free(sp);
     free(text);
 }
+
+typedef struct {
+    const bpe_model *m;
+    int32_t *ids;
+    size_t n, cap;
+} apply_ctx;
+
+static int apply_piece(const char *piece, size_t n, void *ctx) {
+    apply_ctx *a = ctx;
+    bpe_apply_merges(a->m, (const uint8_t *)piece, n, &a->ids, &a->n, &a->cap);
+    return 0;
+}
+
+/* Train on TinyStories text with the Kimi pattern, write tiktoken.model +
+ * tokenizer_config.json, load it with tok_load: encoding the training text
+ * gives exactly the ids that replaying the learned merges gives (tiktoken's
+ * lowest-rank-first equals creation order), <|endoftext|> is the special id
+ * after the ranks, and decoding returns the text byte for byte. */
+TEST(bpe_tokenizer_roundtrips_through_tok_load) {
+    char *text;
+    size_t len;
+    k3_err err = {0};
+    CHECK(k3_read_file(t_shared("data/tinystories/valid.txt"), &text, &len, &err) == 0);
+    len = 200000; /* about 250 stories; cut at a story end below */
+    while (len > 0 && !(len >= 15 && memcmp(text + len - 15, "\n<|endoftext|>\n", 15) == 0)) len--;
+    CHECK(len > 100000);
+    tok_splitter *sp;
+    CHECK(tok_splitter_new(TOK_PATTERN_KIMI, &sp, &err) == 0);
+    bpe_counts *c = bpe_counts_new();
+    CHECK(bpe_count_text(c, sp, text, len, EOT, 1, NULL, &err) == 0);
+    bpe_train_opts o = {.target_tokens = 1023, .unique_tokens = true};
+    bpe_model m;
+    CHECK(bpe_train(c, &o, &m, &err) == 0);
+    CHECK(m.n_tokens == 1023);
+    CHECKF(bpe_write_tiktoken(&m, t_outdir(), EOT, 1, 256, "<|endoftext|>", "kimi", &err) == 0, "%s", err.msg);
+    k3_tokenizer *tk;
+    CHECKF(tok_load(t_outdir(), &tk, &err) == 0, "%s", err.msg);
+    CHECK(tok_n_base(tk) == 1023);
+    CHECK(tok_vocab_size(tk) == 1023 + 256); /* the reserved block of the Kimi layout */
+    CHECKF(tok_special_id(tk, "<|endoftext|>") == 1023, "eot id %d", tok_special_id(tk, "<|endoftext|>"));
+    CHECK(tok_eos_id(tk) == 1023);
+
+    int32_t *ids;
+    size_t n;
+    CHECKF(tok_encode(tk, text, len, true, &ids, &n, &err) == 0, "%s", err.msg);
+    /* expected: per story, the pieces' merges replayed; the separator line
+     * "\n<|endoftext|>\n" is "\n", the special, "\n" */
+    apply_ctx a = {.m = &m};
+    const char *p = text, *end = text + len;
+    while (p < end) {
+        const char *q = memmem(p, (size_t)(end - p), "<|endoftext|>", 13);
+        size_t seg = q ? (size_t)(q - p) : (size_t)(end - p);
+        CHECK(tok_split(sp, p, seg, apply_piece, &a, &err) == 0);
+        if (!q) break;
+        if (a.n == a.cap) a.ids = xrealloc_array(a.ids, a.cap = a.cap * 2 + 16, sizeof *a.ids);
+        a.ids[a.n++] = 1023;
+        p = q + 13;
+    }
+    CHECKF(a.n == n, "tok_encode gave %zu ids, replayed merges %zu", n, a.n);
+    for (size_t i = 0; i < n; i++) CHECKF(ids[i] == a.ids[i], "id %zu: %d vs %d", i, ids[i], a.ids[i]);
+    uint8_t *back;
+    size_t blen;
+    CHECK(tok_decode(tk, ids, n, &back, &blen, &err) == 0);
+    CHECK(blen == len && memcmp(back, text, len) == 0);
+    /* compression sanity: a 1k vocabulary on its own training text */
+    CHECKF((double)len / (double)n > 2.5, "bytes/token %.2f", (double)len / (double)n);
+    free(back);
+    free(ids);
+    free(a.ids);
+    tok_free(tk);
+    bpe_model_free(&m);
+    bpe_counts_free(c);
+    tok_splitter_free(sp);
+    free(text);
+}

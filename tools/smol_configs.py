@@ -78,9 +78,10 @@ CONFIGS = {
                       kda_heads=2, kda_dim=64, mla_heads=2, q_lora=48, kv_lora=32,
                       nope=64, rope=0, v=64, experts=16, topk=4, shared=2,
                       latent=64, inter=64, block=4),
-    # CI: trains 200 steps in seconds; widths stay multiples of 32 so that the
+    # CI: trains 200 steps in seconds; vocab 1024 = 768 BPE ranks + the 256
+    # special ids k3 prepare reserves; widths stay multiples of 32 so that the
     # routed experts export to MXFP4 (group 32 along each input dimension).
-    "tiny-train": config(hidden=64, layers=5, vocab=512, mla_layers=[4, 5],
+    "tiny-train": config(hidden=64, layers=5, vocab=1024, mla_layers=[4, 5],
                          kda_heads=2, kda_dim=32, mla_heads=2, q_lora=32, kv_lora=16,
                          nope=32, rope=0, v=32, experts=8, topk=2, shared=1,
                          latent=32, inter=32, block=2),

@@ -132,6 +132,10 @@ static int parse_args(int argc, char **argv, run_args *a) {
 #define NEED_VALUE() \
     do { if (!v) return k3_usage_error("run", "%s needs a value", o); i++; } while (0)
         int64_t n;
+        if (!strcmp(o, "--help") || !strcmp(o, "-h")) { /* reached through `k3 MODEL_DIR --help` */
+            fputs(cmd_run_help, stdout);
+            return -1;
+        }
         if (o[0] != '-' || !o[1]) {
             if (a->model_dir) return k3_usage_error("run", "unexpected argument '%s'", o);
             a->model_dir = o;
@@ -321,19 +325,26 @@ static void emit_token(run_ctx *r, int32_t id) {
     }
 }
 
-/* Feeds the prompt; when dumping, in slices so every prompt row is written
- * without holding [n][V]. Leaves the last row's logits in r->logits[0..V). */
+/* Feeds the prompt in slices (a progress bar for long prompts; when dumping,
+ * every prompt row is written without holding [n][V]); the split does not
+ * change the logits bits. Leaves the last row's logits in r->logits[0..V). */
 static int prefill(run_ctx *r, k3_err *err) {
     size_t V = (size_t)k3_model_config(r->m)->vocab_size;
     const size_t slice = (size_t)k3_runmem_chunk(r->rm); /* issue 4: --chunk */
+    k3_progress pb;
+    k3_progress_start(&pb, "prefill", r->nprompt, false);
+    if (r->a->quiet) pb.enabled = false;
     for (size_t i = 0; i < r->nprompt; i += slice) {
         size_t n = r->nprompt - i < slice ? r->nprompt - i : slice;
-        int rc = k3_forward(r->m, r->s, r->seq + i, (int)n, r->logits, r->dumping, err);
+        bool last = i + n == r->nprompt;
+        int rc = k3_forward(r->m, r->s, r->seq + i, (int)n, r->dumping || last ? r->logits : NULL, r->dumping, err);
         if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, n * V, err);
         if (rc) return rc;
-        k3_runmem_step(r->rm, true, (int)n, r->a->quiet ? NULL : stderr);
         if (r->dumping && n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
+        k3_progress_update(&pb, i + n);
+        k3_runmem_step(r->rm, true, (int)n, r->a->quiet ? NULL : stderr); /* issue 4 */
     }
+    k3_progress_finish(&pb);
     return K3_OK;
 }
 
@@ -520,6 +531,7 @@ done:
 int cmd_run(int argc, char **argv) {
     run_args a;
     int rc = parse_args(argc, argv, &a);
+    if (rc < 0) return K3_OK; /* --help */
     if (rc) return rc;
     if (a.mem.list_presets) { /* issue 4 */
         k3_presets_print(stdout);

@@ -512,6 +512,8 @@ static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err
     return K3_OK;
 }
 
+const k3_layer_w *k3_model_layer(const k3_model *m, int layer) { return &m->layers[layer]; }
+
 void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
     if (src) m->src = *src;
     else m->src = (k3_weight_source){.ctx = m, .layer_get = resident_layer_get};

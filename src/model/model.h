@@ -183,6 +183,8 @@ typedef struct {
     void (*experts_put)(void *ctx, int layer, const int *ids, int n);
 } k3_weight_source;
 void k3_model_set_source(k3_model *m, const k3_weight_source *src); /* NULL: back to resident */
+/* Layer L as bound at open (the resident table the default source serves). */
+const k3_layer_w *k3_model_layer(const k3_model *m, int layer);
 
 /* Tensor lookup used by the binder: name is relative, in the released
  * spelling ("embed_tokens.weight", "lm_head.weight", "self_attn.q_proj.weight",

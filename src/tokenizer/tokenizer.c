@@ -16,10 +16,14 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#define N_RESERVED 256 /* ids after the base ranks, as in the Kimi tokenizer class */
+/* Ids reserved for specials after the base ranks: 256 in the Kimi tokenizer
+ * class; a tokenizer_config.json may say otherwise with
+ * "num_reserved_special_tokens" (k3 prepare writes 1 for small vocabularies). */
+#define DEFAULT_RESERVED 256
+#define MAX_RESERVED 65536
 
 struct k3_tokenizer {
-    int n_base, n_vocab;
+    int n_base, n_vocab, n_reserved;
     uint8_t *blob;   /* bytes of every id (base tokens, then special names) */
     uint32_t *off;   /* id i is blob[off[i] .. off[i+1]) */
     /* open addressing: base token bytes -> id. Each slot keeps 32 bits of
@@ -138,13 +142,13 @@ static int load_ranks(k3_tokenizer *t, const char *path, k3_err *err) {
         free(data);
         return k3_fail(err, K3_EXIT_USAGE, "%s: empty vocabulary", path);
     }
-    if (lines > (size_t)INT32_MAX - N_RESERVED - 1) {
+    if (lines > (size_t)INT32_MAX - t->n_reserved - 1) {
         free(data);
         return k3_fail(err, K3_EXIT_USAGE, "%s: too many lines", path);
     }
     /* base64 never decodes to more bytes than it has characters */
     t->blob = xmalloc(len + 1);
-    t->off = xmalloc_array(lines + N_RESERVED + 1, sizeof *t->off);
+    t->off = xmalloc_array(lines + t->n_reserved + 1, sizeof *t->off);
     size_t w = 0, n = 0;
     const char *p = data, *end = data + len;
     while (p < end) {
@@ -226,7 +230,7 @@ static const char *token_name(json_t *v) {
 }
 
 static int load_specials(k3_tokenizer *t, const char *path, k3_err *err) {
-    char *names[N_RESERVED] = {0};
+    char **names = xcalloc((size_t)t->n_reserved, sizeof *names);
     struct stat st;
     json_t *root = NULL;
     int rc = K3_OK;
@@ -235,7 +239,10 @@ static int load_specials(k3_tokenizer *t, const char *path, k3_err *err) {
         json_error_t je;
         /* model_max_length is 1e30 in the released file: too big for an integer */
         root = json_load_file(path, JSON_DECODE_INT_AS_REAL, &je);
-        if (!root) return k3_fail(err, K3_EXIT_USAGE, "%s:%d: %s", path, je.line, je.text);
+        if (!root) {
+            free(names);
+            return k3_fail(err, K3_EXIT_USAGE, "%s:%d: %s", path, je.line, je.text);
+        }
         json_t *dec = json_object_get(root, "added_tokens_decoder");
         if (dec && !json_is_object(dec)) rc = k3_fail(err, K3_EXIT_USAGE, "%s: added_tokens_decoder is not an object", path);
         const char *key;
@@ -245,9 +252,9 @@ static int load_specials(k3_tokenizer *t, const char *path, k3_err *err) {
             char *e;
             errno = 0;
             long id = strtol(key, &e, 10);
-            if (!*key || *e || errno || id < t->n_base || id >= (long)t->n_base + N_RESERVED) {
+            if (!*key || *e || errno || id < t->n_base || id >= (long)t->n_base + t->n_reserved) {
                 rc = k3_fail(err, K3_EXIT_USAGE, "%s: added_tokens_decoder id '%s' is not in the reserved range %d..%d",
-                             path, key, t->n_base, t->n_base + N_RESERVED - 1);
+                             path, key, t->n_base, t->n_base + t->n_reserved - 1);
                 break;
             }
             const char *name = token_name(val);
@@ -258,12 +265,13 @@ static int load_specials(k3_tokenizer *t, const char *path, k3_err *err) {
             names[id - t->n_base] = xstrdup(name);
         }
     } else if (errno != ENOENT) {
+        free(names);
         return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", path, strerror(errno));
     }
     /* Lay the special names out after the base tokens. */
     size_t extra = 0;
     char auto_name[64];
-    for (int i = 0; i < N_RESERVED && !rc; i++) {
+    for (int i = 0; i < t->n_reserved && !rc; i++) {
         if (!names[i]) {
             int k = snprintf(auto_name, sizeof auto_name, "<|reserved_token_%d|>", t->n_base + i);
             if (k < 0 || (size_t)k >= sizeof auto_name) {
@@ -279,7 +287,7 @@ static int load_specials(k3_tokenizer *t, const char *path, k3_err *err) {
         t->blob = xrealloc(t->blob, base_end + extra + 1);
         size_t w = base_end;
         if (base_end + extra >= UINT32_MAX) rc = k3_fail(err, K3_EXIT_USAGE, "%s: vocabulary too large", path);
-        for (int i = 0; i < N_RESERVED && !rc; i++) {
+        for (int i = 0; i < t->n_reserved && !rc; i++) {
             size_t l = strlen(names[i]);
             memcpy(t->blob + w, names[i], l);
             t->off[t->n_base + i] = (uint32_t)w;
@@ -289,18 +297,19 @@ static int load_specials(k3_tokenizer *t, const char *path, k3_err *err) {
             if (l > t->max_len) t->max_len = l;
         }
         if (!rc) {
-            t->off[t->n_base + N_RESERVED] = (uint32_t)w;
-            t->n_vocab = t->n_base + N_RESERVED;
+            t->off[t->n_base + t->n_reserved] = (uint32_t)w;
+            t->n_vocab = t->n_base + t->n_reserved;
         }
     }
-    for (int i = 0; i < N_RESERVED && !rc; i++)
+    for (int i = 0; i < t->n_reserved && !rc; i++)
         for (int j = 0; j < i; j++)
             if (strcmp(names[i], names[j]) == 0) {
                 rc = k3_fail(err, K3_EXIT_USAGE, "%s: special token '%s' named twice (ids %d and %d)",
                              path, names[i], t->n_base + j, t->n_base + i);
                 break;
             }
-    for (int i = 0; i < N_RESERVED; i++) free(names[i]);
+    for (int i = 0; i < t->n_reserved; i++) free(names[i]);
+    free(names);
     if (!rc && root) {
         static const char *const keys[2] = {"eos_token", "bos_token"};
         int *dst[2] = {&t->eos, &t->bos};
@@ -317,19 +326,54 @@ static int load_specials(k3_tokenizer *t, const char *path, k3_err *err) {
     return rc;
 }
 
+/* The two options of tokenizer_config.json that shape loading itself: how many
+ * ids are reserved for specials, and which pre-tokenization pattern the
+ * vocabulary was trained with ("kimi", the default, or "gpt2"). */
+static int load_options(const char *dir, int *n_reserved, const char **pattern, k3_err *err) {
+    char path[4096];
+    *n_reserved = DEFAULT_RESERVED;
+    *pattern = TOK_PATTERN_KIMI;
+    int k = snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    if (k < 0 || (size_t)k >= sizeof path) return k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
+    struct stat st;
+    if (stat(path, &st) != 0) return K3_OK;
+    json_error_t je;
+    json_t *root = json_load_file(path, JSON_DECODE_INT_AS_REAL, &je);
+    if (!root) return k3_fail(err, K3_EXIT_USAGE, "%s:%d: %s", path, je.line, je.text);
+    int rc = K3_OK;
+    json_t *v = json_object_get(root, "num_reserved_special_tokens");
+    if (v) {
+        double d = json_is_number(v) ? json_number_value(v) : -1;
+        if (!(d >= 1 && d <= MAX_RESERVED) || d != (double)(int)d)
+            rc = k3_fail(err, K3_EXIT_USAGE, "%s: num_reserved_special_tokens must be an integer in 1..%d", path,
+                         MAX_RESERVED);
+        else *n_reserved = (int)d;
+    }
+    v = json_object_get(root, "pretokenizer");
+    if (!rc && v) {
+        const char *name = json_is_string(v) ? json_string_value(v) : "";
+        if (!strcmp(name, "kimi")) *pattern = TOK_PATTERN_KIMI;
+        else if (!strcmp(name, "gpt2")) *pattern = TOK_PATTERN_GPT2;
+        else rc = k3_fail(err, K3_EXIT_USAGE, "%s: pretokenizer must be \"kimi\" or \"gpt2\"", path);
+    }
+    json_decref(root);
+    return rc;
+}
+
 int tok_load(const char *dir, k3_tokenizer **out, k3_err *err) {
     char path[4096];
     k3_tokenizer *t = xcalloc(1, sizeof *t);
-    int rc = K3_OK;
+    const char *pattern = TOK_PATTERN_KIMI;
+    int rc = load_options(dir, &t->n_reserved, &pattern, err);
     int k = snprintf(path, sizeof path, "%s/tiktoken.model", dir);
-    if (k < 0 || (size_t)k >= sizeof path) rc = k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
+    if (!rc && (k < 0 || (size_t)k >= sizeof path)) rc = k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
     if (!rc) rc = load_ranks(t, path, err);
     if (!rc) {
         k = snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
         if (k < 0 || (size_t)k >= sizeof path) rc = k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
     }
     if (!rc) rc = load_specials(t, path, err);
-    if (!rc) rc = tok_splitter_new(TOK_PATTERN_KIMI, &t->split, err);
+    if (!rc) rc = tok_splitter_new(pattern, &t->split, err);
     if (rc) {
         tok_free(t);
         return rc;

@@ -2,7 +2,8 @@
  *
  * Loads tiktoken.model (base64 token, rank per line) + tokenizer_config.json
  * (named specials in added_tokens_decoder; 256 reserved ids after the base
- * ranks, unnamed ones are <|reserved_token_N|>). Pre-tokenizes with the exact
+ * ranks, or "num_reserved_special_tokens" of them, unnamed ones are
+ * <|reserved_token_N|>; "pretokenizer": "kimi" (default) or "gpt2"). Pre-tokenizes with the exact
  * Kimi pattern (PCRE2, UTF + Unicode properties, JIT), then merges byte pairs
  * by lowest rank. Byte-for-byte identical to tiktoken. */
 #ifndef K3_TOKENIZER_H

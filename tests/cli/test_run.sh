@@ -32,6 +32,8 @@ cmp -s "$OUT/inc.bin" "$OUT/t1.bin" && pass threads:bitwise || fail threads:bitw
 # the released engine's form: k3 MODEL_DIR; ids stream to stdout without a tokenizer
 expect_exit alias 0 $K3 "$TINY" --ids 3,7,11,5,9 --gen 3 --incremental
 expect_out_contains alias "92 168 13"
+expect_exit help 0 $K3 "$TINY" --help
+expect_out_contains help "--dump-logits"
 expect_exit layers 0 $K3 run "$TINY" --ids 3,7 --gen 2 --layers 2 --quiet
 
 # sampling: the same seed gives the same tokens

@@ -1,0 +1,608 @@
+/* cmd_prepare.c: `k3 prepare`: read a text corpus, split it into training and
+ * validation stories, train a byte-level BPE tokenizer (or reuse one), and
+ * write both splits as token shards (train/data.h) beside the tokenizer. */
+#include "cli/commands.h"
+#include "tokenizer/bpe_train.h"
+#include "tokenizer/tokenizer.h"
+#include "train/data.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+const char *const cmd_prepare_help =
+    "usage: k3 prepare --input FILE... --output-dir DIR [options]\n"
+    "\n"
+    "Reads a text corpus, splits it into training and validation stories, trains a\n"
+    "byte-level BPE tokenizer on the training stories and writes, into DIR:\n"
+    "  tiktoken.model, tokenizer_config.json   the tokenizer (as `k3 run` loads it)\n"
+    "  train.bin, val.bin                      token shards (docs/prepare.md)\n"
+    "  stats.json                              stories, bytes, tokens per split\n"
+    "Stories are joined with the <|endoftext|> id after each story.\n"
+    "\n"
+    "input:\n"
+    "  --input FILE...            one or more files, read in order\n"
+    "  --format F                 auto (default), stories, text or jsonl:\n"
+    "                               stories: stories separated by a line <|endoftext|>\n"
+    "                               text:    documents separated by blank lines\n"
+    "                               jsonl:   one JSON object per line, its \"text\" field\n"
+    "                             auto picks jsonl for *.jsonl or a first '{', stories\n"
+    "                             when a line <|endoftext|> occurs, else text\n"
+    "  --validation-input FILE... validation stories come from these files (and none\n"
+    "                             are taken from --input)\n"
+    "  --validation-stories N     the last N input stories are the validation split\n"
+    "  --validation-fraction F    the last F of the input stories (default 0.05)\n"
+    "\n"
+    "tokenizer:\n"
+    "  --vocab-size N             total ids, specials included (default 8192). The\n"
+    "                             one id after the BPE tokens is the special\n"
+    "                             <|endoftext|>, so N-1 are BPE tokens; at least 257\n"
+    "  --tokenizer-stories N      train on the first N training stories (default all)\n"
+    "  --pattern kimi|gpt2        pre-tokenizer pattern (default kimi)\n"
+    "  --tokenizer DIR            reuse the tokenizer in DIR instead of training one\n"
+    "  --threads N                worker threads (default: OMP_NUM_THREADS or all cores)\n"
+    "\n"
+    "Errors (missing input, empty corpus, vocabulary too small, bad flags) print one\n"
+    "line and exit 2.\n";
+
+#define EOT_TEXT "<|endoftext|>"
+/* Special ids after the BPE ranks. The Kimi layout reserves 256; a trained
+ * tokenizer records its own count ("num_reserved_special_tokens") so a small
+ * vocabulary is not spent on unused specials: just <|endoftext|>. */
+#define N_RESERVED 1
+
+typedef enum { FMT_AUTO, FMT_STORIES, FMT_TEXT, FMT_JSONL } fmt_t;
+
+/* A corpus: documents pointing into mapped files or into owned text. */
+typedef struct {
+    const char **doc;
+    size_t *len;
+    size_t n, cap;
+    uint64_t bytes;
+    /* what to release */
+    void **maps;
+    size_t *map_lens;
+    char **owned;
+    size_t n_maps, n_owned;
+} corpus;
+
+static void corpus_add(corpus *c, const char *p, size_t n) {
+    if (c->n == c->cap) {
+        c->cap = c->cap ? c->cap * 2 : 1024;
+        c->doc = xrealloc_array(c->doc, c->cap, sizeof *c->doc);
+        c->len = xrealloc_array(c->len, c->cap, sizeof *c->len);
+    }
+    c->doc[c->n] = p;
+    c->len[c->n++] = n;
+    c->bytes += n;
+}
+
+static void corpus_free(corpus *c) {
+    for (size_t i = 0; i < c->n_maps; i++) munmap(c->maps[i], c->map_lens[i]);
+    for (size_t i = 0; i < c->n_owned; i++) free(c->owned[i]);
+    free(c->maps);
+    free(c->map_lens);
+    free(c->owned);
+    free(c->doc);
+    free(c->len);
+    memset(c, 0, sizeof *c);
+}
+
+/* Offset of the first invalid UTF-8 byte (strict: no overlongs, surrogates or
+ * code points past U+10FFFF), or len if the text is valid. */
+static size_t utf8_invalid_at(const uint8_t *s, size_t len) {
+    size_t i = 0;
+    while (i < len) {
+        uint8_t c = s[i];
+        if (c < 0x80) { i++; continue; }
+        size_t n;
+        uint32_t cp, min;
+        if ((c & 0xe0) == 0xc0) n = 2, cp = c & 0x1f, min = 0x80;
+        else if ((c & 0xf0) == 0xe0) n = 3, cp = c & 0x0f, min = 0x800;
+        else if ((c & 0xf8) == 0xf0) n = 4, cp = c & 0x07, min = 0x10000;
+        else return i;
+        if (i + n > len) return i;
+        for (size_t k = 1; k < n; k++) {
+            if ((s[i + k] & 0xc0) != 0x80) return i;
+            cp = (cp << 6) | (s[i + k] & 0x3f);
+        }
+        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return i;
+        i += n;
+    }
+    return len;
+}
+
+static bool blank(const char *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != ' ' && p[i] != '\t' && p[i] != '\n' && p[i] != '\r') return false;
+    return true;
+}
+
+/* Start of the next line that is exactly <|endoftext|> (then \n, \r\n or end
+ * of text), searching from `from`; NULL if none. */
+static const char *next_separator(const char *text, size_t len, size_t from, size_t *line_len) {
+    size_t sl = strlen(EOT_TEXT);
+    while (from < len) {
+        const char *q = memmem(text + from, len - from, EOT_TEXT, sl);
+        if (!q) return NULL;
+        size_t at = (size_t)(q - text), e = at + sl;
+        bool start = at == 0 || text[at - 1] == '\n';
+        if (e < len && text[e] == '\r') e++;
+        bool end = e == len || text[e] == '\n';
+        if (start && end) {
+            *line_len = (e < len ? e + 1 : e) - at;
+            return q;
+        }
+        from = at + 1;
+    }
+    return NULL;
+}
+
+static void split_stories(corpus *c, const char *text, size_t len) {
+    size_t pos = 0, ll;
+    const char *q;
+    while ((q = next_separator(text, len, pos, &ll))) {
+        size_t at = (size_t)(q - text), end = at;
+        /* the newline that ends the story's last line belongs to the separator */
+        if (end > pos && text[end - 1] == '\n') end--;
+        if (end > pos && text[end - 1] == '\r') end--;
+        if (!blank(text + pos, end - pos)) corpus_add(c, text + pos, end - pos);
+        pos = at + ll;
+    }
+    size_t end = len;
+    while (end > pos && (text[end - 1] == '\n' || text[end - 1] == '\r')) end--;
+    if (!blank(text + pos, end - pos)) corpus_add(c, text + pos, end - pos);
+}
+
+/* Paragraphs: runs of lines separated by one or more blank lines. */
+static void split_paragraphs(corpus *c, const char *text, size_t len) {
+    size_t pos = 0, start = 0;
+    bool in_doc = false;
+    size_t last_end = 0; /* end of the last non-blank line */
+    while (pos < len) {
+        const char *nl = memchr(text + pos, '\n', len - pos);
+        size_t e = nl ? (size_t)(nl - text) : len;
+        if (blank(text + pos, e - pos)) {
+            if (in_doc) corpus_add(c, text + start, last_end - start);
+            in_doc = false;
+        } else {
+            if (!in_doc) start = pos;
+            in_doc = true;
+            last_end = e > pos && text[e - 1] == '\r' ? e - 1 : e;
+        }
+        pos = nl ? e + 1 : len;
+    }
+    if (in_doc) corpus_add(c, text + start, last_end - start);
+}
+
+static int split_jsonl(corpus *c, const char *path, const char *text, size_t len, k3_err *err) {
+    size_t pos = 0, line = 0;
+    while (pos < len) {
+        line++;
+        const char *nl = memchr(text + pos, '\n', len - pos);
+        size_t e = nl ? (size_t)(nl - text) : len;
+        if (!blank(text + pos, e - pos)) {
+            json_error_t je;
+            json_t *o = json_loadb(text + pos, e - pos, 0, &je);
+            json_t *t = o ? json_object_get(o, "text") : NULL;
+            if (!o || !json_is_string(t)) {
+                json_decref(o);
+                return k3_fail(err, K3_EXIT_USAGE, "%s:%zu: %s", path, line,
+                               o ? "no string field \"text\"" : je.text);
+            }
+            size_t n = json_string_length(t);
+            char *s = xmalloc(n + 1);
+            memcpy(s, json_string_value(t), n);
+            json_decref(o);
+            if (utf8_invalid_at((const uint8_t *)s, n) != n) {
+                free(s);
+                return k3_fail(err, K3_EXIT_USAGE, "%s:%zu: \"text\" is not valid UTF-8", path, line);
+            }
+            if (c->n_owned % 64 == 0) c->owned = xrealloc_array(c->owned, c->n_owned + 64, sizeof *c->owned);
+            c->owned[c->n_owned++] = s;
+            if (!blank(s, n)) corpus_add(c, s, n);
+        }
+        pos = nl ? e + 1 : len;
+    }
+    return 0;
+}
+
+static bool ends_with(const char *s, const char *suf) {
+    size_t a = strlen(s), b = strlen(suf);
+    return a >= b && strcmp(s + a - b, suf) == 0;
+}
+
+static int read_input(corpus *c, const char *path, fmt_t fmt, k3_err *err) {
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return k3_fail(err, K3_EXIT_USAGE, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return k3_fail(err, K3_EXIT_USAGE, "%s: not a regular file", path);
+    }
+    size_t len = (size_t)st.st_size;
+    const char *text = "";
+    if (len) {
+        void *m = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (m == MAP_FAILED) {
+            int e = errno;
+            close(fd);
+            return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot map: %s", path, strerror(e));
+        }
+        madvise(m, len, MADV_SEQUENTIAL);
+        if (c->n_maps % 16 == 0) {
+            c->maps = xrealloc_array(c->maps, c->n_maps + 16, sizeof *c->maps);
+            c->map_lens = xrealloc_array(c->map_lens, c->n_maps + 16, sizeof *c->map_lens);
+        }
+        c->maps[c->n_maps] = m;
+        c->map_lens[c->n_maps++] = len;
+        text = m;
+    }
+    close(fd);
+    if (fmt == FMT_AUTO) {
+        size_t i = 0;
+        while (i < len && (text[i] == ' ' || text[i] == '\n' || text[i] == '\r' || text[i] == '\t')) i++;
+        size_t ll;
+        if (ends_with(path, ".jsonl") || (i < len && text[i] == '{')) fmt = FMT_JSONL;
+        else if (next_separator(text, len, 0, &ll)) fmt = FMT_STORIES;
+        else fmt = FMT_TEXT;
+    }
+    if (fmt == FMT_JSONL) return split_jsonl(c, path, text, len, err);
+    size_t bad = utf8_invalid_at((const uint8_t *)text, len);
+    if (bad != len) {
+        size_t line = 1;
+        for (size_t i = 0; i < bad; i++) line += text[i] == '\n';
+        return k3_fail(err, K3_EXIT_USAGE, "%s:%zu: invalid UTF-8 (byte offset %zu)", path, line, bad);
+    }
+    if (fmt == FMT_STORIES) split_stories(c, text, len);
+    else split_paragraphs(c, text, len);
+    return 0;
+}
+
+/* ---- tokenizing a split into a shard -------------------------------------- */
+typedef struct {
+    uint64_t stories, bytes, tokens;
+} split_stats;
+
+static int write_split(const k3_tokenizer *tk, const char *path, const char *const *doc,
+                       const size_t *len, size_t n, int32_t eot, uint64_t tok_hash,
+                       const char *label, split_stats *st, k3_err *err) {
+    k3_shard_writer *w;
+    int rc = shard_writer_open(path, (uint32_t)tok_vocab_size(tk), (uint32_t)eot, tok_hash, &w, err);
+    if (rc) return rc;
+    memset(st, 0, sizeof *st);
+    uint64_t total = 0;
+    for (size_t i = 0; i < n; i++) total += len[i];
+    k3_progress prog;
+    k3_progress_start(&prog, label, total, true);
+    /* Batches of stories are encoded in parallel and appended in story order,
+     * so the shard is the same whatever the thread count. */
+    const size_t batch = 4096;
+    int32_t **ids = xcalloc(batch, sizeof *ids);
+    size_t *nids = xcalloc(batch, sizeof *nids);
+    int *rcs = xcalloc(batch, sizeof *rcs);
+    k3_err *errs = xcalloc(batch, sizeof *errs);
+    for (size_t b0 = 0; b0 < n && !rc; b0 += batch) {
+        size_t bn = n - b0 < batch ? n - b0 : batch;
+#pragma omp parallel for schedule(dynamic, 16)
+        for (size_t i = 0; i < bn; i++)
+            rcs[i] = tok_encode(tk, doc[b0 + i], len[b0 + i], true, &ids[i], &nids[i], &errs[i]);
+        for (size_t i = 0; i < bn; i++) {
+            if (!rc && rcs[i]) {
+                rc = rcs[i];
+                *err = errs[i];
+            }
+            if (!rc) rc = shard_writer_append(w, ids[i], nids[i], err);
+            if (!rc) rc = shard_writer_append(w, &eot, 1, err);
+            if (!rc) {
+                st->tokens += nids[i] + 1;
+                st->bytes += len[b0 + i];
+            }
+            free(ids[i]);
+            ids[i] = NULL;
+        }
+        k3_progress_update(&prog, st->bytes);
+    }
+    k3_progress_finish(&prog);
+    free(ids);
+    free(nids);
+    free(rcs);
+    free(errs);
+    if (rc) {
+        shard_writer_abort(w);
+        return rc;
+    }
+    st->stories = n;
+    shard_writer_add_docs(w, n);
+    return shard_writer_commit(w, NULL, err);
+}
+
+/* ---- flags ----------------------------------------------------------------- */
+static int parse_u64(const char *flag, const char *v, uint64_t lo, uint64_t hi, uint64_t *out) {
+    char *e;
+    errno = 0;
+    unsigned long long x = strtoull(v, &e, 10);
+    if (!*v || *e || errno || v[0] == '-' || x < lo || x > hi)
+        return k3_usage_error("prepare", "%s: expected an integer in %llu..%llu, got '%s'", flag,
+                              (unsigned long long)lo, (unsigned long long)hi, v);
+    *out = x;
+    return 0;
+}
+
+static int mkdir_p(const char *dir, k3_err *err) {
+    char *p = xstrdup(dir);
+    for (char *s = p + 1; *s; s++) {
+        if (*s != '/') continue;
+        *s = 0;
+        if (mkdir(p, 0777) != 0 && errno != EEXIST) {
+            int e = errno;
+            free(p);
+            return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create: %s", dir, strerror(e));
+        }
+        *s = '/';
+    }
+    int rc = 0;
+    if (mkdir(p, 0777) != 0 && errno != EEXIST)
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create: %s", dir, strerror(errno));
+    free(p);
+    struct stat st;
+    if (!rc && (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)))
+        rc = k3_fail(err, K3_EXIT_USAGE, "%s: not a directory", dir);
+    return rc;
+}
+
+static int copy_file(const char *src, const char *dst, bool optional, k3_err *err) {
+    if (optional && access(src, F_OK) != 0) return 0;
+    char *d;
+    size_t n;
+    int rc = k3_read_file(src, &d, &n, err);
+    if (rc) return rc;
+    rc = k3_write_file_atomic(dst, d, n, err);
+    free(d);
+    return rc;
+}
+
+static json_t *split_json(const split_stats *s) {
+    json_t *o = json_object();
+    json_object_set_new(o, "stories", json_integer((json_int_t)s->stories));
+    json_object_set_new(o, "bytes", json_integer((json_int_t)s->bytes));
+    json_object_set_new(o, "tokens", json_integer((json_int_t)s->tokens));
+    /* separators are not text: bytes per token counts only the text's tokens */
+    uint64_t text_tokens = s->tokens - s->stories;
+    json_object_set_new(o, "bytes_per_token", json_real(text_tokens ? (double)s->bytes / (double)text_tokens : 0.0));
+    return o;
+}
+
+int cmd_prepare(int argc, char **argv) {
+    const char **inputs = xcalloc((size_t)argc, sizeof *inputs), **vinputs = xcalloc((size_t)argc, sizeof *vinputs);
+    int n_in = 0, n_vin = 0;
+    const char *out_dir = NULL, *tok_dir = NULL, *pattern = "kimi";
+    uint64_t vocab = 8192, tok_stories = 0, val_stories = 0, threads = 0;
+    double val_frac = 0.05;
+    bool have_val_stories = false, have_val_frac = false;
+    fmt_t fmt = FMT_AUTO;
+    int rc = 0;
+    for (int i = 1; i < argc && !rc; i++) {
+        const char *a = argv[i];
+        bool has_val = i + 1 < argc;
+        if (!strcmp(a, "--input") || !strcmp(a, "--validation-input")) {
+            bool val = a[2] == 'v';
+            int before = val ? n_vin : n_in;
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0) {
+                if (val) vinputs[n_vin++] = argv[++i];
+                else inputs[n_in++] = argv[++i];
+            }
+            if ((val ? n_vin : n_in) == before) rc = k3_usage_error("prepare", "%s needs at least one file", a);
+        } else if (!has_val && (!strcmp(a, "--output-dir") || !strcmp(a, "--vocab-size") ||
+                                !strcmp(a, "--tokenizer-stories") || !strcmp(a, "--validation-stories") ||
+                                !strcmp(a, "--validation-fraction") || !strcmp(a, "--pattern") ||
+                                !strcmp(a, "--tokenizer") || !strcmp(a, "--format") || !strcmp(a, "--threads"))) {
+            rc = k3_usage_error("prepare", "%s needs a value", a);
+        } else if (!strcmp(a, "--output-dir")) {
+            out_dir = argv[++i];
+        } else if (!strcmp(a, "--vocab-size")) {
+            rc = parse_u64(a, argv[++i], 0, 1u << 24, &vocab);
+        } else if (!strcmp(a, "--tokenizer-stories")) {
+            rc = parse_u64(a, argv[++i], 1, UINT64_MAX, &tok_stories);
+        } else if (!strcmp(a, "--validation-stories")) {
+            rc = parse_u64(a, argv[++i], 0, UINT64_MAX, &val_stories);
+            have_val_stories = true;
+        } else if (!strcmp(a, "--validation-fraction")) {
+            char *e;
+            val_frac = strtod(argv[++i], &e);
+            if (!*argv[i] || *e || !(val_frac >= 0.0 && val_frac < 1.0))
+                rc = k3_usage_error("prepare", "--validation-fraction: expected a number in [0, 1), got '%s'", argv[i]);
+            have_val_frac = true;
+        } else if (!strcmp(a, "--pattern")) {
+            pattern = argv[++i];
+            if (strcmp(pattern, "kimi") && strcmp(pattern, "gpt2"))
+                rc = k3_usage_error("prepare", "--pattern: expected kimi or gpt2, got '%s'", pattern);
+        } else if (!strcmp(a, "--tokenizer")) {
+            tok_dir = argv[++i];
+        } else if (!strcmp(a, "--format")) {
+            const char *f = argv[++i];
+            if (!strcmp(f, "auto")) fmt = FMT_AUTO;
+            else if (!strcmp(f, "stories")) fmt = FMT_STORIES;
+            else if (!strcmp(f, "text")) fmt = FMT_TEXT;
+            else if (!strcmp(f, "jsonl")) fmt = FMT_JSONL;
+            else rc = k3_usage_error("prepare", "--format: expected auto, stories, text or jsonl, got '%s'", f);
+        } else if (!strcmp(a, "--threads")) {
+            rc = parse_u64(a, argv[++i], 1, 4096, &threads);
+        } else {
+            rc = k3_usage_error("prepare", "unknown argument '%s'", a);
+        }
+    }
+    if (!rc && !n_in) rc = k3_usage_error("prepare", "--input FILE... is required");
+    if (!rc && !out_dir) rc = k3_usage_error("prepare", "--output-dir DIR is required");
+    if (!rc && have_val_stories + have_val_frac + (n_vin > 0) > 1)
+        rc = k3_usage_error("prepare", "give only one of --validation-input, --validation-stories, --validation-fraction");
+    if (!rc && !tok_dir && vocab < 256 + N_RESERVED)
+        rc = k3_usage_error("prepare", "--vocab-size %llu is too small: the 256 byte tokens and %d special id%s need at least %d",
+                            (unsigned long long)vocab, N_RESERVED, N_RESERVED == 1 ? "" : "s", 256 + N_RESERVED);
+    if (rc) {
+        free(inputs);
+        free(vinputs);
+        return rc;
+    }
+    if (threads) omp_set_num_threads((int)threads);
+
+    k3_err err = {0};
+    corpus train = {0}, valc = {0};
+    k3_tokenizer *tk = NULL;
+    char path[4096];
+    double t0 = k3_now(), t_tok = 0, t_enc = 0;
+    split_stats st_train = {0}, st_val = {0};
+    size_t n_tok_stories = 0;
+    const char **vdoc;
+    const size_t *vlen;
+    size_t n_val;
+    for (int i = 0; i < n_in && !rc; i++) rc = read_input(&train, inputs[i], fmt, &err);
+    for (int i = 0; i < n_vin && !rc; i++) rc = read_input(&valc, vinputs[i], fmt, &err);
+    if (rc) goto done;
+    if (train.n == 0) {
+        rc = k3_fail(&err, K3_EXIT_USAGE, "%s%s: empty corpus (no stories)", inputs[0], n_in > 1 ? " ..." : "");
+        goto done;
+    }
+    /* validation: the separate files, or the last stories of the input */
+    if (n_vin) {
+        if (valc.n == 0) {
+            rc = k3_fail(&err, K3_EXIT_USAGE, "%s: empty validation corpus (no stories)", vinputs[0]);
+            goto done;
+        }
+        vdoc = valc.doc;
+        vlen = valc.len;
+        n_val = valc.n;
+    } else {
+        n_val = have_val_stories ? (size_t)val_stories : (size_t)llround(val_frac * (double)train.n);
+        if (n_val >= train.n) {
+            rc = k3_fail(&err, K3_EXIT_USAGE, "%s: %zu stories, so %zu for validation leaves none to train on",
+                         inputs[0], train.n, n_val);
+            goto done;
+        }
+        train.n -= n_val;
+        vdoc = train.doc + train.n;
+        vlen = train.len + train.n;
+    }
+    if ((rc = mkdir_p(out_dir, &err))) goto done;
+
+    if (tok_dir) {
+        /* reuse: copy the tokenizer so the output directory is self-contained */
+        char src[4096];
+        const char *names[2] = {"tiktoken.model", "tokenizer_config.json"};
+        for (int k = 0; k < 2 && !rc; k++) {
+            if (snprintf(src, sizeof src, "%s/%s", tok_dir, names[k]) >= (int)sizeof src ||
+                snprintf(path, sizeof path, "%s/%s", out_dir, names[k]) >= (int)sizeof path) {
+                rc = k3_fail(&err, K3_EXIT_USAGE, "%s: path too long", out_dir);
+                break;
+            }
+            if (k == 0 && access(src, F_OK) != 0) {
+                rc = k3_fail(&err, K3_EXIT_USAGE, "%s: no tiktoken.model in --tokenizer directory", tok_dir);
+                break;
+            }
+            rc = copy_file(src, path, k == 1, &err);
+        }
+        if (rc) goto done;
+    } else {
+        /* train on the first N training stories */
+        double ts = k3_now();
+        n_tok_stories = tok_stories && tok_stories < train.n ? (size_t)tok_stories : train.n;
+        tok_splitter *sp;
+        if ((rc = tok_splitter_new(strcmp(pattern, "gpt2") ? TOK_PATTERN_KIMI : TOK_PATTERN_GPT2, &sp, &err))) goto done;
+        uint64_t tb = 0;
+        for (size_t i = 0; i < n_tok_stories; i++) tb += train.len[i];
+        k3_progress prog;
+        k3_progress_start(&prog, "pre-tokens", tb, true);
+        bpe_counts *cnt = bpe_counts_new();
+        static const char *const specials[1] = {EOT_TEXT};
+        rc = bpe_count_docs(cnt, sp, train.doc, train.len, n_tok_stories, specials, 1, &prog, &err);
+        k3_progress_finish(&prog);
+        tok_splitter_free(sp);
+        bpe_model m = {0};
+        if (!rc) {
+            bpe_train_opts o = {.target_tokens = (int)(vocab - N_RESERVED), .unique_tokens = true, .progress = true};
+            rc = bpe_train(cnt, &o, &m, &err);
+        }
+        bpe_counts_free(cnt);
+        if (!rc && m.n_tokens < (int)(vocab - N_RESERVED))
+            fprintf(stderr, "k3: note: the tokenizer stories allow only %d BPE tokens; the vocabulary is %d, not %llu\n",
+                    m.n_tokens, m.n_tokens + N_RESERVED, (unsigned long long)vocab);
+        if (!rc) rc = bpe_write_tiktoken(&m, out_dir, specials, 1, N_RESERVED, EOT_TEXT, pattern, &err);
+        bpe_model_free(&m);
+        if (rc) goto done;
+        t_tok = k3_now() - ts;
+    }
+
+    if ((rc = tok_load(out_dir, &tk, &err))) goto done;
+    int32_t eot = tok_special_id(tk, EOT_TEXT);
+    if (eot < 0) eot = tok_eos_id(tk);
+    if (eot < 0) {
+        rc = k3_fail(&err, K3_EXIT_USAGE, "%s: tokenizer has neither %s nor an eos_token to separate stories",
+                     tok_dir ? tok_dir : out_dir, EOT_TEXT);
+        goto done;
+    }
+    uint64_t hash;
+    if ((rc = data_tokenizer_hash(out_dir, &hash, &err))) goto done;
+    double te = k3_now();
+    if (snprintf(path, sizeof path, "%s/train.bin", out_dir) >= (int)sizeof path) {
+        rc = k3_fail(&err, K3_EXIT_USAGE, "%s: path too long", out_dir);
+        goto done;
+    }
+    rc = write_split(tk, path, train.doc, train.len, train.n, eot, hash, "tokenize train", &st_train, &err);
+    if (!rc && n_val) {
+        snprintf(path, sizeof path, "%s/val.bin", out_dir);
+        rc = write_split(tk, path, vdoc, vlen, n_val, eot, hash, "tokenize val", &st_val, &err);
+    }
+    if (rc) goto done;
+    t_enc = k3_now() - te;
+
+    json_t *root = json_object();
+    json_object_set_new(root, "vocab_size", json_integer(tok_vocab_size(tk)));
+    json_object_set_new(root, "bpe_tokens", json_integer(tok_n_base(tk)));
+    json_object_set_new(root, "eot_id", json_integer(eot));
+    json_object_set_new(root, "tokenizer", json_string(tok_dir ? "reused" : "trained"));
+    if (!tok_dir) {
+        json_object_set_new(root, "pattern", json_string(pattern));
+        json_object_set_new(root, "tokenizer_stories", json_integer((json_int_t)n_tok_stories));
+    }
+    json_object_set_new(root, "train", split_json(&st_train));
+    json_object_set_new(root, "validation", split_json(&st_val));
+    json_object_set_new(root, "seconds_tokenizer", json_real(t_tok));
+    json_object_set_new(root, "seconds_tokenize", json_real(t_enc));
+    json_object_set_new(root, "seconds_total", json_real(k3_now() - t0));
+    char *js = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(root);
+    snprintf(path, sizeof path, "%s/stats.json", out_dir);
+    size_t jl = strlen(js);
+    js = xrealloc(js, jl + 2);
+    js[jl] = '\n';
+    rc = k3_write_file_atomic(path, js, jl + 1, &err);
+    free(js);
+    if (rc) goto done;
+
+    printf("%-11s %10s %14s %12s %12s\n", "split", "stories", "bytes", "tokens", "bytes/token");
+    const split_stats *ss[2] = {&st_train, &st_val};
+    const char *names[2] = {"train", "validation"};
+    for (int k = 0; k < 2; k++) {
+        uint64_t tt = ss[k]->tokens - ss[k]->stories;
+        printf("%-11s %10llu %14llu %12llu %12.3f\n", names[k], (unsigned long long)ss[k]->stories,
+               (unsigned long long)ss[k]->bytes, (unsigned long long)ss[k]->tokens,
+               tt ? (double)ss[k]->bytes / (double)tt : 0.0);
+    }
+    printf("vocabulary %d (%d BPE tokens), <|endoftext|> = %d; tokenizer %.1fs, tokenize %.1fs; wrote %s\n",
+           tok_vocab_size(tk), tok_n_base(tk), eot, t_tok, t_enc, out_dir);
+
+done:
+    if (tk) tok_free(tk);
+    corpus_free(&train);
+    corpus_free(&valc);
+    free(inputs);
+    free(vinputs);
+    return rc ? k3_report(&err) : 0;
+}
