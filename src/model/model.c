@@ -512,7 +512,7 @@ static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err
     return K3_OK;
 }
 
-const k3_layer_w *k3_model_layer(const k3_model *m, int layer) { return &m->layers[layer]; }
+const k3_layer_w *k3_model_layer(const k3_model *m, int layer) { return m->layers ? &m->layers[layer] : NULL; }
 
 void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
     if (src) m->src = *src;
@@ -744,7 +744,7 @@ uint64_t k3_model_bytes_per_token(const k3_model *m) {
     const k3_config *c = &m->cfg;
     uint64_t E = (uint64_t)c->hidden_size, b = 0;
     b += mat_bytes(&m->embed) / (uint64_t)c->vocab_size + mat_bytes(&m->lm_head) + 2 * E * 4;
-    for (int L = 0; L < c->num_layers; L++) {
+    for (int L = 0; m->layers && L < c->num_layers; L++) { /* top_only: no layers bound */
         const k3_layer_w *w = &m->layers[L];
         b += 6 * E * 4;
         if (w->kind == 'K') {

@@ -60,7 +60,8 @@ const k3_config *k3_model_config(const k3_model *m);
 /* Bytes of weights held in memory (mapped or allocated) by this model. */
 uint64_t k3_model_weight_bytes(const k3_model *m);
 /* Weight bytes one decoded token reads: every trunk matrix, k routed experts
- * per MoE layer, the lm_head and one embedding row (norm vectors included). */
+ * per MoE layer, the lm_head and one embedding row (norm vectors included;
+ * model-level tensors only for a model opened top_only). */
 uint64_t k3_model_bytes_per_token(const k3_model *m);
 
 /* ---- decode state ----------------------------------------------------- */
@@ -183,7 +184,8 @@ typedef struct {
     void (*experts_put)(void *ctx, int layer, const int *ids, int n);
 } k3_weight_source;
 void k3_model_set_source(k3_model *m, const k3_weight_source *src); /* NULL: back to resident */
-/* Layer L as bound at open (the resident table the default source serves). */
+/* Layer L as bound at open (the resident table the default source serves);
+ * NULL for a model opened top_only. */
 const k3_layer_w *k3_model_layer(const k3_model *m, int layer);
 
 /* Tensor lookup used by the binder: name is relative, in the released
