@@ -705,7 +705,7 @@ static int stream_experts_get(void *ctx, int L, const int *ids, int n, k3_expert
         bool res = false;
         bool hit = xc_request_one(s->xc, L, e, &res, &ev);
         if (s->tracing && (rc = xc_trace_write(&s->trace, s->step, L, e, err))) break;
-        if (hit) {
+        if (hit && s->buf_of[key] >= 0) { /* (a repeat within one step with no cache would have no buffer) */
             s->bb[i] = s->buf_of[key];
             s->inuse[s->bb[i]] = 1;
             continue;
