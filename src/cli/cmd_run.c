@@ -55,6 +55,8 @@ const char *const cmd_run_help =
     "                       token fed (the prompt, then the first N-1 generated);\n"
     "                       row i predicts token i+1\n"
     "  --quiet              print nothing but errors (use with --out)\n"
+    "  --verbose            also report every forward call on stderr (time, bytes\n"
+    "                       read, expert hits); --out always has these lines\n"
     "\n"
     K3_RUNMEM_HELP
     "\n"
@@ -65,7 +67,7 @@ const char *const cmd_run_help =
 typedef struct {
     const char *model_dir, *tok_dir, *prompt, *prompt_file, *ids, *out, *dump;
     int64_t gen;
-    bool full, incremental, quiet, peer_eps;
+    bool full, incremental, quiet, verbose, peer_eps;
     int threads, layers, kda_chunk;
     float temperature, top_p, min_p;
     int top_k;
@@ -150,6 +152,7 @@ static int parse_args(int argc, char **argv, run_args *a) {
         } else if (!strcmp(o, "--full")) a->full = true;
         else if (!strcmp(o, "--incremental")) a->incremental = true;
         else if (!strcmp(o, "--quiet")) a->quiet = true;
+        else if (!strcmp(o, "--verbose")) a->verbose = true;
         else if (!strcmp(o, "--peer-mla-eps")) a->peer_eps = true;
         else if (!strcmp(o, "--out")) { NEED_VALUE(); a->out = v; }
         else if (!strcmp(o, "--dump-logits")) { NEED_VALUE(); a->dump = v; }
@@ -342,7 +345,7 @@ static int prefill(run_ctx *r, k3_err *err) {
         if (rc) return rc;
         if (r->dumping && n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
         k3_progress_update(&pb, i + n);
-        k3_runmem_step(r->rm, true, (int)n, r->a->quiet ? NULL : stderr); /* issue 4 */
+        k3_runmem_step(r->rm, true, (int)n, r->a->verbose && !r->a->quiet ? stderr : NULL); /* issue 4 */
     }
     k3_progress_finish(&pb);
     return K3_OK;
@@ -363,7 +366,7 @@ static int step(run_ctx *r, k3_err *err) {
     } else {
         rc = k3_forward(r->m, r->s, r->seq + r->nseq - 1, 1, r->logits, false, err);
     }
-    if (!rc) k3_runmem_step(r->rm, false, 1, r->a->quiet ? NULL : stderr);
+    if (!rc) k3_runmem_step(r->rm, false, 1, r->a->verbose && !r->a->quiet ? stderr : NULL);
     if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, V, err);
     return rc;
 }
@@ -473,9 +476,8 @@ static int run(const run_args *a, k3_err *err) {
     if (r.tok) tok_stream_init(&r.ts, r.tok);
     int eos = c->eos_token_id >= 0 ? c->eos_token_id : (r.tok ? tok_eos_id(r.tok) : -1);
     if (!a->quiet)
-        fprintf(stderr, "model %s: %d layers (%s), vocab %d; prompt %zu tokens; threads %d; plan %.3f GiB of %.3f GiB (%s)\n",
-                a->model_dir, c->num_layers, a->full ? "full recompute" : "incremental", c->vocab_size, r.nprompt,
-                threads, gib(need), gib(budget), bname);
+        fprintf(stderr, "model %s: %d layers (%s), vocab %d; prompt %zu tokens; threads %d\n", a->model_dir,
+                c->num_layers, a->full ? "full recompute" : "incremental", c->vocab_size, r.nprompt, threads);
 
     if (!a->quiet) k3_runmem_print_plan(r.rm, stderr); /* issue 4 */
     k3_sampler sp;

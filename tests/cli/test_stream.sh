@@ -58,10 +58,12 @@ done
 [ "$(jnum "$OUT/trunk-ring.json" trunk_bytes_read)" -gt 0 ] && pass report:trunk-read || fail report:trunk-read
 [ "$(jnum "$OUT/max.json" trunk_bytes_read)" = 0 ] && pass report:resident-no-trunk-read || fail report:resident-no-trunk-read
 
-# the report on stderr: plan, one line per forward call, summary
-expect_exit report 0 $K3 run "$M" --ids $IDS --gen 3 --trunk "$T" --trunk-gb 0.00012 --cache-gb 0.00002
+# the report on stderr: plan, one line per forward call (with --verbose), summary
+expect_exit report 0 $K3 run "$M" --ids $IDS --gen 3 --trunk "$T" --trunk-gb 0.00012 --cache-gb 0.00002 --verbose
 grep -q '^k3: memory plan' "$OUT/report.err" && pass report:plan || fail report:plan
 [ "$(grep -c '^k3: token [0-9]*:' "$OUT/report.err")" = 2 ] && pass report:per-token || fail report:per-token
+expect_exit report_quietsteps 0 $K3 run "$M" --ids $IDS --gen 3 --trunk "$T" --trunk-gb 0.00012 --cache-gb 0.00002
+[ "$(grep -c '^k3: token [0-9]*:' "$OUT/report_quietsteps.err")" = 0 ] && pass report:no-per-token-by-default || fail report:no-per-token-by-default
 grep -q 'resident hits' "$OUT/report.err" && pass report:summary || fail report:summary
 grep -q 'I/O share' "$OUT/report.err" && pass report:io-share || fail report:io-share
 
