@@ -30,6 +30,7 @@ typedef struct {
      * for k = 0, 1, ... in order (the same bits as a loop of axpy). */
     void (*gemm_acc)(float *C, int ldc, int M, int N, const float *A, int sam, int sak, int K,
                      const float *B, int ldb);
+    void (*dots)(float *out, const float *x, const float *B, size_t ldb, int rows, int len);
     void (*silu)(float *x, int n);
     void (*situ)(float *out, const float *gate, const float *up, int n, float b1, float b2);
     void (*sigmoid_mul)(float *y, const float *gate, int n);          /* y *= sigmoid(gate) */

@@ -216,6 +216,30 @@ TGT static void v_gemm_acc(float *C, int ldc, int M, int N, const float *A, int 
     }
 }
 
+/* out[p] = dot(x, B + p ldb): 8 rows side by side (independent chains hide
+ * the FMA latency), each in the canonical order. */
+TGT static void v_dots(float *out, const float *x, const float *B, size_t ldb, int rows, int len) {
+    int p = 0;
+    for (; p + 8 <= rows; p += 8) {
+        __m512 acc[8];
+        UNROLL for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+        int j = 0;
+        for (; j + 16 <= len; j += 16) {
+            __m512 xv = _mm512_loadu_ps(x + j);
+            UNROLL for (int i = 0; i < 8; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(B + (size_t)(p + i) * ldb + j), xv, acc[i]);
+        }
+        if (j < len) {
+            __mmask16 m = tailmask(len - j);
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + j);
+            UNROLL for (int i = 0; i < 8; i++)
+                acc[i] = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(m, B + (size_t)(p + i) * ldb + j), xv, acc[i], m);
+        }
+        UNROLL for (int i = 0; i < 8; i++) out[p + i] = tree(acc[i]);
+    }
+    for (; p < rows; p++) out[p] = v_dot(x, B + (size_t)p * ldb, len);
+}
+
 /* ---- products ---------------------------------------------------------------------------
  * A tile is RB weight rows x TB inputs with one zmm accumulator per pair,
  * sweeping the columns in 16-wide steps: each accumulator sees its row's
@@ -270,6 +294,14 @@ __attribute__((constructor)) static void e8m0_init(void) {
     for (int s = 0; s < 256; s++) e8m0_tab[s] = k_e8m0((uint8_t)s);
 }
 
+/* Software prefetch distance of the matrix-vector tiles: the hardware
+ * prefetcher ramps up slowly on the short row streams of a tile (a row of a
+ * 1280-wide BF16 matrix is 40 lines), so the tiles ask for the bytes this far
+ * ahead of the rows they read. */
+#ifndef K_PF_BYTES
+#define K_PF_BYTES ((size_t)24 * 1024)
+#endif
+
 #define TILE_BODY(RB, TB, LD, ESZ)                                                             \
     const int cols = P->cols;                                                                  \
     const char *wr[RB];                                                                        \
@@ -280,8 +312,17 @@ __attribute__((constructor)) static void e8m0_init(void) {
     __m512 acc[RB][TB];                                                                        \
     UNROLL for (int i = 0; i < RB; i++)                                                        \
         UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                   \
+    /* matvec: prefetch the rows K_PF_BYTES ahead (the tile's rows are one    \
+     * contiguous run: spread its lines over the column steps) */              \
+    const char *pf = NULL;                                                                     \
+    if (TB == 1 && (size_t)(r + RB) * (size_t)cols * ESZ + K_PF_BYTES <=                       \
+                       (size_t)P->rows * (size_t)cols * ESZ)                                   \
+        pf = wr[0] + K_PF_BYTES;                                                               \
     int j = 0;                                                                                 \
     for (; j + 16 <= cols; j += 16) {                                                          \
+        if (pf)                                                                                \
+            UNROLL for (int q = 0; q < (RB * ESZ + 3) / 4; q++)                                \
+                _mm_prefetch(pf + (size_t)j * RB * ESZ + (size_t)q * 64, _MM_HINT_T0);         \
         __m512 w[RB];                                                                          \
         UNROLL for (int i = 0; i < RB; i++) w[i] = LD(wr[i], j, 0xffff);                       \
         UNROLL for (int t = 0; t < TB; t++) {                                                  \
@@ -320,10 +361,18 @@ __attribute__((constructor)) static void e8m0_init(void) {
         UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                   \
     const __m512 e2m1 = _mm512_loadu_ps(k_e2m1);                                               \
     const __m512i sh = mx_shifts();                                                            \
+    const char *pf = NULL;                                                                     \
+    if (TB == 1 && (size_t)(r + RB) * (size_t)(cols / 2) + K_PF_BYTES <=                       \
+                       (size_t)P->rows * (size_t)(cols / 2)) {                                 \
+        pf = (const char *)wr[0] + K_PF_BYTES;                                                 \
+        const char *ps = (const char *)sc[0] + K_PF_BYTES / (size_t)(cols / 2) * (size_t)ng;   \
+        for (int q = 0; q < RB * ng; q += 64) _mm_prefetch(ps + q, _MM_HINT_T0);               \
+    }                                                                                          \
     for (int g = 0, j = 0; g < ng; g++) {                                                      \
         __m512 lut[RB];                                                                        \
         UNROLL for (int i = 0; i < RB; i++) lut[i] = _mm512_mul_ps(e2m1, _mm512_set1_ps(e8m0_tab[sc[i][g]])); \
         for (int v = 0; v < vpg; v++, j += 16) {                                               \
+            if (pf && (j * RB / 2) % 64 == 0) _mm_prefetch(pf + (size_t)j * RB / 2, _MM_HINT_T0); \
             __m512 w[RB];                                                                      \
             UNROLL for (int i = 0; i < RB; i++) w[i] = w_mx(wr[i], j, lut[i], sh);             \
             UNROLL for (int t = 0; t < TB; t++) {                                              \
@@ -411,7 +460,7 @@ TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int 
 const k_vops k_avx512_ops = {
     .dot = v_dot, .sum = v_sum, .axpy = v_axpy, .vfma = v_vfma, .scale = v_scale, .vmul = v_vmul,
     .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
-    .prepare = v_prepare, .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
+    .prepare = v_prepare, .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .dots = v_dots, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
 };
 
 #endif
