@@ -129,6 +129,20 @@ static void s_gemm_acc(float *C, int ldc, int M, int N, const float *A, int sam,
 static void s_dots(float *out, const float *x, const float *B, size_t ldb, int rows, int len) {
     for (int p = 0; p < rows; p++) out[p] = s_dot(x, B + (size_t)p * ldb, len);
 }
+static void s_kda_rows_decay(float *S, int D, const float *a, const float *k, float *u) {
+    for (int i = 0; i < D; i++) {
+        float *Si = S + (size_t)i * D;
+        s_scale(Si, Si, a[i], D);
+        s_axpy(u, k[i], Si, D);
+    }
+}
+static void s_kda_rows_write(float *S, int D, const float *k, const float *d, const float *qs, float *o) {
+    for (int i = 0; i < D; i++) {
+        float *Si = S + (size_t)i * D;
+        s_axpy(Si, k[i], d, D);
+        s_axpy(o, qs[i], Si, D);
+    }
+}
 static void s_silu(float *x, int n) {
     for (int j = 0; j < n; j++) x[j] = x[j] / (1.0f + km_exp(-x[j]));
 }
@@ -184,7 +198,8 @@ static void s_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, 
 const k_vops k_scalar_ops = {
     .dot = s_dot, .sum = s_sum, .axpy = s_axpy, .vfma = s_vfma, .scale = s_scale, .vmul = s_vmul,
     .vadd = s_vadd, .vexp = s_vexp, .subscale = s_subscale, .divs = s_divs,
-    .prepare = NULL, .rowdots = s_rowdots, .gemm_acc = s_gemm_acc, .dots = s_dots, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
+    .prepare = NULL, .rowdots = s_rowdots, .gemm_acc = s_gemm_acc, .dots = s_dots, .kda_rows_decay = s_kda_rows_decay,
+    .kda_rows_write = s_kda_rows_write, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
 };
 
 /* ---- products --------------------------------------------------------------- */
