@@ -3,7 +3,9 @@
  * that implies, and a STREAM-like read-bandwidth probe taken in the same run
  * (so the ratio to the machine's limit is visible).
  *
- *   bin/bench_decode MODEL_DIR [--prompt N] [--gen N] [--threads 1,2] [--probe-mb MB]
+ *   bin/bench_decode MODEL_DIR [--prompt N] [--gen N] [--threads 1,2] [--probe-mb MB] [--chunk N]
+ *
+ * --chunk: positions per forward pass (k3_model_opts.prefill_chunk; default 64).
  *
  * Build a checkpoint with tools/gen_checkpoint.py (e.g. --preset issue7, 627 MB,
  * 96 MXFP4 experts). Not a test: numbers depend on the machine and its load. */
@@ -84,20 +86,21 @@ static int cmp_double(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
     const char *dir = NULL, *tlist = "1,2";
-    int np = 64, ng = 32, probe_mb = 1024;
+    int np = 64, ng = 32, probe_mb = 1024, chunk = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--prompt") && i + 1 < argc) np = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--gen") && i + 1 < argc) ng = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) tlist = argv[++i];
         else if (!strcmp(argv[i], "--probe-mb") && i + 1 < argc) probe_mb = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--chunk") && i + 1 < argc) chunk = atoi(argv[++i]);
         else if (argv[i][0] != '-' && !dir) dir = argv[i];
         else {
-            fprintf(stderr, "usage: bench_decode MODEL_DIR [--prompt N] [--gen N] [--threads 1,2] [--probe-mb MB]\n");
+            fprintf(stderr, "usage: bench_decode MODEL_DIR [--prompt N] [--gen N] [--threads 1,2] [--probe-mb MB] [--chunk N]\n");
             return 2;
         }
     }
     if (!dir || np < 1 || ng < 2 || probe_mb < 16) {
-        fprintf(stderr, "usage: bench_decode MODEL_DIR [--prompt N] [--gen N>=2] [--threads 1,2] [--probe-mb MB>=16]\n");
+        fprintf(stderr, "usage: bench_decode MODEL_DIR [--prompt N] [--gen N>=2] [--threads 1,2] [--probe-mb MB>=16] [--chunk N]\n");
         return 2;
     }
     int threads[16], nt = 0;
@@ -110,7 +113,8 @@ int main(int argc, char **argv) {
 
     k3_err err = {0};
     k3_model *m;
-    if (k3_model_open(dir, NULL, &m, &err)) {
+    k3_model_opts mo = {.prefill_chunk = chunk};
+    if (k3_model_open(dir, &mo, &m, &err)) {
         fprintf(stderr, "k3: %s\n", err.msg);
         return err.code;
     }
@@ -187,8 +191,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "k3: %s\n", err.msg);
         return err.code;
     }
-    printf("\nprefill (%d-token prompt, one call; %.2f GFLOP = 2 x multiply-adds incl. attention)\n", np,
-           2 * pf_macs / 1e9);
+    printf("\nprefill (%d-token prompt, one call, chunks of %d; %.2f GFLOP = 2 x multiply-adds incl. attention)\n", np,
+           chunk > 0 ? chunk : 64, 2 * pf_macs / 1e9);
     printf("%-7s %10s %10s %12s %12s\n", "threads", "tok/s", "GFLOP/s", "CPU s", "GFLOP/CPU-s");
     for (int ti = 0; ti < nt; ti++)
         printf("%-7d %10.1f %10.1f %12.3f %12.1f\n", threads[ti], np / pf[ti].pre_wall,

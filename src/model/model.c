@@ -408,9 +408,6 @@ struct k3_state {
     k3_ws ws;
 };
 
-/* Positions a prefill call processes at once: bounds the activations while
- * letting every weight be read once per chunk. */
-#define K3_CHUNK 64
 
 static int n_boundaries(const k3_config *c) {
     int S = c->attn_res_block_size > 0 ? c->attn_res_block_size : 1;
@@ -451,7 +448,13 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
     return base + need;
 }
 
-static int state_chunk(int64_t max_pos) { return max_pos < K3_CHUNK ? (int)(max_pos > 0 ? max_pos : 1) : K3_CHUNK; }
+/* Positions a forward pass processes at once (the model's chunk, 64 unless
+ * opened otherwise): bounds the activations while letting every weight be
+ * read once per chunk. */
+static int state_chunk(const k3_model *m, int64_t max_pos) {
+    int ch = m->chunk > 0 ? m->chunk : 64;
+    return max_pos < ch ? (int)(max_pos > 0 ? max_pos : 1) : ch;
+}
 
 k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) {
     const k3_config *c = &m->cfg;
@@ -468,7 +471,7 @@ k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) {
     uint64_t mla = 0;
     if (max_pos < 0 || !k3_mul_ok(W * 4 * (uint64_t)nm, (uint64_t)max_pos, &mla)) mla = UINT64_MAX / 4;
     p.mla_bytes = mla;
-    int chunk = state_chunk(max_pos);
+    int chunk = state_chunk(m, max_pos);
     int64_t mp = max_pos > (int64_t)1 << 40 ? (int64_t)1 << 40 : max_pos; /* ws_need only sizes scores */
     p.scratch_bytes = (uint64_t)(n_boundaries(c) + 1) * chunk * c->hidden_size * 4 + ws_need(c, chunk, mp);
     p.total = p.kda_bytes + p.mla_bytes + p.scratch_bytes;
@@ -482,7 +485,7 @@ int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err) {
     k3_state *s = xcalloc(1, sizeof *s);
     s->m = m;
     s->max_pos = max_pos;
-    s->chunk = state_chunk(max_pos);
+    s->chunk = state_chunk(m, max_pos);
     s->nbuf = n_boundaries(c) + 1;
     int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     size_t kda_f = (size_t)H * D * D + 3 * (size_t)P * (K - 1), W = (size_t)c->kv_lora_rank + c->qk_rope_dim;
