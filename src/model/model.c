@@ -194,6 +194,16 @@ void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float
  * Wk_h / Wv_h are head h's key / value rows of kv_b_proj; they are absorbed into
  * the query (Wk_h^T q_nope_h) and applied once to the attended latent, which is
  * the same function as expanding every cached position. No rotary anywhere. */
+/* Softmax over positions 0..n-1 of one head's scores at one position:
+ * (q_abs . c_kv(p) + q_rope . k_rope(p)) * scale, two canonical dots. */
+static void mla_scores(float *sc, float *sr, const float *qa, const float *qrope, const float *latent, int W, int rkv,
+                       int dr, int n, float scale) {
+    k_dots(sc, qa, latent, (size_t)W, n, rkv);
+    k_dots(sr, qrope, latent + rkv, (size_t)W, n, dr);
+    for (int p = 0; p < n; p++) sc[p] = (sc[p] + sr[p]) * scale;
+    k_softmax(sc, n);
+}
+
 static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
                 const float *x, int T, float *y, k3_ws *ws) {
     int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
@@ -220,7 +230,8 @@ static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cac
     int nmax = pos0 + T;
     /* head-major: qabs[h][t][rkv], ctx[h][t][rkv], vout[h][t][dv] */
     float *qabs = ws_f(ws, (size_t)H * Ts * rkv), *ctx = ws_f(ws, (size_t)H * Ts * rkv);
-    float *score = ws_f(ws, 2 * (size_t)H * nmax), *vout = ws_f(ws, (size_t)H * Ts * dv);
+    /* scores: [2][H][nmax] per thread (the rope part is summed in after) */
+    float *score = ws_f(ws, (size_t)omp_get_max_threads() * 2 * H * nmax), *vout = ws_f(ws, (size_t)H * Ts * dv);
     float *att = ws_f(ws, Ts * H * dv);
     float scale = 1.0f / sqrtf((float)dq);
     /* absorbed queries Wk_h^T q_nope_h for every position at once: each element
@@ -231,27 +242,32 @@ static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cac
     for (int h = 0; h < H; h++)
         k_gemm_acc(qabs + (size_t)h * Ts * rkv, rkv, T, rkv, q + (size_t)h * dq, H * dq, dn, &w->kv_b, h * hkv);
     k3_mat lat_m = {.type = KW_F32, .rows = nmax, .cols = W, .data = cache->latent};
-    int ngrp = (H + 3) / 4;
-    for (int t = 0; t < T; t++) {
-        int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
+    if (T == 1) { /* decoding: the heads in parallel */
+        int ngrp = (H + 3) / 4, n = pos0 + 1;
 #pragma omp parallel if ((double)H * n * (W + rkv) > 262144.0)
         {
 #pragma omp for schedule(static)
-            for (int h = 0; h < H; h++) {
-                float *sc = score + (size_t)h * nmax, *sr = score + (size_t)(H + h) * nmax;
-                k_dots(sc, qabs + ((size_t)h * Ts + t) * rkv, cache->latent, (size_t)W, n, rkv);
-                k_dots(sr, q + ((size_t)t * H + h) * dq + dn, cache->latent + rkv, (size_t)W, n, dr);
-                for (int p = 0; p < n; p++) sc[p] = (sc[p] + sr[p]) * scale;
-                k_softmax(sc, n);
-            }
+            for (int h = 0; h < H; h++)
+                mla_scores(score + (size_t)h * nmax, score + (size_t)(H + h) * nmax, qabs + (size_t)h * rkv,
+                           q + (size_t)h * dq + dn, cache->latent, W, rkv, dr, n, scale);
             /* ctx_h = sum_p s_h[p] c_kv(p): all heads share the latent rows, so
              * they run as one product (each element: fmas over p in order) */
 #pragma omp for schedule(static)
             for (int g = 0; g < ngrp; g++) {
                 int h0 = 4 * g, hn = H - h0 < 4 ? H - h0 : 4;
-                k_gemm_acc(ctx + ((size_t)h0 * Ts + t) * rkv, (int)(Ts * rkv), hn, rkv, score + (size_t)h0 * nmax,
-                           nmax, n, &lat_m, 0);
+                k_gemm_acc(ctx + (size_t)h0 * rkv, rkv, hn, rkv, score + (size_t)h0 * nmax, nmax, n, &lat_m, 0);
             }
+        }
+    } else { /* prefill: the positions in parallel (one thread team), all heads of a position together */
+        int nthr = omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if ((double)H * T * nmax * (W + rkv) > 524288.0)
+        for (int t = 0; t < T; t++) {
+            int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
+            float *sb = score + (size_t)omp_get_thread_num() * 2 * H * nmax;
+            for (int h = 0; h < H; h++)
+                mla_scores(sb + (size_t)h * nmax, sb + (size_t)(H + h) * nmax, qabs + ((size_t)h * Ts + t) * rkv,
+                           q + ((size_t)t * H + h) * dq + dn, cache->latent, W, rkv, dr, n, scale);
+            k_gemm_acc(ctx + (size_t)t * rkv, (int)(Ts * rkv), H, rkv, sb, nmax, n, &lat_m, 0);
         }
     }
     /* values: head h's value rows of kv_b on its attended latents, all heads in one batch */
@@ -430,7 +446,7 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
         size_t H = (size_t)c->mla_heads, dq = (size_t)(c->qk_nope_dim + c->qk_rope_dim),
                dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim;
         m = wsz(t * H * dq) + wsz(t * (size_t)c->q_lora_rank) + wsz(t * W) + 2 * wsz(t * H * dv) +
-            2 * wsz(H * t * rkv) + wsz(2 * H * (size_t)max_pos) + wsz(H * t * dv) + 2 * (H * 64 + WS_ALIGN);
+            2 * wsz(H * t * rkv) + wsz((size_t)omp_get_max_threads() * 2 * H * (size_t)max_pos) + wsz(H * t * dv) + 2 * (H * 64 + WS_ALIGN);
         if (m > need) need = m;
     }
     if (c->dense_inter > 0) { /* mlp() */
