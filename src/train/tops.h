@@ -1,10 +1,10 @@
 /* tops.h: the training-side numeric operations (internal to src/train).
  *
- * Forward products go through kernels.h (k_matmul), so the training forward is
- * the inference function with the inference kernels. Every backward here is
- * plain scalar C with explicit fmaf, parallel over OUTPUT elements only (one
- * thread owns each output and sums in a fixed order), so gradients have the
- * same bits whatever the thread count.
+ * The products of a linear layer (forward, dX, dW) are blocked GEMMs
+ * (tgemm.h) with one fma chain per output element; the other operations are
+ * C with explicit fmaf, parallel over OUTPUT elements only (one thread owns
+ * each output and sums in a fixed order), so gradients have the same bits
+ * whatever the thread count.
  *
  * Shapes: activations are row-major [n][dim]; a weight W is [out][in] and the
  * forward is Y = X W^T. */
@@ -16,11 +16,16 @@
 #include <stdlib.h>
 #include <stdbool.h>
 
+/* Products of the training GEMM (tgemm.h); BF16 mode (t_set_bf16) rounds
+ * their operands to BF16 and accumulates in F32. */
+void t_set_bf16(bool on);
+bool t_bf16(void);
 /* Y[n][out] = X[n][in] W^T (W f32 [out][in]). */
 void t_linear(float *Y, const float *X, const float *W, int n, int in, int out);
 /* dX[n][in] (+)= dY[n][out] W. accumulate=false overwrites dX. */
 void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate);
-/* dW[out][in] += dY^T X (sum over the n rows in increasing order). */
+/* dW[out][in] += dY^T X (one chain per element continuing from dW, rows in
+ * increasing order). */
 void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out);
 
 /* RMSNorm rows: y = g * x * r, r = 1/sqrt(mean(x^2)+eps); r[n] saved (may be NULL).
