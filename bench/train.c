@@ -2,7 +2,9 @@
  * and the optimiser) on random tokens, without data files.
  *
  *   bin/bench_train [--config F] [--batch B] [--seq T] [--accum A] [--steps N]
- *                   [--threads LIST] [--optimizer muon|adamw] [--json]
+ *                   [--threads LIST] [--optimizer muon|adamw] [--kda-chunk C] [--bf16]
+ *                   [--json]
+ *   bin/bench_train --gemm     (GFLOP/s of the training GEMM)
  *
  * Per thread count: one warm-up step, then N timed optimiser steps. Prints
  * tokens/s and seconds per step by wall clock AND by process CPU time (on a
@@ -11,6 +13,7 @@
  * flops_per_token) and the achieved FLOP/s. scripts/bench_train.sh runs it
  * beside the PyTorch reference. */
 #include "train/tinternal.h"
+#include "train/tgemm.h"
 
 #include <omp.h>
 #include <stdio.h>
@@ -59,14 +62,59 @@ static uint64_t mix(uint64_t z) {
     return z ^ (z >> 31);
 }
 
+/* GFLOP/s of the training GEMM on the three products of one linear layer
+ * (n tokens, in -> out), F32 and BF16, at the given thread count. */
+static void gemm_bench(int nt, int n, int in, int out) {
+    omp_set_num_threads(nt);
+    /* one thread: CPU time (immune to other jobs holding the core); two: wall */
+    double (*clk)(void) = nt == 1 ? cpu_now : k3_now;
+    float *X = xmalloc_aligned(sizeof(float) * (size_t)n * in), *W = xmalloc_aligned(sizeof(float) * (size_t)out * in);
+    float *Y = xmalloc_aligned(sizeof(float) * (size_t)n * out), *G = xmalloc_aligned(sizeof(float) * (size_t)out * in);
+    float *DX = xmalloc_aligned(sizeof(float) * (size_t)n * in);
+    for (size_t i = 0; i < (size_t)n * in; i++) X[i] = (float)(mix(i) >> 40) / 16777216.0f - 0.5f;
+    for (size_t i = 0; i < (size_t)out * in; i++) W[i] = (float)(mix(i + 99) >> 40) / 16777216.0f - 0.5f;
+    for (size_t i = 0; i < (size_t)n * out; i++) Y[i] = (float)(mix(i + 7) >> 40) / 16777216.0f - 0.5f;
+    memset(G, 0, sizeof(float) * (size_t)out * in);
+    printf("GEMM %d tokens, %d -> %d, %d thread(s), GFLOP/s:", n, in, out, nt);
+    for (int mode = 0; mode < 2; mode++) {
+        if (mode == 1 && !tg_bf16_available()) break;
+        double best[3] = {0, 0, 0};
+        for (int rep = 0; rep < 3; rep++) {
+            double t0 = clk();
+            tg_gemm(Y, out, n, out, in, (tg_view){X, in, 1}, (tg_view){W, 1, in}, false, (tg_mode)mode);
+            double t1 = clk();
+            tg_gemm(DX, in, n, in, out, (tg_view){Y, out, 1}, (tg_view){W, in, 1}, false, (tg_mode)mode);
+            double t2 = clk();
+            tg_gemm(G, in, out, in, n, (tg_view){Y, 1, out}, (tg_view){X, in, 1}, true, (tg_mode)mode);
+            double t3 = clk();
+            double f = 2.0 * n * in * out / 1e9;
+            double g[3] = {f / (t1 - t0), f / (t2 - t1), f / (t3 - t2)};
+            for (int i = 0; i < 3; i++) if (g[i] > best[i]) best[i] = g[i];
+        }
+        printf("  %s fwd %.1f dX %.1f dW %.1f", mode ? "bf16" : "f32", best[0], best[1], best[2]);
+    }
+    printf("\n");
+    free(X); free(W); free(Y); free(G); free(DX);
+}
+
 int main(int argc, char **argv) {
     const char *cfgp = "configs/smol-5m.json", *thr = "1,2", *optn = "muon";
     int B = 16, T = 256, A = 1, steps = 2;
-    bool json = false;
+    bool json = false, bf16 = false;
+    int kda_chunk = -1;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--json")) { json = true; continue; }
+        if (!strcmp(a, "--bf16")) { bf16 = true; continue; }
+        if (!strcmp(a, "--gemm")) {
+            for (int nt = 1; nt <= 2; nt++) {
+                gemm_bench(nt, 4096, 320, 960);
+                gemm_bench(nt, 512, 160, 320);
+                gemm_bench(nt, 4096, 320, 8192);
+            }
+            return 0;
+        }
         if (!v) { fprintf(stderr, "k3: bench_train: %s needs a value\n", a); return 2; }
         i++;
         if (!strcmp(a, "--config")) cfgp = v;
@@ -76,6 +124,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--steps")) steps = atoi(v);
         else if (!strcmp(a, "--threads")) thr = v;
         else if (!strcmp(a, "--optimizer")) optn = v;
+        else if (!strcmp(a, "--kda-chunk")) kda_chunk = atoi(v);
         else { fprintf(stderr, "k3: bench_train: unknown flag %s\n", a); return 2; }
     }
     if (B < 1 || T < 1 || A < 1 || steps < 1) { fprintf(stderr, "k3: bench_train: bad sizes\n"); return 2; }
@@ -87,6 +136,8 @@ int main(int argc, char **argv) {
         return err.code ? err.code : 2;
     }
     tm_init(&m, 1);
+    if (kda_chunk >= 0) m.kda_chunk = kda_chunk;
+    m.bf16 = bf16;
     topt_cfg oc;
     topt_defaults(&oc);
     oc.muon = strcmp(optn, "adamw") != 0;
@@ -99,8 +150,9 @@ int main(int argc, char **argv) {
     const int64_t ntok = (int64_t)A * B * T;
     if (!json)
         printf("bench_train: %s, %zu parameters, batch %dx%d, accumulation %d (%lld tokens/step), "
-               "%s, model GFLOP/token %.4f\n",
-               cfgp, m.nw, B, T, A, (long long)ntok, oc.muon ? "muon" : "adamw", fpt / 1e9);
+               "%s, KDA %s %d, %s, model GFLOP/token %.4f\n",
+               cfgp, m.nw, B, T, A, (long long)ntok, oc.muon ? "muon" : "adamw",
+               m.kda_chunk ? "chunk" : "recurrent", m.kda_chunk, m.bf16 ? "bf16" : "f32", fpt / 1e9);
     char list[64];
     snprintf(list, sizeof list, "%s", thr);
     uint64_t ctr = 0;
@@ -138,11 +190,11 @@ int main(int argc, char **argv) {
         }
         double sw = wall / steps, sc = cpu / steps;
         if (json)
-            printf("{\"config\":\"%s\",\"threads\":%d,\"tokens_per_step\":%lld,\"s_per_step\":%.4f,"
+            printf("{\"config\":\"%s\",\"kda_chunk\":%d,\"bf16\":%s,\"optimizer\":\"%s\",\"threads\":%d,\"tokens_per_step\":%lld,\"s_per_step\":%.4f,"
                    "\"cpu_s_per_step\":%.4f,\"tokens_per_s\":%.2f,\"tokens_per_cpu_s\":%.2f,"
                    "\"flops_per_token\":%.6e,\"gflops\":%.3f,\"forward_cpu_s\":%.4f,\"backward_cpu_s\":%.4f,"
                    "\"optimizer_cpu_s\":%.4f,\"loss\":%.5f}\n",
-                   cfgp, nt, (long long)ntok, sw, sc, ntok / sw, ntok / sc, fpt, fpt * ntok / sw / 1e9,
+                   cfgp, m.kda_chunk, m.bf16 ? "true" : "false", oc.muon ? "muon" : "adamw", nt, (long long)ntok, sw, sc, ntok / sw, ntok / sc, fpt, fpt * ntok / sw / 1e9,
                    fwd / steps, bwd / steps, optt / steps, loss / ntok);
         else
             printf("threads %d: %.3f s/step wall (%.1f tokens/s, %.2f GFLOP/s), %.3f s CPU/step "

@@ -47,6 +47,9 @@ static bool run_case(tg_mode mode, bool *all_same) {
                 for (size_t i = 0; i < nb; i++) b[i] = rnd() * (i % 7 == 0 ? 1e-3f : 1.0f);
                 for (size_t i = 0; i < nc; i++) c0[i] = rnd();
                 if (na > 3) a[3] = 0.0f;
+                if (na > 5) a[5] = 1e-40f;                /* denormals: BF16 reads them as zero */
+                if (nb > 1) b[1] = -3e-39f;
+                if (nb > 2) b[2] = 0x1.fffffcp-127f;      /* would round up to the least normal */
                 tg_view A, B;
                 views(layout, a, b, M, N, K, &A, &B);
                 memcpy(ref, c0, nc * sizeof(float));

@@ -41,10 +41,11 @@ static inline float at(tg_view v, ptrdiff_t i, ptrdiff_t j) { return v.p[i * v.r
 
 /* ---- BF16 helpers (shared by both paths, so the rounding is one function) ---- */
 
+/* As VCVTNEPS2BF16: denormal inputs become a signed zero, NaN stays a
+ * (quiet) NaN, everything else rounds to nearest even. */
 static inline uint16_t to_bf16(float f) {
-    uint16_t h = k3_f32_to_bf16(f);
-    if ((h & 0x7f80) == 0) h &= 0x8000; /* denormal inputs read as zero */
-    return h;
+    if (fpclassify(f) == FP_SUBNORMAL) return signbit(f) ? 0x8000 : 0;
+    return k3_f32_to_bf16(f);
 }
 static inline float ftz(float x) { return fpclassify(x) == FP_SUBNORMAL ? copysignf(0.0f, x) : x; }
 static inline float bf(uint16_t h) { return k3_bf16_to_f32(h); }
@@ -105,6 +106,13 @@ static void pack_a_f32(float *Ap, tg_view A, int m0, int rows, int k0, int kc) {
     for (int t = 0; t < rows; t += MR) {
         float *d = Ap + (size_t)t * kc;
         int h = rows - t < MR ? rows - t : MR;
+        if (A.rs == 1) { /* A^T stored: MR consecutive floats per k */
+            for (int k = 0; k < kc; k++) {
+                const float *s = A.p + (m0 + t) + (k0 + k) * A.cs;
+                for (int r = 0; r < MR; r++) d[(size_t)k * MR + r] = r < h ? s[r] : 0.0f;
+            }
+            continue;
+        }
         for (int r = 0; r < MR; r++) {
             if (r >= h) {
                 for (int k = 0; k < kc; k++) d[(size_t)k * MR + r] = 0.0f;
@@ -147,6 +155,94 @@ static void pack_a_bf16(uint32_t *Ap, tg_view A, int m0, int rows, int k0, int k
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define TGTBF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
 #define UNROLL _Pragma("GCC unroll 16")
+
+/* n floats -> n BF16 (n <= 16 per call), the instruction's rounding. */
+TGTBF static inline __m256i cvt16(const float *src, int n) {
+    __mmask16 m = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src));
+}
+/* lo | hi << 16 for 16 BF16 pairs */
+TGTBF static inline __m512i pair16(__m256i lo, __m256i hi) {
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+/* Vector packers for the layouts the training products use; other strides
+ * take the scalar packers (same conversion, same bits). */
+TGTBF static bool pack_b_bf16_v(uint16_t *Bp, tg_view B, int K, int N, int p) {
+    int K2 = (K + 1) / 2;
+    uint32_t *d = (uint32_t *)(Bp + (size_t)p * K2 * NR * 2);
+    int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
+    if (B.cs == 1) {
+        for (int q = 0; q < K2; q++) {
+            const float *r0 = B.p + (2 * q) * B.rs + n0, *r1 = r0 + B.rs;
+            bool two = 2 * q + 1 < K;
+            for (int h = 0; h < 2; h++) {
+                int c = w - 16 * h;
+                c = c < 0 ? 0 : c > 16 ? 16 : c;
+                __m256i lo = cvt16(r0 + 16 * h, c), hi = two ? cvt16(r1 + 16 * h, c) : _mm256_setzero_si256();
+                _mm512_storeu_si512(d + (size_t)q * NR + 16 * h, pair16(lo, hi));
+            }
+        }
+        return true;
+    }
+    if (B.rs == 1) {
+        for (int j = 0; j < NR; j++) {
+            const float *row = B.p + (n0 + j) * B.cs;
+            for (int q0 = 0; q0 < K2; q0 += 16) {
+                uint32_t t[16];
+                int c = 2 * (K2 - q0) < 32 ? 2 * (K2 - q0) : 32; /* floats of this block incl. padding */
+                int valid = K - 2 * q0 < c ? K - 2 * q0 : c;
+                if (j >= w) valid = 0;
+                __m256i a = cvt16(row + 2 * q0, valid < 16 ? valid : 16);
+                __m256i b = cvt16(row + 2 * q0 + 16, valid > 16 ? valid - 16 : 0);
+                _mm256_storeu_si256((__m256i *)t, a);
+                _mm256_storeu_si256((__m256i *)t + 1, b);
+                for (int q = 0; q < c / 2; q++) d[(size_t)(q0 + q) * NR + j] = t[q];
+            }
+        }
+        return true;
+    }
+    return false;
+}
+
+TGTBF static bool pack_a_bf16_v(uint32_t *Ap, tg_view A, int m0, int rows, int k0, int kc, int K) {
+    int kc2 = (kc + 1) / 2;
+    if (A.cs == 1) {
+        for (int t = 0; t < rows; t += MR) {
+            uint32_t *d = Ap + (size_t)t * kc2;
+            int h = rows - t < MR ? rows - t : MR;
+            for (int r = 0; r < MR; r++) {
+                const float *row = A.p + (m0 + t + r) * A.rs + k0;
+                for (int q0 = 0; q0 < kc2; q0 += 16) {
+                    uint32_t tt[16];
+                    int c = 2 * (kc2 - q0) < 32 ? 2 * (kc2 - q0) : 32;
+                    int valid = K - (k0 + 2 * q0) < c ? K - (k0 + 2 * q0) : c;
+                    if (r >= h) valid = 0;
+                    __m256i a = cvt16(row + 2 * q0, valid < 16 ? valid : 16);
+                    __m256i b = cvt16(row + 2 * q0 + 16, valid > 16 ? valid - 16 : 0);
+                    _mm256_storeu_si256((__m256i *)tt, a);
+                    _mm256_storeu_si256((__m256i *)tt + 1, b);
+                    for (int q = 0; q < c / 2; q++) d[(size_t)(q0 + q) * MR + r] = tt[q];
+                }
+            }
+        }
+        return true;
+    }
+    if (A.rs == 1) {
+        for (int t = 0; t < rows; t += MR) {
+            uint32_t *d = Ap + (size_t)t * kc2;
+            int h = rows - t < MR ? rows - t : MR;
+            for (int q = 0; q < kc2; q++) {
+                int k = k0 + 2 * q;
+                const float *r0 = A.p + (m0 + t) + k * A.cs;
+                __m256i lo = cvt16(r0, h), hi = k + 1 < K ? cvt16(r0 + A.cs, h) : _mm256_setzero_si256();
+                _mm512_mask_storeu_epi32(d + (size_t)q * MR, (__mmask16)((1u << MR) - 1u), pair16(lo, hi));
+            }
+        }
+        return true;
+    }
+    return false;
+}
 
 /* C tile (h rows, w cols) at C; first: start from zero instead of C. */
 TGT static void tile_f32(float *C, ptrdiff_t ldc, int h, int w, const float *Ap, const float *Bp, int kc,
@@ -240,7 +336,7 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
     const bool par = work > 2e5 && omp_get_max_threads() > 1 && !omp_in_parallel();
 #pragma omp parallel for schedule(static) if (par)
     for (int p = 0; p < np; p++) {
-        if (bfm) pack_b_bf16(Bp, B, K, N, p);
+        if (bfm) { if (!pack_b_bf16_v(Bp, B, K, N, p)) pack_b_bf16(Bp, B, K, N, p); }
         else pack_b_f32(Bp, B, K, N, p);
     }
     /* jobs: row blocks x panel ranges, at least 4 per thread when possible */
@@ -260,7 +356,7 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
             for (int k0 = 0; k0 < K; k0 += KC) {
                 int kc = K - k0 < KC ? K - k0 : KC;
                 bool first = k0 == 0 && !acc;
-                if (bfm) pack_a_bf16(Ap, A, m0, rows, k0, kc, K);
+                if (bfm) { if (!pack_a_bf16_v(Ap, A, m0, rows, k0, kc, K)) pack_a_bf16(Ap, A, m0, rows, k0, kc, K); }
                 else pack_a_f32(Ap, A, m0, rows, k0, kc);
                 int kc2 = (kc + 1) / 2;
                 for (int p = p0; p < p1; p++) {
