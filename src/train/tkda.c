@@ -85,7 +85,7 @@ void kda_free(kda_acts *a) {
 static void step_fwd(float *o, float *S, const float *q, const float *k, const float *v,
                      const float *gl, float beta, int D, float qscale, float *u) {
     for (int i = 0; i < D; i++) {
-        float a = expf(gl[i]);
+        float a = t_exp(gl[i]);
         float *s = S + (size_t)i * D;
         for (int j = 0; j < D; j++) s[j] *= a;
     }
@@ -356,7 +356,7 @@ void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, flo
         for (int i = 0; i < P; i++) {
             size_t ix = (size_t)n * P + i;
             a->zb[ix] += dtb[i];
-            a->gl[ix] = gmin * t_sigmoid(expf(Al[i / D]) * a->zb[ix]);
+            a->gl[ix] = gmin * t_sigmoid(t_exp(Al[i / D]) * a->zb[ix]);
         }
     /* the recurrence, one (sequence, head) per task; the state entering every
      * chunk of CK positions is saved for the backward */
@@ -417,7 +417,7 @@ static void chunk_bwd(float *dS, const float *Sprev, const float *q, const float
         float bt = beta[t * sb];
         /* recompute S' = diag(a) S0, u = S'^T k, delta, S_t */
         for (int i = 0; i < D; i++) {
-            al[i] = expf(gt[i]);
+            al[i] = t_exp(gt[i]);
             for (int j = 0; j < D; j++) Sp[(size_t)i * D + j] = S0[(size_t)i * D + j] * al[i];
         }
         for (int j = 0; j < D; j++) u[j] = 0.0f;
@@ -556,13 +556,13 @@ void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, co
     for (int n = 0; n < N; n++)
         for (int i = 0; i < P; i++) {
             size_t ix = (size_t)n * P + i;
-            float eA = expf(Al[i / D]);
+            float eA = t_exp(Al[i / D]);
             float s = t_sigmoid(eA * a->zb[ix]);
             dgl[ix] = dgl[ix] * gmin * s * (1.0f - s); /* d/d(eA zb) */
         }
     float *gA = g + kw->A_log, *gdt = g + kw->dt_bias;
     for (int h = 0; h < H; h++) {
-        float eA = expf(Al[h]), s = 0.0f;
+        float eA = t_exp(Al[h]), s = 0.0f;
         for (int n = 0; n < N; n++)
             for (int d = 0; d < D; d++) {
                 size_t ix = (size_t)n * P + (size_t)h * D + d;
@@ -572,12 +572,16 @@ void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, co
     }
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++)
-        for (int i = 0; i < P; i++) dgl[(size_t)n * P + i] *= expf(Al[i / D]); /* now dzb */
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < P; i++) {
-        float s = 0.0f;
-        for (int n = 0; n < N; n++) s += dgl[(size_t)n * P + i];
-        gdt[i] += s;
+        for (int i = 0; i < P; i++) dgl[(size_t)n * P + i] *= t_exp(Al[i / D]); /* now dzb */
+    {
+        /* column sums over n in increasing order, rows read contiguously */
+        float *acc = xcalloc((size_t)P, sizeof(float));
+        for (int n = 0; n < N; n++) {
+            const float *r = dgl + (size_t)n * P;
+            for (int i = 0; i < P; i++) acc[i] += r[i];
+        }
+        for (int i = 0; i < P; i++) gdt[i] += acc[i];
+        free(acc);
     }
     t_linear_dw(g + kw->f_b, dgl, a->fa, N, D, P);
     t_linear_dx(dfa, dgl, w + kw->f_b, N, D, P, false);
@@ -626,18 +630,29 @@ void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, co
             dpre[(size_t)n * P3 + ch] = acc;
         }
     }
+    /* taps: gcw[ch][j] += sum_n dcv[n][ch] pre[n-(K-1)+j][ch], n in increasing
+     * order; blocks of channels so the rows are read contiguously */
     float *gcw = g + kw->conv;
+    enum { CB = 64 };
+    const int ncb = (P3 + CB - 1) / CB;
 #pragma omp parallel for schedule(static)
-    for (int ch = 0; ch < P3; ch++)
-        for (int j = 0; j < K; j++) {
-            float s = 0.0f;
-            for (int n = 0; n < N; n++) {
-                int t = n % T, tt = t - (K - 1) + j;
-                if (tt < 0) continue;
-                s = fmaf(dcv[(size_t)n * P3 + ch], a->pre[(size_t)(n - (K - 1) + j) * P3 + ch], s);
+    for (int cb = 0; cb < ncb; cb++) {
+        int c0 = cb * CB, nch = P3 - c0 < CB ? P3 - c0 : CB;
+        float *acc = xcalloc((size_t)CB * K, sizeof(float)); /* [j][c] */
+        for (int n = 0; n < N; n++) {
+            int t = n % T;
+            const float *d = dcv + (size_t)n * P3 + c0;
+            for (int j = 0; j < K; j++) {
+                if (t - (K - 1) + j < 0) continue;
+                const float *src = a->pre + (size_t)(n - (K - 1) + j) * P3 + c0;
+                float *ac = acc + (size_t)j * CB;
+                for (int c = 0; c < nch; c++) ac[c] = fmaf(d[c], src[c], ac[c]);
             }
-            gcw[(size_t)ch * K + j] += s;
         }
+        for (int c = 0; c < nch; c++)
+            for (int j = 0; j < K; j++) gcw[(size_t)(c0 + c) * K + j] += acc[(size_t)j * CB + c];
+        free(acc);
+    }
     t_linear_dw(g + kw->qkv, dpre, x, N, E, P3);
     t_linear_dx(dx, dpre, w + kw->qkv, N, E, P3, true);
 }

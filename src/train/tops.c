@@ -71,25 +71,46 @@ void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const 
     }
 }
 
-void t_situ(float *h, const float *a, const float *u, size_t m, float b1, float b2) {
-#pragma omp parallel for schedule(static)
+/* One row's worth (or any run) of SiTU-GLU; the loops vectorise (kmath). */
+static void situ_run(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1,
+                     float b2) {
     for (size_t i = 0; i < m; i++) {
-        float ga = b1 * tanhf(a[i] / b1) * t_sigmoid(a[i]);
-        float gu = b2 * tanhf(u[i] / b2);
+        float ga = b1 * t_tanh(a[i] / b1) * t_sigmoid(a[i]);
+        float gu = b2 * t_tanh(u[i] / b2);
         h[i] = ga * gu;
     }
 }
 
-void t_situ_bwd(float *da, float *du, const float *dh, const float *a, const float *u, size_t m,
-                float b1, float b2) {
-#pragma omp parallel for schedule(static)
+static void situ_bwd_run(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
+                         const float *restrict u, size_t m, float b1, float b2) {
     for (size_t i = 0; i < m; i++) {
-        float ta = tanhf(a[i] / b1), sa = t_sigmoid(a[i]), tu = tanhf(u[i] / b2);
+        float ta = t_tanh(a[i] / b1), sa = t_sigmoid(a[i]), tu = t_tanh(u[i] / b2);
         float A = b1 * ta * sa, U = b2 * tu;
         float dA = (1.0f - ta * ta) * sa + b1 * ta * sa * (1.0f - sa);
         float dU = 1.0f - tu * tu;
         da[i] = dh[i] * U * dA;
         du[i] = dh[i] * A * dU;
+    }
+}
+
+enum { SITU_BLK = 4096 };
+
+void t_situ(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1, float b2) {
+    size_t nb = (m + SITU_BLK - 1) / SITU_BLK;
+#pragma omp parallel for schedule(static) if (nb > 1)
+    for (size_t b = 0; b < nb; b++) {
+        size_t i0 = b * SITU_BLK, n = m - i0 < SITU_BLK ? m - i0 : SITU_BLK;
+        situ_run(h + i0, a + i0, u + i0, n, b1, b2);
+    }
+}
+
+void t_situ_bwd(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
+                const float *restrict u, size_t m, float b1, float b2) {
+    size_t nb = (m + SITU_BLK - 1) / SITU_BLK;
+#pragma omp parallel for schedule(static) if (nb > 1)
+    for (size_t b = 0; b < nb; b++) {
+        size_t i0 = b * SITU_BLK, n = m - i0 < SITU_BLK ? m - i0 : SITU_BLK;
+        situ_bwd_run(da + i0, du + i0, dh + i0, a + i0, u + i0, n, b1, b2);
     }
 }
 
@@ -108,7 +129,7 @@ void t_attnres(float *out, float *alpha, float *r, const float *const *src, int 
             if (al[i] > mx) mx = al[i];
         }
         float s = 0.0f;
-        for (int i = 0; i < m; i++) { al[i] = expf(al[i] - mx); s += al[i]; }
+        for (int i = 0; i < m; i++) { al[i] = t_exp(al[i] - mx); s += al[i]; }
         for (int i = 0; i < m; i++) al[i] /= s;
         float *o = out + (size_t)t * dim;
         for (int d = 0; d < dim; d++) {

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <stdbool.h>
 
+#include "kernels/kmath.h"
+
 /* Products of the training GEMM (tgemm.h); BF16 mode (t_set_bf16) rounds
  * their operands to BF16 and accumulates in F32. */
 void t_set_bf16(bool on);
@@ -37,11 +39,16 @@ void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const 
 
 /* SiTU-GLU h = [b1 tanh(a/b1) sig(a)] * [b2 tanh(u/b2)] over m elements, and its
  * backward (da, du overwritten). */
-void t_situ(float *h, const float *a, const float *u, size_t m, float b1, float b2);
-void t_situ_bwd(float *da, float *du, const float *dh, const float *a, const float *u, size_t m,
-                float b1, float b2);
+void t_situ(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1, float b2);
+void t_situ_bwd(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
+                const float *restrict u, size_t m, float b1, float b2);
 
-static inline float t_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+/* exp / tanh / sigmoid from the kernels' kmath.h: built from IEEE-exact
+ * operations only, so loops of them vectorise with the scalar bits and do
+ * not depend on the libm version. */
+static inline float t_exp(float x) { return km_exp(x); }
+static inline float t_tanh(float x) { return km_tanh(x); }
+static inline float t_sigmoid(float x) { return km_sigmoid(x); }
 
 /* Block AttnRes over m sources (each [n][dim]): per row, k_i = rmsnorm(v_i; gn),
  * s_i = <k_i, w>, a = softmax(s), out = sum_i a_i v_i. Saves alpha[n][m] and the
