@@ -419,8 +419,9 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
 
 static int state_chunk(int64_t max_pos) { return max_pos < K3_CHUNK ? (int)(max_pos > 0 ? max_pos : 1) : K3_CHUNK; }
 
-k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) {
-    const k3_config *c = &m->cfg;
+k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) { return k3_state_size_cfg(&m->cfg, max_pos); }
+
+k3_state_plan k3_state_size_cfg(const k3_config *c, int64_t max_pos) {
     k3_state_plan p = {0};
     uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
     uint64_t kda_f = (uint64_t)c->kda_heads * c->kda_head_dim * c->kda_head_dim + 3 * P * (uint64_t)(c->conv_kernel - 1);
@@ -505,12 +506,13 @@ uint64_t k3_state_scratch_overflow(const k3_state *s) { return s->ws.overflow; }
 /* ---- weight sources ------------------------------------------------------------------ */
 
 static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err *err) {
-    (void)err;
-    *w = &((k3_model *)ctx)->layers[layer];
+    k3_model *m = ctx;
+    if (!m->layers) return k3_fail(err, K3_EXIT_RUNTIME, "model opened without layers and no weight source set");
+    *w = &m->layers[layer];
     return K3_OK;
 }
 
-const k3_layer_w *k3_model_layer(const k3_model *m, int layer) { return &m->layers[layer]; }
+const k3_layer_w *k3_model_layer(const k3_model *m, int layer) { return m->layers ? &m->layers[layer] : NULL; }
 
 void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
     if (src) m->src = *src;
@@ -742,7 +744,7 @@ uint64_t k3_model_bytes_per_token(const k3_model *m) {
     const k3_config *c = &m->cfg;
     uint64_t E = (uint64_t)c->hidden_size, b = 0;
     b += mat_bytes(&m->embed) / (uint64_t)c->vocab_size + mat_bytes(&m->lm_head) + 2 * E * 4;
-    for (int L = 0; L < c->num_layers; L++) {
+    for (int L = 0; m->layers && L < c->num_layers; L++) { /* top_only: no layers bound */
         const k3_layer_w *w = &m->layers[L];
         b += 6 * E * 4;
         if (w->kind == 'K') {

@@ -72,6 +72,13 @@ int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *er
 int k3_atomic_commit(k3_atomic_file *af, k3_err *err); /* fsync + rename + dir fsync */
 void k3_atomic_abort(k3_atomic_file *af);              /* unlink the temp file */
 
+/* CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
+ * Start with crc = 0; feed chunks by passing the previous result. */
+uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n);
+/* FNV-1a 64-bit, for identities of small byte strings (headers, names). */
+uint64_t k3_fnv1a64(uint64_t h, const void *data, size_t n);
+#define K3_FNV_OFFSET 0xcbf29ce484222325ULL
+
 double k3_now(void);               /* monotonic seconds */
 uint64_t k3_peak_rss_bytes(void);  /* getrusage ru_maxrss */
 uint64_t k3_mem_available_bytes(void); /* /proc/meminfo MemAvailable, 0 if unknown */
