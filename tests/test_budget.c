@@ -9,7 +9,7 @@ TEST(budget_presets_apply_and_later_wins) {
     CHECK(b.trunk_gb < 0 && b.cache_gb < 0);
     k3_err err = {0};
     CHECK(k3_budget_apply_preset(&b, "laptop", &err) == 0);
-    CHECK(b.trunk_gb == 4 && b.cache_gb == 2);
+    CHECK(b.trunk_gb == 5 && b.cache_gb == 1.5);
     CHECK(k3_budget_apply_preset(&b, "server", &err) == 0);
     CHECK(b.trunk_gb == 115 && b.cache_gb == 100 && !strcmp(b.preset, "server"));
     CHECK(k3_budget_apply_preset(&b, "huge", &err) == K3_EXIT_USAGE);

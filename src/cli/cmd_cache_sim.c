@@ -62,6 +62,7 @@ int cmd_cache_sim(int argc, char **argv) {
     double expert_bytes = 17547264.0;
     int o;
     optind = 1;
+    opterr = 0;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
         case 'c':

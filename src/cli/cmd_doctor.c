@@ -86,6 +86,7 @@ int cmd_doctor(int argc, char **argv) {
     double seconds = 1.5;
     int o;
     optind = 1;
+    opterr = 0;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         if (o == 's') {
             char *end;

@@ -2,6 +2,7 @@
  * decode token by token (or recompute the whole prefix each step with --full),
  * streaming text to stdout and a report to stderr. */
 #include "cli/commands.h"
+#include "memory/runmem.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
 
@@ -54,6 +55,10 @@ const char *const cmd_run_help =
     "                       token fed (the prompt, then the first N-1 generated);\n"
     "                       row i predicts token i+1\n"
     "  --quiet              print nothing but errors (use with --out)\n"
+    "  --verbose            also report every forward call on stderr (time, bytes\n"
+    "                       read, expert hits); --out always has these lines\n"
+    "\n"
+    K3_RUNMEM_HELP
     "\n"
     "exit codes: 0 ok, 1 runtime/I-O, 2 usage or bad input (empty prompt, id\n"
     "outside the vocabulary), 3 cannot fit the memory budget, 4 checkpoint data\n"
@@ -62,25 +67,17 @@ const char *const cmd_run_help =
 typedef struct {
     const char *model_dir, *tok_dir, *prompt, *prompt_file, *ids, *out, *dump;
     int64_t gen;
-    bool full, incremental, quiet, peer_eps;
+    bool full, incremental, quiet, verbose, peer_eps;
     int threads, layers, kda_chunk;
     float temperature, top_p, min_p;
     int top_k;
     uint64_t seed, max_memory;
     bool sampling_flag;
+    k3_runmem_args mem;    /* issue 4: memory budget flags (memory/runmem.h) */
 } run_args;
 
 /* ---- argument parsing ---------------------------------------------------- */
 
-static bool parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
 
 static bool parse_f(const char *s, float *out) {
     if (!s || !*s) return false;
@@ -119,6 +116,7 @@ static bool parse_size(const char *s, uint64_t *out) {
 
 static int parse_args(int argc, char **argv, run_args *a) {
     memset(a, 0, sizeof *a);
+    k3_runmem_args_init(&a->mem);
     a->gen = 32;
     a->top_p = 1.0f;
     for (int i = 1; i < argc; i++) {
@@ -140,25 +138,26 @@ static int parse_args(int argc, char **argv, run_args *a) {
         else if (!strcmp(o, "--ids")) { NEED_VALUE(); if (a->ids) return k3_usage_error("run", "--ids given twice"); a->ids = v; }
         else if (!strcmp(o, "--gen")) {
             NEED_VALUE();
-            if (!parse_i64(v, 0, INT64_MAX / 2, &n)) return k3_usage_error("run", "--gen: '%s' is not a count >= 0", v);
+            if (!k3_parse_i64(v, 0, INT64_MAX / 2, &n)) return k3_usage_error("run", "--gen: '%s' is not a count >= 0", v);
             a->gen = n;
         } else if (!strcmp(o, "--full")) a->full = true;
         else if (!strcmp(o, "--incremental")) a->incremental = true;
         else if (!strcmp(o, "--quiet")) a->quiet = true;
+        else if (!strcmp(o, "--verbose")) a->verbose = true;
         else if (!strcmp(o, "--peer-mla-eps")) a->peer_eps = true;
         else if (!strcmp(o, "--out")) { NEED_VALUE(); a->out = v; }
         else if (!strcmp(o, "--dump-logits")) { NEED_VALUE(); a->dump = v; }
         else if (!strcmp(o, "--threads")) {
             NEED_VALUE();
-            if (!parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--threads: '%s' is not in 1..4096", v);
+            if (!k3_parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--threads: '%s' is not in 1..4096", v);
             a->threads = (int)n;
         } else if (!strcmp(o, "--layers")) {
             NEED_VALUE();
-            if (!parse_i64(v, 1, K3_MAX_LAYERS, &n)) return k3_usage_error("run", "--layers: '%s' is not a layer count >= 1", v);
+            if (!k3_parse_i64(v, 1, K3_MAX_LAYERS, &n)) return k3_usage_error("run", "--layers: '%s' is not a layer count >= 1", v);
             a->layers = (int)n;
         } else if (!strcmp(o, "--kda-chunk")) {
             NEED_VALUE();
-            if (!parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--kda-chunk: '%s' is not in 1..4096", v);
+            if (!k3_parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--kda-chunk: '%s' is not in 1..4096", v);
             a->kda_chunk = (int)n;
         } else if (!strcmp(o, "--temperature")) {
             NEED_VALUE();
@@ -166,7 +165,7 @@ static int parse_args(int argc, char **argv, run_args *a) {
                 return k3_usage_error("run", "--temperature: '%s' is not a number >= 0", v);
         } else if (!strcmp(o, "--top-k")) {
             NEED_VALUE();
-            if (!parse_i64(v, 0, INT_MAX, &n)) return k3_usage_error("run", "--top-k: '%s' is not a count >= 0", v);
+            if (!k3_parse_i64(v, 0, INT_MAX, &n)) return k3_usage_error("run", "--top-k: '%s' is not a count >= 0", v);
             a->top_k = (int)n;
             a->sampling_flag = true;
         } else if (!strcmp(o, "--top-p")) {
@@ -181,17 +180,22 @@ static int parse_args(int argc, char **argv, run_args *a) {
             a->sampling_flag = true;
         } else if (!strcmp(o, "--seed")) {
             NEED_VALUE();
-            if (!parse_i64(v, 0, INT64_MAX, &n)) return k3_usage_error("run", "--seed: '%s' is not an integer >= 0", v);
+            if (!k3_parse_i64(v, 0, INT64_MAX, &n)) return k3_usage_error("run", "--seed: '%s' is not an integer >= 0", v);
             a->seed = (uint64_t)n;
         } else if (!strcmp(o, "--max-memory")) {
             NEED_VALUE();
             if (!parse_size(v, &a->max_memory) || !a->max_memory)
                 return k3_usage_error("run", "--max-memory: '%s' is not a size like 512M or 8G", v);
         } else {
-            return k3_usage_error("run", "unknown option '%s'", o);
+            /* issue 4: the memory budget flags */
+            bool used;
+            k3_err e = {0};
+            if (k3_runmem_parse(&a->mem, argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (!used) return k3_usage_error("run", "unknown option '%s'", o);
         }
 #undef NEED_VALUE
     }
+    if (a->mem.list_presets) return K3_OK;
     if (!a->model_dir) return k3_usage_error("run", "no MODEL_DIR given");
     int np = !!a->prompt + !!a->prompt_file + !!a->ids;
     if (np != 1)
@@ -265,6 +269,19 @@ static int dump_rows(k3_atomic_file *df, const float *rows, size_t nfloats, k3_e
     return k3_atomic_write(df, rows, nfloats * sizeof(float), err);
 }
 
+/* issue 4: an upper bound on the prompt's tokens, known before the tokenizer
+ * and the weights are loaded (a token is at least one byte; one BOS). */
+static int64_t prompt_bound(const run_args *a) {
+    if (a->ids) {
+        int64_t n = 1;
+        for (const char *p = a->ids; *p; p++) n += *p == ',';
+        return n;
+    }
+    if (a->prompt) return (int64_t)strlen(a->prompt) + 1;
+    struct stat st;
+    return stat(a->prompt_file, &st) == 0 ? (int64_t)st.st_size + 1 : 1;
+}
+
 /* ---- the run ---------------------------------------------------------------------- */
 
 typedef struct {
@@ -278,6 +295,7 @@ typedef struct {
     int32_t *seq;      /* prompt + generated */
     size_t nseq, nprompt;
     float *logits;     /* [chunk][V] when dumping the prompt, else [V] */
+    k3_runmem *rm;     /* issue 4: plan, streaming source, run report */
     k3_atomic_file df;
     bool dumping;
 } run_ctx;
@@ -306,7 +324,7 @@ static void emit_token(run_ctx *r, int32_t id) {
  * change the logits bits. Leaves the last row's logits in r->logits[0..V). */
 static int prefill(run_ctx *r, k3_err *err) {
     size_t V = (size_t)k3_model_config(r->m)->vocab_size;
-    const size_t slice = 64;
+    const size_t slice = (size_t)k3_runmem_chunk(r->rm); /* issue 4: --chunk */
     k3_progress pb;
     k3_progress_start(&pb, "prefill", r->nprompt, false);
     if (r->a->quiet) pb.enabled = false;
@@ -318,6 +336,7 @@ static int prefill(run_ctx *r, k3_err *err) {
         if (rc) return rc;
         if (r->dumping && n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
         k3_progress_update(&pb, i + n);
+        k3_runmem_step(r->rm, true, (int)n, r->a->verbose && !r->a->quiet ? stderr : NULL); /* issue 4 */
     }
     k3_progress_finish(&pb);
     return K3_OK;
@@ -329,10 +348,16 @@ static int step(run_ctx *r, k3_err *err) {
     int rc;
     if (r->a->full) {
         k3_state_reset(r->s);
-        rc = k3_forward(r->m, r->s, r->seq, (int)r->nseq, r->logits, false, err);
+        size_t slice = (size_t)k3_runmem_chunk(r->rm); /* issue 4: the plan's batch */
+        rc = K3_OK;
+        for (size_t i = 0; !rc && i < r->nseq; i += slice) {
+            size_t n = r->nseq - i < slice ? r->nseq - i : slice;
+            rc = k3_forward(r->m, r->s, r->seq + i, (int)n, i + n == r->nseq ? r->logits : NULL, false, err);
+        }
     } else {
         rc = k3_forward(r->m, r->s, r->seq + r->nseq - 1, 1, r->logits, false, err);
     }
+    if (!rc) k3_runmem_step(r->rm, false, 1, r->a->verbose && !r->a->quiet ? stderr : NULL);
     if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, V, err);
     return rc;
 }
@@ -377,6 +402,7 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
     json_object_set_new(o, "peak_rss_bytes", json_integer((json_int_t)k3_peak_rss_bytes()));
     json_object_set_new(o, "threads", json_integer(threads));
     json_object_set_new(o, "layers", json_integer(k3_model_config(r->m)->num_layers));
+    k3_runmem_json(r->rm, o); /* issue 4 */
     char *txt = json_dumps(o, JSON_INDENT(1));
     json_decref(o);
     if (!txt) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot serialise the report", r->a->out);
@@ -396,7 +422,14 @@ static int run(const run_args *a, k3_err *err) {
     if (a->threads > 0) omp_set_num_threads(a->threads);
     int threads = omp_get_max_threads();
     k3_model_opts mo = {.layers = a->layers, .peer_mla_eps = a->peer_eps, .kda_chunk = a->kda_chunk};
+    /* issue 4: the memory plan comes first (exit 3 before any weight is read);
+     * the model then keeps only its model-level tensors and the stream serves
+     * the layers and the routed experts */
+    if ((rc = k3_runmem_begin(&a->mem, a->model_dir, a->layers, prompt_bound(a) + a->gen, a->max_memory, &r.rm, err)))
+        goto done;
+    mo.top_only = true;
     if ((rc = k3_model_open(a->model_dir, &mo, &r.m, err))) goto done;
+    if ((rc = k3_runmem_attach(r.rm, r.m, err))) goto done;
     const k3_config *c = k3_model_config(r.m);
     size_t V = (size_t)c->vocab_size;
     if ((rc = load_tokenizer(a, &r.tok, err))) goto done;
@@ -426,7 +459,7 @@ static int run(const run_args *a, k3_err *err) {
     memcpy(r.seq, pids, r.nprompt * sizeof *r.seq);
     free(pids);
     r.nseq = r.nprompt;
-    r.logits = xmalloc_array(V * (a->dump ? 64 : 1), sizeof(float));
+    r.logits = xmalloc_array(V * (a->dump ? (size_t)k3_runmem_chunk(r.rm) : 1), sizeof(float));
     if (a->dump) {
         if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto done;
         r.dumping = true;
@@ -434,10 +467,10 @@ static int run(const run_args *a, k3_err *err) {
     if (r.tok) tok_stream_init(&r.ts, r.tok);
     int eos = c->eos_token_id >= 0 ? c->eos_token_id : (r.tok ? tok_eos_id(r.tok) : -1);
     if (!a->quiet)
-        fprintf(stderr, "model %s: %d layers (%s), vocab %d; prompt %zu tokens; threads %d; plan %.3f GiB of %.3f GiB (%s)\n",
-                a->model_dir, c->num_layers, a->full ? "full recompute" : "incremental", c->vocab_size, r.nprompt,
-                threads, gib(need), gib(budget), bname);
+        fprintf(stderr, "model %s: %d layers (%s), vocab %d; prompt %zu tokens; threads %d\n", a->model_dir,
+                c->num_layers, a->full ? "full recompute" : "incremental", c->vocab_size, r.nprompt, threads);
 
+    if (!a->quiet) k3_runmem_print_plan(r.rm, stderr); /* issue 4 */
     k3_sampler sp;
     k3_sampler_init(&sp, (int)V, a->temperature, a->top_k, a->top_p, a->min_p, a->seed);
     double t0 = k3_now();
@@ -467,6 +500,7 @@ static int run(const run_args *a, k3_err *err) {
     }
     size_t ngen = r.nseq - r.nprompt;
     double prefill_s = t1 - t0, decode_s = t2 - t1;
+    if (!a->quiet) k3_runmem_summary(r.rm, stderr); /* issue 4 */
     if (!a->quiet)
         fprintf(stderr,
                 "prefill %zu tokens in %.3f s (%.1f tok/s); generated %zu tokens (stop: %s), decode %.3f s "
@@ -483,6 +517,7 @@ done:
     k3_state_free(r.s);
     if (r.tok) tok_free(r.tok);
     k3_model_free(r.m);
+    k3_runmem_free(r.rm);
     return rc;
 }
 
@@ -491,6 +526,10 @@ int cmd_run(int argc, char **argv) {
     int rc = parse_args(argc, argv, &a);
     if (rc < 0) return K3_OK; /* --help */
     if (rc) return rc;
+    if (a.mem.list_presets) { /* issue 4 */
+        k3_presets_print(stdout);
+        return K3_OK;
+    }
     k3_err err = {0};
     rc = run(&a, &err);
     if (rc) return k3_report(&err);

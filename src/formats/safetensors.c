@@ -4,9 +4,13 @@
  * (OpenMP, one shard per task, plus the optional model.safetensors.index.json
  * as one more task) into a per-shard table sorted by offset; nothing is shared
  * between tasks, so errors are kept per shard and the first one in shard order
- * is reported, whatever the thread count. Phase 2 is serial and linear: it
- * concatenates the tables, builds an open-addressing hash of the names (which
- * also finds duplicates across shards) and cross-checks the index file.
+ * is reported, whatever the thread count. Phase 2 is linear: it links the
+ * tables into one order, builds an open-addressing hash of the names (which
+ * also finds duplicates across shards) and cross-checks the index file (its
+ * lookups in parallel, its verdicts in file order).
+ *
+ * Headers are read by a strict scanner for the common case, with jansson as
+ * the general parser behind it (see parse_fast).
  *
  * The validation follows the safetensors format as the reference library
  * enforces it: tensors tile the data section exactly (no overlap, no gap, no
@@ -44,7 +48,6 @@ const char *st_dtype_name(st_dtype d) {
     return (unsigned)d < ST_NDTYPES ? dtype_names[d] : "?";
 }
 size_t st_dtype_size(st_dtype d) { return (unsigned)d < ST_NDTYPES ? dtype_sizes[d] : 0; }
-
 
 /* Name hash, eight bytes at a time: it runs over ~35 MB of names (twice,
  * with the index file) when the release is opened. */

@@ -6,7 +6,7 @@
 #include <string.h>
 
 static const k3_preset PRESETS[] = {
-    {"laptop", 8, 4, 2, "8 GB machine: a few trunk layers pinned, the rest streamed"},
+    {"laptop", 8, 5, 1.5, "8 GB machine: K3 head + one 2.3 GB ring slot, the rest streamed"},
     {"desktop", 32, 22, 6, "32 GB machine"},
     {"workstation", 128, 100, 20, "128 GB machine: most of the 109 GB K3 trunk resident"},
     {"server", 224, 115, 100, "224 GB machine: whole K3 trunk resident plus a large expert cache"},
@@ -29,7 +29,7 @@ const k3_preset *k3_preset_find(const char *name) {
 
 static void gb_cell(char *buf, size_t n, double v) {
     if (v < 0) snprintf(buf, n, "all");
-    else snprintf(buf, n, "%.0f", v);
+    else snprintf(buf, n, "%g", v);
 }
 
 void k3_presets_print(FILE *f) {

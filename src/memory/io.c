@@ -95,7 +95,30 @@ static int read_full(int fd, void *buf, uint64_t len, uint64_t off, uint64_t nee
     return K3_OK;
 }
 
+/* Fault injection for tests: K3_IO_FAIL_AFTER=N makes the request after the
+ * first N (counted over the whole process) fail as an I/O error would. */
+static long fail_after(void) {
+    static long v = -2;
+    long cur = __atomic_load_n(&v, __ATOMIC_RELAXED);
+    if (cur == -2) {
+        const char *e = getenv("K3_IO_FAIL_AFTER");
+        cur = e && *e ? strtol(e, NULL, 10) : -1;
+        __atomic_store_n(&v, cur, __ATOMIC_RELAXED);
+    }
+    return cur;
+}
+
 int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
+    static long counted;
+    long fa = fail_after();
+    if (fa >= 0 && n > 0) {
+        long before = __atomic_fetch_add(&counted, (long)n, __ATOMIC_RELAXED);
+        if (before + (long)n > fa) {
+            const k3_io_req *q = &reqs[fa > before ? fa - before : 0];
+            return k3_fail(err, K3_EXIT_RUNTIME, "read of %llu bytes at offset %llu failed: %s (K3_IO_FAIL_AFTER)",
+                           (unsigned long long)q->len, (unsigned long long)q->offset, strerror(EIO));
+        }
+    }
     double t0 = k3_now();
     k3_io_req **order = xmalloc_array(n ? n : 1, sizeof *order);
     for (size_t i = 0; i < n; i++) order[i] = &reqs[i];

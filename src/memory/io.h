@@ -37,6 +37,8 @@ uint64_t k3_io_span(uint64_t offset, uint64_t len);
 /* Reads every request (any order of completion; submission sorted by fd then
  * offset). Short reads past end of file are an error naming the request. */
 int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err);
+/* (Tests: K3_IO_FAIL_AFTER=N in the environment fails every read request
+ * after the first N of the process with EIO.) */
 /* Cumulative bytes read from disk and seconds spent waiting in k3_io_read. */
 uint64_t k3_io_bytes(const k3_io *io);
 double k3_io_seconds(const k3_io *io);

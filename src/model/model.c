@@ -496,13 +496,14 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
 /* Positions a forward pass processes at once (the model's chunk, 64 unless
  * opened otherwise): bounds the activations while letting every weight be
  * read once per chunk. */
-static int state_chunk(const k3_model *m, int64_t max_pos) {
-    int ch = m->chunk > 0 ? m->chunk : 64;
+#define DEFAULT_CHUNK 64
+static int chunk_for(int chunk, int64_t max_pos) {
+    int ch = chunk > 0 ? chunk : DEFAULT_CHUNK;
     return max_pos < ch ? (int)(max_pos > 0 ? max_pos : 1) : ch;
 }
+static int state_chunk(const k3_model *m, int64_t max_pos) { return chunk_for(m->chunk, max_pos); }
 
-k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) {
-    const k3_config *c = &m->cfg;
+static k3_state_plan state_size(const k3_config *c, int chunk, int64_t max_pos) {
     k3_state_plan p = {0};
     uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
     uint64_t kda_f = (uint64_t)c->kda_heads * c->kda_head_dim * c->kda_head_dim + 3 * P * (uint64_t)(c->conv_kernel - 1);
@@ -516,12 +517,20 @@ k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) {
     uint64_t mla = 0;
     if (max_pos < 0 || !k3_mul_ok(W * 4 * (uint64_t)nm, (uint64_t)max_pos, &mla)) mla = UINT64_MAX / 4;
     p.mla_bytes = mla;
-    int chunk = state_chunk(m, max_pos);
     int64_t mp = max_pos > (int64_t)1 << 40 ? (int64_t)1 << 40 : max_pos; /* ws_need only sizes scores */
     p.scratch_bytes = (uint64_t)(n_boundaries(c) + 1) * chunk * c->hidden_size * 4 + ws_need(c, chunk, mp);
     p.total = p.kda_bytes + p.mla_bytes + p.scratch_bytes;
     if (p.total < p.mla_bytes) p.total = UINT64_MAX;
     return p;
+}
+
+k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) {
+    return state_size(&m->cfg, state_chunk(m, max_pos), max_pos);
+}
+
+/* For a plan made before the model is open: the default chunk. */
+k3_state_plan k3_state_size_cfg(const k3_config *c, int64_t max_pos) {
+    return state_size(c, chunk_for(0, max_pos), max_pos);
 }
 
 int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err) {
@@ -587,12 +596,13 @@ uint64_t k3_state_scratch_overflow(const k3_state *s) { return s->ws.overflow; }
 /* ---- weight sources ------------------------------------------------------------------ */
 
 static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err *err) {
-    (void)err;
-    *w = &((k3_model *)ctx)->layers[layer];
+    k3_model *m = ctx;
+    if (!m->layers) return k3_fail(err, K3_EXIT_RUNTIME, "model opened without layers and no weight source set");
+    *w = &m->layers[layer];
     return K3_OK;
 }
 
-const k3_layer_w *k3_model_layer(const k3_model *m, int layer) { return &m->layers[layer]; }
+const k3_layer_w *k3_model_layer(const k3_model *m, int layer) { return m->layers ? &m->layers[layer] : NULL; }
 
 void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
     if (src) m->src = *src;
@@ -824,7 +834,7 @@ uint64_t k3_model_bytes_per_token(const k3_model *m) {
     const k3_config *c = &m->cfg;
     uint64_t E = (uint64_t)c->hidden_size, b = 0;
     b += mat_bytes(&m->embed) / (uint64_t)c->vocab_size + mat_bytes(&m->lm_head) + 2 * E * 4;
-    for (int L = 0; L < c->num_layers; L++) {
+    for (int L = 0; m->layers && L < c->num_layers; L++) { /* top_only: no layers bound */
         const k3_layer_w *w = &m->layers[L];
         b += 6 * E * 4;
         if (w->kind == 'K') {

@@ -34,6 +34,9 @@ typedef struct {
     int layers;            /* run only the first N layers (0: all); --layers */
     bool peer_mla_eps;     /* MLA latent norms use rms_norm_eps (the peer's 1e-5)
                               instead of the released fixed 1e-6 (spec section 9) */
+    bool top_only;         /* bind only the model-level tensors (embeddings, head,
+                              final norms); the layers must then come from a weight
+                              source set with k3_model_set_source (issue 4: streaming) */
     int kda_chunk;         /* > 0: multi-token calls (prefill) use the chunkwise
                               KDA form with this chunk length. Faster for long
                               prompts, equal to fp32 rounding but NOT bitwise to
@@ -62,7 +65,8 @@ const k3_config *k3_model_config(const k3_model *m);
 /* Bytes of weights held in memory (mapped or allocated) by this model. */
 uint64_t k3_model_weight_bytes(const k3_model *m);
 /* Weight bytes one decoded token reads: every trunk matrix, k routed experts
- * per MoE layer, the lm_head and one embedding row (norm vectors included). */
+ * per MoE layer, the lm_head and one embedding row (norm vectors included;
+ * model-level tensors only for a model opened top_only). */
 uint64_t k3_model_bytes_per_token(const k3_model *m);
 
 /* ---- decode state ----------------------------------------------------- */
@@ -77,6 +81,10 @@ typedef struct {
     uint64_t total;          /* sum of the three */
 } k3_state_plan;
 k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos);
+/* The same from a config alone (num_layers already cut to --layers, with
+ * n_kda_layers / n_mla_layers recounted), so a memory plan can be checked
+ * before any weight is read. */
+k3_state_plan k3_state_size_cfg(const k3_config *c, int64_t max_pos);
 int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err);
 void k3_state_reset(k3_state *s);  /* back to position 0, state zeroed */
 void k3_state_free(k3_state *s);
@@ -115,8 +123,7 @@ void k3_sampler_free(k3_sampler *sp);
  * same ids on every machine (own PRNG, f64 cumulative sums in a fixed order). */
 int k3_sample(k3_sampler *sp, const float *logits);
 
-/* ======================================================================
- * Lower level: bound weights and per-module functions. Used by model.c, the
+/* =============================================================== * Lower level: bound weights and per-module functions. Used by model.c, the
  * unit tests (peer module fixtures) and weight sources that stream layers or
  * experts from disk instead of holding them (issue 4).
  * ====================================================================== */
@@ -182,7 +189,8 @@ typedef struct {
     void (*experts_put)(void *ctx, int layer, const int *ids, int n);
 } k3_weight_source;
 void k3_model_set_source(k3_model *m, const k3_weight_source *src); /* NULL: back to resident */
-/* Layer L as bound at open (the resident table the default source serves). */
+/* Layer L as bound at open (the resident table the default source serves);
+ * NULL for a model opened top_only. */
 const k3_layer_w *k3_model_layer(const k3_model *m, int layer);
 
 /* Tensor lookup used by the binder: name is relative, in the released

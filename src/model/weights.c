@@ -385,9 +385,9 @@ static int bind_top(k3_model *m, k3_lookup_fn fn, void *ctx, k3_err *err) {
     return K3_OK;
 }
 
-static int bind_all(k3_model *m, k3_lookup_fn fn, void *ctx, k3_err *err) {
+static int bind_all(k3_model *m, k3_lookup_fn fn, void *ctx, bool top_only, k3_err *err) {
     int rc = bind_top(m, fn, ctx, err);
-    if (rc) return rc;
+    if (rc || top_only) return rc;
     m->layers = k3_own(&m->owned, xcalloc((size_t)m->cfg.num_layers, sizeof *m->layers),
                        (uint64_t)m->cfg.num_layers * sizeof *m->layers);
     for (int L = 0; L < m->cfg.num_layers; L++) {
@@ -474,7 +474,7 @@ int k3_model_open(const char *dir, const k3_model_opts *opts, k3_model **out, k3
         c.prefix = "model.";
         c.head = "lm_head.weight";
     }
-    if ((rc = bind_all(m, st_lookup, &c, err))) goto fail;
+    if ((rc = bind_all(m, st_lookup, &c, opts && opts->top_only, err))) goto fail;
     k3_model_set_source(m, NULL);
     *out = m;
     return K3_OK;
@@ -576,7 +576,7 @@ int k3_model_open_blob(const char *json_path, const char *bin_path, const k3_mod
     memcpy(m->blob, bin, nf * 4);
     m->mapped_bytes = nf * 4;
     blob_ctx c = {.tensors = tensors, .blob = m->blob, .nfloats = nf};
-    if ((rc = bind_all(m, blob_lookup, &c, err))) goto done;
+    if ((rc = bind_all(m, blob_lookup, &c, opts && opts->top_only, err))) goto done;
     m->mapped_bytes = nf * 4; /* the whole blob is resident */
     k3_model_set_source(m, NULL);
 done:

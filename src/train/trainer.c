@@ -19,9 +19,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
 #include "train/data.h"
+#include "train/export.h"
 #include "train/tinternal.h"
-#include "train/tvocab.h"
 
 static volatile sig_atomic_t g_stop;
 static void on_signal(int sig) { (void)sig; g_stop = 1; }
@@ -45,7 +47,8 @@ typedef struct {
     tmodel m;
     topt opt;
     k3_shard train, val;
-    tvocab voc;
+    k3_tokenizer *tok;   /* the data directory's tokenizer: bytes per token, sample text */
+    int eot;             /* <|endoftext|>: samples start from it and stop at it (-1: none) */
     int B, T, A;
     int64_t start, end, total;
     uint64_t seed;
@@ -79,7 +82,9 @@ static json_t *jnum(double v) { return isfinite(v) ? json_real(v) : json_null();
 
 /* Appends one record as a single write (docs/run-dir.md). */
 static int append_line(int fd, json_t *rec, const char *what, k3_err *err) {
-    char *s = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(9));
+    /* 17 digits: the Unix times must keep their milliseconds (docs/run-dir.md);
+     * %.9g would round a present-day time to 10 seconds */
+    char *s = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17));
     size_t n = strlen(s);
     char *line = xmalloc(n + 2);
     memcpy(line, s, n);
@@ -154,7 +159,7 @@ static int write_state(run *r, const char *status, const char *error, k3_err *er
     json_object_set_new(s, "best_step", r->best_step >= 0 ? json_integer(r->best_step) : json_null());
     json_object_set_new(s, "checkpoint_step", r->ckpt_step >= 0 ? json_integer(r->ckpt_step) : json_null());
     if (error) json_object_set_new(s, "error", json_string(error));
-    char *text = json_dumps(s, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
+    char *text = json_dumps(s, JSON_INDENT(1) | JSON_REAL_PRECISION(17)); /* times: see append_line */
     json_decref(s);
     char *p = path_in(r, "state.json");
     int rc = k3_write_file_atomic(p, text, strlen(text), err);
@@ -305,6 +310,13 @@ static void make_batch(run *r, int64_t step, int a, int32_t *tok) {
 
 /* ---- evaluation and samples ----------------------------------------------------------- */
 
+/* Text bytes an id stands for: its BPE bytes; a special counts 0. */
+static int64_t text_bytes(const run *r, int32_t id) {
+    size_t len = 0;
+    if (id >= tok_n_base(r->tok) || !tok_token_bytes(r->tok, id, &len)) return 0;
+    return (int64_t)len;
+}
+
 static int evaluate(run *r, int64_t step, k3_err *err) {
     r->phase = "eval";
     write_state(r, "running", NULL, err);
@@ -326,7 +338,7 @@ static int evaluate(run *r, int64_t step, k3_err *err) {
             for (int t = 0; t < T; t++) {
                 int id = tok[(size_t)b * (T + 1) + t + 1];
                 tg[b * T + t] = id;
-                nbytes += tvocab_text_bytes(&r->voc, id);
+                nbytes += text_bytes(r, id);
             }
         t_cross_entropy(r->m.logits, tg, rows * T, r->cfg.vocab_size, &s, NULL, 0.0f);
         free(tg);
@@ -365,23 +377,42 @@ static int evaluate(run *r, int64_t step, k3_err *err) {
     return rc;
 }
 
+/* Samples run through the inference engine (src/model/) with its cached
+ * decoder, the same code `k3 run` uses: the current parameters are exported
+ * (f32, so the engine computes the training model's logits to rounding) into
+ * a temporary model directory, opened, decoded token by token, and removed.
+ * The draw uses its own generator seeded by (seed, step), so samples never
+ * touch the training state and resume stays bit-identical. */
 static int sample(run *r, int64_t step, k3_err *err) {
     r->phase = "sample";
     write_state(r, "running", NULL, err);
     const int n = r->o.sample_tokens, V = r->cfg.vocab_size;
-    tmodel view;
-    tm_view(&view, &r->m);
-    int32_t *tok = xcalloc((size_t)n + 2, sizeof(int32_t));
-    int start = r->voc.eot >= 0 ? r->voc.eot : 0;
-    tok[0] = start;
-    uint64_t rng = mix64(r->seed ^ mix64((uint64_t)step + 77));
-    int len = 1;
+    const char *tmp = getenv("TMPDIR");
+    char dir[4096];
+    int k = snprintf(dir, sizeof dir, "%s/k3-sample-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if (k < 0 || (size_t)k >= sizeof dir) return k3_fail(err, K3_EXIT_RUNTIME, "TMPDIR is too long");
+    if (!mkdtemp(dir)) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create a temporary directory: %s", dir, strerror(errno));
+    texport_opts eo = {.dtype = TEX_F32, .experts = TEX_F32, .tok_dir = NULL, .step = step};
+    k3_model *km = NULL;
+    k3_state *st = NULL;
+    int rc = texport_write(&r->m, r->config_text, dir, &eo, err);
+    if (!rc) rc = k3_model_open(dir, NULL, &km, err);
+    const char *files[] = {"config.json", "model.safetensors"};
+    for (int i = 0; i < 2; i++) { /* mapped files stay readable after unlink */
+        char p[4200];
+        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
+        unlink(p);
+    }
+    rmdir(dir);
+    if (!rc) rc = k3_state_new(km, n + 1, &st, err);
+    int32_t *ids = xcalloc((size_t)n + 1, sizeof(int32_t));
+    int len = 0;
+    float *lg = xmalloc_array((size_t)V, sizeof(float));
     double *p = xmalloc_array((size_t)V, sizeof(double));
-    /* Causality lets one fixed-shape forward serve every position: logits at
-     * position t depend on tokens <= t only (the rest is padding). */
-    for (; len <= n; len++) {
-        tm_forward(&view, tok, 1, n);
-        const float *lg = view.logits + (size_t)(len - 1) * V;
+    uint64_t rng = mix64(r->seed ^ mix64((uint64_t)step + 77));
+    int32_t cur = r->eot >= 0 ? r->eot : 0;
+    while (!rc && len < n) {
+        if ((rc = k3_forward(km, st, &cur, 1, lg, false, err))) break;
         double mx = -INFINITY, s = 0;
         for (int v = 0; v < V; v++) if (lg[v] > mx) mx = lg[v];
         for (int v = 0; v < V; v++) { p[v] = exp((lg[v] - mx) / 0.8); s += p[v]; }
@@ -389,29 +420,26 @@ static int sample(run *r, int64_t step, k3_err *err) {
         double u = (double)(rng >> 11) / 9007199254740992.0 * s, c = 0;
         int id = V - 1;
         for (int v = 0; v < V; v++) { c += p[v]; if (u < c) { id = v; break; } }
-        if (id == r->voc.eot) break;
-        tok[len] = id;
+        if (id == r->eot) break;
+        ids[len++] = cur = id;
     }
     free(p);
-    tm_view_free(&view);
-    size_t cap = 16, bl = 0;
-    uint8_t *bytes = xmalloc(cap);
-    for (int i = 1; i < len && i <= n; i++) {
-        int id = tok[i];
-        int l = id < r->voc.n && r->voc.bytes[id] ? r->voc.len[id] : 0;
-        if (bl + (size_t)l + 1 > cap) { cap = (bl + (size_t)l + 1) * 2; bytes = xrealloc(bytes, cap); }
-        if (l) memcpy(bytes + bl, r->voc.bytes[id], (size_t)l);
-        bl += (size_t)l;
-    }
+    free(lg);
+    if (st) k3_state_free(st);
+    if (km) k3_model_free(km);
+    uint8_t *bytes = NULL;
+    size_t bl = 0;
+    if (!rc) rc = tok_decode(r->tok, ids, (size_t)len, &bytes, &bl, err);
+    free(ids);
+    if (rc) return rc;
     char *text = utf8_clean(bytes, bl);
     free(bytes);
-    free(tok);
     json_t *rec = json_object();
     json_object_set_new(rec, "step", json_integer(step));
     json_object_set_new(rec, "time", json_real(wall()));
     json_object_set_new(rec, "text", json_string(text));
-    json_object_set_new(rec, "tokens", json_integer(len - 1));
-    int rc = append_line(r->samples_fd, rec, "samples.jsonl", err);
+    json_object_set_new(rec, "tokens", json_integer(len));
+    rc = append_line(r->samples_fd, rec, "samples.jsonl", err);
     json_decref(rec);
     if (!r->o.quiet) printf("sample step %lld: %s\n", (long long)step, text);
     free(text);
@@ -512,6 +540,10 @@ static int parse_train_json(run *r, const char *text) {
         const char *o = json_string_value(json_object_get(j, "optimizer"));
         r->o.optimizer = o && strcmp(o, "adamw") == 0 ? 2 : 1;
     }
+    if (!r->o.bf16) r->o.bf16 = json_is_true(json_object_get(j, "bf16")) ? 1 : 2;
+    json_t *kc = json_object_get(j, "kda_chunk");
+    if (r->o.kda_chunk == 0 && json_is_integer(kc))
+        r->o.kda_chunk = json_integer_value(kc) > 0 ? (int)json_integer_value(kc) : -1;
     json_decref(j);
     return 0;
 }
@@ -533,6 +565,8 @@ static char *make_train_json(const run *r) {
     json_object_set_new(j, "seed", json_integer((json_int_t)r->seed));
     json_object_set_new(j, "optimizer", json_string(r->opt.c.muon ? "muon" : "adamw"));
     json_object_set_new(j, "threads", json_integer(omp_get_max_threads()));
+    json_object_set_new(j, "bf16", json_boolean(r->m.bf16));
+    json_object_set_new(j, "kda_chunk", json_integer(r->m.kda_chunk));
     char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(17));
     json_decref(j);
     return s;
@@ -607,6 +641,8 @@ static int setup(run *r, k3_err *err) {
                        o->resume, (long long)r->start, (long long)o->steps, o->stop_at ? " / --stop-at" : "");
     }
     if ((rc = tm_build(&r->m, &r->cfg, err))) { if (have_ck) tckpt_close(&ck); return rc; }
+    r->m.bf16 = r->o.bf16 == 1;
+    if (r->o.kda_chunk) r->m.kda_chunk = r->o.kda_chunk < 0 ? 0 : r->o.kda_chunk;
     if (have_ck && o->config_path) {
         /* a config given with --resume must describe the checkpoint's model */
         char *text;
@@ -649,7 +685,12 @@ static int setup(run *r, k3_err *err) {
     int64_t avail = (int64_t)((r->val.info.n_tokens - 1) / (uint64_t)r->T);
     int64_t want = (o->eval_tokens ? o->eval_tokens : 65536) / r->T;
     r->val_windows = want < 1 ? 1 : want < avail ? want : avail;
-    if ((rc = tvocab_load(o->data_dir, r->cfg.vocab_size, &r->voc, err))) return rc;
+    if ((rc = tok_load(o->data_dir, &r->tok, err))) return rc;
+    if (tok_vocab_size(r->tok) > r->cfg.vocab_size)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: the tokenizer has %d ids, more than the model's vocab_size %d", o->data_dir,
+                       tok_vocab_size(r->tok), r->cfg.vocab_size);
+    r->eot = tok_special_id(r->tok, "<|endoftext|>");
+    if (r->eot < 0) r->eot = tok_eos_id(r->tok);
     r->train_json = make_train_json(r);
     r->step_load = xcalloc((size_t)(r->m.n_moe ? r->m.n_moe : 1) * (size_t)r->cfg.num_experts, sizeof(int64_t));
     /* run directory */
@@ -686,7 +727,7 @@ static void teardown(run *r) {
     if (r->samples_fd > 0) close(r->samples_fd);
     shard_close(&r->train);
     shard_close(&r->val);
-    tvocab_free(&r->voc);
+    if (r->tok) tok_free(r->tok);
     topt_free(&r->opt);
     tm_free(&r->m);
     json_decref(r->latest);

@@ -55,7 +55,7 @@ uint16_t k3_f32_to_bf16(float f);
 float k3_f16_to_f32(uint16_t h);
 uint16_t k3_f32_to_f16(float f);
 
-/* Whole-file read (NUL-terminated for convenience). */
+/* Whole-file read (NUL-terminated for convenience); path "-" reads stdin. */
 int k3_read_file(const char *path, char **data, size_t *len, k3_err *err);
 
 /* Atomic write of a small file: temp file in the same directory, fsync,
@@ -72,6 +72,13 @@ int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *er
 int k3_atomic_commit(k3_atomic_file *af, k3_err *err); /* fsync + rename + dir fsync */
 void k3_atomic_abort(k3_atomic_file *af);              /* unlink the temp file */
 
+/* CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
+ * Start with crc = 0; feed chunks by passing the previous result. */
+uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n);
+/* FNV-1a 64-bit, for identities of small byte strings (headers, names). */
+uint64_t k3_fnv1a64(uint64_t h, const void *data, size_t n);
+#define K3_FNV_OFFSET 0xcbf29ce484222325ULL
+
 double k3_now(void);               /* monotonic seconds */
 uint64_t k3_peak_rss_bytes(void);  /* getrusage ru_maxrss */
 uint64_t k3_mem_available_bytes(void); /* /proc/meminfo MemAvailable, 0 if unknown */
@@ -87,6 +94,10 @@ typedef struct {
 void k3_progress_start(k3_progress *p, const char *label, uint64_t total, bool bytes);
 void k3_progress_update(k3_progress *p, uint64_t done);
 void k3_progress_finish(k3_progress *p);
+
+/* Parses a whole decimal integer in [lo, hi]; false on anything else
+ * (empty, trailing characters, overflow, out of range). */
+bool k3_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
 
 /* Parses "1,2,3" into ids; rejects anything but decimal integers in [0, max). */
 int k3_parse_ids(const char *s, int64_t max, int32_t **ids, size_t *n, k3_err *err);

@@ -1,0 +1,339 @@
+/* bench_stream: seconds per decoded token and GB/s read at a ladder of memory
+ * budgets, beside the disk's measured bandwidth, so "bytes read per token /
+ * disk bandwidth" (the I/O floor) can be compared with the time achieved.
+ *
+ *   bin/bench_stream MODEL_DIR TRUNK_DIR [--prompt N] [--gen N] [--seconds S]
+ *                    [--json FILE] [--svg FILE]
+ *
+ * Every streamed byte (trunk ring slots, routed experts) is read with O_DIRECT,
+ * so the page cache cannot serve them however large the machine: the ladder
+ * measures the disk, not memory. The resident rungs map the trunk from the
+ * shards (page cache). Build the checkpoint with tools/gen_checkpoint.py and
+ * the trunk with `k3 pack-trunk`. Not a test: the numbers depend on the
+ * machine and its load. */
+#include "memory/io.h"
+#include "memory/stream.h"
+
+#include <dirent.h>
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Random reads of `block` bytes at `depth` over the file for `seconds`: MB/s. */
+static double disk_mbs(const char *path, uint64_t block, int depth, double seconds) {
+    struct stat st;
+    if (stat(path, &st) != 0 || (uint64_t)st.st_size < 4 * block) return -1;
+    k3_io *io = k3_io_new(depth, true);
+    k3_err err = {0};
+    int fd;
+    if (k3_io_open(io, path, &fd, NULL, &err)) { k3_io_free(io); return -1; }
+    uint64_t span = (uint64_t)st.st_size / K3_IO_ALIGN * K3_IO_ALIGN - block;
+    k3_io_req *rq = xcalloc((size_t)depth, sizeof *rq);
+    for (int i = 0; i < depth; i++) rq[i].buf = k3_io_alloc(block);
+    uint64_t seed = 0x2545F4914F6CDD1DULL, bytes = 0;
+    double t0 = k3_now(), t = 0;
+    while (t < seconds) {
+        for (int i = 0; i < depth; i++) {
+            seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+            rq[i] = (k3_io_req){.fd = fd, .offset = (seed >> 20) % span / K3_IO_ALIGN * K3_IO_ALIGN, .len = block,
+                                .buf = rq[i].buf};
+        }
+        if (k3_io_read(io, rq, (size_t)depth, &err)) break;
+        bytes += (uint64_t)depth * block;
+        t = k3_now() - t0;
+    }
+    for (int i = 0; i < depth; i++) free(rq[i].buf);
+    free(rq);
+    close(fd);
+    k3_io_free(io);
+    return (double)bytes / t / 1e6;
+}
+
+static const char *largest_shard(const char *dir) {
+    static char best[4096];
+    uint64_t size = 0;
+    best[0] = 0;
+    DIR *d = opendir(dir);
+    if (!d) return NULL;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        size_t l = strlen(e->d_name);
+        if (l < 12 || strcmp(e->d_name + l - 12, ".safetensors")) continue;
+        char p[4096];
+        if (snprintf(p, sizeof p, "%s/%s", dir, e->d_name) >= (int)sizeof p) continue;
+        struct stat st;
+        if (stat(p, &st) == 0 && (uint64_t)st.st_size > size) {
+            size = (uint64_t)st.st_size;
+            memcpy(best, p, sizeof best);
+        }
+    }
+    closedir(d);
+    return best[0] ? best : NULL;
+}
+
+typedef struct {
+    const char *name;
+    bool trunk;              /* stream from the packed trunk */
+    double trunk_gb, cache_gb;
+    /* results */
+    double plan_gb, s_per_tok, mb_per_tok, trunk_mb_per_tok, expert_mb_per_tok, gbs_reading, io_share, resident_rate;
+    int pinned, slots;
+    int64_t cache_experts;
+    bool ok;
+} rung;
+
+static int run_rung(const char *dir, const char *trunk_dir, rung *r, const int32_t *prompt, int np, int ng, int32_t *out,
+                    k3_err *err) {
+    k3_stream_opts o;
+    k3_stream_opts_init(&o);
+    o.trunk_dir = r->trunk ? trunk_dir : NULL;
+    o.trunk_gb = r->trunk_gb;
+    o.cache_gb = r->cache_gb;
+    k3_config cfg;
+    st_index *ix = NULL;
+    k3_trunk *tr = NULL;
+    static k3_mem_plan plan;
+    int rc = k3_config_load(dir, &cfg, err);
+    if (!rc) rc = st_open(dir, &ix, err);
+    if (!rc && r->trunk) rc = k3_trunk_open(trunk_dir, NULL, &tr, err);
+    if (!rc) rc = k3_plan_make(&cfg, ix, tr, &o, np + ng, &plan, err);
+    if (rc) {
+        k3_trunk_free(tr);
+        st_close(ix);
+        return rc;
+    }
+    r->plan_gb = (double)plan.total / 1e9;
+    r->pinned = plan.pinned;
+    r->slots = plan.ring_slots;
+    r->cache_experts = plan.cache_experts;
+    k3_stream *s;
+    if ((rc = k3_stream_open(&cfg, ix, tr, &plan, &o, &s, err))) return rc;
+    k3_model_opts mo = {.top_only = true};
+    k3_model *m;
+    if ((rc = k3_model_open(dir, &mo, &m, err))) {
+        k3_stream_free(s);
+        return rc;
+    }
+    k3_model_set_source(m, k3_stream_source(s));
+    k3_state *st;
+    float *lg = xmalloc_array((size_t)cfg.vocab_size, sizeof(float));
+    rc = k3_state_new(m, np + ng, &st, err);
+    for (int i = 0; !rc && i < np; i += plan.chunk) {
+        int T = np - i < plan.chunk ? np - i : plan.chunk;
+        rc = k3_forward(m, st, prompt + i, T, lg, false, err);
+    }
+    k3_stream_stats a = k3_stream_get_stats(s);
+    double t0 = k3_now();
+    int32_t id = 0;
+    for (int g = 0; !rc && g < ng; g++) {
+        id = k3_argmax(lg, cfg.vocab_size);
+        out[g] = id;
+        rc = k3_forward(m, st, &id, 1, lg, false, err);
+    }
+    double dt = k3_now() - t0;
+    k3_stream_stats b = k3_stream_get_stats(s);
+    if (!rc) {
+        uint64_t tb = b.trunk_read - a.trunk_read, xb = b.expert_read - a.expert_read;
+        double io = (b.trunk_busy_s - a.trunk_busy_s) + (b.expert_stall_s - a.expert_stall_s);
+        r->s_per_tok = dt / ng;
+        r->trunk_mb_per_tok = (double)tb / 1e6 / ng;
+        r->expert_mb_per_tok = (double)xb / 1e6 / ng;
+        r->mb_per_tok = r->trunk_mb_per_tok + r->expert_mb_per_tok;
+        r->gbs_reading = io > 0 ? (double)(tb + xb) / 1e9 / io : 0;
+        r->io_share = dt > 0 ? ((b.trunk_stall_s - a.trunk_stall_s) + (b.expert_stall_s - a.expert_stall_s)) / dt : 0;
+        uint64_t rq = b.requests - a.requests;
+        r->resident_rate = rq ? (double)(b.resident_hits - a.resident_hits) / (double)rq : 0;
+        r->ok = true;
+    }
+    free(lg);
+    k3_state_free(st);
+    k3_model_free(m);
+    k3_stream_free(s);
+    return rc;
+}
+
+/* s/token against the plan's GB (log axis), with the I/O floor beside it. */
+static void write_svg(const char *path, const rung *r, int n, double disk_mbs_v, const char *title) {
+    FILE *f = fopen(path, "w");
+    if (!f) { fprintf(stderr, "bench_stream: cannot write %s\n", path); return; }
+    const double W = 720, H = 420, L = 70, R = 20, T = 40, B = 60;
+    double xmin = 1e30, xmax = 0, ymax = 0;
+    for (int i = 0; i < n; i++) {
+        if (!r[i].ok) continue;
+        if (r[i].plan_gb < xmin) xmin = r[i].plan_gb;
+        if (r[i].plan_gb > xmax) xmax = r[i].plan_gb;
+        if (r[i].s_per_tok > ymax) ymax = r[i].s_per_tok;
+    }
+    if (xmax <= xmin) xmax = xmin * 2;
+    double lx0 = log10(xmin) - 0.05, lx1 = log10(xmax) + 0.05;
+    ymax *= 1.15;
+#define X(v) (L + (log10(v) - lx0) / (lx1 - lx0) * (W - L - R))
+#define Y(v) (H - B - (v) / ymax * (H - T - B))
+    fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"sans-serif\" "
+               "font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n", W, H);
+    fprintf(f, "<text x=\"%.0f\" y=\"22\" text-anchor=\"middle\" font-size=\"14\">%s</text>\n", W / 2, title);
+    fprintf(f, "<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"black\"/>\n", L, H - B, W - R, H - B);
+    fprintf(f, "<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"black\"/>\n", L, T, L, H - B);
+    for (int k = 0; k <= 4; k++) {
+        double v = ymax / 1.15 * k / 4;
+        fprintf(f, "<text x=\"%.0f\" y=\"%.1f\" text-anchor=\"end\">%.3f</text>\n", L - 6, Y(v) + 4, v);
+        fprintf(f, "<line x1=\"%.0f\" y1=\"%.1f\" x2=\"%.0f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", L, Y(v), W - R, Y(v));
+    }
+    for (double d = pow(10, floor(lx0)); d <= pow(10, lx1); d *= 10)
+        for (int m = 1; m <= 9; m++) {
+            double v = d * m;
+            if (log10(v) < lx0 || log10(v) > lx1) continue;
+            fprintf(f, "<line x1=\"%.1f\" y1=\"%.0f\" x2=\"%.1f\" y2=\"%.0f\" stroke=\"black\"/>\n", X(v), H - B, X(v),
+                    H - B + (m == 1 ? 6 : 3));
+            if (m == 1 || m == 2 || m == 5)
+                fprintf(f, "<text x=\"%.1f\" y=\"%.0f\" text-anchor=\"middle\">%g</text>\n", X(v), H - B + 18, v);
+        }
+    fprintf(f, "<text x=\"%.0f\" y=\"%.0f\" text-anchor=\"middle\">memory plan (GB, log scale)</text>\n", (W + L) / 2,
+            H - 18);
+    fprintf(f, "<text transform=\"translate(16,%.0f) rotate(-90)\" text-anchor=\"middle\">seconds per decoded token</text>\n",
+            (H + T - B) / 2);
+    const char *col[2] = {"#1f5fa8", "#c0392b"};
+    for (int series = 0; series < 2; series++) {
+        fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"", col[series],
+                series ? " stroke-dasharray=\"5,4\"" : "");
+        for (int i = n - 1; i >= 0; i--) {
+            if (!r[i].ok) continue;
+            double v = series ? r[i].mb_per_tok / disk_mbs_v : r[i].s_per_tok;
+            fprintf(f, "%.1f,%.1f ", X(r[i].plan_gb), Y(v));
+        }
+        fprintf(f, "\"/>\n");
+        for (int i = 0; i < n; i++) {
+            if (!r[i].ok) continue;
+            double v = series ? r[i].mb_per_tok / disk_mbs_v : r[i].s_per_tok;
+            fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3.5\" fill=\"%s\"/>\n", X(r[i].plan_gb), Y(v), col[series]);
+        }
+    }
+    fprintf(f, "<rect x=\"%.0f\" y=\"%.0f\" width=\"300\" height=\"40\" fill=\"white\" stroke=\"#999\"/>\n", W - R - 305, T + 5);
+    fprintf(f, "<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"%s\" stroke-width=\"2\"/>"
+               "<text x=\"%.0f\" y=\"%.0f\">measured s/token</text>\n",
+            W - R - 295, T + 19, W - R - 265, T + 19, col[0], W - R - 258, T + 23);
+    fprintf(f, "<line x1=\"%.0f\" y1=\"%.0f\" x2=\"%.0f\" y2=\"%.0f\" stroke=\"%s\" stroke-width=\"2\" "
+               "stroke-dasharray=\"5,4\"/><text x=\"%.0f\" y=\"%.0f\">bytes read per token / %.0f MB/s disk</text>\n",
+            W - R - 295, T + 35, W - R - 265, T + 35, col[1], W - R - 258, T + 39, disk_mbs_v);
+    fprintf(f, "</svg>\n");
+#undef X
+#undef Y
+    fclose(f);
+}
+
+int main(int argc, char **argv) {
+    const char *dir = NULL, *tdir = NULL, *json_path = NULL, *svg = NULL;
+    int np = 16, ng = 8;
+    double secs = 2;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--prompt") && i + 1 < argc) np = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--gen") && i + 1 < argc) ng = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--seconds") && i + 1 < argc) secs = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+        else if (!strcmp(argv[i], "--svg") && i + 1 < argc) svg = argv[++i];
+        else if (!dir) dir = argv[i];
+        else if (!tdir) tdir = argv[i];
+        else { fprintf(stderr, "bench_stream: unexpected '%s'\n", argv[i]); return 2; }
+    }
+    if (!dir || !tdir || np < 1 || ng < 1) {
+        fprintf(stderr, "usage: bench_stream MODEL_DIR TRUNK_DIR [--prompt N] [--gen N] [--seconds S] [--json F] [--svg F]\n");
+        return 2;
+    }
+    /* the disk, read the way the engine reads it */
+    const char *shard = largest_shard(dir);
+    char tbin[4200];
+    snprintf(tbin, sizeof tbin, "%s/trunk.bin", tdir);
+    double big16 = shard ? disk_mbs(shard, 4u << 20, 16, secs) : -1;
+    double tr8 = disk_mbs(tbin, 16u << 20, 8, secs);
+    k3_config cfg;
+    k3_err err = {0};
+    if (k3_config_load(dir, &cfg, &err)) { fprintf(stderr, "k3: %s\n", err.msg); return 1; }
+    /* one expert's bytes, rounded to pages, at the engine's queue depth */
+    st_index *ix;
+    if (st_open(dir, &ix, &err)) { fprintf(stderr, "k3: %s\n", err.msg); return 1; }
+    uint64_t xbytes = 0, nx = 0;
+    for (size_t i = 0; i < st_count(ix); i++) {
+        const char *nm = st_at(ix, i)->name;
+        if (strstr(nm, ".experts.0.")) xbytes += st_at(ix, i)->nbytes;
+        if (strstr(nm, ".experts.0.w1.")) nx += !strstr(nm, "weight_scale");
+    }
+    st_close(ix);
+    if (nx) xbytes /= nx;
+    xbytes = (xbytes + 2 * K3_IO_ALIGN - 1) / K3_IO_ALIGN * K3_IO_ALIGN;
+    double ex32 = shard ? disk_mbs(shard, xbytes, 32, secs) : -1;
+    printf("disk (O_DIRECT, random): %.0f MB/s in 4 MiB reads at depth 16; %.0f MB/s in 16 MiB trunk reads at depth 8; "
+           "%.0f MB/s in %.0f kB expert reads at depth 32\n",
+           big16, tr8, ex32, (double)xbytes / 1e3);
+    double disk = big16 > 0 ? big16 : tr8;
+
+    rung ladder[] = {
+        {.name = "resident, all experts cached", .trunk = false, .trunk_gb = -1, .cache_gb = -1},
+        {.name = "packed trunk all pinned, all cached", .trunk = true, .trunk_gb = -1, .cache_gb = -1},
+        {.name = "trunk 0.25 GB pinned+2 slots, cache 0.5 GB", .trunk = true, .trunk_gb = 0.25, .cache_gb = 0.5},
+        {.name = "trunk 0.25 GB, cache 0.1 GB", .trunk = true, .trunk_gb = 0.25, .cache_gb = 0.1},
+        {.name = "trunk 0.17 GB (2 slots), cache 0.1 GB", .trunk = true, .trunk_gb = 0.17, .cache_gb = 0.1},
+        {.name = "trunk 0.17 GB (2 slots), cache 0.02 GB", .trunk = true, .trunk_gb = 0.17, .cache_gb = 0.02},
+        {.name = "trunk 0.125 GB (1 slot), cache 0.0018 GB", .trunk = true, .trunk_gb = 0.125, .cache_gb = 0.0018},
+    };
+    int n = (int)(sizeof ladder / sizeof ladder[0]);
+    int32_t *prompt = xmalloc_array((size_t)np, sizeof *prompt);
+    uint64_t seed = 7;
+    for (int i = 0; i < np; i++) {
+        seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+        prompt[i] = (int32_t)((seed >> 33) % (uint64_t)cfg.vocab_size);
+    }
+    int32_t *ref = xcalloc((size_t)ng, sizeof *ref), *got = xcalloc((size_t)ng, sizeof *got);
+    printf("\n%-44s %8s %7s %9s %11s %10s %10s %8s %9s %8s\n", "budget", "plan GB", "pinned", "cached", "s/token",
+           "MB/token", "GB/s read", "I/O %", "floor s", "resident");
+    bool same = true;
+    for (int i = 0; i < n; i++) {
+        rung *r = &ladder[i];
+        int rc = run_rung(dir, tdir, r, prompt, np, ng, i ? got : ref, &err);
+        if (rc) {
+            printf("%-44s refused or failed: %s\n", r->name, err.msg);
+            continue;
+        }
+        if (i && memcmp(got, ref, (size_t)ng * sizeof *got)) same = false;
+        printf("%-44s %8.3f %3d/%-3d %9lld %11.3f %10.1f %10.2f %8.1f %9.3f %7.1f%%\n", r->name, r->plan_gb, r->pinned,
+               cfg.num_layers, (long long)r->cache_experts, r->s_per_tok, r->mb_per_tok, r->gbs_reading, 100 * r->io_share,
+               r->mb_per_tok / disk, 100 * r->resident_rate);
+        fflush(stdout);
+    }
+    printf("\ngenerated ids identical at every budget: %s\n", same ? "yes" : "NO");
+    printf("threads %d; prompt %d tokens, %d decoded; floor = MB read per token / %.0f MB/s\n", omp_get_max_threads(), np,
+           ng, disk);
+    if (json_path) {
+        FILE *f = fopen(json_path, "w");
+        if (f) {
+            fprintf(f, "{\"disk_mbs_4m_qd16\": %.1f, \"disk_mbs_trunk_16m_qd8\": %.1f, \"disk_mbs_expert_qd32\": %.1f,\n"
+                       " \"threads\": %d, \"prompt\": %d, \"gen\": %d, \"same_ids\": %s, \"ladder\": [\n",
+                    big16, tr8, ex32, omp_get_max_threads(), np, ng, same ? "true" : "false");
+            for (int i = 0; i < n; i++)
+                fprintf(f,
+                        "  {\"budget\": \"%s\", \"ok\": %s, \"plan_gb\": %.4f, \"pinned\": %d, \"ring_slots\": %d, "
+                        "\"cache_experts\": %lld, \"s_per_token\": %.4f, \"mb_per_token\": %.2f, \"trunk_mb_per_token\": "
+                        "%.2f, \"expert_mb_per_token\": %.2f, \"gbs_while_reading\": %.3f, \"io_share\": %.3f, "
+                        "\"resident_hit_rate\": %.3f}%s\n",
+                        ladder[i].name, ladder[i].ok ? "true" : "false", ladder[i].plan_gb, ladder[i].pinned,
+                        ladder[i].slots, (long long)ladder[i].cache_experts, ladder[i].s_per_tok, ladder[i].mb_per_tok,
+                        ladder[i].trunk_mb_per_tok, ladder[i].expert_mb_per_tok, ladder[i].gbs_reading,
+                        ladder[i].io_share, ladder[i].resident_rate, i + 1 < n ? "," : "");
+            fprintf(f, "]}\n");
+            fclose(f);
+        }
+    }
+    if (svg) {
+        char title[256];
+        snprintf(title, sizeof title, "k3 decode on a %d-layer MXFP4 checkpoint: s/token vs memory budget (%d threads)",
+                 cfg.num_layers, omp_get_max_threads());
+        write_svg(svg, ladder, n, disk, title);
+    }
+    free(prompt);
+    free(ref);
+    free(got);
+    return same ? 0 : 1;
+}

@@ -1,0 +1,75 @@
+/* runmem.h: what `k3 run` calls to run inside a memory budget (issue 4).
+ *
+ * The command keeps its own flow; this module adds, in call order:
+ *   k3_runmem_parse    the budget flags (--trunk, --preset, --trunk-gb,
+ *                      --cache-gb, --chunk, --cache-policy, --dump-cache-trace,
+ *                      --list-presets; a later budget flag wins)
+ *   k3_runmem_begin    config + shard headers -> memory plan; a plan that
+ *                      cannot fit is refused (exit 3, one line) before any
+ *                      weight byte is read
+ *   k3_runmem_attach   after k3_model_open(top_only): the streaming source
+ *   k3_runmem_print_plan  before the first forward call (printed late so that
+ *                      an error while opening stays a single line)
+ *   k3_runmem_step     after each forward call: one report line
+ *   k3_runmem_summary / k3_runmem_json   the run report
+ *   k3_runmem_free     after k3_model_free */
+#ifndef K3_MEMORY_RUNMEM_H
+#define K3_MEMORY_RUNMEM_H
+
+#include <jansson.h>
+
+#include "memory/budget.h"
+#include "memory/stream.h"
+
+typedef struct {
+    k3_stream_opts so;
+    k3_budget budget;
+    bool budget_given;     /* any of --preset/--trunk-gb/--cache-gb */
+    bool list_presets;
+} k3_runmem_args;
+
+void k3_runmem_args_init(k3_runmem_args *a);
+/* If argv[*i] is one of the flags above, consumes it (and its value, moving
+ * *i) and sets *used; usage errors return K3_EXIT_USAGE with err filled. */
+int k3_runmem_parse(k3_runmem_args *a, int argc, char **argv, int *i, bool *used, k3_err *err);
+/* Help lines for the flags (a string literal, to splice into the command's help). */
+#define K3_RUNMEM_HELP \
+    "memory (the output ids are the same at every budget):\n" \
+    "  --preset NAME        laptop, desktop, workstation, server, max or auto\n" \
+    "                       (default auto: 85% of MemAvailable, trunk first)\n" \
+    "  --trunk-gb GB        memory for the dense trunk: model-level tensors,\n" \
+    "                       resident or pinned layers and ring slots\n" \
+    "  --cache-gb GB        memory for routed experts: the cache plus the buffers\n" \
+    "                       of one batch (a later budget flag wins)\n" \
+    "  --list-presets       print the preset table and exit\n" \
+    "  --trunk DIR          stream the trunk from a packed trunk (k3 pack-trunk):\n" \
+    "                       a prefix of layers that fits --trunk-gb stays pinned,\n" \
+    "                       the rest is read through ring slots (O_DIRECT), the\n" \
+    "                       next layer while the current one computes; without\n" \
+    "                       --trunk the trunk is mapped resident from the shards\n" \
+    "  --chunk C            prefill C tokens per forward call, each selected expert\n" \
+    "                       read once per chunk (default 64, lowered to what the\n" \
+    "                       cache budget holds)\n" \
+    "  --cache-policy P     lfu (default) or lru\n" \
+    "  --dump-cache-trace DIR   write DIR/cache_trace.bin, every expert request\n" \
+    "                       (step, layer, expert), for 'k3 cache-sim'\n"
+
+typedef struct k3_runmem k3_runmem;
+/* layers: --layers (0 all); max_pos: positions the run may hold (an upper
+ * bound is fine); mem_limit: refuse plans above it (0: MemAvailable). */
+int k3_runmem_begin(const k3_runmem_args *a, const char *model_dir, int layers, int64_t max_pos, uint64_t mem_limit,
+                    k3_runmem **out, k3_err *err);
+void k3_runmem_print_plan(const k3_runmem *rm, FILE *f);
+/* Model opened with k3_model_opts.top_only. */
+int k3_runmem_attach(k3_runmem *rm, k3_model *m, k3_err *err);
+/* Tokens per prefill call the plan holds. */
+int k3_runmem_chunk(const k3_runmem *rm);
+/* Records one forward call of ntokens (a prefill chunk or a decoded token)
+ * and prints its line on f (NULL: record only). */
+void k3_runmem_step(k3_runmem *rm, bool prefill, int ntokens, FILE *f);
+void k3_runmem_summary(const k3_runmem *rm, FILE *f);
+/* Adds "memory": {plan, summary, steps[]} to a run's JSON report. */
+void k3_runmem_json(const k3_runmem *rm, json_t *o);
+void k3_runmem_free(k3_runmem *rm);
+
+#endif

@@ -1,0 +1,967 @@
+/* stream.c: the memory plan and the streaming weight source (stream.h).
+ *
+ * Read top to bottom: names and layouts, the plan, binding a layer from the
+ * shards or from a trunk run, the I/O thread and the ring, the expert batch,
+ * then open/free. */
+#include "memory/stream.h"
+
+#include "memory/io.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+void k3_stream_opts_init(k3_stream_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->trunk_gb = -1;
+    o->cache_gb = -1;
+    o->policy = XC_LFU;
+    o->io_depth = 32;
+    const char *d = getenv("K3_DIRECT_IO");
+    o->direct = !(d && !strcmp(d, "0"));
+}
+
+static uint64_t align4k(uint64_t x) { return (x + K3_IO_ALIGN - 1) & ~(uint64_t)(K3_IO_ALIGN - 1); }
+static double gb(uint64_t b) { return (double)b / 1e9; }
+
+/* "language_model.model." (the release) or "model." (plain checkpoints). */
+static const char *name_prefix(const st_index *ix) {
+    if (!st_find(ix, "language_model.model.embed_tokens.weight") && st_find(ix, "model.embed_tokens.weight"))
+        return "model.";
+    return "language_model.model.";
+}
+
+static int tdtype(st_dtype d, k3_tdtype *out) {
+    switch (d) {
+    case ST_F32: *out = KT_F32; return 0;
+    case ST_F16: *out = KT_F16; return 0;
+    case ST_BF16: *out = KT_BF16; return 0;
+    case ST_U8: *out = KT_U8; return 0;
+    default: return -1;
+    }
+}
+
+/* ---- where an expert's bytes are ---------------------------------------------
+ * Per matrix (w1 gate, w3 up, w2 down): MXFP4 (weight_packed + weight_scale)
+ * or an unquantised weight. When all of an expert's tensors form one
+ * contiguous run in one shard (the release does this: spec section 1) it is
+ * one read; otherwise one read per tensor, each into its own aligned part of
+ * the buffer. */
+enum { XW1 = 0, XW3, XW2 };
+typedef struct {
+    int n;                      /* tensors */
+    const st_tensor *t[6];
+    int data[3], scale[3];      /* per matrix: index into t (scale -1 when unquantised) */
+    bool one_run;
+    uint64_t pos[6];            /* byte offset of tensor i's data in the buffer */
+    uint64_t need;              /* buffer bytes */
+} xlayout;
+
+static int expert_layout(st_index *ix, const char *prefix, int L, int e, xlayout *x, k3_err *err) {
+    static const int wnum[3] = {1, 3, 2};
+    memset(x, 0, sizeof *x);
+    char name[512];
+    for (int m = 0; m < 3; m++) {
+        int k = snprintf(name, sizeof name, "%slayers.%d.block_sparse_moe.experts.%d.w%d.weight_packed", prefix, L, e,
+                         wnum[m]);
+        if (k < 0 || (size_t)k >= sizeof name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
+        const st_tensor *p = st_find(ix, name);
+        if (p) {
+            snprintf(name + k - 6, sizeof name - (size_t)(k - 6), "scale");
+            const st_tensor *s = st_find(ix, name);
+            if (!s) return k3_fail(err, K3_EXIT_DATA, "missing tensor %s", name);
+            x->data[m] = x->n;
+            x->t[x->n++] = p;
+            x->scale[m] = x->n;
+            x->t[x->n++] = s;
+        } else {
+            name[k - 7] = 0; /* ".weight_packed" -> ".weight" */
+            const st_tensor *w = st_find(ix, name);
+            if (!w) {
+                name[k - 7] = '_';
+                return k3_fail(err, K3_EXIT_DATA, "missing tensor %s", name);
+            }
+            if (w->dtype != ST_BF16 && w->dtype != ST_F32)
+                return k3_fail(err, K3_EXIT_DATA, "%s: dtype %s: a streamed unquantised expert must be BF16 or F32",
+                               name, st_dtype_name(w->dtype));
+            x->data[m] = x->n;
+            x->scale[m] = -1;
+            x->t[x->n++] = w;
+        }
+    }
+    /* one run? same shard, back to back in some order, float data aligned */
+    int ord[6] = {0, 1, 2, 3, 4, 5};
+    for (int i = 0; i < x->n; i++) ord[i] = i;
+    for (int i = 1; i < x->n; i++)
+        for (int j = i; j > 0 && x->t[ord[j]]->offset < x->t[ord[j - 1]]->offset; j--) {
+            int tmp = ord[j];
+            ord[j] = ord[j - 1];
+            ord[j - 1] = tmp;
+        }
+    bool one = true;
+    for (int i = 0; i < x->n && one; i++) {
+        const st_tensor *t = x->t[ord[i]];
+        if (t->shard != x->t[0]->shard || t->offset % st_dtype_size(t->dtype)) one = false;
+        if (i > 0 && t->offset != x->t[ord[i - 1]]->offset + x->t[ord[i - 1]]->nbytes) one = false;
+    }
+    x->one_run = one;
+    if (one) {
+        uint64_t start = x->t[ord[0]]->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+        uint64_t end = x->t[ord[x->n - 1]]->offset + x->t[ord[x->n - 1]]->nbytes;
+        for (int i = 0; i < x->n; i++) x->pos[i] = x->t[i]->offset - start;
+        x->need = align4k(end - start);
+    } else {
+        uint64_t acc = 0;
+        for (int i = 0; i < x->n; i++) {
+            const st_tensor *t = x->t[i];
+            if (t->offset % st_dtype_size(t->dtype))
+                return k3_fail(err, K3_EXIT_DATA, "%s: data offset %llu is not aligned to its dtype", t->name,
+                               (unsigned long long)t->offset);
+            x->pos[i] = acc + (t->offset & (K3_IO_ALIGN - 1));
+            acc += k3_io_span(t->offset, t->nbytes);
+        }
+        x->need = acc;
+    }
+    return K3_OK;
+}
+
+/* ---- the plan ------------------------------------------------------------------ */
+
+/* Bytes the binder allocates for a bound layer: widened small vectors (norm
+ * gains, conv taps, biases, AttnRes queries), F16 matrices widened to F32, and
+ * the table of expert matrices. */
+static uint64_t copies_of(const char *name, int rank, const int64_t *shape, st_dtype dt) {
+    uint64_t numel = 1;
+    for (int i = 0; i < rank; i++) numel *= (uint64_t)shape[i];
+    if (rank == 1 || strstr(name, "conv1d") || strstr(name, "_res_proj.") || dt == ST_F16) return numel * 4 + 64;
+    return 0;
+}
+
+static int layer_sizes(const k3_config *c, st_index *ix, const k3_trunk *trunk, k3_mem_plan *p, k3_err *err) {
+    uint64_t table = (uint64_t)c->num_experts * sizeof(k3_expert_w) + 64;
+    for (int L = 0; L < c->num_layers; L++) p->bind_bytes[L] = c->layer_dense[L] ? 0 : table;
+    if (trunk) {
+        for (int L = 0; L < c->num_layers; L++) {
+            const k3_trunk_run *r = k3_trunk_run_for(trunk, L);
+            if (!r)
+                return k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: no run for layer %d (packed from another model?)",
+                               trunk->dir, L);
+            p->layer_bytes[L] = r->bytes;
+            for (int i = 0; i < r->ntensors; i++)
+                p->bind_bytes[L] += copies_of(r->tensors[i].name, r->tensors[i].rank, r->tensors[i].shape,
+                                              r->tensors[i].dtype);
+        }
+    } else {
+        for (size_t i = 0; i < st_count(ix); i++) {
+            const st_tensor *t = st_at(ix, i);
+            int L = k3_trunk_layer_of(t->name);
+            if (L < 0 || L >= c->num_layers || !k3_trunk_wants(t->name)) continue;
+            p->layer_bytes[L] += t->nbytes;
+            p->bind_bytes[L] += copies_of(t->name, t->rank, t->shape, t->dtype);
+        }
+    }
+    for (int L = 0; L < c->num_layers; L++) p->layers_all += p->layer_bytes[L];
+    return K3_OK;
+}
+
+/* Model-level tensors as the model uses them, mapped from the shards: the
+ * whole head every token, one embedding row per distinct token (a page fault
+ * maps up to 64 KiB around it), widened norms. */
+static uint64_t head_size(const k3_config *c, st_index *ix, int64_t max_pos) {
+    uint64_t b = 0;
+    for (size_t i = 0; i < st_count(ix); i++) {
+        const st_tensor *t = st_at(ix, i);
+        if (k3_trunk_layer_of(t->name) >= 0 || !k3_trunk_wants(t->name)) continue;
+        if (strstr(t->name, "embed_tokens.") && t->dtype != ST_F16 && c->vocab_size > 0) {
+            uint64_t row = t->nbytes / (uint64_t)c->vocab_size, per = row < 65536 ? 65536 : row + 4096;
+            uint64_t rows = (uint64_t)(max_pos < c->vocab_size ? max_pos : c->vocab_size);
+            b += rows * per < t->nbytes ? rows * per : t->nbytes;
+        } else if (t->rank >= 2 && t->shape[0] > 1 && t->dtype != ST_F16) {
+            b += t->nbytes;
+        } else {
+            b += t->nbytes + (uint64_t)t->numel * 4;
+        }
+    }
+    return b;
+}
+
+/* Chooses the pinned prefix and the ring for a trunk limit: most pinned layers
+ * with two slots (reads overlap compute), else with one (no overlap). */
+static bool fit_trunk(const k3_config *c, k3_mem_plan *p, double limit) {
+    int NL = c->num_layers;
+    for (int slots = 2; slots >= 1; slots--) {
+        for (int P = NL; P >= 0; P--) {
+            uint64_t pin = 0, slot = 0, copy = 0;
+            for (int L = 0; L < P; L++) pin += align4k(p->layer_bytes[L]) + p->bind_bytes[L];
+            for (int L = P; L < NL; L++) {
+                if (align4k(p->layer_bytes[L]) > slot) slot = align4k(p->layer_bytes[L]);
+                if (p->bind_bytes[L] > copy) copy = p->bind_bytes[L];
+            }
+            int ns = P == NL ? 0 : (NL - P == 1 ? 1 : slots);
+            uint64_t ring = (uint64_t)ns * (slot + copy);
+            uint64_t need = p->head_bytes + pin + ring;
+            if ((double)need <= limit) {
+                p->pinned = P;
+                p->pinned_bytes = pin;
+                p->ring_slots = ns;
+                p->slot_bytes = ns ? slot : 0;
+                p->ring_bytes = ring;
+                p->trunk_bytes = need;
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const k3_stream_opts *o,
+                 int64_t max_pos, k3_mem_plan *p, k3_err *err) {
+    memset(p, 0, sizeof *p);
+    p->num_layers = c->num_layers;
+    p->num_experts = c->num_experts;
+    p->top_k = c->experts_per_token;
+    p->max_pos = max_pos;
+    p->streamed = trunk != NULL;
+    for (int L = 0; L < c->num_layers; L++) p->n_moe += !c->layer_dense[L];
+    int rc = layer_sizes(c, ix, trunk, p, err);
+    if (rc) return rc;
+    p->head_bytes = head_size(c, ix, max_pos);
+    double tlimit = o->trunk_gb < 0 ? 1e300 : o->trunk_gb * 1e9;
+    double xlimit = o->cache_gb < 0 ? 1e300 : o->cache_gb * 1e9;
+
+    /* trunk part */
+    if (trunk) {
+        if (!fit_trunk(c, p, tlimit)) {
+            uint64_t big = 0, copy = 0;
+            for (int L = 0; L < c->num_layers; L++) {
+                if (align4k(p->layer_bytes[L]) > big) big = align4k(p->layer_bytes[L]);
+                if (p->bind_bytes[L] > copy) copy = p->bind_bytes[L];
+            }
+            return k3_fail(err, K3_EXIT_BUDGET,
+                           "--trunk-gb %.3g: the trunk needs at least %.3f GB (model-level tensors %.3f GB + one ring "
+                           "slot of %.3f GB for the largest layer)",
+                           o->trunk_gb, gb(p->head_bytes + big + copy), gb(p->head_bytes), gb(big + copy));
+        }
+    } else {
+        uint64_t copies = 0;
+        for (int L = 0; L < c->num_layers; L++) copies += p->bind_bytes[L];
+        p->pinned = c->num_layers;
+        p->pinned_bytes = p->layers_all + copies;
+        p->trunk_bytes = p->head_bytes + p->pinned_bytes;
+        if ((double)p->trunk_bytes > tlimit)
+            return k3_fail(err, K3_EXIT_BUDGET,
+                           "--trunk-gb %.3g: the trunk needs %.3f GB resident; pack it (k3 pack-trunk MODEL_DIR "
+                           "TRUNK_DIR) and run with --trunk TRUNK_DIR to stream it",
+                           o->trunk_gb, gb(p->trunk_bytes));
+    }
+
+    /* expert part */
+    p->total_experts = (int64_t)p->n_moe * c->num_experts;
+    const char *prefix = name_prefix(ix);
+    for (int L = 0; L < c->num_layers; L++) {
+        if (c->layer_dense[L]) continue;
+        for (int e = 0; e < c->num_experts; e++) {
+            xlayout x;
+            if ((rc = expert_layout(ix, prefix, L, e, &x, err))) return rc;
+            if (x.need > p->expert_buf) p->expert_buf = x.need;
+        }
+    }
+    int want_chunk = o->chunk > 0 ? o->chunk : 64;
+    p->chunk = want_chunk;
+    if (p->total_experts > 0) {
+        int k = c->experts_per_token;
+        int64_t pool = (int64_t)(xlimit / (double)p->expert_buf);
+        if (xlimit >= 1e300 || pool > p->total_experts) pool = p->total_experts;
+        int64_t batch = (int64_t)want_chunk * k < c->num_experts ? (int64_t)want_chunk * k : c->num_experts;
+        if (pool >= p->total_experts) {
+            /* every expert fits: nothing is ever evicted, a batch needs no extra buffers */
+            p->cache_experts = p->total_experts;
+            p->batch_experts = 0;
+        } else {
+            if (pool < batch && o->chunk > 0)
+                return k3_fail(err, K3_EXIT_BUDGET,
+                               "--cache-gb %.3g holds %lld expert buffers of %.1f MB; a prefill chunk of %d tokens "
+                               "needs up to %lld (use a smaller --chunk or a larger --cache-gb)",
+                               o->cache_gb, (long long)pool, (double)p->expert_buf / 1e6, want_chunk, (long long)batch);
+            while (pool < batch && p->chunk > 1) {
+                p->chunk = p->chunk / 2;
+                batch = (int64_t)p->chunk * k < c->num_experts ? (int64_t)p->chunk * k : c->num_experts;
+            }
+            if (pool < batch)
+                return k3_fail(err, K3_EXIT_BUDGET,
+                               "--cache-gb %.3g holds %lld expert buffers of %.1f MB; one token needs %lld",
+                               o->cache_gb, (long long)pool, (double)p->expert_buf / 1e6, (long long)batch);
+            p->batch_experts = (int)batch;
+            p->cache_experts = pool - batch;
+        }
+        p->expert_bytes = (uint64_t)(p->cache_experts + p->batch_experts) * p->expert_buf;
+        p->table_bytes = (uint64_t)c->num_layers * (uint64_t)c->num_experts * 4 + (uint64_t)p->total_experts * 160 +
+                         (uint64_t)p->cache_experts * 96;
+    }
+
+    p->state = k3_state_size_cfg(c, max_pos);
+    p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total;
+    uint64_t limit = o->mem_limit ? o->mem_limit : k3_mem_available_bytes();
+    if (limit && p->total + K3_PLAN_OVERHEAD > limit)
+        return k3_fail(err, K3_EXIT_BUDGET,
+                       "the memory plan needs %.3f GB (trunk %.3f, experts %.3f, state %.3f at %lld positions) + %.3f GB "
+                       "overhead but %s is %.3f GB: choose a smaller --preset, --trunk-gb or --cache-gb, or fewer positions",
+                       gb(p->total), gb(p->trunk_bytes), gb(p->expert_bytes + p->table_bytes), gb(p->state.total),
+                       (long long)max_pos, gb(K3_PLAN_OVERHEAD), o->mem_limit ? "--max-memory" : "MemAvailable",
+                       gb(limit));
+    return K3_OK;
+}
+
+static void mb_cell(char *buf, size_t n, uint64_t b) {
+    if (b >= 1000000000ull) snprintf(buf, n, "%8.3f GB", gb(b));
+    else if (b >= 1000000ull) snprintf(buf, n, "%8.1f MB", (double)b / 1e6);
+    else snprintf(buf, n, "%8.1f kB", (double)b / 1e3);
+}
+
+static const char *hsize(uint64_t b, char *buf, size_t n) {
+    mb_cell(buf, n, b);
+    while (*buf == ' ') buf++;
+    return buf;
+}
+
+void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
+    char b[32], h[32], lim[96];
+    if (o->trunk_gb < 0 && o->cache_gb < 0) snprintf(lim, sizeof lim, "no limits");
+    else snprintf(lim, sizeof lim, "trunk %s GB, cache %s GB", o->trunk_gb < 0 ? "all" : "", o->cache_gb < 0 ? "all" : "");
+    if (o->trunk_gb >= 0 || o->cache_gb >= 0) {
+        char t[24], x[24];
+        if (o->trunk_gb < 0) snprintf(t, sizeof t, "all");
+        else snprintf(t, sizeof t, "%.3g", o->trunk_gb);
+        if (o->cache_gb < 0) snprintf(x, sizeof x, "all");
+        else snprintf(x, sizeof x, "%.3g", o->cache_gb);
+        snprintf(lim, sizeof lim, "--trunk-gb %s, --cache-gb %s", t, x);
+    }
+    fprintf(f, "k3: memory plan (%s%s%s%lld positions)\n", o->preset ? "preset " : "", o->preset ? o->preset : "",
+            o->preset ? "; " : "", (long long)p->max_pos);
+    fprintf(f, "k3:   budget               %s\n", lim);
+    mb_cell(b, sizeof b, p->head_bytes);
+    fprintf(f, "k3:   model-level tensors %s  head, final norms, embedding rows in use (mapped)\n", b);
+    if (!p->streamed) {
+        mb_cell(b, sizeof b, p->pinned_bytes);
+        fprintf(f, "k3:   trunk resident      %s  %d layers mapped from the shards (no --trunk)\n", b, p->num_layers);
+    } else {
+        mb_cell(b, sizeof b, p->pinned_bytes);
+        if (p->pinned > 1)
+            fprintf(f, "k3:   trunk pinned        %s  layers 0-%d resident\n", b, p->pinned - 1);
+        else if (p->pinned == 1)
+            fprintf(f, "k3:   trunk pinned        %s  layer 0 resident\n", b);
+        else
+            fprintf(f, "k3:   trunk pinned        %s  no layer pinned\n", b);
+        mb_cell(b, sizeof b, p->ring_bytes);
+        if (p->ring_slots)
+            fprintf(f, "k3:   ring slots          %s  %d x %s, layers %d-%d streamed%s\n", b, p->ring_slots,
+                    hsize(p->slot_bytes, h, sizeof h), p->pinned, p->num_layers - 1,
+                    p->ring_slots == 2 ? ", next layer read during compute" : ", no read-ahead (one slot)");
+        else
+            fprintf(f, "k3:   ring slots          %s  none (every layer pinned)\n", b);
+    }
+    mb_cell(b, sizeof b, p->expert_bytes);
+    fprintf(f, "k3:   expert cache        %s  %lld of %lld experts x %s (%s) + %d batch buffers; chunk %d\n", b,
+            (long long)p->cache_experts, (long long)p->total_experts, hsize(p->expert_buf, h, sizeof h),
+            xc_policy_name(o->policy), p->batch_experts, p->chunk);
+    mb_cell(b, sizeof b, p->table_bytes);
+    fprintf(f, "k3:   cache tables        %s\n", b);
+    mb_cell(b, sizeof b, p->state.kda_bytes);
+    fprintf(f, "k3:   KDA state           %s\n", b);
+    mb_cell(b, sizeof b, p->state.mla_bytes);
+    fprintf(f, "k3:   MLA latent cache    %s  at %lld positions\n", b, (long long)p->max_pos);
+    mb_cell(b, sizeof b, p->state.scratch_bytes);
+    fprintf(f, "k3:   scratch             %s\n", b);
+    mb_cell(b, sizeof b, p->total);
+    fprintf(f, "k3:   total               %s  (+ %.0f MB fixed overhead: peak RSS stays below %.3f GB)\n", b,
+            (double)K3_PLAN_OVERHEAD / 1e6, gb(p->total + K3_PLAN_OVERHEAD));
+}
+
+/* ---- the source's state ----------------------------------------------------------- */
+
+enum { SLOT_EMPTY = 0, SLOT_READING, SLOT_READY, SLOT_FAILED };
+
+typedef struct {
+    int layer;                 /* layer held or being read, -1 none */
+    int state;
+    bool pending;              /* a job for the I/O thread */
+    bool bound, in_use;
+    uint8_t *buf;
+    k3_layer_w w;
+    k3_owned owned;
+    k3_err err;
+} ring_slot;
+
+struct k3_stream {
+    k3_config cfg;
+    k3_mem_plan *plan;
+    k3_stream_opts o;
+    st_index *ix;
+    k3_trunk *trunk;
+    const char *prefix;
+    k3_weight_source src;
+    /* resident or pinned layers */
+    k3_layer_w *lw;
+    bool *have;
+    uint8_t **pin_buf;
+    k3_owned owned;
+    /* ring and its I/O thread */
+    ring_slot slot[2];
+    int nslots;
+    k3_io *tio;
+    int tfd;
+    pthread_t thr;
+    bool thr_started, quit;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    uint64_t trunk_read;
+    double trunk_busy, trunk_stall;
+    /* experts */
+    k3_io *xio;
+    int *sfd;                  /* per shard, -1 until opened */
+    bool xdirect;
+    xcache *xc;
+    uint8_t *pool;
+    int64_t npool;
+    int64_t *free_list;
+    int64_t nfree;
+    int64_t *buf_of;           /* [layer * N_e + e] -> buffer or -1 */
+    uint8_t *inuse;
+    int64_t *bb;               /* buffers of the current batch */
+    k3_io_req *reqs;
+    size_t reqcap;
+    double expert_stall;
+    xc_trace_writer trace;
+    bool tracing;
+    int32_t step;
+    uint64_t steps;
+    bool poisoned;
+    k3_err poison;
+};
+
+static _Alignas(64) const uint8_t dummy_bytes[64];
+
+/* ---- binding a layer -------------------------------------------------------------- */
+
+typedef struct {
+    k3_stream *s;
+    const k3_trunk_run *run;   /* NULL: map from the shards */
+    const uint8_t *base;       /* the run's bytes */
+    char name[512];
+} bind_ctx;
+
+static int fill_from_st(const st_tensor *t, k3_tensor *out, k3_err *err) {
+    if (tdtype(t->dtype, &out->dtype))
+        return k3_fail(err, K3_EXIT_DATA, "%s: dtype %s is not used by K3", t->name, st_dtype_name(t->dtype));
+    if (t->rank > 4) return k3_fail(err, K3_EXIT_DATA, "%s: rank %d is not used by K3", t->name, t->rank);
+    out->rank = t->rank;
+    for (int i = 0; i < t->rank; i++) out->shape[i] = t->shape[i];
+    return K3_OK;
+}
+
+static int bind_lookup(void *vctx, int layer, const char *name, k3_tensor *t, k3_err *err) {
+    bind_ctx *c = vctx;
+    k3_stream *s = c->s;
+    int k = snprintf(c->name, sizeof c->name, "%slayers.%d.%s", s->prefix, layer, name);
+    if (k < 0 || (size_t)k >= sizeof c->name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
+    t->where = c->name;
+    if (!strncmp(name, "block_sparse_moe.experts.", 25)) {
+        /* the binder checks the expert's shapes and dtypes; its bytes are read
+         * per batch (experts_get), so the bound pointer is a placeholder */
+        const st_tensor *st = st_find(s->ix, c->name);
+        if (!st) return 1;
+        int rc = fill_from_st(st, t, err);
+        if (rc) return rc;
+        if (st->dtype == ST_F16)
+            return k3_fail(err, K3_EXIT_DATA, "%s: F16 routed experts cannot be streamed (BF16, F32 or MXFP4)", c->name);
+        t->data = dummy_bytes;
+        return K3_OK;
+    }
+    if (c->run) {
+        for (int i = 0; i < c->run->ntensors; i++) {
+            const k3_trunk_tensor *tt = &c->run->tensors[i];
+            if (strcmp(tt->name, c->name)) continue;
+            if (tdtype(tt->dtype, &t->dtype))
+                return k3_fail(err, K3_EXIT_DATA, "%s: dtype %s is not used by K3", c->name, st_dtype_name(tt->dtype));
+            if (tt->rank > 4) return k3_fail(err, K3_EXIT_DATA, "%s: rank %d is not used by K3", c->name, tt->rank);
+            t->rank = tt->rank;
+            for (int d = 0; d < tt->rank; d++) t->shape[d] = tt->shape[d];
+            t->data = c->base + tt->offset;
+            return K3_OK;
+        }
+        return 1;
+    }
+    const st_tensor *st = st_find(s->ix, c->name);
+    if (!st) return 1;
+    int rc = fill_from_st(st, t, err);
+    if (rc) return rc;
+    t->data = st_data(s->ix, st, err);
+    if (!t->data && st->nbytes) return err->code ? err->code : K3_EXIT_RUNTIME;
+    return K3_OK;
+}
+
+static int bind_from(k3_stream *s, int L, const k3_trunk_run *run, const uint8_t *base, k3_layer_w *w,
+                     k3_owned *owned, k3_err *err) {
+    bind_ctx c = {.s = s, .run = run, .base = base};
+    return k3_bind_layer(&s->cfg, L, bind_lookup, &c, w, owned, err);
+}
+
+/* Reads a trunk run into buf (aligned, align4k(run->bytes) long) in 16 MiB
+ * pieces kept in flight together, then checks its CRC-32C. */
+#define PIECE (16u << 20)
+static int read_run(k3_stream *s, k3_io *io, const k3_trunk_run *run, uint8_t *buf, k3_err *err) {
+    size_t n = (size_t)((run->bytes + PIECE - 1) / PIECE);
+    k3_io_req *rq = xcalloc(n ? n : 1, sizeof *rq);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t off = (uint64_t)i * PIECE;
+        rq[i] = (k3_io_req){.fd = s->tfd, .offset = run->offset + off,
+                            .len = run->bytes - off < PIECE ? run->bytes - off : PIECE, .buf = buf + off};
+    }
+    int rc = k3_io_read(io, rq, n, err);
+    free(rq);
+    if (rc) {
+        char m[sizeof err->msg];
+        snprintf(m, sizeof m, "%s", err->msg);
+        return k3_fail(err, rc, "%s: layer %d: %s", s->trunk->bin_path, run->layer, m);
+    }
+    if (k3_crc32c(0, buf, run->bytes) != run->crc)
+        return k3_fail(err, K3_EXIT_DATA, "%s: the run for layer %d fails its checksum (re-pack the trunk)",
+                       s->trunk->bin_path, run->layer);
+    return K3_OK;
+}
+
+/* ---- the I/O thread ------------------------------------------------------------------ */
+
+static void *io_main(void *arg) {
+    k3_stream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        ring_slot *job = NULL;
+        while (!s->quit) {
+            for (int i = 0; i < s->nslots; i++)
+                if (s->slot[i].pending) job = &s->slot[i];
+            if (job) break;
+            pthread_cond_wait(&s->cv, &s->mu);
+        }
+        if (s->quit) break;
+        job->pending = false;
+        const k3_trunk_run *run = k3_trunk_run_for(s->trunk, job->layer);
+        pthread_mutex_unlock(&s->mu);
+        k3_err err = {0};
+        double t0 = k3_now();
+        uint64_t b0 = k3_io_bytes(s->tio);
+        int rc = read_run(s, s->tio, run, job->buf, &err);
+        double dt = k3_now() - t0;
+        pthread_mutex_lock(&s->mu);
+        s->trunk_busy += dt;
+        s->trunk_read += k3_io_bytes(s->tio) - b0;
+        job->state = rc ? SLOT_FAILED : SLOT_READY;
+        if (rc) job->err = err;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+static void slot_unbind(ring_slot *sl) {
+    if (sl->bound) k3_owned_free(&sl->owned);
+    memset(&sl->w, 0, sizeof sl->w);
+    sl->bound = false;
+}
+
+/* Under s->mu: queue a read of layer L into slot sl. */
+static void slot_start(k3_stream *s, ring_slot *sl, int L) {
+    slot_unbind(sl);
+    sl->layer = L;
+    sl->state = SLOT_READING;
+    sl->pending = true;
+    pthread_cond_broadcast(&s->cv);
+}
+
+static int poison(k3_stream *s, const k3_err *err) {
+    if (!s->poisoned) {
+        s->poisoned = true;
+        s->poison = *err;
+    }
+    return s->poison.code ? s->poison.code : K3_EXIT_RUNTIME;
+}
+
+static int stream_layer_get(void *ctx, int L, const k3_layer_w **w, k3_err *err) {
+    k3_stream *s = ctx;
+    if (s->poisoned) {
+        *err = s->poison;
+        return s->poison.code;
+    }
+    if (L == 0) { /* a new pass over the layers: one step for the cache */
+        s->step++;
+        s->steps++;
+        if (s->xc) xc_begin_step(s->xc);
+    }
+    if (s->have[L]) {
+        *w = &s->lw[L];
+        return K3_OK;
+    }
+    int NL = s->cfg.num_layers, P = s->plan->pinned;
+    pthread_mutex_lock(&s->mu);
+    ring_slot *sl = NULL;
+    for (int i = 0; i < s->nslots; i++)
+        if (s->slot[i].layer == L && s->slot[i].state != SLOT_EMPTY) sl = &s->slot[i];
+    if (!sl) { /* not read ahead (first layer streamed, or one slot): read it now */
+        for (int i = 0; i < s->nslots && !sl; i++)
+            if (!s->slot[i].in_use && s->slot[i].state != SLOT_READING) sl = &s->slot[i];
+        if (!sl) {
+            pthread_mutex_unlock(&s->mu);
+            return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: no free ring slot (layers out of order?)", L);
+        }
+        slot_start(s, sl, L);
+    }
+    double t0 = k3_now();
+    while (sl->state == SLOT_READING) pthread_cond_wait(&s->cv, &s->mu);
+    s->trunk_stall += k3_now() - t0;
+    if (sl->state == SLOT_FAILED) {
+        k3_err e = sl->err;
+        sl->state = SLOT_EMPTY;
+        sl->layer = -1;
+        pthread_mutex_unlock(&s->mu);
+        *err = e;
+        return poison(s, &e);
+    }
+    sl->in_use = true;
+    /* read the next streamed layer into the other slot while this one computes */
+    if (s->nslots == 2) {
+        int next = L + 1 < NL ? L + 1 : P;
+        ring_slot *o = sl == &s->slot[0] ? &s->slot[1] : &s->slot[0];
+        if (next != L && !o->in_use && o->state != SLOT_READING && !(o->layer == next && o->state == SLOT_READY))
+            slot_start(s, o, next);
+    }
+    pthread_mutex_unlock(&s->mu);
+    if (!sl->bound) {
+        int rc = bind_from(s, L, k3_trunk_run_for(s->trunk, L), sl->buf, &sl->w, &sl->owned, err);
+        if (rc) {
+            k3_owned_free(&sl->owned);
+            sl->in_use = false;
+            return poison(s, err);
+        }
+        sl->bound = true;
+    }
+    *w = &sl->w;
+    return K3_OK;
+}
+
+static void stream_layer_put(void *ctx, int L) {
+    k3_stream *s = ctx;
+    if (s->have[L]) return;
+    pthread_mutex_lock(&s->mu);
+    for (int i = 0; i < s->nslots; i++)
+        if (s->slot[i].layer == L) s->slot[i].in_use = false;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- routed experts ------------------------------------------------------------------ */
+
+static void free_push(k3_stream *s, int64_t b) { s->free_list[s->nfree++] = b; }
+
+static int shard_fd(k3_stream *s, int shard, k3_err *err) {
+    if (s->sfd[shard] < 0) {
+        bool d = false;
+        int rc = k3_io_open(s->xio, st_shard_at(s->ix, shard)->path, &s->sfd[shard], &d, err);
+        if (rc) return rc;
+        s->xdirect = d;
+    }
+    return s->sfd[shard];
+}
+
+static void make_mat(const k3_stream *s, const xlayout *x, int m, const uint8_t *buf, int rows, int cols, k3_mat *out) {
+    memset(out, 0, sizeof *out);
+    out->rows = rows;
+    out->cols = cols;
+    out->data = buf + x->pos[x->data[m]];
+    if (x->scale[m] >= 0) {
+        out->type = KW_MXFP4;
+        out->scales = buf + x->pos[x->scale[m]];
+        out->group = s->cfg.mxfp4_group > 0 ? s->cfg.mxfp4_group : 32;
+    } else {
+        out->type = x->t[x->data[m]]->dtype == ST_BF16 ? KW_BF16 : KW_F32;
+    }
+}
+
+static int stream_experts_get(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, k3_err *err) {
+    k3_stream *s = ctx;
+    if (s->poisoned) {
+        *err = s->poison;
+        return s->poison.code;
+    }
+    const k3_config *c = &s->cfg;
+    int N = c->num_experts;
+    size_t nreq = 0;
+    int rc = K3_OK;
+    for (int i = 0; i < n; i++) s->bb[i] = -1;
+    for (int i = 0; i < n && !rc; i++) {
+        int e = ids[i];
+        int64_t key = (int64_t)L * N + e, ev = -1;
+        bool res = false;
+        bool hit = xc_request_one(s->xc, L, e, &res, &ev);
+        if (s->tracing && (rc = xc_trace_write(&s->trace, s->step, L, e, err))) break;
+        if (hit && s->buf_of[key] >= 0) { /* (a repeat within one step with no cache would have no buffer) */
+            s->bb[i] = s->buf_of[key];
+            s->inuse[s->bb[i]] = 1;
+            continue;
+        }
+        if (ev >= 0) { /* the evicted expert's buffer goes back once nobody uses it */
+            int64_t ek = (int64_t)(ev >> 32) * N + (int64_t)(uint32_t)ev;
+            int64_t eb = s->buf_of[ek];
+            s->buf_of[ek] = -1;
+            if (eb >= 0 && !s->inuse[eb]) free_push(s, eb);
+        }
+        if (s->nfree == 0) {
+            rc = k3_fail(err, K3_EXIT_RUNTIME,
+                         "layer %d: a forward call selected %d experts, more than the plan's batch of %d (feed at most "
+                         "--chunk tokens per call)",
+                         L, n, s->plan->batch_experts);
+            break;
+        }
+        int64_t b = s->free_list[--s->nfree];
+        if (s->plan->cache_experts > 0) s->buf_of[key] = b;
+        s->inuse[b] = 1;
+        s->bb[i] = b;
+        xlayout x;
+        if ((rc = expert_layout(s->ix, s->prefix, L, e, &x, err))) break;
+        uint8_t *buf = s->pool + (uint64_t)b * s->plan->expert_buf;
+        int fd = shard_fd(s, x.t[0]->shard, err);
+        if (fd < 0) { rc = err->code; break; }
+        if (nreq + 6 > s->reqcap) {
+            s->reqcap = 2 * s->reqcap + 6;
+            s->reqs = xrealloc_array(s->reqs, s->reqcap, sizeof *s->reqs);
+        }
+        if (x.one_run) {
+            uint64_t start = x.t[0]->offset, end = 0;
+            for (int j = 0; j < x.n; j++) {
+                if (x.t[j]->offset < start) start = x.t[j]->offset;
+                if (x.t[j]->offset + x.t[j]->nbytes > end) end = x.t[j]->offset + x.t[j]->nbytes;
+            }
+            s->reqs[nreq++] = (k3_io_req){.fd = fd, .offset = start, .len = end - start, .buf = buf};
+        } else {
+            for (int j = 0; j < x.n; j++) {
+                int f = shard_fd(s, x.t[j]->shard, err);
+                if (f < 0) { rc = err->code; break; }
+                uint64_t at = x.pos[j] - (x.t[j]->offset & (K3_IO_ALIGN - 1));
+                s->reqs[nreq++] = (k3_io_req){.fd = f, .offset = x.t[j]->offset, .len = x.t[j]->nbytes, .buf = buf + at};
+            }
+        }
+    }
+    if (!rc && nreq) {
+        double t0 = k3_now();
+        rc = k3_io_read(s->xio, s->reqs, nreq, err);
+        s->expert_stall += k3_now() - t0;
+        if (rc) {
+            char m[sizeof err->msg];
+            snprintf(m, sizeof m, "%s", err->msg);
+            /* name the shard that holds this layer's first expert */
+            xlayout x;
+            k3_err e2 = {0};
+            if (!expert_layout(s->ix, s->prefix, L, ids[0], &x, &e2))
+                k3_fail(err, rc, "%s: routed experts of layer %d: %s", st_shard_at(s->ix, x.t[0]->shard)->path, L, m);
+        }
+    }
+    if (rc) {
+        for (int i = 0; i < n; i++)
+            if (s->bb[i] >= 0) s->inuse[s->bb[i]] = 0;
+        return poison(s, err); /* the cache may now name experts whose bytes never arrived */
+    }
+    for (int i = 0; i < n; i++) {
+        xlayout x;
+        if ((rc = expert_layout(s->ix, s->prefix, L, ids[i], &x, err))) return poison(s, err);
+        const uint8_t *buf = s->pool + (uint64_t)s->bb[i] * s->plan->expert_buf;
+        make_mat(s, &x, XW1, buf, c->moe_inter, c->latent_dim, &ex[i].w1);
+        make_mat(s, &x, XW3, buf, c->moe_inter, c->latent_dim, &ex[i].w3);
+        make_mat(s, &x, XW2, buf, c->latent_dim, c->moe_inter, &ex[i].w2);
+    }
+    return K3_OK;
+}
+
+static void stream_experts_put(void *ctx, int L, const int *ids, int n) {
+    k3_stream *s = ctx;
+    int N = s->cfg.num_experts;
+    for (int i = 0; i < n; i++) {
+        int64_t b = s->bb[i];
+        if (b < 0) continue;
+        s->inuse[b] = 0;
+        if (s->buf_of[(int64_t)L * N + ids[i]] != b) free_push(s, b);
+        s->bb[i] = -1;
+    }
+}
+
+/* ---- open / free --------------------------------------------------------------------- */
+
+int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3_mem_plan *plan,
+                   const k3_stream_opts *o, k3_stream **out, k3_err *err) {
+    k3_stream *s = xcalloc(1, sizeof *s);
+    s->cfg = *cfg;
+    s->plan = xmalloc(sizeof *s->plan);
+    *s->plan = *plan;
+    s->o = *o;
+    s->ix = ix;
+    s->trunk = trunk;
+    s->prefix = name_prefix(ix);
+    s->tfd = -1;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    int NL = cfg->num_layers, rc = K3_OK;
+    s->lw = xcalloc((size_t)NL, sizeof *s->lw);
+    s->have = xcalloc((size_t)NL, sizeof *s->have);
+    s->pin_buf = xcalloc((size_t)NL, sizeof *s->pin_buf);
+    s->src = (k3_weight_source){.ctx = s, .layer_get = stream_layer_get, .layer_put = stream_layer_put};
+    s->sfd = xmalloc_array((size_t)st_nshards(ix), sizeof *s->sfd);
+    for (int i = 0; i < st_nshards(ix); i++) s->sfd[i] = -1;
+    *out = NULL;
+
+    /* trunk */
+    if (trunk) {
+        if ((rc = k3_trunk_check_source(trunk, ix, err))) goto fail;
+        s->tio = k3_io_new(8, o->direct);
+        if ((rc = k3_io_open(s->tio, trunk->bin_path, &s->tfd, NULL, err))) goto fail;
+        uint64_t total = 0, done = 0;
+        for (int L = 0; L < plan->pinned; L++) total += plan->layer_bytes[L];
+        k3_progress pr;
+        k3_progress_start(&pr, "pinning trunk", total, true);
+        for (int L = 0; L < plan->pinned; L++) {
+            const k3_trunk_run *run = k3_trunk_run_for(trunk, L);
+            s->pin_buf[L] = k3_io_alloc(align4k(run->bytes));
+            if ((rc = read_run(s, s->tio, run, s->pin_buf[L], err))) goto fail;
+            if ((rc = bind_from(s, L, run, s->pin_buf[L], &s->lw[L], &s->owned, err))) goto fail;
+            s->have[L] = true;
+            done += run->bytes;
+            k3_progress_update(&pr, done);
+        }
+        k3_progress_finish(&pr);
+        s->nslots = plan->ring_slots;
+        for (int i = 0; i < s->nslots; i++) {
+            s->slot[i].layer = -1;
+            s->slot[i].buf = k3_io_alloc(plan->slot_bytes);
+        }
+        if (s->nslots) {
+            if (pthread_create(&s->thr, NULL, io_main, s) != 0) {
+                rc = k3_fail(err, K3_EXIT_RUNTIME, "cannot start the trunk I/O thread");
+                goto fail;
+            }
+            s->thr_started = true;
+        }
+    } else {
+        for (int L = 0; L < NL; L++) {
+            if ((rc = bind_from(s, L, NULL, NULL, &s->lw[L], &s->owned, err))) goto fail;
+            s->have[L] = true;
+        }
+    }
+
+    /* experts */
+    if (plan->total_experts > 0) {
+        s->src.experts_get = stream_experts_get;
+        s->src.experts_put = stream_experts_put;
+        s->xio = k3_io_new(o->io_depth, o->direct);
+        s->xc = xc_new(o->policy, (size_t)plan->cache_experts);
+        s->npool = plan->cache_experts + plan->batch_experts;
+        s->pool = k3_io_alloc((uint64_t)s->npool * plan->expert_buf);
+        s->free_list = xmalloc_array((size_t)s->npool, sizeof *s->free_list);
+        for (int64_t b = s->npool; b-- > 0;) free_push(s, b);
+        s->inuse = xcalloc((size_t)s->npool, 1);
+        size_t nk = (size_t)NL * (size_t)cfg->num_experts;
+        s->buf_of = xmalloc_array(nk, sizeof *s->buf_of);
+        for (size_t i = 0; i < nk; i++) s->buf_of[i] = -1;
+        s->bb = xmalloc_array((size_t)cfg->num_experts, sizeof *s->bb);
+        for (int i = 0; i < cfg->num_experts; i++) s->bb[i] = -1;
+        if (o->trace_dir) {
+            if (mkdir(o->trace_dir, 0755) != 0 && errno != EEXIST) {
+                rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create directory: %s", o->trace_dir, strerror(errno));
+                goto fail;
+            }
+            char path[4096];
+            int k = snprintf(path, sizeof path, "%s/cache_trace.bin", o->trace_dir);
+            if (k < 0 || (size_t)k >= sizeof path) {
+                rc = k3_fail(err, K3_EXIT_USAGE, "--dump-cache-trace: path too long");
+                goto fail;
+            }
+            if ((rc = xc_trace_open(&s->trace, path, err))) goto fail;
+            s->tracing = true;
+        }
+    }
+    *out = s;
+    return K3_OK;
+fail:
+    k3_stream_free(s);
+    return rc;
+}
+
+const k3_weight_source *k3_stream_source(k3_stream *s) { return &s->src; }
+
+k3_stream_stats k3_stream_get_stats(const k3_stream *s) {
+    k3_stream_stats st = {0};
+    pthread_mutex_lock((pthread_mutex_t *)&s->mu);
+    st.trunk_read = s->trunk_read;
+    st.trunk_busy_s = s->trunk_busy;
+    pthread_mutex_unlock((pthread_mutex_t *)&s->mu);
+    st.steps = s->steps;
+    st.trunk_stall_s = s->trunk_stall;
+    st.expert_stall_s = s->expert_stall;
+    if (s->xio) {
+        st.expert_read = k3_io_bytes(s->xio);
+        st.backend = k3_io_backend(s->xio);
+    } else {
+        st.backend = s->tio ? k3_io_backend(s->tio) : "none";
+    }
+    st.direct = s->xdirect;
+    if (s->xc) {
+        xc_stats x = xc_get_stats(s->xc);
+        st.requests = x.requests;
+        st.hits = x.hits;
+        st.resident_hits = x.resident_hits;
+        st.misses = x.misses;
+        st.evictions = x.evictions;
+    }
+    return st;
+}
+
+void k3_stream_free(k3_stream *s) {
+    if (!s) return;
+    if (s->thr_started) {
+        pthread_mutex_lock(&s->mu);
+        s->quit = true;
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        pthread_join(s->thr, NULL);
+    }
+    for (int i = 0; i < 2; i++) {
+        slot_unbind(&s->slot[i]);
+        free(s->slot[i].buf);
+    }
+    if (s->tracing) {
+        k3_err e = {0};
+        xc_trace_close(&s->trace, &e);
+    }
+    k3_owned_free(&s->owned);
+    for (int L = 0; L < s->cfg.num_layers; L++) free(s->pin_buf[L]);
+    free(s->pin_buf);
+    free(s->lw);
+    free(s->have);
+    if (s->tfd >= 0) close(s->tfd);
+    for (int i = 0; s->sfd && i < st_nshards(s->ix); i++)
+        if (s->sfd[i] >= 0) close(s->sfd[i]);
+    free(s->sfd);
+    k3_io_free(s->tio);
+    k3_io_free(s->xio);
+    xc_free(s->xc);
+    free(s->pool);
+    free(s->free_list);
+    free(s->inuse);
+    free(s->buf_of);
+    free(s->bb);
+    free(s->reqs);
+    free(s->plan);
+    k3_trunk_free(s->trunk);
+    st_close(s->ix);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
+    free(s);
+}

@@ -1,0 +1,73 @@
+/* trunk.h: the packed dense trunk.
+ *
+ * `k3 pack-trunk` rewrites everything but the routed experts (and the vision
+ * tower/projector) into TRUNK_DIR/trunk.bin, one contiguous run per layer
+ * plus one run for the model-level tensors (embeddings, head, final norms),
+ * each run starting on a 4 KiB boundary and each tensor inside a run on a
+ * 64-byte boundary, so that one aligned O_DIRECT read brings a whole layer and
+ * its tensors can be used in place. TRUNK_DIR/trunk.json indexes the runs
+ * (offset, bytes, CRC-32C), the tensors inside them (name, dtype, shape,
+ * offset within the run) and the source checkpoint's identity (an FNV-1a hash
+ * over every shard's name, size and header bytes and a sample of every trunk
+ * tensor's data), so a trunk packed from a different checkpoint is refused. trunk.json is written last: a directory
+ * without it is an interrupted pack, and packing again starts clean. */
+#ifndef K3_MEMORY_TRUNK_H
+#define K3_MEMORY_TRUNK_H
+
+#include "formats/safetensors.h"
+#include "util/common.h"
+
+#define K3_TRUNK_RUN_ALIGN 4096u
+#define K3_TRUNK_TENSOR_ALIGN 64u
+#define K3_TRUNK_MODEL_RUN (-1)
+
+typedef struct {
+    char *name;        /* full released name */
+    st_dtype dtype;
+    int rank;
+    int64_t shape[ST_MAX_RANK];
+    uint64_t offset;   /* within the run */
+    uint64_t nbytes;
+} k3_trunk_tensor;
+
+typedef struct {
+    int layer;         /* K3_TRUNK_MODEL_RUN for model-level tensors */
+    uint64_t offset, bytes;
+    uint32_t crc;
+    k3_trunk_tensor *tensors;
+    int ntensors;
+} k3_trunk_run;
+
+typedef struct {
+    char *dir, *bin_path;
+    char identity[17];        /* hex FNV-1a of the source shards */
+    uint64_t file_size;
+    k3_trunk_run *runs;       /* runs[0] is the model-level run, then layers 0..L-1 */
+    int nruns;
+} k3_trunk;
+
+/* True for tensors that belong in the trunk (not routed experts, not vision). */
+bool k3_trunk_wants(const char *name);
+/* Layer index of a released name ("...layers.12....") or -1. */
+int k3_trunk_layer_of(const char *name);
+/* Identity of a checkpoint: hex FNV-1a over shard names, sizes and headers,
+ * and the first and last 64 bytes of every trunk tensor (so another checkpoint
+ * with the same shapes, e.g. a fine-tune, has another identity). */
+int k3_checkpoint_identity(st_index *ix, char out[17], k3_err *err);
+
+/* Packs model_dir's trunk into trunk_dir (created if needed). Progress on
+ * stderr. Atomic: trunk.bin and trunk.json appear only when complete. */
+int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err);
+/* Re-reads every run: CRC, and byte-equality with the source tensors. */
+int k3_trunk_verify(const char *trunk_dir, const char *model_dir, k3_err *err);
+/* Reads trunk.json (checks the file size and, when ix is given, that the
+ * trunk was packed from that checkpoint). */
+int k3_trunk_open(const char *trunk_dir, st_index *ix, k3_trunk **out, k3_err *err);
+void k3_trunk_free(k3_trunk *t);
+/* The identity check alone (k3_trunk_open does it when given ix); split out so
+ * a run can check its memory plan before it reads any weight bytes. */
+int k3_trunk_check_source(const k3_trunk *t, st_index *ix, k3_err *err);
+/* The run for a layer (or K3_TRUNK_MODEL_RUN), NULL if absent. */
+const k3_trunk_run *k3_trunk_run_for(const k3_trunk *t, int layer);
+
+#endif

@@ -1,0 +1,267 @@
+/* The streaming weight source: every budget (trunk resident or streamed with
+ * pinned prefixes and one or two ring slots; expert caches from everything to
+ * nothing) and every prefill split give the same logits bits as the resident
+ * model, whose greedy ids in turn match the float64 PyTorch reference
+ * (tests/fixtures/gen/.../expected.json). Plans that cannot fit are refused;
+ * a read error poisons the source instead of producing tokens. */
+#include "harness.h"
+#include "memory/stream.h"
+
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    int32_t ids[64];
+    int n, nprompt;
+    int32_t gen[64];
+    int ngen;
+} fixture_ids;
+
+static bool load_ids(const char *dir, fixture_ids *f) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/expected.json", dir);
+    json_t *root = json_load_file(path, 0, NULL);
+    if (!root) return false;
+    json_t *fed = json_object_get(root, "fed_ids"), *pr = json_object_get(root, "prompt_ids"),
+           *gen = json_object_get(root, "generated_ids");
+    bool ok = json_is_array(fed) && json_is_array(pr) && json_is_array(gen) && json_array_size(fed) <= 64 &&
+              json_array_size(gen) <= 64;
+    if (ok) {
+        f->n = (int)json_array_size(fed);
+        f->nprompt = (int)json_array_size(pr);
+        f->ngen = (int)json_array_size(gen);
+        for (int i = 0; i < f->n; i++) f->ids[i] = (int32_t)json_integer_value(json_array_get(fed, (size_t)i));
+        for (int i = 0; i < f->ngen; i++) f->gen[i] = (int32_t)json_integer_value(json_array_get(gen, (size_t)i));
+    }
+    json_decref(root);
+    return ok;
+}
+
+/* Logits of every fed token, resident model, fed all at once. */
+static float *resident_logits(const char *dir, const fixture_ids *f, int *V) {
+    k3_model *m;
+    k3_err err = {0};
+    if (k3_model_open(dir, NULL, &m, &err)) return NULL;
+    *V = k3_model_config(m)->vocab_size;
+    k3_state *st;
+    float *lg = malloc((size_t)f->n * (size_t)*V * sizeof(float));
+    if (k3_state_new(m, f->n, &st, &err) || k3_forward(m, st, f->ids, f->n, lg, true, &err)) {
+        free(lg);
+        lg = NULL;
+    }
+    k3_state_free(st);
+    k3_model_free(m);
+    return lg;
+}
+
+typedef struct {
+    const char *trunk;       /* packed trunk dir or NULL */
+    double trunk_gb, cache_gb;
+    int chunk;               /* tokens per k3_forward call */
+} budget;
+
+/* Runs the fed ids through a streamed model in chunks; 0 on success and
+ * fills logits [n][V]; else the error code (err filled). */
+static int streamed_logits(const char *dir, const fixture_ids *f, const budget *b, float *logits, k3_mem_plan *plan_out,
+                           k3_stream_stats *stats, k3_err *err) {
+    k3_model_opts mo = {.top_only = true};
+    k3_stream_opts o;
+    k3_stream_opts_init(&o);
+    o.trunk_dir = b->trunk;
+    o.trunk_gb = b->trunk_gb;
+    o.cache_gb = b->cache_gb;
+    o.chunk = b->chunk;
+    o.mem_limit = 1ull << 40;
+    k3_config cfg;
+    st_index *ix = NULL;
+    k3_trunk *tr = NULL;
+    int rc = k3_config_load(dir, &cfg, err);
+    if (!rc) rc = st_open(dir, &ix, err);
+    if (!rc && b->trunk) rc = k3_trunk_open(b->trunk, NULL, &tr, err);
+    static k3_mem_plan plan;
+    if (!rc) rc = k3_plan_make(&cfg, ix, tr, &o, f->n, &plan, err);
+    if (rc) {
+        k3_trunk_free(tr);
+        st_close(ix);
+        return rc;
+    }
+    if (plan_out) *plan_out = plan;
+    k3_stream *s;
+    if ((rc = k3_stream_open(&cfg, ix, tr, &plan, &o, &s, err))) return rc;
+    k3_model *m;
+    if ((rc = k3_model_open(dir, &mo, &m, err))) {
+        k3_stream_free(s);
+        return rc;
+    }
+    k3_model_set_source(m, k3_stream_source(s));
+    k3_state *st;
+    int V = cfg.vocab_size;
+    rc = k3_state_new(m, f->n, &st, err);
+    for (int i = 0; !rc && i < f->n; i += b->chunk) {
+        int T = f->n - i < b->chunk ? f->n - i : b->chunk;
+        rc = k3_forward(m, st, f->ids + i, T, logits + (size_t)i * V, true, err);
+    }
+    if (stats) *stats = k3_stream_get_stats(s);
+    k3_state_free(st);
+    k3_model_free(m);
+    k3_stream_free(s);
+    return rc;
+}
+
+static void run_budgets(const char *fixture, bool with_trunk) {
+    const char *dir = t_repo(fixture);
+    fixture_ids f;
+    CHECKF(load_ids(dir, &f), "%s: expected.json", dir);
+    int V;
+    float *want = resident_logits(dir, &f, &V);
+    CHECK(want != NULL);
+    /* the resident model agrees with the float64 reference's greedy ids */
+    for (int i = 0; i < f.ngen - 1; i++)
+        CHECKF(k3_argmax(want + (size_t)(f.nprompt - 1 + i) * V, V) == f.gen[i], "greedy %d", i);
+    char trunk[1024];
+    snprintf(trunk, sizeof trunk, "%s/trunk", t_outdir());
+    k3_err err = {0};
+    if (with_trunk) CHECKF(k3_trunk_pack(dir, trunk, &err) == 0, "%s", err.msg);
+    /* sizes to aim budgets at */
+    k3_mem_plan big;
+    float *got = malloc((size_t)f.n * V * sizeof(float));
+    budget all = {with_trunk ? trunk : NULL, -1, -1, 64};
+    CHECKF(streamed_logits(dir, &f, &all, got, &big, NULL, &err) == 0, "%s", err.msg);
+    CHECK(memcmp(got, want, (size_t)f.n * V * sizeof(float)) == 0);
+    uint64_t maxlayer = 0, maxcopy = 0;
+    for (int L = 0; L < big.num_layers; L++) {
+        uint64_t a = (big.layer_bytes[L] + 4095) / 4096 * 4096;
+        if (a > maxlayer) maxlayer = a;
+        if (big.bind_bytes[L] > maxcopy) maxcopy = big.bind_bytes[L];
+    }
+    double one_slot = (double)(big.head_bytes + maxlayer + maxcopy) / 1e9;
+    double two_slots = (double)(big.head_bytes + 2 * (maxlayer + maxcopy)) / 1e9;
+    double xb = (double)big.expert_buf / 1e9;
+    int k = big.top_k;
+    budget bs[] = {
+        {NULL, -1, xb * (k + 1), 1},               /* trunk resident, cache of one expert, token at a time */
+        {NULL, -1, xb * (3 * k + 5), 3},           /* chunks of 3 */
+        {NULL, -1, 0.5 * xb * big.total_experts, 5},
+        {with_trunk ? trunk : NULL, with_trunk ? one_slot * 1.0001 : -1, xb * k, 1},   /* smallest: one slot, no cache */
+        {with_trunk ? trunk : NULL, with_trunk ? two_slots * 1.0001 : -1, xb * (2 * k), 2},
+        {with_trunk ? trunk : NULL, with_trunk ? two_slots * 1.0001 + 3 * (double)maxlayer / 1e9 : -1, -1, 64},
+    };
+    for (size_t i = 0; i < sizeof bs / sizeof bs[0]; i++) {
+        k3_mem_plan p;
+        k3_stream_stats st;
+        memset(got, 0, (size_t)f.n * V * sizeof(float));
+        int rc = streamed_logits(dir, &f, &bs[i], got, &p, &st, &err);
+        CHECKF(rc == 0, "budget %zu: %s", i, err.msg);
+        CHECKF(memcmp(got, want, (size_t)f.n * V * sizeof(float)) == 0, "budget %zu: logits differ", i);
+        CHECKF(st.requests == st.hits + st.misses, "budget %zu", i);
+        CHECKF(st.resident_hits <= st.hits, "budget %zu", i);
+        if (bs[i].trunk && p.pinned < p.num_layers) CHECKF(st.trunk_read > 0, "budget %zu: no trunk reads", i);
+        if (i == 3) {
+            CHECKF(p.cache_experts == 0 && st.hits == 0, "budget 3: cache %lld hits %llu", (long long)p.cache_experts,
+                   (unsigned long long)st.hits);
+            if (with_trunk) CHECKF(p.ring_slots == 1 && p.pinned == 0, "slots %d pinned %d", p.ring_slots, p.pinned);
+        }
+        if (i == 4 && with_trunk) CHECKF(p.ring_slots == 2, "slots %d", p.ring_slots);
+        if (i == 5 && with_trunk) CHECKF(p.pinned > 0 && p.pinned < p.num_layers, "pinned %d", p.pinned);
+        if (i == 0) CHECKF(st.evictions > 0, "budget 0: no evictions");
+    }
+    free(got);
+    free(want);
+}
+
+TEST(stream_budgets_same_logits_resident_trunk) { run_budgets("tests/fixtures/gen/k3_like", false); }
+TEST(stream_budgets_same_logits_packed_trunk) { run_budgets("tests/fixtures/gen/k3_like", true); }
+TEST(stream_budgets_unquantised_experts) { run_budgets("tests/fixtures/gen/dense_experts", true); }
+
+TEST(stream_plan_refusals) {
+    const char *dir = t_repo("tests/fixtures/gen/k3_like");
+    k3_config cfg;
+    st_index *ix;
+    k3_err err = {0};
+    CHECK(k3_config_load(dir, &cfg, &err) == 0);
+    CHECK(st_open(dir, &ix, &err) == 0);
+    char trunk[1024];
+    snprintf(trunk, sizeof trunk, "%s/trunk", t_outdir());
+    CHECKF(k3_trunk_pack(dir, trunk, &err) == 0, "%s", err.msg);
+    k3_trunk *tr;
+    CHECK(k3_trunk_open(trunk, NULL, &tr, &err) == 0);
+    k3_stream_opts o;
+    k3_stream_opts_init(&o);
+    o.mem_limit = 1ull << 40;
+    static k3_mem_plan p;
+    /* resident trunk above --trunk-gb: refused, pointing at pack-trunk */
+    o.trunk_gb = 1e-6;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_EXIT_BUDGET);
+    CHECKF(strstr(err.msg, "pack-trunk") != NULL, "%s", err.msg);
+    /* streamed, but not even one ring slot fits */
+    CHECK(k3_plan_make(&cfg, ix, tr, &o, 16, &p, &err) == K3_EXIT_BUDGET);
+    CHECKF(strstr(err.msg, "ring slot") != NULL, "%s", err.msg);
+    /* a cache smaller than one token's experts */
+    o.trunk_gb = -1;
+    o.cache_gb = 1e-9;
+    CHECK(k3_plan_make(&cfg, ix, tr, &o, 16, &p, &err) == K3_EXIT_BUDGET);
+    CHECKF(strstr(err.msg, "one token needs") != NULL, "%s", err.msg);
+    /* an explicit chunk the cache cannot hold; without --chunk it shrinks */
+    CHECK(k3_plan_make(&cfg, ix, tr, &o, 16, &p, &err) == K3_EXIT_BUDGET);
+    o.cache_gb = 0;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_EXIT_BUDGET);
+    o.cache_gb = -1;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_OK);
+    double xb = (double)p.expert_buf / 1e9;
+    o.cache_gb = xb * 3 * cfg.experts_per_token;
+    o.chunk = 8;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_EXIT_BUDGET);
+    CHECKF(strstr(err.msg, "--chunk") != NULL, "%s", err.msg);
+    o.chunk = 0;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_OK);
+    CHECKF(p.chunk == 2 && p.batch_experts == 2 * cfg.experts_per_token, "chunk %d batch %d", p.chunk, p.batch_experts);
+    /* more than the machine has */
+    o.cache_gb = -1;
+    o.mem_limit = 1000;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_EXIT_BUDGET);
+    CHECKF(strstr(err.msg, "--max-memory") != NULL, "%s", err.msg);
+    /* a long context grows the MLA cache linearly */
+    o.mem_limit = 1ull << 40;
+    k3_mem_plan q;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_OK);
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 32, &q, &err) == K3_OK);
+    CHECK(q.state.mla_bytes == 2 * p.state.mla_bytes && q.state.mla_bytes > 0);
+    k3_trunk_free(tr);
+    st_close(ix);
+}
+
+TEST(stream_read_error_poisons) {
+    const char *dir = t_repo("tests/fixtures/gen/k3_like");
+    fixture_ids f;
+    CHECK(load_ids(dir, &f));
+    char trunk[1024];
+    snprintf(trunk, sizeof trunk, "%s/trunk", t_outdir());
+    k3_err err = {0};
+    CHECKF(k3_trunk_pack(dir, trunk, &err) == 0, "%s", err.msg);
+    float *got = malloc((size_t)f.n * 128 * sizeof(float));
+    /* size a budget that streams the trunk and caches nothing (no reads yet) */
+    k3_config cfg;
+    st_index *ix;
+    k3_trunk *tr;
+    CHECK(k3_config_load(dir, &cfg, &err) == 0 && st_open(dir, &ix, &err) == 0);
+    CHECK(k3_trunk_open(trunk, NULL, &tr, &err) == 0);
+    k3_stream_opts o;
+    k3_stream_opts_init(&o);
+    o.mem_limit = 1ull << 40;
+    static k3_mem_plan p;
+    CHECK(k3_plan_make(&cfg, ix, tr, &o, f.n, &p, &err) == 0);
+    k3_trunk_free(tr);
+    st_close(ix);
+    uint64_t big = 0;
+    for (int L = 0; L < p.num_layers; L++)
+        if (p.layer_bytes[L] + p.bind_bytes[L] + 4096 > big) big = p.layer_bytes[L] + p.bind_bytes[L] + 4096;
+    budget b = {trunk, (double)(p.head_bytes + 2 * big) / 1e9, (double)p.expert_buf * p.top_k / 1e9, 1};
+    /* a few reads succeed, then every read fails: an error, never logits */
+    setenv("K3_IO_FAIL_AFTER", "7", 1);
+    int rc = streamed_logits(dir, &f, &b, got, NULL, NULL, &err);
+    unsetenv("K3_IO_FAIL_AFTER");
+    CHECKF(rc == K3_EXIT_RUNTIME, "rc %d: %s", rc, err.msg);
+    CHECKF(strstr(err.msg, "Input/output error") != NULL, "%s", err.msg);
+    free(got);
+}
