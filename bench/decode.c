@@ -83,6 +83,7 @@ static double token_macs(const k3_model *m, double pos, bool head) {
     double t = head ? (double)c->vocab_size * c->hidden_size : 0;
     for (int L = 0; L < c->num_layers; L++) {
         const k3_layer_w *w = k3_model_layer(m, L);
+        if (!w) continue; /* opened without resident layers */
         if (w->kind == 'K') {
             const k3_kda_w *k = &w->kda;
             t += mat_macs(&k->q) + mat_macs(&k->k) + mat_macs(&k->v) + mat_macs(&k->g) + mat_macs(&k->b) +
