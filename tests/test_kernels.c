@@ -545,6 +545,87 @@ TEST(products_scalar_simd_threads_matmul_agree) {
     pool_free();
 }
 
+/* Every tile shape of the SIMD products (4 rows x 1..6 inputs, edges, the
+ * 8-row matvec tile with its prefetch) against the scalar matvec per input,
+ * and a batch of products (one thread team, dynamic row items) against the
+ * same products one by one; shapes big enough to run in parallel. */
+TEST(products_tiles_and_batches_agree) {
+    static const int shapes[][4] = {{KW_BF16, 203, 160, 0}, {KW_F32, 37, 96, 0}, {KW_MXFP4, 130, 512, 32},
+                                    {KW_MXFP4, 21, 64, 16}, {KW_BF16, 9, 1280, 0}};
+    static const int ntoks[] = {1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 19, 64};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        kw_type type = (kw_type)shapes[si][0];
+        int rows = shapes[si][1], cols = shapes[si][2];
+        tmat t = make_mat(type, rows, cols, shapes[si][3]);
+        int nmax = 64;
+        float *X = frand((size_t)nmax * cols, -1, 1);
+        float *ref = fzero((size_t)nmax * rows);
+        k_set_scalar(true);
+        omp_set_num_threads(1);
+        for (int i = 0; i < nmax; i++) k_matvec(&t.m, X + (size_t)i * cols, ref + (size_t)i * rows);
+        for (int path = 0; path < 2; path++) {
+            k_set_scalar(path == 0);
+            for (int th = 1; th <= 2; th++) {
+                omp_set_num_threads(th);
+                for (size_t ni = 0; ni < sizeof ntoks / sizeof ntoks[0]; ni++) {
+                    int n = ntoks[ni];
+                    float *y = fzero((size_t)n * rows);
+                    k_matmul(&t.m, X, n, y);
+                    size_t at = 0;
+                    CHECKF(same_bits(y, ref, (size_t)n * rows, &at), "%s %dx%d n %d %s threads %d: differs at %zu",
+                           tname[type], rows, cols, n, k_path_name(), th, at);
+                }
+                /* a batch: three slices of the inputs and an empty job */
+                float *y = fzero((size_t)nmax * rows);
+                k_prod jobs[4] = {{&t.m, X, 5, y},
+                                  {&t.m, X + (size_t)5 * cols, 0, NULL},
+                                  {&t.m, X + (size_t)5 * cols, 1, y + (size_t)5 * rows},
+                                  {&t.m, X + (size_t)6 * cols, nmax - 6, y + (size_t)6 * rows}};
+                k_products(jobs, 4);
+                size_t at = 0;
+                CHECKF(same_bits(y, ref, (size_t)nmax * rows, &at), "%s %dx%d batch %s threads %d: differs at %zu",
+                       tname[type], rows, cols, k_path_name(), th, at);
+            }
+        }
+    }
+    k_set_scalar(false);
+    omp_set_num_threads(2);
+    pool_free();
+}
+
+/* k_dots and k_gemm_acc: scalar == SIMD, and the definitions written out. */
+TEST(dots_and_gemm_acc_agree) {
+    int rows = 37, len = 83, ldb = 100;
+    float *B = frand((size_t)rows * ldb, -1, 1), *x = frand((size_t)len, -1, 1);
+    float *o0 = fzero((size_t)rows), *o1 = fzero((size_t)rows);
+    k_set_scalar(true);
+    k_dots(o0, x, B, (size_t)ldb, rows, len);
+    k_set_scalar(false);
+    k_dots(o1, x, B, (size_t)ldb, rows, len);
+    CHECK(same_bits(o0, o1, (size_t)rows, NULL));
+    for (int p = 0; p < rows; p++) {
+        float want = k_dot(x, B + (size_t)p * ldb, len);
+        CHECK(memcmp(&want, &o0[p], 4) == 0);
+    }
+    /* C += A B with B a BF16 weight (rows b0..b0+K), M 7, N 45 of 50 columns */
+    int M = 7, N = 45, K = 19, lda = 23, ldc = 48;
+    tmat Bw = make_mat(KW_BF16, 30, 50, 0);
+    float *A = frand((size_t)M * lda, -1, 1), *C0 = frand((size_t)M * ldc, -1, 1);
+    float *C1 = fcopy(C0, (size_t)M * ldc), *C2 = fcopy(C0, (size_t)M * ldc), *row = fzero(50);
+    k_set_scalar(true);
+    k_gemm_acc(C1, ldc, M, N, A, lda, K, &Bw.m, 4);
+    k_set_scalar(false);
+    k_gemm_acc(C2, ldc, M, N, A, lda, K, &Bw.m, 4);
+    CHECK(same_bits(C1, C2, (size_t)M * ldc, NULL));
+    for (int k = 0; k < K; k++) {
+        k_mat_row(&Bw.m, 4 + k, row);
+        for (int m = 0; m < M; m++)
+            for (int j = 0; j < N; j++) C0[(size_t)m * ldc + j] = fmaf(A[(size_t)m * lda + k], row[j], C0[(size_t)m * ldc + j]);
+    }
+    CHECK(same_bits(C0, C1, (size_t)M * ldc, NULL));
+    pool_free();
+}
+
 static bool g_simd_skip;
 #define NEED_SIMD()                                                   \
     do {                                                              \
@@ -592,7 +673,8 @@ TEST(elementwise_scalar_equals_simd) {
 
 TEST(kda_scalar_equals_simd_and_threads) {
     NEED_SIMD();
-    static const int cases[][5] = {{1, 3, 16, 16, 4}, {9, 2, 17, 4, 3}, {40, 4, 32, 16, 4}, {23, 2, 8, 64, 2}};
+    static const int cases[][5] = {{1, 3, 16, 16, 4}, {9, 2, 17, 4, 3}, {40, 4, 32, 16, 4}, {23, 2, 8, 64, 2},
+                                   {6, 2, 64, 4, 4},  {4, 1, 128, 3, 4}}; /* D 16 32 64 128: register sweeps */
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         int T = cases[c][0], H = cases[c][1], D = cases[c][2], C = cases[c][3], K = cases[c][4];
         size_t n = (size_t)T * H * D, ns = (size_t)H * D * D;

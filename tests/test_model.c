@@ -537,6 +537,33 @@ TEST(model_threads_1_and_2_bitwise) {
     CHECK(ok);
 }
 
+/* The forward chunk (k3_model_opts.prefill_chunk) changes how many positions
+ * share one pass over the weights, never the bits; the scratch plan holds. */
+TEST(model_prefill_chunk_option_same_bits) {
+    k3_model *m = open_tiny_ckpt(false);
+    CHECK(m);
+    int n = 40, V = k3_model_config(m)->vocab_size;
+    float *ref = logits_all(m, test_seq, n, 0);
+    k3_model_free(m);
+    static const int chunks[] = {1, 3, 17, 256};
+    for (size_t i = 0; i < sizeof chunks / sizeof chunks[0]; i++) {
+        k3_model_opts o = {.prefill_chunk = chunks[i]};
+        k3_err err = {0};
+        m = NULL;
+        CHECK(k3_model_open(t_shared("fixtures/peer/tiny-checkpoint"), &o, &m, &err) == 0);
+        if (!m) break;
+        omp_set_num_threads(i % 2 ? 1 : 2);
+        float *a = logits_all(m, test_seq, n, 0), *b = logits_all(m, test_seq, n, 7);
+        CHECKF(ref && a && b && !memcmp(a, ref, (size_t)n * V * 4) && !memcmp(b, ref, (size_t)n * V * 4),
+               "chunk %d", chunks[i]);
+        free(a);
+        free(b);
+        k3_model_free(m);
+    }
+    omp_set_num_threads(2);
+    free(ref);
+}
+
 TEST(model_causal_invariance) {
     k3_model *m = open_tiny_ckpt(false);
     CHECK(m);

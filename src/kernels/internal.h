@@ -30,6 +30,13 @@ typedef struct {
      * for k = 0, 1, ... in order (the same bits as a loop of axpy). */
     void (*gemm_acc)(float *C, int ldc, int M, int N, const float *A, int sam, int sak, int K,
                      const float *B, int ldb);
+    void (*dots)(float *out, const float *x, const float *B, size_t ldb, int rows, int len);
+    /* The two row sweeps of one recurrent KDA step over S [D][D]:
+     * rows_decay:  for i: S_i = S_i * a[i];  u = fma(k[i], S_i, u)
+     * rows_write:  for i: S_i = fma(k[i], d, S_i);  o = fma(qs[i], S_i, o)
+     * (u, o accumulate over i in increasing order, elementwise). */
+    void (*kda_rows_decay)(float *S, int D, const float *a, const float *k, float *u);
+    void (*kda_rows_write)(float *S, int D, const float *k, const float *d, const float *qs, float *o);
     void (*silu)(float *x, int n);
     void (*situ)(float *out, const float *gate, const float *up, int n, float b1, float b2);
     void (*sigmoid_mul)(float *y, const float *gate, int n);          /* y *= sigmoid(gate) */

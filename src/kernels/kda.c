@@ -65,19 +65,11 @@ static void recur_step(const k_vops *ops, float *o, float *S, const float *q, co
     float *a = tmp, *u = tmp + D, *d = tmp + 2 * D, *qs = tmp + 3 * D;
     ops->vexp(a, g, D);
     memset(u, 0, (size_t)D * sizeof *u);
-    for (int i = 0; i < D; i++) { /* S = diag(a) S; u = S^T k (sequential over i) */
-        float *Si = S + (size_t)i * D;
-        ops->scale(Si, Si, a[i], D);
-        ops->axpy(u, k[i], Si, D);
-    }
-    ops->subscale(d, v, u, beta, D); /* d = beta (v - u) */
+    ops->kda_rows_decay(S, D, a, k, u); /* S = diag(a) S; u = S^T k (sequential over i) */
+    ops->subscale(d, v, u, beta, D);    /* d = beta (v - u) */
     ops->scale(qs, q, qscale, D);
     memset(o, 0, (size_t)D * sizeof *o);
-    for (int i = 0; i < D; i++) { /* S += k d^T; o = S^T qs */
-        float *Si = S + (size_t)i * D;
-        ops->axpy(Si, k[i], d, D);
-        ops->axpy(o, qs[i], Si, D);
-    }
+    ops->kda_rows_write(S, D, k, d, qs, o); /* S += k d^T; o = S^T qs */
 }
 
 void k_kda_recurrent(float *o, float *S, const float *q, const float *k, const float *v,

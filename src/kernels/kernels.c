@@ -126,6 +126,23 @@ static void s_gemm_acc(float *C, int ldc, int M, int N, const float *A, int sam,
         for (int k = 0; k < K; k++)
             s_axpy(C + (size_t)m * ldc, A[(size_t)m * sam + (size_t)k * sak], B + (size_t)k * ldb, N);
 }
+static void s_dots(float *out, const float *x, const float *B, size_t ldb, int rows, int len) {
+    for (int p = 0; p < rows; p++) out[p] = s_dot(x, B + (size_t)p * ldb, len);
+}
+static void s_kda_rows_decay(float *S, int D, const float *a, const float *k, float *u) {
+    for (int i = 0; i < D; i++) {
+        float *Si = S + (size_t)i * D;
+        s_scale(Si, Si, a[i], D);
+        s_axpy(u, k[i], Si, D);
+    }
+}
+static void s_kda_rows_write(float *S, int D, const float *k, const float *d, const float *qs, float *o) {
+    for (int i = 0; i < D; i++) {
+        float *Si = S + (size_t)i * D;
+        s_axpy(Si, k[i], d, D);
+        s_axpy(o, qs[i], Si, D);
+    }
+}
 static void s_silu(float *x, int n) {
     for (int j = 0; j < n; j++) x[j] = x[j] / (1.0f + km_exp(-x[j]));
 }
@@ -181,41 +198,114 @@ static void s_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, 
 const k_vops k_scalar_ops = {
     .dot = s_dot, .sum = s_sum, .axpy = s_axpy, .vfma = s_vfma, .scale = s_scale, .vmul = s_vmul,
     .vadd = s_vadd, .vexp = s_vexp, .subscale = s_subscale, .divs = s_divs,
-    .prepare = NULL, .rowdots = s_rowdots, .gemm_acc = s_gemm_acc, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
+    .prepare = NULL, .rowdots = s_rowdots, .gemm_acc = s_gemm_acc, .dots = s_dots, .kda_rows_decay = s_kda_rows_decay,
+    .kda_rows_write = s_kda_rows_write, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
 };
 
 /* ---- products --------------------------------------------------------------- */
 
 float k_dot(const float *w, const float *x, int n) { return k_ops()->dot(w, x, n); }
 
-/* Threads split rows into fixed blocks; every dot is computed whole by one
- * thread, so the bits never depend on the thread count. Small products stay
- * on the calling thread (the fork costs more than the work). */
-#define K_ROW_BLOCK 16
-static void rows_driver(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1) {
-    const k_vops *ops = k_ops();
-    int nb = (r1 - r0 + K_ROW_BLOCK - 1) / K_ROW_BLOCK;
-    double work = (double)(r1 - r0) * (double)W->cols * (double)n;
-    void *aux = ops->prepare ? ops->prepare(W, X, n) : NULL;
-#pragma omp parallel for schedule(static) if (work > 65536.0 && nb > 1)
-    for (int b = 0; b < nb; b++) {
-        int a = r0 + b * K_ROW_BLOCK;
-        int e = a + K_ROW_BLOCK < r1 ? a + K_ROW_BLOCK : r1;
-        ops->rowdots(W, X, n, Y, a, e, aux);
-    }
-    free(aux);
+/* Threads split rows, never a dot: every dot is computed whole by one thread,
+ * so the bits never depend on the thread count or on which thread ran which
+ * rows. A batch of products is cut into items (a run of rows of one job,
+ * about K_ITEM_MACS multiply-adds, a multiple of 16 rows) that the threads of
+ * ONE parallel region take in turn (dynamic: a thread that the OS delays
+ * simply takes fewer items). Small batches stay on the calling thread: a
+ * team start costs more than the work. */
+#define K_ROW_ALIGN 16
+#define K_ITEM_MACS (64.0 * 1024)
+#define K_PAR_MACS (256.0 * 1024)
+
+typedef struct {
+    int job, r0, r1;
+} k_item;
+
+/* Rows per item of a job: about K_ITEM_MACS multiply-adds, a multiple of 16. */
+static int item_rows(const k_prod *J) {
+    double per_row = (double)J->W->cols * (double)J->n;
+    double rb = K_ITEM_MACS / (per_row > 1 ? per_row : 1);
+    if (rb > 1 << 20) rb = 1 << 20;
+    int r = ((int)rb + K_ROW_ALIGN - 1) / K_ROW_ALIGN * K_ROW_ALIGN;
+    return r < K_ROW_ALIGN ? K_ROW_ALIGN : r;
 }
 
-void k_matvec(const k3_mat *W, const float *x, float *y) { rows_driver(W, x, 1, y, 0, W->rows); }
+static void run_products(const k_prod *jobs, int nj, const int *r0s, const int *r1s) {
+    const k_vops *ops = k_ops();
+    double work = 0;
+    size_t nitems = 0;
+    for (int i = 0; i < nj; i++) {
+        if (jobs[i].n <= 0 || r1s[i] <= r0s[i]) continue;
+        work += (double)(r1s[i] - r0s[i]) * (double)jobs[i].W->cols * (double)jobs[i].n;
+        int rb = item_rows(&jobs[i]);
+        nitems += (size_t)((r1s[i] - r0s[i] + rb - 1) / rb);
+    }
+    if (work <= 0) return;
+    void **aux = xcalloc((size_t)nj, sizeof *aux);
+    k_item *it = xmalloc_array(nitems, sizeof *it);
+    int ni = 0;
+    for (int i = 0; i < nj; i++) {
+        if (jobs[i].n <= 0 || r1s[i] <= r0s[i]) continue;
+        const k3_mat *W = jobs[i].W;
+        if (ops->prepare) aux[i] = ops->prepare(W, jobs[i].X, jobs[i].n);
+        int rb = item_rows(&jobs[i]);
+        for (int r = r0s[i]; r < r1s[i]; r += rb)
+            it[ni++] = (k_item){i, r, r + rb < r1s[i] ? r + rb : r1s[i]};
+    }
+#pragma omp parallel for schedule(dynamic, 1) if (work > K_PAR_MACS && ni > 1)
+    for (int q = 0; q < ni; q++) {
+        const k_prod *J = &jobs[it[q].job];
+        ops->rowdots(J->W, J->X, J->n, J->Y, it[q].r0, it[q].r1, aux[it[q].job]);
+    }
+    for (int i = 0; i < nj; i++) free(aux[i]);
+    free(aux);
+    free(it);
+}
+
+void k_products(const k_prod *jobs, int njobs) {
+    if (njobs <= 0) return;
+    int *r0 = xcalloc((size_t)njobs, sizeof *r0), *r1 = xmalloc_array((size_t)njobs, sizeof *r1);
+    for (int i = 0; i < njobs; i++) r1[i] = jobs[i].W->rows;
+    run_products(jobs, njobs, r0, r1);
+    free(r0);
+    free(r1);
+}
+
+void k_matvec(const k3_mat *W, const float *x, float *y) {
+    k_prod j = {W, x, 1, y};
+    int r0 = 0, r1 = W->rows;
+    run_products(&j, 1, &r0, &r1);
+}
 
 void k_matvec_rows(const k3_mat *W, const float *x, float *y, int r0, int r1) {
     if (r0 < 0) r0 = 0;
     if (r1 > W->rows) r1 = W->rows;
-    if (r1 > r0) rows_driver(W, x, 1, y, r0, r1);
+    k_prod j = {W, x, 1, y};
+    if (r1 > r0) run_products(&j, 1, &r0, &r1);
 }
 
 void k_matmul(const k3_mat *W, const float *X, int n, float *Y) {
-    if (n > 0) rows_driver(W, X, n, Y, 0, W->rows);
+    k_prod j = {W, X, n, Y};
+    int r0 = 0, r1 = W->rows;
+    if (n > 0) run_products(&j, 1, &r0, &r1);
+}
+
+void k_dots(float *out, const float *x, const float *B, size_t ldb, int rows, int len) {
+    if (rows > 0) k_ops()->dots(out, x, B, ldb, rows, len);
+}
+
+void k_gemm_acc(float *C, int ldc, int M, int N, const float *A, int lda, int K, const k3_mat *B, int b0) {
+    if (M <= 0 || N <= 0 || K <= 0) return;
+    const k_vops *ops = k_ops();
+    if (B->type == KW_F32) {
+        ops->gemm_acc(C, ldc, M, N, A, lda, 1, K, (const float *)B->data + (size_t)b0 * (size_t)B->cols, B->cols);
+        return;
+    }
+    /* other storage: widen the K rows once (exact), then the same product */
+    float *Bw = xmalloc_array((size_t)K * (size_t)B->cols, sizeof *Bw);
+    for (int k = 0; k < K; k++) k_mat_row(B, b0 + k, Bw + (size_t)k * (size_t)B->cols);
+    ops->gemm_acc(C, ldc, M, N, A, lda, 1, K, Bw, B->cols);
+    free(Bw);
 }
 
 /* ---- elementwise and norms ---------------------------------------------------- */

@@ -61,6 +61,25 @@ void k_matvec(const k3_mat *W, const float *x, float *y);  /* y[rows] = W x; Ope
 void k_matmul(const k3_mat *W, const float *X, int n, float *Y);
 /* Like k_matvec but only rows [r0, r1). */
 void k_matvec_rows(const k3_mat *W, const float *x, float *y, int r0, int r1);
+/* A batch of independent products, Y[t][rows] = W X[t] for t < n, run in ONE
+ * parallel region (one thread-team start instead of one per matrix; threads
+ * take row blocks of any job). Same bits as k_matmul on each job in turn.
+ * Jobs must not write where another job reads. n == 0 jobs are skipped. */
+typedef struct {
+    const k3_mat *W;
+    const float *X;
+    int n;
+    float *Y;
+} k_prod;
+void k_products(const k_prod *jobs, int njobs);
+/* out[p] = canonical dot of x with B + p*ldb, both of length len, for p < rows
+ * (attention scores against a cache whose rows are wider than the dot). */
+void k_dots(float *out, const float *x, const float *B, size_t ldb, int rows, int len);
+/* C[m][j] += sum_k A[m*lda + k] * B(b0 + k, j) for m < M, j < N <= B->cols,
+ * k < K, where B(r, j) is weight row r widened exactly. Each C element gets
+ * fma(A, B, c) for k = 0, 1, ... in order: the bits of a loop of axpy, not of
+ * a canonical dot (MLA's absorbed query and attention-weighted latent). */
+void k_gemm_acc(float *C, int ldc, int M, int N, const float *A, int lda, int K, const k3_mat *B, int b0);
 
 /* ---- elementwise and norms ----------------------------------------------- */
 float k_sum(const float *x, int n);

@@ -216,6 +216,97 @@ TGT static void v_gemm_acc(float *C, int ldc, int M, int N, const float *A, int 
     }
 }
 
+/* Recurrent KDA row sweeps with u / o (and d) held in registers for the
+ * common head dims (D = 16 ND, ND <= 8); the same elementwise operations in
+ * the same order as the scalar sweeps, so the same bits. */
+#define KDA_ROWS(ND)                                                                              \
+    TGT static void kda_decay_##ND(float *S, const float *a, const float *k, float *u) {         \
+        __m512 acc[ND];                                                                           \
+        UNROLL for (int v = 0; v < ND; v++) acc[v] = _mm512_loadu_ps(u + 16 * v);                 \
+        for (int i = 0; i < 16 * ND; i++) {                                                       \
+            float *Si = S + (size_t)i * 16 * ND;                                                  \
+            __m512 ai = _mm512_set1_ps(a[i]), ki = _mm512_set1_ps(k[i]);                          \
+            UNROLL for (int v = 0; v < ND; v++) {                                                 \
+                __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(Si + 16 * v), ai);                      \
+                _mm512_storeu_ps(Si + 16 * v, sv);                                                \
+                acc[v] = _mm512_fmadd_ps(ki, sv, acc[v]);                                         \
+            }                                                                                     \
+        }                                                                                         \
+        UNROLL for (int v = 0; v < ND; v++) _mm512_storeu_ps(u + 16 * v, acc[v]);                 \
+    }                                                                                             \
+    TGT static void kda_write_##ND(float *S, const float *k, const float *d, const float *qs, float *o) { \
+        __m512 acc[ND], dv[ND];                                                                   \
+        UNROLL for (int v = 0; v < ND; v++) {                                                     \
+            acc[v] = _mm512_loadu_ps(o + 16 * v);                                                 \
+            dv[v] = _mm512_loadu_ps(d + 16 * v);                                                  \
+        }                                                                                         \
+        for (int i = 0; i < 16 * ND; i++) {                                                       \
+            float *Si = S + (size_t)i * 16 * ND;                                                  \
+            __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(qs[i]);                         \
+            UNROLL for (int v = 0; v < ND; v++) {                                                 \
+                __m512 sv = _mm512_fmadd_ps(ki, dv[v], _mm512_loadu_ps(Si + 16 * v));             \
+                _mm512_storeu_ps(Si + 16 * v, sv);                                                \
+                acc[v] = _mm512_fmadd_ps(qi, sv, acc[v]);                                         \
+            }                                                                                     \
+        }                                                                                         \
+        UNROLL for (int v = 0; v < ND; v++) _mm512_storeu_ps(o + 16 * v, acc[v]);                 \
+    }
+KDA_ROWS(1)
+KDA_ROWS(2)
+KDA_ROWS(4)
+KDA_ROWS(8)
+
+TGT static void v_kda_rows_decay(float *S, int D, const float *a, const float *k, float *u) {
+    switch (D) {
+    case 16: kda_decay_1(S, a, k, u); return;
+    case 32: kda_decay_2(S, a, k, u); return;
+    case 64: kda_decay_4(S, a, k, u); return;
+    case 128: kda_decay_8(S, a, k, u); return;
+    }
+    for (int i = 0; i < D; i++) {
+        float *Si = S + (size_t)i * D;
+        v_scale(Si, Si, a[i], D);
+        v_axpy(u, k[i], Si, D);
+    }
+}
+TGT static void v_kda_rows_write(float *S, int D, const float *k, const float *d, const float *qs, float *o) {
+    switch (D) {
+    case 16: kda_write_1(S, k, d, qs, o); return;
+    case 32: kda_write_2(S, k, d, qs, o); return;
+    case 64: kda_write_4(S, k, d, qs, o); return;
+    case 128: kda_write_8(S, k, d, qs, o); return;
+    }
+    for (int i = 0; i < D; i++) {
+        float *Si = S + (size_t)i * D;
+        v_axpy(Si, k[i], d, D);
+        v_axpy(o, qs[i], Si, D);
+    }
+}
+
+/* out[p] = dot(x, B + p ldb): 8 rows side by side (independent chains hide
+ * the FMA latency), each in the canonical order. */
+TGT static void v_dots(float *out, const float *x, const float *B, size_t ldb, int rows, int len) {
+    int p = 0;
+    for (; p + 8 <= rows; p += 8) {
+        __m512 acc[8];
+        UNROLL for (int i = 0; i < 8; i++) acc[i] = _mm512_setzero_ps();
+        int j = 0;
+        for (; j + 16 <= len; j += 16) {
+            __m512 xv = _mm512_loadu_ps(x + j);
+            UNROLL for (int i = 0; i < 8; i++)
+                acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(B + (size_t)(p + i) * ldb + j), xv, acc[i]);
+        }
+        if (j < len) {
+            __mmask16 m = tailmask(len - j);
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + j);
+            UNROLL for (int i = 0; i < 8; i++)
+                acc[i] = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(m, B + (size_t)(p + i) * ldb + j), xv, acc[i], m);
+        }
+        UNROLL for (int i = 0; i < 8; i++) out[p + i] = tree(acc[i]);
+    }
+    for (; p < rows; p++) out[p] = v_dot(x, B + (size_t)p * ldb, len);
+}
+
 /* ---- products ---------------------------------------------------------------------------
  * A tile is RB weight rows x TB inputs with one zmm accumulator per pair,
  * sweeping the columns in 16-wide steps: each accumulator sees its row's
@@ -235,7 +326,17 @@ typedef struct {
 INL __m512 ld_f32(const void *row, int j, __mmask16 m) {
     return _mm512_maskz_loadu_ps(m, (const float *)row + j);
 }
+/* BF16 -> f32 is the 16 bits placed high in a zeroed dword: for a full
+ * vector one zero-masked word permute does it (one shuffle instead of a
+ * widen and a shift, which matters where the FMAs are the bottleneck);
+ * a tail uses the masked load and widens. Both are exact. */
 INL __m512 ld_bf16(const void *row, int j, __mmask16 m) {
+    if (m == 0xffff) {
+        const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0, 7, 0, 6, 0, 5,
+                                             0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + j));
+        return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, idx, _mm512_castsi256_si512(h)));
+    }
     __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)row + j);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
@@ -270,6 +371,101 @@ __attribute__((constructor)) static void e8m0_init(void) {
     for (int s = 0; s < 256; s++) e8m0_tab[s] = k_e8m0((uint8_t)s);
 }
 
+/* ---- many canonical trees at once ----------------------------------------
+ * The tree of kernels.h (acc[l] += acc[l+s] for s = 8, 4, 2, 1) for 16 (8, 4)
+ * accumulators together: each level adds the same two lanes as the scalar
+ * tree (float addition is commutative, so which operand comes first does not
+ * matter), two accumulators per instruction; 15 adds and 30 shuffles for 16
+ * trees instead of about 9 instructions per tree. After the four levels lane
+ * 4q + j holds tree(x[4j + q]); one permute puts tree(x[k]) in lane k. */
+INL __m512 lv8(__m512 a, __m512 b) { /* a[l] + a[l+8] | b[l] + b[l+8] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+INL __m512 lv4(__m512 a, __m512 b) { /* per 8-lane half: v[l] + v[l+4] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+INL __m512 lv2(__m512 a, __m512 b) { /* per 4-lane quarter of a, b: w[l] + w[l+2] */
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+INL __m512 lv1(__m512 a, __m512 b) { /* per pair: x[0] + x[1] */
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+INL __m512i trees_order(void) { /* lane k <- lane 4 (k % 4) + k / 4 */
+    return _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+}
+/* lane k = tree(x[k]), k < 16 */
+INL __m512 trees16(const __m512 *x) {
+    __m512 c[8], g[4];
+    UNROLL for (int i = 0; i < 8; i++) c[i] = lv8(x[2 * i], x[2 * i + 1]);
+    UNROLL for (int i = 0; i < 4; i++) g[i] = lv4(c[2 * i], c[2 * i + 1]);
+    return _mm512_permutexvar_ps(trees_order(), lv1(lv2(g[0], g[1]), lv2(g[2], g[3])));
+}
+/* lane k = tree(x[k]), k < 8 (upper lanes: copies) */
+INL __m512 trees8(const __m512 *x) {
+    __m512 c[4];
+    UNROLL for (int i = 0; i < 4; i++) c[i] = lv8(x[2 * i], x[2 * i + 1]);
+    __m512 j = lv2(lv4(c[0], c[1]), lv4(c[2], c[3]));
+    return _mm512_permutexvar_ps(trees_order(), lv1(j, j));
+}
+/* lane k = tree(x[k]), k < 4 */
+INL __m512 trees4(const __m512 *x) {
+    __m512 g = lv4(lv8(x[0], x[1]), lv8(x[2], x[3]));
+    __m512 j = lv2(g, g);
+    return _mm512_permutexvar_ps(trees_order(), lv1(j, j));
+}
+
+/* Closes a tile: Y[t0 + t][r + i] = tree(ACC(i, t)). Tiles of 4 or 8 rows
+ * reduce their accumulators 16 (8, 4) at a time in input-major order, so each
+ * input's RB results are contiguous in Y; single-row tiles use the tree. */
+#define Y_AT(t) (P->Y + (size_t)(t0 + (t)) * (size_t)P->rows + (size_t)r)
+#define TILE_STORE(RB, TB, ACC)                                                                \
+    do {                                                                                       \
+        if (RB == 4 || RB == 8) {                                                              \
+            __m512 x_[RB * TB];                                                                \
+            UNROLL for (int t = 0; t < TB; t++)                                                \
+                UNROLL for (int i = 0; i < RB; i++) x_[RB * t + i] = ACC(i, t);                \
+            int k_ = 0;                                                                        \
+            UNROLL for (; k_ + 16 <= RB * TB; k_ += 16) {                                      \
+                __m512 v = trees16(x_ + k_);                                                   \
+                if (RB == 4) {                                                                 \
+                    _mm_storeu_ps(Y_AT(k_ / 4), _mm512_castps512_ps128(v));                    \
+                    _mm_storeu_ps(Y_AT(k_ / 4 + 1), _mm512_extractf32x4_ps(v, 1));             \
+                    _mm_storeu_ps(Y_AT(k_ / 4 + 2), _mm512_extractf32x4_ps(v, 2));             \
+                    _mm_storeu_ps(Y_AT(k_ / 4 + 3), _mm512_extractf32x4_ps(v, 3));             \
+                } else {                                                                       \
+                    _mm256_storeu_ps(Y_AT(k_ / 8), _mm512_castps512_ps256(v));                 \
+                    _mm256_storeu_ps(Y_AT(k_ / 8 + 1), _mm512_extractf32x8_ps(v, 1));          \
+                }                                                                              \
+            }                                                                                  \
+            if (RB * TB - k_ >= 8) {                                                           \
+                __m512 v = trees8(x_ + k_);                                                    \
+                if (RB == 4) {                                                                 \
+                    _mm_storeu_ps(Y_AT(k_ / 4), _mm512_castps512_ps128(v));                    \
+                    _mm_storeu_ps(Y_AT(k_ / 4 + 1), _mm512_extractf32x4_ps(v, 1));             \
+                } else {                                                                       \
+                    _mm256_storeu_ps(Y_AT(k_ / 8), _mm512_castps512_ps256(v));                 \
+                }                                                                              \
+                k_ += 8;                                                                       \
+            }                                                                                  \
+            if (RB == 4 && RB * TB - k_ >= 4)                                                  \
+                _mm_storeu_ps(Y_AT(k_ / 4), _mm512_castps512_ps128(trees4(x_ + k_)));          \
+        } else {                                                                               \
+            UNROLL for (int i = 0; i < RB; i++)                                                \
+                UNROLL for (int t = 0; t < TB; t++) Y_AT(t)[i] = tree(ACC(i, t));              \
+        }                                                                                      \
+    } while (0)
+
+/* Software prefetch distance of the matrix-vector tiles: the hardware
+ * prefetcher ramps up slowly on the short row streams of a tile (a row of a
+ * 1280-wide BF16 matrix is 40 lines), so the tiles ask for the bytes this far
+ * ahead of the rows they read. */
+#ifndef K_PF_BYTES
+#define K_PF_BYTES ((size_t)24 * 1024)
+#endif
+
+#define ACC_PLAIN(i, t) acc[i][t]
+#define ACC_MX(i, t) mx_unpermute(acc[i][t])
+
 #define TILE_BODY(RB, TB, LD, ESZ)                                                             \
     const int cols = P->cols;                                                                  \
     const char *wr[RB];                                                                        \
@@ -280,8 +476,17 @@ __attribute__((constructor)) static void e8m0_init(void) {
     __m512 acc[RB][TB];                                                                        \
     UNROLL for (int i = 0; i < RB; i++)                                                        \
         UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                   \
+    /* matvec: prefetch the rows K_PF_BYTES ahead (the tile's rows are one    \
+     * contiguous run: spread its lines over the column steps) */              \
+    const char *pf = NULL;                                                                     \
+    if (TB == 1 && (size_t)(r + RB) * (size_t)cols * ESZ + K_PF_BYTES <=                       \
+                       (size_t)P->rows * (size_t)cols * ESZ)                                   \
+        pf = wr[0] + K_PF_BYTES;                                                               \
     int j = 0;                                                                                 \
     for (; j + 16 <= cols; j += 16) {                                                          \
+        if (pf)                                                                                \
+            UNROLL for (int q = 0; q < (RB * ESZ + 3) / 4; q++)                                \
+                _mm_prefetch(pf + (size_t)j * RB * ESZ + (size_t)q * 64, _MM_HINT_T0);         \
         __m512 w[RB];                                                                          \
         UNROLL for (int i = 0; i < RB; i++) w[i] = LD(wr[i], j, 0xffff);                       \
         UNROLL for (int t = 0; t < TB; t++) {                                                  \
@@ -298,9 +503,7 @@ __attribute__((constructor)) static void e8m0_init(void) {
             UNROLL for (int i = 0; i < RB; i++) acc[i][t] = _mm512_mask3_fmadd_ps(w[i], x, acc[i][t], m); \
         }                                                                                      \
     }                                                                                          \
-    UNROLL for (int i = 0; i < RB; i++)                                                        \
-        UNROLL for (int t = 0; t < TB; t++)                                                    \
-            P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(acc[i][t]);
+    TILE_STORE(RB, TB, ACC_PLAIN);
 
 
 /* MXFP4 (cols and group multiples of 16, checked by the caller): the scale
@@ -320,10 +523,18 @@ __attribute__((constructor)) static void e8m0_init(void) {
         UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                   \
     const __m512 e2m1 = _mm512_loadu_ps(k_e2m1);                                               \
     const __m512i sh = mx_shifts();                                                            \
+    const char *pf = NULL;                                                                     \
+    if (TB == 1 && (size_t)(r + RB) * (size_t)(cols / 2) + K_PF_BYTES <=                       \
+                       (size_t)P->rows * (size_t)(cols / 2)) {                                 \
+        pf = (const char *)wr[0] + K_PF_BYTES;                                                 \
+        const char *ps = (const char *)sc[0] + K_PF_BYTES / (size_t)(cols / 2) * (size_t)ng;   \
+        for (int q = 0; q < RB * ng; q += 64) _mm_prefetch(ps + q, _MM_HINT_T0);               \
+    }                                                                                          \
     for (int g = 0, j = 0; g < ng; g++) {                                                      \
         __m512 lut[RB];                                                                        \
         UNROLL for (int i = 0; i < RB; i++) lut[i] = _mm512_mul_ps(e2m1, _mm512_set1_ps(e8m0_tab[sc[i][g]])); \
         for (int v = 0; v < vpg; v++, j += 16) {                                               \
+            if (pf && (j * RB / 2) % 64 == 0) _mm_prefetch(pf + (size_t)j * RB / 2, _MM_HINT_T0); \
             __m512 w[RB];                                                                      \
             UNROLL for (int i = 0; i < RB; i++) w[i] = w_mx(wr[i], j, lut[i], sh);             \
             UNROLL for (int t = 0; t < TB; t++) {                                              \
@@ -332,51 +543,54 @@ __attribute__((constructor)) static void e8m0_init(void) {
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
-    UNROLL for (int i = 0; i < RB; i++)                                                        \
-        UNROLL for (int t = 0; t < TB; t++)                                                    \
-            P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(mx_unpermute(acc[i][t]));
+    TILE_STORE(RB, TB, ACC_MX);
 
 /* One specialised function per tile shape, so the accumulators are fixed
  * arrays the compiler keeps in registers. */
 #define DEF_TILES(NAME, BODY, ...)                                                             \
     TGT static void NAME##_8x1(const prod *P, int r, int t0) { BODY(8, 1, ##__VA_ARGS__) }      \
-    TGT static void NAME##_4x4(const prod *P, int r, int t0) { BODY(4, 4, ##__VA_ARGS__) }      \
     TGT static void NAME##_4x1(const prod *P, int r, int t0) { BODY(4, 1, ##__VA_ARGS__) }      \
+    TGT static void NAME##_4x2(const prod *P, int r, int t0) { BODY(4, 2, ##__VA_ARGS__) }      \
+    TGT static void NAME##_4x3(const prod *P, int r, int t0) { BODY(4, 3, ##__VA_ARGS__) }      \
+    TGT static void NAME##_4x4(const prod *P, int r, int t0) { BODY(4, 4, ##__VA_ARGS__) }      \
+    TGT static void NAME##_4x5(const prod *P, int r, int t0) { BODY(4, 5, ##__VA_ARGS__) }      \
+    TGT static void NAME##_4x6(const prod *P, int r, int t0) { BODY(4, 6, ##__VA_ARGS__) }      \
+    TGT static void NAME##_1x1(const prod *P, int r, int t0) { BODY(1, 1, ##__VA_ARGS__) }      \
+    TGT static void NAME##_1x2(const prod *P, int r, int t0) { BODY(1, 2, ##__VA_ARGS__) }      \
+    TGT static void NAME##_1x3(const prod *P, int r, int t0) { BODY(1, 3, ##__VA_ARGS__) }      \
     TGT static void NAME##_1x4(const prod *P, int r, int t0) { BODY(1, 4, ##__VA_ARGS__) }      \
-    TGT static void NAME##_1x1(const prod *P, int r, int t0) { BODY(1, 1, ##__VA_ARGS__) }
+    TGT static void NAME##_1x5(const prod *P, int r, int t0) { BODY(1, 5, ##__VA_ARGS__) }      \
+    TGT static void NAME##_1x6(const prod *P, int r, int t0) { BODY(1, 6, ##__VA_ARGS__) }      \
+    static void (*const NAME##_4[7])(const prod *, int, int) = {NULL,      NAME##_4x1, NAME##_4x2, \
+                                                                NAME##_4x3, NAME##_4x4, NAME##_4x5, \
+                                                                NAME##_4x6};                        \
+    static void (*const NAME##_1[7])(const prod *, int, int) = {NULL,      NAME##_1x1, NAME##_1x2, \
+                                                                NAME##_1x3, NAME##_1x4, NAME##_1x5, \
+                                                                NAME##_1x6};
 
 DEF_TILES(tile_f32, TILE_BODY, ld_f32, 4)
 DEF_TILES(tile_bf16, TILE_BODY, ld_bf16, 2)
 DEF_TILES(tile_mx, TILE_MX_BODY)
 
-/* Token blocks sized so their inputs stay in L2 while the block's weight rows
- * stream past; inside, RB x TB tiles, then the edges with narrower tiles. */
-#define TOK_BLOCK_BYTES (512 * 1024)
-
+/* Products over several inputs: 4 weight rows x 6 inputs per tile (24 zmm
+ * accumulators; each weight vector is decoded once for 6 FMAs, which keeps
+ * the decode shuffles from competing much with the FMAs). Inputs are the
+ * outer loop: a tile's 6 inputs stay in L1 while the item's rows (a few
+ * dozen, in L2) pass under them. A lone input runs 8 rows side by side. */
+#define TB_MAX 6
 #define DRIVE(TILE)                                                                        \
     do {                                                                                   \
-        size_t rowb = (size_t)P.cols * sizeof(float);                                      \
-        int nb = (int)(TOK_BLOCK_BYTES / (rowb ? rowb : 1));                               \
-        if (nb < 4) nb = 4;                                                                \
-        for (int b0 = 0; b0 < n; b0 += nb) {                                               \
-            int b1 = b0 + nb < n ? b0 + nb : n;                                            \
-            if (b1 - b0 == 1) { /* matvec: 8 rows side by side */                          \
-                int r = r0;                                                                \
-                for (; r + 8 <= r1; r += 8) TILE##_8x1(&P, r, b0);                         \
-                for (; r < r1; r++) TILE##_1x1(&P, r, b0);                                 \
-                continue;                                                                  \
-            }                                                                              \
+        if (n == 1) {                                                                      \
             int r = r0;                                                                    \
-            for (; r + 4 <= r1; r += 4) {                                                  \
-                int t = b0;                                                                \
-                for (; t + 4 <= b1; t += 4) TILE##_4x4(&P, r, t);                          \
-                for (; t < b1; t++) TILE##_4x1(&P, r, t);                                  \
-            }                                                                              \
-            for (; r < r1; r++) {                                                          \
-                int t = b0;                                                                \
-                for (; t + 4 <= b1; t += 4) TILE##_1x4(&P, r, t);                          \
-                for (; t < b1; t++) TILE##_1x1(&P, r, t);                                  \
-            }                                                                              \
+            for (; r + 8 <= r1; r += 8) TILE##_8x1(&P, r, 0);                              \
+            for (; r < r1; r++) TILE##_1x1(&P, r, 0);                                      \
+            break;                                                                         \
+        }                                                                                  \
+        for (int t = 0; t < n; t += TB_MAX) {                                              \
+            int tb = n - t < TB_MAX ? n - t : TB_MAX;                                      \
+            int r = r0;                                                                    \
+            for (; r + 4 <= r1; r += 4) TILE##_4[tb](&P, r, t);                            \
+            for (; r < r1; r++) TILE##_1[tb](&P, r, t);                                    \
         }                                                                                  \
     } while (0)
 
@@ -411,7 +625,8 @@ TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int 
 const k_vops k_avx512_ops = {
     .dot = v_dot, .sum = v_sum, .axpy = v_axpy, .vfma = v_vfma, .scale = v_scale, .vmul = v_vmul,
     .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
-    .prepare = v_prepare, .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
+    .prepare = v_prepare, .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .dots = v_dots, .kda_rows_decay = v_kda_rows_decay,
+    .kda_rows_write = v_kda_rows_write, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
 };
 
 #endif

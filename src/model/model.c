@@ -82,8 +82,25 @@ static k3_mat mat_rows(const k3_mat *W, int r0, int n) {
     return v;
 }
 
+/* Per-position work of a prefill chunk is split over threads only when the
+ * chunk is long enough to pay for a thread team (rows are independent, so
+ * the bits do not change). */
+#define PAR_ROWS(T, n) ((double)(T) * (double)(n) > 131072.0)
+
 static void rmsnorm_rows(float *y, const float *x, const float *g, int T, int n, float eps) {
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, n))
     for (int t = 0; t < T; t++) k_rmsnorm(y + (size_t)t * n, x + (size_t)t * n, g, n, eps);
+}
+
+/* SiTU-GLU over n elements (elementwise), in blocks over threads when long. */
+static void situ_par(const k3_config *c, float *out, const float *gate, const float *up, size_t n) {
+    const size_t B = 16384;
+    long nb = (long)((n + B - 1) / B);
+#pragma omp parallel for schedule(static) if (n > 4 * B)
+    for (long b = 0; b < nb; b++) {
+        size_t o = (size_t)b * B, len = n - o < B ? n - o : B;
+        k_situ_glu(out + o, gate + o, up + o, (int)len, c->situ_beta, c->situ_linear_beta);
+    }
 }
 
 static void add_rows(float *y, const float *x, size_t n) {
@@ -95,9 +112,11 @@ static void add_rows(float *y, const float *x, size_t n) {
  * RAW sources; one softmax over sources per position. */
 static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
                     float *out, k3_ws *ws) {
-    int E = c->hidden_size;
-    float *logit = ws_f(ws, (size_t)nsrc);
+    int E = c->hidden_size, nthr = omp_get_max_threads();
+    float *logits = ws_f(ws, (size_t)nthr * nsrc);
+#pragma omp parallel for schedule(static) num_threads(nthr) if (PAR_ROWS(T, (double)E * nsrc))
     for (int t = 0; t < T; t++) {
+        float *logit = logits + (size_t)omp_get_thread_num() * nsrc;
         for (int i = 0; i < nsrc; i++) {
             const float *v = src[i] + (size_t)t * E;
             float inv = 1.0f / sqrtf(k_sumsq(v, E) / (float)E + c->rms_eps);
@@ -124,9 +143,9 @@ void k3_attnres(const k3_config *c, const float *q, const float *const *src, int
 static void mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y, k3_ws *ws) {
     int I = w->gate.rows;
     float *g = ws_f(ws, (size_t)T * I), *u = ws_f(ws, (size_t)T * I);
-    k_matmul(&w->gate, x, T, g);
-    k_matmul(&w->up, x, T, u);
-    k_situ_glu(g, g, u, T * I, c->situ_beta, c->situ_linear_beta);
+    k_prod jobs[2] = {{&w->gate, x, T, g}, {&w->up, x, T, u}}; /* one pass over x, one thread team */
+    k_products(jobs, 2);
+    situ_par(c, g, g, u, (size_t)T * I);
     k_matmul(&w->down, g, T, y);
 }
 
@@ -148,31 +167,33 @@ static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const f
                 int chunk, k3_ws *ws) {
     int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     size_t TP = (size_t)T * P;
-    float *pre = ws_f(ws, 3 * TP), *qkv = ws_f(ws, 3 * TP);
-    k_matmul(&w->q, x, T, pre);
-    k_matmul(&w->k, x, T, pre + TP);
-    k_matmul(&w->v, x, T, pre + 2 * TP);
+    float *pre = ws_f(ws, 3 * TP), *qkv = ws_f(ws, 3 * TP), *gate = ws_f(ws, TP);
+    float *beta = ws_f(ws, (size_t)T * H), *fa = ws_f(ws, (size_t)T * D);
+    /* every projection of x at once: one thread team, x read while hot */
+    k_prod jobs[6] = {{&w->q, x, T, pre},       {&w->k, x, T, pre + TP}, {&w->v, x, T, pre + 2 * TP},
+                      {&w->g, x, T, gate},      {&w->b, x, T, beta},     {&w->f_a, x, T, fa}};
+    k_products(jobs, 6);
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
     for (int j = 0; j < 3; j++)
         k_shortconv_silu(qkv + j * TP, pre + j * TP, T, P, w->conv[j], K, st->conv + (size_t)j * P * (K - 1));
     float *q = qkv, *k = qkv + TP, *v = qkv + 2 * TP;
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
     for (size_t i = 0; i < (size_t)T * H; i++) {
         k_l2norm(q + i * D, D, 1e-6f);
         k_l2norm(k + i * D, D, 1e-6f);
     }
-    float *beta = ws_f(ws, (size_t)T * H);
-    k_matmul(&w->b, x, T, beta);
     for (int i = 0; i < T * H; i++) beta[i] = k_sigmoid(beta[i]);
-    float *fa = ws_f(ws, (size_t)T * D), *z = pre; /* pre-conv inputs are consumed */
-    k_matmul(&w->f_a, x, T, fa);
+    float *z = pre; /* pre-conv inputs are consumed */
     k_matmul(&w->f_b, fa, T, z);
     float *g = pre + TP;
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
     for (int t = 0; t < T; t++)
         k_kda_gate(g + (size_t)t * P, z + (size_t)t * P, w->A_log, w->dt_bias, H, D, c->gate_lower_bound);
     float *o = pre + 2 * TP;
     if (chunk > 0 && T > 1) k_kda_chunked(o, st->S, q, k, v, g, beta, T, H, D, chunk);
     else k_kda_recurrent(o, st->S, q, k, v, g, beta, T, H, D);
-    float *gate = q, *normed = k; /* q and k are consumed */
-    k_matmul(&w->g, x, T, gate);
+    float *normed = k; /* k is consumed */
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
     for (int t = 0; t < T; t++)
         k_kda_out_norm_gate(normed + (size_t)t * P, o + (size_t)t * P, w->o_norm, gate + (size_t)t * P, H, D,
                             c->rms_eps);
@@ -196,68 +217,100 @@ void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float
  * Wk_h / Wv_h are head h's key / value rows of kv_b_proj; they are absorbed into
  * the query (Wk_h^T q_nope_h) and applied once to the attended latent, which is
  * the same function as expanding every cached position. No rotary anywhere. */
+/* Softmax over positions 0..n-1 of one head's scores at one position:
+ * (q_abs . c_kv(p) + q_rope . k_rope(p)) * scale, two canonical dots. */
+static void mla_scores(float *sc, float *sr, const float *qa, const float *qrope, const float *latent, int W, int rkv,
+                       int dr, int n, float scale) {
+    k_dots(sc, qa, latent, (size_t)W, n, rkv);
+    k_dots(sr, qrope, latent + rkv, (size_t)W, n, dr);
+    for (int p = 0; p < n; p++) sc[p] = (sc[p] + sr[p]) * scale;
+    k_softmax(sc, n);
+}
+
 static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
                 const float *x, int T, float *y, k3_ws *ws) {
     int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
     int rq = c->q_lora_rank, rkv = c->kv_lora_rank, dq = dn + dr, W = rkv + dr, hkv = dn + dv;
-    float *q = ws_f(ws, (size_t)T * H * dq);
+    size_t Ts = (size_t)T;
+    float *q = ws_f(ws, Ts * H * dq), *cq = rq > 0 ? ws_f(ws, Ts * rq) : NULL, *cc = ws_f(ws, Ts * W);
+    float *gate = w->g.rows ? ws_f(ws, Ts * H * dv) : NULL;
+    /* the projections of x in one pass (one thread team) */
+    k_prod jobs[3];
+    int nj = 0;
+    jobs[nj++] = rq > 0 ? (k_prod){&w->q_a, x, T, cq} : (k_prod){&w->q_b, x, T, q};
+    jobs[nj++] = (k_prod){&w->kv_a, x, T, cc};
+    if (gate) jobs[nj++] = (k_prod){&w->g, x, T, gate};
+    k_products(jobs, nj);
     if (rq > 0) {
-        float *cq = ws_f(ws, (size_t)T * rq);
-        k_matmul(&w->q_a, x, T, cq);
         rmsnorm_rows(cq, cq, w->q_a_norm, T, rq, eps_lat);
         k_matmul(&w->q_b, cq, T, q);
-    } else {
-        k_matmul(&w->q_b, x, T, q);
     }
-    float *cc = ws_f(ws, (size_t)T * W);
-    k_matmul(&w->kv_a, x, T, cc);
     for (int t = 0; t < T; t++) {
         float *lat = cache->latent + (size_t)(pos0 + t) * W;
         k_rmsnorm(lat, cc + (size_t)t * W, w->kv_a_norm, rkv, eps_lat);
         memcpy(lat + rkv, cc + (size_t)t * W + rkv, (size_t)dr * sizeof(float));
     }
     int nmax = pos0 + T;
-    float *qabs = ws_f(ws, (size_t)H * rkv), *ctx = ws_f(ws, (size_t)H * rkv);
-    /* scores: one row of nmax per thread, not per head (long contexts) */
-    int nthr = omp_get_max_threads();
-    float *rowbuf = ws_f(ws, (size_t)H * rkv), *score = ws_f(ws, (size_t)nthr * nmax);
-    float *att = ws_f(ws, (size_t)T * H * dv);
+    /* head-major: qabs[h][t][rkv], ctx[h][t][rkv], vout[h][t][dv] */
+    float *qabs = ws_f(ws, (size_t)H * Ts * rkv), *ctx = ws_f(ws, (size_t)H * Ts * rkv);
+    /* scores: [2][H][nmax] per thread (the rope part is summed in after) */
+    float *score = ws_f(ws, (size_t)omp_get_max_threads() * 2 * H * nmax), *vout = ws_f(ws, (size_t)H * Ts * dv);
+    float *att = ws_f(ws, Ts * H * dv);
     float scale = 1.0f / sqrtf((float)dq);
-    for (int t = 0; t < T; t++) {
-        int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
-        /* heads in parallel only when there is enough work to pay for the fork */
-#pragma omp parallel for schedule(static) if ((double)H * n * (rkv + dn) > 65536.0)
-        for (int h = 0; h < H; h++) {
-            const float *qh = q + ((size_t)t * H + h) * dq;
-            float *qa = qabs + (size_t)h * rkv, *row = rowbuf + (size_t)h * rkv;
-            memset(qa, 0, (size_t)rkv * sizeof *qa);
-            for (int i = 0; i < dn; i++) {
-                k_mat_row(&w->kv_b, h * hkv + i, row);
-                for (int j = 0; j < rkv; j++) qa[j] = fmaf(qh[i], row[j], qa[j]);
-            }
-            float *s = score + (size_t)omp_get_thread_num() * nmax;
-            for (int p = 0; p < n; p++) {
-                const float *lat = cache->latent + (size_t)p * W;
-                s[p] = (k_dot(qa, lat, rkv) + k_dot(qh + dn, lat + rkv, dr)) * scale;
-            }
-            k_softmax(s, n);
-            float *cx = ctx + (size_t)h * rkv;
-            memset(cx, 0, (size_t)rkv * sizeof *cx);
-            for (int p = 0; p < n; p++) {
-                const float *lat = cache->latent + (size_t)p * W;
-                for (int j = 0; j < rkv; j++) cx[j] = fmaf(s[p], lat[j], cx[j]);
+    /* absorbed queries Wk_h^T q_nope_h for every position at once: each element
+     * gets its fmas over i in increasing order (as a loop of axpy) */
+    memset(qabs, 0, (size_t)H * Ts * rkv * sizeof *qabs);
+    memset(ctx, 0, (size_t)H * Ts * rkv * sizeof *ctx);
+    int nthr = omp_get_max_threads();
+    float *wk = ws_f(ws, (size_t)nthr * dn * rkv); /* head h's key rows widened, per thread */
+#pragma omp parallel for schedule(static) num_threads(nthr) if ((double)T * H * dn * rkv > 262144.0)
+    for (int h = 0; h < H; h++) {
+        float *b = wk + (size_t)omp_get_thread_num() * dn * rkv;
+        for (int i = 0; i < dn; i++) k_mat_row(&w->kv_b, h * hkv + i, b + (size_t)i * rkv);
+        k3_mat bm = {.type = KW_F32, .rows = dn, .cols = rkv, .data = b};
+        k_gemm_acc(qabs + (size_t)h * Ts * rkv, rkv, T, rkv, q + (size_t)h * dq, H * dq, dn, &bm, 0);
+    }
+    k3_mat lat_m = {.type = KW_F32, .rows = nmax, .cols = W, .data = cache->latent};
+    if (T == 1) { /* decoding: the heads in parallel */
+        int ngrp = (H + 3) / 4, n = pos0 + 1;
+#pragma omp parallel if ((double)H * n * (W + rkv) > 262144.0)
+        {
+#pragma omp for schedule(static)
+            for (int h = 0; h < H; h++)
+                mla_scores(score + (size_t)h * nmax, score + (size_t)(H + h) * nmax, qabs + (size_t)h * rkv,
+                           q + (size_t)h * dq + dn, cache->latent, W, rkv, dr, n, scale);
+            /* ctx_h = sum_p s_h[p] c_kv(p): all heads share the latent rows, so
+             * they run as one product (each element: fmas over p in order) */
+#pragma omp for schedule(static)
+            for (int g = 0; g < ngrp; g++) {
+                int h0 = 4 * g, hn = H - h0 < 4 ? H - h0 : 4;
+                k_gemm_acc(ctx + (size_t)h0 * rkv, rkv, hn, rkv, score + (size_t)h0 * nmax, nmax, n, &lat_m, 0);
             }
         }
-        for (int h = 0; h < H; h++) {
-            k3_mat wv = mat_rows(&w->kv_b, h * hkv + dn, dv);
-            k_matvec(&wv, ctx + (size_t)h * rkv, att + ((size_t)t * H + h) * dv);
+    } else { /* prefill: the positions in parallel (one thread team), all heads of a position together */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if ((double)H * T * nmax * (W + rkv) > 524288.0)
+        for (int t = 0; t < T; t++) {
+            int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
+            float *sb = score + (size_t)omp_get_thread_num() * 2 * H * nmax;
+            for (int h = 0; h < H; h++)
+                mla_scores(sb + (size_t)h * nmax, sb + (size_t)(H + h) * nmax, qabs + ((size_t)h * Ts + t) * rkv,
+                           q + ((size_t)t * H + h) * dq + dn, cache->latent, W, rkv, dr, n, scale);
+            k_gemm_acc(ctx + (size_t)t * rkv, (int)(Ts * rkv), H, rkv, sb, nmax, n, &lat_m, 0);
         }
     }
-    if (w->g.rows) {
-        float *gate = ws_f(ws, (size_t)T * H * dv);
-        k_matmul(&w->g, x, T, gate);
-        for (size_t i = 0; i < (size_t)T * H * dv; i++) att[i] *= k_sigmoid(gate[i]);
+    /* values: head h's value rows of kv_b on its attended latents, all heads in one batch */
+    k3_mat *wv = ws_get(ws, (size_t)H * sizeof *wv);
+    k_prod *vj = ws_get(ws, (size_t)H * sizeof *vj);
+    for (int h = 0; h < H; h++) {
+        wv[h] = mat_rows(&w->kv_b, h * hkv + dn, dv);
+        vj[h] = (k_prod){&wv[h], ctx + (size_t)h * Ts * rkv, T, vout + (size_t)h * Ts * dv};
     }
+    k_products(vj, H);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++)
+            memcpy(att + ((size_t)t * H + h) * dv, vout + ((size_t)h * Ts + t) * dv, (size_t)dv * sizeof *att);
+    if (gate)
+        for (size_t i = 0; i < Ts * H * dv; i++) att[i] *= k_sigmoid(gate[i]);
     k_matmul(&w->o, att, T, y);
 }
 
@@ -277,8 +330,8 @@ void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cach
  *   r = W_up RMSNorm(u; routed_expert_norm)
  *   y = r + shared(x)                     shared experts unweighted
  * The chunk's selected experts are fetched once (ascending ids) and each runs
- * on all the rows that chose it; row results land in their slot, so the sum
- * order per token is the router's slot order whatever the chunk. */
+ * on all the rows that chose it (all experts' products in one thread team);
+ * each token then sums its slots in the router's order whatever the chunk. */
 typedef struct {
     const k3_weight_source *src;   /* NULL: experts[] holds every expert */
     const k3_expert_w *experts;
@@ -288,22 +341,36 @@ typedef struct {
 static int moe(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x, int T,
                float *y, k3_ws *ws, k3_err *err) {
     int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
-    float *rl = ws_f(ws, (size_t)T * N), *wt = ws_f(ws, (size_t)T * k);
-    int *idx = ws_i(ws, (size_t)T * k);
-    k_matmul(&w->router, x, T, rl);
+    size_t Ts = (size_t)T, Tk = Ts * (size_t)k;
+    int S = w->shared.gate.rows;
+    float *rl = ws_f(ws, Ts * N), *wt = ws_f(ws, Tk);
+    int *idx = ws_i(ws, Tk);
+    float *z = ws_f(ws, Ts * l);
+    float *sg = S ? ws_f(ws, Ts * S) : NULL, *su = S ? ws_f(ws, Ts * S) : NULL;
+    /* everything that reads x, in one pass: router, W_down, shared gate/up */
+    k_prod j1[4] = {{&w->router, x, T, rl}, {&w->down, x, T, z}};
+    int nj = 2;
+    if (S) {
+        j1[nj++] = (k_prod){&w->shared.gate, x, T, sg};
+        j1[nj++] = (k_prod){&w->shared.up, x, T, su};
+    }
+    k_products(j1, nj);
     for (int t = 0; t < T; t++)
         k_router_topk(rl + (size_t)t * N, w->router_bias, N, k, c->moe_renormalize, c->routed_scaling_factor,
                       idx + (size_t)t * k, wt + (size_t)t * k);
-    float *z = ws_f(ws, (size_t)T * l);
-    k_matmul(&w->down, x, T, z);
 
     /* union of the selections, ascending */
-    int *cnt = ws_i(ws, (size_t)N), *ids = ws_i(ws, (size_t)N);
+    int *cnt = ws_i(ws, (size_t)N), *ids = ws_i(ws, (size_t)N), *at = ws_i(ws, (size_t)N + 1);
     memset(cnt, 0, (size_t)N * sizeof *cnt);
-    for (int i = 0; i < T * k; i++) cnt[idx[i]]++;
+    for (size_t i = 0; i < Tk; i++) cnt[idx[i]]++;
     int nu = 0;
+    at[0] = 0;
     for (int e = 0; e < N; e++)
-        if (cnt[e]) ids[nu++] = e;
+        if (cnt[e]) {
+            ids[nu] = e;
+            at[nu + 1] = at[nu] + cnt[e];
+            nu++;
+        }
     k3_expert_w *ex = ws_get(ws, (size_t)nu * sizeof *ex);
     if (xa->src) {
         int rc = xa->src->experts_get(xa->src->ctx, xa->layer, ids, nu, ex, err);
@@ -312,43 +379,53 @@ static int moe(const k3_config *c, const k3_moe_w *w, const expert_access *xa, c
         for (int i = 0; i < nu; i++) ex[i] = xa->experts[ids[i]];
     }
 
-    float *eo = ws_f(ws, (size_t)T * k * l);
-    float *zin = ws_f(ws, (size_t)T * l), *h1 = ws_f(ws, (size_t)T * I), *h3 = ws_f(ws, (size_t)T * I);
-    float *out = ws_f(ws, (size_t)T * l);
-    int *slot = ws_i(ws, (size_t)T);
-    for (int u = 0; u < nu; u++) {
-        int n = 0;
-        for (int i = 0; i < T * k; i++)
-            if (idx[i] == ids[u]) {
-                memcpy(zin + (size_t)n * l, z + (size_t)(i / k) * l, (size_t)l * sizeof(float));
-                slot[n++] = i;
-            }
-        k_matmul(&ex[u].w1, zin, n, h1);
-        k_matmul(&ex[u].w3, zin, n, h3);
-        k_situ_glu(h1, h1, h3, n * I, c->situ_beta, c->situ_linear_beta);
-        k_matmul(&ex[u].w2, h1, n, out);
-        for (int r = 0; r < n; r++)
-            memcpy(eo + (size_t)slot[r] * l, out + (size_t)r * l, (size_t)l * sizeof(float));
+    /* rows grouped by expert (ascending id; within an expert, slot order):
+     * zin[at[u] ..] are expert u's inputs, slot[] where each row's result goes */
+    float *zin = ws_f(ws, Tk * l), *h1 = ws_f(ws, Tk * I), *h3 = ws_f(ws, Tk * I), *out = ws_f(ws, Tk * l);
+    int *rowat = ws_i(ws, Tk), *fill = ws_i(ws, (size_t)N);
+    for (int u = 0; u < nu; u++) fill[ids[u]] = at[u];
+    for (size_t i = 0; i < Tk; i++) {
+        int r = fill[idx[i]]++;
+        memcpy(zin + (size_t)r * l, z + (i / (size_t)k) * l, (size_t)l * sizeof(float));
+        rowat[i] = r;
     }
+    /* every selected expert's gate and up in one thread team, then every down
+     * (with the shared experts' down): the experts are read once per chunk */
+    k_prod *jb = ws_get(ws, (2 * (size_t)nu + 1) * sizeof *jb);
+    for (int u = 0; u < nu; u++) {
+        int n = at[u + 1] - at[u];
+        jb[2 * u] = (k_prod){&ex[u].w1, zin + (size_t)at[u] * l, n, h1 + (size_t)at[u] * I};
+        jb[2 * u + 1] = (k_prod){&ex[u].w3, zin + (size_t)at[u] * l, n, h3 + (size_t)at[u] * I};
+    }
+    k_products(jb, 2 * nu);
+    situ_par(c, h1, h1, h3, Tk * I);
+    float *sh = NULL;
+    nj = nu;
+    for (int u = 0; u < nu; u++)
+        jb[u] = (k_prod){&ex[u].w2, h1 + (size_t)at[u] * I, at[u + 1] - at[u], out + (size_t)at[u] * l};
+    if (S) {
+        situ_par(c, sg, sg, su, Ts * S);
+        sh = ws_f(ws, Ts * E);
+        jb[nj++] = (k_prod){&w->shared.down, sg, T, sh};
+    }
+    k_products(jb, nj);
     if (xa->src && xa->src->experts_put) xa->src->experts_put(xa->src->ctx, xa->layer, ids, nu);
 
+    /* per token: sum_j p_j e_j in the router's slot order */
     float *agg = zin; /* gathered inputs are consumed */
     for (int t = 0; t < T; t++) {
         float *a = agg + (size_t)t * l;
         memset(a, 0, (size_t)l * sizeof *a);
         for (int s = 0; s < k; s++) {
-            const float *e = eo + ((size_t)t * k + s) * l;
-            float p = wt[(size_t)t * k + s];
+            size_t i = (size_t)t * k + s;
+            float p = wt[i];
+            const float *e = out + (size_t)rowat[i] * l;
             for (int j = 0; j < l; j++) a[j] = fmaf(p, e[j], a[j]);
         }
         if (w->norm) k_rmsnorm(a, a, w->norm, l, c->rms_eps);
     }
     k_matmul(&w->up, agg, T, y);
-    if (w->shared.gate.rows) {
-        float *sh = ws_f(ws, (size_t)T * E);
-        mlp(c, &w->shared, x, T, sh, ws);
-        add_rows(y, sh, (size_t)T * E);
-    }
+    if (S) add_rows(y, sh, Ts * E);
     return K3_OK;
 }
 
@@ -375,9 +452,6 @@ struct k3_state {
     k3_ws ws;
 };
 
-/* Positions a prefill call processes at once: bounds the activations while
- * letting every weight be read once per chunk. */
-#define K3_CHUNK 64
 
 static int n_boundaries(const k3_config *c) {
     int S = c->attn_res_block_size > 0 ? c->attn_res_block_size : 1;
@@ -390,17 +464,18 @@ static int n_boundaries(const k3_config *c) {
 static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
     size_t E = (size_t)c->hidden_size, t = (size_t)T, need = 0, m;
     size_t nsrc = (size_t)n_boundaries(c) + 1;
-    size_t base = 3 * wsz(t * E) + wsz(nsrc) + 2 * WS_ALIGN;
+    size_t base = 3 * wsz(t * E) + wsz((size_t)omp_get_max_threads() * nsrc) + 2 * WS_ALIGN;
     if (c->n_kda_layers) { /* kda() */
         size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, P = H * D;
-        m = 2 * wsz(3 * t * P) + wsz(t * H) + wsz(t * D);
+        m = 2 * wsz(3 * t * P) + wsz(t * P) + wsz(t * H) + wsz(t * D);
         if (m > need) need = m;
     }
     if (c->n_mla_layers) { /* mla() */
         size_t H = (size_t)c->mla_heads, dq = (size_t)(c->qk_nope_dim + c->qk_rope_dim),
                dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim;
-        m = wsz(t * H * dq) + wsz(t * (size_t)c->q_lora_rank) + wsz(t * W) + 3 * wsz(H * rkv) +
-            wsz((size_t)omp_get_max_threads() * (size_t)max_pos) + 2 * wsz(t * H * dv);
+        m = wsz(t * H * dq) + wsz(t * (size_t)c->q_lora_rank) + wsz(t * W) + 2 * wsz(t * H * dv) +
+            2 * wsz(H * t * rkv) + wsz((size_t)omp_get_max_threads() * 2 * H * (size_t)max_pos) + wsz(H * t * dv) +
+            wsz((size_t)omp_get_max_threads() * (size_t)c->qk_nope_dim * rkv) + 2 * (H * 64 + WS_ALIGN);
         if (m > need) need = m;
     }
     if (c->dense_inter > 0) { /* mlp() */
@@ -410,18 +485,25 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
     if (c->num_experts > 0) { /* moe(), including its shared-expert mlp() */
         size_t N = (size_t)c->num_experts, k = (size_t)c->experts_per_token, l = (size_t)c->latent_dim,
                I = (size_t)c->moe_inter, S = (size_t)c->num_shared_experts * I;
-        m = wsz(t * N) + 2 * wsz(t * k) + wsz(t * l) + 2 * wsz(N) + (N * sizeof(k3_expert_w) + WS_ALIGN) +
-            wsz(t * k * l) + 2 * wsz(t * l) + 2 * wsz(t * I) + wsz(t) + wsz(t * E) + 2 * wsz(t * S);
+        m = wsz(t * N) + 2 * wsz(t * k) + wsz(t * l) + 2 * wsz(t * S) + 4 * wsz(N + 1) +
+            (N * sizeof(k3_expert_w) + WS_ALIGN) + 2 * wsz(t * k * l) + 2 * wsz(t * k * I) + wsz(t * k) +
+            ((2 * N + 1) * sizeof(k_prod) + WS_ALIGN) + wsz(t * E);
         if (m > need) need = m;
     }
     return base + need;
 }
 
-static int state_chunk(int64_t max_pos) { return max_pos < K3_CHUNK ? (int)(max_pos > 0 ? max_pos : 1) : K3_CHUNK; }
+/* Positions a forward pass processes at once (the model's chunk, 64 unless
+ * opened otherwise): bounds the activations while letting every weight be
+ * read once per chunk. */
+#define DEFAULT_CHUNK 64
+static int chunk_for(int chunk, int64_t max_pos) {
+    int ch = chunk > 0 ? chunk : DEFAULT_CHUNK;
+    return max_pos < ch ? (int)(max_pos > 0 ? max_pos : 1) : ch;
+}
+static int state_chunk(const k3_model *m, int64_t max_pos) { return chunk_for(m->chunk, max_pos); }
 
-k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) { return k3_state_size_cfg(&m->cfg, max_pos); }
-
-k3_state_plan k3_state_size_cfg(const k3_config *c, int64_t max_pos) {
+static k3_state_plan state_size(const k3_config *c, int chunk, int64_t max_pos) {
     k3_state_plan p = {0};
     uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
     uint64_t kda_f = (uint64_t)c->kda_heads * c->kda_head_dim * c->kda_head_dim + 3 * P * (uint64_t)(c->conv_kernel - 1);
@@ -435,12 +517,20 @@ k3_state_plan k3_state_size_cfg(const k3_config *c, int64_t max_pos) {
     uint64_t mla = 0;
     if (max_pos < 0 || !k3_mul_ok(W * 4 * (uint64_t)nm, (uint64_t)max_pos, &mla)) mla = UINT64_MAX / 4;
     p.mla_bytes = mla;
-    int chunk = state_chunk(max_pos);
     int64_t mp = max_pos > (int64_t)1 << 40 ? (int64_t)1 << 40 : max_pos; /* ws_need only sizes scores */
     p.scratch_bytes = (uint64_t)(n_boundaries(c) + 1) * chunk * c->hidden_size * 4 + ws_need(c, chunk, mp);
     p.total = p.kda_bytes + p.mla_bytes + p.scratch_bytes;
     if (p.total < p.mla_bytes) p.total = UINT64_MAX;
     return p;
+}
+
+k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) {
+    return state_size(&m->cfg, state_chunk(m, max_pos), max_pos);
+}
+
+/* For a plan made before the model is open: the default chunk. */
+k3_state_plan k3_state_size_cfg(const k3_config *c, int64_t max_pos) {
+    return state_size(c, chunk_for(0, max_pos), max_pos);
 }
 
 int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err) {
@@ -449,7 +539,7 @@ int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err) {
     k3_state *s = xcalloc(1, sizeof *s);
     s->m = m;
     s->max_pos = max_pos;
-    s->chunk = state_chunk(max_pos);
+    s->chunk = state_chunk(m, max_pos);
     s->nbuf = n_boundaries(c) + 1;
     int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     size_t kda_f = (size_t)H * D * D + 3 * (size_t)P * (K - 1), W = (size_t)c->kv_lora_rank + c->qk_rope_dim;

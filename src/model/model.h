@@ -42,6 +42,11 @@ typedef struct {
                               prompts, equal to fp32 rounding but NOT bitwise to
                               the recurrent form, so prefill and token-by-token
                               logits then differ in the last bits. 0: recurrent. */
+    int prefill_chunk;     /* positions one forward pass carries at once (0: 64).
+                              Larger chunks read every weight (and a layer's
+                              experts) once for more positions: faster prefill,
+                              more scratch and, for a streaming source, more
+                              experts fetched per layer. Never changes the bits. */
 } k3_model_opts;
 
 /* Opens a model directory (config.json + *.safetensors in the released layout,

@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "train/tinternal.h"
+#include "train/tgemm.h"
 
 void topt_defaults(topt_cfg *c) {
     memset(c, 0, sizeof *c);
@@ -60,29 +61,16 @@ double topt_lr(const topt_cfg *c, int64_t step) {
     return lo + 0.5 * (c->lr - lo) * (1.0 + cos(M_PI * prog));
 }
 
-/* C[r][c] = A[r][k] B[k][c] over small dense matrices, plain loops. */
+/* C[r][c] = A[r][k] B[k][c] and C = A A^T (A [r][c], C [r][r]) with the
+ * training GEMM (one fma chain per element; X X^T is exactly symmetric since
+ * fma(a, b, c) == fma(b, a, c)). Called inside the parallel loop over Muon
+ * blocks, so each runs on one thread. */
 static void mm(float *C, const float *A, const float *B, int r, int k, int c) {
-    for (int i = 0; i < r; i++) {
-        float *ci = C + (size_t)i * c;
-        for (int j = 0; j < c; j++) ci[j] = 0.0f;
-        for (int t = 0; t < k; t++) {
-            float a = A[(size_t)i * k + t];
-            const float *bt = B + (size_t)t * c;
-            for (int j = 0; j < c; j++) ci[j] = fmaf(a, bt[j], ci[j]);
-        }
-    }
+    tg_gemm(C, c, r, c, k, (tg_view){A, k, 1}, (tg_view){B, c, 1}, false, TG_F32);
 }
 
-/* C = A A^T for A [r][c]: C [r][r]. */
 static void aat(float *C, const float *A, int r, int c) {
-    for (int i = 0; i < r; i++)
-        for (int j = 0; j <= i; j++) {
-            float s = 0.0f;
-            const float *ai = A + (size_t)i * c, *aj = A + (size_t)j * c;
-            for (int t = 0; t < c; t++) s = fmaf(ai[t], aj[t], s);
-            C[(size_t)i * r + j] = s;
-            C[(size_t)j * r + i] = s;
-        }
+    tg_gemm(C, r, r, r, c, (tg_view){A, c, 1}, (tg_view){A, 1, c}, false, TG_F32);
 }
 
 /* In place: G [rows][cols] -> its Newton-Schulz orthogonalisation. */

@@ -49,6 +49,7 @@ typedef struct {
     float *gate;  /* [N][P] sigmoid(g_proj x) */
     float *y;     /* [N][P] o_proj input */
     float *Sck;   /* [B][H][nck][D][D] state at every chunk start */
+    size_t Sck_cap; /* floats allocated for Sck */
 } kda_acts;
 
 typedef struct {

@@ -1,21 +1,46 @@
 /* tkda.c: Kimi Delta Attention, forward and backward for training
  * (k3-checkpoint-format.md section 8; report eq. 1-6).
  *
- * The recurrence runs in its exact sequential form; the backward is
- * backpropagation through time. The forward keeps the state only at every
- * KCK-th position; the backward recomputes the states inside one chunk from
- * that checkpoint (with the same code, so the same bits) and walks it in
- * reverse. Memory: B*H*(T/KCK)*D*D floats per layer instead of B*H*T*D*D. */
+ * Two forms of the same function, chosen by tmodel.kda_chunk:
+ *  - 0: the exact recurrent form, backward by backpropagation through time
+ *    (the reference). The forward keeps the state every KCK positions; the
+ *    backward recomputes the states inside one KCK block from that checkpoint
+ *    (same code, same bits) and walks it in reverse.
+ *  - C > 0: the chunkwise (UT / WY) form, chunks of C positions. Within a chunk,
+ *    with G_t = g_1 + ... + g_t (per key channel) and the state S0 entering it:
+ *        KG = K e^G, KN = K e^-G, QG = (Q/sqrt(D)) e^G          (row-wise)
+ *        A = strict_tril(KG KN^T), Bm = tril(QG KN^T)  (A[t][s] = sum_i k_t k_s e^(G_t-G_s))
+ *        W = diag(beta) (V - KG S0 - A W)               (forward substitution: the UT transform)
+ *        O = QG S0 + Bm W
+ *        S = diag(e^G_C) S0 + (K e^(G_C - G))^T W
+ *    and the backward is the reverse of these products (recomputed per chunk
+ *    from the saved S0). Factoring e^(G_t - G_s) = e^G_t e^-G_s keeps every
+ *    product a matrix product; it is safe because the decay is bounded below
+ *    (g >= gate_lower_bound), so |G| <= |bound| C: the chunk is clamped to
+ *    |bound| C <= 80 (C = 16 for the K3 bound -5), and e^80 is far from the
+ *    f32 limit. The two forms agree to f32 rounding (test
+ *    train_kda_chunked_matches_recurrent).
+ * Memory for the saved states: B*H*(T/C)*D*D floats per layer. */
 #include "train/tinternal.h"
 
 #include <math.h>
 #include <string.h>
 
+#include "kernels/internal.h"
 #include "kernels/kernels.h"
 
 enum { KCK = 16 };
 
-static int nck(int T) { return (T + KCK - 1) / KCK; }
+/* Positions per saved state: the chunk length (chunkwise) or KCK (recurrent). */
+static int ck_len(const tmodel *m) {
+    if (m->kda_chunk <= 0) return KCK;
+    float lb = fabsf(m->cfg.gate_lower_bound);
+    int cmax = lb > 0.0f ? (int)(80.0f / lb) : 64;
+    if (cmax > 64) cmax = 64;
+    if (cmax < 1) cmax = 1;
+    return m->kda_chunk < cmax ? m->kda_chunk : cmax;
+}
+static int nck_of(int T, int C) { return (T + C - 1) / C; }
 
 size_t kda_scratch(const tmodel *m, int N) {
     const k3_config *c = &m->cfg;
@@ -41,12 +66,16 @@ void kda_alloc(const tmodel *m, kda_acts *a, int cap, int B, int T) {
     a->ro = xmalloc_array(N * H, sizeof(float));
     a->gate = xmalloc_array(N * P, sizeof(float));
     a->y = xmalloc_array(N * P, sizeof(float));
-    a->Sck = xmalloc_array((size_t)B * H * (size_t)nck(T) * D * D, sizeof(float));
+    a->Sck = NULL; /* sized by the forward (depends on the mode) */
+    a->Sck_cap = 0;
+    (void)B;
+    (void)T;
 }
 
 void kda_free(kda_acts *a) {
+    free(a->Sck);
     float *b[] = {a->pre, a->cv, a->q, a->k, a->rq, a->rk, a->v, a->beta, a->fa, a->zb, a->gl, a->o,
-                  a->ro, a->gate, a->y, a->Sck};
+                  a->ro, a->gate, a->y};
     for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) free(b[i]);
     memset(a, 0, sizeof *a);
 }
@@ -56,7 +85,7 @@ void kda_free(kda_acts *a) {
 static void step_fwd(float *o, float *S, const float *q, const float *k, const float *v,
                      const float *gl, float beta, int D, float qscale, float *u) {
     for (int i = 0; i < D; i++) {
-        float a = expf(gl[i]);
+        float a = t_exp(gl[i]);
         float *s = S + (size_t)i * D;
         for (int j = 0; j < D; j++) s[j] *= a;
     }
@@ -87,6 +116,196 @@ void kda_recur_fwd(float *o, float *S, const float *q, const float *k, const flo
     for (int t = 0; t < T; t++)
         step_fwd(o + t * st, S, q + t * st, k + t * st, v + t * st, gl + t * st, beta[t * sb], D, qs, u);
     free(u);
+}
+
+/* ---- chunkwise form ------------------------------------------------------------------ */
+
+/* Per-task workspace of the chunkwise form (C = chunk length). */
+typedef struct {
+    int C, D;
+    float *G, *eG, *eN, *KG, *KN, *QG, *KC, *Z, *W, *O; /* [C][D] */
+    float *KNT, *WT;                                   /* [D][C] */
+    float *Am, *Bm, *dA, *dBm;                         /* [C][C] */
+    float *S0T, *dST, *dS0;                            /* [D][D] */
+    float *bd;                                         /* [C] diagonal of Bm: q_t.k_t / sqrt(D) */
+    float *dQG, *dKG, *dKN, *dKC, *dW, *E, *nZ, *dG;   /* [C][D] */
+    float *buf;
+} cws;
+
+static void cws_init(cws *w, int C, int D) {
+    size_t cd = (size_t)C * D, cc = (size_t)C * C, dd = (size_t)D * D;
+    w->C = C;
+    w->D = D;
+    w->buf = xmalloc_aligned(sizeof(float) * (20 * cd + 4 * cc + 3 * dd + (size_t)C));
+    float *p = w->buf;
+    float **cdv[] = {&w->G, &w->eG, &w->eN, &w->KG, &w->KN, &w->QG, &w->KC, &w->Z, &w->W, &w->O,
+                     &w->dQG, &w->dKG, &w->dKN, &w->dKC, &w->dW, &w->E, &w->nZ, &w->dG, &w->KNT, &w->WT};
+    for (size_t i = 0; i < sizeof cdv / sizeof cdv[0]; i++) { *cdv[i] = p; p += cd; }
+    float **ccv[] = {&w->Am, &w->Bm, &w->dA, &w->dBm};
+    for (size_t i = 0; i < 4; i++) { *ccv[i] = p; p += cc; }
+    w->S0T = p; p += dd;
+    w->dST = p; p += dd;
+    w->dS0 = p; p += dd;
+    w->bd = p;
+}
+
+static void cws_free(cws *w) { free(w->buf); }
+
+static void transpose(float *dst, const float *src, int rows, int cols, size_t lds) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) dst[(size_t)c * rows + r] = src[(size_t)r * lds + c];
+}
+
+/* C[M][N] (ldc) = 0 then += A B through the kernel table's gemm_acc (one fma
+ * chain per element over k in order; scalar and AVX-512 give the same bits). */
+static void mm0(const k_vops *ops, float *Cm, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+                const float *Bm, int ldb) {
+    for (int m = 0; m < M; m++) memset(Cm + (size_t)m * ldc, 0, sizeof(float) * (size_t)N);
+    if (K > 0) ops->gemm_acc(Cm, ldc, M, N, A, sam, sak, K, Bm, ldb);
+}
+
+/* The chunk's forward up to W (and Z = V - KG S0 - A W), from q, k, v, gl,
+ * beta rows (stride st, sb) and S0. */
+static void chunk_prep(const k_vops *ops, cws *w, const float *q, const float *k, const float *v,
+                       const float *gl, const float *beta, int L, size_t st, size_t sb, const float *S0) {
+    const int D = w->D, C = w->C;
+    const float qs = 1.0f / sqrtf((float)D);
+    for (int t = 0; t < L; t++) {
+        float *G = w->G + (size_t)t * D;
+        const float *g = gl + t * st;
+        if (t == 0) memcpy(G, g, sizeof(float) * (size_t)D);
+        else ops->vadd(G, G - D, g, D);
+    }
+    ops->vexp(w->eG, w->G, L * D);
+    for (int i = 0; i < L * D; i++) w->eN[i] = -w->G[i];
+    ops->vexp(w->eN, w->eN, L * D);
+    for (int t = 0; t < L; t++) {
+        size_t r = (size_t)t * D;
+        ops->vmul(w->KG + r, k + t * st, w->eG + r, D);
+        ops->vmul(w->KN + r, k + t * st, w->eN + r, D);
+        ops->scale(w->QG + r, q + t * st, qs, D);
+        ops->vmul(w->QG + r, w->QG + r, w->eG + r, D);
+    }
+    transpose(w->KNT, w->KN, L, D, (size_t)D); /* [D][L] */
+    mm0(ops, w->Am, C, L, L, w->KG, D, 1, D, w->KNT, L);
+    mm0(ops, w->Bm, C, L, L, w->QG, D, 1, D, w->KNT, L);
+    /* Both strictly lower; the diagonal of Bm (e^0 = 1) is the plain dot
+     * q_t.k_t / sqrt(D): kept out of the e^G factors, its G-gradient would be
+     * two large terms cancelling (bad when the decay is strong). */
+    for (int t = 0; t < L; t++) {
+        for (int u = t; u < L; u++) w->Am[(size_t)t * C + u] = w->Bm[(size_t)t * C + u] = 0.0f;
+        w->bd[t] = ops->dot(q + t * st, k + t * st, D) * qs;
+    }
+    /* Z = V - KG S0 - A W, W = beta Z, row by row */
+    mm0(ops, w->Z, D, L, D, w->KG, D, 1, D, S0, D);
+    for (int t = 0; t < L; t++) {
+        float *z = w->Z + (size_t)t * D;
+        ops->subscale(z, v + t * st, z, 1.0f, D);
+        for (int u = 0; u < t; u++) ops->axpy(z, -w->Am[(size_t)t * C + u], w->W + (size_t)u * D, D);
+        ops->scale(w->W + (size_t)t * D, z, beta[t * sb], D);
+    }
+    /* KC = K e^(G_L - G) */
+    const float *eGl = w->eG + (size_t)(L - 1) * D;
+    for (int t = 0; t < L; t++) ops->vmul(w->KC + (size_t)t * D, w->KN + (size_t)t * D, eGl, D);
+}
+
+/* Forward of one chunk: o rows (stride st) and S (S0 in, the state after out). */
+static void chunk_fwd(const k_vops *ops, cws *w, float *o, float *S, const float *q, const float *k,
+                      const float *v, const float *gl, const float *beta, int L, size_t st, size_t sb) {
+    const int D = w->D, C = w->C;
+    chunk_prep(ops, w, q, k, v, gl, beta, L, st, sb, S);
+    mm0(ops, w->O, D, L, D, w->QG, D, 1, D, S, D);
+    ops->gemm_acc(w->O, D, L, D, w->Bm, C, 1, L, w->W, D);
+    for (int t = 0; t < L; t++) ops->axpy(w->O + (size_t)t * D, w->bd[t], w->W + (size_t)t * D, D);
+    for (int t = 0; t < L; t++) memcpy(o + t * st, w->O + (size_t)t * D, sizeof(float) * (size_t)D);
+    const float *eGl = w->eG + (size_t)(L - 1) * D;
+    for (int i = 0; i < D; i++) ops->scale(S + (size_t)i * D, S + (size_t)i * D, eGl[i], D);
+    ops->gemm_acc(S, D, D, D, w->KC, 1, D, L, w->W, D);
+}
+
+/* Backward of one chunk: dS is d(loss)/d(state after the chunk) on entry and
+ * d/d(S0) on return; dout rows (stride st) are d/d(o). Writes dq, dk, dv, dgl
+ * (stride st) and dbeta (stride sb). */
+static void chunk_bwd_cw(const k_vops *ops, cws *w, float *dS, const float *S0, const float *q,
+                         const float *k, const float *v, const float *gl, const float *beta,
+                         const float *dout, float *dq, float *dk, float *dv, float *dgl, float *dbeta, int L,
+                         size_t st, size_t sb) {
+    const int D = w->D, C = w->C;
+    const float qs = 1.0f / sqrtf((float)D);
+    chunk_prep(ops, w, q, k, v, gl, beta, L, st, sb, S0);
+    const float *eGl = w->eG + (size_t)(L - 1) * D;
+    /* S = diag(e^G_L) S0 + KC^T W */
+    transpose(w->dST, dS, D, D, (size_t)D);
+    mm0(ops, w->dKC, D, L, D, w->W, D, 1, D, w->dST, D);   /* W dS^T */
+    mm0(ops, w->dW, D, L, D, w->KC, D, 1, D, dS, D);       /* KC dS */
+    memset(w->dG, 0, sizeof(float) * (size_t)L * D);
+    float *dGl = w->dG + (size_t)(L - 1) * D;
+    for (int i = 0; i < D; i++) {
+        float sdot = ops->dot(S0 + (size_t)i * D, dS + (size_t)i * D, D);
+        dGl[i] = eGl[i] * sdot;
+        ops->scale(w->dS0 + (size_t)i * D, dS + (size_t)i * D, eGl[i], D);
+    }
+    for (int t = 0; t < L - 1; t++) { /* the last row's factor is e^0 */
+        const float *dkc = w->dKC + (size_t)t * D, *kc = w->KC + (size_t)t * D;
+        float *dG = w->dG + (size_t)t * D;
+        for (int i = 0; i < D; i++) {
+            float pr = dkc[i] * kc[i];
+            dG[i] -= pr;
+            dGl[i] += pr;
+        }
+    }
+    /* O = QG S0 + Bm W */
+    transpose(w->S0T, S0, D, D, (size_t)D);
+    mm0(ops, w->dQG, D, L, D, dout, (int)st, 1, D, w->S0T, D);            /* dO S0^T */
+    ops->gemm_acc(w->dS0, D, D, D, w->QG, 1, D, L, dout, (int)st);        /* += QG^T dO */
+    transpose(w->WT, w->W, L, D, (size_t)D);                              /* [D][L] */
+    mm0(ops, w->dBm, C, L, L, dout, (int)st, 1, D, w->WT, L);             /* dO W^T */
+    float *dbd = w->bd; /* reused: bd is read below before being overwritten */
+    for (int t = 0; t < L; t++) {
+        for (int u = t; u < L; u++) w->dBm[(size_t)t * C + u] = 0.0f;
+        ops->axpy(w->dW + (size_t)t * D, w->bd[t], dout + t * st, D);     /* += diag(bd) dO */
+        dbd[t] = ops->dot(dout + t * st, w->W + (size_t)t * D, D);
+    }
+    ops->gemm_acc(w->dW, D, L, D, w->Bm, 1, C, L, dout, (int)st);         /* += Bm^T dO */
+    /* W = beta Z, Z = V - KG S0 - A W (reverse substitution) */
+    memcpy(w->E, w->dW, sizeof(float) * (size_t)L * D);
+    for (int t = L - 1; t >= 0; t--) {
+        float *e = w->E + (size_t)t * D, *nz = w->nZ + (size_t)t * D;
+        float bt = beta[t * sb];
+        dbeta[t * sb] = ops->dot(e, w->Z + (size_t)t * D, D);
+        ops->scale(nz, e, -bt, D);                                         /* -dZ_t */
+        for (int u = 0; u < t; u++) ops->axpy(w->E + (size_t)u * D, w->Am[(size_t)t * C + u], nz, D);
+    }
+    mm0(ops, w->dA, C, L, L, w->nZ, D, 1, D, w->WT, L);                   /* -dZ W^T */
+    for (int t = 0; t < L; t++)
+        for (int u = t; u < L; u++) w->dA[(size_t)t * C + u] = 0.0f;
+    for (int t = 0; t < L; t++) ops->scale(dv + t * st, w->nZ + (size_t)t * D, -1.0f, D);
+    mm0(ops, w->dKG, D, L, D, w->nZ, D, 1, D, w->S0T, D);                 /* -dZ S0^T */
+    ops->gemm_acc(w->dS0, D, D, D, w->KG, 1, D, L, w->nZ, D);             /* -= KG^T dZ */
+    /* A = strict_tril(KG KN^T), Bm = tril(QG KN^T) */
+    ops->gemm_acc(w->dKG, D, L, D, w->dA, C, 1, L, w->KN, D);             /* += dA KN */
+    mm0(ops, w->dKN, D, L, D, w->dA, 1, C, L, w->KG, D);                  /* dA^T KG */
+    ops->gemm_acc(w->dQG, D, L, D, w->dBm, C, 1, L, w->KN, D);            /* += dBm KN */
+    ops->gemm_acc(w->dKN, D, L, D, w->dBm, 1, C, L, w->QG, D);            /* += dBm^T QG */
+    /* the e^(+-G) factors: dK, dQ and dG; then dg = reverse cumulative sum of dG */
+    for (int t = 0; t < L; t++) {
+        size_t r = (size_t)t * D;
+        float *dG = w->dG + r, *dkt = dk + t * st, *dqt = dq + t * st;
+        const float *eG = w->eG + r, *eN = w->eN + r;
+        for (int i = 0; i < D; i++) {
+            dkt[i] = w->dKG[r + i] * eG[i] + w->dKN[r + i] * eN[i] + w->dKC[r + i] * (eN[i] * eGl[i]) +
+                     dbd[t] * (q[t * st + i] * qs);
+            dqt[i] = (w->dQG[r + i] * eG[i] + dbd[t] * k[t * st + i]) * qs;
+            dG[i] += w->dQG[r + i] * w->QG[r + i] + w->dKG[r + i] * w->KG[r + i] - w->dKN[r + i] * w->KN[r + i];
+        }
+    }
+    for (int t = L - 1; t >= 0; t--) {
+        float *dgt = dgl + t * st;
+        const float *dG = w->dG + (size_t)t * D;
+        if (t == L - 1) memcpy(dgt, dG, sizeof(float) * (size_t)D);
+        else ops->vadd(dgt, dgl + (t + 1) * st, dG, D);
+    }
+    memcpy(dS, w->dS0, sizeof(float) * (size_t)D * D);
 }
 
 void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, float *out, int B, int T) {
@@ -137,21 +356,38 @@ void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, flo
         for (int i = 0; i < P; i++) {
             size_t ix = (size_t)n * P + i;
             a->zb[ix] += dtb[i];
-            a->gl[ix] = gmin * t_sigmoid(expf(Al[i / D]) * a->zb[ix]);
+            a->gl[ix] = gmin * t_sigmoid(t_exp(Al[i / D]) * a->zb[ix]);
         }
-    /* recurrence, one (sequence, head) per task; checkpoint every KCK steps */
-    const int nc = nck(T);
+    /* the recurrence, one (sequence, head) per task; the state entering every
+     * chunk of CK positions is saved for the backward */
+    const int CK = ck_len(m), nc = nck_of(T, CK);
+    const bool chunked = m->kda_chunk > 0;
+    size_t need = (size_t)B * H * (size_t)nc * D * D;
+    if (need > a->Sck_cap) {
+        free(a->Sck);
+        a->Sck = xmalloc_array(need, sizeof(float));
+        a->Sck_cap = need;
+    }
+    const k_vops *ops = k_ops();
 #pragma omp parallel for schedule(static)
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
         float *S = xcalloc((size_t)D * D, sizeof(float));
+        cws ws;
+        if (chunked) cws_init(&ws, CK, D);
         for (int ck = 0; ck < nc; ck++) {
-            int t0 = ck * KCK, len = T - t0 < KCK ? T - t0 : KCK;
+            int t0 = ck * CK, len = T - t0 < CK ? T - t0 : CK;
             memcpy(a->Sck + (((size_t)b * H + h) * nc + ck) * D * D, S, sizeof(float) * (size_t)D * D);
             size_t r0 = ((size_t)b * T + t0) * P + (size_t)h * D;
-            kda_recur_fwd(a->o + r0, S, a->q + r0, a->k + r0, a->v + r0, a->gl + r0,
-                          a->beta + ((size_t)b * T + t0) * H + h, len, D, (size_t)P, (size_t)H);
+            const float *bt = a->beta + ((size_t)b * T + t0) * H + h;
+            if (chunked)
+                chunk_fwd(ops, &ws, a->o + r0, S, a->q + r0, a->k + r0, a->v + r0, a->gl + r0, bt, len,
+                          (size_t)P, (size_t)H);
+            else
+                kda_recur_fwd(a->o + r0, S, a->q + r0, a->k + r0, a->v + r0, a->gl + r0, bt, len, D, (size_t)P,
+                              (size_t)H);
         }
+        if (chunked) cws_free(&ws);
         free(S);
     }
     /* head-wise RMSNorm (shared gain), sigmoid gate, o_proj */
@@ -181,7 +417,7 @@ static void chunk_bwd(float *dS, const float *Sprev, const float *q, const float
         float bt = beta[t * sb];
         /* recompute S' = diag(a) S0, u = S'^T k, delta, S_t */
         for (int i = 0; i < D; i++) {
-            al[i] = expf(gt[i]);
+            al[i] = t_exp(gt[i]);
             for (int j = 0; j < D; j++) Sp[(size_t)i * D + j] = S0[(size_t)i * D + j] * al[i];
         }
         for (int j = 0; j < D; j++) u[j] = 0.0f;
@@ -267,21 +503,37 @@ void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, co
     t_rmsnorm_bwd(dof, g + kw->o_norm, don, a->o, a->ro, gain, N * H, D, false);
     t_linear_dw(g + kw->g_proj, dgp, x, N, E, P);
     t_linear_dx(dx, dgp, w + kw->g_proj, N, E, P, false);
-    /* recurrence (BPTT, chunk by chunk from the end) */
-    const int nc = nck(T);
+    /* the recurrence, chunk by chunk from the end: BPTT (recurrent) or the
+     * chunkwise backward */
+    const int CK = ck_len(m), nc = nck_of(T, CK);
+    const bool chunked = m->kda_chunk > 0;
+    const k_vops *ops = k_ops();
 #pragma omp parallel for schedule(static)
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
         float *dS = xcalloc((size_t)D * D, sizeof(float));
-        float *Sprev = xmalloc_array((size_t)KCK * D * D, sizeof(float));
-        float *S = xmalloc_array((size_t)D * D, sizeof(float));
-        float *wk = xmalloc_array(2 * (size_t)D * D + 5 * (size_t)D, sizeof(float));
+        float *Sprev = NULL, *S = NULL, *wk = NULL;
+        cws ws;
+        if (chunked) {
+            cws_init(&ws, CK, D);
+        } else {
+            Sprev = xmalloc_array((size_t)KCK * D * D, sizeof(float));
+            S = xmalloc_array((size_t)D * D, sizeof(float));
+            wk = xmalloc_array(2 * (size_t)D * D + 5 * (size_t)D, sizeof(float));
+        }
         float qs = 1.0f / sqrtf((float)D);
         for (int ck = nc - 1; ck >= 0; ck--) {
-            int t0 = ck * KCK, len = T - t0 < KCK ? T - t0 : KCK;
+            int t0 = ck * CK, len = T - t0 < CK ? T - t0 : CK;
             size_t r0 = ((size_t)b * T + t0) * P + (size_t)h * D;
             size_t b0 = ((size_t)b * T + t0) * H + h;
-            memcpy(S, a->Sck + (((size_t)b * H + h) * nc + ck) * D * D, sizeof(float) * (size_t)D * D);
+            const float *S0 = a->Sck + (((size_t)b * H + h) * nc + ck) * D * D;
+            if (chunked) {
+                chunk_bwd_cw(ops, &ws, dS, S0, a->q + r0, a->k + r0, a->v + r0, a->gl + r0, a->beta + b0,
+                             dof + r0, dq + r0, dk + r0, dv + r0, dgl + r0, dbeta + b0, len, (size_t)P,
+                             (size_t)H);
+                continue;
+            }
+            memcpy(S, S0, sizeof(float) * (size_t)D * D);
             for (int t = 0; t < len; t++) {
                 memcpy(Sprev + (size_t)t * D * D, S, sizeof(float) * (size_t)D * D);
                 size_t rt = r0 + (size_t)t * P;
@@ -291,6 +543,7 @@ void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, co
             chunk_bwd(dS, Sprev, a->q + r0, a->k + r0, a->v + r0, a->gl + r0, a->beta + b0, dof + r0, dq + r0,
                       dk + r0, dv + r0, dgl + r0, dbeta + b0, len, D, (size_t)P, (size_t)H, wk);
         }
+        if (chunked) cws_free(&ws);
         free(dS);
         free(Sprev);
         free(S);
@@ -303,13 +556,13 @@ void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, co
     for (int n = 0; n < N; n++)
         for (int i = 0; i < P; i++) {
             size_t ix = (size_t)n * P + i;
-            float eA = expf(Al[i / D]);
+            float eA = t_exp(Al[i / D]);
             float s = t_sigmoid(eA * a->zb[ix]);
             dgl[ix] = dgl[ix] * gmin * s * (1.0f - s); /* d/d(eA zb) */
         }
     float *gA = g + kw->A_log, *gdt = g + kw->dt_bias;
     for (int h = 0; h < H; h++) {
-        float eA = expf(Al[h]), s = 0.0f;
+        float eA = t_exp(Al[h]), s = 0.0f;
         for (int n = 0; n < N; n++)
             for (int d = 0; d < D; d++) {
                 size_t ix = (size_t)n * P + (size_t)h * D + d;
@@ -319,12 +572,16 @@ void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, co
     }
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++)
-        for (int i = 0; i < P; i++) dgl[(size_t)n * P + i] *= expf(Al[i / D]); /* now dzb */
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < P; i++) {
-        float s = 0.0f;
-        for (int n = 0; n < N; n++) s += dgl[(size_t)n * P + i];
-        gdt[i] += s;
+        for (int i = 0; i < P; i++) dgl[(size_t)n * P + i] *= t_exp(Al[i / D]); /* now dzb */
+    {
+        /* column sums over n in increasing order, rows read contiguously */
+        float *acc = xcalloc((size_t)P, sizeof(float));
+        for (int n = 0; n < N; n++) {
+            const float *r = dgl + (size_t)n * P;
+            for (int i = 0; i < P; i++) acc[i] += r[i];
+        }
+        for (int i = 0; i < P; i++) gdt[i] += acc[i];
+        free(acc);
     }
     t_linear_dw(g + kw->f_b, dgl, a->fa, N, D, P);
     t_linear_dx(dfa, dgl, w + kw->f_b, N, D, P, false);
@@ -373,18 +630,29 @@ void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, co
             dpre[(size_t)n * P3 + ch] = acc;
         }
     }
+    /* taps: gcw[ch][j] += sum_n dcv[n][ch] pre[n-(K-1)+j][ch], n in increasing
+     * order; blocks of channels so the rows are read contiguously */
     float *gcw = g + kw->conv;
+    enum { CB = 64 };
+    const int ncb = (P3 + CB - 1) / CB;
 #pragma omp parallel for schedule(static)
-    for (int ch = 0; ch < P3; ch++)
-        for (int j = 0; j < K; j++) {
-            float s = 0.0f;
-            for (int n = 0; n < N; n++) {
-                int t = n % T, tt = t - (K - 1) + j;
-                if (tt < 0) continue;
-                s = fmaf(dcv[(size_t)n * P3 + ch], a->pre[(size_t)(n - (K - 1) + j) * P3 + ch], s);
+    for (int cb = 0; cb < ncb; cb++) {
+        int c0 = cb * CB, nch = P3 - c0 < CB ? P3 - c0 : CB;
+        float *acc = xcalloc((size_t)CB * K, sizeof(float)); /* [j][c] */
+        for (int n = 0; n < N; n++) {
+            int t = n % T;
+            const float *d = dcv + (size_t)n * P3 + c0;
+            for (int j = 0; j < K; j++) {
+                if (t - (K - 1) + j < 0) continue;
+                const float *src = a->pre + (size_t)(n - (K - 1) + j) * P3 + c0;
+                float *ac = acc + (size_t)j * CB;
+                for (int c = 0; c < nch; c++) ac[c] = fmaf(d[c], src[c], ac[c]);
             }
-            gcw[(size_t)ch * K + j] += s;
         }
+        for (int c = 0; c < nch; c++)
+            for (int j = 0; j < K; j++) gcw[(size_t)(c0 + c) * K + j] += acc[(size_t)j * CB + c];
+        free(acc);
+    }
     t_linear_dw(g + kw->qkv, dpre, x, N, E, P3);
     t_linear_dx(dx, dpre, w + kw->qkv, N, E, P3, true);
 }

@@ -79,7 +79,7 @@ void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, flo
                 if (pr[s] > mx) mx = pr[s];
             }
             float sum = 0.0f;
-            for (int s = 0; s <= t; s++) { pr[s] = expf(pr[s] - mx); sum += pr[s]; }
+            for (int s = 0; s <= t; s++) { pr[s] = t_exp(pr[s] - mx); sum += pr[s]; }
             for (int s = 0; s <= t; s++) pr[s] /= sum;
             for (int s = t + 1; s < T; s++) pr[s] = 0.0f;
             float *o = a->o + nt * HV + (size_t)h * dv;

@@ -16,13 +16,21 @@
 
 /* ---- dense SiTU-GLU MLP (also the fused shared experts) ----------------------- */
 
+static void situ_run_row(float *restrict h, const float *restrict a, const float *restrict u, int W, float b1,
+                         float b2) {
+    for (int i = 0; i < W; i++) {
+        float ga = b1 * t_tanh(a[i] / b1) * t_sigmoid(a[i]);
+        float gu = b2 * t_tanh(u[i] / b2);
+        h[i] = ga * gu;
+    }
+}
+
 static void situ_rows(float *h, const float *gu, int N, int W, float b1, float b2) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *a = gu + (size_t)n * 2 * W, *u = a + W;
         float *hr = h + (size_t)n * W;
-        for (int i = 0; i < W; i++)
-            hr[i] = (b1 * tanhf(a[i] / b1) * t_sigmoid(a[i])) * (b2 * tanhf(u[i] / b2));
+        situ_run_row(hr, a, u, W, b1, b2);
     }
 }
 

@@ -4,69 +4,29 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
+#include "train/tgemm.h"
 #include "util/common.h"
 
+/* The three products of a linear layer are one strided GEMM each (tgemm.h):
+ * one fma chain per output element over the contraction index in increasing
+ * order, whatever the tiling or thread count. */
+static tg_mode g_mode = TG_F32;
+void t_set_bf16(bool on) { g_mode = on ? TG_BF16 : TG_F32; }
+bool t_bf16(void) { return g_mode == TG_BF16; }
+
 void t_linear(float *Y, const float *X, const float *W, int n, int in, int out) {
-    if (n <= 0) return;
-    k3_mat m = {.type = KW_F32, .rows = out, .cols = in, .data = W};
-    k_matmul(&m, X, n, Y);
+    tg_view x = {X, in, 1}, wt = {W, 1, in}; /* B(k, o) = W[o][k] */
+    tg_gemm(Y, out, n, out, in, x, wt, false, g_mode);
 }
 
-/* Tiles keep an accumulator block in L1 while the weight streams past; the
- * sum for each output element still runs over the contraction index in
- * increasing order, so tiling never changes the bits. */
-enum { RB = 32, IB = 128 };
-
 void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate) {
-    int nrb = (n + RB - 1) / RB, nib = (in + IB - 1) / IB;
-#pragma omp parallel for schedule(static)
-    for (int job = 0; job < nrb * nib; job++) {
-        int n0 = (job / nib) * RB, i0 = (job % nib) * IB;
-        int rn = n - n0 < RB ? n - n0 : RB, ri = in - i0 < IB ? in - i0 : IB;
-        float acc[RB][IB];
-        for (int r = 0; r < rn; r++) memset(acc[r], 0, sizeof(float) * (size_t)ri);
-        for (int o = 0; o < out; o++) {
-            const float *w = W + (size_t)o * in + i0;
-            for (int r = 0; r < rn; r++) {
-                float a = dY[(size_t)(n0 + r) * out + o];
-                if (a == 0.0f) continue; /* exact: fmaf(0, w, acc) == acc for finite w */
-                float *ac = acc[r];
-                for (int i = 0; i < ri; i++) ac[i] = fmaf(a, w[i], ac[i]);
-            }
-        }
-        for (int r = 0; r < rn; r++) {
-            float *d = dX + (size_t)(n0 + r) * in + i0;
-            if (accumulate)
-                for (int i = 0; i < ri; i++) d[i] += acc[r][i];
-            else
-                memcpy(d, acc[r], sizeof(float) * (size_t)ri);
-        }
-    }
+    tg_view dy = {dY, out, 1}, w = {W, in, 1};
+    tg_gemm(dX, in, n, in, out, dy, w, accumulate, g_mode);
 }
 
 void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out) {
-    int nob = (out + RB - 1) / RB, nib = (in + IB - 1) / IB;
-#pragma omp parallel for schedule(static)
-    for (int job = 0; job < nob * nib; job++) {
-        int o0 = (job / nib) * RB, i0 = (job % nib) * IB;
-        int ro = out - o0 < RB ? out - o0 : RB, ri = in - i0 < IB ? in - i0 : IB;
-        float acc[RB][IB];
-        for (int r = 0; r < ro; r++) memset(acc[r], 0, sizeof(float) * (size_t)ri);
-        for (int t = 0; t < n; t++) {
-            const float *x = X + (size_t)t * in + i0;
-            const float *dy = dY + (size_t)t * out + o0;
-            for (int r = 0; r < ro; r++) {
-                float a = dy[r];
-                if (a == 0.0f) continue;
-                float *ac = acc[r];
-                for (int i = 0; i < ri; i++) ac[i] = fmaf(a, x[i], ac[i]);
-            }
-        }
-        for (int r = 0; r < ro; r++) {
-            float *d = dW + (size_t)(o0 + r) * in + i0;
-            for (int i = 0; i < ri; i++) d[i] += acc[r][i];
-        }
-    }
+    tg_view dyt = {dY, 1, out}, x = {X, in, 1}; /* A(o, t) = dY[t][o] */
+    tg_gemm(dW, in, out, in, n, dyt, x, true, g_mode);
 }
 
 void t_rmsnorm(float *y, float *r, const float *x, const float *g, int n, int dim, float eps) {
@@ -111,25 +71,46 @@ void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const 
     }
 }
 
-void t_situ(float *h, const float *a, const float *u, size_t m, float b1, float b2) {
-#pragma omp parallel for schedule(static)
+/* One row's worth (or any run) of SiTU-GLU; the loops vectorise (kmath). */
+static void situ_run(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1,
+                     float b2) {
     for (size_t i = 0; i < m; i++) {
-        float ga = b1 * tanhf(a[i] / b1) * t_sigmoid(a[i]);
-        float gu = b2 * tanhf(u[i] / b2);
+        float ga = b1 * t_tanh(a[i] / b1) * t_sigmoid(a[i]);
+        float gu = b2 * t_tanh(u[i] / b2);
         h[i] = ga * gu;
     }
 }
 
-void t_situ_bwd(float *da, float *du, const float *dh, const float *a, const float *u, size_t m,
-                float b1, float b2) {
-#pragma omp parallel for schedule(static)
+static void situ_bwd_run(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
+                         const float *restrict u, size_t m, float b1, float b2) {
     for (size_t i = 0; i < m; i++) {
-        float ta = tanhf(a[i] / b1), sa = t_sigmoid(a[i]), tu = tanhf(u[i] / b2);
+        float ta = t_tanh(a[i] / b1), sa = t_sigmoid(a[i]), tu = t_tanh(u[i] / b2);
         float A = b1 * ta * sa, U = b2 * tu;
         float dA = (1.0f - ta * ta) * sa + b1 * ta * sa * (1.0f - sa);
         float dU = 1.0f - tu * tu;
         da[i] = dh[i] * U * dA;
         du[i] = dh[i] * A * dU;
+    }
+}
+
+enum { SITU_BLK = 4096 };
+
+void t_situ(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1, float b2) {
+    size_t nb = (m + SITU_BLK - 1) / SITU_BLK;
+#pragma omp parallel for schedule(static) if (nb > 1)
+    for (size_t b = 0; b < nb; b++) {
+        size_t i0 = b * SITU_BLK, n = m - i0 < SITU_BLK ? m - i0 : SITU_BLK;
+        situ_run(h + i0, a + i0, u + i0, n, b1, b2);
+    }
+}
+
+void t_situ_bwd(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
+                const float *restrict u, size_t m, float b1, float b2) {
+    size_t nb = (m + SITU_BLK - 1) / SITU_BLK;
+#pragma omp parallel for schedule(static) if (nb > 1)
+    for (size_t b = 0; b < nb; b++) {
+        size_t i0 = b * SITU_BLK, n = m - i0 < SITU_BLK ? m - i0 : SITU_BLK;
+        situ_bwd_run(da + i0, du + i0, dh + i0, a + i0, u + i0, n, b1, b2);
     }
 }
 
@@ -148,7 +129,7 @@ void t_attnres(float *out, float *alpha, float *r, const float *const *src, int 
             if (al[i] > mx) mx = al[i];
         }
         float s = 0.0f;
-        for (int i = 0; i < m; i++) { al[i] = expf(al[i] - mx); s += al[i]; }
+        for (int i = 0; i < m; i++) { al[i] = t_exp(al[i] - mx); s += al[i]; }
         for (int i = 0; i < m; i++) al[i] /= s;
         float *o = out + (size_t)t * dim;
         for (int d = 0; d < dim; d++) {

@@ -1,10 +1,10 @@
 /* tops.h: the training-side numeric operations (internal to src/train).
  *
- * Forward products go through kernels.h (k_matmul), so the training forward is
- * the inference function with the inference kernels. Every backward here is
- * plain scalar C with explicit fmaf, parallel over OUTPUT elements only (one
- * thread owns each output and sums in a fixed order), so gradients have the
- * same bits whatever the thread count.
+ * The products of a linear layer (forward, dX, dW) are blocked GEMMs
+ * (tgemm.h) with one fma chain per output element; the other operations are
+ * C with explicit fmaf, parallel over OUTPUT elements only (one thread owns
+ * each output and sums in a fixed order), so gradients have the same bits
+ * whatever the thread count.
  *
  * Shapes: activations are row-major [n][dim]; a weight W is [out][in] and the
  * forward is Y = X W^T. */
@@ -16,11 +16,18 @@
 #include <stdlib.h>
 #include <stdbool.h>
 
+#include "kernels/kmath.h"
+
+/* Products of the training GEMM (tgemm.h); BF16 mode (t_set_bf16) rounds
+ * their operands to BF16 and accumulates in F32. */
+void t_set_bf16(bool on);
+bool t_bf16(void);
 /* Y[n][out] = X[n][in] W^T (W f32 [out][in]). */
 void t_linear(float *Y, const float *X, const float *W, int n, int in, int out);
 /* dX[n][in] (+)= dY[n][out] W. accumulate=false overwrites dX. */
 void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate);
-/* dW[out][in] += dY^T X (sum over the n rows in increasing order). */
+/* dW[out][in] += dY^T X (one chain per element continuing from dW, rows in
+ * increasing order). */
 void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out);
 
 /* RMSNorm rows: y = g * x * r, r = 1/sqrt(mean(x^2)+eps); r[n] saved (may be NULL).
@@ -32,11 +39,16 @@ void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const 
 
 /* SiTU-GLU h = [b1 tanh(a/b1) sig(a)] * [b2 tanh(u/b2)] over m elements, and its
  * backward (da, du overwritten). */
-void t_situ(float *h, const float *a, const float *u, size_t m, float b1, float b2);
-void t_situ_bwd(float *da, float *du, const float *dh, const float *a, const float *u, size_t m,
-                float b1, float b2);
+void t_situ(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1, float b2);
+void t_situ_bwd(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
+                const float *restrict u, size_t m, float b1, float b2);
 
-static inline float t_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+/* exp / tanh / sigmoid from the kernels' kmath.h: built from IEEE-exact
+ * operations only, so loops of them vectorise with the scalar bits and do
+ * not depend on the libm version. */
+static inline float t_exp(float x) { return km_exp(x); }
+static inline float t_tanh(float x) { return km_tanh(x); }
+static inline float t_sigmoid(float x) { return km_sigmoid(x); }
 
 /* Block AttnRes over m sources (each [n][dim]): per row, k_i = rmsnorm(v_i; gn),
  * s_i = <k_i, w>, a = softmax(s), out = sum_i a_i v_i. Saves alpha[n][m] and the

@@ -188,6 +188,7 @@ int tm_build(tmodel *m, const k3_config *c, k3_err *err) {
     m->g = xcalloc(m->nw, sizeof(float));
     m->bias = xcalloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)c->num_experts, sizeof(float));
     m->load = xcalloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)c->num_experts, sizeof(int64_t));
+    m->kda_chunk = 16;
     return K3_OK;
 }
 
@@ -440,6 +441,7 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, L = c->num_layers, S = c->attn_res_block_size, V = c->vocab_size;
     acts_ensure(m, B, T);
+    t_set_bf16(m->bf16);
     tm_acts *a = m->acts;
     const int N = B * T;
     memcpy(a->tok, tokens, sizeof(int32_t) * (size_t)B * (size_t)(T + 1));
@@ -513,6 +515,7 @@ void tm_backward(tmodel *m, float scale) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, L = c->num_layers, S = c->attn_res_block_size, V = c->vocab_size;
     tm_acts *a = m->acts;
+    t_set_bf16(m->bf16);
     const int B = a->B, T = a->T, N = B * T;
     const size_t NE = (size_t)N * E;
     const int nb = n_blocks(c);

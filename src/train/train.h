@@ -61,6 +61,14 @@ typedef struct {
     float *qb_marg;
     /* routing statistics of the last forward: load [n_moe][num_experts] */
     int64_t *load;
+    /* compute modes (tm_build sets the defaults; docs/training-speed.md):
+     * kda_chunk 0 runs KDA in the exact recurrent form with BPTT (the
+     * reference); > 0 the chunkwise form with chunks of that length (clamped
+     * so exp(|gate_lower_bound| * chunk) stays finite in f32). bf16 rounds the
+     * operands of the linear-layer products to BF16 (F32 accumulation, F32
+     * master weights); off by default. */
+    int kda_chunk;
+    bool bf16;
 } tmodel;
 
 /* Builds the parameter table for cfg and allocates w, g (zero) and bias (zero).
@@ -154,6 +162,8 @@ typedef struct {
     bool seed_set;
     uint64_t seed;
     int optimizer;                   /* 0 default/checkpoint, 1 muon, 2 adamw */
+    int bf16;                        /* 0 default (off)/checkpoint, 1 on, 2 off */
+    int kda_chunk;                   /* 0 default (16)/checkpoint; -1 recurrent reference; > 0 chunk */
     bool quiet;
 } ttrain_opts;
 

@@ -1,0 +1,381 @@
+/* tgemm.c: the training matrix product; see tgemm.h for the numerics.
+ *
+ * Blocking (GotoBLAS style): B is packed once per call into panels of NR
+ * columns ([K][NR], zero-padded); each job (a block of MC rows x a range of
+ * panels) packs its rows of A per KC slice into micro-panels of MR rows
+ * ([KC][MR]) and runs an MR x NR register tile (24 zmm accumulators) over
+ * them. A KC slice continues the chain from the stored C, so the blocking
+ * never changes a result. In BF16 mode the packed operands are BF16 pairs
+ * (k, k+1) and the tile uses vdpbf16ps. */
+#include "train/tgemm.h"
+
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels/internal.h"
+#include "util/common.h"
+
+enum { MR = 12, NR = 32, KC = 256, MC = 96 };
+
+static bool g_scalar = false;
+void tg_set_scalar(bool on) { g_scalar = on; }
+
+bool tg_bf16_available(void) {
+#if defined(__x86_64__)
+    static int have = -1;
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = k_simd_available() && __builtin_cpu_supports("avx512bf16");
+    }
+    return have;
+#else
+    return false;
+#endif
+}
+
+static bool use_simd(void) { return !g_scalar && k_ops() != &k_scalar_ops; }
+
+static inline float at(tg_view v, ptrdiff_t i, ptrdiff_t j) { return v.p[i * v.rs + j * v.cs]; }
+
+/* ---- BF16 helpers (shared by both paths, so the rounding is one function) ---- */
+
+/* As VCVTNEPS2BF16: denormal inputs become a signed zero, NaN stays a
+ * (quiet) NaN, everything else rounds to nearest even. */
+static inline uint16_t to_bf16(float f) {
+    if (fpclassify(f) == FP_SUBNORMAL) return signbit(f) ? 0x8000 : 0;
+    return k3_f32_to_bf16(f);
+}
+static inline float ftz(float x) { return fpclassify(x) == FP_SUBNORMAL ? copysignf(0.0f, x) : x; }
+static inline float bf(uint16_t h) { return k3_bf16_to_f32(h); }
+
+/* ---- scalar reference ------------------------------------------------------------ */
+
+static void gemm_scalar(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc,
+                        tg_mode mode) {
+#pragma omp parallel for schedule(static) if ((double)M * N * K > 1e5)
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            float c = acc ? C[m * ldc + n] : 0.0f;
+            if (mode == TG_F32) {
+                for (int k = 0; k < K; k++) c = fmaf(at(A, m, k), at(B, k, n), c);
+            } else {
+                c = ftz(c);
+                for (int k = 0; k < K; k += 2) {
+                    float a0 = bf(to_bf16(at(A, m, k))), b0 = bf(to_bf16(at(B, k, n)));
+                    float a1 = k + 1 < K ? bf(to_bf16(at(A, m, k + 1))) : 0.0f;
+                    float b1 = k + 1 < K ? bf(to_bf16(at(B, k + 1, n))) : 0.0f;
+                    c = ftz(fmaf(a1, b1, c));
+                    c = ftz(fmaf(a0, b0, c));
+                }
+            }
+            C[m * ldc + n] = c;
+        }
+}
+
+/* ---- packing ------------------------------------------------------------------------ */
+
+/* F32: panel p holds B(k, p*NR + j) at [k][j]; pairs: [k/2][j][2] as BF16. */
+static void pack_b_f32(float *Bp, tg_view B, int K, int N, int p) {
+    float *d = Bp + (size_t)p * K * NR;
+    int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
+    if (B.cs == 1) {
+        for (int k = 0; k < K; k++) {
+            const float *s = B.p + k * B.rs + n0;
+            memcpy(d + (size_t)k * NR, s, sizeof(float) * (size_t)w);
+            for (int j = w; j < NR; j++) d[(size_t)k * NR + j] = 0.0f;
+        }
+    } else {
+        for (int j = 0; j < NR; j++)
+            for (int k = 0; k < K; k++) d[(size_t)k * NR + j] = j < w ? at(B, k, n0 + j) : 0.0f;
+    }
+}
+
+static void pack_b_bf16(uint16_t *Bp, tg_view B, int K, int N, int p) {
+    int K2 = (K + 1) / 2;
+    uint16_t *d = Bp + (size_t)p * K2 * NR * 2;
+    int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
+    for (int k = 0; k < 2 * K2; k++)
+        for (int j = 0; j < NR; j++)
+            d[((size_t)(k / 2) * NR + j) * 2 + (k & 1)] = (j < w && k < K) ? to_bf16(at(B, k, n0 + j)) : 0;
+}
+
+/* A rows m0..m0+rows, k0..k0+kc into micro-panels [rows/MR][kc][MR]. */
+static void pack_a_f32(float *Ap, tg_view A, int m0, int rows, int k0, int kc) {
+    for (int t = 0; t < rows; t += MR) {
+        float *d = Ap + (size_t)t * kc;
+        int h = rows - t < MR ? rows - t : MR;
+        if (A.rs == 1) { /* A^T stored: MR consecutive floats per k */
+            for (int k = 0; k < kc; k++) {
+                const float *s = A.p + (m0 + t) + (k0 + k) * A.cs;
+                for (int r = 0; r < MR; r++) d[(size_t)k * MR + r] = r < h ? s[r] : 0.0f;
+            }
+            continue;
+        }
+        for (int r = 0; r < MR; r++) {
+            if (r >= h) {
+                for (int k = 0; k < kc; k++) d[(size_t)k * MR + r] = 0.0f;
+                continue;
+            }
+            const float *s = A.p + (m0 + t + r) * A.rs + k0 * A.cs;
+            if (A.cs == 1)
+                for (int k = 0; k < kc; k++) d[(size_t)k * MR + r] = s[k];
+            else
+                for (int k = 0; k < kc; k++) d[(size_t)k * MR + r] = s[k * A.cs];
+        }
+    }
+}
+
+/* kc even except possibly at the end of K (then padded with a zero). */
+static void pack_a_bf16(uint32_t *Ap, tg_view A, int m0, int rows, int k0, int kc, int K) {
+    int kc2 = (kc + 1) / 2;
+    for (int t = 0; t < rows; t += MR) {
+        uint32_t *d = Ap + (size_t)t * kc2;
+        int h = rows - t < MR ? rows - t : MR;
+        for (int r = 0; r < MR; r++)
+            for (int q = 0; q < kc2; q++) {
+                uint32_t v = 0;
+                if (r < h) {
+                    int k = k0 + 2 * q;
+                    uint16_t lo = to_bf16(at(A, m0 + t + r, k));
+                    uint16_t hi = k + 1 < K ? to_bf16(at(A, m0 + t + r, k + 1)) : 0;
+                    v = (uint32_t)lo | ((uint32_t)hi << 16);
+                }
+                d[(size_t)q * MR + r] = v;
+            }
+    }
+}
+
+/* ---- AVX-512 tiles ------------------------------------------------------------------- */
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define TGTBF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* n floats -> n BF16 (n <= 16 per call), the instruction's rounding. */
+TGTBF static inline __m256i cvt16(const float *src, int n) {
+    __mmask16 m = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1u);
+    return (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src));
+}
+/* lo | hi << 16 for 16 BF16 pairs */
+TGTBF static inline __m512i pair16(__m256i lo, __m256i hi) {
+    return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+/* Vector packers for the layouts the training products use; other strides
+ * take the scalar packers (same conversion, same bits). */
+TGTBF static bool pack_b_bf16_v(uint16_t *Bp, tg_view B, int K, int N, int p) {
+    int K2 = (K + 1) / 2;
+    uint32_t *d = (uint32_t *)(Bp + (size_t)p * K2 * NR * 2);
+    int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
+    if (B.cs == 1) {
+        for (int q = 0; q < K2; q++) {
+            const float *r0 = B.p + (2 * q) * B.rs + n0, *r1 = r0 + B.rs;
+            bool two = 2 * q + 1 < K;
+            for (int h = 0; h < 2; h++) {
+                int c = w - 16 * h;
+                c = c < 0 ? 0 : c > 16 ? 16 : c;
+                __m256i lo = cvt16(r0 + 16 * h, c), hi = two ? cvt16(r1 + 16 * h, c) : _mm256_setzero_si256();
+                _mm512_storeu_si512(d + (size_t)q * NR + 16 * h, pair16(lo, hi));
+            }
+        }
+        return true;
+    }
+    if (B.rs == 1) {
+        for (int j = 0; j < NR; j++) {
+            const float *row = B.p + (n0 + j) * B.cs;
+            for (int q0 = 0; q0 < K2; q0 += 16) {
+                uint32_t t[16];
+                int c = 2 * (K2 - q0) < 32 ? 2 * (K2 - q0) : 32; /* floats of this block incl. padding */
+                int valid = K - 2 * q0 < c ? K - 2 * q0 : c;
+                if (j >= w) valid = 0;
+                __m256i a = cvt16(row + 2 * q0, valid < 16 ? valid : 16);
+                __m256i b = cvt16(row + 2 * q0 + 16, valid > 16 ? valid - 16 : 0);
+                _mm256_storeu_si256((__m256i *)t, a);
+                _mm256_storeu_si256((__m256i *)t + 1, b);
+                for (int q = 0; q < c / 2; q++) d[(size_t)(q0 + q) * NR + j] = t[q];
+            }
+        }
+        return true;
+    }
+    return false;
+}
+
+TGTBF static bool pack_a_bf16_v(uint32_t *Ap, tg_view A, int m0, int rows, int k0, int kc, int K) {
+    int kc2 = (kc + 1) / 2;
+    if (A.cs == 1) {
+        for (int t = 0; t < rows; t += MR) {
+            uint32_t *d = Ap + (size_t)t * kc2;
+            int h = rows - t < MR ? rows - t : MR;
+            for (int r = 0; r < MR; r++) {
+                const float *row = A.p + (m0 + t + r) * A.rs + k0;
+                for (int q0 = 0; q0 < kc2; q0 += 16) {
+                    uint32_t tt[16];
+                    int c = 2 * (kc2 - q0) < 32 ? 2 * (kc2 - q0) : 32;
+                    int valid = K - (k0 + 2 * q0) < c ? K - (k0 + 2 * q0) : c;
+                    if (r >= h) valid = 0;
+                    __m256i a = cvt16(row + 2 * q0, valid < 16 ? valid : 16);
+                    __m256i b = cvt16(row + 2 * q0 + 16, valid > 16 ? valid - 16 : 0);
+                    _mm256_storeu_si256((__m256i *)tt, a);
+                    _mm256_storeu_si256((__m256i *)tt + 1, b);
+                    for (int q = 0; q < c / 2; q++) d[(size_t)(q0 + q) * MR + r] = tt[q];
+                }
+            }
+        }
+        return true;
+    }
+    if (A.rs == 1) {
+        for (int t = 0; t < rows; t += MR) {
+            uint32_t *d = Ap + (size_t)t * kc2;
+            int h = rows - t < MR ? rows - t : MR;
+            for (int q = 0; q < kc2; q++) {
+                int k = k0 + 2 * q;
+                const float *r0 = A.p + (m0 + t) + k * A.cs;
+                __m256i lo = cvt16(r0, h), hi = k + 1 < K ? cvt16(r0 + A.cs, h) : _mm256_setzero_si256();
+                _mm512_mask_storeu_epi32(d + (size_t)q * MR, (__mmask16)((1u << MR) - 1u), pair16(lo, hi));
+            }
+        }
+        return true;
+    }
+    return false;
+}
+
+/* C tile (h rows, w cols) at C; first: start from zero instead of C. */
+TGT static void tile_f32(float *C, ptrdiff_t ldc, int h, int w, const float *Ap, const float *Bp, int kc,
+                         bool first) {
+    __m512 c[MR][2];
+    __mmask16 m0 = w >= 16 ? 0xffff : (__mmask16)((1u << w) - 1u);
+    __mmask16 m1 = w >= 32 ? 0xffff : (w > 16 ? (__mmask16)((1u << (w - 16)) - 1u) : 0);
+    UNROLL for (int r = 0; r < MR; r++) {
+        if (first || r >= h) {
+            c[r][0] = _mm512_setzero_ps();
+            c[r][1] = _mm512_setzero_ps();
+        } else {
+            c[r][0] = _mm512_maskz_loadu_ps(m0, C + r * ldc);
+            c[r][1] = _mm512_maskz_loadu_ps(m1, C + r * ldc + 16);
+        }
+    }
+    for (int k = 0; k < kc; k++) {
+        __m512 b0 = _mm512_loadu_ps(Bp + (size_t)k * NR), b1 = _mm512_loadu_ps(Bp + (size_t)k * NR + 16);
+        const float *a = Ap + (size_t)k * MR;
+        UNROLL for (int r = 0; r < MR; r++) {
+            __m512 av = _mm512_set1_ps(a[r]);
+            c[r][0] = _mm512_fmadd_ps(av, b0, c[r][0]);
+            c[r][1] = _mm512_fmadd_ps(av, b1, c[r][1]);
+        }
+    }
+    UNROLL for (int r = 0; r < MR; r++) {
+        if (r >= h) break;
+        _mm512_mask_storeu_ps(C + r * ldc, m0, c[r][0]);
+        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c[r][1]);
+    }
+}
+
+/* The same over kc2 pairs; C is flushed to zero when denormal on entry, as
+ * the instruction reads it. */
+TGTBF static void tile_bf16(float *C, ptrdiff_t ldc, int h, int w, const uint32_t *Ap, const uint16_t *Bp,
+                            int kc2, bool first) {
+    __m512 c[MR][2];
+    __mmask16 m0 = w >= 16 ? 0xffff : (__mmask16)((1u << w) - 1u);
+    __mmask16 m1 = w >= 32 ? 0xffff : (w > 16 ? (__mmask16)((1u << (w - 16)) - 1u) : 0);
+    UNROLL for (int r = 0; r < MR; r++) {
+        if (first || r >= h) {
+            c[r][0] = _mm512_setzero_ps();
+            c[r][1] = _mm512_setzero_ps();
+        } else {
+            c[r][0] = _mm512_maskz_loadu_ps(m0, C + r * ldc);
+            c[r][1] = _mm512_maskz_loadu_ps(m1, C + r * ldc + 16);
+        }
+    }
+    for (int q = 0; q < kc2; q++) {
+        __m512bh b0 = (__m512bh)_mm512_loadu_si512(Bp + (size_t)q * NR * 2);
+        __m512bh b1 = (__m512bh)_mm512_loadu_si512(Bp + (size_t)q * NR * 2 + 32);
+        const uint32_t *a = Ap + (size_t)q * MR;
+        UNROLL for (int r = 0; r < MR; r++) {
+            __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[r]);
+            c[r][0] = _mm512_dpbf16_ps(c[r][0], av, b0);
+            c[r][1] = _mm512_dpbf16_ps(c[r][1], av, b1);
+        }
+    }
+    UNROLL for (int r = 0; r < MR; r++) {
+        if (r >= h) break;
+        _mm512_mask_storeu_ps(C + r * ldc, m0, c[r][0]);
+        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c[r][1]);
+    }
+}
+#endif
+
+/* ---- driver --------------------------------------------------------------------------- */
+
+void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc, tg_mode mode) {
+    if (M <= 0 || N <= 0) return;
+    if (K <= 0) {
+        if (!acc)
+            for (int m = 0; m < M; m++) memset(C + m * ldc, 0, sizeof(float) * (size_t)N);
+        return;
+    }
+#if defined(__x86_64__)
+    bool simd = use_simd() && (mode == TG_F32 || tg_bf16_available());
+#else
+    bool simd = false;
+#endif
+    if (!simd) {
+        gemm_scalar(C, ldc, M, N, K, A, B, acc, mode);
+        return;
+    }
+#if defined(__x86_64__)
+    const int np = (N + NR - 1) / NR, K2 = (K + 1) / 2;
+    const bool bfm = mode == TG_BF16;
+    const size_t bsz = bfm ? (size_t)np * K2 * NR * 2 * sizeof(uint16_t) : (size_t)np * K * NR * sizeof(float);
+    void *Bp = xmalloc_aligned(bsz);
+    const double work = (double)M * N * K;
+    const bool par = work > 2e5 && omp_get_max_threads() > 1 && !omp_in_parallel();
+#pragma omp parallel for schedule(static) if (par)
+    for (int p = 0; p < np; p++) {
+        if (bfm) { if (!pack_b_bf16_v(Bp, B, K, N, p)) pack_b_bf16(Bp, B, K, N, p); }
+        else pack_b_f32(Bp, B, K, N, p);
+    }
+    /* jobs: row blocks x panel ranges, at least 4 per thread when possible */
+    const int nmb = (M + MC - 1) / MC;
+    int nth = par ? omp_get_max_threads() : 1;
+    int nsplit = 1;
+    while (nmb * nsplit < 4 * nth && nsplit < np) nsplit++;
+    const int ppj = (np + nsplit - 1) / nsplit;
+    nsplit = (np + ppj - 1) / ppj;
+#pragma omp parallel if (par)
+    {
+        void *Ap = xmalloc_aligned((size_t)MC * KC * sizeof(float));
+#pragma omp for schedule(dynamic)
+        for (int job = 0; job < nmb * nsplit; job++) {
+            int m0 = (job / nsplit) * MC, rows = M - m0 < MC ? M - m0 : MC;
+            int p0 = (job % nsplit) * ppj, p1 = p0 + ppj < np ? p0 + ppj : np;
+            for (int k0 = 0; k0 < K; k0 += KC) {
+                int kc = K - k0 < KC ? K - k0 : KC;
+                bool first = k0 == 0 && !acc;
+                if (bfm) { if (!pack_a_bf16_v(Ap, A, m0, rows, k0, kc, K)) pack_a_bf16(Ap, A, m0, rows, k0, kc, K); }
+                else pack_a_f32(Ap, A, m0, rows, k0, kc);
+                int kc2 = (kc + 1) / 2;
+                for (int p = p0; p < p1; p++) {
+                    int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
+                    for (int t = 0; t < rows; t += MR) {
+                        int h = rows - t < MR ? rows - t : MR;
+                        float *Ct = C + (m0 + t) * ldc + n0;
+                        if (bfm)
+                            tile_bf16(Ct, ldc, h, w, (const uint32_t *)Ap + (size_t)t * kc2,
+                                      (const uint16_t *)Bp + ((size_t)p * K2 + k0 / 2) * NR * 2, kc2, first);
+                        else
+                            tile_f32(Ct, ldc, h, w, (const float *)Ap + (size_t)t * kc,
+                                     (const float *)Bp + ((size_t)p * K + k0) * NR, kc, first);
+                    }
+                }
+            }
+        }
+        free(Ap);
+    }
+    free(Bp);
+#endif
+}

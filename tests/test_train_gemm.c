@@ -1,0 +1,120 @@
+/* test_train_gemm.c: the training GEMM (src/train/tgemm.c): the AVX-512 tiles
+ * give the scalar reference's bits (F32 and the BF16 emulation of
+ * vdpbf16ps), at 1 and 2 threads, over awkward shapes and all three stride
+ * layouts the training products use; the F32 mode equals a written-out fma
+ * chain and is close to a double-precision product. */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "kernels/kernels.h"
+#include "train/tgemm.h"
+#include "util/common.h"
+
+static uint64_t st = 0x9E3779B97F4A7C15ull;
+static float rnd(void) {
+    st ^= st << 13;
+    st ^= st >> 7;
+    st ^= st << 17;
+    return (float)((double)(st >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+typedef struct { int M, N, K; } shape;
+static const shape shapes[] = {{1, 1, 1}, {3, 5, 7}, {12, 32, 256}, {13, 33, 257}, {97, 70, 300},
+                               {200, 65, 513}, {5, 320, 64}, {40, 17, 1}};
+
+/* layout 0: X W^T (B transposed view), 1: dY W, 2: dY^T X (A transposed view) */
+static void views(int layout, const float *a, const float *b, int M, int N, int K, tg_view *A, tg_view *B) {
+    if (layout == 0) { *A = (tg_view){a, K, 1}; *B = (tg_view){b, 1, K}; }
+    else if (layout == 1) { *A = (tg_view){a, K, 1}; *B = (tg_view){b, N, 1}; }
+    else { *A = (tg_view){a, 1, M}; *B = (tg_view){b, N, 1}; }
+}
+
+static bool run_case(tg_mode mode, bool *all_same) {
+    bool ok = true;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int layout = 0; layout < 3; layout++)
+            for (int acc = 0; acc < 2; acc++) {
+                int M = shapes[s].M, N = shapes[s].N, K = shapes[s].K;
+                size_t na = (size_t)M * K, nb = (size_t)K * N, nc = (size_t)M * N;
+                float *a = xmalloc_array(na, sizeof(float)), *b = xmalloc_array(nb, sizeof(float));
+                float *c0 = xmalloc_array(nc, sizeof(float));
+                float *ref = xmalloc_array(nc, sizeof(float)), *v1 = xmalloc_array(nc, sizeof(float));
+                float *v2 = xmalloc_array(nc, sizeof(float));
+                for (size_t i = 0; i < na; i++) a[i] = rnd();
+                for (size_t i = 0; i < nb; i++) b[i] = rnd() * (i % 7 == 0 ? 1e-3f : 1.0f);
+                for (size_t i = 0; i < nc; i++) c0[i] = rnd();
+                if (na > 3) a[3] = 0.0f;
+                if (na > 5) a[5] = 1e-40f;                /* denormals: BF16 reads them as zero */
+                if (nb > 1) b[1] = -3e-39f;
+                if (nb > 2) b[2] = 0x1.fffffcp-127f;      /* would round up to the least normal */
+                tg_view A, B;
+                views(layout, a, b, M, N, K, &A, &B);
+                memcpy(ref, c0, nc * sizeof(float));
+                tg_set_scalar(true);
+                tg_gemm(ref, N, M, N, K, A, B, acc, mode);
+                tg_set_scalar(false);
+                memcpy(v1, c0, nc * sizeof(float));
+                memcpy(v2, c0, nc * sizeof(float));
+                omp_set_num_threads(1);
+                tg_gemm(v1, N, M, N, K, A, B, acc, mode);
+                omp_set_num_threads(2);
+                tg_gemm(v2, N, M, N, K, A, B, acc, mode);
+                if (memcmp(ref, v1, nc * sizeof(float)) || memcmp(ref, v2, nc * sizeof(float))) {
+                    *all_same = false;
+                    fprintf(stderr, "mode %d shape %dx%dx%d layout %d acc %d: SIMD/threads differ from scalar\n",
+                            (int)mode, M, N, K, layout, acc);
+                }
+                /* against a written-out chain (F32) or double (both) */
+                for (int m = 0; m < M && ok; m++)
+                    for (int n = 0; n < N; n++) {
+                        float cf = acc ? c0[(size_t)m * N + n] : 0.0f;
+                        double cd = cf;
+                        for (int k = 0; k < K; k++) {
+                            float x = A.p[m * A.rs + k * A.cs], y = B.p[k * B.rs + n * B.cs];
+                            cf = fmaf(x, y, cf);
+                            cd += (double)x * y;
+                        }
+                        float got = ref[(size_t)m * N + n];
+                        if (mode == TG_F32 && memcmp(&cf, &got, sizeof cf)) {
+                            fprintf(stderr, "F32 chain differs at %d,%d\n", m, n);
+                            ok = false;
+                            break;
+                        }
+                        double tol = mode == TG_F32 ? 1e-5 * (1 + sqrt(K)) : 2e-2 * (1 + sqrt(K));
+                        if (fabs(got - cd) > tol) {
+                            fprintf(stderr, "mode %d: %g vs %g at %d,%d (K %d)\n", (int)mode, got, cd, m, n, K);
+                            ok = false;
+                            break;
+                        }
+                    }
+                free(a); free(b); free(c0); free(ref); free(v1); free(v2);
+            }
+    omp_set_num_threads(2);
+    return ok;
+}
+
+TEST(tgemm_f32_scalar_simd_threads_agree) {
+    bool same = true;
+    CHECK(run_case(TG_F32, &same));
+    CHECK(same);
+}
+
+TEST(tgemm_bf16_scalar_equals_simd) {
+    if (!tg_bf16_available()) SKIP("no AVX512_BF16 (the emulation is the only path)");
+    bool same = true;
+    CHECK(run_case(TG_BF16, &same));
+    CHECK(same);
+}
+
+/* BF16 mode really rounds its operands: 1 + 2^-10 is not a BF16 value. */
+TEST(tgemm_bf16_rounds_operands) {
+    float a[2] = {1.0f + 0x1p-10f, 1.0f}, b[2] = {1.0f, 1.0f}, c[2];
+    tg_view A = {a, 1, 1}, B = {b, 1, 1};
+    tg_gemm(c, 1, 1, 1, 1, A, B, false, TG_F32);
+    CHECK(c[0] == 1.0f + 0x1p-10f);
+    tg_gemm(c, 1, 1, 1, 1, A, B, false, TG_BF16);
+    CHECK(c[0] == 1.0f);
+}
