@@ -4,6 +4,8 @@
  *
  *   bin/bench_stream MODEL_DIR TRUNK_DIR [--prompt N] [--gen N] [--seconds S]
  *                    [--json FILE] [--svg FILE]
+ *   bin/bench_stream --identity MODEL_DIR      the start-up identity check:
+ *                    one read per sample (as first written) vs merged reads
  *
  * Every streamed byte (trunk ring slots, routed experts) is read with O_DIRECT,
  * so the page cache cannot serve them however large the machine: the ladder
@@ -15,6 +17,7 @@
 #include "memory/stream.h"
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
@@ -73,6 +76,88 @@ static const char *largest_shard(const char *dir) {
     }
     closedir(d);
     return best[0] ? best : NULL;
+}
+
+/* ---- the identity check: one read per sample vs merged, batched reads ---- */
+
+/* Drops the page cache of every shard (clean pages), so both ways read the disk. */
+static void uncache(st_index *ix) {
+    for (int s = 0; s < st_nshards(ix); s++) {
+        int fd = open(st_shard_at(ix, s)->path, O_RDONLY);
+        if (fd < 0) continue;
+        posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+        close(fd);
+    }
+}
+
+static int identity_one_by_one(st_index *ix, char out[17], uint64_t *reads, k3_err *err) {
+    uint64_t h = K3_FNV_OFFSET;
+    *reads = 0;
+    for (int s = 0; s < st_nshards(ix); s++) {
+        const st_shard *sh = st_shard_at(ix, s);
+        const char *base = strrchr(sh->path, '/');
+        base = base ? base + 1 : sh->path;
+        h = k3_fnv1a64(h, base, strlen(base) + 1);
+        h = k3_fnv1a64(h, &sh->file_size, sizeof sh->file_size);
+        char *hdr = xmalloc(sh->data_start - 8);
+        int rc = st_pread(ix, s, 8, hdr, sh->data_start - 8, err);
+        if (!rc) h = k3_fnv1a64(h, hdr, sh->data_start - 8);
+        free(hdr);
+        if (rc) return rc;
+        ++*reads;
+    }
+    for (size_t i = 0; i < st_count(ix); i++) {
+        const st_tensor *t = st_at(ix, i);
+        if (!k3_trunk_wants(t->name) || t->nbytes == 0) continue;
+        uint8_t buf[128];
+        uint64_t k = t->nbytes < 64 ? t->nbytes : 64;
+        int rc = st_pread(ix, t->shard, t->offset, buf, k, err);
+        if (!rc) rc = st_pread(ix, t->shard, t->offset + t->nbytes - k, buf + k, k, err);
+        if (rc) return rc;
+        h = k3_fnv1a64(h, buf, 2 * k);
+        *reads += 2;
+    }
+    snprintf(out, 17, "%016llx", (unsigned long long)h);
+    return K3_OK;
+}
+
+static int bench_identity(const char *dir) {
+    st_index *ix;
+    k3_err err = {0};
+    if (st_open(dir, &ix, &err)) { fprintf(stderr, "k3: %s\n", err.msg); return 1; }
+    printf("identity check of %s (%d shards, %zu tensors); before each: the shards' page cache dropped, then the "
+           "index opened (which reads the headers), as at start-up:\n",
+           dir, st_nshards(ix), st_count(ix));
+    for (int rep = 0; rep < 3; rep++) {
+        char a[17], b[17];
+        uint64_t n1;
+        k3_identity_stats st;
+        uncache(ix);
+        st_close(ix);
+        if (st_open(dir, &ix, &err)) { fprintf(stderr, "k3: %s\n", err.msg); return 1; }
+        double t0 = k3_now();
+        if (identity_one_by_one(ix, a, &n1, &err)) { fprintf(stderr, "k3: %s\n", err.msg); return 1; }
+        double t1 = k3_now();
+        uncache(ix);
+        st_close(ix);
+        if (st_open(dir, &ix, &err)) { fprintf(stderr, "k3: %s\n", err.msg); return 1; }
+        double t2 = k3_now();
+        if (k3_checkpoint_identity_ex(ix, 1, b, &st, &err)) { fprintf(stderr, "k3: %s\n", err.msg); return 1; }
+        double t3 = k3_now();
+        uncache(ix);
+        st_close(ix);
+        if (st_open(dir, &ix, &err)) { fprintf(stderr, "k3: %s\n", err.msg); return 1; }
+        char c[17];
+        double t4 = k3_now();
+        if (k3_checkpoint_identity_ex(ix, 2, c, NULL, &err)) { fprintf(stderr, "k3: %s\n", err.msg); return 1; }
+        double t5 = k3_now();
+        printf("  FNV, one read per sample (old): %5llu reads %6.3f s | FNV, merged reads: %4llu reads (%.1f MB) %6.3f s "
+               "(same value: %s) | scheme 2 (new), merged reads: %6.3f s | old/new %.1fx\n",
+               (unsigned long long)n1, t1 - t0, (unsigned long long)st.reads, (double)st.bytes / 1e6, t3 - t2,
+               strcmp(a, b) ? "NO" : "yes", t5 - t4, (t1 - t0) / (t5 - t4));
+    }
+    st_close(ix);
+    return 0;
 }
 
 typedef struct {
@@ -229,6 +314,7 @@ int main(int argc, char **argv) {
     const char *dir = NULL, *tdir = NULL, *json_path = NULL, *svg = NULL;
     int np = 16, ng = 8;
     double secs = 2;
+    if (argc == 3 && !strcmp(argv[1], "--identity")) return bench_identity(argv[2]);
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--prompt") && i + 1 < argc) np = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--gen") && i + 1 < argc) ng = atoi(argv[++i]);
