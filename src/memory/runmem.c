@@ -117,7 +117,7 @@ int k3_runmem_attach(k3_runmem *rm, k3_model *m, k3_err *err) {
     rm->ix = NULL; /* owned by the stream now (freed on failure too) */
     rm->trunk = NULL;
     if (rc) return rc;
-    k3_model_set_source(m, k3_stream_source(rm->s));
+    if ((rc = k3_stream_attach(rm->s, m, err))) return rc;
     rm->last = k3_stream_get_stats(rm->s);
     rm->t_attach = rm->t_last = k3_now();
     return K3_OK;
