@@ -46,6 +46,33 @@ static void probe_read_gbs(const float *a, size_t n, int threads, double *wall_g
     *cpu_gbs = (double)n * sizeof(float) / bestc / 1e9;
 }
 
+/* FMA peak of one core in GFLOP per CPU-second: 16 independent 16-lane FMA
+ * chains (enough to cover latency x ports), timed in CPU time so a shared
+ * machine's time slicing does not count. The prefill figures are set beside
+ * it as a fraction of (this x threads). */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static double fma_peak_gflops(void) {
+    __m512 a[16], b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-4f);
+    for (int i = 0; i < 16; i++) a[i] = _mm512_set1_ps((float)i * 1e-3f);
+    long n = 4000000;
+    double best = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        double c0 = cpu_now();
+        for (long k = 0; k < n; k++)
+            for (int i = 0; i < 16; i++) a[i] = _mm512_fmadd_ps(a[i], b, c);
+        double g = (double)n * 16 * 32 / (cpu_now() - c0) / 1e9;
+        if (g > best) best = g;
+    }
+    float s = 0;
+    for (int i = 0; i < 16; i++) s += _mm512_reduce_add_ps(a[i]);
+    if (s == 12345.0f) puts("");
+    return best;
+}
+#else
+static double fma_peak_gflops(void) { return 0; } /* not measured without AVX-512 */
+#endif
+
 /* Multiply-adds of one token at position pos: every matrix it multiplies
  * (k experts per MoE layer, lm_head only when logits are asked for), the KDA
  * state update (u = S^T k, S += k d^T, o = S^T q: 3 H D^2) and MLA attention
@@ -56,6 +83,7 @@ static double token_macs(const k3_model *m, double pos, bool head) {
     double t = head ? (double)c->vocab_size * c->hidden_size : 0;
     for (int L = 0; L < c->num_layers; L++) {
         const k3_layer_w *w = k3_model_layer(m, L);
+        if (!w) continue; /* opened without resident layers */
         if (w->kind == 'K') {
             const k3_kda_w *k = &w->kda;
             t += mat_macs(&k->q) + mat_macs(&k->k) + mat_macs(&k->v) + mat_macs(&k->g) + mat_macs(&k->b) +
@@ -193,10 +221,15 @@ int main(int argc, char **argv) {
     }
     printf("\nprefill (%d-token prompt, one call, chunks of %d; %.2f GFLOP = 2 x multiply-adds incl. attention)\n", np,
            chunk > 0 ? chunk : 64, 2 * pf_macs / 1e9);
-    printf("%-7s %10s %10s %12s %12s\n", "threads", "tok/s", "GFLOP/s", "CPU s", "GFLOP/CPU-s");
-    for (int ti = 0; ti < nt; ti++)
-        printf("%-7d %10.1f %10.1f %12.3f %12.1f\n", threads[ti], np / pf[ti].pre_wall,
-               2 * pf_macs / pf[ti].pre_wall / 1e9, pf[ti].pre_cpu, 2 * pf_macs / pf[ti].pre_cpu / 1e9);
+    double peak = fma_peak_gflops();
+    printf("%-7s %10s %10s %10s %12s %12s %10s\n", "threads", "tok/s", "GFLOP/s", "% of peak", "CPU s",
+           "GFLOP/CPU-s", "% of peak");
+    for (int ti = 0; ti < nt; ti++) {
+        double g = 2 * pf_macs / pf[ti].pre_wall / 1e9, gc = 2 * pf_macs / pf[ti].pre_cpu / 1e9;
+        printf("%-7d %10.1f %10.1f %9.0f%% %12.3f %12.1f %9.0f%%\n", threads[ti], np / pf[ti].pre_wall, g,
+               peak > 0 ? 100 * g / (peak * threads[ti]) : 0, pf[ti].pre_cpu, gc, peak > 0 ? 100 * gc / peak : 0);
+    }
+    printf("FMA peak: %.1f GFLOP/s per core (AVX-512 FMA loop, CPU time)\n", peak);
     printf("\n(decode GB/s = tok/s x %.1f MB of weights per token; %% of probe = that / the read-bandwidth probe\n"
            " taken at the same thread count just before; CPU columns divide CPU time by the thread count)\n",
            bpt / 1e6);

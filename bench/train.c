@@ -62,6 +62,48 @@ static uint64_t mix(uint64_t z) {
     return z ^ (z >> 31);
 }
 
+/* The FMA peak of one core, measured: 24 independent 16-lane FMA chains in
+ * registers (no loads), CPU time. Peak of n cores = n x this. */
+#if defined(__x86_64__)
+#include <immintrin.h>
+__attribute__((target("avx512f,fma"))) static double fma_peak_gflops(void) {
+    __m512 c0 = _mm512_set1_ps(1e-3f), a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-7f);
+    __m512 c[24];
+    for (int i = 0; i < 24; i++) c[i] = _mm512_add_ps(c0, _mm512_set1_ps((float)i));
+    const long n = 20000000;
+    double t0 = cpu_now();
+    for (long it = 0; it < n; it++) {
+        _Pragma("GCC unroll 24") for (int i = 0; i < 24; i++) c[i] = _mm512_fmadd_ps(a, c[i], b);
+    }
+    double dt = cpu_now() - t0;
+    __m512 s = c[0];
+    for (int i = 1; i < 24; i++) s = _mm512_add_ps(s, c[i]);
+    volatile float sink = _mm512_reduce_add_ps(s);
+    (void)sink;
+    return (double)n * 24 * 32 / dt / 1e9;
+}
+/* The same for vdpbf16ps (2 multiply-adds per lane = 64 flops each). */
+__attribute__((target("avx512f,avx512bf16"))) static double bf16_peak_gflops(void) {
+    __m512 c[24];
+    for (int i = 0; i < 24; i++) c[i] = _mm512_set1_ps(1e-3f * (float)i);
+    __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x33803380);
+    const long n = 10000000;
+    double t0 = cpu_now();
+    for (long it = 0; it < n; it++) {
+        _Pragma("GCC unroll 24") for (int i = 0; i < 24; i++) c[i] = _mm512_dpbf16_ps(c[i], x, y);
+    }
+    double dt = cpu_now() - t0;
+    __m512 s = c[0];
+    for (int i = 1; i < 24; i++) s = _mm512_add_ps(s, c[i]);
+    volatile float sink = _mm512_reduce_add_ps(s);
+    (void)sink;
+    return (double)n * 24 * 64 / dt / 1e9;
+}
+#else
+static double fma_peak_gflops(void) { return 0; }
+static double bf16_peak_gflops(void) { return 0; }
+#endif
+
 /* GFLOP/s of the training GEMM on the three products of one linear layer
  * (n tokens, in -> out), F32 and BF16, at the given thread count. */
 static void gemm_bench(int nt, int n, int in, int out) {
@@ -107,6 +149,17 @@ int main(int argc, char **argv) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--json")) { json = true; continue; }
         if (!strcmp(a, "--bf16")) { bf16 = true; continue; }
+        if (!strcmp(a, "--peak")) {
+            double best = 0;
+            for (int r = 0; r < 3; r++) { double g = fma_peak_gflops(); if (g > best) best = g; }
+            double bb = 0;
+            if (tg_bf16_available())
+                for (int r = 0; r < 3; r++) { double g = bf16_peak_gflops(); if (g > bb) bb = g; }
+            if (json) printf("{\"fma_peak_gflops_per_core\":%.2f,\"bf16_peak_gflops_per_core\":%.2f}\n", best, bb);
+            else printf("FMA peak, one core: %.1f GFLOP/s (f32, 16 lanes x 2 flops per FMA); "
+                        "vdpbf16ps peak %.1f GFLOP/s\n", best, bb);
+            return 0;
+        }
         if (!strcmp(a, "--gemm")) {
             for (int nt = 1; nt <= 2; nt++) {
                 gemm_bench(nt, 4096, 320, 960);

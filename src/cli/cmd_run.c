@@ -78,15 +78,6 @@ typedef struct {
 
 /* ---- argument parsing ---------------------------------------------------- */
 
-static bool parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
 
 static bool parse_f(const char *s, float *out) {
     if (!s || !*s) return false;
@@ -147,7 +138,7 @@ static int parse_args(int argc, char **argv, run_args *a) {
         else if (!strcmp(o, "--ids")) { NEED_VALUE(); if (a->ids) return k3_usage_error("run", "--ids given twice"); a->ids = v; }
         else if (!strcmp(o, "--gen")) {
             NEED_VALUE();
-            if (!parse_i64(v, 0, INT64_MAX / 2, &n)) return k3_usage_error("run", "--gen: '%s' is not a count >= 0", v);
+            if (!k3_parse_i64(v, 0, INT64_MAX / 2, &n)) return k3_usage_error("run", "--gen: '%s' is not a count >= 0", v);
             a->gen = n;
         } else if (!strcmp(o, "--full")) a->full = true;
         else if (!strcmp(o, "--incremental")) a->incremental = true;
@@ -158,15 +149,15 @@ static int parse_args(int argc, char **argv, run_args *a) {
         else if (!strcmp(o, "--dump-logits")) { NEED_VALUE(); a->dump = v; }
         else if (!strcmp(o, "--threads")) {
             NEED_VALUE();
-            if (!parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--threads: '%s' is not in 1..4096", v);
+            if (!k3_parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--threads: '%s' is not in 1..4096", v);
             a->threads = (int)n;
         } else if (!strcmp(o, "--layers")) {
             NEED_VALUE();
-            if (!parse_i64(v, 1, K3_MAX_LAYERS, &n)) return k3_usage_error("run", "--layers: '%s' is not a layer count >= 1", v);
+            if (!k3_parse_i64(v, 1, K3_MAX_LAYERS, &n)) return k3_usage_error("run", "--layers: '%s' is not a layer count >= 1", v);
             a->layers = (int)n;
         } else if (!strcmp(o, "--kda-chunk")) {
             NEED_VALUE();
-            if (!parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--kda-chunk: '%s' is not in 1..4096", v);
+            if (!k3_parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--kda-chunk: '%s' is not in 1..4096", v);
             a->kda_chunk = (int)n;
         } else if (!strcmp(o, "--temperature")) {
             NEED_VALUE();
@@ -174,7 +165,7 @@ static int parse_args(int argc, char **argv, run_args *a) {
                 return k3_usage_error("run", "--temperature: '%s' is not a number >= 0", v);
         } else if (!strcmp(o, "--top-k")) {
             NEED_VALUE();
-            if (!parse_i64(v, 0, INT_MAX, &n)) return k3_usage_error("run", "--top-k: '%s' is not a count >= 0", v);
+            if (!k3_parse_i64(v, 0, INT_MAX, &n)) return k3_usage_error("run", "--top-k: '%s' is not a count >= 0", v);
             a->top_k = (int)n;
             a->sampling_flag = true;
         } else if (!strcmp(o, "--top-p")) {
@@ -189,7 +180,7 @@ static int parse_args(int argc, char **argv, run_args *a) {
             a->sampling_flag = true;
         } else if (!strcmp(o, "--seed")) {
             NEED_VALUE();
-            if (!parse_i64(v, 0, INT64_MAX, &n)) return k3_usage_error("run", "--seed: '%s' is not an integer >= 0", v);
+            if (!k3_parse_i64(v, 0, INT64_MAX, &n)) return k3_usage_error("run", "--seed: '%s' is not an integer >= 0", v);
             a->seed = (uint64_t)n;
         } else if (!strcmp(o, "--max-memory")) {
             NEED_VALUE();

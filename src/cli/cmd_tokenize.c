@@ -32,25 +32,6 @@ const char *const cmd_detokenize_help =
     "exit codes: 0 ok; 1 I/O error; 2 usage error, invalid tokenizer files or an\n"
     "id outside the vocabulary.\n";
 
-static int read_input(const char *path, char **data, size_t *len, k3_err *err) {
-    if (strcmp(path, "-") != 0) return k3_read_file(path, data, len, err);
-    size_t cap = 1 << 16, n = 0;
-    char *buf = xmalloc(cap);
-    for (;;) {
-        if (n + 1 >= cap) buf = xrealloc(buf, cap *= 2);
-        size_t r = fread(buf + n, 1, cap - n - 1, stdin);
-        n += r;
-        if (r == 0) break;
-    }
-    if (ferror(stdin)) {
-        free(buf);
-        return k3_fail(err, K3_EXIT_RUNTIME, "standard input: read error");
-    }
-    buf[n] = 0;
-    *data = buf;
-    *len = n;
-    return K3_OK;
-}
 
 static int finish_stdout(void) {
     if (fflush(stdout) != 0 || ferror(stdout)) {
@@ -92,7 +73,7 @@ int cmd_tokenize(int argc, char **argv) {
     char *data = NULL;
     size_t len;
     if (file) {
-        if (read_input(file, &data, &len, &err)) {
+        if (k3_read_file(file, &data, &len, &err)) {
             tok_free(t);
             return k3_report(&err);
         }

@@ -37,6 +37,11 @@ const char *const cmd_train_help =
     "  --sample-tokens N          tokens per sample (128)\n"
     "  --skip-samples             no samples\n"
     "  --seed S                   initialisation and data order (1337)\n"
+    "  --bf16                     BF16 operands for the linear-layer products\n"
+    "                             (F32 accumulation and master weights); off by\n"
+    "                             default, kept on --resume (docs/training-speed.md)\n"
+    "  --kda-chunk N              chunkwise KDA with N-position chunks (16);\n"
+    "                             0: the exact recurrent form (reference, slower)\n"
     "  --quiet                    no per-step lines on stdout\n"
     "  --inventory                print the parameter inventory of --config and exit\n"
     "\n"
@@ -65,6 +70,7 @@ int cmd_train(int argc, char **argv) {
             return 0;
         }
         if (strcmp(a, "--skip-samples") == 0) { o.skip_samples = true; continue; }
+        if (strcmp(a, "--bf16") == 0) { o.bf16 = 1; continue; }
         if (strcmp(a, "--quiet") == 0) { o.quiet = true; continue; }
         if (strcmp(a, "--inventory") == 0) { inventory = true; continue; }
         if (i + 1 >= argc) return k3_usage_error("train", "unknown flag or missing value: %s", a);
@@ -90,6 +96,10 @@ int cmd_train(int argc, char **argv) {
             char *end;
             o.lr = strtod(v, &end);
             if (*end || end == v || !(o.lr > 0) || o.lr > 10) return k3_usage_error("train", "--lr wants a positive number, got '%s'", v);
+        } else if (strcmp(a, "--kda-chunk") == 0) {
+            if ((rc = parse_i64(a, v, 0, &x))) return rc;
+            if (x > 64) return k3_usage_error("train", "--kda-chunk wants 0..64, got '%s'", v);
+            o.kda_chunk = x ? (int)x : -1;
         } else if (strcmp(a, "--optimizer") == 0) {
             if (strcmp(v, "muon") == 0) o.optimizer = 1;
             else if (strcmp(v, "adamw") == 0) o.optimizer = 2;

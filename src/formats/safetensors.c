@@ -95,7 +95,9 @@ static void shard_parse_free(shard_parse *p) {
 /* Resets p for a fresh parse of a header of hlen bytes (keeps no tensors). */
 static void shard_parse_init(shard_parse *p, size_t hlen) {
     shard_parse_free(p);
-    p->cap = 64;
+    /* an entry takes well over 64 header bytes, so this rarely grows (and
+     * pages never touched cost nothing) */
+    p->cap = hlen / 64 + 64;
     p->t = xmalloc_array(p->cap, sizeof *p->t);
     /* every name is a JSON string of the header, so the names fit in hlen */
     p->names = xmalloc(hlen + 1);
@@ -516,17 +518,26 @@ static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *ou
                      (unsigned long long)hlen);
         goto out;
     }
-    if (*capp < hlen) {
-        free(*bufp);
-        *bufp = xmalloc((size_t)hlen);
-        *capp = (size_t)hlen;
-    }
-    char *buf = *bufp;
-    if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
     sh->file_size = fsize;
     sh->data_start = 8 + hlen;
     hdr_ctx c = {path, shard, 8 + hlen, fsize - 8 - hlen};
-    rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), out, NULL, err);
+    /* The header is parsed where the page cache holds it (a read-only
+     * mapping, populated at once) rather than copied into a buffer; a file
+     * system that cannot map falls back to pread. */
+    void *map = mmap(NULL, (size_t)(8 + hlen), PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+    if (map != MAP_FAILED) {
+        rc = parse_header((const char *)map + 8, (size_t)hlen, &c, force_jansson(), out, NULL, err);
+        munmap(map, (size_t)(8 + hlen));
+    } else {
+        if (*capp < hlen) {
+            free(*bufp);
+            *bufp = xmalloc((size_t)hlen);
+            *capp = (size_t)hlen;
+        }
+        char *buf = *bufp;
+        if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
+        rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), out, NULL, err);
+    }
     if (rc == K3_OK) sh->ntensors = (int)out->n;
 out:
     close(fd);
@@ -715,6 +726,7 @@ typedef struct {
 
 typedef struct {
     char *text;
+    size_t maplen;       /* > 0: text is a read-only mapping of this length */
     json_t *root;        /* set when jansson parsed it (the strings live there) */
     wm_entry *e;
     size_t n, cap;
@@ -723,7 +735,8 @@ typedef struct {
 } index_parse;
 
 static void index_parse_free(index_parse *p) {
-    free(p->text);
+    if (p->maplen) munmap(p->text, p->maplen);
+    else free(p->text);
     if (p->root) json_decref(p->root);
     free(p->e);
     memset(p, 0, sizeof *p);
@@ -783,11 +796,20 @@ static int index_load(const char *ipath, index_parse *p, k3_err *err) {
         return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", ipath, strerror(e));
     }
     len = (size_t)st.st_size;
-    p->text = xmalloc(len + 1);
-    int rc = pread_full(fd, p->text, len, 0, ipath, err);
+    /* the weight map is tens of MB: read it in place (a populated read-only
+     * mapping; both parsers take a length), copy only where mapping fails */
+    void *map = len ? mmap(NULL, len, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0) : MAP_FAILED;
+    int rc = K3_OK;
+    if (map != MAP_FAILED) {
+        p->text = map;
+        p->maplen = len;
+    } else {
+        p->text = xmalloc(len + 1);
+        rc = pread_full(fd, p->text, len, 0, ipath, err);
+        if (rc == K3_OK) p->text[len] = 0;
+    }
     close(fd);
     if (rc) return rc;
-    p->text[len] = 0;
     if (!force_jansson() && index_fast(p, len) == K3_OK) return K3_OK;
     p->n = 0;
     p->has_total = false;

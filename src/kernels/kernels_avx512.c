@@ -371,6 +371,90 @@ __attribute__((constructor)) static void e8m0_init(void) {
     for (int s = 0; s < 256; s++) e8m0_tab[s] = k_e8m0((uint8_t)s);
 }
 
+/* ---- many canonical trees at once ----------------------------------------
+ * The tree of kernels.h (acc[l] += acc[l+s] for s = 8, 4, 2, 1) for 16 (8, 4)
+ * accumulators together: each level adds the same two lanes as the scalar
+ * tree (float addition is commutative, so which operand comes first does not
+ * matter), two accumulators per instruction; 15 adds and 30 shuffles for 16
+ * trees instead of about 9 instructions per tree. After the four levels lane
+ * 4q + j holds tree(x[4j + q]); one permute puts tree(x[k]) in lane k. */
+INL __m512 lv8(__m512 a, __m512 b) { /* a[l] + a[l+8] | b[l] + b[l+8] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+INL __m512 lv4(__m512 a, __m512 b) { /* per 8-lane half: v[l] + v[l+4] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+INL __m512 lv2(__m512 a, __m512 b) { /* per 4-lane quarter of a, b: w[l] + w[l+2] */
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+INL __m512 lv1(__m512 a, __m512 b) { /* per pair: x[0] + x[1] */
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+INL __m512i trees_order(void) { /* lane k <- lane 4 (k % 4) + k / 4 */
+    return _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+}
+/* lane k = tree(x[k]), k < 16 */
+INL __m512 trees16(const __m512 *x) {
+    __m512 c[8], g[4];
+    UNROLL for (int i = 0; i < 8; i++) c[i] = lv8(x[2 * i], x[2 * i + 1]);
+    UNROLL for (int i = 0; i < 4; i++) g[i] = lv4(c[2 * i], c[2 * i + 1]);
+    return _mm512_permutexvar_ps(trees_order(), lv1(lv2(g[0], g[1]), lv2(g[2], g[3])));
+}
+/* lane k = tree(x[k]), k < 8 (upper lanes: copies) */
+INL __m512 trees8(const __m512 *x) {
+    __m512 c[4];
+    UNROLL for (int i = 0; i < 4; i++) c[i] = lv8(x[2 * i], x[2 * i + 1]);
+    __m512 j = lv2(lv4(c[0], c[1]), lv4(c[2], c[3]));
+    return _mm512_permutexvar_ps(trees_order(), lv1(j, j));
+}
+/* lane k = tree(x[k]), k < 4 */
+INL __m512 trees4(const __m512 *x) {
+    __m512 g = lv4(lv8(x[0], x[1]), lv8(x[2], x[3]));
+    __m512 j = lv2(g, g);
+    return _mm512_permutexvar_ps(trees_order(), lv1(j, j));
+}
+
+/* Closes a tile: Y[t0 + t][r + i] = tree(ACC(i, t)). Tiles of 4 or 8 rows
+ * reduce their accumulators 16 (8, 4) at a time in input-major order, so each
+ * input's RB results are contiguous in Y; single-row tiles use the tree. */
+#define Y_AT(t) (P->Y + (size_t)(t0 + (t)) * (size_t)P->rows + (size_t)r)
+#define TILE_STORE(RB, TB, ACC)                                                                \
+    do {                                                                                       \
+        if (RB == 4 || RB == 8) {                                                              \
+            __m512 x_[RB * TB];                                                                \
+            UNROLL for (int t = 0; t < TB; t++)                                                \
+                UNROLL for (int i = 0; i < RB; i++) x_[RB * t + i] = ACC(i, t);                \
+            int k_ = 0;                                                                        \
+            UNROLL for (; k_ + 16 <= RB * TB; k_ += 16) {                                      \
+                __m512 v = trees16(x_ + k_);                                                   \
+                if (RB == 4) {                                                                 \
+                    _mm_storeu_ps(Y_AT(k_ / 4), _mm512_castps512_ps128(v));                    \
+                    _mm_storeu_ps(Y_AT(k_ / 4 + 1), _mm512_extractf32x4_ps(v, 1));             \
+                    _mm_storeu_ps(Y_AT(k_ / 4 + 2), _mm512_extractf32x4_ps(v, 2));             \
+                    _mm_storeu_ps(Y_AT(k_ / 4 + 3), _mm512_extractf32x4_ps(v, 3));             \
+                } else {                                                                       \
+                    _mm256_storeu_ps(Y_AT(k_ / 8), _mm512_castps512_ps256(v));                 \
+                    _mm256_storeu_ps(Y_AT(k_ / 8 + 1), _mm512_extractf32x8_ps(v, 1));          \
+                }                                                                              \
+            }                                                                                  \
+            if (RB * TB - k_ >= 8) {                                                           \
+                __m512 v = trees8(x_ + k_);                                                    \
+                if (RB == 4) {                                                                 \
+                    _mm_storeu_ps(Y_AT(k_ / 4), _mm512_castps512_ps128(v));                    \
+                    _mm_storeu_ps(Y_AT(k_ / 4 + 1), _mm512_extractf32x4_ps(v, 1));             \
+                } else {                                                                       \
+                    _mm256_storeu_ps(Y_AT(k_ / 8), _mm512_castps512_ps256(v));                 \
+                }                                                                              \
+                k_ += 8;                                                                       \
+            }                                                                                  \
+            if (RB == 4 && RB * TB - k_ >= 4)                                                  \
+                _mm_storeu_ps(Y_AT(k_ / 4), _mm512_castps512_ps128(trees4(x_ + k_)));          \
+        } else {                                                                               \
+            UNROLL for (int i = 0; i < RB; i++)                                                \
+                UNROLL for (int t = 0; t < TB; t++) Y_AT(t)[i] = tree(ACC(i, t));              \
+        }                                                                                      \
+    } while (0)
+
 /* Software prefetch distance of the matrix-vector tiles: the hardware
  * prefetcher ramps up slowly on the short row streams of a tile (a row of a
  * 1280-wide BF16 matrix is 40 lines), so the tiles ask for the bytes this far
@@ -378,6 +462,9 @@ __attribute__((constructor)) static void e8m0_init(void) {
 #ifndef K_PF_BYTES
 #define K_PF_BYTES ((size_t)24 * 1024)
 #endif
+
+#define ACC_PLAIN(i, t) acc[i][t]
+#define ACC_MX(i, t) mx_unpermute(acc[i][t])
 
 #define TILE_BODY(RB, TB, LD, ESZ)                                                             \
     const int cols = P->cols;                                                                  \
@@ -416,9 +503,7 @@ __attribute__((constructor)) static void e8m0_init(void) {
             UNROLL for (int i = 0; i < RB; i++) acc[i][t] = _mm512_mask3_fmadd_ps(w[i], x, acc[i][t], m); \
         }                                                                                      \
     }                                                                                          \
-    UNROLL for (int i = 0; i < RB; i++)                                                        \
-        UNROLL for (int t = 0; t < TB; t++)                                                    \
-            P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(acc[i][t]);
+    TILE_STORE(RB, TB, ACC_PLAIN);
 
 
 /* MXFP4 (cols and group multiples of 16, checked by the caller): the scale
@@ -458,9 +543,7 @@ __attribute__((constructor)) static void e8m0_init(void) {
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
-    UNROLL for (int i = 0; i < RB; i++)                                                        \
-        UNROLL for (int t = 0; t < TB; t++)                                                    \
-            P->Y[(size_t)(t0 + t) * (size_t)P->rows + (size_t)(r + i)] = tree(mx_unpermute(acc[i][t]));
+    TILE_STORE(RB, TB, ACC_MX);
 
 /* One specialised function per tile shape, so the accumulators are fixed
  * arrays the compiler keeps in registers. */

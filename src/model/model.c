@@ -82,8 +82,25 @@ static k3_mat mat_rows(const k3_mat *W, int r0, int n) {
     return v;
 }
 
+/* Per-position work of a prefill chunk is split over threads only when the
+ * chunk is long enough to pay for a thread team (rows are independent, so
+ * the bits do not change). */
+#define PAR_ROWS(T, n) ((double)(T) * (double)(n) > 131072.0)
+
 static void rmsnorm_rows(float *y, const float *x, const float *g, int T, int n, float eps) {
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, n))
     for (int t = 0; t < T; t++) k_rmsnorm(y + (size_t)t * n, x + (size_t)t * n, g, n, eps);
+}
+
+/* SiTU-GLU over n elements (elementwise), in blocks over threads when long. */
+static void situ_par(const k3_config *c, float *out, const float *gate, const float *up, size_t n) {
+    const size_t B = 16384;
+    long nb = (long)((n + B - 1) / B);
+#pragma omp parallel for schedule(static) if (n > 4 * B)
+    for (long b = 0; b < nb; b++) {
+        size_t o = (size_t)b * B, len = n - o < B ? n - o : B;
+        k_situ_glu(out + o, gate + o, up + o, (int)len, c->situ_beta, c->situ_linear_beta);
+    }
 }
 
 static void add_rows(float *y, const float *x, size_t n) {
@@ -95,9 +112,11 @@ static void add_rows(float *y, const float *x, size_t n) {
  * RAW sources; one softmax over sources per position. */
 static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
                     float *out, k3_ws *ws) {
-    int E = c->hidden_size;
-    float *logit = ws_f(ws, (size_t)nsrc);
+    int E = c->hidden_size, nthr = omp_get_max_threads();
+    float *logits = ws_f(ws, (size_t)nthr * nsrc);
+#pragma omp parallel for schedule(static) num_threads(nthr) if (PAR_ROWS(T, (double)E * nsrc))
     for (int t = 0; t < T; t++) {
+        float *logit = logits + (size_t)omp_get_thread_num() * nsrc;
         for (int i = 0; i < nsrc; i++) {
             const float *v = src[i] + (size_t)t * E;
             float inv = 1.0f / sqrtf(k_sumsq(v, E) / (float)E + c->rms_eps);
@@ -126,7 +145,7 @@ static void mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, fl
     float *g = ws_f(ws, (size_t)T * I), *u = ws_f(ws, (size_t)T * I);
     k_prod jobs[2] = {{&w->gate, x, T, g}, {&w->up, x, T, u}}; /* one pass over x, one thread team */
     k_products(jobs, 2);
-    k_situ_glu(g, g, u, T * I, c->situ_beta, c->situ_linear_beta);
+    situ_par(c, g, g, u, (size_t)T * I);
     k_matmul(&w->down, g, T, y);
 }
 
@@ -154,9 +173,11 @@ static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const f
     k_prod jobs[6] = {{&w->q, x, T, pre},       {&w->k, x, T, pre + TP}, {&w->v, x, T, pre + 2 * TP},
                       {&w->g, x, T, gate},      {&w->b, x, T, beta},     {&w->f_a, x, T, fa}};
     k_products(jobs, 6);
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
     for (int j = 0; j < 3; j++)
         k_shortconv_silu(qkv + j * TP, pre + j * TP, T, P, w->conv[j], K, st->conv + (size_t)j * P * (K - 1));
     float *q = qkv, *k = qkv + TP, *v = qkv + 2 * TP;
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
     for (size_t i = 0; i < (size_t)T * H; i++) {
         k_l2norm(q + i * D, D, 1e-6f);
         k_l2norm(k + i * D, D, 1e-6f);
@@ -165,12 +186,14 @@ static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const f
     float *z = pre; /* pre-conv inputs are consumed */
     k_matmul(&w->f_b, fa, T, z);
     float *g = pre + TP;
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
     for (int t = 0; t < T; t++)
         k_kda_gate(g + (size_t)t * P, z + (size_t)t * P, w->A_log, w->dt_bias, H, D, c->gate_lower_bound);
     float *o = pre + 2 * TP;
     if (chunk > 0 && T > 1) k_kda_chunked(o, st->S, q, k, v, g, beta, T, H, D, chunk);
     else k_kda_recurrent(o, st->S, q, k, v, g, beta, T, H, D);
     float *normed = k; /* k is consumed */
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
     for (int t = 0; t < T; t++)
         k_kda_out_norm_gate(normed + (size_t)t * P, o + (size_t)t * P, w->o_norm, gate + (size_t)t * P, H, D,
                             c->rms_eps);
@@ -194,6 +217,16 @@ void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float
  * Wk_h / Wv_h are head h's key / value rows of kv_b_proj; they are absorbed into
  * the query (Wk_h^T q_nope_h) and applied once to the attended latent, which is
  * the same function as expanding every cached position. No rotary anywhere. */
+/* Softmax over positions 0..n-1 of one head's scores at one position:
+ * (q_abs . c_kv(p) + q_rope . k_rope(p)) * scale, two canonical dots. */
+static void mla_scores(float *sc, float *sr, const float *qa, const float *qrope, const float *latent, int W, int rkv,
+                       int dr, int n, float scale) {
+    k_dots(sc, qa, latent, (size_t)W, n, rkv);
+    k_dots(sr, qrope, latent + rkv, (size_t)W, n, dr);
+    for (int p = 0; p < n; p++) sc[p] = (sc[p] + sr[p]) * scale;
+    k_softmax(sc, n);
+}
+
 static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
                 const float *x, int T, float *y, k3_ws *ws) {
     int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
@@ -220,38 +253,49 @@ static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cac
     int nmax = pos0 + T;
     /* head-major: qabs[h][t][rkv], ctx[h][t][rkv], vout[h][t][dv] */
     float *qabs = ws_f(ws, (size_t)H * Ts * rkv), *ctx = ws_f(ws, (size_t)H * Ts * rkv);
-    float *score = ws_f(ws, 2 * (size_t)H * nmax), *vout = ws_f(ws, (size_t)H * Ts * dv);
+    /* scores: [2][H][nmax] per thread (the rope part is summed in after) */
+    float *score = ws_f(ws, (size_t)omp_get_max_threads() * 2 * H * nmax), *vout = ws_f(ws, (size_t)H * Ts * dv);
     float *att = ws_f(ws, Ts * H * dv);
     float scale = 1.0f / sqrtf((float)dq);
     /* absorbed queries Wk_h^T q_nope_h for every position at once: each element
      * gets its fmas over i in increasing order (as a loop of axpy) */
     memset(qabs, 0, (size_t)H * Ts * rkv * sizeof *qabs);
     memset(ctx, 0, (size_t)H * Ts * rkv * sizeof *ctx);
-#pragma omp parallel for schedule(static) if ((double)T * H * dn * rkv > 262144.0)
-    for (int h = 0; h < H; h++)
-        k_gemm_acc(qabs + (size_t)h * Ts * rkv, rkv, T, rkv, q + (size_t)h * dq, H * dq, dn, &w->kv_b, h * hkv);
+    int nthr = omp_get_max_threads();
+    float *wk = ws_f(ws, (size_t)nthr * dn * rkv); /* head h's key rows widened, per thread */
+#pragma omp parallel for schedule(static) num_threads(nthr) if ((double)T * H * dn * rkv > 262144.0)
+    for (int h = 0; h < H; h++) {
+        float *b = wk + (size_t)omp_get_thread_num() * dn * rkv;
+        for (int i = 0; i < dn; i++) k_mat_row(&w->kv_b, h * hkv + i, b + (size_t)i * rkv);
+        k3_mat bm = {.type = KW_F32, .rows = dn, .cols = rkv, .data = b};
+        k_gemm_acc(qabs + (size_t)h * Ts * rkv, rkv, T, rkv, q + (size_t)h * dq, H * dq, dn, &bm, 0);
+    }
     k3_mat lat_m = {.type = KW_F32, .rows = nmax, .cols = W, .data = cache->latent};
-    int ngrp = (H + 3) / 4;
-    for (int t = 0; t < T; t++) {
-        int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
+    if (T == 1) { /* decoding: the heads in parallel */
+        int ngrp = (H + 3) / 4, n = pos0 + 1;
 #pragma omp parallel if ((double)H * n * (W + rkv) > 262144.0)
         {
 #pragma omp for schedule(static)
-            for (int h = 0; h < H; h++) {
-                float *sc = score + (size_t)h * nmax, *sr = score + (size_t)(H + h) * nmax;
-                k_dots(sc, qabs + ((size_t)h * Ts + t) * rkv, cache->latent, (size_t)W, n, rkv);
-                k_dots(sr, q + ((size_t)t * H + h) * dq + dn, cache->latent + rkv, (size_t)W, n, dr);
-                for (int p = 0; p < n; p++) sc[p] = (sc[p] + sr[p]) * scale;
-                k_softmax(sc, n);
-            }
+            for (int h = 0; h < H; h++)
+                mla_scores(score + (size_t)h * nmax, score + (size_t)(H + h) * nmax, qabs + (size_t)h * rkv,
+                           q + (size_t)h * dq + dn, cache->latent, W, rkv, dr, n, scale);
             /* ctx_h = sum_p s_h[p] c_kv(p): all heads share the latent rows, so
              * they run as one product (each element: fmas over p in order) */
 #pragma omp for schedule(static)
             for (int g = 0; g < ngrp; g++) {
                 int h0 = 4 * g, hn = H - h0 < 4 ? H - h0 : 4;
-                k_gemm_acc(ctx + ((size_t)h0 * Ts + t) * rkv, (int)(Ts * rkv), hn, rkv, score + (size_t)h0 * nmax,
-                           nmax, n, &lat_m, 0);
+                k_gemm_acc(ctx + (size_t)h0 * rkv, rkv, hn, rkv, score + (size_t)h0 * nmax, nmax, n, &lat_m, 0);
             }
+        }
+    } else { /* prefill: the positions in parallel (one thread team), all heads of a position together */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if ((double)H * T * nmax * (W + rkv) > 524288.0)
+        for (int t = 0; t < T; t++) {
+            int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
+            float *sb = score + (size_t)omp_get_thread_num() * 2 * H * nmax;
+            for (int h = 0; h < H; h++)
+                mla_scores(sb + (size_t)h * nmax, sb + (size_t)(H + h) * nmax, qabs + ((size_t)h * Ts + t) * rkv,
+                           q + ((size_t)t * H + h) * dq + dn, cache->latent, W, rkv, dr, n, scale);
+            k_gemm_acc(ctx + (size_t)t * rkv, (int)(Ts * rkv), H, rkv, sb, nmax, n, &lat_m, 0);
         }
     }
     /* values: head h's value rows of kv_b on its attended latents, all heads in one batch */
@@ -354,13 +398,13 @@ static int moe(const k3_config *c, const k3_moe_w *w, const expert_access *xa, c
         jb[2 * u + 1] = (k_prod){&ex[u].w3, zin + (size_t)at[u] * l, n, h3 + (size_t)at[u] * I};
     }
     k_products(jb, 2 * nu);
-    k_situ_glu(h1, h1, h3, (int)(Tk * I), c->situ_beta, c->situ_linear_beta);
+    situ_par(c, h1, h1, h3, Tk * I);
     float *sh = NULL;
     nj = nu;
     for (int u = 0; u < nu; u++)
         jb[u] = (k_prod){&ex[u].w2, h1 + (size_t)at[u] * I, at[u + 1] - at[u], out + (size_t)at[u] * l};
     if (S) {
-        k_situ_glu(sg, sg, su, T * S, c->situ_beta, c->situ_linear_beta);
+        situ_par(c, sg, sg, su, Ts * S);
         sh = ws_f(ws, Ts * E);
         jb[nj++] = (k_prod){&w->shared.down, sg, T, sh};
     }
@@ -420,7 +464,7 @@ static int n_boundaries(const k3_config *c) {
 static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
     size_t E = (size_t)c->hidden_size, t = (size_t)T, need = 0, m;
     size_t nsrc = (size_t)n_boundaries(c) + 1;
-    size_t base = 3 * wsz(t * E) + wsz(nsrc) + 2 * WS_ALIGN;
+    size_t base = 3 * wsz(t * E) + wsz((size_t)omp_get_max_threads() * nsrc) + 2 * WS_ALIGN;
     if (c->n_kda_layers) { /* kda() */
         size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, P = H * D;
         m = 2 * wsz(3 * t * P) + wsz(t * P) + wsz(t * H) + wsz(t * D);
@@ -430,7 +474,8 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
         size_t H = (size_t)c->mla_heads, dq = (size_t)(c->qk_nope_dim + c->qk_rope_dim),
                dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim;
         m = wsz(t * H * dq) + wsz(t * (size_t)c->q_lora_rank) + wsz(t * W) + 2 * wsz(t * H * dv) +
-            2 * wsz(H * t * rkv) + wsz(2 * H * (size_t)max_pos) + wsz(H * t * dv) + 2 * (H * 64 + WS_ALIGN);
+            2 * wsz(H * t * rkv) + wsz((size_t)omp_get_max_threads() * 2 * H * (size_t)max_pos) + wsz(H * t * dv) +
+            wsz((size_t)omp_get_max_threads() * (size_t)c->qk_nope_dim * rkv) + 2 * (H * 64 + WS_ALIGN);
         if (m > need) need = m;
     }
     if (c->dense_inter > 0) { /* mlp() */

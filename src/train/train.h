@@ -162,6 +162,8 @@ typedef struct {
     bool seed_set;
     uint64_t seed;
     int optimizer;                   /* 0 default/checkpoint, 1 muon, 2 adamw */
+    int bf16;                        /* 0 default (off)/checkpoint, 1 on, 2 off */
+    int kda_chunk;                   /* 0 default (16)/checkpoint; -1 recurrent reference; > 0 chunk */
     bool quiet;
 } ttrain_opts;
 

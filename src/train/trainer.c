@@ -540,6 +540,10 @@ static int parse_train_json(run *r, const char *text) {
         const char *o = json_string_value(json_object_get(j, "optimizer"));
         r->o.optimizer = o && strcmp(o, "adamw") == 0 ? 2 : 1;
     }
+    if (!r->o.bf16) r->o.bf16 = json_is_true(json_object_get(j, "bf16")) ? 1 : 2;
+    json_t *kc = json_object_get(j, "kda_chunk");
+    if (r->o.kda_chunk == 0 && json_is_integer(kc))
+        r->o.kda_chunk = json_integer_value(kc) > 0 ? (int)json_integer_value(kc) : -1;
     json_decref(j);
     return 0;
 }
@@ -561,6 +565,8 @@ static char *make_train_json(const run *r) {
     json_object_set_new(j, "seed", json_integer((json_int_t)r->seed));
     json_object_set_new(j, "optimizer", json_string(r->opt.c.muon ? "muon" : "adamw"));
     json_object_set_new(j, "threads", json_integer(omp_get_max_threads()));
+    json_object_set_new(j, "bf16", json_boolean(r->m.bf16));
+    json_object_set_new(j, "kda_chunk", json_integer(r->m.kda_chunk));
     char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(17));
     json_decref(j);
     return s;
@@ -635,6 +641,8 @@ static int setup(run *r, k3_err *err) {
                        o->resume, (long long)r->start, (long long)o->steps, o->stop_at ? " / --stop-at" : "");
     }
     if ((rc = tm_build(&r->m, &r->cfg, err))) { if (have_ck) tckpt_close(&ck); return rc; }
+    r->m.bf16 = r->o.bf16 == 1;
+    if (r->o.kda_chunk) r->m.kda_chunk = r->o.kda_chunk < 0 ? 0 : r->o.kda_chunk;
     if (have_ck && o->config_path) {
         /* a config given with --resume must describe the checkpoint's model */
         char *text;

@@ -125,8 +125,20 @@ uint16_t k3_f32_to_f16(float f) {
     return sign | (uint16_t)((exp << 10) | man);
 }
 
+bool k3_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    long long v = strtoll(s, &end, 10);
+    if (errno || *end || v < lo || v > hi) return false;
+    *out = v;
+    return true;
+}
+
 int k3_read_file(const char *path, char **data, size_t *len, k3_err *err) {
-    FILE *f = fopen(path, "rb");
+    bool std_in = strcmp(path, "-") == 0;
+    FILE *f = std_in ? stdin : fopen(path, "rb");
+    if (std_in) path = "standard input";
     if (!f) return k3_fail(err, K3_EXIT_USAGE, "%s: cannot open: %s", path, strerror(errno));
     size_t cap = 1 << 16, n = 0;
     char *buf = xmalloc(cap);
@@ -137,7 +149,7 @@ int k3_read_file(const char *path, char **data, size_t *len, k3_err *err) {
         if (r == 0) break;
     }
     int bad = ferror(f);
-    fclose(f);
+    if (!std_in) fclose(f);
     if (bad) {
         free(buf);
         return k3_fail(err, K3_EXIT_RUNTIME, "%s: read error", path);

@@ -55,7 +55,7 @@ uint16_t k3_f32_to_bf16(float f);
 float k3_f16_to_f32(uint16_t h);
 uint16_t k3_f32_to_f16(float f);
 
-/* Whole-file read (NUL-terminated for convenience). */
+/* Whole-file read (NUL-terminated for convenience); path "-" reads stdin. */
 int k3_read_file(const char *path, char **data, size_t *len, k3_err *err);
 
 /* Atomic write of a small file: temp file in the same directory, fsync,
@@ -94,6 +94,10 @@ typedef struct {
 void k3_progress_start(k3_progress *p, const char *label, uint64_t total, bool bytes);
 void k3_progress_update(k3_progress *p, uint64_t done);
 void k3_progress_finish(k3_progress *p);
+
+/* Parses a whole decimal integer in [lo, hi]; false on anything else
+ * (empty, trailing characters, overflow, out of range). */
+bool k3_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
 
 /* Parses "1,2,3" into ids; rejects anything but decimal integers in [0, max). */
 int k3_parse_ids(const char *s, int64_t max, int32_t **ids, size_t *n, k3_err *err);

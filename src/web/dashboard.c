@@ -431,16 +431,6 @@ static enum MHD_Result respond_json(k3_dashboard *d, struct MHD_Connection *c, c
     return respond(d, c, url, 200, "application/json; charset=utf-8", s, strlen(s), MHD_RESPMEM_MUST_FREE);
 }
 
-/* Decimal integer in [lo, hi], the whole string; else false. */
-static bool parse_int(const char *s, long long lo, long long hi, long long *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || *end || v < lo || v > hi) return false;
-    *out = v;
-    return true;
-}
 
 static bool host_allowed(const char *host) {
     if (!host) return true; /* HTTP/1.0 without Host */
@@ -491,7 +481,7 @@ static enum MHD_Result serve_file(k3_dashboard *d, struct MHD_Connection *c, con
  * never splitting one step's records (so paging by the last step returned loses
  * nothing). Samples: the last `limit` of them. */
 static enum MHD_Result serve_records(k3_dashboard *d, struct MHD_Connection *c, const char *url, const k3_jsonl *j,
-                                     long long since, long long limit, bool newest) {
+                                     int64_t since, int64_t limit, bool newest) {
     size_t first = 0, matched = 0;
     if (newest) {
         for (size_t i = 0; i < j->n; i++) matched += j->recs[i].step > since;
@@ -594,12 +584,12 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     bool state = !strcmp(url, "/api/state");
     if (!metrics && !samples && !state) return respond_error(d, c, url, 404, "not found");
 
-    long long since = -1, limit = metrics ? 100000 : 100;
+    int64_t since = -1, limit = metrics ? 100000 : 100;
     const char *v = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "since");
-    if (v && !parse_int(v, -1, 9007199254740992LL, &since))
+    if (v && !k3_parse_i64(v, -1, 9007199254740992LL, &since))
         return respond_error(d, c, url, 400, "since: expected an integer step >= -1");
     v = MHD_lookup_connection_value(c, MHD_GET_ARGUMENT_KIND, "limit");
-    if (v && !parse_int(v, 1, 1000000, &limit))
+    if (v && !k3_parse_i64(v, 1, 1000000, &limit))
         return respond_error(d, c, url, 400, "limit: expected an integer in [1, 1000000]");
 
     char ioerr[320];
