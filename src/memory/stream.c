@@ -11,6 +11,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -369,7 +371,11 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
             o->preset ? "; " : "", (long long)p->max_pos);
     fprintf(f, "k3:   budget               %s\n", lim);
     mb_cell(b, sizeof b, p->head_bytes);
-    fprintf(f, "k3:   model-level tensors %s  head, final norms, embedding rows in use (mapped)\n", b);
+    if (p->streamed)
+        fprintf(f, "k3:   model-level tensors %s  head, final norms (read from trunk.bin), embedding rows in use "
+                   "(mapped from it)\n", b);
+    else
+        fprintf(f, "k3:   model-level tensors %s  head, final norms, embedding rows in use (mapped)\n", b);
     if (!p->streamed) {
         mb_cell(b, sizeof b, p->pinned_bytes);
         fprintf(f, "k3:   trunk resident      %s  %d layers mapped from the shards (no --trunk)\n", b, p->num_layers);
@@ -436,6 +442,14 @@ struct k3_stream {
     k3_trunk *trunk;
     const char *prefix;
     k3_weight_source src;
+    /* run 0 of a packed trunk: the model-level tensors */
+    const k3_trunk_run *run0;
+    uint8_t *head_buf;         /* every run-0 tensor but the embeddings, at head_pos[i] */
+    uint64_t *head_pos;        /* [run0->ntensors], UINT64_MAX for the embedding table */
+    void *emb_map;             /* trunk.bin mapped around the embedding table */
+    size_t emb_map_len;
+    const uint8_t *emb;        /* the embedding table inside emb_map */
+    char top_name[512];
     /* resident or pinned layers */
     k3_layer_w *lw;
     bool *have;
@@ -557,6 +571,119 @@ static int read_run(k3_stream *s, k3_io *io, const k3_trunk_run *run, uint8_t *b
         return k3_fail(err, K3_EXIT_DATA, "%s: the run for layer %d fails its checksum (re-pack the trunk)",
                        s->trunk->bin_path, run->layer);
     return K3_OK;
+}
+
+/* ---- run 0: the model-level tensors -------------------------------------------------
+ * With a packed trunk the model's head, final norm and output AttnRes come from
+ * run 0 of trunk.bin, not the shards. Run 0 is read once at open (O_DIRECT, in
+ * pieces through a bounce buffer) and its CRC checked over every byte, the
+ * embedding table's included; every tensor but the embeddings is kept in one
+ * aligned buffer (the plan's "head"), and the embedding table is mapped from
+ * trunk.bin, so only the rows of the tokens in use become resident (as they
+ * did when it was mapped from the shards). */
+static bool is_embedding(const char *name) {
+    size_t n = strlen(name), k = strlen("embed_tokens.weight");
+    return n >= k && !strcmp(name + n - k, "embed_tokens.weight");
+}
+
+static int load_run0(k3_stream *s, k3_err *err) {
+    const k3_trunk_run *run = k3_trunk_run_for(s->trunk, K3_TRUNK_MODEL_RUN);
+    if (!run) return k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: no run for the model-level tensors", s->trunk->dir);
+    s->run0 = run;
+    s->head_pos = xmalloc_array((size_t)(run->ntensors ? run->ntensors : 1), sizeof *s->head_pos);
+    uint64_t hb = 0;
+    const k3_trunk_tensor *emb = NULL;
+    for (int i = 0; i < run->ntensors; i++) {
+        const k3_trunk_tensor *tt = &run->tensors[i];
+        if (is_embedding(tt->name) && !emb) {
+            emb = tt;
+            s->head_pos[i] = UINT64_MAX;
+            continue;
+        }
+        hb = (hb + 63) & ~(uint64_t)63;
+        s->head_pos[i] = hb;
+        hb += tt->nbytes;
+    }
+    s->head_buf = k3_io_alloc(hb ? hb : 64);
+    /* read the run in pieces, a batch at a time; CRC in order; keep the head */
+    uint64_t P = s->piece_bytes, batch = 8 * P;
+    if (batch > align4k(run->bytes)) batch = align4k(run->bytes);
+    if (batch < P) batch = P;
+    uint8_t *bounce = k3_io_alloc(batch + K3_IO_ALIGN);
+    k3_io_req rq[8];
+    uint32_t crc = 0;
+    int rc = K3_OK;
+    for (uint64_t at = 0; at < run->bytes && !rc; at += batch) {
+        size_t n = 0;
+        for (uint64_t o = at; o < at + batch && o < run->bytes; o += P, n++) {
+            uint64_t len = run->bytes - o < P ? run->bytes - o : P;
+            if (o + len > at + batch) len = at + batch - o;
+            rq[n] = (k3_io_req){.fd = s->tfd, .offset = run->offset + o, .len = len, .buf = bounce + (o - at)};
+        }
+        if ((rc = k3_io_read(s->tio, rq, n, err))) {
+            char m[sizeof err->msg];
+            snprintf(m, sizeof m, "%s", err->msg);
+            k3_fail(err, rc, "%s: model-level tensors: %s", s->trunk->bin_path, m);
+            break;
+        }
+        for (size_t q = 0; q < n; q++) {
+            const uint8_t *d = rq[q].data;
+            uint64_t lo = rq[q].offset - run->offset, hi = lo + rq[q].len;
+            crc = k3_crc32c(crc, d, rq[q].len);
+            for (int i = 0; i < run->ntensors; i++) {
+                const k3_trunk_tensor *tt = &run->tensors[i];
+                if (s->head_pos[i] == UINT64_MAX) continue;
+                uint64_t a = tt->offset > lo ? tt->offset : lo, b = tt->offset + tt->nbytes < hi ? tt->offset + tt->nbytes : hi;
+                if (a < b) memcpy(s->head_buf + s->head_pos[i] + (a - tt->offset), d + (a - lo), b - a);
+            }
+        }
+    }
+    free(bounce);
+    if (!rc && crc != run->crc)
+        rc = k3_fail(err, K3_EXIT_DATA, "%s: the run for the model-level tensors fails its checksum (re-pack the trunk)",
+                     s->trunk->bin_path);
+    if (rc || !emb) return rc;
+    /* the embedding table: mapped, only the rows in use are touched */
+    int fd = open(s->trunk->bin_path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", s->trunk->bin_path, strerror(errno));
+    uint64_t off = run->offset + emb->offset, page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t start = off / page * page;
+    s->emb_map_len = (size_t)(off - start + emb->nbytes);
+    s->emb_map = mmap(NULL, s->emb_map_len, PROT_READ, MAP_SHARED, fd, (off_t)start);
+    int e = errno;
+    close(fd);
+    if (s->emb_map == MAP_FAILED) {
+        s->emb_map = NULL;
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot map the embedding table: %s", s->trunk->bin_path, strerror(e));
+    }
+    s->emb = (const uint8_t *)s->emb_map + (off - start);
+    return K3_OK;
+}
+
+/* The model-level lookup over run 0 (k3_model_bind_top). */
+static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err) {
+    k3_stream *s = ctx;
+    int k;
+    if (layer >= 0) return k3_fail(err, K3_EXIT_RUNTIME, "top_lookup: layer %d", layer);
+    if (!strcmp(name, "lm_head.weight")) /* beside the model, not under its prefix */
+        k = snprintf(s->top_name, sizeof s->top_name, "%slm_head.weight",
+                     !strcmp(s->prefix, "model.") ? "" : "language_model.");
+    else
+        k = snprintf(s->top_name, sizeof s->top_name, "%s%s", s->prefix, name);
+    if (k < 0 || (size_t)k >= sizeof s->top_name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
+    t->where = s->top_name;
+    for (int i = 0; i < s->run0->ntensors; i++) {
+        const k3_trunk_tensor *tt = &s->run0->tensors[i];
+        if (strcmp(tt->name, s->top_name)) continue;
+        if (tdtype(tt->dtype, &t->dtype))
+            return k3_fail(err, K3_EXIT_DATA, "%s: dtype %s is not used by K3", tt->name, st_dtype_name(tt->dtype));
+        if (tt->rank > 4) return k3_fail(err, K3_EXIT_DATA, "%s: rank %d is not used by K3", tt->name, tt->rank);
+        t->rank = tt->rank;
+        for (int d = 0; d < tt->rank; d++) t->shape[d] = tt->shape[d];
+        t->data = s->head_pos[i] == UINT64_MAX ? s->emb : s->head_buf + s->head_pos[i];
+        return K3_OK;
+    }
+    return 1;
 }
 
 /* ---- the ring and its I/O thread ------------------------------------------------------
@@ -983,6 +1110,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         if ((rc = k3_trunk_check_source(trunk, ix, err))) goto fail;
         s->tio = k3_io_new(s->tdepth, o->direct);
         if ((rc = k3_io_open(s->tio, trunk->bin_path, &s->tfd, NULL, err))) goto fail;
+        if ((rc = load_run0(s, err))) goto fail;
         uint64_t total = 0, done = 0;
         for (int L = 0; L < plan->pinned; L++) total += plan->layer_bytes[L];
         k3_progress pr;
@@ -1061,7 +1189,10 @@ fail:
 const k3_weight_source *k3_stream_source(k3_stream *s) { return &s->src; }
 
 int k3_stream_attach(k3_stream *s, k3_model *m, k3_err *err) {
-    (void)err;
+    if (s->run0) {
+        int rc = k3_model_bind_top(m, top_lookup, s, err);
+        if (rc) return rc;
+    }
     k3_model_set_source(m, &s->src);
     return K3_OK;
 }
@@ -1116,6 +1247,9 @@ void k3_stream_free(k3_stream *s) {
         xc_trace_close(&s->trace, &e);
     }
     k3_owned_free(&s->owned);
+    free(s->head_buf);
+    free(s->head_pos);
+    if (s->emb_map) munmap(s->emb_map, s->emb_map_len);
     for (int L = 0; L < s->cfg.num_layers; L++) free(s->pin_buf[L]);
     free(s->pin_buf);
     free(s->lw);

@@ -98,7 +98,9 @@ typedef struct k3_stream k3_stream;
 int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3_mem_plan *plan,
                    const k3_stream_opts *o, k3_stream **out, k3_err *err);
 const k3_weight_source *k3_stream_source(k3_stream *s);
-/* Makes m (opened top_only) take its layers and experts from s. */
+/* Makes m (opened top_only) take its layers and experts from s and, with a
+ * packed trunk, its model-level tensors from run 0 of trunk.bin (read and
+ * CRC-checked at open; the model must be freed before s). */
 int k3_stream_attach(k3_stream *s, k3_model *m, k3_err *err);
 void k3_stream_free(k3_stream *s);
 

@@ -393,6 +393,20 @@ static int bind_top(k3_model *m, k3_lookup_fn fn, void *ctx, k3_err *err) {
     return K3_OK;
 }
 
+int k3_model_bind_top(k3_model *m, k3_lookup_fn fn, void *ctx, k3_err *err) {
+    k3_model saved = *m;
+    if (!m->layers) m->mapped_bytes = 0; /* a top-only model maps nothing else */
+    int rc = bind_top(m, fn, ctx, err);
+    if (rc) { /* keep the tensors it had */
+        m->embed = saved.embed;
+        m->lm_head = saved.lm_head;
+        m->norm = saved.norm;
+        m->out_res_q = saved.out_res_q;
+        m->mapped_bytes = saved.mapped_bytes;
+    }
+    return rc;
+}
+
 static int bind_all(k3_model *m, k3_lookup_fn fn, void *ctx, bool top_only, k3_err *err) {
     int rc = bind_top(m, fn, ctx, err);
     if (rc || top_only) return rc;
