@@ -7,9 +7,11 @@
 #include "harness.h"
 #include "memory/stream.h"
 
+#include <dirent.h>
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 typedef struct {
     int32_t ids[64];
@@ -94,7 +96,11 @@ static int streamed_logits(const char *dir, const fixture_ids *f, const budget *
         k3_stream_free(s);
         return rc;
     }
-    k3_model_set_source(m, k3_stream_source(s));
+    if ((rc = k3_stream_attach(s, m, err))) {
+        k3_model_free(m);
+        k3_stream_free(s);
+        return rc;
+    }
     k3_state *st;
     int V = cfg.vocab_size;
     rc = k3_state_new(m, f->n, &st, err);
@@ -264,4 +270,91 @@ TEST(stream_read_error_poisons) {
     CHECKF(rc == K3_EXIT_RUNTIME, "rc %d: %s", rc, err.msg);
     CHECKF(strstr(err.msg, "Input/output error") != NULL, "%s", err.msg);
     free(got);
+}
+
+/* Copies a fixture directory's files into dst. */
+static int copy_dir(const char *src, const char *dst) {
+    mkdir(dst, 0755);
+    DIR *d = opendir(src);
+    if (!d) return 1;
+    struct dirent *e;
+    int bad = 0;
+    while ((e = readdir(d)) && !bad) {
+        if (e->d_name[0] == '.') continue;
+        char a[2048], b[2048];
+        snprintf(a, sizeof a, "%s/%s", src, e->d_name);
+        snprintf(b, sizeof b, "%s/%s", dst, e->d_name);
+        char *data;
+        size_t n;
+        k3_err err = {0};
+        if (k3_read_file(a, &data, &n, &err)) { bad = 1; break; }
+        bad = k3_write_file_atomic(b, data, n, &err) != 0;
+        free(data);
+    }
+    closedir(d);
+    return bad;
+}
+
+static int flip_byte(const char *path, uint64_t off) {
+    FILE *fp = fopen(path, "r+b");
+    if (!fp) return 1;
+    fseek(fp, (long)off, SEEK_SET);
+    int c = fgetc(fp);
+    fseek(fp, (long)off, SEEK_SET);
+    fputc(c ^ 0x40, fp);
+    return fclose(fp) != 0;
+}
+
+/* With a packed trunk the head comes from run 0 of trunk.bin: a byte changed
+ * in the middle of the shard's lm_head (outside the identity's samples) does
+ * not reach the logits, which it does without --trunk; and a byte flipped in
+ * run 0 (inside the embedding table, which is mapped, not kept) stops the run
+ * at open with a checksum error. */
+TEST(stream_head_from_trunk_run0) {
+    const char *fix = t_repo("tests/fixtures/gen/k3_like");
+    fixture_ids f;
+    CHECK(load_ids(fix, &f));
+    char dir[1024], trunk[1024];
+    snprintf(dir, sizeof dir, "%s/model", t_outdir());
+    snprintf(trunk, sizeof trunk, "%s/trunk", t_outdir());
+    CHECK(copy_dir(fix, dir) == 0);
+    int V;
+    float *want = resident_logits(dir, &f, &V);
+    CHECK(want != NULL);
+    k3_err err = {0};
+    CHECKF(k3_trunk_pack(dir, trunk, &err) == 0, "%s", err.msg);
+    st_index *ix;
+    CHECK(st_open(dir, &ix, &err) == 0);
+    const st_tensor *h = st_find(ix, "language_model.lm_head.weight");
+    CHECK(h != NULL && h->nbytes > 1024);
+    char shard[1100];
+    snprintf(shard, sizeof shard, "%s", st_shard_at(ix, h->shard)->path);
+    uint64_t hoff = h->offset + h->nbytes / 2;
+    st_close(ix);
+    CHECK(flip_byte(shard, hoff) == 0);
+    float *bent = resident_logits(dir, &f, &V);
+    CHECK(bent != NULL);
+    CHECKF(memcmp(bent, want, (size_t)f.n * V * sizeof(float)) != 0, "the flipped head byte changed nothing");
+    float *got = malloc((size_t)f.n * V * sizeof(float));
+    budget b = {trunk, -1, -1, 64};
+    CHECKF(streamed_logits(dir, &f, &b, got, NULL, NULL, &err) == 0, "%s", err.msg);
+    CHECKF(memcmp(got, want, (size_t)f.n * V * sizeof(float)) == 0, "the streamed head is not trunk.bin's");
+    /* a flipped byte in run 0's embedding table */
+    k3_trunk *tr;
+    CHECK(k3_trunk_open(trunk, NULL, &tr, &err) == 0);
+    const k3_trunk_run *r0 = k3_trunk_run_for(tr, K3_TRUNK_MODEL_RUN);
+    uint64_t eoff = 0;
+    for (int i = 0; r0 && i < r0->ntensors; i++)
+        if (strstr(r0->tensors[i].name, "embed_tokens.weight"))
+            eoff = r0->offset + r0->tensors[i].offset + r0->tensors[i].nbytes / 2;
+    char bin[1100];
+    snprintf(bin, sizeof bin, "%s", tr->bin_path);
+    k3_trunk_free(tr);
+    CHECK(eoff > 0);
+    CHECK(flip_byte(bin, eoff) == 0);
+    int rc = streamed_logits(dir, &f, &b, got, NULL, NULL, &err);
+    CHECKF(rc == K3_EXIT_DATA && strstr(err.msg, "checksum"), "rc %d: %s", rc, err.msg);
+    free(got);
+    free(bent);
+    free(want);
 }

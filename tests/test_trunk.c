@@ -152,6 +152,125 @@ TEST(trunk_from_other_checkpoint_refused) {
     st_close(ix);
 }
 
+/* The identity as it was first defined, one read per sample: the batched
+ * reads must give the same value (trunks packed before stay valid). */
+static int identity_one_by_one(st_index *ix, char out[17], size_t *samples) {
+    k3_err err = {0};
+    uint64_t h = K3_FNV_OFFSET;
+    for (int s = 0; s < st_nshards(ix); s++) {
+        const st_shard *sh = st_shard_at(ix, s);
+        const char *base = strrchr(sh->path, '/');
+        base = base ? base + 1 : sh->path;
+        h = k3_fnv1a64(h, base, strlen(base) + 1);
+        h = k3_fnv1a64(h, &sh->file_size, sizeof sh->file_size);
+        char *hdr = xmalloc(sh->data_start - 8);
+        if (st_pread(ix, s, 8, hdr, sh->data_start - 8, &err)) return 1;
+        h = k3_fnv1a64(h, hdr, sh->data_start - 8);
+        free(hdr);
+    }
+    *samples = 0;
+    for (size_t i = 0; i < st_count(ix); i++) {
+        const st_tensor *t = st_at(ix, i);
+        if (!k3_trunk_wants(t->name) || t->nbytes == 0) continue;
+        uint8_t buf[128];
+        uint64_t k = t->nbytes < 64 ? t->nbytes : 64;
+        if (st_pread(ix, t->shard, t->offset, buf, k, &err) ||
+            st_pread(ix, t->shard, t->offset + t->nbytes - k, buf + k, k, &err))
+            return 1;
+        h = k3_fnv1a64(h, buf, 2 * k);
+        *samples += 2;
+    }
+    snprintf(out, 17, "%016llx", (unsigned long long)h);
+    return 0;
+}
+
+TEST(trunk_identity_batched_reads_same_value) {
+    static const char *models[] = {"tests/fixtures/gen/k3_like", "tests/fixtures/gen/s2_two_dense",
+                                   "fixtures/peer/tiny-checkpoint"};
+    for (int m = 0; m < 3; m++) {
+        const char *dir = m < 2 ? t_repo(models[m]) : t_shared(models[m]);
+        st_index *ix;
+        k3_err err = {0};
+        CHECKF(st_open(dir, &ix, &err) == 0, "%s", err.msg);
+        char want[17], got[17];
+        size_t samples = 0;
+        CHECK(identity_one_by_one(ix, want, &samples) == 0);
+        k3_identity_stats st;
+        CHECKF(k3_checkpoint_identity_ex(ix, 1, got, &st, &err) == 0, "%s", err.msg);
+        CHECKF(!strcmp(got, want), "%s: %s vs %s one by one", models[m], got, want);
+        /* scheme 2 hashes the same bytes with another function */
+        char v2[17];
+        CHECKF(k3_checkpoint_identity_ex(ix, 2, v2, NULL, &err) == 0, "%s", err.msg);
+        CHECKF(strcmp(v2, want) != 0, "%s: scheme 2 gave the FNV value", models[m]);
+        /* the samples were merged into far fewer reads (headers included) */
+        CHECKF(st.reads > 0 && st.reads * 4 <= samples + (size_t)st_nshards(ix) * 4, "%s: %llu reads for %zu samples",
+               models[m], (unsigned long long)st.reads, samples);
+        st_close(ix);
+    }
+    /* a flipped byte at the end of a matrix changes it too */
+    const char *model = t_repo("tests/fixtures/gen/k3_like");
+    char copy[1024];
+    snprintf(copy, sizeof copy, "%s/model", t_outdir());
+    CHECK(copy_model(model, copy) == 0);
+    st_index *ix;
+    k3_err err = {0};
+    CHECK(st_open(copy, &ix, &err) == 0);
+    char before[17], after[17];
+    CHECK(k3_checkpoint_identity(ix, before, &err) == 0);
+    const st_tensor *s = st_find(ix, "language_model.model.layers.2.self_attn.o_proj.weight");
+    CHECK(s != NULL);
+    char path[1100];
+    snprintf(path, sizeof path, "%s", st_shard_at(ix, s->shard)->path);
+    uint64_t off = s->offset + s->nbytes - 1;
+    st_close(ix);
+    FILE *f = fopen(path, "r+b");
+    CHECK(f != NULL);
+    fseek(f, (long)off, SEEK_SET);
+    int c = fgetc(f);
+    fseek(f, (long)off, SEEK_SET);
+    fputc(c ^ 0x10, f);
+    fclose(f);
+    CHECK(st_open(copy, &ix, &err) == 0);
+    CHECK(k3_checkpoint_identity(ix, after, &err) == 0);
+    CHECKF(strcmp(before, after) != 0, "identity unchanged by a flipped last byte: %s", after);
+    st_close(ix);
+}
+
+/* A trunk.json written before identity schemes existed (no "identity_scheme",
+ * an FNV-1a identity) is still accepted for its checkpoint, and refused for
+ * another. */
+TEST(trunk_old_identity_scheme_accepted) {
+    const char *model = t_repo("tests/fixtures/gen/k3_like");
+    char dir[1024], json[1100];
+    snprintf(dir, sizeof dir, "%s/trunk", t_outdir());
+    snprintf(json, sizeof json, "%s/trunk.json", dir);
+    k3_err err = {0};
+    CHECKF(k3_trunk_pack(model, dir, &err) == 0, "%s", err.msg);
+    st_index *ix;
+    CHECK(st_open(model, &ix, &err) == 0);
+    char v1[17], v2[17];
+    CHECK(k3_checkpoint_identity_ex(ix, 1, v1, NULL, &err) == 0);
+    CHECK(k3_checkpoint_identity_ex(ix, 2, v2, NULL, &err) == 0);
+    char *text;
+    size_t n;
+    CHECK(k3_read_file(json, &text, &n, &err) == 0);
+    char *at = strstr(text, v2), *sch = strstr(text, "\"identity_scheme\"");
+    CHECK(at != NULL && sch != NULL);
+    memcpy(at, v1, 16);
+    memcpy(sch, "\"identity_schemX\"", 17); /* an unknown key: as if absent */
+    CHECK(k3_write_file_atomic(json, text, n, &err) == 0);
+    free(text);
+    k3_trunk *t = NULL;
+    CHECKF(k3_trunk_open(dir, ix, &t, &err) == 0, "%s", err.msg);
+    CHECK(t->identity_scheme == 1);
+    k3_trunk_free(t);
+    st_close(ix);
+    CHECK(st_open(t_repo("tests/fixtures/gen/s2_two_dense"), &ix, &err) == 0);
+    CHECK(k3_trunk_open(dir, ix, &t, &err) == K3_EXIT_DATA);
+    CHECKF(strstr(err.msg, "different checkpoint") != NULL, "%s", err.msg);
+    st_close(ix);
+}
+
 TEST(trunk_interrupted_pack_is_not_a_trunk) {
     const char *model = t_repo("tests/fixtures/gen/k3_like");
     char dir[1024], json[1100];

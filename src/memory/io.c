@@ -15,6 +15,10 @@ struct k3_io {
     struct io_uring ring;
     uint64_t bytes;
     double seconds;
+    /* asynchronous use (k3_io_submit / k3_io_complete) */
+    int inflight;              /* submitted, not yet completed */
+    k3_io_req **done;          /* pread backend: finished in submit, [depth] */
+    int ndone;
 };
 
 k3_io *k3_io_new(int depth, bool direct) {
@@ -27,7 +31,15 @@ k3_io *k3_io_new(int depth, bool direct) {
 
 void k3_io_free(k3_io *io) {
     if (!io) return;
+    /* requests still in flight write into their buffers: wait for them first */
+    while (io->have_ring && io->inflight > 0) {
+        struct io_uring_cqe *cqe;
+        if (io_uring_wait_cqe(&io->ring, &cqe) < 0) break;
+        io_uring_cqe_seen(&io->ring, cqe);
+        io->inflight--;
+    }
     if (io->have_ring) io_uring_queue_exit(&io->ring);
+    free(io->done);
     free(io);
 }
 
@@ -95,24 +107,25 @@ static int read_full(int fd, void *buf, uint64_t len, uint64_t off, uint64_t nee
     return K3_OK;
 }
 
-/* Fault injection for tests: K3_IO_FAIL_AFTER=N makes the request after the
- * first N (counted over the whole process) fail as an I/O error would. */
+/* Fault injection for tests: K3_IO_FAIL_AFTER=N makes every request after the
+ * first N fail as an I/O error would. Requests are counted (over the whole
+ * process) only while the variable is set, so a test may set it after some
+ * reads were made; it is read on every call (tests set it between runs). */
+static long injected_count;
+
 static long fail_after(void) {
-    static long v = -2;
-    long cur = __atomic_load_n(&v, __ATOMIC_RELAXED);
-    if (cur == -2) {
-        const char *e = getenv("K3_IO_FAIL_AFTER");
-        cur = e && *e ? strtol(e, NULL, 10) : -1;
-        __atomic_store_n(&v, cur, __ATOMIC_RELAXED);
+    const char *e = getenv("K3_IO_FAIL_AFTER");
+    if (!e || !*e) {
+        __atomic_store_n(&injected_count, 0, __ATOMIC_RELAXED);
+        return -1;
     }
-    return cur;
+    return strtol(e, NULL, 10);
 }
 
 int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
-    static long counted;
     long fa = fail_after();
     if (fa >= 0 && n > 0) {
-        long before = __atomic_fetch_add(&counted, (long)n, __ATOMIC_RELAXED);
+        long before = __atomic_fetch_add(&injected_count, (long)n, __ATOMIC_RELAXED);
         if (before + (long)n > fa) {
             const k3_io_req *q = &reqs[fa > before ? fa - before : 0];
             return k3_fail(err, K3_EXIT_RUNTIME, "read of %llu bytes at offset %llu failed: %s (K3_IO_FAIL_AFTER)",
@@ -174,4 +187,68 @@ int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
     free(order);
     io->seconds += k3_now() - t0;
     return rc;
+}
+
+/* ---- asynchronous use ------------------------------------------------------ */
+
+int k3_io_inflight(const k3_io *io) { return io->inflight + io->ndone; }
+
+int k3_io_submit(k3_io *io, k3_io_req *q, k3_err *err) {
+    long fa = fail_after();
+    if (fa >= 0 && __atomic_fetch_add(&injected_count, 1, __ATOMIC_RELAXED) + 1 > fa)
+        return k3_fail(err, K3_EXIT_RUNTIME, "read of %llu bytes at offset %llu failed: %s (K3_IO_FAIL_AFTER)",
+                       (unsigned long long)q->len, (unsigned long long)q->offset, strerror(EIO));
+    if (k3_io_inflight(io) >= io->depth)
+        return k3_fail(err, K3_EXIT_RUNTIME, "k3_io_submit: %d reads already in flight", io->depth);
+    uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+    q->data = (const char *)q->buf + (q->offset - a);
+    if (!io->have_ring) { /* read now; k3_io_complete hands it back */
+        double t0 = k3_now();
+        int rc = read_full(q->fd, q->buf, k3_io_span(q->offset, q->len), a, q->offset - a + q->len, err);
+        io->seconds += k3_now() - t0;
+        if (rc) return rc;
+        io->bytes += k3_io_span(q->offset, q->len);
+        if (!io->done) io->done = xmalloc_array((size_t)io->depth, sizeof *io->done);
+        io->done[io->ndone++] = q;
+        return K3_OK;
+    }
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
+    if (!sqe) return k3_fail(err, K3_EXIT_RUNTIME, "io_uring: no free submission entry");
+    io_uring_prep_read(sqe, q->fd, q->buf, (unsigned)k3_io_span(q->offset, q->len), a);
+    io_uring_sqe_set_data(sqe, q);
+    int r = io_uring_submit(&io->ring);
+    if (r < 0) return k3_fail(err, K3_EXIT_RUNTIME, "io_uring submit failed: %s", strerror(-r));
+    io->inflight++;
+    return K3_OK;
+}
+
+int k3_io_complete(k3_io *io, k3_io_req **done, k3_err *err) {
+    *done = NULL;
+    if (io->ndone > 0) {
+        *done = io->done[0];
+        memmove(io->done, io->done + 1, (size_t)(--io->ndone) * sizeof *io->done);
+        return K3_OK;
+    }
+    if (io->inflight == 0) return k3_fail(err, K3_EXIT_RUNTIME, "k3_io_complete: nothing in flight");
+    struct io_uring_cqe *cqe;
+    double t0 = k3_now();
+    int w;
+    do w = io_uring_wait_cqe(&io->ring, &cqe);
+    while (w == -EINTR);
+    io->seconds += k3_now() - t0;
+    if (w < 0) return k3_fail(err, K3_EXIT_RUNTIME, "io_uring wait failed: %s", strerror(-w));
+    k3_io_req *q = io_uring_cqe_get_data(cqe);
+    int res = cqe->res;
+    io_uring_cqe_seen(&io->ring, cqe);
+    io->inflight--;
+    *done = q;
+    uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+    uint64_t span = k3_io_span(q->offset, q->len), need = q->offset - a + q->len;
+    if (res >= 0 && (uint64_t)res >= need) {
+        io->bytes += (uint64_t)res;
+        return K3_OK;
+    }
+    /* short or refused: finish this one synchronously (it reports EOF precisely) */
+    io->bytes += span;
+    return read_full(q->fd, q->buf, span, a, need, err);
 }

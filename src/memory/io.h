@@ -37,8 +37,17 @@ uint64_t k3_io_span(uint64_t offset, uint64_t len);
 /* Reads every request (any order of completion; submission sorted by fd then
  * offset). Short reads past end of file are an error naming the request. */
 int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err);
+/* Asynchronous use, from one thread at a time: k3_io_submit sends one request
+ * at once (at most `depth` may be outstanding; the request and its buffer must
+ * stay valid until it is completed); k3_io_complete waits for any one of them
+ * and returns it in *done (an error is that request's: *done is set). With the
+ * pread backend the read happens inside k3_io_submit. k3_io_free waits for
+ * requests still in flight. */
+int k3_io_submit(k3_io *io, k3_io_req *q, k3_err *err);
+int k3_io_complete(k3_io *io, k3_io_req **done, k3_err *err);
+int k3_io_inflight(const k3_io *io);  /* submitted, not yet returned by k3_io_complete */
 /* (Tests: K3_IO_FAIL_AFTER=N in the environment fails every read request
- * after the first N of the process with EIO.) */
+ * after the first N made while it is set with EIO.) */
 /* Cumulative bytes read from disk and seconds spent waiting in k3_io_read. */
 uint64_t k3_io_bytes(const k3_io *io);
 double k3_io_seconds(const k3_io *io);

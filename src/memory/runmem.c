@@ -117,7 +117,7 @@ int k3_runmem_attach(k3_runmem *rm, k3_model *m, k3_err *err) {
     rm->ix = NULL; /* owned by the stream now (freed on failure too) */
     rm->trunk = NULL;
     if (rc) return rc;
-    k3_model_set_source(m, k3_stream_source(rm->s));
+    if ((rc = k3_stream_attach(rm->s, m, err))) return rc;
     rm->last = k3_stream_get_stats(rm->s);
     rm->t_attach = rm->t_last = k3_now();
     return K3_OK;
@@ -168,7 +168,7 @@ static summary summarise(const k3_runmem *rm) {
     for (size_t i = 0; i < rm->nsteps; i++) s.run_s += rm->steps[i].secs;
     uint64_t bytes = s.st.trunk_read + s.st.expert_read;
     s.gb_read = (double)bytes / 1e9;
-    s.io_s = s.st.trunk_busy_s + s.st.expert_stall_s;
+    s.io_s = s.st.disk_busy_s; /* trunk and expert reads overlap: their union */
     s.mbps_io = s.io_s > 0 ? (double)bytes / 1e6 / s.io_s : 0;
     s.mbps_run = s.run_s > 0 ? (double)bytes / 1e6 / s.run_s : 0;
     s.hit_rate = s.st.requests ? (double)s.st.hits / (double)s.st.requests : 0;
@@ -192,8 +192,11 @@ void k3_runmem_summary(const k3_runmem *rm, FILE *f) {
             "forward calls\n",
             s.gb_read, (double)s.st.trunk_read / 1e9, (double)s.st.expert_read / 1e9, s.st.backend,
             s.st.direct ? " + O_DIRECT" : "", s.mbps_io, s.mbps_run, s.run_s);
-    fprintf(f, "k3: I/O share of the forward time: trunk waits %.1f%% (I/O thread busy %.1f%%), expert reads %.1f%%\n",
-            100 * s.st.trunk_stall_s / run, 100 * s.st.trunk_busy_s / run, 100 * s.st.expert_stall_s / run);
+    fprintf(f,
+            "k3: I/O share of the forward time: trunk waits %.1f%% (trunk reads in flight %.1f%%), expert reads %.1f%%; "
+            "disk busy %.1f%%\n",
+            100 * s.st.trunk_stall_s / run, 100 * s.st.trunk_busy_s / run, 100 * s.st.expert_stall_s / run,
+            100 * s.st.disk_busy_s / run);
     fprintf(f, "k3: peak RSS %.3f GB; plan %.3f GB + %.3f GB overhead\n", (double)s.rss / 1e9,
             (double)rm->plan->total / 1e9, (double)K3_PLAN_OVERHEAD / 1e9);
 }
@@ -242,6 +245,7 @@ void k3_runmem_json(const k3_runmem *rm, json_t *o) {
         json_object_set_new(sum, "trunk_wait_s", json_real(s.st.trunk_stall_s));
         json_object_set_new(sum, "trunk_io_busy_s", json_real(s.st.trunk_busy_s));
         json_object_set_new(sum, "expert_wait_s", json_real(s.st.expert_stall_s));
+        json_object_set_new(sum, "disk_busy_s", json_real(s.st.disk_busy_s));
         double run = s.run_s > 0 ? s.run_s : 1e-9;
         json_object_set_new(sum, "trunk_io_share", json_real(s.st.trunk_stall_s / run));
         json_object_set_new(sum, "expert_io_share", json_real(s.st.expert_stall_s / run));

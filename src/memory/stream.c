@@ -11,6 +11,8 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -20,8 +22,16 @@ void k3_stream_opts_init(k3_stream_opts *o) {
     o->cache_gb = -1;
     o->policy = XC_LFU;
     o->io_depth = 32;
+    o->trunk_depth = 4;
+    o->trunk_piece = 2u << 20;
+    o->expert_priority = true;
     const char *d = getenv("K3_DIRECT_IO");
     o->direct = !(d && !strcmp(d, "0"));
+    /* tuning knobs for measurements (bench_stream); the defaults are the measured best */
+    const char *e;
+    if ((e = getenv("K3_TRUNK_DEPTH")) && atoi(e) > 0) o->trunk_depth = atoi(e);
+    if ((e = getenv("K3_TRUNK_PIECE_KB")) && atoi(e) >= 4) o->trunk_piece = (uint64_t)atoi(e) << 10;
+    if ((e = getenv("K3_EXPERT_PRIORITY"))) o->expert_priority = strcmp(e, "0") != 0;
 }
 
 static uint64_t align4k(uint64_t x) { return (x + K3_IO_ALIGN - 1) & ~(uint64_t)(K3_IO_ALIGN - 1); }
@@ -60,19 +70,41 @@ typedef struct {
     uint64_t need;              /* buffer bytes */
 } xlayout;
 
-static int expert_layout(st_index *ix, const char *prefix, int L, int e, xlayout *x, k3_err *err) {
+/* The layer is bound without its experts (k3_bind_layer_no_experts), so their
+ * shapes and dtypes are checked here, as the binder would. */
+static int expert_shape(const st_tensor *t, st_dtype want, bool any_float, int64_t rows, int64_t cols, k3_err *err) {
+    if (any_float ? t->dtype != ST_BF16 && t->dtype != ST_F32 : t->dtype != want)
+        return k3_fail(err, K3_EXIT_DATA, "%s: dtype %s, expected %s", t->name, st_dtype_name(t->dtype),
+                       any_float ? "BF16 or F32 (F16 routed experts cannot be streamed)" : st_dtype_name(want));
+    if (t->rank != 2 || t->shape[0] != rows || t->shape[1] != cols)
+        return k3_fail(err, K3_EXIT_DATA, "%s: shape does not match the config: expected [%lld, %lld]", t->name,
+                       (long long)rows, (long long)cols);
+    return K3_OK;
+}
+
+static int expert_layout(const k3_config *c, st_index *ix, const char *prefix, int L, int e, xlayout *x,
+                         k3_err *err) {
     static const int wnum[3] = {1, 3, 2};
     memset(x, 0, sizeof *x);
     char name[512];
+    int group = c->mxfp4_group > 0 ? c->mxfp4_group : 32;
     for (int m = 0; m < 3; m++) {
+        int64_t rows = m == XW2 ? c->latent_dim : c->moe_inter, cols = m == XW2 ? c->moe_inter : c->latent_dim;
         int k = snprintf(name, sizeof name, "%slayers.%d.block_sparse_moe.experts.%d.w%d.weight_packed", prefix, L, e,
                          wnum[m]);
         if (k < 0 || (size_t)k >= sizeof name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
         const st_tensor *p = st_find(ix, name);
+        int rc;
         if (p) {
             snprintf(name + k - 6, sizeof name - (size_t)(k - 6), "scale");
             const st_tensor *s = st_find(ix, name);
             if (!s) return k3_fail(err, K3_EXIT_DATA, "missing tensor %s", name);
+            if (cols % 2 || cols % group)
+                return k3_fail(err, K3_EXIT_DATA, "%s: %lld inputs is not a multiple of the MXFP4 group %d", p->name,
+                               (long long)cols, group);
+            if ((rc = expert_shape(p, ST_U8, false, rows, cols / 2, err)) ||
+                (rc = expert_shape(s, ST_U8, false, rows, cols / group, err)))
+                return rc;
             x->data[m] = x->n;
             x->t[x->n++] = p;
             x->scale[m] = x->n;
@@ -84,9 +116,7 @@ static int expert_layout(st_index *ix, const char *prefix, int L, int e, xlayout
                 name[k - 7] = '_';
                 return k3_fail(err, K3_EXIT_DATA, "missing tensor %s", name);
             }
-            if (w->dtype != ST_BF16 && w->dtype != ST_F32)
-                return k3_fail(err, K3_EXIT_DATA, "%s: dtype %s: a streamed unquantised expert must be BF16 or F32",
-                               name, st_dtype_name(w->dtype));
+            if ((rc = expert_shape(w, ST_BF16, true, rows, cols, err))) return rc;
             x->data[m] = x->n;
             x->scale[m] = -1;
             x->t[x->n++] = w;
@@ -131,8 +161,8 @@ static int expert_layout(st_index *ix, const char *prefix, int L, int e, xlayout
 /* ---- the plan ------------------------------------------------------------------ */
 
 /* Bytes the binder allocates for a bound layer: widened small vectors (norm
- * gains, conv taps, biases, AttnRes queries), F16 matrices widened to F32, and
- * the table of expert matrices. */
+ * gains, conv taps, biases, AttnRes queries), F16 matrices widened to F32.
+ * (Layers are bound without their experts: no table of expert matrices.) */
 static uint64_t copies_of(const char *name, int rank, const int64_t *shape, st_dtype dt) {
     uint64_t numel = 1;
     for (int i = 0; i < rank; i++) numel *= (uint64_t)shape[i];
@@ -141,8 +171,6 @@ static uint64_t copies_of(const char *name, int rank, const int64_t *shape, st_d
 }
 
 static int layer_sizes(const k3_config *c, st_index *ix, const k3_trunk *trunk, k3_mem_plan *p, k3_err *err) {
-    uint64_t table = (uint64_t)c->num_experts * sizeof(k3_expert_w) + 64;
-    for (int L = 0; L < c->num_layers; L++) p->bind_bytes[L] = c->layer_dense[L] ? 0 : table;
     if (trunk) {
         for (int L = 0; L < c->num_layers; L++) {
             const k3_trunk_run *r = k3_trunk_run_for(trunk, L);
@@ -265,7 +293,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         if (c->layer_dense[L]) continue;
         for (int e = 0; e < c->num_experts; e++) {
             xlayout x;
-            if ((rc = expert_layout(ix, prefix, L, e, &x, err))) return rc;
+            if ((rc = expert_layout(c, ix, prefix, L, e, &x, err))) return rc;
             if (x.need > p->expert_buf) p->expert_buf = x.need;
         }
     }
@@ -343,7 +371,11 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
             o->preset ? "; " : "", (long long)p->max_pos);
     fprintf(f, "k3:   budget               %s\n", lim);
     mb_cell(b, sizeof b, p->head_bytes);
-    fprintf(f, "k3:   model-level tensors %s  head, final norms, embedding rows in use (mapped)\n", b);
+    if (p->streamed)
+        fprintf(f, "k3:   model-level tensors %s  head, final norms (read from trunk.bin), embedding rows in use "
+                   "(mapped from it)\n", b);
+    else
+        fprintf(f, "k3:   model-level tensors %s  head, final norms, embedding rows in use (mapped)\n", b);
     if (!p->streamed) {
         mb_cell(b, sizeof b, p->pinned_bytes);
         fprintf(f, "k3:   trunk resident      %s  %d layers mapped from the shards (no --trunk)\n", b, p->num_layers);
@@ -387,12 +419,19 @@ enum { SLOT_EMPTY = 0, SLOT_READING, SLOT_READY, SLOT_FAILED };
 typedef struct {
     int layer;                 /* layer held or being read, -1 none */
     int state;
-    bool pending;              /* a job for the I/O thread */
-    bool bound, in_use;
+    bool in_use;               /* between layer_get and layer_put */
     uint8_t *buf;
-    k3_layer_w w;
+    k3_layer_w w;              /* bound when READY */
     k3_owned owned;
-    k3_err err;
+    bool bound;
+    k3_err err;                /* when FAILED */
+    /* the read in progress (touched by the I/O thread only while READING) */
+    const k3_trunk_run *run;
+    k3_io_req *piece;          /* [maxpiece] */
+    uint8_t *piece_done;
+    int npiece, nsent, ndone, ncrc;
+    uint32_t crc;
+    bool failed;
 } ring_slot;
 
 struct k3_stream {
@@ -403,22 +442,37 @@ struct k3_stream {
     k3_trunk *trunk;
     const char *prefix;
     k3_weight_source src;
+    /* run 0 of a packed trunk: the model-level tensors */
+    const k3_trunk_run *run0;
+    uint8_t *head_buf;         /* every run-0 tensor but the embeddings, at head_pos[i] */
+    uint64_t *head_pos;        /* [run0->ntensors], UINT64_MAX for the embedding table */
+    void *emb_map;             /* trunk.bin mapped around the embedding table */
+    size_t emb_map_len;
+    const uint8_t *emb;        /* the embedding table inside emb_map */
+    char top_name[512];
     /* resident or pinned layers */
     k3_layer_w *lw;
     bool *have;
     uint8_t **pin_buf;
     k3_owned owned;
-    /* ring and its I/O thread */
+    /* ring and its I/O thread (the fields below mu are under it) */
     ring_slot slot[2];
-    int nslots;
+    int nslots, maxpiece;
+    uint64_t piece_bytes;      /* trunk reads are cut into pieces of this size */
+    int tdepth;                /* trunk pieces in flight */
     k3_io *tio;
     int tfd;
     pthread_t thr;
     bool thr_started, quit;
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    int want;                  /* the next streamed layer the model will ask for */
+    int xpending;              /* an expert batch is being read: send no trunk piece (atomic) */
+    int xprio;                 /* 1: expert batches pause the trunk reads (K3_EXPERT_PRIORITY=0: 0) */
+    int active;                /* disk users now: trunk pieces in flight (1) + an expert batch (1) */
+    double active_t0, disk_busy, trunk_busy, trunk_t0;
     uint64_t trunk_read;
-    double trunk_busy, trunk_stall;
+    double trunk_stall;
     /* experts */
     k3_io *xio;
     int *sfd;                  /* per shard, -1 until opened */
@@ -441,8 +495,6 @@ struct k3_stream {
     bool poisoned;
     k3_err poison;
 };
-
-static _Alignas(64) const uint8_t dummy_bytes[64];
 
 /* ---- binding a layer -------------------------------------------------------------- */
 
@@ -468,18 +520,6 @@ static int bind_lookup(void *vctx, int layer, const char *name, k3_tensor *t, k3
     int k = snprintf(c->name, sizeof c->name, "%slayers.%d.%s", s->prefix, layer, name);
     if (k < 0 || (size_t)k >= sizeof c->name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
     t->where = c->name;
-    if (!strncmp(name, "block_sparse_moe.experts.", 25)) {
-        /* the binder checks the expert's shapes and dtypes; its bytes are read
-         * per batch (experts_get), so the bound pointer is a placeholder */
-        const st_tensor *st = st_find(s->ix, c->name);
-        if (!st) return 1;
-        int rc = fill_from_st(st, t, err);
-        if (rc) return rc;
-        if (st->dtype == ST_F16)
-            return k3_fail(err, K3_EXIT_DATA, "%s: F16 routed experts cannot be streamed (BF16, F32 or MXFP4)", c->name);
-        t->data = dummy_bytes;
-        return K3_OK;
-    }
     if (c->run) {
         for (int i = 0; i < c->run->ntensors; i++) {
             const k3_trunk_tensor *tt = &c->run->tensors[i];
@@ -506,19 +546,19 @@ static int bind_lookup(void *vctx, int layer, const char *name, k3_tensor *t, k3
 static int bind_from(k3_stream *s, int L, const k3_trunk_run *run, const uint8_t *base, k3_layer_w *w,
                      k3_owned *owned, k3_err *err) {
     bind_ctx c = {.s = s, .run = run, .base = base};
-    return k3_bind_layer(&s->cfg, L, bind_lookup, &c, w, owned, err);
+    return k3_bind_layer_no_experts(&s->cfg, L, bind_lookup, &c, w, owned, err);
 }
 
-/* Reads a trunk run into buf (aligned, align4k(run->bytes) long) in 16 MiB
- * pieces kept in flight together, then checks its CRC-32C. */
-#define PIECE (16u << 20)
+/* Reads a trunk run into buf (aligned, align4k(run->bytes) long) in pieces
+ * kept in flight together, then checks its CRC-32C (pinning at open). */
 static int read_run(k3_stream *s, k3_io *io, const k3_trunk_run *run, uint8_t *buf, k3_err *err) {
-    size_t n = (size_t)((run->bytes + PIECE - 1) / PIECE);
+    uint64_t P = s->piece_bytes;
+    size_t n = (size_t)((run->bytes + P - 1) / P);
     k3_io_req *rq = xcalloc(n ? n : 1, sizeof *rq);
     for (size_t i = 0; i < n; i++) {
-        uint64_t off = (uint64_t)i * PIECE;
+        uint64_t off = (uint64_t)i * P;
         rq[i] = (k3_io_req){.fd = s->tfd, .offset = run->offset + off,
-                            .len = run->bytes - off < PIECE ? run->bytes - off : PIECE, .buf = buf + off};
+                            .len = run->bytes - off < P ? run->bytes - off : P, .buf = buf + off};
     }
     int rc = k3_io_read(io, rq, n, err);
     free(rq);
@@ -533,36 +573,144 @@ static int read_run(k3_stream *s, k3_io *io, const k3_trunk_run *run, uint8_t *b
     return K3_OK;
 }
 
-/* ---- the I/O thread ------------------------------------------------------------------ */
+/* ---- run 0: the model-level tensors -------------------------------------------------
+ * With a packed trunk the model's head, final norm and output AttnRes come from
+ * run 0 of trunk.bin, not the shards. Run 0 is read once at open (O_DIRECT, in
+ * pieces through a bounce buffer) and its CRC checked over every byte, the
+ * embedding table's included; every tensor but the embeddings is kept in one
+ * aligned buffer (the plan's "head"), and the embedding table is mapped from
+ * trunk.bin, so only the rows of the tokens in use become resident (as they
+ * did when it was mapped from the shards). */
+static bool is_embedding(const char *name) {
+    size_t n = strlen(name), k = strlen("embed_tokens.weight");
+    return n >= k && !strcmp(name + n - k, "embed_tokens.weight");
+}
 
-static void *io_main(void *arg) {
-    k3_stream *s = arg;
-    pthread_mutex_lock(&s->mu);
-    for (;;) {
-        ring_slot *job = NULL;
-        while (!s->quit) {
-            for (int i = 0; i < s->nslots; i++)
-                if (s->slot[i].pending) job = &s->slot[i];
-            if (job) break;
-            pthread_cond_wait(&s->cv, &s->mu);
+static int load_run0(k3_stream *s, k3_err *err) {
+    const k3_trunk_run *run = k3_trunk_run_for(s->trunk, K3_TRUNK_MODEL_RUN);
+    if (!run) return k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: no run for the model-level tensors", s->trunk->dir);
+    s->run0 = run;
+    s->head_pos = xmalloc_array((size_t)(run->ntensors ? run->ntensors : 1), sizeof *s->head_pos);
+    uint64_t hb = 0;
+    const k3_trunk_tensor *emb = NULL;
+    for (int i = 0; i < run->ntensors; i++) {
+        const k3_trunk_tensor *tt = &run->tensors[i];
+        if (is_embedding(tt->name) && !emb) {
+            emb = tt;
+            s->head_pos[i] = UINT64_MAX;
+            continue;
         }
-        if (s->quit) break;
-        job->pending = false;
-        const k3_trunk_run *run = k3_trunk_run_for(s->trunk, job->layer);
-        pthread_mutex_unlock(&s->mu);
-        k3_err err = {0};
-        double t0 = k3_now();
-        uint64_t b0 = k3_io_bytes(s->tio);
-        int rc = read_run(s, s->tio, run, job->buf, &err);
-        double dt = k3_now() - t0;
-        pthread_mutex_lock(&s->mu);
-        s->trunk_busy += dt;
-        s->trunk_read += k3_io_bytes(s->tio) - b0;
-        job->state = rc ? SLOT_FAILED : SLOT_READY;
-        if (rc) job->err = err;
-        pthread_cond_broadcast(&s->cv);
+        hb = (hb + 63) & ~(uint64_t)63;
+        s->head_pos[i] = hb;
+        hb += tt->nbytes;
     }
-    pthread_mutex_unlock(&s->mu);
+    s->head_buf = k3_io_alloc(hb ? hb : 64);
+    /* read the run in pieces, a batch at a time; CRC in order; keep the head */
+    uint64_t P = s->piece_bytes, batch = 8 * P;
+    if (batch > align4k(run->bytes)) batch = align4k(run->bytes);
+    if (batch < P) batch = P;
+    uint8_t *bounce = k3_io_alloc(batch + K3_IO_ALIGN);
+    k3_io_req rq[8];
+    uint32_t crc = 0;
+    int rc = K3_OK;
+    for (uint64_t at = 0; at < run->bytes && !rc; at += batch) {
+        size_t n = 0;
+        for (uint64_t o = at; o < at + batch && o < run->bytes; o += P, n++) {
+            uint64_t len = run->bytes - o < P ? run->bytes - o : P;
+            if (o + len > at + batch) len = at + batch - o;
+            rq[n] = (k3_io_req){.fd = s->tfd, .offset = run->offset + o, .len = len, .buf = bounce + (o - at)};
+        }
+        if ((rc = k3_io_read(s->tio, rq, n, err))) {
+            char m[sizeof err->msg];
+            snprintf(m, sizeof m, "%s", err->msg);
+            k3_fail(err, rc, "%s: model-level tensors: %s", s->trunk->bin_path, m);
+            break;
+        }
+        for (size_t q = 0; q < n; q++) {
+            const uint8_t *d = rq[q].data;
+            uint64_t lo = rq[q].offset - run->offset, hi = lo + rq[q].len;
+            crc = k3_crc32c(crc, d, rq[q].len);
+            for (int i = 0; i < run->ntensors; i++) {
+                const k3_trunk_tensor *tt = &run->tensors[i];
+                if (s->head_pos[i] == UINT64_MAX) continue;
+                uint64_t a = tt->offset > lo ? tt->offset : lo, b = tt->offset + tt->nbytes < hi ? tt->offset + tt->nbytes : hi;
+                if (a < b) memcpy(s->head_buf + s->head_pos[i] + (a - tt->offset), d + (a - lo), b - a);
+            }
+        }
+    }
+    free(bounce);
+    if (!rc && crc != run->crc)
+        rc = k3_fail(err, K3_EXIT_DATA, "%s: the run for the model-level tensors fails its checksum (re-pack the trunk)",
+                     s->trunk->bin_path);
+    if (rc || !emb) return rc;
+    /* the embedding table: mapped, only the rows in use are touched */
+    int fd = open(s->trunk->bin_path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", s->trunk->bin_path, strerror(errno));
+    uint64_t off = run->offset + emb->offset, page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t start = off / page * page;
+    s->emb_map_len = (size_t)(off - start + emb->nbytes);
+    s->emb_map = mmap(NULL, s->emb_map_len, PROT_READ, MAP_SHARED, fd, (off_t)start);
+    int e = errno;
+    close(fd);
+    if (s->emb_map == MAP_FAILED) {
+        s->emb_map = NULL;
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot map the embedding table: %s", s->trunk->bin_path, strerror(e));
+    }
+    s->emb = (const uint8_t *)s->emb_map + (off - start);
+    return K3_OK;
+}
+
+/* The model-level lookup over run 0 (k3_model_bind_top). */
+static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err) {
+    k3_stream *s = ctx;
+    int k;
+    if (layer >= 0) return k3_fail(err, K3_EXIT_RUNTIME, "top_lookup: layer %d", layer);
+    if (!strcmp(name, "lm_head.weight")) /* beside the model, not under its prefix */
+        k = snprintf(s->top_name, sizeof s->top_name, "%slm_head.weight",
+                     !strcmp(s->prefix, "model.") ? "" : "language_model.");
+    else
+        k = snprintf(s->top_name, sizeof s->top_name, "%s%s", s->prefix, name);
+    if (k < 0 || (size_t)k >= sizeof s->top_name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
+    t->where = s->top_name;
+    for (int i = 0; i < s->run0->ntensors; i++) {
+        const k3_trunk_tensor *tt = &s->run0->tensors[i];
+        if (strcmp(tt->name, s->top_name)) continue;
+        if (tdtype(tt->dtype, &t->dtype))
+            return k3_fail(err, K3_EXIT_DATA, "%s: dtype %s is not used by K3", tt->name, st_dtype_name(tt->dtype));
+        if (tt->rank > 4) return k3_fail(err, K3_EXIT_DATA, "%s: rank %d is not used by K3", tt->name, tt->rank);
+        t->rank = tt->rank;
+        for (int d = 0; d < tt->rank; d++) t->shape[d] = tt->shape[d];
+        t->data = s->head_pos[i] == UINT64_MAX ? s->emb : s->head_buf + s->head_pos[i];
+        return K3_OK;
+    }
+    return 1;
+}
+
+/* ---- the ring and its I/O thread ------------------------------------------------------
+ * The model asks for the streamed layers in a fixed cycle (P..NL-1, then P
+ * again for the next forward call), so the I/O thread knows what comes next:
+ * it keeps the next nslots layers of the cycle from `want` (the layer the
+ * model asks for next, or uses now) in the slots, reading each as soon as a
+ * slot holds nothing wanted (the moment layer_put frees it), in pieces with
+ * up to tdepth in flight, checking the CRC piece by piece as they arrive and
+ * binding the layer before it is marked READY. The disk is shared with the
+ * expert batches, which cannot wait (the model stalls on them, a trunk read
+ * ahead can): while one is read (xpending) no further trunk piece is sent, so
+ * a batch waits behind at most tdepth pieces instead of a whole layer. */
+
+static int succ(const k3_stream *s, int L) { return L + 1 < s->cfg.num_layers ? L + 1 : s->plan->pinned; }
+
+/* Under mu. */
+static bool is_wanted(const k3_stream *s, int L) {
+    int x = s->want;
+    for (int i = 0; i < s->nslots; i++, x = succ(s, x))
+        if (x == L) return true;
+    return false;
+}
+
+static ring_slot *holding(k3_stream *s, int L) {
+    for (int i = 0; i < s->nslots; i++)
+        if (s->slot[i].layer == L && s->slot[i].state != SLOT_EMPTY) return &s->slot[i];
     return NULL;
 }
 
@@ -572,13 +720,155 @@ static void slot_unbind(ring_slot *sl) {
     sl->bound = false;
 }
 
-/* Under s->mu: queue a read of layer L into slot sl. */
-static void slot_start(k3_stream *s, ring_slot *sl, int L) {
-    slot_unbind(sl);
-    sl->layer = L;
-    sl->state = SLOT_READING;
-    sl->pending = true;
-    pthread_cond_broadcast(&s->cv);
+/* Disk-busy accounting (under mu): the union of trunk reads and expert batches. */
+static void disk_use(k3_stream *s, int d) {
+    double now = k3_now();
+    if (s->active == 0 && d > 0) s->active_t0 = now;
+    s->active += d;
+    if (s->active == 0) s->disk_busy += now - s->active_t0;
+}
+
+/* Under mu: a slot for every wanted layer that no slot holds. */
+static void assign_reads(k3_stream *s) {
+    int x = s->want;
+    for (int i = 0; i < s->nslots; i++, x = succ(s, x)) {
+        if (holding(s, x)) continue;
+        ring_slot *f = NULL;
+        for (int j = 0; j < s->nslots && !f; j++) {
+            ring_slot *c = &s->slot[j];
+            if (!c->in_use && c->state != SLOT_READING && (c->state == SLOT_EMPTY || !is_wanted(s, c->layer))) f = c;
+        }
+        if (!f) return;
+        slot_unbind(f);
+        const k3_trunk_run *run = k3_trunk_run_for(s->trunk, x);
+        f->layer = x;
+        f->state = SLOT_READING;
+        f->run = run;
+        f->npiece = (int)((run->bytes + s->piece_bytes - 1) / s->piece_bytes);
+        f->nsent = f->ndone = f->ncrc = 0;
+        f->crc = 0;
+        f->failed = false;
+        memset(f->piece_done, 0, (size_t)s->maxpiece);
+        for (int k = 0; k < f->npiece; k++) {
+            uint64_t off = (uint64_t)k * s->piece_bytes;
+            f->piece[k] = (k3_io_req){.fd = s->tfd, .offset = run->offset + off,
+                                      .len = run->bytes - off < s->piece_bytes ? run->bytes - off : s->piece_bytes,
+                                      .buf = f->buf + off};
+        }
+    }
+}
+
+/* Under mu: the reading slot to send from, earliest in the cycle first. */
+static ring_slot *next_to_send(k3_stream *s) {
+    int x = s->want;
+    for (int i = 0; i < s->nslots; i++, x = succ(s, x)) {
+        ring_slot *sl = holding(s, x);
+        if (sl && sl->state == SLOT_READING && !sl->failed && sl->nsent < sl->npiece) return sl;
+    }
+    return NULL;
+}
+
+static void piece_failed(ring_slot *sl, const k3_err *e) {
+    if (!sl->failed) sl->err = *e;
+    sl->failed = true;
+}
+
+/* Not under mu (the slot is the I/O thread's while READING): CRC of the
+ * pieces that have arrived in order; at the end, the check and the binding. */
+static bool slot_progress(k3_stream *s, ring_slot *sl) {
+    while (!sl->failed && sl->ncrc < sl->npiece && sl->piece_done[sl->ncrc]) {
+        const k3_io_req *q = &sl->piece[sl->ncrc];
+        sl->crc = k3_crc32c(sl->crc, q->data, q->len);
+        sl->ncrc++;
+    }
+    bool finished = sl->failed ? sl->ndone == sl->nsent : sl->ncrc == sl->npiece;
+    if (!finished || sl->failed) return finished;
+    k3_err e = {0};
+    if (sl->crc != sl->run->crc) {
+        k3_fail(&e, K3_EXIT_DATA, "%s: the run for layer %d fails its checksum (re-pack the trunk)",
+                s->trunk->bin_path, sl->layer);
+        piece_failed(sl, &e);
+    } else if (bind_from(s, sl->layer, sl->run, sl->buf, &sl->w, &sl->owned, &e)) {
+        k3_owned_free(&sl->owned);
+        piece_failed(sl, &e);
+    } else {
+        sl->bound = true;
+    }
+    return true;
+}
+
+static void *io_main(void *arg) {
+    k3_stream *s = arg;
+    pthread_mutex_lock(&s->mu);
+    while (!s->quit) {
+        assign_reads(s);
+        ring_slot *sl;
+        while (k3_io_inflight(s->tio) < s->tdepth && !__atomic_load_n(&s->xpending, __ATOMIC_ACQUIRE) &&
+               (sl = next_to_send(s))) {
+            k3_io_req *q = &sl->piece[sl->nsent++];
+            k3_err e = {0};
+            bool first = k3_io_inflight(s->tio) == 0;
+            if (k3_io_submit(s->tio, q, &e)) {
+                char m[sizeof e.msg];
+                snprintf(m, sizeof m, "%s", e.msg);
+                k3_fail(&e, e.code, "%s: layer %d: %s", s->trunk->bin_path, sl->layer, m);
+                piece_failed(sl, &e);
+                sl->ndone++;
+                continue;
+            }
+            if (first) {
+                disk_use(s, 1);
+                s->trunk_t0 = k3_now();
+            }
+        }
+        /* a slot that failed with nothing in flight is finished now */
+        for (int i = 0; i < s->nslots; i++) {
+            ring_slot *f = &s->slot[i];
+            if (f->state == SLOT_READING && f->failed && f->ndone == f->nsent) {
+                f->state = SLOT_FAILED;
+                pthread_cond_broadcast(&s->cv);
+            }
+        }
+        if (k3_io_inflight(s->tio) == 0) {
+            pthread_cond_wait(&s->cv, &s->mu);
+            continue;
+        }
+        pthread_mutex_unlock(&s->mu);
+        k3_io_req *d = NULL;
+        k3_err e = {0};
+        int rc = k3_io_complete(s->tio, &d, &e);
+        ring_slot *owner = NULL;
+        for (int i = 0; i < s->nslots && d; i++)
+            if (d >= s->slot[i].piece && d < s->slot[i].piece + s->maxpiece) owner = &s->slot[i];
+        bool finished = false;
+        if (owner) {
+            if (rc) {
+                char m[sizeof e.msg];
+                snprintf(m, sizeof m, "%s", e.msg);
+                k3_fail(&e, rc, "%s: layer %d: %s", s->trunk->bin_path, owner->layer, m);
+                piece_failed(owner, &e);
+            }
+            owner->piece_done[d - owner->piece] = 1;
+            owner->ndone++;
+            finished = slot_progress(s, owner);
+        }
+        pthread_mutex_lock(&s->mu);
+        if (owner) s->trunk_read += k3_io_span(d->offset, d->len);
+        if (k3_io_inflight(s->tio) == 0) {
+            disk_use(s, -1);
+            s->trunk_busy += k3_now() - s->trunk_t0;
+        }
+        if (!owner && rc) { /* cannot happen: a completion that is not ours */
+            s->quit = true;
+            break;
+        }
+        if (finished) {
+            owner->state = owner->failed ? SLOT_FAILED : SLOT_READY;
+            pthread_cond_broadcast(&s->cv);
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
 }
 
 static int poison(k3_stream *s, const k3_err *err) {
@@ -604,22 +894,20 @@ static int stream_layer_get(void *ctx, int L, const k3_layer_w **w, k3_err *err)
         *w = &s->lw[L];
         return K3_OK;
     }
-    int NL = s->cfg.num_layers, P = s->plan->pinned;
     pthread_mutex_lock(&s->mu);
-    ring_slot *sl = NULL;
-    for (int i = 0; i < s->nslots; i++)
-        if (s->slot[i].layer == L && s->slot[i].state != SLOT_EMPTY) sl = &s->slot[i];
-    if (!sl) { /* not read ahead (first layer streamed, or one slot): read it now */
-        for (int i = 0; i < s->nslots && !sl; i++)
-            if (!s->slot[i].in_use && s->slot[i].state != SLOT_READING) sl = &s->slot[i];
-        if (!sl) {
-            pthread_mutex_unlock(&s->mu);
-            return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: no free ring slot (layers out of order?)", L);
-        }
-        slot_start(s, sl, L);
+    if (s->want != L) { /* out of the cycle (never in a normal pass): read it first */
+        s->want = L;
+        pthread_cond_broadcast(&s->cv);
     }
     double t0 = k3_now();
-    while (sl->state == SLOT_READING) pthread_cond_wait(&s->cv, &s->mu);
+    ring_slot *sl;
+    while (!(sl = holding(s, L)) || sl->state == SLOT_READING) {
+        if (s->quit) {
+            pthread_mutex_unlock(&s->mu);
+            return poison(s, &(k3_err){.code = K3_EXIT_RUNTIME, .msg = "the trunk I/O thread stopped"});
+        }
+        pthread_cond_wait(&s->cv, &s->mu);
+    }
     s->trunk_stall += k3_now() - t0;
     if (sl->state == SLOT_FAILED) {
         k3_err e = sl->err;
@@ -630,23 +918,7 @@ static int stream_layer_get(void *ctx, int L, const k3_layer_w **w, k3_err *err)
         return poison(s, &e);
     }
     sl->in_use = true;
-    /* read the next streamed layer into the other slot while this one computes */
-    if (s->nslots == 2) {
-        int next = L + 1 < NL ? L + 1 : P;
-        ring_slot *o = sl == &s->slot[0] ? &s->slot[1] : &s->slot[0];
-        if (next != L && !o->in_use && o->state != SLOT_READING && !(o->layer == next && o->state == SLOT_READY))
-            slot_start(s, o, next);
-    }
     pthread_mutex_unlock(&s->mu);
-    if (!sl->bound) {
-        int rc = bind_from(s, L, k3_trunk_run_for(s->trunk, L), sl->buf, &sl->w, &sl->owned, err);
-        if (rc) {
-            k3_owned_free(&sl->owned);
-            sl->in_use = false;
-            return poison(s, err);
-        }
-        sl->bound = true;
-    }
     *w = &sl->w;
     return K3_OK;
 }
@@ -657,6 +929,8 @@ static void stream_layer_put(void *ctx, int L) {
     pthread_mutex_lock(&s->mu);
     for (int i = 0; i < s->nslots; i++)
         if (s->slot[i].layer == L) s->slot[i].in_use = false;
+    s->want = succ(s, L); /* frees L's slot for the layer after the next */
+    pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -728,7 +1002,7 @@ static int stream_experts_get(void *ctx, int L, const int *ids, int n, k3_expert
         s->inuse[b] = 1;
         s->bb[i] = b;
         xlayout x;
-        if ((rc = expert_layout(s->ix, s->prefix, L, e, &x, err))) break;
+        if ((rc = expert_layout(&s->cfg, s->ix, s->prefix, L, e, &x, err))) break;
         uint8_t *buf = s->pool + (uint64_t)b * s->plan->expert_buf;
         int fd = shard_fd(s, x.t[0]->shard, err);
         if (fd < 0) { rc = err->code; break; }
@@ -754,7 +1028,17 @@ static int stream_experts_get(void *ctx, int L, const int *ids, int n, k3_expert
     }
     if (!rc && nreq) {
         double t0 = k3_now();
+        /* the trunk I/O thread sends no new piece until this batch is in */
+        pthread_mutex_lock(&s->mu);
+        __atomic_store_n(&s->xpending, s->xprio, __ATOMIC_RELEASE);
+        disk_use(s, 1);
+        pthread_mutex_unlock(&s->mu);
         rc = k3_io_read(s->xio, s->reqs, nreq, err);
+        pthread_mutex_lock(&s->mu);
+        __atomic_store_n(&s->xpending, 0, __ATOMIC_RELEASE);
+        disk_use(s, -1);
+        pthread_cond_broadcast(&s->cv);
+        pthread_mutex_unlock(&s->mu);
         s->expert_stall += k3_now() - t0;
         if (rc) {
             char m[sizeof err->msg];
@@ -762,7 +1046,7 @@ static int stream_experts_get(void *ctx, int L, const int *ids, int n, k3_expert
             /* name the shard that holds this layer's first expert */
             xlayout x;
             k3_err e2 = {0};
-            if (!expert_layout(s->ix, s->prefix, L, ids[0], &x, &e2))
+            if (!expert_layout(&s->cfg, s->ix, s->prefix, L, ids[0], &x, &e2))
                 k3_fail(err, rc, "%s: routed experts of layer %d: %s", st_shard_at(s->ix, x.t[0]->shard)->path, L, m);
         }
     }
@@ -773,7 +1057,7 @@ static int stream_experts_get(void *ctx, int L, const int *ids, int n, k3_expert
     }
     for (int i = 0; i < n; i++) {
         xlayout x;
-        if ((rc = expert_layout(s->ix, s->prefix, L, ids[i], &x, err))) return poison(s, err);
+        if ((rc = expert_layout(&s->cfg, s->ix, s->prefix, L, ids[i], &x, err))) return poison(s, err);
         const uint8_t *buf = s->pool + (uint64_t)s->bb[i] * s->plan->expert_buf;
         make_mat(s, &x, XW1, buf, c->moe_inter, c->latent_dim, &ex[i].w1);
         make_mat(s, &x, XW3, buf, c->moe_inter, c->latent_dim, &ex[i].w3);
@@ -807,6 +1091,9 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
     s->trunk = trunk;
     s->prefix = name_prefix(ix);
     s->tfd = -1;
+    s->tdepth = o->trunk_depth > 0 ? o->trunk_depth : 4;
+    s->piece_bytes = o->trunk_piece >= K3_IO_ALIGN ? o->trunk_piece / K3_IO_ALIGN * K3_IO_ALIGN : (2u << 20);
+    s->xprio = o->expert_priority ? 1 : 0;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     int NL = cfg->num_layers, rc = K3_OK;
@@ -821,8 +1108,9 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
     /* trunk */
     if (trunk) {
         if ((rc = k3_trunk_check_source(trunk, ix, err))) goto fail;
-        s->tio = k3_io_new(8, o->direct);
+        s->tio = k3_io_new(s->tdepth, o->direct);
         if ((rc = k3_io_open(s->tio, trunk->bin_path, &s->tfd, NULL, err))) goto fail;
+        if ((rc = load_run0(s, err))) goto fail;
         uint64_t total = 0, done = 0;
         for (int L = 0; L < plan->pinned; L++) total += plan->layer_bytes[L];
         k3_progress pr;
@@ -838,11 +1126,15 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         }
         k3_progress_finish(&pr);
         s->nslots = plan->ring_slots;
+        s->want = plan->pinned;
+        s->maxpiece = (int)((plan->slot_bytes + s->piece_bytes - 1) / s->piece_bytes);
         for (int i = 0; i < s->nslots; i++) {
             s->slot[i].layer = -1;
             s->slot[i].buf = k3_io_alloc(plan->slot_bytes);
+            s->slot[i].piece = xcalloc((size_t)s->maxpiece, sizeof *s->slot[i].piece);
+            s->slot[i].piece_done = xcalloc((size_t)s->maxpiece, 1);
         }
-        if (s->nslots) {
+        if (s->nslots) { /* it starts reading the first streamed layers now */
             if (pthread_create(&s->thr, NULL, io_main, s) != 0) {
                 rc = k3_fail(err, K3_EXIT_RUNTIME, "cannot start the trunk I/O thread");
                 goto fail;
@@ -896,11 +1188,21 @@ fail:
 
 const k3_weight_source *k3_stream_source(k3_stream *s) { return &s->src; }
 
+int k3_stream_attach(k3_stream *s, k3_model *m, k3_err *err) {
+    if (s->run0) {
+        int rc = k3_model_bind_top(m, top_lookup, s, err);
+        if (rc) return rc;
+    }
+    k3_model_set_source(m, &s->src);
+    return K3_OK;
+}
+
 k3_stream_stats k3_stream_get_stats(const k3_stream *s) {
     k3_stream_stats st = {0};
     pthread_mutex_lock((pthread_mutex_t *)&s->mu);
     st.trunk_read = s->trunk_read;
     st.trunk_busy_s = s->trunk_busy;
+    st.disk_busy_s = s->disk_busy + (s->active ? k3_now() - s->active_t0 : 0);
     pthread_mutex_unlock((pthread_mutex_t *)&s->mu);
     st.steps = s->steps;
     st.trunk_stall_s = s->trunk_stall;
@@ -932,15 +1234,22 @@ void k3_stream_free(k3_stream *s) {
         pthread_mutex_unlock(&s->mu);
         pthread_join(s->thr, NULL);
     }
+    k3_io_free(s->tio); /* waits for pieces still in flight into the slots */
+    s->tio = NULL;
     for (int i = 0; i < 2; i++) {
         slot_unbind(&s->slot[i]);
         free(s->slot[i].buf);
+        free(s->slot[i].piece);
+        free(s->slot[i].piece_done);
     }
     if (s->tracing) {
         k3_err e = {0};
         xc_trace_close(&s->trace, &e);
     }
     k3_owned_free(&s->owned);
+    free(s->head_buf);
+    free(s->head_pos);
+    if (s->emb_map) munmap(s->emb_map, s->emb_map_len);
     for (int L = 0; L < s->cfg.num_layers; L++) free(s->pin_buf[L]);
     free(s->pin_buf);
     free(s->lw);

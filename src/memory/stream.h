@@ -42,6 +42,9 @@ typedef struct {
     int chunk;               /* prefill chunk; 0: default (64, reduced to fit) */
     xc_policy policy;        /* expert cache policy (LFU) */
     int io_depth;            /* expert reads in flight (32) */
+    int trunk_depth;         /* trunk pieces in flight (4; K3_TRUNK_DEPTH) */
+    uint64_t trunk_piece;    /* bytes per trunk read (2 MiB; K3_TRUNK_PIECE_KB) */
+    bool expert_priority;    /* expert batches pause trunk reads (K3_EXPERT_PRIORITY=0: no) */
     bool direct;             /* O_DIRECT (default; K3_DIRECT_IO=0 turns it off) */
     const char *trace_dir;   /* --dump-cache-trace DIR, or NULL */
     uint64_t mem_limit;      /* refuse plans above this (0: MemAvailable) */
@@ -95,13 +98,18 @@ typedef struct k3_stream k3_stream;
 int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3_mem_plan *plan,
                    const k3_stream_opts *o, k3_stream **out, k3_err *err);
 const k3_weight_source *k3_stream_source(k3_stream *s);
+/* Makes m (opened top_only) take its layers and experts from s and, with a
+ * packed trunk, its model-level tensors from run 0 of trunk.bin (read and
+ * CRC-checked at open; the model must be freed before s). */
+int k3_stream_attach(k3_stream *s, k3_model *m, k3_err *err);
 void k3_stream_free(k3_stream *s);
 
 typedef struct {
     uint64_t steps;              /* forward passes over the layers */
     uint64_t trunk_read;         /* bytes read for streamed layers */
     uint64_t expert_read;        /* bytes read for experts */
-    double trunk_busy_s;         /* I/O thread reading and checking runs */
+    double trunk_busy_s;         /* time with trunk reads in flight */
+    double disk_busy_s;          /* time with any read in flight (trunk or experts) */
     double trunk_stall_s;        /* compute waiting for a layer */
     double expert_stall_s;       /* compute waiting for expert reads */
     uint64_t requests, hits, resident_hits, misses, evictions;

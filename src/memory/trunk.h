@@ -7,8 +7,8 @@
  * 64-byte boundary, so that one aligned O_DIRECT read brings a whole layer and
  * its tensors can be used in place. TRUNK_DIR/trunk.json indexes the runs
  * (offset, bytes, CRC-32C), the tensors inside them (name, dtype, shape,
- * offset within the run) and the source checkpoint's identity (an FNV-1a hash
- * over every shard's name, size and header bytes and a sample of every trunk
+ * offset within the run) and the source checkpoint's identity (a hash over
+ * every shard's name, size and header bytes and a sample of every trunk
  * tensor's data), so a trunk packed from a different checkpoint is refused. trunk.json is written last: a directory
  * without it is an interrupted pack, and packing again starts clean. */
 #ifndef K3_MEMORY_TRUNK_H
@@ -40,7 +40,8 @@ typedef struct {
 
 typedef struct {
     char *dir, *bin_path;
-    char identity[17];        /* hex FNV-1a of the source shards */
+    char identity[17];        /* hex hash of the source shards */
+    int identity_scheme;      /* 1 (FNV-1a, older packs) or 2 */
     uint64_t file_size;
     k3_trunk_run *runs;       /* runs[0] is the model-level run, then layers 0..L-1 */
     int nruns;
@@ -50,10 +51,17 @@ typedef struct {
 bool k3_trunk_wants(const char *name);
 /* Layer index of a released name ("...layers.12....") or -1. */
 int k3_trunk_layer_of(const char *name);
-/* Identity of a checkpoint: hex FNV-1a over shard names, sizes and headers,
- * and the first and last 64 bytes of every trunk tensor (so another checkpoint
- * with the same shapes, e.g. a fine-tune, has another identity). */
+/* Identity of a checkpoint: a 64-bit hash (hex) over shard names, sizes and
+ * headers, and the first and last 64 bytes of every trunk tensor (so another
+ * checkpoint with the same shapes, e.g. a fine-tune, has another identity).
+ * Scheme 1 hashes with FNV-1a (trunks packed before scheme 2), scheme 2 with
+ * a faster multi-lane hash over the same bytes; new packs use
+ * K3_IDENTITY_SCHEME. The samples are merged into few reads that go out
+ * together; the value does not depend on how they are read. */
+#define K3_IDENTITY_SCHEME 2
 int k3_checkpoint_identity(st_index *ix, char out[17], k3_err *err);
+typedef struct { uint64_t reads, bytes; } k3_identity_stats;  /* what it read */
+int k3_checkpoint_identity_ex(st_index *ix, int scheme, char out[17], k3_identity_stats *stats, k3_err *err);
 
 /* Packs model_dir's trunk into trunk_dir (created if needed). Progress on
  * stderr. Atomic: trunk.bin and trunk.json appear only when complete. */

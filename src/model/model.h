@@ -222,6 +222,17 @@ bool k3_peer_name(int layer, bool with_layer_prefix, const char *name, char *buf
 typedef struct { void **ptrs; size_t n, cap; uint64_t bytes; } k3_owned;
 int k3_bind_layer(const k3_config *cfg, int L, k3_lookup_fn fn, void *ctx, k3_layer_w *w,
                   k3_owned *owned, k3_err *err);
+/* The same without the routed experts, for a weight source that serves them
+ * (experts_get): their tensors are not looked up (N_e x 6 lookups, most of a
+ * MoE layer's binding time) and moe.experts stays NULL. The source checks the
+ * experts' shapes and dtypes itself. */
+int k3_bind_layer_no_experts(const k3_config *cfg, int L, k3_lookup_fn fn, void *ctx, k3_layer_w *w,
+                             k3_owned *owned, k3_err *err);
+/* Binds the model-level tensors (embed_tokens, lm_head, norm, the output
+ * AttnRes; layer -1 of the lookup) again from fn, checking them as at open,
+ * e.g. from a packed trunk instead of the shards (issue 4). fn's data must
+ * outlive the model. The earlier tensors are no longer used. */
+int k3_model_bind_top(k3_model *m, k3_lookup_fn fn, void *ctx, k3_err *err);
 void k3_owned_free(k3_owned *o);
 /* Records p (malloc'd, `bytes` long) in o and returns it. */
 void *k3_own(k3_owned *o, void *p, uint64_t bytes);

@@ -48,6 +48,7 @@ typedef struct {
     k3_owned *owned;
     uint64_t mapped;   /* bytes used in place */
     k3_err *err;
+    bool no_experts;   /* k3_bind_layer_no_experts: leave the routed experts out */
 } binder;
 
 static const char *dtname(k3_tdtype d) {
@@ -330,6 +331,7 @@ static int bind_moe(binder *b, k3_moe_w *w) {
         (rc = bind_vec(b, "block_sparse_moe.routed_expert_norm.weight", l, &w->norm)))
         return rc;
     if (S > 0 && (rc = bind_mlp(b, "block_sparse_moe.shared_experts", E, S, &w->shared))) return rc;
+    if (b->no_experts) return K3_OK; /* a weight source serves them (experts_get) */
     w->experts = k3_own(b->owned, xcalloc((size_t)N, sizeof *w->experts), (uint64_t)N * sizeof *w->experts);
     for (int64_t e = 0; e < N; e++) {
         char base[3][96];
@@ -371,6 +373,12 @@ int k3_bind_layer(const k3_config *cfg, int L, k3_lookup_fn fn, void *ctx, k3_la
     return bind_layer(&b, w);
 }
 
+int k3_bind_layer_no_experts(const k3_config *cfg, int L, k3_lookup_fn fn, void *ctx, k3_layer_w *w,
+                             k3_owned *owned, k3_err *err) {
+    binder b = {.cfg = cfg, .L = L, .fn = fn, .ctx = ctx, .owned = owned, .err = err, .no_experts = true};
+    return bind_layer(&b, w);
+}
+
 /* Model-level tensors (layer -1). */
 static int bind_top(k3_model *m, k3_lookup_fn fn, void *ctx, k3_err *err) {
     binder b = {.cfg = &m->cfg, .L = -1, .fn = fn, .ctx = ctx, .owned = &m->owned, .err = err};
@@ -383,6 +391,20 @@ static int bind_top(k3_model *m, k3_lookup_fn fn, void *ctx, k3_err *err) {
         return rc;
     m->mapped_bytes += b.mapped;
     return K3_OK;
+}
+
+int k3_model_bind_top(k3_model *m, k3_lookup_fn fn, void *ctx, k3_err *err) {
+    k3_model saved = *m;
+    if (!m->layers) m->mapped_bytes = 0; /* a top-only model maps nothing else */
+    int rc = bind_top(m, fn, ctx, err);
+    if (rc) { /* keep the tensors it had */
+        m->embed = saved.embed;
+        m->lm_head = saved.lm_head;
+        m->norm = saved.norm;
+        m->out_res_q = saved.out_res_q;
+        m->mapped_bytes = saved.mapped_bytes;
+    }
+    return rc;
 }
 
 static int bind_all(k3_model *m, k3_lookup_fn fn, void *ctx, bool top_only, k3_err *err) {

@@ -85,8 +85,8 @@ expect_exit no-fit-ring 3 $K3 run "$M" --ids $IDS --gen 2 --trunk "$T" --trunk-g
 expect_exit no-fit-cache 3 $K3 run "$M" --ids $IDS --gen 2 --cache-gb 0.000001
 expect_exit no-fit-chunk 3 $K3 run "$M" --ids $IDS --gen 2 --cache-gb 0.00002 --chunk 8
 expect_exit no-fit-memory 3 $K3 run "$M" --ids $IDS --gen 2 --max-memory 1M
-# ... and before any weight byte is read: no shard is mapped, no read goes past
-# a shard's header, no io_uring read is issued, nothing is read from trunk.bin
+# ... and before any weight byte is read: no shard is mapped or read past its
+# header, no io_uring read is issued, nothing is read from trunk.bin
 # (checked with strace where it is installed; the release build only)
 if command -v strace >/dev/null && command -v python3 >/dev/null && [ "${K3#*asan}" = "$K3" ]; then
   strace -f -qq -y -e trace=pread64,read,mmap,openat,io_uring_enter -o "$OUT/strace.log" \
