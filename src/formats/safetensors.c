@@ -521,23 +521,17 @@ static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *ou
     sh->file_size = fsize;
     sh->data_start = 8 + hlen;
     hdr_ctx c = {path, shard, 8 + hlen, fsize - 8 - hlen};
-    /* The header is parsed where the page cache holds it (a read-only
-     * mapping, populated at once) rather than copied into a buffer; a file
-     * system that cannot map falls back to pread. */
-    void *map = mmap(NULL, (size_t)(8 + hlen), PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
-    if (map != MAP_FAILED) {
-        rc = parse_header((const char *)map + 8, (size_t)hlen, &c, force_jansson(), out, NULL, err);
-        munmap(map, (size_t)(8 + hlen));
-    } else {
-        if (*capp < hlen) {
-            free(*bufp);
-            *bufp = xmalloc((size_t)hlen);
-            *capp = (size_t)hlen;
-        }
-        char *buf = *bufp;
-        if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
-        rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), out, NULL, err);
+    /* Shard headers are read, never mapped: a streaming run promises to map
+     * no shard before it has checked its memory plan (tests/cli/test_stream.sh).
+     * The buffer is reused across a thread's shards. */
+    if (*capp < hlen) {
+        free(*bufp);
+        *bufp = xmalloc((size_t)hlen);
+        *capp = (size_t)hlen;
     }
+    char *buf = *bufp;
+    if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
+    rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), out, NULL, err);
     if (rc == K3_OK) sh->ntensors = (int)out->n;
 out:
     close(fd);
