@@ -480,8 +480,10 @@ static int run(const run_args *a, k3_err *err) {
     for (int64_t g = 0; !rc && g < a->gen; g++) {
         int id = k3_sample(&sp, r.logits);
         r.seq[r.nseq++] = id;
-        emit_token(&r, id);
+        /* the end-of-sequence token ends the text; its name is not part of it
+         * (it is still in generated_ids) */
         if (id == eos) { stop = "eos"; break; }
+        emit_token(&r, id);
         if (g + 1 < a->gen) rc = step(&r, err);
     }
     t2 = k3_now();

@@ -10,6 +10,7 @@
  *    parameters (and they are a rounding error in size). */
 #include "train/export.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -315,6 +316,20 @@ int texport_write(const tmodel *m, const char *config_json, const char *out_dir,
     if (stat(out_dir, &st) != 0 || !S_ISDIR(st.st_mode))
         return k3_fail(err, K3_EXIT_USAGE, "%s: not a directory", out_dir);
 
+    /* the engine reads every *.safetensors of a directory (and an index): a
+     * stale shard from another model would be loaded beside ours */
+    DIR *d = opendir(out_dir);
+    for (struct dirent *e; d && (e = readdir(d));) {
+        size_t n = strlen(e->d_name);
+        bool shard = n > 12 && !strcmp(e->d_name + n - 12, ".safetensors") && strcmp(e->d_name, "model.safetensors");
+        if (shard || !strcmp(e->d_name, "model.safetensors.index.json")) {
+            int rc2 = k3_fail(err, K3_EXIT_USAGE, "%s: holds %s from another model (export into an empty directory)",
+                              out_dir, e->d_name);
+            closedir(d);
+            return rc2;
+        }
+    }
+    if (d) closedir(d);
     tex_list l = {0};
     for (int i = 0; i < m->np; i++) {
         const tparam *p = &m->params[i];

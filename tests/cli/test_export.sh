@@ -60,6 +60,9 @@ expect_exit bad_dtype 2 $K3 export "$CK" "$E/o7" --dtype fp8
 expect_exit bad_experts 2 $K3 export "$CK" "$E/o7" --experts int4
 expect_exit one_argument 2 $K3 export "$CK"
 touch "$E/file"
+mkdir -p "$E/stale" && touch "$E/stale/model-00001-of-00002.safetensors"
+expect_exit stale_shard_in_out_dir 2 $K3 export "$CK" "$E/stale" --no-tokenizer
+expect_err_contains stale_shard_in_out_dir "another model"
 expect_exit out_is_a_file 2 $K3 export "$CK" "$E/file" --no-tokenizer
 
 # the shipped default model (docs/default-model.md): loads, decodes a few ids, fits the size cap

@@ -102,14 +102,14 @@ for f in os.listdir(model):
 bad = []
 for line in open(log):
     if "io_uring_enter(" in line: bad.append(line); continue
-    m = re.search(r'(pread64|mmap)\((?:NULL, \d+, [^,]+, [^,]+, )?\d+<([^>]+)>', line)
+    m = re.search(r'(pread64|mmap)\((?:NULL, (\d+), [^,]+, [^,]+, )?\d+<([^>]+)>(?:, (\d+))?', line)
     if not m: continue
-    path = os.path.realpath(m.group(2))
+    path = os.path.realpath(m.group(3))
     if path.endswith("trunk.bin"): bad.append(line); continue
     if path not in start: continue
-    if m.group(1) == "mmap": # the index may map a shard's header, nothing past it
-        a = re.search(r'mmap\(NULL, (\d+), [^<]*<[^>]*>, (\d+)', line)
-        if not a or int(a.group(1)) + int(a.group(2)) > start[path]: bad.append(line)
+    if m.group(1) == "mmap":
+        # mapping the header alone (the index does) is not a weight read
+        if int(m.group(4) or 0) + int(m.group(2)) > start[path]: bad.append(line)
         continue
     a = re.search(r', (\d+), (\d+)\) = (-?\d+)', line)
     if a and int(a.group(2)) + int(a.group(1)) > start[path]: bad.append(line)
