@@ -415,6 +415,7 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
 /* ---- the source's state ----------------------------------------------------------- */
 
 enum { SLOT_EMPTY = 0, SLOT_READING, SLOT_READY, SLOT_FAILED };
+enum { PIECE_UNSENT = 0, PIECE_SENT, PIECE_DONE };
 
 typedef struct {
     int layer;                 /* layer held or being read, -1 none */
@@ -427,8 +428,9 @@ typedef struct {
     k3_err err;                /* when FAILED */
     /* the read in progress (touched by the I/O thread only while READING) */
     const k3_trunk_run *run;
+    uint64_t base;             /* where the run starts in buf (shared ring: 0 or the far end) */
     k3_io_req *piece;          /* [maxpiece] */
-    uint8_t *piece_done;
+    uint8_t *piece_st;         /* PIECE_UNSENT, PIECE_SENT or PIECE_DONE */
     int npiece, nsent, ndone, ncrc;
     uint32_t crc;
     bool failed;
@@ -458,6 +460,7 @@ struct k3_stream {
     /* ring and its I/O thread (the fields below mu are under it) */
     ring_slot slot[2];
     int nslots, maxpiece;
+    bool shared;               /* one buffer, two slot records (a one-slot plan) */
     uint64_t piece_bytes;      /* trunk reads are cut into pieces of this size */
     int tdepth;                /* trunk pieces in flight */
     k3_io *tio;
@@ -696,7 +699,15 @@ static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_e
  * binding the layer before it is marked READY. The disk is shared with the
  * expert batches, which cannot wait (the model stalls on them, a trunk read
  * ahead can): while one is read (xpending) no further trunk piece is sent, so
- * a batch waits behind at most tdepth pieces instead of a whole layer. */
+ * a batch waits behind at most tdepth pieces instead of a whole layer.
+ *
+ * A one-slot plan (the smallest budgets) still keeps two slot records, over
+ * one shared buffer of slot_bytes (the largest streamed run): each layer is
+ * placed at the start or at the far end of the buffer, whichever overlaps the
+ * other record's layer least, and a piece is only sent when its bytes are not
+ * held by a layer in use or earlier in the cycle. So the part of layer L+1
+ * that does not overlap layer L (the buffer's spare room: most of it when
+ * layers differ in size) is read while L computes, the rest once L is put. */
 
 static int succ(const k3_stream *s, int L) { return L + 1 < s->cfg.num_layers ? L + 1 : s->plan->pinned; }
 
@@ -728,6 +739,18 @@ static void disk_use(k3_stream *s, int d) {
     if (s->active == 0) s->disk_busy += now - s->active_t0;
 }
 
+/* Under mu: position of layer L in the cycle from want (nslots: not wanted). */
+static int rank_of(const k3_stream *s, int L) {
+    int x = s->want;
+    for (int i = 0; i < s->nslots; i++, x = succ(s, x))
+        if (x == L) return i;
+    return s->nslots;
+}
+
+static uint64_t span_of(const ring_slot *sl) { return sl->run ? align4k(sl->run->bytes) : 0; }
+
+static bool overlaps(uint64_t a0, uint64_t a1, uint64_t b0, uint64_t b1) { return a0 < b1 && b0 < a1; }
+
 /* Under mu: a slot for every wanted layer that no slot holds. */
 static void assign_reads(k3_stream *s) {
     int x = s->want;
@@ -741,6 +764,17 @@ static void assign_reads(k3_stream *s) {
         if (!f) return;
         slot_unbind(f);
         const k3_trunk_run *run = k3_trunk_run_for(s->trunk, x);
+        uint64_t a = align4k(run->bytes);
+        f->base = 0;
+        if (s->shared) { /* the end of the buffer that overlaps the other layer least */
+            const ring_slot *o = f == &s->slot[0] ? &s->slot[1] : &s->slot[0];
+            if (o->state != SLOT_EMPTY && o->run) {
+                uint64_t S = s->plan->slot_bytes, o0 = o->base, o1 = o->base + span_of(o);
+                uint64_t at0 = (o1 < a ? o1 : a) > o0 ? (o1 < a ? o1 : a) - o0 : 0;
+                uint64_t lo = S - a > o0 ? S - a : o0, at1 = o1 > lo ? o1 - lo : 0;
+                if (at1 < at0) f->base = S - a;
+            }
+        }
         f->layer = x;
         f->state = SLOT_READING;
         f->run = run;
@@ -748,22 +782,45 @@ static void assign_reads(k3_stream *s) {
         f->nsent = f->ndone = f->ncrc = 0;
         f->crc = 0;
         f->failed = false;
-        memset(f->piece_done, 0, (size_t)s->maxpiece);
+        memset(f->piece_st, PIECE_UNSENT, (size_t)s->maxpiece);
         for (int k = 0; k < f->npiece; k++) {
             uint64_t off = (uint64_t)k * s->piece_bytes;
             f->piece[k] = (k3_io_req){.fd = s->tfd, .offset = run->offset + off,
                                       .len = run->bytes - off < s->piece_bytes ? run->bytes - off : s->piece_bytes,
-                                      .buf = f->buf + off};
+                                      .buf = f->buf + f->base + off};
         }
     }
 }
 
-/* Under mu: the reading slot to send from, earliest in the cycle first. */
-static ring_slot *next_to_send(k3_stream *s) {
+/* Under mu: may piece k of sl be written now? With a shared buffer, not over
+ * bytes of the other record's layer while it is in use, being written, or
+ * earlier in the cycle; a later layer there is dropped (read again later). */
+static bool piece_free(k3_stream *s, ring_slot *sl, int k) {
+    if (!s->shared) return true;
+    ring_slot *o = sl == &s->slot[0] ? &s->slot[1] : &s->slot[0];
+    if (o->state == SLOT_EMPTY || !o->run) return true;
+    uint64_t p0 = sl->base + (uint64_t)k * s->piece_bytes, p1 = p0 + k3_io_span(0, sl->piece[k].len);
+    if (!overlaps(p0, p1, o->base, o->base + span_of(o))) return true;
+    if (o->in_use || o->nsent > o->ndone || rank_of(s, o->layer) < rank_of(s, sl->layer)) return false;
+    slot_unbind(o);
+    o->state = SLOT_EMPTY;
+    o->layer = -1;
+    o->run = NULL;
+    return true;
+}
+
+/* Under mu: the next piece to send, from the earliest reading layer in the
+ * cycle that has one it may write. */
+static ring_slot *next_to_send(k3_stream *s, int *piece) {
     int x = s->want;
     for (int i = 0; i < s->nslots; i++, x = succ(s, x)) {
         ring_slot *sl = holding(s, x);
-        if (sl && sl->state == SLOT_READING && !sl->failed && sl->nsent < sl->npiece) return sl;
+        if (!sl || sl->state != SLOT_READING || sl->failed || sl->nsent == sl->npiece) continue;
+        for (int k = 0; k < sl->npiece; k++)
+            if (sl->piece_st[k] == PIECE_UNSENT && piece_free(s, sl, k)) {
+                *piece = k;
+                return sl;
+            }
     }
     return NULL;
 }
@@ -776,7 +833,7 @@ static void piece_failed(ring_slot *sl, const k3_err *e) {
 /* Not under mu (the slot is the I/O thread's while READING): CRC of the
  * pieces that have arrived in order; at the end, the check and the binding. */
 static bool slot_progress(k3_stream *s, ring_slot *sl) {
-    while (!sl->failed && sl->ncrc < sl->npiece && sl->piece_done[sl->ncrc]) {
+    while (!sl->failed && sl->ncrc < sl->npiece && sl->piece_st[sl->ncrc] == PIECE_DONE) {
         const k3_io_req *q = &sl->piece[sl->ncrc];
         sl->crc = k3_crc32c(sl->crc, q->data, q->len);
         sl->ncrc++;
@@ -788,7 +845,7 @@ static bool slot_progress(k3_stream *s, ring_slot *sl) {
         k3_fail(&e, K3_EXIT_DATA, "%s: the run for layer %d fails its checksum (re-pack the trunk)",
                 s->trunk->bin_path, sl->layer);
         piece_failed(sl, &e);
-    } else if (bind_from(s, sl->layer, sl->run, sl->buf, &sl->w, &sl->owned, &e)) {
+    } else if (bind_from(s, sl->layer, sl->run, sl->buf + sl->base, &sl->w, &sl->owned, &e)) {
         k3_owned_free(&sl->owned);
         piece_failed(sl, &e);
     } else {
@@ -803,9 +860,12 @@ static void *io_main(void *arg) {
     while (!s->quit) {
         assign_reads(s);
         ring_slot *sl;
+        int pk = 0;
         while (k3_io_inflight(s->tio) < s->tdepth && !__atomic_load_n(&s->xpending, __ATOMIC_ACQUIRE) &&
-               (sl = next_to_send(s))) {
-            k3_io_req *q = &sl->piece[sl->nsent++];
+               (sl = next_to_send(s, &pk))) {
+            k3_io_req *q = &sl->piece[pk];
+            sl->piece_st[pk] = PIECE_SENT;
+            sl->nsent++;
             k3_err e = {0};
             bool first = k3_io_inflight(s->tio) == 0;
             if (k3_io_submit(s->tio, q, &e)) {
@@ -813,6 +873,7 @@ static void *io_main(void *arg) {
                 snprintf(m, sizeof m, "%s", e.msg);
                 k3_fail(&e, e.code, "%s: layer %d: %s", s->trunk->bin_path, sl->layer, m);
                 piece_failed(sl, &e);
+                sl->piece_st[pk] = PIECE_DONE;
                 sl->ndone++;
                 continue;
             }
@@ -848,7 +909,7 @@ static void *io_main(void *arg) {
                 k3_fail(&e, rc, "%s: layer %d: %s", s->trunk->bin_path, owner->layer, m);
                 piece_failed(owner, &e);
             }
-            owner->piece_done[d - owner->piece] = 1;
+            owner->piece_st[d - owner->piece] = PIECE_DONE;
             owner->ndone++;
             finished = slot_progress(s, owner);
         }
@@ -1128,11 +1189,17 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         s->nslots = plan->ring_slots;
         s->want = plan->pinned;
         s->maxpiece = (int)((plan->slot_bytes + s->piece_bytes - 1) / s->piece_bytes);
+        /* one slot in the plan: two records over one buffer, when two layers stream */
+        int streamed = cfg->num_layers - plan->pinned;
+        if (s->nslots == 1 && streamed >= 2) {
+            s->nslots = 2;
+            s->shared = true;
+        }
         for (int i = 0; i < s->nslots; i++) {
             s->slot[i].layer = -1;
-            s->slot[i].buf = k3_io_alloc(plan->slot_bytes);
+            s->slot[i].buf = s->shared && i == 1 ? s->slot[0].buf : k3_io_alloc(plan->slot_bytes);
             s->slot[i].piece = xcalloc((size_t)s->maxpiece, sizeof *s->slot[i].piece);
-            s->slot[i].piece_done = xcalloc((size_t)s->maxpiece, 1);
+            s->slot[i].piece_st = xcalloc((size_t)s->maxpiece, 1);
         }
         if (s->nslots) { /* it starts reading the first streamed layers now */
             if (pthread_create(&s->thr, NULL, io_main, s) != 0) {
@@ -1238,9 +1305,9 @@ void k3_stream_free(k3_stream *s) {
     s->tio = NULL;
     for (int i = 0; i < 2; i++) {
         slot_unbind(&s->slot[i]);
-        free(s->slot[i].buf);
+        if (!(s->shared && i == 1)) free(s->slot[i].buf);
         free(s->slot[i].piece);
-        free(s->slot[i].piece_done);
+        free(s->slot[i].piece_st);
     }
     if (s->tracing) {
         k3_err e = {0};
