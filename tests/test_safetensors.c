@@ -388,3 +388,34 @@ TEST(st_header_out_of_offset_order) {
     CHECK(st_find(ix, "c") == st_at(ix, 2));
     st_close(ix);
 }
+
+TEST(st_write_roundtrips_through_the_reader) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/w.safetensors", t_outdir());
+    float a[6] = {1, -2, 3.5f, 0, 1e-30f, 7};
+    uint16_t b[3] = {0x3f80, 0xc000, 0x7f80}; /* bf16 1, -2, +inf */
+    st_out_tensor ts[2] = {
+        {.name = "a.weight", .dtype = ST_F32, .rank = 2, .shape = {2, 3}, .data = a, .nbytes = sizeof a},
+        {.name = "b", .dtype = ST_BF16, .rank = 1, .shape = {3}, .data = b, .nbytes = sizeof b},
+    };
+    const char *md[2] = {"format", "pt"};
+    k3_err err = {0};
+    CHECKF(st_write(path, md, 1, ts, 2, &err) == 0, "%s", err.msg);
+    st_index *ix;
+    CHECKF(st_open(path, &ix, &err) == 0, "%s", err.msg);
+    const st_tensor *t = st_find(ix, "b");
+    CHECK(t && t->dtype == ST_BF16 && t->rank == 1 && t->shape[0] == 3);
+    float got[3];
+    CHECK(st_read_f32(ix, t, got, &err) == 0);
+    CHECK(got[0] == 1.0f && got[1] == -2.0f && got[2] > 1e38f);
+    t = st_find(ix, "a.weight");
+    float ga[6];
+    CHECK(t && st_read_f32(ix, t, ga, &err) == 0 && memcmp(ga, a, sizeof a) == 0);
+    CHECK(st_metadata(ix, t->shard, "format") && !strcmp(st_metadata(ix, t->shard, "format"), "pt"));
+    st_close(ix);
+    /* a byte count that disagrees with the shape is refused, nothing written */
+    ts[1].nbytes = 4;
+    snprintf(path, sizeof path, "%s/bad.safetensors", t_outdir());
+    CHECK(st_write(path, NULL, 0, ts, 2, &err) != 0);
+    CHECK(strstr(err.msg, "tensor b") != NULL);
+}

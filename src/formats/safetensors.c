@@ -521,23 +521,17 @@ static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *ou
     sh->file_size = fsize;
     sh->data_start = 8 + hlen;
     hdr_ctx c = {path, shard, 8 + hlen, fsize - 8 - hlen};
-    /* The header is parsed where the page cache holds it (a read-only
-     * mapping, populated at once) rather than copied into a buffer; a file
-     * system that cannot map falls back to pread. */
-    void *map = mmap(NULL, (size_t)(8 + hlen), PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
-    if (map != MAP_FAILED) {
-        rc = parse_header((const char *)map + 8, (size_t)hlen, &c, force_jansson(), out, NULL, err);
-        munmap(map, (size_t)(8 + hlen));
-    } else {
-        if (*capp < hlen) {
-            free(*bufp);
-            *bufp = xmalloc((size_t)hlen);
-            *capp = (size_t)hlen;
-        }
-        char *buf = *bufp;
-        if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
-        rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), out, NULL, err);
+    /* Shard headers are read, never mapped: a streaming run promises to map
+     * no shard before it has checked its memory plan (tests/cli/test_stream.sh).
+     * The buffer is reused across a thread's shards. */
+    if (*capp < hlen) {
+        free(*bufp);
+        *bufp = xmalloc((size_t)hlen);
+        *capp = (size_t)hlen;
     }
+    char *buf = *bufp;
+    if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
+    rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), out, NULL, err);
     if (rc == K3_OK) sh->ntensors = (int)out->n;
 out:
     close(fd);
@@ -1219,4 +1213,51 @@ int st_read_f32(st_index *ix, const st_tensor *t, float *dst, k3_err *err) {
         return k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s' is %s, not a float dtype",
                        ix->shards[t->shard].path, t->name, st_dtype_name(t->dtype));
     }
+}
+
+int st_write(const char *path, const char *const *md, size_t n_md, const st_out_tensor *ts, size_t n,
+             k3_err *err) {
+    json_t *hdr = json_object();
+    if (n_md) {
+        json_t *m = json_object();
+        for (size_t i = 0; i < n_md; i++) json_object_set_new(m, md[2 * i], json_string(md[2 * i + 1]));
+        json_object_set_new(hdr, "__metadata__", m);
+    }
+    uint64_t off = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t want = st_dtype_size(ts[i].dtype);
+        for (int r = 0; r < ts[i].rank; r++) want *= (uint64_t)ts[i].shape[r];
+        if (want != ts[i].nbytes) {
+            json_decref(hdr);
+            return k3_fail(err, K3_EXIT_RUNTIME, "%s: tensor %s: %llu bytes for its shape, %llu given", path,
+                           ts[i].name, (unsigned long long)want, (unsigned long long)ts[i].nbytes);
+        }
+        json_t *e = json_object(), *sh = json_array(), *of = json_array();
+        json_object_set_new(e, "dtype", json_string(st_dtype_name(ts[i].dtype)));
+        for (int r = 0; r < ts[i].rank; r++) json_array_append_new(sh, json_integer(ts[i].shape[r]));
+        json_object_set_new(e, "shape", sh);
+        json_array_append_new(of, json_integer((json_int_t)off));
+        off += ts[i].nbytes;
+        json_array_append_new(of, json_integer((json_int_t)off));
+        json_object_set_new(e, "data_offsets", of);
+        json_object_set_new(hdr, ts[i].name, e);
+    }
+    char *text = json_dumps(hdr, JSON_COMPACT);
+    json_decref(hdr);
+    /* the header is padded so that the data section starts 8-byte aligned */
+    size_t hl = strlen(text), pad = (8 - hl % 8) % 8;
+    uint64_t hlen = hl + pad;
+    char *h = xmalloc(hlen + 8);
+    for (int b = 0; b < 8; b++) h[b] = (char)((hlen >> (8 * b)) & 0xff);
+    memcpy(h + 8, text, hl);
+    memset(h + 8 + hl, ' ', pad);
+    free(text);
+    k3_atomic_file af;
+    int rc = k3_atomic_open(&af, path, err);
+    if (!rc) rc = k3_atomic_write(&af, h, hlen + 8, err);
+    for (size_t i = 0; !rc && i < n; i++) rc = k3_atomic_write(&af, ts[i].data, ts[i].nbytes, err);
+    if (!rc) rc = k3_atomic_commit(&af, err);
+    else if (af.f) k3_atomic_abort(&af);
+    free(h);
+    return rc;
 }

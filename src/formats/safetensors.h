@@ -86,4 +86,21 @@ typedef struct {
 int st_check_buffer(const void *file, size_t len, const char *name, bool use_jansson, st_buffer_info *info,
                     k3_err *err);
 
+/* ---- writing ------------------------------------------------------------ */
+typedef struct {
+    const char *name;
+    st_dtype dtype;
+    int rank;
+    int64_t shape[ST_MAX_RANK];
+    const void *data;
+    uint64_t nbytes;           /* must equal dtype size x product(shape) */
+} st_out_tensor;
+
+/* Writes one safetensors file atomically (temp file, fsync, rename): the
+ * header (metadata as n_md key/value string pairs md[2i], md[2i+1], then the
+ * tensors in the given order, padded with spaces to a multiple of 8 bytes),
+ * then the data in the same order. */
+int st_write(const char *path, const char *const *md, size_t n_md, const st_out_tensor *ts, size_t n,
+             k3_err *err);
+
 #endif

@@ -9,7 +9,6 @@
  * "k3-train", version, step, total_steps, seed, data_position, optimizer_step,
  * best_val_loss, best_step, the model config (JSON text), the training
  * settings (JSON text) and the data directory. */
-#include <jansson.h>
 #include <string.h>
 
 #include "formats/safetensors.h"
@@ -27,7 +26,6 @@ static bool muon_param(const topt *o, const tparam *p) {
     return o->c.muon && (p->group == TG_MUON || p->group == TG_MUON_HEADS);
 }
 
-static int jset_str(json_t *o, const char *k, const char *v) { return json_object_set_new(o, k, json_string(v)); }
 
 int tckpt_save(const char *path, const tmodel *m, const topt *o, const tckpt_meta *meta, k3_err *err) {
     const int Ne = m->cfg.num_experts;
@@ -56,58 +54,39 @@ int tckpt_save(const char *path, const tmodel *m, const topt *o, const tckpt_met
                          {p->shape[0], p->shape[1], p->shape[2]}};
             n++;
         }
-    json_t *hdr = json_object();
-    json_t *md = json_object();
-    char buf[64];
-    jset_str(md, "format", "k3-train");
-    jset_str(md, "version", "1");
-#define MDI(key, v) (snprintf(buf, sizeof buf, "%lld", (long long)(v)), jset_str(md, key, buf))
-    MDI("step", meta->step);
-    MDI("total_steps", meta->total_steps);
-    MDI("optimizer_step", o->step);
-    MDI("data_position", meta->data_position);
-    snprintf(buf, sizeof buf, "%llu", (unsigned long long)meta->seed);
-    jset_str(md, "seed", buf);
+    /* metadata: strings, as safetensors requires */
+    char num[6][32];
+    const char *md[2 * 12];
+    size_t nmd = 0;
+#define MD(k, v) (md[2 * nmd] = (k), md[2 * nmd + 1] = (v), nmd++)
+#define MDI(k, i, v) (snprintf(num[i], sizeof num[i], "%lld", (long long)(v)), MD(k, num[i]))
+    MD("format", "k3-train");
+    MD("version", "1");
+    MDI("step", 0, meta->step);
+    MDI("total_steps", 1, meta->total_steps);
+    MDI("optimizer_step", 2, o->step);
+    MDI("data_position", 3, meta->data_position);
+    snprintf(num[4], sizeof num[4], "%llu", (unsigned long long)meta->seed);
+    MD("seed", num[4]);
+    char best[32];
     if (meta->best_step >= 0) {
-        snprintf(buf, sizeof buf, "%.17g", meta->best_val_loss);
-        jset_str(md, "best_val_loss", buf);
-        MDI("best_step", meta->best_step);
+        snprintf(best, sizeof best, "%.17g", meta->best_val_loss);
+        MD("best_val_loss", best);
+        MDI("best_step", 5, meta->best_step);
     }
+    MD("config", meta->config_json ? meta->config_json : "{}");
+    MD("train", meta->train_json ? meta->train_json : "{}");
+    MD("data_dir", meta->data_dir ? meta->data_dir : "");
 #undef MDI
-    jset_str(md, "config", meta->config_json ? meta->config_json : "{}");
-    jset_str(md, "train", meta->train_json ? meta->train_json : "{}");
-    jset_str(md, "data_dir", meta->data_dir ? meta->data_dir : "");
-    json_object_set_new(hdr, "__metadata__", md);
-    uint64_t off = 0;
+#undef MD
+    st_out_tensor *out = xcalloc(n ? n : 1, sizeof *out);
     for (size_t i = 0; i < n; i++) {
-        json_t *e = json_object();
-        json_object_set_new(e, "dtype", json_string("F32"));
-        json_t *sh = json_array();
-        for (int r = 0; r < ts[i].rank; r++) json_array_append_new(sh, json_integer(ts[i].shape[r]));
-        json_object_set_new(e, "shape", sh);
-        json_t *of = json_array();
-        json_array_append_new(of, json_integer((json_int_t)off));
-        off += ts[i].n * 4;
-        json_array_append_new(of, json_integer((json_int_t)off));
-        json_object_set_new(e, "data_offsets", of);
-        json_object_set_new(hdr, ts[i].name, e);
+        out[i] = (st_out_tensor){.name = ts[i].name, .dtype = ST_F32, .rank = ts[i].rank, .data = ts[i].data,
+                                 .nbytes = ts[i].n * 4};
+        for (int r = 0; r < ts[i].rank; r++) out[i].shape[r] = ts[i].shape[r];
     }
-    char *text = json_dumps(hdr, JSON_COMPACT);
-    json_decref(hdr);
-    size_t hl = strlen(text), pad = (8 - hl % 8) % 8;
-    char *h = xmalloc(hl + pad + 8);
-    uint64_t hlen = hl + pad;
-    for (int b = 0; b < 8; b++) h[b] = (char)((hlen >> (8 * b)) & 0xff);
-    memcpy(h + 8, text, hl);
-    memset(h + 8 + hl, ' ', pad);
-    free(text);
-    k3_atomic_file af;
-    int rc = k3_atomic_open(&af, path, err);
-    if (!rc) rc = k3_atomic_write(&af, h, hlen + 8, err);
-    for (size_t i = 0; !rc && i < n; i++) rc = k3_atomic_write(&af, ts[i].data, ts[i].n * 4, err);
-    if (!rc) rc = k3_atomic_commit(&af, err);
-    else k3_atomic_abort(&af);
-    free(h);
+    int rc = st_write(path, md, nmd, out, n, err);
+    free(out);
     for (size_t i = 0; i < n; i++) free(names[i]);
     free(names);
     free(ts);

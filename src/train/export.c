@@ -9,6 +9,7 @@
  *    biases): always F32, as the released checkpoint keeps its small fp32
  *    parameters (and they are a rounding error in size). */
 #include "train/export.h"
+#include "formats/safetensors.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -146,45 +147,18 @@ static int write_safetensors(const char *path, tex_list *l, int64_t step, k3_err
     for (int k = 0; k < 3; k++)
         for (size_t i = 0; i < l->n; i++)
             if (!strcmp(l->t[i].dtype, order[k])) seq[ns++] = i;
-    json_t *hdr = json_object();
-    json_t *md = json_object();
-    json_object_set_new(md, "format", json_string("pt"));
-    json_object_set_new(md, "producer", json_string("k3 export"));
-    if (step >= 0) {
-        char buf[32];
-        snprintf(buf, sizeof buf, "%lld", (long long)step);
-        json_object_set_new(md, "step", json_string(buf));
-    }
-    json_object_set_new(hdr, "__metadata__", md);
-    uint64_t off = 0;
+    char stepbuf[32];
+    const char *md[6] = {"format", "pt", "producer", "k3 export", "step", stepbuf};
+    if (step >= 0) snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)step);
+    st_out_tensor *out = xcalloc(ns ? ns : 1, sizeof *out);
     for (size_t s = 0; s < ns; s++) {
         const tex_tensor *t = &l->t[seq[s]];
-        json_t *e = json_object(), *sh = json_array(), *of = json_array();
-        json_object_set_new(e, "dtype", json_string(t->dtype));
-        for (int r = 0; r < t->rank; r++) json_array_append_new(sh, json_integer(t->shape[r]));
-        json_object_set_new(e, "shape", sh);
-        json_array_append_new(of, json_integer((json_int_t)off));
-        off += t->bytes;
-        json_array_append_new(of, json_integer((json_int_t)off));
-        json_object_set_new(e, "data_offsets", of);
-        json_object_set_new(hdr, t->name, e);
+        st_dtype d = !strcmp(t->dtype, "F32") ? ST_F32 : !strcmp(t->dtype, "BF16") ? ST_BF16 : ST_U8;
+        out[s] = (st_out_tensor){.name = t->name, .dtype = d, .rank = t->rank, .data = t->data, .nbytes = t->bytes};
+        for (int r = 0; r < t->rank; r++) out[s].shape[r] = t->shape[r];
     }
-    char *text = json_dumps(hdr, JSON_COMPACT);
-    json_decref(hdr);
-    size_t hl = strlen(text), pad = (8 - hl % 8) % 8;
-    uint64_t hlen = hl + pad;
-    char *h = xmalloc(hlen + 8);
-    for (int b = 0; b < 8; b++) h[b] = (char)((hlen >> (8 * b)) & 0xff);
-    memcpy(h + 8, text, hl);
-    memset(h + 8 + hl, ' ', pad);
-    free(text);
-    k3_atomic_file af;
-    int rc = k3_atomic_open(&af, path, err);
-    if (!rc) rc = k3_atomic_write(&af, h, hlen + 8, err);
-    for (size_t s = 0; !rc && s < ns; s++) rc = k3_atomic_write(&af, l->t[seq[s]].data, l->t[seq[s]].bytes, err);
-    if (!rc) rc = k3_atomic_commit(&af, err);
-    else k3_atomic_abort(&af);
-    free(h);
+    int rc = st_write(path, md, step >= 0 ? 3 : 2, out, ns, err);
+    free(out);
     free(seq);
     return rc;
 }
