@@ -73,27 +73,6 @@ static double disk_ref(const char *shard, const char *tbin, double seconds) {
     return a > b ? a : b;
 }
 
-static const char *largest_shard(const char *dir) {
-    static char best[4096];
-    uint64_t size = 0;
-    best[0] = 0;
-    DIR *d = opendir(dir);
-    if (!d) return NULL;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        size_t l = strlen(e->d_name);
-        if (l < 12 || strcmp(e->d_name + l - 12, ".safetensors")) continue;
-        char p[4096];
-        if (snprintf(p, sizeof p, "%s/%s", dir, e->d_name) >= (int)sizeof p) continue;
-        struct stat st;
-        if (stat(p, &st) == 0 && (uint64_t)st.st_size > size) {
-            size = (uint64_t)st.st_size;
-            memcpy(best, p, sizeof best);
-        }
-    }
-    closedir(d);
-    return best[0] ? best : NULL;
-}
 
 /* ---- the identity check: one read per sample vs merged, batched reads ---- */
 
@@ -423,7 +402,9 @@ int main(int argc, char **argv) {
                 MAXREP);
         return 2;
     }
-    const char *shard = largest_shard(dir);
+    static char shard_buf[4096];
+    uint64_t shard_size;
+    const char *shard = k3_largest_shard(dir, shard_buf, sizeof shard_buf, &shard_size) ? shard_buf : NULL;
     if (!shard) { fprintf(stderr, "bench_stream: %s: no shards\n", dir); return 2; }
     k3_config cfg;
     k3_err err = {0};

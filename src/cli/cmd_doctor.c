@@ -28,27 +28,6 @@ const char *const cmd_doctor_help =
 
 #define BLOCK (4u << 20)
 
-static const char *largest_shard(const char *dir, uint64_t *size) {
-    static char best[4096];
-    best[0] = 0;
-    *size = 0;
-    DIR *d = opendir(dir);
-    if (!d) return NULL;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        size_t l = strlen(e->d_name);
-        if (l < 12 || strcmp(e->d_name + l - 12, ".safetensors")) continue;
-        char p[4096];
-        if (snprintf(p, sizeof p, "%s/%s", dir, e->d_name) >= (int)sizeof p) continue;
-        struct stat st;
-        if (stat(p, &st) == 0 && (uint64_t)st.st_size > *size) {
-            *size = (uint64_t)st.st_size;
-            memcpy(best, p, sizeof p < sizeof best ? sizeof p : sizeof best);
-        }
-    }
-    closedir(d);
-    return best[0] ? best : NULL;
-}
 
 /* Random 4 MiB reads for `seconds` at the given depth; returns MB/s. */
 static double measure(const char *path, uint64_t size, int depth, double seconds, const char **backend,
@@ -120,7 +99,8 @@ int cmd_doctor(int argc, char **argv) {
     k3_err err = {0};
     if (dir) {
         uint64_t size = 0;
-        const char *path = largest_shard(dir, &size);
+        static char shard[4096];
+        const char *path = k3_largest_shard(dir, shard, sizeof shard, &size) ? shard : NULL;
         char scratch[4200] = "";
         if (!path || size < 64ull * BLOCK) {
             /* small model: measure a scratch file on the same filesystem */

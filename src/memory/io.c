@@ -1,11 +1,13 @@
 /* io.c: see io.h. */
 #include "memory/io.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <liburing.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 struct k3_io {
@@ -251,4 +253,25 @@ int k3_io_complete(k3_io *io, k3_io_req **done, k3_err *err) {
     /* short or refused: finish this one synchronously (it reports EOF precisely) */
     io->bytes += span;
     return read_full(q->fd, q->buf, span, a, need, err);
+}
+
+bool k3_largest_shard(const char *dir, char *buf, size_t cap, uint64_t *size) {
+    *size = 0;
+    if (cap) buf[0] = 0;
+    DIR *d = opendir(dir);
+    if (!d) return false;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        size_t l = strlen(e->d_name);
+        if (l < 12 || strcmp(e->d_name + l - 12, ".safetensors")) continue;
+        char p[4096];
+        if (snprintf(p, sizeof p, "%s/%s", dir, e->d_name) >= (int)sizeof p || strlen(p) >= cap) continue;
+        struct stat st;
+        if (stat(p, &st) == 0 && (uint64_t)st.st_size > *size) {
+            *size = (uint64_t)st.st_size;
+            memcpy(buf, p, strlen(p) + 1);
+        }
+    }
+    closedir(d);
+    return *size > 0;
 }

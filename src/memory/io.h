@@ -53,4 +53,8 @@ uint64_t k3_io_bytes(const k3_io *io);
 double k3_io_seconds(const k3_io *io);
 const char *k3_io_backend(const k3_io *io); /* "io_uring" or "pread" */
 
+/* The largest *.safetensors file in dir (what storage measurements read):
+ * its path into buf (cap bytes) and its size; false when there is none. */
+bool k3_largest_shard(const char *dir, char *buf, size_t cap, uint64_t *size);
+
 #endif
