@@ -86,7 +86,7 @@ def cached_input(cache, name, gen, check):
     path = os.path.join(cache, name)
     cmd = [PY] + [path if a == "OUT" else a for a in gen]
     stamp = path + ".stamp"
-    want = " ".join(shlex.quote(a) for a in cmd)
+    want = " ".join(shlex.quote(a) for a in [PY] + gen)  # OUT kept: the cache may move
     try:
         with open(stamp) as f:
             have = f.read().strip()
@@ -222,6 +222,9 @@ def bench_train(a, s, logs):
     except BenchError as e:
         res["errors"].append("pytorch: %s" % e)
     res["torch_blas"] = blas or ("system libblas.so.3 (%s)" % system_blas())
+    if not blas and "/blas/" in system_blas():
+        log("note: PyTorch ran on the reference (netlib) BLAS, 10x slower than OpenBLAS here; "
+            "K3_TORCH_BLAS_DIR=DIR (a libblas.so.3 from libopenblas0-pthread) gives the fairer reference")
     if not res["k3"] and not res["torch"]:
         raise BenchError("; ".join(res["errors"]))
     return res
