@@ -221,7 +221,7 @@ def bench_train(a, s, logs):
         res["torch"] = json_lines(run_logged(cmd, os.path.join(logs, "train-torch.log"), env=env))
     except BenchError as e:
         res["errors"].append("pytorch: %s" % e)
-    res["torch_blas"] = blas or ("system libblas.so.3 (%s)" % system_blas())
+    res["torch_blas"] = blas_name(blas)
     if not blas and "/blas/" in system_blas():
         log("note: PyTorch ran on the reference (netlib) BLAS, 10x slower than OpenBLAS here; "
             "K3_TORCH_BLAS_DIR=DIR (a libblas.so.3 from libopenblas0-pthread) gives the fairer reference")
@@ -254,6 +254,22 @@ def bench_ttft(a, s, model, logs):
     times.sort()
     return {"model": model, "command": " ".join(cmd), "runs": len(times), "best_s": times[0],
             "median_s": times[len(times) // 2], "times_s": times}
+
+
+def blas_name(d):
+    """Which BLAS PyTorch ran on, in words (no machine paths in the report)."""
+    if d:
+        libs = sorted(f for f in os.listdir(d) if f.startswith("libopenblas")) if os.path.isdir(d) else []
+        ver = [f[len("libopenblasp-r"):-3] for f in libs if f.startswith("libopenblasp-r") and f.endswith(".so")]
+        if libs:
+            return "OpenBLAS%s via K3_TORCH_BLAS_DIR" % (" " + ver[0] if ver else "")
+        return "libblas.so.3 of K3_TORCH_BLAS_DIR"
+    real = system_blas()
+    if "/blas/" in real:
+        return "netlib reference BLAS (system libblas.so.3)"
+    if "openblas" in real:
+        return "OpenBLAS (system libblas.so.3)"
+    return "system libblas.so.3 (%s)" % os.path.basename(real)
 
 
 def system_blas():
