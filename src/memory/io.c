@@ -224,6 +224,54 @@ int k3_io_submit(k3_io *io, k3_io_req *q, k3_err *err) {
     return K3_OK;
 }
 
+int k3_io_submit_batch(k3_io *io, k3_io_req *const *qs, int n, k3_err *err) {
+    if (n <= 0) return K3_OK;
+    if (k3_io_inflight(io) + n > io->depth)
+        return k3_fail(err, K3_EXIT_RUNTIME, "k3_io_submit_batch: %d reads would exceed the depth %d",
+                       k3_io_inflight(io) + n, io->depth);
+    long fa = fail_after();
+    if (fa >= 0) { /* counted per request, as k3_io_submit and k3_io_read do */
+        long before = __atomic_fetch_add(&injected_count, (long)n, __ATOMIC_RELAXED);
+        if (before + (long)n > fa) {
+            const k3_io_req *q = qs[fa > before ? fa - before : 0];
+            return k3_fail(err, K3_EXIT_RUNTIME, "read of %llu bytes at offset %llu failed: %s (K3_IO_FAIL_AFTER)",
+                           (unsigned long long)q->len, (unsigned long long)q->offset, strerror(EIO));
+        }
+    }
+    if (!io->have_ring) {
+        for (int i = 0; i < n; i++) {
+            k3_io_req *q = qs[i];
+            uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+            q->data = (const char *)q->buf + (q->offset - a);
+            double t0 = k3_now();
+            int rc = read_full(q->fd, q->buf, k3_io_span(q->offset, q->len), a, q->offset - a + q->len, err);
+            io->seconds += k3_now() - t0;
+            if (rc) return rc; /* the ones read already are handed back by k3_io_complete */
+            io->bytes += k3_io_span(q->offset, q->len);
+            if (!io->done) io->done = xmalloc_array((size_t)io->depth, sizeof *io->done);
+            io->done[io->ndone++] = q;
+        }
+        return K3_OK;
+    }
+    for (int i = 0; i < n; i++) {
+        k3_io_req *q = qs[i];
+        uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+        q->data = (const char *)q->buf + (q->offset - a);
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
+        if (!sqe) { /* (not within the depth: the ring has depth entries) */
+            int r = io_uring_submit(&io->ring);
+            if (r > 0) io->inflight += r;
+            return k3_fail(err, K3_EXIT_RUNTIME, "io_uring: no free submission entry");
+        }
+        io_uring_prep_read(sqe, q->fd, q->buf, (unsigned)k3_io_span(q->offset, q->len), a);
+        io_uring_sqe_set_data(sqe, q);
+    }
+    int r = io_uring_submit(&io->ring);
+    if (r < 0) return k3_fail(err, K3_EXIT_RUNTIME, "io_uring submit failed: %s", strerror(-r));
+    io->inflight += n;
+    return K3_OK;
+}
+
 int k3_io_complete(k3_io *io, k3_io_req **done, k3_err *err) {
     *done = NULL;
     if (io->ndone > 0) {

@@ -45,6 +45,11 @@ int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err);
  * requests still in flight. */
 int k3_io_submit(k3_io *io, k3_io_req *q, k3_err *err);
 int k3_io_complete(k3_io *io, k3_io_req **done, k3_err *err);
+/* Sends qs[0..n) with one submission (one system call for the batch, where
+ * k3_io_submit makes one per request), in the order given; n must not exceed
+ * the free depth. On an error, the requests sent before it stay in flight
+ * (k3_io_inflight counts them; complete them before freeing their buffers). */
+int k3_io_submit_batch(k3_io *io, k3_io_req *const *qs, int n, k3_err *err);
 int k3_io_inflight(const k3_io *io);  /* submitted, not yet returned by k3_io_complete */
 /* (Tests: K3_IO_FAIL_AFTER=N in the environment fails every read request
  * after the first N made while it is set with EIO.) */

@@ -45,6 +45,8 @@ typedef struct {
     int trunk_depth;         /* trunk pieces in flight (4; K3_TRUNK_DEPTH) */
     uint64_t trunk_piece;    /* bytes per trunk read (2 MiB; K3_TRUNK_PIECE_KB) */
     bool expert_priority;    /* expert batches pause trunk reads (K3_EXPERT_PRIORITY=0: no) */
+    bool expert_overlap;     /* decode computes each routed expert as it arrives (experts_start/next)
+                                while the rest are read (K3_EXPERT_OVERLAP=0: wait for the batch) */
     bool direct;             /* O_DIRECT (default; K3_DIRECT_IO=0 turns it off) */
     const char *trace_dir;   /* --dump-cache-trace DIR, or NULL */
     uint64_t mem_limit;      /* refuse plans above this (0: MemAvailable) */
@@ -115,6 +117,7 @@ typedef struct {
     uint64_t requests, hits, resident_hits, misses, evictions;
     const char *backend;         /* "io_uring" or "pread" */
     bool direct;                 /* expert shards opened with O_DIRECT */
+    uint64_t experts_reordered;  /* experts handed to the model out of id order (arrival order) */
 } k3_stream_stats;
 k3_stream_stats k3_stream_get_stats(const k3_stream *s);
 
