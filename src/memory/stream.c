@@ -1339,6 +1339,11 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
             s->slot[i].piece = xcalloc((size_t)s->maxpiece, sizeof *s->slot[i].piece);
             s->slot[i].piece_st = xcalloc((size_t)s->maxpiece, 1);
         }
+        if (s->nslots) { /* the slots are read again and again: registered once */
+            void *bufs[2] = {s->slot[0].buf, s->slot[1].buf};
+            uint64_t lens[2] = {plan->slot_bytes, plan->slot_bytes};
+            k3_io_register(s->tio, bufs, lens, s->nslots == 2 && !s->shared ? 2 : 1);
+        }
         if (s->nslots) { /* it starts reading the first streamed layers now */
             if (pthread_create(&s->thr, NULL, io_main, s) != 0) {
                 rc = k3_fail(err, K3_EXIT_RUNTIME, "cannot start the trunk I/O thread");
@@ -1370,6 +1375,9 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         s->xc = xc_new(o->policy, (size_t)plan->cache_experts);
         s->npool = plan->cache_experts + plan->batch_experts;
         s->pool = k3_io_alloc((uint64_t)s->npool * plan->expert_buf);
+        void *pb = s->pool;
+        uint64_t pl = (uint64_t)s->npool * plan->expert_buf;
+        k3_io_register(s->xio, &pb, &pl, 1); /* (refused above 1 GiB: plain reads) */
         s->free_list = xmalloc_array((size_t)s->npool, sizeof *s->free_list);
         for (int64_t b = s->npool; b-- > 0;) free_push(s, b);
         s->inuse = xcalloc((size_t)s->npool, 1);
