@@ -20,9 +20,10 @@
  * from minute to minute, so each run's I/O floor (bytes read per token / that
  * bandwidth) uses the figures taken around it.
  * Each rung runs --repeat times (medians reported). --compare also runs each
- * rung that reads experts as decode did before issue 7's overlap (the model
- * waits for the whole expert batch, then computes), alternating run by run
- * with the current way, so old and new are measured in the same conditions. */
+ * rung as decode did before issue 7's overlap (the model waits for the
+ * whole expert batch, then computes; no buffers registered with io_uring),
+ * alternating run by run with the current way, so old and new are measured
+ * in the same conditions. */
 #include "memory/io.h"
 #include "memory/stream.h"
 
@@ -176,7 +177,11 @@ static int run_rung(const char *dir, const char *trunk_dir, const rung_def *d, b
     o.trunk_dir = d->trunk ? trunk_dir : NULL;
     o.trunk_gb = d->trunk_gb;
     o.cache_gb = d->cache_gb;
-    if (old_io) o.expert_overlap = false; /* as before issue 7's overlap: wait for the whole expert batch */
+    /* as before issue 7's overlap: wait for the whole expert batch; reads
+     * into unregistered buffers (k3_io_register is read at open) */
+    if (old_io) o.expert_overlap = false;
+    if (old_io) setenv("K3_IO_REGISTER", "0", 1);
+    else unsetenv("K3_IO_REGISTER");
     k3_config cfg;
     st_index *ix = NULL;
     k3_trunk *tr = NULL;

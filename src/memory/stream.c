@@ -1100,7 +1100,8 @@ static int stream_experts_start(void *ctx, int L, const int *ids, int n, k3_expe
         return s->poison.code;
     }
     if (s->xgiven < s->xn)
-        return poison(s, &(k3_err){.code = K3_EXIT_RUNTIME, .msg = "an expert batch was started before the last one was consumed"});
+        return poison(s, &(k3_err){.code = K3_EXIT_RUNTIME,
+                                    .msg = "an expert batch was started before the last one was consumed"});
     const k3_config *c = &s->cfg;
     int N = c->num_experts;
     size_t nreq = 0;
@@ -1164,7 +1165,8 @@ static int stream_experts_start(void *ctx, int L, const int *ids, int n, k3_expe
                     if (f < 0) { rc = err->code; break; }
                     uint64_t at = x.pos[j] - (x.t[j]->offset & (K3_IO_ALIGN - 1));
                     s->req_x[nreq] = i;
-                    s->reqs[nreq++] = (k3_io_req){.fd = f, .offset = x.t[j]->offset, .len = x.t[j]->nbytes, .buf = buf + at};
+                    s->reqs[nreq++] =
+                        (k3_io_req){.fd = f, .offset = x.t[j]->offset, .len = x.t[j]->nbytes, .buf = buf + at};
                     s->xleft[i]++;
                 }
                 if (rc) break;

@@ -392,6 +392,9 @@ static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, const ex
     for (int got = 0; got < k; got++) {
         int u = -1;
         if ((rc = src->experts_next(src->ctx, xa->layer, &u, err))) return rc;
+        if (u < 0 || u >= k)
+            return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: the weight source returned expert %d of %d", xa->layer,
+                           u, k);
         float *a1 = h1 + (size_t)u * I, *a3 = h3 + (size_t)u * I;
         k_prod jg[2] = {{&ex[u].w1, z, 1, a1}, {&ex[u].w3, z, 1, a3}};
         k_products(jg, 2);
