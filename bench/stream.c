@@ -21,7 +21,8 @@
  * bandwidth) uses the figures taken around it.
  * Each rung runs --repeat times (medians reported). --compare also runs each
  * rung as decode did before issue 7's overlap (the model waits for the
- * whole expert batch, then computes; no buffers registered with io_uring),
+ * whole expert batch, then computes; no buffers registered with io_uring;
+ * pinned layers as a prefix),
  * alternating run by run with the current way, so old and new are measured
  * in the same conditions. */
 #include "memory/io.h"
@@ -179,7 +180,10 @@ static int run_rung(const char *dir, const char *trunk_dir, const rung_def *d, b
     o.cache_gb = d->cache_gb;
     /* as before issue 7's overlap: wait for the whole expert batch; reads
      * into unregistered buffers (k3_io_register is read at open) */
-    if (old_io) o.expert_overlap = false;
+    if (old_io) {
+        o.expert_overlap = false;
+        o.pin_spread = false;
+    }
     if (old_io) setenv("K3_IO_REGISTER", "0", 1);
     else unsetenv("K3_IO_REGISTER");
     k3_config cfg;

@@ -64,6 +64,8 @@ typedef struct {
 } budget;
 /* decode waits for the whole expert batch (k3_stream_opts.expert_overlap off) */
 static bool no_overlap;
+/* pinned layers as a prefix instead of spread (k3_stream_opts.pin_spread off) */
+static bool pin_prefix;
 
 /* Runs the fed ids through a streamed model in chunks; 0 on success and
  * fills logits [n][V]; else the error code (err filled). */
@@ -78,6 +80,7 @@ static int streamed_logits(const char *dir, const fixture_ids *f, const budget *
     o.chunk = b->chunk;
     o.mem_limit = 1ull << 40;
     if (no_overlap) o.expert_overlap = false;
+    if (pin_prefix) o.pin_spread = false;
     k3_config cfg;
     st_index *ix = NULL;
     k3_trunk *tr = NULL;
@@ -172,7 +175,20 @@ static void run_budgets(const char *fixture, bool with_trunk) {
             if (with_trunk) CHECKF(p.ring_slots == 1 && p.pinned == 0, "slots %d pinned %d", p.ring_slots, p.pinned);
         }
         if (i == 4 && with_trunk) CHECKF(p.ring_slots == 2, "slots %d", p.ring_slots);
-        if (i == 5 && with_trunk) CHECKF(p.pinned > 0 && p.pinned < p.num_layers, "pinned %d", p.pinned);
+        if (i == 5 && with_trunk) {
+            CHECKF(p.pinned > 0 && p.pinned < p.num_layers, "pinned %d", p.pinned);
+            /* the same budget with the pinned layers as a prefix: same bits */
+            k3_mem_plan q;
+            pin_prefix = true;
+            memset(got, 0, (size_t)f.n * V * sizeof(float));
+            rc = streamed_logits(dir, &f, &bs[i], got, &q, NULL, &err);
+            pin_prefix = false;
+            CHECKF(rc == 0, "prefix: %s", err.msg);
+            CHECKF(memcmp(got, want, (size_t)f.n * V * sizeof(float)) == 0, "prefix: logits differ");
+            bool prefix = true;
+            for (int L = 0; L < q.num_layers; L++) prefix = prefix && q.pin[L] == (L < q.pinned);
+            CHECKF(prefix && q.pinned > 0, "prefix plan: %d pinned", q.pinned);
+        }
         if (i == 0) CHECKF(st.evictions > 0, "budget 0: no evictions");
     }
     free(got);

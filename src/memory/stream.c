@@ -26,6 +26,7 @@ void k3_stream_opts_init(k3_stream_opts *o) {
     o->trunk_piece = 2u << 20;
     o->expert_priority = true;
     o->expert_overlap = true;
+    o->pin_spread = true;
     const char *d = getenv("K3_DIRECT_IO");
     o->direct = !(d && !strcmp(d, "0"));
     /* tuning knobs for measurements (bench_stream); the defaults are the measured best */
@@ -34,6 +35,7 @@ void k3_stream_opts_init(k3_stream_opts *o) {
     if ((e = getenv("K3_TRUNK_PIECE_KB")) && atoi(e) >= 4) o->trunk_piece = (uint64_t)atoi(e) << 10;
     if ((e = getenv("K3_EXPERT_PRIORITY"))) o->expert_priority = strcmp(e, "0") != 0;
     if ((e = getenv("K3_EXPERT_OVERLAP"))) o->expert_overlap = strcmp(e, "0") != 0;
+    if ((e = getenv("K3_PIN_SPREAD"))) o->pin_spread = strcmp(e, "0") != 0;
 }
 
 static uint64_t align4k(uint64_t x) { return (x + K3_IO_ALIGN - 1) & ~(uint64_t)(K3_IO_ALIGN - 1); }
@@ -218,30 +220,56 @@ static uint64_t head_size(const k3_config *c, st_index *ix, int64_t max_pos) {
     return b;
 }
 
-/* Chooses the pinned prefix and the ring for a trunk limit: most pinned layers
+/* Which P of NL layers are pinned. Spread evenly (layer L when (L+r+1)P/NL
+ * passes an integer, for a rotation r), so that between two streamed layers
+ * there is at most a little pinned compute: with a prefix, the ring (two
+ * layers ahead) is full long before the pinned prefix and the head have
+ * computed, and the disk idles for the rest of that compute (measured: the
+ * pinned rungs of the ladder). Of the rotations, the one that pins the most
+ * bytes (fewest read per token, smallest slots); the prefix [0, P) only when
+ * it pins more, or when pin_spread is off. */
+static void choose_pinned(int P, int NL, int r, bool *pin) {
+    for (int L = 0; L < NL; L++)
+        pin[L] = r < 0 ? L < P : (int64_t)(L + r + 1) * P / NL > (int64_t)(L + r) * P / NL;
+}
+
+/* Chooses the pinned layers and the ring for a trunk limit: most pinned layers
  * with two slots (reads overlap compute), else with one (no overlap). */
-static bool fit_trunk(const k3_config *c, k3_mem_plan *p, double limit) {
+static bool fit_trunk(const k3_config *c, k3_mem_plan *p, double limit, bool spread) {
     int NL = c->num_layers;
     for (int slots = 2; slots >= 1; slots--) {
         for (int P = NL; P >= 0; P--) {
-            uint64_t pin = 0, slot = 0, copy = 0;
-            for (int L = 0; L < P; L++) pin += align4k(p->layer_bytes[L]) + p->bind_bytes[L];
-            for (int L = P; L < NL; L++) {
-                if (align4k(p->layer_bytes[L]) > slot) slot = align4k(p->layer_bytes[L]);
-                if (p->bind_bytes[L] > copy) copy = p->bind_bytes[L];
-            }
-            int ns = P == NL ? 0 : (NL - P == 1 ? 1 : slots);
-            uint64_t ring = (uint64_t)ns * (slot + copy);
-            uint64_t need = p->head_bytes + pin + ring;
-            if ((double)need <= limit) {
+            bool found = false;
+            uint64_t best_pin = 0;
+            /* candidates: the rotations of the spread pattern, then the prefix (k == NL) */
+            for (int k = spread ? 0 : NL; k <= NL; k++) {
+                int r = k == NL ? -1 : k;
+                uint64_t pin = 0, slot = 0, copy = 0;
+                bool set[K3_MAX_LAYERS];
+                choose_pinned(P, NL, r, set);
+                for (int L = 0; L < NL; L++) {
+                    if (set[L]) {
+                        pin += align4k(p->layer_bytes[L]) + p->bind_bytes[L];
+                        continue;
+                    }
+                    if (align4k(p->layer_bytes[L]) > slot) slot = align4k(p->layer_bytes[L]);
+                    if (p->bind_bytes[L] > copy) copy = p->bind_bytes[L];
+                }
+                int ns = P == NL ? 0 : (NL - P == 1 ? 1 : slots);
+                uint64_t ring = (uint64_t)ns * (slot + copy);
+                uint64_t need = p->head_bytes + pin + ring;
+                if ((double)need > limit || (found && pin <= best_pin)) continue;
+                found = true;
+                best_pin = pin;
                 p->pinned = P;
+                memcpy(p->pin, set, sizeof set);
                 p->pinned_bytes = pin;
                 p->ring_slots = ns;
                 p->slot_bytes = ns ? slot : 0;
                 p->ring_bytes = ring;
                 p->trunk_bytes = need;
-                return true;
             }
+            if (found) return true;
         }
     }
     return false;
@@ -264,7 +292,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
 
     /* trunk part */
     if (trunk) {
-        if (!fit_trunk(c, p, tlimit)) {
+        if (!fit_trunk(c, p, tlimit, o->pin_spread)) {
             uint64_t big = 0, copy = 0;
             for (int L = 0; L < c->num_layers; L++) {
                 if (align4k(p->layer_bytes[L]) > big) big = align4k(p->layer_bytes[L]);
@@ -279,6 +307,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         uint64_t copies = 0;
         for (int L = 0; L < c->num_layers; L++) copies += p->bind_bytes[L];
         p->pinned = c->num_layers;
+        for (int L = 0; L < c->num_layers; L++) p->pin[L] = true;
         p->pinned_bytes = p->layers_all + copies;
         p->trunk_bytes = p->head_bytes + p->pinned_bytes;
         if ((double)p->trunk_bytes > tlimit)
@@ -357,6 +386,22 @@ static const char *hsize(uint64_t b, char *buf, size_t n) {
     return buf;
 }
 
+/* "0-3", "2,5,8,10" or "0-1,3-4,6": the pinned (or streamed) layers. */
+static void layer_list(const k3_mem_plan *p, bool pinned, char *buf, size_t cap) {
+    size_t at = 0;
+    buf[0] = 0;
+    for (int L = 0; L < p->num_layers; L++) {
+        if (p->pin[L] != pinned) continue;
+        int e = L;
+        while (e + 1 < p->num_layers && p->pin[e + 1] == pinned) e++;
+        int k = e > L ? snprintf(buf + at, cap - at, "%s%d-%d", at ? "," : "", L, e)
+                      : snprintf(buf + at, cap - at, "%s%d", at ? "," : "", L);
+        if (k < 0 || (size_t)k >= cap - at) { buf[at] = 0; return; }
+        at += (size_t)k;
+        L = e;
+    }
+}
+
 void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
     char b[32], h[32], lim[96];
     if (o->trunk_gb < 0 && o->cache_gb < 0) snprintf(lim, sizeof lim, "no limits");
@@ -383,16 +428,17 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
         fprintf(f, "k3:   trunk resident      %s  %d layers mapped from the shards (no --trunk)\n", b, p->num_layers);
     } else {
         mb_cell(b, sizeof b, p->pinned_bytes);
-        if (p->pinned > 1)
-            fprintf(f, "k3:   trunk pinned        %s  layers 0-%d resident\n", b, p->pinned - 1);
-        else if (p->pinned == 1)
-            fprintf(f, "k3:   trunk pinned        %s  layer 0 resident\n", b);
+        char pl[K3_MAX_LAYERS * 4 + 8], sl[K3_MAX_LAYERS * 4 + 8];
+        layer_list(p, true, pl, sizeof pl);
+        layer_list(p, false, sl, sizeof sl);
+        if (p->pinned > 0)
+            fprintf(f, "k3:   trunk pinned        %s  layer%s %s resident\n", b, p->pinned > 1 ? "s" : "", pl);
         else
             fprintf(f, "k3:   trunk pinned        %s  no layer pinned\n", b);
         mb_cell(b, sizeof b, p->ring_bytes);
         if (p->ring_slots)
-            fprintf(f, "k3:   ring slots          %s  %d x %s, layers %d-%d streamed%s\n", b, p->ring_slots,
-                    hsize(p->slot_bytes, h, sizeof h), p->pinned, p->num_layers - 1,
+            fprintf(f, "k3:   ring slots          %s  %d x %s, layers %s streamed%s\n", b, p->ring_slots,
+                    hsize(p->slot_bytes, h, sizeof h), sl,
                     p->ring_slots == 2 ? ", next layer read during compute" : ", no read-ahead (one slot)");
         else
             fprintf(f, "k3:   ring slots          %s  none (every layer pinned)\n", b);
@@ -703,8 +749,9 @@ static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_e
 }
 
 /* ---- the ring and its I/O thread ------------------------------------------------------
- * The model asks for the streamed layers in a fixed cycle (P..NL-1, then P
- * again for the next forward call), so the I/O thread knows what comes next:
+ * The model asks for the streamed layers in a fixed cycle (the layers not
+ * pinned, in order, then the first of them again for the next forward call;
+ * succ()), so the I/O thread knows what comes next:
  * it keeps the next nslots layers of the cycle from `want` (the layer the
  * model asks for next, or uses now) in the slots, reading each as soon as a
  * slot holds nothing wanted (the moment layer_put frees it), in pieces with
@@ -722,7 +769,14 @@ static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_e
  * that does not overlap layer L (the buffer's spare room: most of it when
  * layers differ in size) is read while L computes, the rest once L is put. */
 
-static int succ(const k3_stream *s, int L) { return L + 1 < s->cfg.num_layers ? L + 1 : s->plan->pinned; }
+static int succ(const k3_stream *s, int L) {
+    int NL = s->cfg.num_layers;
+    for (int i = 1; i <= NL; i++) {
+        int x = (L + i) % NL;
+        if (!s->plan->pin[x]) return x;
+    }
+    return L; /* (every layer pinned: no cycle) */
+}
 
 /* Under mu. */
 static bool is_wanted(const k3_stream *s, int L) {
@@ -1313,10 +1367,12 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         if ((rc = k3_io_open(s->tio, trunk->bin_path, &s->tfd, NULL, err))) goto fail;
         if ((rc = load_run0(s, err))) goto fail;
         uint64_t total = 0, done = 0;
-        for (int L = 0; L < plan->pinned; L++) total += plan->layer_bytes[L];
+        for (int L = 0; L < cfg->num_layers; L++)
+            if (plan->pin[L]) total += plan->layer_bytes[L];
         k3_progress pr;
         k3_progress_start(&pr, "pinning trunk", total, true);
-        for (int L = 0; L < plan->pinned; L++) {
+        for (int L = 0; L < cfg->num_layers; L++) {
+            if (!plan->pin[L]) continue;
             const k3_trunk_run *run = k3_trunk_run_for(trunk, L);
             s->pin_buf[L] = k3_io_alloc(align4k(run->bytes));
             if ((rc = read_run(s, s->tio, run, s->pin_buf[L], err))) goto fail;
@@ -1327,7 +1383,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         }
         k3_progress_finish(&pr);
         s->nslots = plan->ring_slots;
-        s->want = plan->pinned;
+        s->want = succ(s, cfg->num_layers - 1); /* the first streamed layer */
         s->maxpiece = (int)((plan->slot_bytes + s->piece_bytes - 1) / s->piece_bytes);
         /* one slot in the plan: two records over one buffer, when two layers stream */
         int streamed = cfg->num_layers - plan->pinned;
