@@ -20,9 +20,11 @@
  * from minute to minute, so each run's I/O floor (bytes read per token / that
  * bandwidth) uses the figures taken around it.
  * Each rung runs --repeat times (medians reported). --compare also runs each
- * streamed rung with the I/O pattern used before the I/O scheduler (16 MiB
- * pieces, 8 in flight, expert batches not given priority), alternating with
- * the current one, so old and new are measured in the same conditions. */
+ * rung as decode did before issue 7's overlap (the model waits for the
+ * whole expert batch, then computes; no buffers registered with io_uring;
+ * pinned layers as a prefix),
+ * alternating run by run with the current way, so old and new are measured
+ * in the same conditions. */
 #include "memory/io.h"
 #include "memory/stream.h"
 
@@ -176,11 +178,14 @@ static int run_rung(const char *dir, const char *trunk_dir, const rung_def *d, b
     o.trunk_dir = d->trunk ? trunk_dir : NULL;
     o.trunk_gb = d->trunk_gb;
     o.cache_gb = d->cache_gb;
+    /* as before issue 7's overlap: wait for the whole expert batch; reads
+     * into unregistered buffers (k3_io_register is read at open) */
     if (old_io) {
-        o.trunk_piece = 16u << 20;
-        o.trunk_depth = 8;
-        o.expert_priority = false;
+        o.expert_overlap = false;
+        o.pin_spread = false;
     }
+    if (old_io) setenv("K3_IO_REGISTER", "0", 1);
+    else unsetenv("K3_IO_REGISTER");
     k3_config cfg;
     st_index *ix = NULL;
     k3_trunk *tr = NULL;
@@ -466,14 +471,18 @@ int main(int argc, char **argv) {
            "MB/token", "disk MB/s", "floor s", "%disk", "%roof", "busy", "hits");
     for (int i = 0; i < NR; i++) {
         if (!use[i]) continue;
-        for (int pass = 0; pass < (compare && ladder[i].trunk ? 2 : 1); pass++) {
-            for (int k = 0; k < rep; k++) {
+        int npass = compare && i > 0 ? 2 : 1;
+        bool failed = false;
+        /* old and new alternate, run by run, so both see the same load */
+        for (int k = 0; k < rep && !failed; k++)
+            for (int pass = 0; pass < npass && !failed; pass++) {
                 rung_run r = {0};
                 double d0 = disk_ref(shard, tbin, probe);
                 int rc = run_rung(dir, tdir, &ladder[i], pass == 1, prompt, np, ng, have_ref ? got : ref, &r, &err);
                 double d1 = disk_ref(shard, tbin, probe);
                 if (rc) {
                     printf("%-46s refused or failed: %s\n", ladder[i].name, err.msg);
+                    failed = true;
                     break;
                 }
                 if (have_ref && memcmp(got, ref, (size_t)ng * sizeof *got)) same = false;
@@ -481,6 +490,7 @@ int main(int argc, char **argv) {
                 r.disk_mbs = 0.5 * (d0 + d1);
                 runs[pass][i][nrun[pass][i]++] = r;
             }
+        for (int pass = 0; pass < npass; pass++) {
             sum[pass][i] = summarise(runs[pass][i], nrun[pass][i], compute_s);
             if (i == 0 && sum[0][0].ok) {
                 compute_s = sum[0][0].r.s_per_tok;
@@ -489,7 +499,7 @@ int main(int argc, char **argv) {
             const rung_sum *s = &sum[pass][i];
             if (!s->ok) continue;
             char name[80];
-            snprintf(name, sizeof name, "%s%s", pass ? "  (I/O pattern before) " : "", ladder[i].name);
+            snprintf(name, sizeof name, "%s%s", pass ? "  (before: no overlap) " : "", ladder[i].name);
             printf("%-46s %7.3f %3d/%-2d %7lld %8.3f %8.1f %7.0f %8.3f %5.0f%% %5.0f%% %5.0f%% %5.0f%%\n", name,
                    s->r.plan_gb, s->r.pinned, cfg.num_layers, (long long)s->r.cache_experts, s->r.s_per_tok,
                    s->r.mb_per_tok, s->r.disk_mbs, s->floor_s, 100 * s->io_ratio, 100 * s->roof_ratio,
@@ -520,7 +530,7 @@ int main(int argc, char **argv) {
                             "\"disk_mbs\": %.1f, \"floor_s\": %.4f, \"disk_roofline_ratio\": %.3f, "
                             "\"roofline_ratio\": %.3f, \"disk_busy\": %.3f, \"gbs_while_busy\": %.3f, \"stall_share\": "
                             "%.3f, \"resident_hit_rate\": %.3f}",
-                            firstj ? "" : ",\n", ladder[i].name, pass ? "before" : "scheduler", s->r.plan_gb,
+                            firstj ? "" : ",\n", ladder[i].name, pass ? "before" : "overlap", s->r.plan_gb,
                             s->r.pinned, s->r.slots, (long long)s->r.cache_experts, s->r.s_per_tok, s->r.mb_per_tok,
                             s->r.disk_mbs, s->floor_s, s->io_ratio, s->roof_ratio, s->r.disk_share, s->r.gbs_busy,
                             s->r.stall_share, s->r.resident_rate);

@@ -62,6 +62,10 @@ typedef struct {
     double trunk_gb, cache_gb;
     int chunk;               /* tokens per k3_forward call */
 } budget;
+/* decode waits for the whole expert batch (k3_stream_opts.expert_overlap off) */
+static bool no_overlap;
+/* pinned layers as a prefix instead of spread (k3_stream_opts.pin_spread off) */
+static bool pin_prefix;
 
 /* Runs the fed ids through a streamed model in chunks; 0 on success and
  * fills logits [n][V]; else the error code (err filled). */
@@ -75,6 +79,8 @@ static int streamed_logits(const char *dir, const fixture_ids *f, const budget *
     o.cache_gb = b->cache_gb;
     o.chunk = b->chunk;
     o.mem_limit = 1ull << 40;
+    if (no_overlap) o.expert_overlap = false;
+    if (pin_prefix) o.pin_spread = false;
     k3_config cfg;
     st_index *ix = NULL;
     k3_trunk *tr = NULL;
@@ -169,7 +175,20 @@ static void run_budgets(const char *fixture, bool with_trunk) {
             if (with_trunk) CHECKF(p.ring_slots == 1 && p.pinned == 0, "slots %d pinned %d", p.ring_slots, p.pinned);
         }
         if (i == 4 && with_trunk) CHECKF(p.ring_slots == 2, "slots %d", p.ring_slots);
-        if (i == 5 && with_trunk) CHECKF(p.pinned > 0 && p.pinned < p.num_layers, "pinned %d", p.pinned);
+        if (i == 5 && with_trunk) {
+            CHECKF(p.pinned > 0 && p.pinned < p.num_layers, "pinned %d", p.pinned);
+            /* the same budget with the pinned layers as a prefix: same bits */
+            k3_mem_plan q;
+            pin_prefix = true;
+            memset(got, 0, (size_t)f.n * V * sizeof(float));
+            rc = streamed_logits(dir, &f, &bs[i], got, &q, NULL, &err);
+            pin_prefix = false;
+            CHECKF(rc == 0, "prefix: %s", err.msg);
+            CHECKF(memcmp(got, want, (size_t)f.n * V * sizeof(float)) == 0, "prefix: logits differ");
+            bool prefix = true;
+            for (int L = 0; L < q.num_layers; L++) prefix = prefix && q.pin[L] == (L < q.pinned);
+            CHECKF(prefix && q.pinned > 0, "prefix plan: %d pinned", q.pinned);
+        }
         if (i == 0) CHECKF(st.evictions > 0, "budget 0: no evictions");
     }
     free(got);
@@ -179,6 +198,48 @@ static void run_budgets(const char *fixture, bool with_trunk) {
 TEST(stream_budgets_same_logits_resident_trunk) { run_budgets("tests/fixtures/gen/k3_like", false); }
 TEST(stream_budgets_same_logits_packed_trunk) { run_budgets("tests/fixtures/gen/k3_like", true); }
 TEST(stream_budgets_unquantised_experts) { run_budgets("tests/fixtures/gen/dense_experts", true); }
+
+/* Decode computes each routed expert as its bytes arrive (issue 7) and sums
+ * them in the router's order afterwards: the order in which the experts
+ * arrive cannot change a bit. K3_EXPERT_ORDER hands every batch to the model
+ * reversed or shuffled; the logits must equal the resident model's and the
+ * batch path's (no overlap), and the hook must really have reordered. */
+TEST(stream_expert_arrival_order) {
+    const char *dir = t_repo("tests/fixtures/gen/k3_like");
+    fixture_ids f;
+    CHECK(load_ids(dir, &f));
+    int V;
+    float *want = resident_logits(dir, &f, &V);
+    CHECK(want != NULL);
+    char trunk[1024];
+    snprintf(trunk, sizeof trunk, "%s/trunk", t_outdir());
+    k3_err err = {0};
+    CHECKF(k3_trunk_pack(dir, trunk, &err) == 0, "%s", err.msg);
+    size_t bytes = (size_t)f.n * V * sizeof(float);
+    float *got = malloc(bytes);
+    const char *orders[] = {NULL, "reverse", "shuffle"};
+    for (int with_trunk = 0; with_trunk < 2; with_trunk++)
+        for (int cached = 0; cached < 2; cached++) /* no cache (all read) or a cache that hits */
+            for (int i = 0; i < 4; i++) {
+                budget b = {with_trunk ? trunk : NULL, -1, cached ? -1 : 0.00002, 1};
+                if (i < 3 && orders[i]) setenv("K3_EXPERT_ORDER", orders[i], 1);
+                no_overlap = i == 3;
+                k3_stream_stats st;
+                memset(got, 0, bytes);
+                int rc = streamed_logits(dir, &f, &b, got, NULL, &st, &err);
+                unsetenv("K3_EXPERT_ORDER");
+                no_overlap = false;
+                const char *what = i == 3 ? "no overlap" : orders[i] ? orders[i] : "arrival";
+                CHECKF(rc == 0, "%s: %s", what, err.msg);
+                CHECKF(memcmp(got, want, bytes) == 0, "trunk %d cached %d %s: logits differ", with_trunk, cached, what);
+                if (i == 1 || i == 2)
+                    CHECKF(st.experts_reordered > 0, "%s: the order did not change (%llu)", what,
+                           (unsigned long long)st.experts_reordered);
+                if (cached) CHECKF(st.hits > 0, "%s: no cache hits", what);
+            }
+    free(got);
+    free(want);
+}
 
 TEST(stream_plan_refusals) {
     const char *dir = t_repo("tests/fixtures/gen/k3_like");

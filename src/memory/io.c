@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 struct k3_io {
@@ -21,6 +22,10 @@ struct k3_io {
     int inflight;              /* submitted, not yet completed */
     k3_io_req **done;          /* pread backend: finished in submit, [depth] */
     int ndone;
+    /* buffers registered with the ring (k3_io_register): reads into them skip
+     * the per-read pinning of user pages that O_DIRECT otherwise costs */
+    struct iovec reg[K3_IO_MAXREG];
+    int nreg;
 };
 
 k3_io *k3_io_new(int depth, bool direct) {
@@ -195,6 +200,39 @@ int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
 
 int k3_io_inflight(const k3_io *io) { return io->inflight + io->ndone; }
 
+bool k3_io_register(k3_io *io, void *const *bufs, const uint64_t *lens, int n) {
+    if (!io->have_ring || io->nreg || n <= 0 || n > K3_IO_MAXREG) return false;
+    const char *e = getenv("K3_IO_REGISTER");
+    if (e && !strcmp(e, "0")) return false;
+    struct iovec v[K3_IO_MAXREG];
+    for (int i = 0; i < n; i++) {
+        if (!bufs[i] || lens[i] == 0 || lens[i] > (1ull << 30)) return false; /* the kernel's limit per buffer */
+        v[i] = (struct iovec){.iov_base = bufs[i], .iov_len = (size_t)lens[i]};
+    }
+    /* refused (e.g. RLIMIT_MEMLOCK for an unprivileged user): plain reads */
+    if (io_uring_register_buffers(&io->ring, v, (unsigned)n) != 0) return false;
+    memcpy(io->reg, v, (size_t)n * sizeof *v);
+    io->nreg = n;
+    return true;
+}
+
+/* Prepares q's read, from a registered buffer when q lies in one. */
+static void prep(k3_io *io, struct io_uring_sqe *sqe, k3_io_req *q) {
+    uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+    unsigned len = (unsigned)k3_io_span(q->offset, q->len);
+    const char *b = q->buf;
+    for (int i = 0; i < io->nreg; i++) {
+        const char *r0 = io->reg[i].iov_base;
+        if (b >= r0 && b + len <= r0 + io->reg[i].iov_len) {
+            io_uring_prep_read_fixed(sqe, q->fd, q->buf, len, a, i);
+            io_uring_sqe_set_data(sqe, q);
+            return;
+        }
+    }
+    io_uring_prep_read(sqe, q->fd, q->buf, len, a);
+    io_uring_sqe_set_data(sqe, q);
+}
+
 int k3_io_submit(k3_io *io, k3_io_req *q, k3_err *err) {
     long fa = fail_after();
     if (fa >= 0 && __atomic_fetch_add(&injected_count, 1, __ATOMIC_RELAXED) + 1 > fa)
@@ -216,11 +254,57 @@ int k3_io_submit(k3_io *io, k3_io_req *q, k3_err *err) {
     }
     struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
     if (!sqe) return k3_fail(err, K3_EXIT_RUNTIME, "io_uring: no free submission entry");
-    io_uring_prep_read(sqe, q->fd, q->buf, (unsigned)k3_io_span(q->offset, q->len), a);
-    io_uring_sqe_set_data(sqe, q);
+    prep(io, sqe, q);
     int r = io_uring_submit(&io->ring);
     if (r < 0) return k3_fail(err, K3_EXIT_RUNTIME, "io_uring submit failed: %s", strerror(-r));
     io->inflight++;
+    return K3_OK;
+}
+
+int k3_io_submit_batch(k3_io *io, k3_io_req *const *qs, int n, k3_err *err) {
+    if (n <= 0) return K3_OK;
+    if (k3_io_inflight(io) + n > io->depth)
+        return k3_fail(err, K3_EXIT_RUNTIME, "k3_io_submit_batch: %d reads would exceed the depth %d",
+                       k3_io_inflight(io) + n, io->depth);
+    long fa = fail_after();
+    if (fa >= 0) { /* counted per request, as k3_io_submit and k3_io_read do */
+        long before = __atomic_fetch_add(&injected_count, (long)n, __ATOMIC_RELAXED);
+        if (before + (long)n > fa) {
+            const k3_io_req *q = qs[fa > before ? fa - before : 0];
+            return k3_fail(err, K3_EXIT_RUNTIME, "read of %llu bytes at offset %llu failed: %s (K3_IO_FAIL_AFTER)",
+                           (unsigned long long)q->len, (unsigned long long)q->offset, strerror(EIO));
+        }
+    }
+    if (!io->have_ring) {
+        for (int i = 0; i < n; i++) {
+            k3_io_req *q = qs[i];
+            uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+            q->data = (const char *)q->buf + (q->offset - a);
+            double t0 = k3_now();
+            int rc = read_full(q->fd, q->buf, k3_io_span(q->offset, q->len), a, q->offset - a + q->len, err);
+            io->seconds += k3_now() - t0;
+            if (rc) return rc; /* the ones read already are handed back by k3_io_complete */
+            io->bytes += k3_io_span(q->offset, q->len);
+            if (!io->done) io->done = xmalloc_array((size_t)io->depth, sizeof *io->done);
+            io->done[io->ndone++] = q;
+        }
+        return K3_OK;
+    }
+    for (int i = 0; i < n; i++) {
+        k3_io_req *q = qs[i];
+        uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+        q->data = (const char *)q->buf + (q->offset - a);
+        struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
+        if (!sqe) { /* (not within the depth: the ring has depth entries) */
+            int r = io_uring_submit(&io->ring);
+            if (r > 0) io->inflight += r;
+            return k3_fail(err, K3_EXIT_RUNTIME, "io_uring: no free submission entry");
+        }
+        prep(io, sqe, q);
+    }
+    int r = io_uring_submit(&io->ring);
+    if (r < 0) return k3_fail(err, K3_EXIT_RUNTIME, "io_uring submit failed: %s", strerror(-r));
+    io->inflight += n;
     return K3_OK;
 }
 

@@ -45,7 +45,19 @@ int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err);
  * requests still in flight. */
 int k3_io_submit(k3_io *io, k3_io_req *q, k3_err *err);
 int k3_io_complete(k3_io *io, k3_io_req **done, k3_err *err);
+/* Sends qs[0..n) with one submission (one system call for the batch, where
+ * k3_io_submit makes one per request), in the order given; n must not exceed
+ * the free depth. On an error, the requests sent before it stay in flight
+ * (k3_io_inflight counts them; complete them before freeing their buffers). */
+int k3_io_submit_batch(k3_io *io, k3_io_req *const *qs, int n, k3_err *err);
 int k3_io_inflight(const k3_io *io);  /* submitted, not yet returned by k3_io_complete */
+/* Registers up to K3_IO_MAXREG long-lived buffers (each at most 1 GiB) with
+ * the ring, once: later reads into them (k3_io_submit, k3_io_submit_batch)
+ * skip the pinning of user pages each O_DIRECT read otherwise costs. The
+ * buffers must outlive io. False (and plain reads, same bytes) where refused:
+ * no ring, RLIMIT_MEMLOCK, K3_IO_REGISTER=0. */
+#define K3_IO_MAXREG 4
+bool k3_io_register(k3_io *io, void *const *bufs, const uint64_t *lens, int n);
 /* (Tests: K3_IO_FAIL_AFTER=N in the environment fails every read request
  * after the first N made while it is set with EIO.) */
 /* Cumulative bytes read from disk and seconds spent waiting in k3_io_read. */

@@ -193,7 +193,7 @@ void k3_runmem_summary(const k3_runmem *rm, FILE *f) {
             s.gb_read, (double)s.st.trunk_read / 1e9, (double)s.st.expert_read / 1e9, s.st.backend,
             s.st.direct ? " + O_DIRECT" : "", s.mbps_io, s.mbps_run, s.run_s);
     fprintf(f,
-            "k3: I/O share of the forward time: trunk waits %.1f%% (trunk reads in flight %.1f%%), expert reads %.1f%%; "
+            "k3: I/O share of the forward time: trunk waits %.1f%% (trunk reads in flight %.1f%%), expert waits %.1f%%; "
             "disk busy %.1f%%\n",
             100 * s.st.trunk_stall_s / run, 100 * s.st.trunk_busy_s / run, 100 * s.st.expert_stall_s / run,
             100 * s.st.disk_busy_s / run);

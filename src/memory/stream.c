@@ -25,6 +25,8 @@ void k3_stream_opts_init(k3_stream_opts *o) {
     o->trunk_depth = 4;
     o->trunk_piece = 2u << 20;
     o->expert_priority = true;
+    o->expert_overlap = true;
+    o->pin_spread = true;
     const char *d = getenv("K3_DIRECT_IO");
     o->direct = !(d && !strcmp(d, "0"));
     /* tuning knobs for measurements (bench_stream); the defaults are the measured best */
@@ -32,6 +34,8 @@ void k3_stream_opts_init(k3_stream_opts *o) {
     if ((e = getenv("K3_TRUNK_DEPTH")) && atoi(e) > 0) o->trunk_depth = atoi(e);
     if ((e = getenv("K3_TRUNK_PIECE_KB")) && atoi(e) >= 4) o->trunk_piece = (uint64_t)atoi(e) << 10;
     if ((e = getenv("K3_EXPERT_PRIORITY"))) o->expert_priority = strcmp(e, "0") != 0;
+    if ((e = getenv("K3_EXPERT_OVERLAP"))) o->expert_overlap = strcmp(e, "0") != 0;
+    if ((e = getenv("K3_PIN_SPREAD"))) o->pin_spread = strcmp(e, "0") != 0;
 }
 
 static uint64_t align4k(uint64_t x) { return (x + K3_IO_ALIGN - 1) & ~(uint64_t)(K3_IO_ALIGN - 1); }
@@ -216,30 +220,56 @@ static uint64_t head_size(const k3_config *c, st_index *ix, int64_t max_pos) {
     return b;
 }
 
-/* Chooses the pinned prefix and the ring for a trunk limit: most pinned layers
+/* Which P of NL layers are pinned. Spread evenly (layer L when (L+r+1)P/NL
+ * passes an integer, for a rotation r), so that between two streamed layers
+ * there is at most a little pinned compute: with a prefix, the ring (two
+ * layers ahead) is full long before the pinned prefix and the head have
+ * computed, and the disk idles for the rest of that compute (measured: the
+ * pinned rungs of the ladder). Of the rotations, the one that pins the most
+ * bytes (fewest read per token, smallest slots); the prefix [0, P) only when
+ * it pins more, or when pin_spread is off. */
+static void choose_pinned(int P, int NL, int r, bool *pin) {
+    for (int L = 0; L < NL; L++)
+        pin[L] = r < 0 ? L < P : (int64_t)(L + r + 1) * P / NL > (int64_t)(L + r) * P / NL;
+}
+
+/* Chooses the pinned layers and the ring for a trunk limit: most pinned layers
  * with two slots (reads overlap compute), else with one (no overlap). */
-static bool fit_trunk(const k3_config *c, k3_mem_plan *p, double limit) {
+static bool fit_trunk(const k3_config *c, k3_mem_plan *p, double limit, bool spread) {
     int NL = c->num_layers;
     for (int slots = 2; slots >= 1; slots--) {
         for (int P = NL; P >= 0; P--) {
-            uint64_t pin = 0, slot = 0, copy = 0;
-            for (int L = 0; L < P; L++) pin += align4k(p->layer_bytes[L]) + p->bind_bytes[L];
-            for (int L = P; L < NL; L++) {
-                if (align4k(p->layer_bytes[L]) > slot) slot = align4k(p->layer_bytes[L]);
-                if (p->bind_bytes[L] > copy) copy = p->bind_bytes[L];
-            }
-            int ns = P == NL ? 0 : (NL - P == 1 ? 1 : slots);
-            uint64_t ring = (uint64_t)ns * (slot + copy);
-            uint64_t need = p->head_bytes + pin + ring;
-            if ((double)need <= limit) {
+            bool found = false;
+            uint64_t best_pin = 0;
+            /* candidates: the rotations of the spread pattern, then the prefix (k == NL) */
+            for (int k = spread ? 0 : NL; k <= NL; k++) {
+                int r = k == NL ? -1 : k;
+                uint64_t pin = 0, slot = 0, copy = 0;
+                bool set[K3_MAX_LAYERS];
+                choose_pinned(P, NL, r, set);
+                for (int L = 0; L < NL; L++) {
+                    if (set[L]) {
+                        pin += align4k(p->layer_bytes[L]) + p->bind_bytes[L];
+                        continue;
+                    }
+                    if (align4k(p->layer_bytes[L]) > slot) slot = align4k(p->layer_bytes[L]);
+                    if (p->bind_bytes[L] > copy) copy = p->bind_bytes[L];
+                }
+                int ns = P == NL ? 0 : (NL - P == 1 ? 1 : slots);
+                uint64_t ring = (uint64_t)ns * (slot + copy);
+                uint64_t need = p->head_bytes + pin + ring;
+                if ((double)need > limit || (found && pin <= best_pin)) continue;
+                found = true;
+                best_pin = pin;
                 p->pinned = P;
+                memcpy(p->pin, set, sizeof set);
                 p->pinned_bytes = pin;
                 p->ring_slots = ns;
                 p->slot_bytes = ns ? slot : 0;
                 p->ring_bytes = ring;
                 p->trunk_bytes = need;
-                return true;
             }
+            if (found) return true;
         }
     }
     return false;
@@ -262,7 +292,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
 
     /* trunk part */
     if (trunk) {
-        if (!fit_trunk(c, p, tlimit)) {
+        if (!fit_trunk(c, p, tlimit, o->pin_spread)) {
             uint64_t big = 0, copy = 0;
             for (int L = 0; L < c->num_layers; L++) {
                 if (align4k(p->layer_bytes[L]) > big) big = align4k(p->layer_bytes[L]);
@@ -277,6 +307,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         uint64_t copies = 0;
         for (int L = 0; L < c->num_layers; L++) copies += p->bind_bytes[L];
         p->pinned = c->num_layers;
+        for (int L = 0; L < c->num_layers; L++) p->pin[L] = true;
         p->pinned_bytes = p->layers_all + copies;
         p->trunk_bytes = p->head_bytes + p->pinned_bytes;
         if ((double)p->trunk_bytes > tlimit)
@@ -355,6 +386,22 @@ static const char *hsize(uint64_t b, char *buf, size_t n) {
     return buf;
 }
 
+/* "0-3", "2,5,8,10" or "0-1,3-4,6": the pinned (or streamed) layers. */
+static void layer_list(const k3_mem_plan *p, bool pinned, char *buf, size_t cap) {
+    size_t at = 0;
+    buf[0] = 0;
+    for (int L = 0; L < p->num_layers; L++) {
+        if (p->pin[L] != pinned) continue;
+        int e = L;
+        while (e + 1 < p->num_layers && p->pin[e + 1] == pinned) e++;
+        int k = e > L ? snprintf(buf + at, cap - at, "%s%d-%d", at ? "," : "", L, e)
+                      : snprintf(buf + at, cap - at, "%s%d", at ? "," : "", L);
+        if (k < 0 || (size_t)k >= cap - at) { buf[at] = 0; return; }
+        at += (size_t)k;
+        L = e;
+    }
+}
+
 void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
     char b[32], h[32], lim[96];
     if (o->trunk_gb < 0 && o->cache_gb < 0) snprintf(lim, sizeof lim, "no limits");
@@ -381,16 +428,17 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
         fprintf(f, "k3:   trunk resident      %s  %d layers mapped from the shards (no --trunk)\n", b, p->num_layers);
     } else {
         mb_cell(b, sizeof b, p->pinned_bytes);
-        if (p->pinned > 1)
-            fprintf(f, "k3:   trunk pinned        %s  layers 0-%d resident\n", b, p->pinned - 1);
-        else if (p->pinned == 1)
-            fprintf(f, "k3:   trunk pinned        %s  layer 0 resident\n", b);
+        char pl[K3_MAX_LAYERS * 4 + 8], sl[K3_MAX_LAYERS * 4 + 8];
+        layer_list(p, true, pl, sizeof pl);
+        layer_list(p, false, sl, sizeof sl);
+        if (p->pinned > 0)
+            fprintf(f, "k3:   trunk pinned        %s  layer%s %s resident\n", b, p->pinned > 1 ? "s" : "", pl);
         else
             fprintf(f, "k3:   trunk pinned        %s  no layer pinned\n", b);
         mb_cell(b, sizeof b, p->ring_bytes);
         if (p->ring_slots)
-            fprintf(f, "k3:   ring slots          %s  %d x %s, layers %d-%d streamed%s\n", b, p->ring_slots,
-                    hsize(p->slot_bytes, h, sizeof h), p->pinned, p->num_layers - 1,
+            fprintf(f, "k3:   ring slots          %s  %d x %s, layers %s streamed%s\n", b, p->ring_slots,
+                    hsize(p->slot_bytes, h, sizeof h), sl,
                     p->ring_slots == 2 ? ", next layer read during compute" : ", no read-ahead (one slot)");
         else
             fprintf(f, "k3:   ring slots          %s  none (every layer pinned)\n", b);
@@ -490,6 +538,17 @@ struct k3_stream {
     int64_t *bb;               /* buffers of the current batch */
     k3_io_req *reqs;
     size_t reqcap;
+    /* the batch in flight (experts_start .. its last experts_next) */
+    k3_io_req **xq;            /* [reqcap] the requests in submission order */
+    int *req_x;                /* [reqcap] batch index of each request */
+    size_t nreq, nsent, nrecv;
+    int xn, xgiven, xlayer, xid0;
+    int *xleft;                /* [N_e] reads still to arrive per batch index */
+    int *xready;               /* [N_e] batch indices whose bytes are in, in arrival order */
+    int nready;
+    bool xbusy;                /* reads in flight: xpending set, counted in disk_use */
+    int xorder;                /* 0: arrival order; 1 reverse, 2 shuffled (K3_EXPERT_ORDER, tests) */
+    uint64_t xseed, xreordered;
     double expert_stall;
     xc_trace_writer trace;
     bool tracing;
@@ -690,8 +749,9 @@ static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_e
 }
 
 /* ---- the ring and its I/O thread ------------------------------------------------------
- * The model asks for the streamed layers in a fixed cycle (P..NL-1, then P
- * again for the next forward call), so the I/O thread knows what comes next:
+ * The model asks for the streamed layers in a fixed cycle (the layers not
+ * pinned, in order, then the first of them again for the next forward call;
+ * succ()), so the I/O thread knows what comes next:
  * it keeps the next nslots layers of the cycle from `want` (the layer the
  * model asks for next, or uses now) in the slots, reading each as soon as a
  * slot holds nothing wanted (the moment layer_put frees it), in pieces with
@@ -709,7 +769,14 @@ static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_e
  * that does not overlap layer L (the buffer's spare room: most of it when
  * layers differ in size) is read while L computes, the rest once L is put. */
 
-static int succ(const k3_stream *s, int L) { return L + 1 < s->cfg.num_layers ? L + 1 : s->plan->pinned; }
+static int succ(const k3_stream *s, int L) {
+    int NL = s->cfg.num_layers;
+    for (int i = 1; i <= NL; i++) {
+        int x = (L + i) % NL;
+        if (!s->plan->pin[x]) return x;
+    }
+    return L; /* (every layer pinned: no cycle) */
+}
 
 /* Under mu. */
 static bool is_wanted(const k3_stream *s, int L) {
@@ -1023,108 +1090,235 @@ static void make_mat(const k3_stream *s, const xlayout *x, int m, const uint8_t 
     }
 }
 
-static int stream_experts_get(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, k3_err *err) {
+/* A batch is issued by experts_start and handed out one expert at a time by
+ * experts_next as its bytes arrive (issue 7: the model computes each expert
+ * while the others are read). Hits are ready at once; every missing expert is
+ * one read (or one per tensor), all sent together in offset order through
+ * the expert io_uring, more as completions free depth. While the batch is in
+ * flight the trunk I/O thread sends no new piece (xpending). */
+
+static int cmp_reqp(const void *x, const void *y) {
+    const k3_io_req *a = *(k3_io_req *const *)x, *b = *(k3_io_req *const *)y;
+    if (a->fd != b->fd) return a->fd < b->fd ? -1 : 1;
+    return a->offset < b->offset ? -1 : (a->offset > b->offset);
+}
+
+/* The batch's reads are all in (or abandoned): the trunk may read again. */
+static void batch_done(k3_stream *s) {
+    if (!s->xbusy) return;
+    pthread_mutex_lock(&s->mu);
+    __atomic_store_n(&s->xpending, 0, __ATOMIC_RELEASE);
+    disk_use(s, -1);
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    s->xbusy = false;
+}
+
+static int send_more(k3_stream *s, k3_err *err) {
+    int room = s->o.io_depth - k3_io_inflight(s->xio);
+    size_t n = s->nreq - s->nsent;
+    if (room <= 0 || n == 0) return K3_OK;
+    if (n > (size_t)room) n = (size_t)room;
+    int rc = k3_io_submit_batch(s->xio, s->xq + s->nsent, (int)n, err);
+    if (!rc) s->nsent += n;
+    return rc;
+}
+
+/* A failed batch: nothing may still write into the buffers, they go back, the
+ * source is poisoned (the cache may name experts whose bytes never came). */
+static int batch_failed(k3_stream *s, int L, k3_err *err) {
+    while (k3_io_inflight(s->xio) > 0) {
+        k3_io_req *d;
+        k3_err e = {0};
+        k3_io_complete(s->xio, &d, &e);
+    }
+    batch_done(s);
+    char m[sizeof err->msg];
+    snprintf(m, sizeof m, "%s", err->msg);
+    /* name the shard that holds this layer's first expert of the batch */
+    xlayout x;
+    k3_err e2 = {0};
+    if (s->xn > 0 && !expert_layout(&s->cfg, s->ix, s->prefix, L, s->xid0, &x, &e2))
+        k3_fail(err, err->code ? err->code : K3_EXIT_RUNTIME, "%s: routed experts of layer %d: %s",
+                st_shard_at(s->ix, x.t[0]->shard)->path, L, m);
+    for (int i = 0; i < s->xn; i++)
+        if (s->bb[i] >= 0) s->inuse[s->bb[i]] = 0;
+    s->xn = s->xgiven = 0;
+    return poison(s, err);
+}
+
+static int stream_experts_start(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, k3_err *err) {
     k3_stream *s = ctx;
     if (s->poisoned) {
         *err = s->poison;
         return s->poison.code;
     }
+    if (s->xgiven < s->xn)
+        return poison(s, &(k3_err){.code = K3_EXIT_RUNTIME,
+                                    .msg = "an expert batch was started before the last one was consumed"});
     const k3_config *c = &s->cfg;
     int N = c->num_experts;
     size_t nreq = 0;
     int rc = K3_OK;
+    s->xn = n;
+    s->xgiven = s->nready = 0;
+    s->xlayer = L;
+    s->xid0 = n > 0 ? ids[0] : 0;
     for (int i = 0; i < n; i++) s->bb[i] = -1;
     for (int i = 0; i < n && !rc; i++) {
         int e = ids[i];
         int64_t key = (int64_t)L * N + e, ev = -1;
         bool res = false;
+        xlayout x;
+        if ((rc = expert_layout(&s->cfg, s->ix, s->prefix, L, e, &x, err))) break;
         bool hit = xc_request_one(s->xc, L, e, &res, &ev);
         if (s->tracing && (rc = xc_trace_write(&s->trace, s->step, L, e, err))) break;
+        s->xleft[i] = 0;
         if (hit && s->buf_of[key] >= 0) { /* (a repeat within one step with no cache would have no buffer) */
             s->bb[i] = s->buf_of[key];
             s->inuse[s->bb[i]] = 1;
-            continue;
-        }
-        if (ev >= 0) { /* the evicted expert's buffer goes back once nobody uses it */
-            int64_t ek = (int64_t)(ev >> 32) * N + (int64_t)(uint32_t)ev;
-            int64_t eb = s->buf_of[ek];
-            s->buf_of[ek] = -1;
-            if (eb >= 0 && !s->inuse[eb]) free_push(s, eb);
-        }
-        if (s->nfree == 0) {
-            rc = k3_fail(err, K3_EXIT_RUNTIME,
-                         "layer %d: a forward call selected %d experts, more than the plan's batch of %d (feed at most "
-                         "--chunk tokens per call)",
-                         L, n, s->plan->batch_experts);
-            break;
-        }
-        int64_t b = s->free_list[--s->nfree];
-        if (s->plan->cache_experts > 0) s->buf_of[key] = b;
-        s->inuse[b] = 1;
-        s->bb[i] = b;
-        xlayout x;
-        if ((rc = expert_layout(&s->cfg, s->ix, s->prefix, L, e, &x, err))) break;
-        uint8_t *buf = s->pool + (uint64_t)b * s->plan->expert_buf;
-        int fd = shard_fd(s, x.t[0]->shard, err);
-        if (fd < 0) { rc = err->code; break; }
-        if (nreq + 6 > s->reqcap) {
-            s->reqcap = 2 * s->reqcap + 6;
-            s->reqs = xrealloc_array(s->reqs, s->reqcap, sizeof *s->reqs);
-        }
-        if (x.one_run) {
-            uint64_t start = x.t[0]->offset, end = 0;
-            for (int j = 0; j < x.n; j++) {
-                if (x.t[j]->offset < start) start = x.t[j]->offset;
-                if (x.t[j]->offset + x.t[j]->nbytes > end) end = x.t[j]->offset + x.t[j]->nbytes;
-            }
-            s->reqs[nreq++] = (k3_io_req){.fd = fd, .offset = start, .len = end - start, .buf = buf};
         } else {
-            for (int j = 0; j < x.n; j++) {
-                int f = shard_fd(s, x.t[j]->shard, err);
-                if (f < 0) { rc = err->code; break; }
-                uint64_t at = x.pos[j] - (x.t[j]->offset & (K3_IO_ALIGN - 1));
-                s->reqs[nreq++] = (k3_io_req){.fd = f, .offset = x.t[j]->offset, .len = x.t[j]->nbytes, .buf = buf + at};
+            if (ev >= 0) { /* the evicted expert's buffer goes back once nobody uses it */
+                int64_t ek = (int64_t)(ev >> 32) * N + (int64_t)(uint32_t)ev;
+                int64_t eb = s->buf_of[ek];
+                s->buf_of[ek] = -1;
+                if (eb >= 0 && !s->inuse[eb]) free_push(s, eb);
+            }
+            if (s->nfree == 0) {
+                rc = k3_fail(err, K3_EXIT_RUNTIME,
+                             "layer %d: a forward call selected %d experts, more than the plan's batch of %d (feed at "
+                             "most --chunk tokens per call)",
+                             L, n, s->plan->batch_experts);
+                break;
+            }
+            int64_t b = s->free_list[--s->nfree];
+            if (s->plan->cache_experts > 0) s->buf_of[key] = b;
+            s->inuse[b] = 1;
+            s->bb[i] = b;
+            uint8_t *buf = s->pool + (uint64_t)b * s->plan->expert_buf;
+            if (nreq + 6 > s->reqcap) {
+                s->reqcap = 2 * s->reqcap + 6;
+                s->reqs = xrealloc_array(s->reqs, s->reqcap, sizeof *s->reqs);
+                s->xq = xrealloc_array(s->xq, s->reqcap, sizeof *s->xq);
+                s->req_x = xrealloc_array(s->req_x, s->reqcap, sizeof *s->req_x);
+            }
+            if (x.one_run) {
+                int fd = shard_fd(s, x.t[0]->shard, err);
+                if (fd < 0) { rc = err->code; break; }
+                uint64_t start = x.t[0]->offset, end = 0;
+                for (int j = 0; j < x.n; j++) {
+                    if (x.t[j]->offset < start) start = x.t[j]->offset;
+                    if (x.t[j]->offset + x.t[j]->nbytes > end) end = x.t[j]->offset + x.t[j]->nbytes;
+                }
+                s->req_x[nreq] = i;
+                s->reqs[nreq++] = (k3_io_req){.fd = fd, .offset = start, .len = end - start, .buf = buf};
+                s->xleft[i] = 1;
+            } else {
+                for (int j = 0; j < x.n; j++) {
+                    int f = shard_fd(s, x.t[j]->shard, err);
+                    if (f < 0) { rc = err->code; break; }
+                    uint64_t at = x.pos[j] - (x.t[j]->offset & (K3_IO_ALIGN - 1));
+                    s->req_x[nreq] = i;
+                    s->reqs[nreq++] =
+                        (k3_io_req){.fd = f, .offset = x.t[j]->offset, .len = x.t[j]->nbytes, .buf = buf + at};
+                    s->xleft[i]++;
+                }
+                if (rc) break;
             }
         }
+        /* the matrices point into the buffer now; the model reads them only
+         * once experts_next has returned i */
+        const uint8_t *buf = s->pool + (uint64_t)s->bb[i] * s->plan->expert_buf;
+        make_mat(s, &x, XW1, buf, c->moe_inter, c->latent_dim, &ex[i].w1);
+        make_mat(s, &x, XW3, buf, c->moe_inter, c->latent_dim, &ex[i].w3);
+        make_mat(s, &x, XW2, buf, c->latent_dim, c->moe_inter, &ex[i].w2);
+        if (s->xleft[i] == 0) s->xready[s->nready++] = i;
     }
-    if (!rc && nreq) {
-        double t0 = k3_now();
+    s->nreq = nreq;
+    s->nsent = s->nrecv = 0;
+    if (rc) {
+        for (int i = 0; i < n; i++)
+            if (s->bb[i] >= 0) s->inuse[s->bb[i]] = 0;
+        s->xn = s->xgiven = 0;
+        return poison(s, err);
+    }
+    if (nreq) {
+        for (size_t q = 0; q < nreq; q++) s->xq[q] = &s->reqs[q];
+        qsort(s->xq, nreq, sizeof *s->xq, cmp_reqp);
         /* the trunk I/O thread sends no new piece until this batch is in */
         pthread_mutex_lock(&s->mu);
         __atomic_store_n(&s->xpending, s->xprio, __ATOMIC_RELEASE);
         disk_use(s, 1);
         pthread_mutex_unlock(&s->mu);
-        rc = k3_io_read(s->xio, s->reqs, nreq, err);
-        pthread_mutex_lock(&s->mu);
-        __atomic_store_n(&s->xpending, 0, __ATOMIC_RELEASE);
-        disk_use(s, -1);
-        pthread_cond_broadcast(&s->cv);
-        pthread_mutex_unlock(&s->mu);
-        s->expert_stall += k3_now() - t0;
-        if (rc) {
-            char m[sizeof err->msg];
-            snprintf(m, sizeof m, "%s", err->msg);
-            /* name the shard that holds this layer's first expert */
-            xlayout x;
-            k3_err e2 = {0};
-            if (!expert_layout(&s->cfg, s->ix, s->prefix, L, ids[0], &x, &e2))
-                k3_fail(err, rc, "%s: routed experts of layer %d: %s", st_shard_at(s->ix, x.t[0]->shard)->path, L, m);
-        }
-    }
-    if (rc) {
-        for (int i = 0; i < n; i++)
-            if (s->bb[i] >= 0) s->inuse[s->bb[i]] = 0;
-        return poison(s, err); /* the cache may now name experts whose bytes never arrived */
-    }
-    for (int i = 0; i < n; i++) {
-        xlayout x;
-        if ((rc = expert_layout(&s->cfg, s->ix, s->prefix, L, ids[i], &x, err))) return poison(s, err);
-        const uint8_t *buf = s->pool + (uint64_t)s->bb[i] * s->plan->expert_buf;
-        make_mat(s, &x, XW1, buf, c->moe_inter, c->latent_dim, &ex[i].w1);
-        make_mat(s, &x, XW3, buf, c->moe_inter, c->latent_dim, &ex[i].w3);
-        make_mat(s, &x, XW2, buf, c->latent_dim, c->moe_inter, &ex[i].w2);
+        s->xbusy = true;
+        if ((rc = send_more(s, err))) return batch_failed(s, L, err);
     }
     return K3_OK;
+}
+
+/* Test hook (K3_EXPERT_ORDER=reverse|shuffle, read at open): hand the batch
+ * out in another order than it arrived, once all of it is in. */
+static void permute_ready(k3_stream *s) {
+    int n = s->nready;
+    if (s->xorder == 1) {
+        for (int a = 0, b = n - 1; a < b; a++, b--) {
+            int t = s->xready[a];
+            s->xready[a] = s->xready[b];
+            s->xready[b] = t;
+        }
+    } else {
+        for (int a = n - 1; a > 0; a--) {
+            s->xseed = s->xseed * 6364136223846793005ULL + 1442695040888963407ULL;
+            int b = (int)((s->xseed >> 33) % (uint64_t)(a + 1)), t = s->xready[a];
+            s->xready[a] = s->xready[b];
+            s->xready[b] = t;
+        }
+    }
+}
+
+static int stream_experts_next(void *ctx, int L, int *out, k3_err *err) {
+    k3_stream *s = ctx;
+    *out = -1;
+    if (s->poisoned) {
+        *err = s->poison;
+        return s->poison.code;
+    }
+    if (s->xgiven >= s->xn || L != s->xlayer)
+        return poison(s, &(k3_err){.code = K3_EXIT_RUNTIME, .msg = "experts_next without a batch in flight"});
+    double t0 = k3_now();
+    while (s->xorder ? s->nready < s->xn : s->nready <= s->xgiven) {
+        k3_io_req *d = NULL;
+        int rc = k3_io_complete(s->xio, &d, err);
+        if (rc) {
+            s->expert_stall += k3_now() - t0;
+            return batch_failed(s, L, err);
+        }
+        s->nrecv++;
+        int i = s->req_x[d - s->reqs];
+        if (--s->xleft[i] == 0) s->xready[s->nready++] = i;
+        if (s->nrecv == s->nreq) batch_done(s);
+        else if ((rc = send_more(s, err))) {
+            s->expert_stall += k3_now() - t0;
+            return batch_failed(s, L, err);
+        }
+    }
+    s->expert_stall += k3_now() - t0;
+    if (s->xorder && s->xgiven == 0) permute_ready(s);
+    int i = s->xready[s->xgiven];
+    if (i != s->xgiven) s->xreordered++;
+    s->xgiven++;
+    *out = i;
+    return K3_OK;
+}
+
+/* The synchronous form: the whole batch, then back. */
+static int stream_experts_get(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, k3_err *err) {
+    int rc = stream_experts_start(ctx, L, ids, n, ex, err);
+    for (int got = 0; !rc && got < n; got++) {
+        int i;
+        rc = stream_experts_next(ctx, L, &i, err);
+    }
+    return rc;
 }
 
 static void stream_experts_put(void *ctx, int L, const int *ids, int n) {
@@ -1173,10 +1367,12 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         if ((rc = k3_io_open(s->tio, trunk->bin_path, &s->tfd, NULL, err))) goto fail;
         if ((rc = load_run0(s, err))) goto fail;
         uint64_t total = 0, done = 0;
-        for (int L = 0; L < plan->pinned; L++) total += plan->layer_bytes[L];
+        for (int L = 0; L < cfg->num_layers; L++)
+            if (plan->pin[L]) total += plan->layer_bytes[L];
         k3_progress pr;
         k3_progress_start(&pr, "pinning trunk", total, true);
-        for (int L = 0; L < plan->pinned; L++) {
+        for (int L = 0; L < cfg->num_layers; L++) {
+            if (!plan->pin[L]) continue;
             const k3_trunk_run *run = k3_trunk_run_for(trunk, L);
             s->pin_buf[L] = k3_io_alloc(align4k(run->bytes));
             if ((rc = read_run(s, s->tio, run, s->pin_buf[L], err))) goto fail;
@@ -1187,7 +1383,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         }
         k3_progress_finish(&pr);
         s->nslots = plan->ring_slots;
-        s->want = plan->pinned;
+        s->want = succ(s, cfg->num_layers - 1); /* the first streamed layer */
         s->maxpiece = (int)((plan->slot_bytes + s->piece_bytes - 1) / s->piece_bytes);
         /* one slot in the plan: two records over one buffer, when two layers stream */
         int streamed = cfg->num_layers - plan->pinned;
@@ -1200,6 +1396,11 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
             s->slot[i].buf = s->shared && i == 1 ? s->slot[0].buf : k3_io_alloc(plan->slot_bytes);
             s->slot[i].piece = xcalloc((size_t)s->maxpiece, sizeof *s->slot[i].piece);
             s->slot[i].piece_st = xcalloc((size_t)s->maxpiece, 1);
+        }
+        if (s->nslots) { /* the slots are read again and again: registered once */
+            void *bufs[2] = {s->slot[0].buf, s->slot[1].buf};
+            uint64_t lens[2] = {plan->slot_bytes, plan->slot_bytes};
+            k3_io_register(s->tio, bufs, lens, s->nslots == 2 && !s->shared ? 2 : 1);
         }
         if (s->nslots) { /* it starts reading the first streamed layers now */
             if (pthread_create(&s->thr, NULL, io_main, s) != 0) {
@@ -1219,10 +1420,22 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
     if (plan->total_experts > 0) {
         s->src.experts_get = stream_experts_get;
         s->src.experts_put = stream_experts_put;
+        if (o->expert_overlap) {
+            s->src.experts_start = stream_experts_start;
+            s->src.experts_next = stream_experts_next;
+        }
+        const char *eo = getenv("K3_EXPERT_ORDER");
+        s->xorder = eo && !strcmp(eo, "reverse") ? 1 : eo && !strcmp(eo, "shuffle") ? 2 : 0;
+        s->xseed = 0x9E3779B97F4A7C15ULL;
+        s->xleft = xcalloc((size_t)cfg->num_experts, sizeof *s->xleft);
+        s->xready = xcalloc((size_t)cfg->num_experts, sizeof *s->xready);
         s->xio = k3_io_new(o->io_depth, o->direct);
         s->xc = xc_new(o->policy, (size_t)plan->cache_experts);
         s->npool = plan->cache_experts + plan->batch_experts;
         s->pool = k3_io_alloc((uint64_t)s->npool * plan->expert_buf);
+        void *pb = s->pool;
+        uint64_t pl = (uint64_t)s->npool * plan->expert_buf;
+        k3_io_register(s->xio, &pb, &pl, 1); /* (refused above 1 GiB: plain reads) */
         s->free_list = xmalloc_array((size_t)s->npool, sizeof *s->free_list);
         for (int64_t b = s->npool; b-- > 0;) free_push(s, b);
         s->inuse = xcalloc((size_t)s->npool, 1);
@@ -1281,6 +1494,7 @@ k3_stream_stats k3_stream_get_stats(const k3_stream *s) {
         st.backend = s->tio ? k3_io_backend(s->tio) : "none";
     }
     st.direct = s->xdirect;
+    st.experts_reordered = s->xreordered;
     if (s->xc) {
         xc_stats x = xc_get_stats(s->xc);
         st.requests = x.requests;
@@ -1334,6 +1548,10 @@ void k3_stream_free(k3_stream *s) {
     free(s->buf_of);
     free(s->bb);
     free(s->reqs);
+    free(s->xq);
+    free(s->req_x);
+    free(s->xleft);
+    free(s->xready);
     free(s->plan);
     k3_trunk_free(s->trunk);
     st_close(s->ix);

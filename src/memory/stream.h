@@ -2,7 +2,7 @@
  *
  * A k3_stream is a k3_weight_source (model.h) that serves
  *  - the dense trunk: resident from the shards (mapped), or, with a packed
- *    trunk (k3 pack-trunk), a pinned prefix of layers held in memory and the
+ *    trunk (k3 pack-trunk), pinned layers (spread through the stack) held in memory and the
  *    rest streamed through ring slots: layer L+1 is read (O_DIRECT, CRC-32C
  *    checked) on an I/O thread while layer L computes, and bound in place;
  *  - the routed experts: never mapped; the union a forward call selects in a
@@ -45,6 +45,9 @@ typedef struct {
     int trunk_depth;         /* trunk pieces in flight (4; K3_TRUNK_DEPTH) */
     uint64_t trunk_piece;    /* bytes per trunk read (2 MiB; K3_TRUNK_PIECE_KB) */
     bool expert_priority;    /* expert batches pause trunk reads (K3_EXPERT_PRIORITY=0: no) */
+    bool pin_spread;         /* pinned layers spread through the stack (K3_PIN_SPREAD=0: a prefix) */
+    bool expert_overlap;     /* decode computes each routed expert as it arrives (experts_start/next)
+                                while the rest are read (K3_EXPERT_OVERLAP=0: wait for the batch) */
     bool direct;             /* O_DIRECT (default; K3_DIRECT_IO=0 turns it off) */
     const char *trace_dir;   /* --dump-cache-trace DIR, or NULL */
     uint64_t mem_limit;      /* refuse plans above this (0: MemAvailable) */
@@ -61,7 +64,10 @@ typedef struct {
     uint64_t layer_bytes[K3_MAX_LAYERS];  /* each layer's trunk tensors */
     uint64_t bind_bytes[K3_MAX_LAYERS];   /* widened copies + expert table of a bound layer */
     uint64_t layers_all;         /* sum of layer_bytes */
-    int pinned;                  /* layers [0, pinned) resident */
+    int pinned;                  /* how many layers are pinned (resident) */
+    bool pin[K3_MAX_LAYERS];     /* which: spread evenly through the stack, so the
+                                    compute of each pinned layer overlaps the read of a
+                                    streamed one (issue 7); a prefix with pin_spread off */
     uint64_t pinned_bytes;       /* their runs and copies */
     int ring_slots;              /* 0 (all pinned), 1 (no overlap) or 2 */
     uint64_t slot_bytes;         /* one slot: the largest streamed run */
@@ -115,6 +121,7 @@ typedef struct {
     uint64_t requests, hits, resident_hits, misses, evictions;
     const char *backend;         /* "io_uring" or "pread" */
     bool direct;                 /* expert shards opened with O_DIRECT */
+    uint64_t experts_reordered;  /* experts handed to the model out of id order (arrival order) */
 } k3_stream_stats;
 k3_stream_stats k3_stream_get_stats(const k3_stream *s);
 

@@ -338,8 +338,89 @@ typedef struct {
     int layer;
 } expert_access;
 
+/* Decode (one position) from a source that reads experts asynchronously
+ * (issue 7): the same products as moe() below, reordered so the reads overlap
+ * compute. The router alone runs first and the batch is issued the moment it
+ * has chosen; W_down and the whole shared-expert MLP run while the bytes are
+ * in flight; then each routed expert is computed as its bytes arrive, in
+ * completion order, into its own slot of out[]; the weighted sum runs
+ * afterwards in the router's slot order, exactly as moe() does. Every product
+ * is the same per-row kernel call as in moe() (k_products gives the bits of
+ * k_matvec whatever the grouping), so the bits equal moe()'s and do not
+ * depend on the order of arrival (test: stream_expert_arrival_order). */
+static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x,
+                                 float *y, k3_ws *ws, k3_err *err) {
+    int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
+    int S = w->shared.gate.rows;
+    const k3_weight_source *src = xa->src;
+    float *rl = ws_f(ws, (size_t)N), *wt = ws_f(ws, (size_t)k);
+    int *idx = ws_i(ws, (size_t)k), *ids = ws_i(ws, (size_t)k), *slot = ws_i(ws, (size_t)k);
+    k_matvec(&w->router, x, rl);
+    k_router_topk(rl, w->router_bias, N, k, c->moe_renormalize, c->routed_scaling_factor, idx, wt);
+    /* the union, ascending: top-k picks k distinct experts */
+    for (int s = 0; s < k; s++) ids[s] = idx[s];
+    for (int a = 1; a < k; a++)
+        for (int b = a; b > 0 && ids[b - 1] > ids[b]; b--) {
+            int t = ids[b];
+            ids[b] = ids[b - 1];
+            ids[b - 1] = t;
+        }
+    for (int s = 0; s < k; s++)
+        for (int u = 0; u < k; u++)
+            if (ids[u] == idx[s]) slot[s] = u;
+    k3_expert_w *ex = ws_get(ws, (size_t)k * sizeof *ex);
+    int rc = src->experts_start(src->ctx, xa->layer, ids, k, ex, err);
+    if (rc) return rc;
+
+    /* while the experts are read: W_down and the shared experts */
+    float *z = ws_f(ws, (size_t)l), *sg = S ? ws_f(ws, (size_t)S) : NULL, *su = S ? ws_f(ws, (size_t)S) : NULL;
+    float *sh = S ? ws_f(ws, (size_t)E) : NULL;
+    k_prod j1[3] = {{&w->down, x, 1, z}};
+    int nj = 1;
+    if (S) {
+        j1[nj++] = (k_prod){&w->shared.gate, x, 1, sg};
+        j1[nj++] = (k_prod){&w->shared.up, x, 1, su};
+    }
+    k_products(j1, nj);
+    if (S) {
+        situ_par(c, sg, sg, su, (size_t)S);
+        k_matvec(&w->shared.down, sg, sh);
+    }
+
+    /* each expert as it arrives, into its own slot */
+    float *h1 = ws_f(ws, (size_t)k * I), *h3 = ws_f(ws, (size_t)k * I), *out = ws_f(ws, (size_t)k * l);
+    for (int got = 0; got < k; got++) {
+        int u = -1;
+        if ((rc = src->experts_next(src->ctx, xa->layer, &u, err))) return rc;
+        if (u < 0 || u >= k)
+            return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: the weight source returned expert %d of %d", xa->layer,
+                           u, k);
+        float *a1 = h1 + (size_t)u * I, *a3 = h3 + (size_t)u * I;
+        k_prod jg[2] = {{&ex[u].w1, z, 1, a1}, {&ex[u].w3, z, 1, a3}};
+        k_products(jg, 2);
+        situ_par(c, a1, a1, a3, (size_t)I);
+        k_matvec(&ex[u].w2, a1, out + (size_t)u * l);
+    }
+    if (src->experts_put) src->experts_put(src->ctx, xa->layer, ids, k);
+
+    /* sum_j p_j e_j in the router's slot order (as moe()) */
+    float *a = ws_f(ws, (size_t)l);
+    memset(a, 0, (size_t)l * sizeof *a);
+    for (int s = 0; s < k; s++) {
+        float p = wt[s];
+        const float *e = out + (size_t)slot[s] * l;
+        for (int j = 0; j < l; j++) a[j] = fmaf(p, e[j], a[j]);
+    }
+    if (w->norm) k_rmsnorm(a, a, w->norm, l, c->rms_eps);
+    k_matmul(&w->up, a, 1, y);
+    if (S) add_rows(y, sh, (size_t)E);
+    return K3_OK;
+}
+
 static int moe(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x, int T,
                float *y, k3_ws *ws, k3_err *err) {
+    if (T == 1 && xa->src && xa->src->experts_start && xa->src->experts_next)
+        return moe_decode_overlapped(c, w, xa, x, y, ws, err);
     int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
     size_t Ts = (size_t)T, Tk = Ts * (size_t)k;
     int S = w->shared.gate.rows;

@@ -187,6 +187,20 @@ typedef struct {
     void (*layer_put)(void *ctx, int layer);
     int (*experts_get)(void *ctx, int layer, const int *ids, int n, k3_expert_w *ex, k3_err *err);
     void (*experts_put)(void *ctx, int layer, const int *ids, int n);
+    /* Optional (issue 7), the asynchronous form of experts_get, used by the
+     * decode MoE when set: experts_start issues the reads for ids[0..n) (same
+     * arguments as experts_get; ex[i] may be filled now but its bytes are only
+     * valid once experts_next has returned i) and returns at once, so the
+     * model computes what does not need them while they are read;
+     * experts_next waits until one more expert's bytes are in and returns its
+     * index into ids in *i: every index once, in any order (completion
+     * order). The model writes each expert's output into its own slot and
+     * sums them in the router's order afterwards, so the order never changes
+     * a bit. After the n-th experts_next the batch is complete and
+     * experts_put follows as after experts_get; after an error the source has
+     * released the batch itself (no experts_put). */
+    int (*experts_start)(void *ctx, int layer, const int *ids, int n, k3_expert_w *ex, k3_err *err);
+    int (*experts_next)(void *ctx, int layer, int *i, k3_err *err);
 } k3_weight_source;
 void k3_model_set_source(k3_model *m, const k3_weight_source *src); /* NULL: back to resident */
 /* Layer L as bound at open (the resident table the default source serves);
