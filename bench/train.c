@@ -4,7 +4,11 @@
  *   bin/bench_train [--config F] [--batch B] [--seq T] [--accum A] [--steps N]
  *                   [--threads LIST] [--optimizer muon|adamw] [--kda-chunk C] [--bf16]
  *                   [--json]
- *   bin/bench_train --gemm     (GFLOP/s of the training GEMM)
+ *   bin/bench_train --gemm     (GFLOP/s of the training GEMM: F32, vdpbf16ps, AMX)
+ *   bin/bench_train --peak     (measured peaks of one core: F32 FMA, vdpbf16ps, AMX)
+ *
+ * "weights" is a hash of the parameters after the last step: two builds give
+ * the same hash iff their F32 steps are bit-identical (used for A/B checks).
  *
  * Per thread count: one warm-up step, then N timed optimiser steps. Prints
  * tokens/s and seconds per step by wall clock AND by process CPU time (on a
@@ -99,10 +103,54 @@ __attribute__((target("avx512f,avx512bf16"))) static double bf16_peak_gflops(voi
     (void)sink;
     return (double)n * 24 * 64 / dt / 1e9;
 }
+/* AMX: 4 independent C tiles, TDPBF16PS on resident A/B tiles (16 x 16 x 32
+ * multiply-adds = 16,384 flops each); 0 without AMX. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) bench_tilecfg;
+__attribute__((target("amx-tile,amx-bf16"))) static double amx_peak_gflops(void) {
+    if (!tg_amx_available()) return 0;
+    bench_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+    _tile_loadconfig(&cfg);
+    static uint16_t ab[16 * 32] __attribute__((aligned(64)));
+    for (int i = 0; i < 16 * 32; i++) ab[i] = 0x3f80; /* 1.0 */
+    _tile_loadd(4, ab, 64);
+    _tile_loadd(5, ab, 64);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    const long n = 2000000;
+    double t0 = cpu_now();
+    for (long it = 0; it < n; it++) {
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 5);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    double dt = cpu_now() - t0;
+    static float out[256] __attribute__((aligned(64)));
+    _tile_stored(0, out, 64);
+    _tile_release();
+    volatile float sink = out[0];
+    (void)sink;
+    return (double)n * 4 * 16384 / dt / 1e9;
+}
 #else
 static double fma_peak_gflops(void) { return 0; }
 static double bf16_peak_gflops(void) { return 0; }
+static double amx_peak_gflops(void) { return 0; }
 #endif
+
+/* FNV-1a of the weights' bits: equal across builds iff the F32 step is bit-exact. */
+static uint64_t weights_hash(const tmodel *m) {
+    uint64_t h = 1469598103934665603ull;
+    const unsigned char *p = (const unsigned char *)m->w;
+    for (size_t i = 0; i < m->nw * sizeof(float); i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
 
 /* GFLOP/s of the training GEMM on the three products of one linear layer
  * (n tokens, in -> out), F32 and BF16, at the given thread count. */
@@ -118,23 +166,28 @@ static void gemm_bench(int nt, int n, int in, int out) {
     for (size_t i = 0; i < (size_t)n * out; i++) Y[i] = (float)(mix(i + 7) >> 40) / 16777216.0f - 0.5f;
     memset(G, 0, sizeof(float) * (size_t)out * in);
     printf("GEMM %d tokens, %d -> %d, %d thread(s), GFLOP/s:", n, in, out, nt);
-    for (int mode = 0; mode < 2; mode++) {
-        if (mode == 1 && !tg_bf16_available()) break;
+    for (int mode = 0; mode < 3; mode++) { /* f32, bf16 vdpbf16ps, bf16 AMX */
+        if (mode == 1 && !tg_bf16_available()) continue;
+        if (mode == 2 && !tg_amx_available()) break;
+        tg_set_amx(mode == 2);
         double best[3] = {0, 0, 0};
         for (int rep = 0; rep < 3; rep++) {
             double t0 = clk();
-            tg_gemm(Y, out, n, out, in, (tg_view){X, in, 1}, (tg_view){W, 1, in}, false, (tg_mode)mode);
+            tg_mode tm = mode ? TG_BF16 : TG_F32;
+            tg_gemm(Y, out, n, out, in, (tg_view){X, in, 1}, (tg_view){W, 1, in}, false, tm);
             double t1 = clk();
-            tg_gemm(DX, in, n, in, out, (tg_view){Y, out, 1}, (tg_view){W, in, 1}, false, (tg_mode)mode);
+            tg_gemm(DX, in, n, in, out, (tg_view){Y, out, 1}, (tg_view){W, in, 1}, false, tm);
             double t2 = clk();
-            tg_gemm(G, in, out, in, n, (tg_view){Y, 1, out}, (tg_view){X, in, 1}, true, (tg_mode)mode);
+            tg_gemm(G, in, out, in, n, (tg_view){Y, 1, out}, (tg_view){X, in, 1}, true, tm);
             double t3 = clk();
             double f = 2.0 * n * in * out / 1e9;
             double g[3] = {f / (t1 - t0), f / (t2 - t1), f / (t3 - t2)};
             for (int i = 0; i < 3; i++) if (g[i] > best[i]) best[i] = g[i];
         }
-        printf("  %s fwd %.1f dX %.1f dW %.1f", mode ? "bf16" : "f32", best[0], best[1], best[2]);
+        printf("  %s fwd %.1f dX %.1f dW %.1f", mode == 2 ? "amx" : mode ? "vdpbf16ps" : "f32", best[0], best[1],
+               best[2]);
     }
+    tg_set_amx(true);
     printf("\n");
     free(X); free(W); free(Y); free(G); free(DX);
 }
@@ -149,15 +202,19 @@ int main(int argc, char **argv) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--json")) { json = true; continue; }
         if (!strcmp(a, "--bf16")) { bf16 = true; continue; }
+        if (!strcmp(a, "--no-amx")) { tg_set_amx(false); continue; }
         if (!strcmp(a, "--peak")) {
             double best = 0;
             for (int r = 0; r < 3; r++) { double g = fma_peak_gflops(); if (g > best) best = g; }
-            double bb = 0;
+            double bb = 0, am = 0;
             if (tg_bf16_available())
                 for (int r = 0; r < 3; r++) { double g = bf16_peak_gflops(); if (g > bb) bb = g; }
-            if (json) printf("{\"fma_peak_gflops_per_core\":%.2f,\"bf16_peak_gflops_per_core\":%.2f}\n", best, bb);
+            for (int r = 0; r < 3; r++) { double g = amx_peak_gflops(); if (g > am) am = g; }
+            if (json)
+                printf("{\"fma_peak_gflops_per_core\":%.2f,\"bf16_peak_gflops_per_core\":%.2f,"
+                       "\"amx_peak_gflops_per_core\":%.2f}\n", best, bb, am);
             else printf("FMA peak, one core: %.1f GFLOP/s (f32, 16 lanes x 2 flops per FMA); "
-                        "vdpbf16ps peak %.1f GFLOP/s\n", best, bb);
+                        "vdpbf16ps peak %.1f GFLOP/s; AMX-BF16 peak %.1f GFLOP/s (0: no AMX)\n", best, bb, am);
             return 0;
         }
         if (!strcmp(a, "--gemm")) {
@@ -246,14 +303,16 @@ int main(int argc, char **argv) {
             printf("{\"config\":\"%s\",\"kda_chunk\":%d,\"bf16\":%s,\"optimizer\":\"%s\",\"threads\":%d,\"tokens_per_step\":%lld,\"s_per_step\":%.4f,"
                    "\"cpu_s_per_step\":%.4f,\"tokens_per_s\":%.2f,\"tokens_per_cpu_s\":%.2f,"
                    "\"flops_per_token\":%.6e,\"gflops\":%.3f,\"forward_cpu_s\":%.4f,\"backward_cpu_s\":%.4f,"
-                   "\"optimizer_cpu_s\":%.4f,\"loss\":%.5f}\n",
+                   "\"optimizer_cpu_s\":%.4f,\"loss\":%.5f,\"amx\":%s,\"weights_fnv\":\"%016llx\"}\n",
                    cfgp, m.kda_chunk, m.bf16 ? "true" : "false", oc.muon ? "muon" : "adamw", nt, (long long)ntok, sw, sc, ntok / sw, ntok / sc, fpt, fpt * ntok / sw / 1e9,
-                   fwd / steps, bwd / steps, optt / steps, loss / ntok);
+                   fwd / steps, bwd / steps, optt / steps, loss / ntok, m.bf16 && tg_amx_available() ? "true" : "false",
+                   (unsigned long long)weights_hash(&m));
         else
             printf("threads %d: %.3f s/step wall (%.1f tokens/s, %.2f GFLOP/s), %.3f s CPU/step "
-                   "(%.1f tokens per CPU-s); CPU s: forward %.3f, backward %.3f, optimiser %.3f; loss %.4f\n",
+                   "(%.1f tokens per CPU-s); CPU s: forward %.3f, backward %.3f, optimiser %.3f; loss %.4f; "
+                   "weights %016llx\n",
                    nt, sw, ntok / sw, fpt * ntok / sw / 1e9, sc, ntok / sc, fwd / steps, bwd / steps,
-                   optt / steps, loss / ntok);
+                   optt / steps, loss / ntok, (unsigned long long)weights_hash(&m));
         fflush(stdout);
     }
     free(tok);

@@ -105,8 +105,68 @@ TEST(tgemm_f32_scalar_simd_threads_agree) {
 TEST(tgemm_bf16_scalar_equals_simd) {
     if (!tg_bf16_available()) SKIP("no AVX512_BF16 (the emulation is the only path)");
     bool same = true;
+    tg_set_amx(false); /* the vdpbf16ps tiles; AMX has its own test below */
     CHECK(run_case(TG_BF16, &same));
+    tg_set_amx(true);
     CHECK(same);
+}
+
+/* The AMX path against an exact reference: BF16 operands (the emulation's
+ * rounding, checked separately below) multiplied and summed in double. The
+ * hardware's accumulation inside one TDPBF16PS is not a sequence of IEEE
+ * roundings we can reproduce (tgemm.h), so the bound is the F32
+ * accumulation error: |got - exact| <= 2^-22 (|C0| + sum |a b|) per
+ * instruction step, i.e. K/32 + 1 roundings of at most 2 ulp. The AMX bits
+ * must not depend on the thread count. */
+static bool amx_case(int M, int N, int K, int layout, bool acc) {
+    size_t na = (size_t)M * K, nb = (size_t)K * N, nc = (size_t)M * N;
+    float *a = xmalloc_array(na, sizeof(float)), *b = xmalloc_array(nb, sizeof(float));
+    float *c0 = xmalloc_array(nc, sizeof(float)), *v1 = xmalloc_array(nc, sizeof(float));
+    float *v2 = xmalloc_array(nc, sizeof(float));
+    for (size_t i = 0; i < na; i++) a[i] = rnd();
+    for (size_t i = 0; i < nb; i++) b[i] = rnd() * (i % 7 == 0 ? 1e-3f : 1.0f);
+    for (size_t i = 0; i < nc; i++) c0[i] = rnd();
+    if (na > 5) a[5] = 1e-40f; /* denormal input reads as zero */
+    tg_view A, B;
+    views(layout, a, b, M, N, K, &A, &B);
+    memcpy(v1, c0, nc * sizeof(float));
+    memcpy(v2, c0, nc * sizeof(float));
+    omp_set_num_threads(1);
+    tg_gemm(v1, N, M, N, K, A, B, acc, TG_BF16);
+    omp_set_num_threads(2);
+    tg_gemm(v2, N, M, N, K, A, B, acc, TG_BF16);
+    bool ok = memcmp(v1, v2, nc * sizeof(float)) == 0;
+    if (!ok) fprintf(stderr, "AMX %dx%dx%d layout %d: 1 and 2 threads differ\n", M, N, K, layout);
+    double worst = 0.0;
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            double e = acc ? c0[(size_t)m * N + n] : 0.0, mag = fabs(e);
+            for (int k = 0; k < K; k++) {
+                double x = k3_bf16_to_f32(k3_f32_to_bf16(A.p[m * A.rs + k * A.cs]));
+                double y = k3_bf16_to_f32(k3_f32_to_bf16(B.p[k * B.rs + n * B.cs]));
+                if (fabs(x) < 0x1p-126) x = 0.0;
+                e += x * y;
+                mag += fabs(x * y);
+            }
+            double err = fabs(v1[(size_t)m * N + n] - e), bound = 0x1p-22 * mag * ((K + 31) / 32 + 1);
+            if (err / (bound > 0 ? bound : 1e-300) > worst) worst = err / bound;
+            if (err > bound) {
+                if (ok) fprintf(stderr, "AMX %dx%dx%d layout %d: %.9g vs %.9g at %d,%d\n", M, N, K, layout,
+                                v1[(size_t)m * N + n], e, m, n);
+                ok = false;
+            }
+        }
+    free(a); free(b); free(c0); free(v1); free(v2);
+    return ok;
+}
+
+TEST(tgemm_amx_matches_reference) {
+    if (!tg_amx_available()) SKIP("no AMX-BF16 (or the kernel refused tile data): the vdpbf16ps path runs");
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        for (int layout = 0; layout < 3; layout++)
+            for (int acc = 0; acc < 2; acc++) CHECK(amx_case(shapes[s].M, shapes[s].N, shapes[s].K, layout, acc));
+    CHECK(amx_case(64, 96, 320, 0, false)); /* whole 32x32 blocks: tiles straight to C */
+    CHECK(amx_case(64, 96, 320, 2, true));
 }
 
 /* BF16 mode really rounds its operands: 1 + 2^-10 is not a BF16 value. */

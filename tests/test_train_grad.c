@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "train/tgemm.h"
 #include "tjson.h"
 #include "train/tinternal.h"
 
@@ -174,12 +175,21 @@ TEST(train_gradients_match_torch) {
 }
 
 /* The first 10 optimiser steps (micro-batch B x accumulation 2, QB between
- * steps) reproduce the reference's losses, with AdamW and with Muon. */
-static void ten_steps(const char *mode) {
+ * steps) reproduce the reference's losses, with AdamW and with Muon.
+ * bf16: the --bf16 mode (BF16 operands of every linear-layer product and of
+ * Muon's Newton-Schulz, F32 accumulation and master weights; on AMX, vdpbf16ps
+ * or the emulation, whichever this CPU runs) against the same float64
+ * reference, at the BF16 tolerance: the first loss within 2e-4 relative and
+ * the first gradient norm within 1.5% (a BF16 rounding is 2^-9 = 2e-3
+ * relative; the products' errors average out), then every loss within 2%
+ * (the trajectories drift apart as the rounding perturbs the updates; a
+ * mode that computed the wrong products is off by far more at step 0). */
+static void ten_steps_mode(const char *mode, bool bf16) {
     fixture f;
     CHECK(fx_load(&f));
     tmodel m;
     CHECK(fx_model_from(&f, &m, "init"));
+    m.bf16 = bf16;
     memset(m.bias, 0, sizeof(float) * (size_t)m.n_moe * m.cfg.num_experts);
     int B = (int)json_integer_value(json_object_get(f.meta, "B"));
     int T = (int)json_integer_value(json_object_get(f.meta, "T"));
@@ -225,10 +235,30 @@ static void ten_steps(const char *mode) {
         /* float32 against float64: AdamW's first steps amplify the rounding of
          * near-zero gradient elements, so the runs drift apart smoothly (about
          * 1e-5 by step 10 here); a wrong update is off by 1e-3 or more */
-        CHECKF(e < 3e-5, "%s step %d: loss %.7f want %.7f", mode, s, loss, want[s]);
-        CHECKF(fabs(gn - wgn[s]) < 1e-3 * wgn[s], "%s step %d: grad norm %.6f want %.6f", mode, s, gn, wgn[s]);
+        if (!bf16) {
+            CHECKF(e < 3e-5, "%s step %d: loss %.7f want %.7f", mode, s, loss, want[s]);
+            CHECKF(fabs(gn - wgn[s]) < 1e-3 * wgn[s], "%s step %d: grad norm %.6f want %.6f", mode, s, gn, wgn[s]);
+        } else {
+            fprintf(stderr, "%s bf16 step %d: loss %.6f want %.6f (%.1e), grad norm %.4f want %.4f\n", mode, s, loss,
+                    want[s], e, gn, wgn[s]);
+            /* measured worst: step 0 2.4e-5 (loss) and 3.6e-3 (grad norm); later
+             * losses 1.0e-2 (AdamW), 4.7e-3 (Muon). Later gradient norms are not
+             * compared: the reference's own swing step to step by 30-50% at this
+             * learning rate, so a BF16 perturbation moves them by as much. */
+            CHECKF(e < (s == 0 ? 2e-4 : 2e-2), "%s bf16 step %d: loss %.7f want %.7f", mode, s, loss, want[s]);
+            if (s == 0)
+                CHECKF(fabs(gn - wgn[s]) < 1.5e-2 * wgn[s], "%s bf16: grad norm %.6f want %.6f", mode, gn, wgn[s]);
+            if (s == 0) CHECKF(e > 1e-6, "%s bf16: loss equals F32's (%.1e): the mode is not on", mode, e);
+        }
     }
-    fprintf(stderr, "%s: worst loss rel err over %d steps %.3g\n", mode, steps, worst);
+    fprintf(stderr, "%s%s: worst loss rel err over %d steps %.3g\n", mode, bf16 ? " bf16" : "", steps, worst);
+    if (bf16) {
+        free(want); free(wgn); free(wlr); free(tok);
+        topt_free(&o);
+        tm_free(&m);
+        fx_free(&f);
+        return;
+    }
     /* the router biases Quantile Balancing left after the last step */
     for (int q = 0; q < m.n_moe; q++) {
         char name[160], key[200];
@@ -250,5 +280,18 @@ static void ten_steps(const char *mode) {
     fx_free(&f);
 }
 
+static void ten_steps(const char *mode) { ten_steps_mode(mode, false); }
+
 TEST(train_ten_steps_adamw_match_torch) { ten_steps("adamw"); }
 TEST(train_ten_steps_muon_match_torch) { ten_steps("muon"); }
+/* both BF16 paths where this CPU has both (AMX, then vdpbf16ps) */
+static void ten_steps_bf16(const char *mode) {
+    ten_steps_mode(mode, true);
+    if (tg_amx_available()) {
+        tg_set_amx(false);
+        ten_steps_mode(mode, true);
+        tg_set_amx(true);
+    }
+}
+TEST(train_bf16_ten_steps_adamw_match_torch) { ten_steps_bf16("adamw"); }
+TEST(train_bf16_ten_steps_muon_match_torch) { ten_steps_bf16("muon"); }

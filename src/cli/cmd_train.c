@@ -37,9 +37,11 @@ const char *const cmd_train_help =
     "  --sample-tokens N          tokens per sample (128)\n"
     "  --skip-samples             no samples\n"
     "  --seed S                   initialisation and data order (1337)\n"
-    "  --bf16                     BF16 operands for the linear-layer products\n"
-    "                             (F32 accumulation and master weights); off by\n"
-    "                             default, kept on --resume (docs/training-speed.md)\n"
+    "  --bf16                     BF16 operands for the linear-layer products and\n"
+    "                             Muon's Newton-Schulz (F32 accumulation and master\n"
+    "                             weights; AMX tiles where the CPU has AMX-BF16,\n"
+    "                             else vdpbf16ps or its emulation); off by default,\n"
+    "                             kept on --resume (docs/training-speed.md)\n"
     "  --kda-chunk N              chunkwise KDA with N-position chunks (16);\n"
     "                             0: the exact recurrent form (reference, slower)\n"
     "  --quiet                    no per-step lines on stdout\n"
@@ -50,12 +52,12 @@ const char *const cmd_train_help =
     "after the current step with a checkpoint. Exit codes: 0 done, 1 runtime error\n"
     "(including a non-finite loss), 2 bad flags, config or data, 4 bad checkpoint.\n";
 
-static int parse_i64(const char *flag, const char *s, int64_t lo, int64_t *out) {
-    char *end;
-    errno = 0;
-    long long v = strtoll(s, &end, 10);
-    if (errno || *end || end == s || v < lo) return k3_usage_error("train", "%s wants an integer >= %lld, got '%s'", flag, (long long)lo, s);
-    *out = v;
+/* Every integer flag has explicit bounds, checked on the 64-bit value before
+ * it is stored (an int field never sees a value it cannot hold). */
+static int parse_i64(const char *flag, const char *s, int64_t lo, int64_t hi, int64_t *out) {
+    if (!k3_parse_i64(s, lo, hi, out))
+        return k3_usage_error("train", "%s wants an integer in %lld..%lld, got '%s'", flag, (long long)lo,
+                              (long long)hi, s);
     return 0;
 }
 
@@ -81,24 +83,23 @@ int cmd_train(int argc, char **argv) {
         else if (strcmp(a, "--output-dir") == 0) o.output_dir = v;
         else if (strcmp(a, "--config") == 0) o.config_path = v;
         else if (strcmp(a, "--resume") == 0) o.resume = v;
-        else if (strcmp(a, "--steps") == 0) { if (!(rc = parse_i64(a, v, 1, &x))) o.steps = x; }
-        else if (strcmp(a, "--stop-at") == 0) { if (!(rc = parse_i64(a, v, 1, &x))) o.stop_at = x; }
-        else if (strcmp(a, "--batch-size") == 0) { if (!(rc = parse_i64(a, v, 1, &x))) o.batch = (int)x; }
-        else if (strcmp(a, "--seq-len") == 0) { if (!(rc = parse_i64(a, v, 1, &x))) o.seq = (int)x; }
-        else if (strcmp(a, "--gradient-accumulation") == 0) { if (!(rc = parse_i64(a, v, 1, &x))) o.accum = (int)x; }
-        else if (strcmp(a, "--eval-interval") == 0) { if (!(rc = parse_i64(a, v, 1, &x))) o.eval_interval = (int)x; }
-        else if (strcmp(a, "--eval-tokens") == 0) { if (!(rc = parse_i64(a, v, 1, &x))) o.eval_tokens = x; }
-        else if (strcmp(a, "--checkpoint-interval") == 0) { if (!(rc = parse_i64(a, v, 1, &x))) o.checkpoint_interval = (int)x; }
-        else if (strcmp(a, "--sample-interval") == 0) { if (!(rc = parse_i64(a, v, 1, &x))) o.sample_interval = (int)x; }
-        else if (strcmp(a, "--sample-tokens") == 0) { if (!(rc = parse_i64(a, v, 1, &x))) o.sample_tokens = (int)x; }
-        else if (strcmp(a, "--seed") == 0) { if (!(rc = parse_i64(a, v, 0, &x))) { o.seed = (uint64_t)x; o.seed_set = true; } }
+        else if (strcmp(a, "--steps") == 0) { if (!(rc = parse_i64(a, v, 1, INT64_MAX / 2, &x))) o.steps = x; }
+        else if (strcmp(a, "--stop-at") == 0) { if (!(rc = parse_i64(a, v, 1, INT64_MAX / 2, &x))) o.stop_at = x; }
+        else if (strcmp(a, "--batch-size") == 0) { if (!(rc = parse_i64(a, v, 1, 4096, &x))) o.batch = (int)x; }
+        else if (strcmp(a, "--seq-len") == 0) { if (!(rc = parse_i64(a, v, 1, 65536, &x))) o.seq = (int)x; }
+        else if (strcmp(a, "--gradient-accumulation") == 0) { if (!(rc = parse_i64(a, v, 1, 4096, &x))) o.accum = (int)x; }
+        else if (strcmp(a, "--eval-interval") == 0) { if (!(rc = parse_i64(a, v, 1, INT32_MAX, &x))) o.eval_interval = (int)x; }
+        else if (strcmp(a, "--eval-tokens") == 0) { if (!(rc = parse_i64(a, v, 1, INT64_MAX / 2, &x))) o.eval_tokens = x; }
+        else if (strcmp(a, "--checkpoint-interval") == 0) { if (!(rc = parse_i64(a, v, 1, INT32_MAX, &x))) o.checkpoint_interval = (int)x; }
+        else if (strcmp(a, "--sample-interval") == 0) { if (!(rc = parse_i64(a, v, 1, INT32_MAX, &x))) o.sample_interval = (int)x; }
+        else if (strcmp(a, "--sample-tokens") == 0) { if (!(rc = parse_i64(a, v, 1, 65536, &x))) o.sample_tokens = (int)x; }
+        else if (strcmp(a, "--seed") == 0) { if (!(rc = parse_i64(a, v, 0, INT64_MAX, &x))) { o.seed = (uint64_t)x; o.seed_set = true; } }
         else if (strcmp(a, "--lr") == 0) {
             char *end;
             o.lr = strtod(v, &end);
             if (*end || end == v || !(o.lr > 0) || o.lr > 10) return k3_usage_error("train", "--lr wants a positive number, got '%s'", v);
         } else if (strcmp(a, "--kda-chunk") == 0) {
-            if ((rc = parse_i64(a, v, 0, &x))) return rc;
-            if (x > 64) return k3_usage_error("train", "--kda-chunk wants 0..64, got '%s'", v);
+            if ((rc = parse_i64(a, v, 0, 64, &x))) return rc;
             o.kda_chunk = x ? (int)x : -1;
         } else if (strcmp(a, "--optimizer") == 0) {
             if (strcmp(v, "muon") == 0) o.optimizer = 1;
@@ -106,8 +107,6 @@ int cmd_train(int argc, char **argv) {
             else return k3_usage_error("train", "--optimizer wants muon or adamw, got '%s'", v);
         } else return k3_usage_error("train", "unknown flag: %s", a);
         if (rc) return rc;
-        if (o.batch > 4096 || o.seq > 65536 || o.accum > 4096 || o.sample_tokens > 65536)
-            return k3_usage_error("train", "%s %s is out of range", a, v);
     }
     k3_err err = {0};
     if (!o.config_path && !o.resume) o.config_path = "configs/smol-50m.json";

@@ -9,6 +9,8 @@
  * "k3-train", version, step, total_steps, seed, data_position, optimizer_step,
  * best_val_loss, best_step, the model config (JSON text), the training
  * settings (JSON text) and the data directory. */
+#include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "formats/safetensors.h"
@@ -95,6 +97,39 @@ int tckpt_save(const char *path, const tmodel *m, const topt *o, const tckpt_met
 
 static const char *md(st_index *ix, const char *key) { return st_metadata(ix, 0, key); }
 
+/* Metadata numbers: absent -> dflt; present -> a whole decimal in [lo, hi]. */
+static bool meta_i64(st_index *ix, const char *key, int64_t lo, int64_t hi, int64_t dflt, int64_t *out) {
+    const char *s = md(ix, key);
+    if (!s) {
+        *out = dflt;
+        return true;
+    }
+    return k3_parse_i64(s, lo, hi, out);
+}
+
+static bool meta_u64(const char *s, uint64_t *out) {
+    if (!s || *s < '0' || *s > '9') return false;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || *end) return false;
+    *out = v;
+    return true;
+}
+
+static bool meta_f64(const char *s, double *out) {
+    if (!s) {
+        *out = 0.0;
+        return true;
+    }
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (end == s || *end) return false;
+    *out = v;
+    return true;
+}
+
 int tckpt_open(const char *path, tckpt *ck, k3_err *err) {
     memset(ck, 0, sizeof *ck);
     int rc = st_open(path, &ck->ix, err);
@@ -114,18 +149,23 @@ int tckpt_open(const char *path, tckpt *ck, k3_err *err) {
         }
     ck->path = path;
     tckpt_meta *m = &ck->meta;
-    m->step = strtoll(md(ck->ix, "step"), NULL, 10);
-    m->total_steps = strtoll(md(ck->ix, "total_steps"), NULL, 10);
-    m->seed = strtoull(md(ck->ix, "seed"), NULL, 10);
-    m->data_position = md(ck->ix, "data_position") ? strtoll(md(ck->ix, "data_position"), NULL, 10) : 0;
-    m->best_step = md(ck->ix, "best_step") ? strtoll(md(ck->ix, "best_step"), NULL, 10) : -1;
-    m->best_val_loss = md(ck->ix, "best_val_loss") ? strtod(md(ck->ix, "best_val_loss"), NULL) : 0.0;
+    /* every number is checked: a corrupt value is a data error, never a silent 0 */
+    const char *bad = NULL;
+    if (!meta_i64(ck->ix, "step", 0, INT64_MAX / 2, 0, &m->step)) bad = "step";
+    else if (!meta_i64(ck->ix, "total_steps", 1, INT64_MAX / 2, 0, &m->total_steps)) bad = "total_steps";
+    else if (!meta_u64(md(ck->ix, "seed"), &m->seed)) bad = "seed";
+    else if (!meta_i64(ck->ix, "data_position", 0, INT64_MAX, 0, &m->data_position)) bad = "data_position";
+    else if (!meta_i64(ck->ix, "best_step", -1, INT64_MAX / 2, -1, &m->best_step)) bad = "best_step";
+    else if (!meta_f64(md(ck->ix, "best_val_loss"), &m->best_val_loss)) bad = "best_val_loss";
+    else if (!meta_i64(ck->ix, "optimizer_step", 0, INT64_MAX / 2, 0, &ck->opt_step)) bad = "optimizer_step";
+    if (bad) {
+        st_close(ck->ix);
+        ck->ix = NULL;
+        return k3_fail(err, K3_EXIT_DATA, "%s: checkpoint metadata %s is not a valid number", path, bad);
+    }
     m->config_json = md(ck->ix, "config");
     m->train_json = md(ck->ix, "train");
     m->data_dir = md(ck->ix, "data_dir");
-    ck->opt_step = strtoll(md(ck->ix, "optimizer_step"), NULL, 10);
-    if (m->step < 0 || m->total_steps < 1)
-        return k3_fail(err, K3_EXIT_DATA, "%s: checkpoint metadata has a bad step", path);
     return K3_OK;
 }
 

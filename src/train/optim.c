@@ -64,13 +64,16 @@ double topt_lr(const topt_cfg *c, int64_t step) {
 /* C[r][c] = A[r][k] B[k][c] and C = A A^T (A [r][c], C [r][r]) with the
  * training GEMM (one fma chain per element; X X^T is exactly symmetric since
  * fma(a, b, c) == fma(b, a, c)). Called inside the parallel loop over Muon
- * blocks, so each runs on one thread. */
+ * blocks, so each runs on one thread. In the BF16 training mode (--bf16) the
+ * Newton-Schulz products take BF16 operands too, as Muon's reference
+ * implementation does (its iteration is made to tolerate that precision):
+ * on AMX this is most of the optimiser's time saved. */
 static void mm(float *C, const float *A, const float *B, int r, int k, int c) {
-    tg_gemm(C, c, r, c, k, (tg_view){A, k, 1}, (tg_view){B, c, 1}, false, TG_F32);
+    tg_gemm(C, c, r, c, k, (tg_view){A, k, 1}, (tg_view){B, c, 1}, false, t_bf16() ? TG_BF16 : TG_F32);
 }
 
 static void aat(float *C, const float *A, int r, int c) {
-    tg_gemm(C, r, r, r, c, (tg_view){A, c, 1}, (tg_view){A, 1, c}, false, TG_F32);
+    tg_gemm(C, r, r, r, c, (tg_view){A, c, 1}, (tg_view){A, 1, c}, false, t_bf16() ? TG_BF16 : TG_F32);
 }
 
 /* In place: G [rows][cols] -> its Newton-Schulz orthogonalisation. */
@@ -114,6 +117,7 @@ double topt_step(topt *o, tmodel *m, double *lr_out) {
     const topt_cfg *c = &o->c;
     double lr = topt_lr(c, o->step);
     o->step++;
+    t_set_bf16(m->bf16); /* Newton-Schulz follows the model's product mode */
     if (lr_out) *lr_out = lr;
     /* global gradient norm, per parameter in parallel, summed in order */
     double *ss = xcalloc((size_t)m->np, sizeof(double));

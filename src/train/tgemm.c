@@ -323,6 +323,10 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
 #else
     bool simd = false;
 #endif
+    if (simd && mode == TG_BF16 && tg_amx_available()) {
+        tg_gemm_amx(C, ldc, M, N, K, A, B, acc);
+        return;
+    }
     if (!simd) {
         gemm_scalar(C, ldc, M, N, K, A, B, acc, mode);
         return;

@@ -17,7 +17,19 @@
  * inputs read as zero and denormal sums flushed to zero; an odd K is padded
  * with a zero pair element. The scalar emulation gives the same bits as the
  * instruction (test tgemm_bf16_scalar_equals_simd). Without AVX512_BF16 the
- * emulation runs. */
+ * emulation runs.
+ *
+ * BF16 mode on AMX (tgemm_amx.c; used when the CPU has AMX-BF16 and Linux
+ * grants the tile data, else the vdpbf16ps path above): the same BF16
+ * operands, accumulated in F32 by TDPBF16PS, 32 k per instruction in
+ * increasing k. Inside one instruction the hardware's accumulation is its
+ * own: no sequence of IEEE roundings we probed reproduces it (pairs rounded
+ * then added in order, either order within a pair, one rounding per pair or
+ * per instruction, round-toward-zero), so the AMX path is tested against an
+ * exact (double) BF16-product reference at a tight tolerance, not bit for
+ * bit against the emulation. It is still deterministic: an element's
+ * instruction sequence depends only on K, never on the thread count or the
+ * job split (test tgemm_amx_matches_reference). */
 #ifndef K3_TRAIN_TGEMM_H
 #define K3_TRAIN_TGEMM_H
 
@@ -36,5 +48,9 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
 /* Force the scalar reference (tests compare it with the vector path). */
 void tg_set_scalar(bool on);
 bool tg_bf16_available(void); /* the CPU has AVX512_BF16 */
+bool tg_amx_available(void);  /* AMX-BF16 usable (CPUID + arch_prctl) and not switched off */
+void tg_set_amx(bool on);     /* tests: allow (default) or forbid the AMX path */
+/* The AMX product (tgemm_amx.c); only when tg_amx_available(). */
+void tg_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc);
 
 #endif

@@ -308,6 +308,14 @@ static void chunk_bwd_cw(const k_vops *ops, cws *w, float *dS, const float *S0, 
     memcpy(dS, w->dS0, sizeof(float) * (size_t)D * D);
 }
 
+/* ShortConv taps [ch][K] -> [K][ch], so a tap runs over a contiguous row. */
+static float *conv_taps_t(const float *cw, int nch, int K) {
+    float *t = xmalloc_array((size_t)nch * K, sizeof(float));
+    for (int ch = 0; ch < nch; ch++)
+        for (int j = 0; j < K; j++) t[(size_t)j * nch + ch] = cw[(size_t)ch * K + j];
+    return t;
+}
+
 void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, float *out, int B, int T) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
@@ -316,19 +324,19 @@ void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, flo
     const kda_w *kw = &ly->kda;
     t_linear(a->pre, x, w + kw->qkv, N, E, P3);
     /* ShortConv (depthwise causal, w[c][K-1] on the current input) + SiLU */
-    const float *cw = w + kw->conv;
+    /* per channel one fma chain over the taps j in increasing order; run tap by
+     * tap over whole rows (contiguous, vectorises: the same bits) with the
+     * taps transposed to [j][ch] */
+    float *cwT = conv_taps_t(w + kw->conv, P3, K);
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         int t = n % T;
         float *cv = a->cv + (size_t)n * P3;
-        for (int ch = 0; ch < P3; ch++) {
-            float acc = 0.0f;
-            for (int j = 0; j < K; j++) {
-                int tt = t - (K - 1) + j;
-                if (tt < 0) continue;
-                acc = fmaf(cw[(size_t)ch * K + j], a->pre[(size_t)(n - (K - 1) + j) * P3 + ch], acc);
-            }
-            cv[ch] = acc;
+        for (int ch = 0; ch < P3; ch++) cv[ch] = 0.0f;
+        for (int j = 0; j < K; j++) {
+            if (t - (K - 1) + j < 0) continue;
+            const float *wj = cwT + (size_t)j * P3, *pr = a->pre + (size_t)(n - (K - 1) + j) * P3;
+            for (int ch = 0; ch < P3; ch++) cv[ch] = fmaf(wj[ch], pr[ch], cv[ch]);
         }
         float *qr = a->q + (size_t)n * P, *kr = a->k + (size_t)n * P, *vr = a->v + (size_t)n * P;
         for (int i = 0; i < P; i++) {
@@ -344,6 +352,7 @@ void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, flo
             for (int d = 0; d < D; d++) { qr[h * D + d] *= rq; kr[h * D + d] *= rk; }
         }
     }
+    free(cwT);
     /* beta, decay */
     t_linear(a->beta, x, w + kw->b_proj, N, E, H);
     for (size_t i = 0; i < (size_t)N * H; i++) a->beta[i] = t_sigmoid(a->beta[i]);
@@ -616,20 +625,19 @@ void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, co
         }
     }
     /* ShortConv: dpre[n] = sum_j w[j] dcv[n + K-1-j] within the sequence */
-    const float *cw = w + kw->conv;
+    float *cwT = conv_taps_t(w + kw->conv, P3, K); /* as in the forward: same chains, rows at a time */
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         int t = n % T;
-        for (int ch = 0; ch < P3; ch++) {
-            float acc = 0.0f;
-            for (int j = 0; j < K; j++) {
-                int tt = t + (K - 1 - j);
-                if (tt >= T) continue;
-                acc = fmaf(cw[(size_t)ch * K + j], dcv[(size_t)(n + K - 1 - j) * P3 + ch], acc);
-            }
-            dpre[(size_t)n * P3 + ch] = acc;
+        float *dp = dpre + (size_t)n * P3;
+        for (int ch = 0; ch < P3; ch++) dp[ch] = 0.0f;
+        for (int j = 0; j < K; j++) {
+            if (t + (K - 1 - j) >= T) continue;
+            const float *wj = cwT + (size_t)j * P3, *dr = dcv + (size_t)(n + K - 1 - j) * P3;
+            for (int ch = 0; ch < P3; ch++) dp[ch] = fmaf(wj[ch], dr[ch], dp[ch]);
         }
     }
+    free(cwT);
     /* taps: gcw[ch][j] += sum_n dcv[n][ch] pre[n-(K-1)+j][ch], n in increasing
      * order; blocks of channels so the rows are read contiguously */
     float *gcw = g + kw->conv;

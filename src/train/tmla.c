@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
+#include "train/tgemm.h"
 
 size_t mla_scratch(const tmodel *m, int N) {
     const k3_config *c = &m->cfg;
@@ -44,6 +45,88 @@ void mla_free(mla_acts *a) {
     memset(a, 0, sizeof *a);
 }
 
+/* ---- BF16 mode: the attention as matrix products -------------------------------
+ * Per (sequence, head): S = Qn Kn^T (+ Qr Kr^T), the causal softmax row by row
+ * (as the F32 path), O = P V; backward dP = dO V^T, dS = P (dP - rowsum(P dP))
+ * scale, dQ = dS K, dK = dS^T Q, dV = P^T dO. Each product is one training
+ * GEMM in the BF16 mode (AMX where present), the full T x T square (the
+ * masked half multiplies zeros of P); the heads run side by side, each
+ * product on one thread, so the bits do not depend on the thread count. */
+static void attn_fwd_bf16(const tmodel *m, mla_acts *a, int B, int T) {
+    const k3_config *c = &m->cfg;
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim,
+              rkv = c->kv_lora_rank;
+    const int dq = dn + dr, dkv = dn + dv, HV = H * dv;
+    const float scale = 1.0f / sqrtf((float)dq);
+#pragma omp parallel for schedule(dynamic)
+    for (int bh = 0; bh < B * H; bh++) {
+        int b = bh / H, h = bh % H;
+        float *P = a->pr + (size_t)bh * T * T;
+        const float *q0 = a->q + (size_t)b * T * H * dq + (size_t)h * dq;
+        const float *kv0 = a->kv + (size_t)b * T * H * dkv + (size_t)h * dkv;
+        tg_gemm(P, T, T, T, dn, (tg_view){q0, H * dq, 1}, (tg_view){kv0, 1, H * dkv}, false, TG_BF16);
+        if (dr)
+            tg_gemm(P, T, T, T, dr, (tg_view){q0 + dn, H * dq, 1},
+                    (tg_view){a->ckv + (size_t)b * T * (rkv + dr) + rkv, 1, rkv + dr}, true, TG_BF16);
+        for (int t = 0; t < T; t++) {
+            float *pr = P + (size_t)t * T, mx = -INFINITY;
+            for (int s = 0; s <= t; s++) {
+                pr[s] *= scale;
+                if (pr[s] > mx) mx = pr[s];
+            }
+            float sum = 0.0f;
+            for (int s = 0; s <= t; s++) { pr[s] = t_exp(pr[s] - mx); sum += pr[s]; }
+            for (int s = 0; s <= t; s++) pr[s] /= sum;
+            for (int s = t + 1; s < T; s++) pr[s] = 0.0f;
+        }
+        tg_gemm(a->o + (size_t)b * T * HV + (size_t)h * dv, HV, T, dv, T, (tg_view){P, T, 1},
+                (tg_view){kv0 + dn, H * dkv, 1}, false, TG_BF16);
+    }
+}
+
+static void attn_bwd_bf16(const tmodel *m, const mla_acts *a, const float *dO, float *dQ, float *dKV,
+                          float *dkrh, int B, int T) {
+    const k3_config *c = &m->cfg;
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim,
+              rkv = c->kv_lora_rank;
+    const int dq = dn + dr, dkv = dn + dv, HV = H * dv;
+    const float scale = 1.0f / sqrtf((float)dq);
+#pragma omp parallel
+    {
+        float *dS = xmalloc_array((size_t)T * T, sizeof(float));
+#pragma omp for schedule(dynamic)
+        for (int bh = 0; bh < B * H; bh++) {
+            int b = bh / H, h = bh % H;
+            const float *P = a->pr + (size_t)bh * T * T;
+            const float *q0 = a->q + (size_t)b * T * H * dq + (size_t)h * dq;
+            const float *kv0 = a->kv + (size_t)b * T * H * dkv + (size_t)h * dkv;
+            const float *kr0 = a->ckv + (size_t)b * T * (rkv + dr) + rkv;
+            const float *do0 = dO + (size_t)b * T * HV + (size_t)h * dv;
+            float *dkv0 = dKV + (size_t)b * T * H * dkv + (size_t)h * dkv;
+            float *dq0 = dQ + (size_t)b * T * H * dq + (size_t)h * dq;
+            /* dP = dO V^T, then dS in place */
+            tg_gemm(dS, T, T, T, dv, (tg_view){do0, HV, 1}, (tg_view){kv0 + dn, 1, H * dkv}, false, TG_BF16);
+            for (int t = 0; t < T; t++) {
+                const float *pr = P + (size_t)t * T;
+                float *ds = dS + (size_t)t * T, mix = 0.0f;
+                for (int s = 0; s <= t; s++) mix += pr[s] * ds[s];
+                for (int s = 0; s <= t; s++) ds[s] = pr[s] * (ds[s] - mix) * scale;
+                for (int s = t + 1; s < T; s++) ds[s] = 0.0f;
+            }
+            tg_gemm(dq0, H * dq, T, dn, T, (tg_view){dS, T, 1}, (tg_view){kv0, H * dkv, 1}, false, TG_BF16);
+            tg_gemm(dkv0, H * dkv, T, dn, T, (tg_view){dS, 1, T}, (tg_view){q0, H * dq, 1}, false, TG_BF16);
+            tg_gemm(dkv0 + dn, H * dkv, T, dv, T, (tg_view){P, 1, T}, (tg_view){do0, HV, 1}, false, TG_BF16);
+            if (dr) {
+                tg_gemm(dq0 + dn, H * dq, T, dr, T, (tg_view){dS, T, 1}, (tg_view){kr0, rkv + dr, 1}, false,
+                        TG_BF16);
+                tg_gemm(dkrh + (size_t)b * T * H * dr + (size_t)h * dr, H * dr, T, dr, T, (tg_view){dS, 1, T},
+                        (tg_view){q0 + dn, H * dq, 1}, false, TG_BF16);
+            }
+        }
+        free(dS);
+    }
+}
+
 void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, float *out, int B, int T) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim,
@@ -60,6 +143,9 @@ void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, flo
     t_rmsnorm(a->ckvn, a->rkv, a->clat, w + mw->kv_a_norm, N, rkv, c->mla_latent_eps);
     t_linear(a->kv, a->ckvn, w + mw->kv_b, N, rkv, H * dkv);
     const float scale = 1.0f / sqrtf((float)dq);
+    if (m->bf16) {
+        attn_fwd_bf16(m, a, B, T);
+    } else {
 #pragma omp parallel for schedule(static)
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
@@ -89,6 +175,7 @@ void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, flo
                 for (int j = 0; j < dv; j++) o[j] = fmaf(pr[s], vs[j], o[j]);
             }
         }
+    }
     }
     t_linear(a->gate, x, w + mw->g_proj, N, E, HV);
     for (size_t i = 0; i < (size_t)N * HV; i++) {
@@ -123,6 +210,8 @@ void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, co
     const float scale = 1.0f / sqrtf((float)dq);
     memset(dKV, 0, sizeof(float) * (size_t)N * H * dkv);
     memset(dkrh, 0, sizeof(float) * (size_t)N * H * dr);
+    if (m->bf16) attn_bwd_bf16(m, a, dO, dQ, dKV, dkrh, B, T);
+    else
 #pragma omp parallel for schedule(static)
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;

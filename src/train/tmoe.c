@@ -192,20 +192,27 @@ void moe_forward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, flo
     float *aug = xmalloc_array((size_t)N * k * 2 * I, sizeof(float));
     float *hg = xmalloc_array((size_t)N * k * I, sizeof(float));
     float *yg = xmalloc_array((size_t)N * k * lat, sizeof(float));
+    /* experts side by side, one thread each (their products then run on one
+     * thread: the GEMM's bits do not depend on that), each in its own rows
+     * off[e].. of the buffers; outputs go to per-slot rows, so no two experts
+     * write the same memory and the result does not depend on the schedule */
+#pragma omp parallel for schedule(dynamic)
     for (int e = 0; e < Ne; e++) {
         int ne = off[e + 1] - off[e];
         if (!ne) continue;
         const int *ls = list + off[e];
+        float *zge = zg + (size_t)off[e] * lat, *auge = aug + (size_t)off[e] * 2 * I;
+        float *hge = hg + (size_t)off[e] * I, *yge = yg + (size_t)off[e] * lat;
         for (int r = 0; r < ne; r++)
-            memcpy(zg + (size_t)r * lat, a->z + (size_t)(ls[r] / k) * lat, sizeof(float) * lat);
-        t_linear(aug, zg, w + q->w13[e], ne, lat, 2 * I);
-        situ_rows(hg, aug, ne, I, c->situ_beta, c->situ_linear_beta);
-        t_linear(yg, hg, w + q->w2[e], ne, I, lat);
+            memcpy(zge + (size_t)r * lat, a->z + (size_t)(ls[r] / k) * lat, sizeof(float) * lat);
+        t_linear(auge, zge, w + q->w13[e], ne, lat, 2 * I);
+        situ_rows(hge, auge, ne, I, c->situ_beta, c->situ_linear_beta);
+        t_linear(yge, hge, w + q->w2[e], ne, I, lat);
         for (int r = 0; r < ne; r++) {
             size_t sl = (size_t)ls[r];
-            memcpy(a->au + sl * 2 * I, aug + (size_t)r * 2 * I, sizeof(float) * 2 * I);
-            memcpy(a->h + sl * I, hg + (size_t)r * I, sizeof(float) * I);
-            memcpy(a->e + sl * lat, yg + (size_t)r * lat, sizeof(float) * lat);
+            memcpy(a->au + sl * 2 * I, auge + (size_t)r * 2 * I, sizeof(float) * 2 * I);
+            memcpy(a->h + sl * I, hge + (size_t)r * I, sizeof(float) * I);
+            memcpy(a->e + sl * lat, yge + (size_t)r * lat, sizeof(float) * lat);
         }
     }
     free(zg);
@@ -242,9 +249,9 @@ void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, co
     float *g = m->g;
     float *dun = scratch, *du = dun + (size_t)N * lat, *dz = du + (size_t)N * lat;
     float *dlog = dz + (size_t)N * lat, *dp = dlog + (size_t)N * Ne;
-    float *de = dp + Nk, *dzs = de + Nk * lat, *gbuf = dzs + Nk * lat, *hbuf = gbuf + Nk * lat;
-    float *dh = hbuf + Nk * I, *dau = dh + Nk * I;
-    float *shs = dau + Nk * 4 * I; /* dau [Nk][2I], then the gathered au [Nk][2I] */
+    float *de = dp + Nk, *dzs = de + Nk * lat, *gbase = dzs + Nk * lat, *hbase = gbase + Nk * lat;
+    float *dhbase = hbase + Nk * I, *daubase = dhbase + Nk * I;
+    float *shs = daubase + Nk * 4 * I; /* dau [Nk][2I], then the gathered au [Nk][2I] */
     /* shared experts (writes dx) */
     mlp_backward(m, &q->shared, &a->sh, W, x, dout, dx, N, shs, false);
     /* r = W_up rmsnorm(u) */
@@ -265,10 +272,14 @@ void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, co
     int *off = xmalloc_array((size_t)Ne + 1, sizeof(int));
     int *list = xmalloc_array(Nk, sizeof(int));
     dispatch(a->idx, N, k, Ne, off, list);
+    /* experts side by side as in the forward, each in its own rows off[e].. */
+#pragma omp parallel for schedule(dynamic)
     for (int e = 0; e < Ne; e++) {
         int ne = off[e + 1] - off[e];
         if (!ne) continue;
         const int *ls = list + off[e];
+        float *gbuf = gbase + (size_t)off[e] * lat, *hbuf = hbase + (size_t)off[e] * I;
+        float *dh = dhbase + (size_t)off[e] * I, *dau = daubase + (size_t)off[e] * 2 * I;
         /* gbuf: de rows; hbuf: h rows */
         for (int r = 0; r < ne; r++) {
             memcpy(gbuf + (size_t)r * lat, de + (size_t)ls[r] * lat, sizeof(float) * lat);
@@ -277,7 +288,7 @@ void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, co
         t_linear_dw(g + q->w2[e], gbuf, hbuf, ne, I, lat);
         t_linear_dx(dh, gbuf, w + q->w2[e], ne, I, lat, false);
         /* hbuf now: gathered au rows [ne][2I] (reuse dau's room for the input) */
-        float *aug = dau + (size_t)ne * 2 * I;
+        float *aug = daubase + (Nk + (size_t)off[e]) * 2 * I;
         for (int r = 0; r < ne; r++)
             memcpy(aug + (size_t)r * 2 * I, a->au + (size_t)ls[r] * 2 * I, sizeof(float) * 2 * I);
         situ_rows_bwd(dau, dh, aug, ne, I, c->situ_beta, c->situ_linear_beta);

@@ -61,12 +61,19 @@ void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const 
         }
     }
     if (dg) {
+        /* per d one fma chain over t in order, DB chains side by side (rows
+         * walked contiguously, the same bits as one column at a time) */
+        enum { DB = 32 };
 #pragma omp parallel for schedule(static)
-        for (int d = 0; d < dim; d++) {
-            float s = 0.0f;
-            for (int t = 0; t < n; t++)
-                s = fmaf(dy[(size_t)t * dim + d], x[(size_t)t * dim + d] * r[t], s);
-            dg[d] += s;
+        for (int d0 = 0; d0 < dim; d0 += DB) {
+            const int dn = dim - d0 < DB ? dim - d0 : DB;
+            float s[DB] = {0};
+            for (int t = 0; t < n; t++) {
+                const float *dyr = dy + (size_t)t * dim + d0, *xr = x + (size_t)t * dim + d0;
+                const float rt = r[t];
+                for (int j = 0; j < dn; j++) s[j] = fmaf(dyr[j], xr[j] * rt, s[j]);
+            }
+            for (int j = 0; j < dn; j++) dg[d0 + j] += s[j];
         }
     }
 }
@@ -131,11 +138,14 @@ void t_attnres(float *out, float *alpha, float *r, const float *const *src, int 
         float s = 0.0f;
         for (int i = 0; i < m; i++) { al[i] = t_exp(al[i] - mx); s += al[i]; }
         for (int i = 0; i < m; i++) al[i] /= s;
+        /* o[d] = one fma chain over i per d; run with d innermost (vectorises,
+         * contiguous rows) in the same i order, so the bits are the chain's */
         float *o = out + (size_t)t * dim;
-        for (int d = 0; d < dim; d++) {
-            float acc = 0.0f;
-            for (int i = 0; i < m; i++) acc = fmaf(al[i], src[i][(size_t)t * dim + d], acc);
-            o[d] = acc;
+        for (int d = 0; d < dim; d++) o[d] = 0.0f;
+        for (int i = 0; i < m; i++) {
+            const float *v = src[i] + (size_t)t * dim;
+            const float ai = al[i];
+            for (int d = 0; d < dim; d++) o[d] = fmaf(ai, v[d], o[d]);
         }
     }
     free(gw);
@@ -170,13 +180,22 @@ void t_attnres_bwd(float *const *dsrc, float *dgn, float *dw, const float *dout,
             coef[(size_t)t * m + i] = c1;
         }
     }
+    /* per d one fma chain over (t, i) in order; blocks of DB columns walk the
+     * rows contiguously with the chains side by side (same bits) */
+    enum { DB = 32 };
 #pragma omp parallel for schedule(static)
-    for (int d = 0; d < dim; d++) {
-        float s = 0.0f;
+    for (int d0 = 0; d0 < dim; d0 += DB) {
+        const int dn = dim - d0 < DB ? dim - d0 : DB;
+        float s[DB] = {0};
         for (int t = 0; t < n; t++)
-            for (int i = 0; i < m; i++) s = fmaf(coef[(size_t)t * m + i], src[i][(size_t)t * dim + d], s);
-        dgn[d] += s * w[d];
-        dw[d] += s * gn[d];
+            for (int i = 0; i < m; i++) {
+                const float c = coef[(size_t)t * m + i], *v = src[i] + (size_t)t * dim + d0;
+                for (int j = 0; j < dn; j++) s[j] = fmaf(c, v[j], s[j]);
+            }
+        for (int j = 0; j < dn; j++) {
+            dgn[d0 + j] += s[j] * w[d0 + j];
+            dw[d0 + j] += s[j] * gn[d0 + j];
+        }
     }
     free(coef);
     free(gw);

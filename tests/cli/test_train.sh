@@ -66,5 +66,18 @@ expect_exit truncated_checkpoint 4 $K3 train --data-dir "$D" --output-dir "$E/r3
 printf 'garbage' > "$E/garbage.safetensors"
 expect_exit garbage_checkpoint 4 $K3 train --data-dir "$D" --output-dir "$E/r4" --steps 30 --resume "$E/garbage.safetensors" --quiet
 expect_exit bad_flag 2 $K3 train --data-dir "$D" --output-dir "$E/r5" --steps zero
+# integer flags are range-checked before narrowing (2^32 + 1 once wrapped to 1)
+expect_exit batch_wraps 2 $K3 train $COMMON --output-dir "$E/r7" --steps 5 --batch-size 4294967297
+expect_exit eval_interval_wraps 2 $K3 train $COMMON --output-dir "$E/r7" --steps 5 --eval-interval 4294967297
+expect_exit kda_chunk_range 2 $K3 train $COMMON --output-dir "$E/r7" --steps 5 --kda-chunk 65
+expect_exit steps_overflow 2 $K3 train $COMMON --output-dir "$E/r7" --steps 99999999999999999999
+# corrupt checkpoint metadata (same length, so the header stays well formed)
+for key in step optimizer_step data_position seed; do
+  LC_ALL=C sed "s/\"$key\":\"\([0-9]\)/\"$key\":\"x/" "$A/latest.safetensors" > "$E/bad_$key.safetensors"
+  cmp -s "$A/latest.safetensors" "$E/bad_$key.safetensors" && fail "corrupt_$key" "sed did not change the file"
+  expect_exit "corrupt_$key" 4 $K3 train --data-dir "$D" --output-dir "$E/r8" --steps 30 \
+    --resume "$E/bad_$key.safetensors" --quiet
+  expect_err_contains "corrupt_$key" "$key is not a valid number"
+done
 expect_exit stop_past_steps 2 $K3 train $COMMON --output-dir "$E/r6" --steps 5 --stop-at 9
 finish
