@@ -423,7 +423,7 @@ void k_l2norm(float *x, int n, float eps) {
     ops->divs(x, x, r, n);
 }
 
-float k_sigmoid(float x) { return km_sigmoid(x); }
+K3_HOT float k_sigmoid(float x) { return km_sigmoid(x); }
 void k_silu(float *x, int n) { k_ops()->silu(x, n); }
 
 void k_situ_glu(float *out, const float *gate, const float *up, int n, float b1, float b2) {
@@ -443,7 +443,7 @@ void k_softmax(float *x, int n) {
 
 /* ---- router ------------------------------------------------------------------ */
 
-void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale,
+K3_HOT void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale,
                    int *idx, float *w) {
     if (k > n) k = n;
     float *s = xmalloc_array((size_t)(n > 0 ? n : 1), sizeof *s);

@@ -54,6 +54,23 @@ void k_set_scalar(bool scalar_only);
 bool k_simd_available(void);
 const char *k_path_name(void);
 
+/* Hot loops outside the kernels (model glue, training ops): K3_HOT before a
+ * function definition compiles it, OpenMP regions included, for x86-64-v4
+ * (AVX-512), x86-64-v3 (AVX2 + FMA) and baseline x86-64, and the loader
+ * picks one by CPUID (GCC target_clones: an ifunc). The binary is built for
+ * baseline x86-64, where fmaf is a libm call and loops vectorise 4 wide at
+ * most; this gives such a function back what -march=native gave it. Bits do
+ * not change: with -ffp-contract=off and no fast-math the compiler may widen
+ * elementwise work and inline fmaf as one instruction, never fuse or
+ * reassociate. K3_ISA does not steer these clones (there is no numeric path
+ * to choose); tests/cli/test_portable.sh checks the machine code. Use it on
+ * functions that profile hot, not everywhere: each costs three copies. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define K3_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define K3_HOT
+#endif
+
 /* ---- weights ------------------------------------------------------------ */
 typedef enum { KW_F32 = 0, KW_BF16, KW_MXFP4 } kw_type;
 

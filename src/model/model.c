@@ -110,7 +110,7 @@ static void add_rows(float *y, const float *x, size_t n) {
 /* ---- AttnRes (section 7) -------------------------------------------------------
  * Keys are the RMSNormed sources (gain folded into q at load time), values the
  * RAW sources; one softmax over sources per position. */
-static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
+K3_HOT static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
                     float *out, k3_ws *ws) {
     int E = c->hidden_size, nthr = omp_get_max_threads();
     float *logits = ws_f(ws, (size_t)nthr * nsrc);
@@ -338,7 +338,7 @@ typedef struct {
     int layer;
 } expert_access;
 
-static int moe(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x, int T,
+K3_HOT static int moe(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x, int T,
                float *y, k3_ws *ws, k3_err *err) {
     int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
     size_t Ts = (size_t)T, Tk = Ts * (size_t)k;
