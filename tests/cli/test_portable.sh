@@ -5,7 +5,8 @@
 # says so catches a file built with -mavx2; K3_ISA selects a kernel path or
 # is refused with one line; `k3 run` writes the same logits bytes on every
 # path this CPU has (scalar, avx2, avx512), at 1 and 2 threads, on the peer's
-# tiny checkpoint and on a generated one (MXFP4 experts, BF16 trunk).
+# tiny checkpoint and on a generated one (MXFP4 experts, BF16 trunk), and
+# under valgrind, whose CPU has no AVX-512 (the binary must fall back alone).
 . "$(dirname "$0")/lib.sh"
 TINY=$SHARED/fixtures/peer/tiny-checkpoint
 GEN=tests/fixtures/gen/k3_like
