@@ -6,7 +6,8 @@
 # is refused with one line; `k3 run` writes the same logits bytes on every
 # path this CPU has (scalar, avx2, avx512), at 1 and 2 threads, on the peer's
 # tiny checkpoint and on a generated one (MXFP4 experts, BF16 trunk), and
-# under valgrind, whose CPU has no AVX-512 (the binary must fall back alone).
+# under valgrind, whose CPU has no AVX-512 (the binary must fall back alone);
+# the model tests against our PyTorch fixtures pass on every path.
 . "$(dirname "$0")/lib.sh"
 TINY=$SHARED/fixtures/peer/tiny-checkpoint
 GEN=tests/fixtures/gen/k3_like
@@ -70,6 +71,21 @@ for model in "$TINY" "$GEN"; do
     else fail "logits-$m-valgrind" "differs from $(basename "$ref")"; fi
   fi
 done
+# the whole model against our PyTorch fixtures (tests/fixtures/gen, the peer's
+# tiny checkpoint) on each path, not only the default one
+if [ "$K3" = bin/k3 ] && [ -x bin/k3-test ]; then
+  for isa in $avail; do
+    [ "$isa" = "$best" ] && continue
+    for t in genfix model_; do
+      if K3_ISA=$isa bin/k3-test "$t" >"$OUT/unit-$isa-$t.log" 2>&1 &&
+         grep -qE '^[1-9][0-9]* passed, 0 failed, 0 skipped' "$OUT/unit-$isa-$t.log"; then
+        pass "unit-$t-$isa"
+      else
+        fail "unit-$t-$isa" "$(grep -E 'FAIL|passed' "$OUT/unit-$isa-$t.log" | head -3)"
+      fi
+    done
+  done
+fi
 if [ "$K3" = bin/k3 ] && command -v valgrind >/dev/null; then
   expect_exit valgrind-doctor 0 valgrind --tool=none -q "$K3" doctor
   expect_out_contains valgrind-doctor "kernels    "
