@@ -8,10 +8,16 @@
 CC      ?= cc
 # -ffp-contract=off: the determinism contract. FMA is used only where a kernel
 # asks for it explicitly (fmaf / _mm512_fmadd_ps), identically on every path.
+# No -march: the binaries target baseline x86-64 so they run on any x86-64
+# CPU. Wider instruction sets (AVX2+FMA, AVX-512, AVX512_BF16) appear only in
+# functions with a target attribute, reached after a CPUID check
+# (src/kernels/kernels.c, K3_ISA; tests/cli/test_portable.sh checks the
+# machine code). Do not add -march=native here: it would let the compiler use
+# AVX-512 anywhere and the binary would die with SIGILL on older CPUs.
 BASE    := -std=gnu11 -Wall -Wextra -Werror -Wvla -fopenmp -ffp-contract=off \
            -D_GNU_SOURCE -Isrc -MMD -MP
-RELFLAGS:= -O3 -march=native
-ASNFLAGS:= -O1 -g -march=native -fsanitize=address,undefined \
+RELFLAGS:= -O3
+ASNFLAGS:= -O1 -g -fsanitize=address,undefined \
            -fno-sanitize-recover=all -fno-omit-frame-pointer
 LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lm
 
@@ -35,10 +41,11 @@ bin/k3-test: $(REL_TEST) $(REL_LIB) | bin
 bin/k3-test-asan: $(ASN_TEST) $(ASN_LIB) | bin
 	$(CC) $(BASE) $(ASNFLAGS) -o $@ $^ $(LIBS)
 
-build/rel/%.o: %.c
+# Objects also depend on this Makefile, so a change of flags rebuilds them.
+build/rel/%.o: %.c Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(BASE) $(RELFLAGS) -c -o $@ $<
-build/asan/%.o: %.c
+build/asan/%.o: %.c Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(BASE) $(ASNFLAGS) -c -o $@ $<
 

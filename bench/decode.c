@@ -12,6 +12,7 @@
  *
  * Build a checkpoint with tools/gen_checkpoint.py (e.g. --preset issue7, 627 MB,
  * 96 MXFP4 experts). Not a test: numbers depend on the machine and its load. */
+#include "kernels/kernels.h"
 #include "model/model.h"
 
 #include <jansson.h>
@@ -54,9 +55,11 @@ static void probe_read_gbs(const float *a, size_t n, int threads, double *wall_g
  * chains (enough to cover latency x ports), timed in CPU time so a shared
  * machine's time slicing does not count. The prefill figures are set beside
  * it as a fraction of (this x threads). */
-#if defined(__AVX512F__)
+#if defined(__x86_64__)
 #include <immintrin.h>
-static double fma_peak_gflops(void) {
+/* target attribute + the CPUID check in the caller: the binary is built for
+ * baseline x86-64 */
+__attribute__((target("avx512f,fma"))) static double fma_peak_avx512(void) {
     __m512 a[16], b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-4f);
     for (int i = 0; i < 16; i++) a[i] = _mm512_set1_ps((float)i * 1e-3f);
     long n = 4000000;
@@ -73,6 +76,7 @@ static double fma_peak_gflops(void) {
     if (s == 12345.0f) puts("");
     return best;
 }
+static double fma_peak_gflops(void) { return k_isa_available(K_ISA_AVX512) ? fma_peak_avx512() : 0; }
 #else
 static double fma_peak_gflops(void) { return 0; } /* not measured without AVX-512 */
 #endif

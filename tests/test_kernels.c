@@ -1,7 +1,8 @@
 /* Tests for src/kernels against the independent references:
  *  - ../shared/fixtures/peer/ops/ (each op) and mxfp4.json (the peer's PyTorch);
  *  - tests/fixtures/kernels/ (ours) (our own PyTorch, tools/kernels_ref.py);
- * plus the determinism contract: scalar == AVX-512 bit for bit, thread count
+ * plus the determinism contract: scalar == every SIMD path the CPU has (AVX2,
+ * AVX-512) bit for bit, thread count
  * does not change bits, k_matmul == k_matvec per input; and the chunked KDA
  * against the recurrent KDA. Tolerances are the MANIFEST's, judged normwise
  * per row (tj_close_rows). */
@@ -123,8 +124,8 @@ TEST(peer_rmsnorm) {
     float *w = fx(j, "weight", &nw), *in = fx(j, "in", &nin), *want = fx(j, "out", &nout);
     CHECK(w && in && want && nin == nout && nin % nw == 0);
     float eps = (float)tj_num(j, "eps");
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *got = fzero(nin);
         for (size_t r = 0; r < nin / nw; r++) k_rmsnorm(got + r * nw, in + r * nw, w, (int)nw, eps);
         CLOSE(got, want, nin, nw);
@@ -148,8 +149,8 @@ TEST(peer_situ_glu) {
     size_t rows = json_integer_value(json_array_get(json_object_get(json_object_get(j, "out"), "shape"), 0));
     CHECK(rows > 0 && nout % rows == 0);
     size_t w = nout / rows;
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *got = fzero(nout);
         for (size_t r = 0; r < rows; r++) /* gate half first, then the up half */
             k_situ_glu(got + r * w, in + r * 2 * w, in + r * 2 * w + w, (int)w, b1, b2);
@@ -170,8 +171,8 @@ TEST(peer_shortconv_with_state) {
     CHECK(w && in && want && st_want && inx && outx);
     CHECK(nw == (size_t)(C * K) && nin == nout && nin % (size_t)C == 0 && nst == (size_t)(C * (K - 1)));
     int T = (int)(nin / (size_t)C);
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *state = fzero(nst), *y = fzero(nin);
         k_shortconv_silu(y, in, T, C, w, K, state);
         CLOSE(y, want, nin, (size_t)C);
@@ -198,8 +199,8 @@ TEST(peer_kda_decay_gate) {
     int H = (int)na, D = (int)(nd / na);
     int T = (int)(nz / nd);
     float lower = (float)tj_num(j, "lower_bound");
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *g = fzero(ng), *a = fzero(ng);
         for (int t = 0; t < T; t++) k_kda_gate(g + t * H * D, z + t * H * D, A, dtb, H, D, lower);
         CLOSE(g, want, ng, (size_t)D);
@@ -226,8 +227,8 @@ static void kda_recur_fixture(const char *name) {
     CHECK(n == (size_t)T * H * D && nb == (size_t)T * H && no == n && ns == (size_t)H * D * D);
     float *g = fzero(n);
     for (size_t i = 0; i < n; i++) g[i] = logf(al[i]);
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *o = fzero(n), *S = fzero(ns);
         k_kda_recurrent(o, S, q, k, v, g, beta, T, H, D);
         CLOSE(o, want, n, (size_t)D);
@@ -256,8 +257,8 @@ TEST(peer_router_topk) {
     int E = (int)(nw / (size_t)N), rows = (int)(nin / (size_t)E);
     CHECK(ni == (size_t)rows * K && nwt == ni);
     k3_mat M = {.type = KW_F32, .rows = N, .cols = E, .data = W};
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *logits = fzero((size_t)N), *w = fzero((size_t)K);
         int idx[64];
         CHECK(K <= 64);
@@ -338,8 +339,8 @@ TEST(peer_mxfp4_bit_exact_and_decoy_detected) {
      * dequantised matrix, on both paths (kernels.h contract) */
     float *x = frand((size_t)cols, -1, 1);
     k3_mat F = {.type = KW_F32, .rows = rows, .cols = cols, .data = exp_};
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *y1 = fzero((size_t)rows), *y2 = fzero((size_t)rows);
         k_matvec(&M, x, y1);
         k_matvec(&F, x, y2);
@@ -407,8 +408,8 @@ TEST(kda_chunked_matches_recurrent) {
         {1, 2, 16, 16}, {7, 2, 16, 4}, {16, 2, 16, 16}, {37, 2, 16, 16}, {64, 1, 32, 16},
         {50, 3, 8, 64}, {33, 2, 24, 8}, {100, 1, 16, 32}, {20, 2, 16, 1},
     };
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
             chunk_vs_recur(cases[c][0], cases[c][1], cases[c][2], cases[c][3], -5.0f);
             chunk_vs_recur(cases[c][0], cases[c][1], cases[c][2], cases[c][3], -0.05f);
@@ -506,8 +507,8 @@ static void products_agree(kw_type type, int rows, int cols, int group, int ntok
         CHECKF(memcmp(&acc[0], &ref[r], 4) == 0, "%s %dx%d row %d: not the canonical order", tname[type], rows,
                cols, r);
     }
-    for (int path = 0; path < 2; path++) {
-        k_set_scalar(path == 0);
+    for (int path = 0; path < K_ISA_COUNT; path++) {
+        if (!k_set_isa((k_isa)path)) continue;
         for (int th = 1; th <= 2; th++) {
             omp_set_num_threads(th);
             float *y = fzero(ny), *y2 = fzero(ny);
@@ -563,8 +564,8 @@ TEST(products_tiles_and_batches_agree) {
         k_set_scalar(true);
         omp_set_num_threads(1);
         for (int i = 0; i < nmax; i++) k_matvec(&t.m, X + (size_t)i * cols, ref + (size_t)i * rows);
-        for (int path = 0; path < 2; path++) {
-            k_set_scalar(path == 0);
+        for (int path = 0; path < K_ISA_COUNT; path++) {
+            if (!k_set_isa((k_isa)path)) continue;
             for (int th = 1; th <= 2; th++) {
                 omp_set_num_threads(th);
                 for (size_t ni = 0; ni < sizeof ntoks / sizeof ntoks[0]; ni++) {
@@ -600,9 +601,23 @@ TEST(dots_and_gemm_acc_agree) {
     float *o0 = fzero((size_t)rows), *o1 = fzero((size_t)rows);
     k_set_scalar(true);
     k_dots(o0, x, B, (size_t)ldb, rows, len);
-    k_set_scalar(false);
-    k_dots(o1, x, B, (size_t)ldb, rows, len);
-    CHECK(same_bits(o0, o1, (size_t)rows, NULL));
+    for (int path = 1; path < K_ISA_COUNT; path++) {
+        if (!k_set_isa((k_isa)path)) continue;
+        for (int r = 0; r <= rows; r += rows / 3) { /* row counts off the 4/8-row blocks */
+            memset(o1, 0, (size_t)rows * sizeof *o1);
+            k_dots(o1, x, B, (size_t)ldb, rows - r, len);
+            CHECKF(same_bits(o0, o1, (size_t)(rows - r), NULL), "k_dots %s rows %d", k_path_name(), rows - r);
+        }
+        for (int l = 0; l <= 33; l++) { /* every tail length */
+            float a0[8], a1[8];
+            k_set_scalar(true);
+            k_dots(a0, x, B, (size_t)ldb, 5, l);
+            k_set_isa((k_isa)path);
+            k_dots(a1, x, B, (size_t)ldb, 5, l);
+            CHECKF(same_bits(a0, a1, 5, NULL), "k_dots %s len %d", k_path_name(), l);
+        }
+    }
+    k_set_scalar(true);
     for (int p = 0; p < rows; p++) {
         float want = k_dot(x, B + (size_t)p * ldb, len);
         CHECK(memcmp(&want, &o0[p], 4) == 0);
@@ -614,9 +629,13 @@ TEST(dots_and_gemm_acc_agree) {
     float *C1 = fcopy(C0, (size_t)M * ldc), *C2 = fcopy(C0, (size_t)M * ldc), *row = fzero(50);
     k_set_scalar(true);
     k_gemm_acc(C1, ldc, M, N, A, lda, K, &Bw.m, 4);
+    for (int path = 1; path < K_ISA_COUNT; path++) {
+        if (!k_set_isa((k_isa)path)) continue;
+        memcpy(C2, C0, (size_t)M * ldc * sizeof *C2);
+        k_gemm_acc(C2, ldc, M, N, A, lda, K, &Bw.m, 4);
+        CHECKF(same_bits(C1, C2, (size_t)M * ldc, NULL), "k_gemm_acc %s", k_path_name());
+    }
     k_set_scalar(false);
-    k_gemm_acc(C2, ldc, M, N, A, lda, K, &Bw.m, 4);
-    CHECK(same_bits(C1, C2, (size_t)M * ldc, NULL));
     for (int k = 0; k < K; k++) {
         k_mat_row(&Bw.m, 4 + k, row);
         for (int m = 0; m < M; m++)
@@ -629,22 +648,23 @@ TEST(dots_and_gemm_acc_agree) {
 static bool g_simd_skip;
 #define NEED_SIMD()                                                   \
     do {                                                              \
-        if (!k_simd_available()) SKIP("no AVX-512 on this CPU");      \
+        if (!k_isa_available(K_ISA_AVX2) && !k_isa_available(K_ISA_AVX512)) \
+            SKIP("no SIMD path on this CPU");                         \
     } while (0)
 
 /* Runs fn with the scalar path, then SIMD, and compares the bytes written. */
 TEST(elementwise_scalar_equals_simd) {
     NEED_SIMD();
     (void)g_simd_skip;
-    static const int sizes[] = {1, 2, 3, 15, 16, 17, 31, 33, 64, 100, 257};
+    static const int sizes[] = {1, 2, 3, 7, 8, 9, 15, 16, 17, 23, 24, 25, 31, 33, 40, 64, 100, 257};
     for (size_t si = 0; si < sizeof sizes / sizeof sizes[0]; si++) {
         int n = sizes[si];
         float *x = frand((size_t)n, -30, 30), *x2 = frand((size_t)n, -3, 3), *gn = frand((size_t)n, 0.5f, 2);
         x[0] = -100.0f; /* saturations */
         if (n > 1) x[1] = 95.0f;
-        float *r[2][10];
-        for (int p = 0; p < 2; p++) {
-            k_set_scalar(p == 0);
+        float *r[K_ISA_COUNT][10];
+        for (int p = 0; p < K_ISA_COUNT; p++) {
+            if (!k_set_isa((k_isa)p)) { r[p][0] = NULL; continue; }
             float sums[3] = {k_sum(x, n), k_sumsq(x2, n), k_dot(x, x2, n)};
             r[p][0] = fcopy(sums, 3);
             r[p][1] = fzero((size_t)n);
@@ -662,11 +682,12 @@ TEST(elementwise_scalar_equals_simd) {
         }
         static const int len[] = {3, 1, 1, 1, 1, 1, 1};
         static const char *what[] = {"sum/sumsq/dot", "rmsnorm", "l2norm", "silu", "situ", "softmax", "rmsnorm-nogain"};
-        for (int kf = 0; kf < 7; kf++) {
-            size_t at = 0, m = len[kf] == 3 ? 3 : (size_t)n;
-            CHECKF(same_bits(r[0][kf], r[1][kf], m, &at), "%s n %d: scalar %a simd %a at %zu", what[kf], n,
-                   r[0][kf][at], r[1][kf][at], at);
-        }
+        for (int p = 1; p < K_ISA_COUNT; p++)
+            for (int kf = 0; kf < 7 && r[p][0]; kf++) {
+                size_t at = 0, m = len[kf] == 3 ? 3 : (size_t)n;
+                CHECKF(same_bits(r[0][kf], r[p][kf], m, &at), "%s n %d: scalar %a %s %a at %zu", what[kf], n,
+                       r[0][kf][at], k_isa_name((k_isa)p), r[p][kf][at], at);
+            }
     }
     pool_free();
 }
@@ -674,7 +695,7 @@ TEST(elementwise_scalar_equals_simd) {
 TEST(kda_scalar_equals_simd_and_threads) {
     NEED_SIMD();
     static const int cases[][5] = {{1, 3, 16, 16, 4}, {9, 2, 17, 4, 3}, {40, 4, 32, 16, 4}, {23, 2, 8, 64, 2},
-                                   {6, 2, 64, 4, 4},  {4, 1, 128, 3, 4}}; /* D 16 32 64 128: register sweeps */
+                                   {6, 2, 64, 4, 4},  {4, 1, 128, 3, 4}, {5, 2, 24, 2, 3}}; /* D 16 32 64 128: register sweeps */
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         int T = cases[c][0], H = cases[c][1], D = cases[c][2], C = cases[c][3], K = cases[c][4];
         size_t n = (size_t)T * H * D, ns = (size_t)H * D * D;
@@ -683,10 +704,15 @@ TEST(kda_scalar_equals_simd_and_threads) {
         float *S0 = frand(ns, -0.5f, 0.5f), *z = frand(n, -3, 3), *A = frand((size_t)H, -1, 1.5f),
               *dtb = frand((size_t)H * D, -1, 1), *cw = frand((size_t)H * D * K, -0.5f, 0.5f),
               *cs0 = frand((size_t)H * D * (K - 1), -1, 1), *gain = frand((size_t)D, 0.5f, 1.5f);
-        float *res[3][6];
-        for (int run = 0; run < 3; run++) { /* scalar 1 thread, simd 1 thread, simd 2 threads */
-            k_set_scalar(run == 0);
-            omp_set_num_threads(run == 2 ? 2 : 1);
+        /* run 0: scalar, 1 thread; then each SIMD path at 1 and at 2 threads */
+        enum { NRUN = 1 + 2 * (K_ISA_COUNT - 1) };
+        float *res[NRUN][6];
+        bool ran[NRUN] = {false};
+        for (int run = 0; run < NRUN; run++) {
+            k_isa isa = (k_isa)((run + 1) / 2);
+            if (!k_set_isa(isa)) continue;
+            ran[run] = true;
+            omp_set_num_threads(run > 0 && run % 2 == 0 ? 2 : 1);
             res[run][0] = fzero(n);
             res[run][1] = fcopy(S0, ns);
             k_kda_recurrent(res[run][0], res[run][1], q, k, v, g, beta, T, H, D);
@@ -706,15 +732,41 @@ TEST(kda_scalar_equals_simd_and_threads) {
         }
         size_t lens[6] = {n, ns, n, ns, n, n + (size_t)H * D * (K - 1) + n};
         static const char *what[] = {"recurrent o", "recurrent S", "chunked o", "chunked S", "gate", "conv+outnorm"};
-        for (int run = 1; run < 3; run++)
-            for (int kf = 0; kf < 6; kf++) {
+        for (int run = 1; run < NRUN; run++)
+            for (int kf = 0; kf < 6 && ran[run]; kf++) {
                 size_t at = 0;
-                CHECKF(same_bits(res[0][kf], res[run][kf], lens[kf], &at), "case %zu %s run %d differs at %zu", c,
-                       what[kf], run, at);
+                CHECKF(same_bits(res[0][kf], res[run][kf], lens[kf], &at), "case %zu %s %s threads %d differs at %zu",
+                       c, what[kf], k_isa_name((k_isa)((run + 1) / 2)), run % 2 == 0 ? 2 : 1, at);
             }
     }
+    k_set_scalar(false);
     omp_set_num_threads(2);
     pool_free();
+}
+
+/* K3_ISA values and path selection: unknown names and paths the CPU lacks
+ * are refused with a reason; k_set_isa never selects a missing path. */
+TEST(isa_parse_and_select) {
+    char msg[160];
+    k_isa isa = K_ISA_COUNT;
+    unsigned all = (1u << K_ISA_COUNT) - 1, old = (1u << K_ISA_SCALAR) | (1u << K_ISA_AVX2);
+    CHECK(k_isa_parse("avx2", all, &isa, msg, sizeof msg) == 0 && isa == K_ISA_AVX2);
+    CHECK(k_isa_parse("scalar", 1u, &isa, msg, sizeof msg) == 0 && isa == K_ISA_SCALAR);
+    CHECK(k_isa_parse("avx512", all, &isa, msg, sizeof msg) == 0 && isa == K_ISA_AVX512);
+    CHECK(k_isa_parse("avx512", old, &isa, msg, sizeof msg) != 0 && isa == K_ISA_AVX512);
+    CHECKF(strstr(msg, "lacks the avx512") && strstr(msg, "available: scalar avx2") && !strchr(msg, '\n'), "%s", msg);
+    CHECK(k_isa_parse("AVX2", all, &isa, msg, sizeof msg) != 0 && strstr(msg, "unknown"));
+    CHECK(k_isa_parse("", all, &isa, msg, sizeof msg) != 0);
+    CHECK(k_isa_available(K_ISA_SCALAR) && !k_isa_available(K_ISA_COUNT));
+    for (int i = 0; i < K_ISA_COUNT; i++) {
+        k_set_scalar(true);
+        bool ok = k_set_isa((k_isa)i);
+        CHECK(ok == k_isa_available((k_isa)i));
+        CHECK(k_isa_active() == (ok ? (k_isa)i : K_ISA_SCALAR));
+        CHECK(strcmp(k_path_name(), k_isa_name(k_isa_active())) == 0);
+    }
+    CHECK(k_simd_available() == k_isa_available(K_ISA_AVX512));
+    k_set_scalar(false);
 }
 
 /* ---- our own PyTorch fixtures (tools/kernels_ref.py) ------------------------------------ */
@@ -729,8 +781,8 @@ static void own_kda(const char *file) {
     float *swant = fx(j, "state_out", NULL);
     CHECK(q && k && v && g && beta && S0 && want && swant);
     CHECK(n == (size_t)T * H * D && ns == (size_t)H * D * D);
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *o = fzero(n), *S = fcopy(S0, ns);
         k_kda_recurrent(o, S, q, k, v, g, beta, T, H, D);
         CLOSE(o, want, n, (size_t)D);
@@ -764,8 +816,8 @@ TEST(own_kda_gate_other_shape_and_bound) {
     size_t n;
     float *z = fx(j, "z", &n), *A = fx(j, "A_log", NULL), *dtb = fx(j, "dt_bias", NULL), *want = fx(j, "g", NULL);
     CHECK(z && A && dtb && want && n == (size_t)T * H * D);
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *g = fzero(n);
         for (int t = 0; t < T; t++) k_kda_gate(g + (size_t)t * H * D, z + (size_t)t * H * D, A, dtb, H, D, lower);
         CLOSE(g, want, n, (size_t)D);
@@ -783,8 +835,8 @@ static void own_conv(const char *file) {
     float *want = fx(j, "out", NULL), *swant = fx(j, "state_after", NULL), *want2 = fx(j, "out2", NULL);
     CHECK(x && w && st0 && x2 && want && swant && want2);
     CHECK(nx == (size_t)T * C && ns == (size_t)C * (K - 1));
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *st = fcopy(st0, ns), *y = fzero(nx), *y2 = fzero(nx2);
         k_shortconv_silu(y, x, T, C, w, K, st);
         CLOSE(y, want, nx, (size_t)C);
@@ -810,8 +862,8 @@ TEST(own_situ_other_betas) {
         float *a = fx(cs, "gate", &n), *u = fx(cs, "up", NULL), *want = fx(cs, "out", NULL);
         float b1 = (float)tj_num(cs, "b1"), b2 = (float)tj_num(cs, "b2");
         CHECK(a && u && want);
-        for (int pass = 0; pass < 2; pass++) {
-            k_set_scalar(pass == 0);
+        for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+            if (!k_set_isa((k_isa)pass)) continue;
             float *got = fzero(n);
             k_situ_glu(got, a, u, (int)n, b1, b2);
             CLOSE(got, want, n, n);
@@ -859,8 +911,8 @@ TEST(own_norms_softmax) {
     float *w4 = fx(j, "softmax_of_4x", NULL);
     float eps = (float)tj_num(j, "eps");
     CHECK(x && gain && w1 && w2 && w3 && w4 && n % ng == 0);
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *a = fzero(n), *b = fzero(n), *c = fcopy(x, n), *d = fzero(n);
         for (size_t r = 0; r < n / ng; r++) {
             k_rmsnorm(a + r * ng, x + r * ng, gain, (int)ng, eps);
@@ -890,8 +942,8 @@ static void own_mxfp4(const char *file) {
     for (size_t i = 0; i < ns; i++) scales[i] = (uint8_t)sf[i];
     k3_mat M = {.type = KW_MXFP4, .rows = rows, .cols = cols, .data = packed, .scales = scales, .group = G};
     int ntok = (int)(nx / (size_t)cols);
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *y = fzero(ny);
         k_matmul(&M, x, ntok, y);
         CLOSE(y, want, ny, (size_t)rows);
@@ -912,8 +964,8 @@ TEST(own_bf16_matvec) {
     uint16_t *bits = keep(xmalloc_array(nb, 2));
     for (size_t i = 0; i < nb; i++) bits[i] = (uint16_t)bf[i];
     k3_mat M = {.type = KW_BF16, .rows = rows, .cols = cols, .data = bits};
-    for (int pass = 0; pass < 2; pass++) {
-        k_set_scalar(pass == 0);
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
         float *y = fzero(ny);
         for (size_t t = 0; t < nx / (size_t)cols; t++) k_matvec(&M, x + t * cols, y + t * rows);
         CLOSE(y, want, ny, (size_t)rows);

@@ -3,6 +3,7 @@
  * directory the way the engine reads it (large random O_DIRECT reads at queue
  * depth 1 and 16), and prints the next command to run. */
 #include "cli/commands.h"
+#include "kernels/kernels.h"
 #include "memory/budget.h"
 #include "memory/io.h"
 
@@ -17,9 +18,11 @@
 const char *const cmd_doctor_help =
     "usage: k3 doctor [MODEL_DIR] [--seconds S]\n"
     "\n"
-    "Checks the toolchain and CPU features k3 uses (AVX-512, AVX512_BF16, FMA),\n"
-    "the memory available and the preset it suggests, and, with MODEL_DIR, the\n"
-    "read speed of the storage holding the model, measured as the engine reads:\n"
+    "Checks the toolchain and CPU features k3 uses (AVX-512, AVX512_BF16, AVX2,\n"
+    "FMA) and the kernel path in force (the best the CPU has, or K3_ISA=scalar,\n"
+    "avx2 or avx512), the memory available and the preset it suggests, and,\n"
+    "with MODEL_DIR, the read speed of the storage holding the model, measured\n"
+    "as the engine reads:\n"
     "4 MiB random O_DIRECT reads at queue depth 1 and 16 from the model's\n"
     "largest shard (or from a scratch file written there when the shards are\n"
     "small). Ends with the exact command to run next.\n"
@@ -87,9 +90,21 @@ int cmd_doctor(int argc, char **argv) {
            sysconf(_SC_NPROCESSORS_ONLN));
     __builtin_cpu_init();
     bool avx512 = __builtin_cpu_supports("avx512f"), bf16 = __builtin_cpu_supports("avx512bf16"),
-         fma = __builtin_cpu_supports("fma");
-    printf("cpu        avx512f %s, avx512_bf16 %s, fma %s%s\n", avx512 ? "yes" : "no", bf16 ? "yes" : "no",
-           fma ? "yes" : "no", avx512 ? "" : "  (kernels will use the scalar path: slower, same bits)");
+         fma = __builtin_cpu_supports("fma"), avx2 = __builtin_cpu_supports("avx2");
+    printf("cpu        avx512f %s, avx512_bf16 %s, avx2 %s, fma %s\n", avx512 ? "yes" : "no", bf16 ? "yes" : "no",
+           avx2 ? "yes" : "no", fma ? "yes" : "no");
+    /* the path the kernels use (K3_ISA or the best), and the others this CPU
+     * could run: every path gives the same bits, only the speed differs */
+    char paths[64] = "";
+    for (int i = 0; i < K_ISA_COUNT; i++)
+        if (k_isa_available((k_isa)i)) {
+            size_t l = strlen(paths);
+            snprintf(paths + l, sizeof paths - l, "%s%s", l ? " " : "", k_isa_name((k_isa)i));
+        }
+    const char *why = getenv("K3_ISA") && *getenv("K3_ISA") ? "set by K3_ISA" : "the best available";
+    printf("kernels    %s (%s; available: %s; all give the same bits)\n", k_path_name(), why, paths);
+    if (k_isa_active() != K_ISA_AVX512)
+        printf("           training GEMMs use the scalar path without AVX-512 (same bits, slower)\n");
 
     uint64_t avail = k3_mem_available_bytes();
     k3_budget b = k3_budget_auto(avail);

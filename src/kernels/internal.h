@@ -1,5 +1,5 @@
 /* internal.h (src/kernels only): the seam between the portable reference
- * code and the AVX-512 file. Everything here obeys the canonical order of
+ * code and the SIMD files (AVX2, AVX-512). Everything here obeys the canonical order of
  * kernels.h, so a table of scalar functions and a table of vector functions
  * are interchangeable bit for bit. */
 #ifndef K3_KERNELS_INTERNAL_H
@@ -44,9 +44,12 @@ typedef struct {
 
 extern const k_vops k_scalar_ops;
 #if defined(__x86_64__)
+/* Partial tables are fine: a NULL slot runs the scalar primitive. */
+extern const k_vops k_avx2_ops;
 extern const k_vops k_avx512_ops;
 #endif
-/* The table in force (scalar when forced or when the CPU lacks AVX-512). */
+/* The table in force (kernels.c: K3_ISA or the best path the CPU has), with
+ * every slot filled. Compare k_isa_active(), never table addresses. */
 const k_vops *k_ops(void);
 
 /* Canonical 16-lane tree over acc[16] (destroys acc). */

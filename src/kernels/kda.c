@@ -44,7 +44,7 @@ void k_shortconv_silu(float *y, const float *x, int T, int C, const float *w, in
 
 /* ---- decay gate ---------------------------------------------------------------- */
 
-void k_kda_gate(float *g, const float *z, const float *A_log, const float *dt_bias, int H, int D,
+K3_HOT void k_kda_gate(float *g, const float *z, const float *A_log, const float *dt_bias, int H, int D,
                 float lower) {
     const k_vops *ops = k_ops();
     for (int h = 0; h < H; h++) {

@@ -7,38 +7,133 @@
 #include "util/common.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- path selection ------------------------------------------------------ */
+/* ---- path selection ------------------------------------------------------
+ * The one place that decides which instruction set the kernels use. Each
+ * SIMD table is completed from the scalar one (merge), so a primitive that a
+ * path does not implement (yet) runs the scalar reference there: same bits,
+ * never an instruction the CPU lacks. Code outside this module that has its
+ * own SIMD (the training GEMM) asks k_isa_active(), so K3_ISA rules it too. */
 
-static bool g_force_scalar = false;
+static const char *const isa_names[K_ISA_COUNT] = {"scalar", "avx2", "avx512"};
 
-bool k_simd_available(void) {
+const char *k_isa_name(k_isa isa) { return isa >= 0 && isa < K_ISA_COUNT ? isa_names[isa] : "?"; }
+
+/* What the CPU and OS support (libgcc's checks include the OS's XSAVE state
+ * for the ymm/zmm registers). */
+static unsigned isa_mask(void) {
+    static int mask = -1;
+    if (mask < 0) {
+        unsigned m = 1u << K_ISA_SCALAR;
 #if defined(__x86_64__)
-    static int have = -1;
-    if (have < 0) {
         __builtin_cpu_init();
-        have = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-               __builtin_cpu_supports("fma");
-    }
-    return have;
-#else
-    return false;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) m |= 1u << K_ISA_AVX2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+            __builtin_cpu_supports("fma"))
+            m |= 1u << K_ISA_AVX512;
 #endif
+        mask = (int)m;
+    }
+    return (unsigned)mask;
 }
 
-void k_set_scalar(bool scalar_only) { g_force_scalar = scalar_only; }
+bool k_isa_available(k_isa isa) { return isa >= 0 && isa < K_ISA_COUNT && (isa_mask() >> isa & 1u); }
+
+int k_isa_parse(const char *value, unsigned avail, k_isa *isa, char *msg, size_t cap) {
+    for (int i = 0; i < K_ISA_COUNT; i++) {
+        if (strcmp(value, isa_names[i]) != 0) continue;
+        if (!(avail >> i & 1u)) {
+            char have[64] = "";
+            for (int j = 0; j < K_ISA_COUNT; j++)
+                if (avail >> j & 1u) {
+                    if (have[0]) strcat(have, " ");
+                    strcat(have, isa_names[j]);
+                }
+            snprintf(msg, cap, "this CPU lacks the %s instructions (available: %s)", value, have);
+            return -1;
+        }
+        *isa = (k_isa)i;
+        return 0;
+    }
+    snprintf(msg, cap, "unknown instruction set (use scalar, avx2 or avx512)");
+    return -1;
+}
+
+static k_vops g_tabs[K_ISA_COUNT];
+static k_isa g_default = K_ISA_SCALAR, g_active = K_ISA_SCALAR;
+static bool g_ready;
+
+/* simd with its empty slots taken from the scalar table; k_vops holds only
+ * function pointers, compared and copied slot by slot. */
+typedef void (*k_fnptr)(void);
+_Static_assert(sizeof(k_vops) % sizeof(k_fnptr) == 0, "k_vops must hold only function pointers");
+enum { NSLOTS = sizeof(k_vops) / sizeof(k_fnptr) };
+static void merge(k_vops *out, const k_vops *simd) {
+    k_fnptr s[NSLOTS], v[NSLOTS];
+    memcpy(s, &k_scalar_ops, sizeof s);
+    memcpy(v, simd, sizeof v);
+    for (int i = 0; i < NSLOTS; i++)
+        if (!v[i]) v[i] = s[i];
+    memcpy(out, v, sizeof v);
+}
+
+static void isa_init(void) {
+    if (g_ready) return;
+    g_tabs[K_ISA_SCALAR] = k_scalar_ops;
+    merge(&g_tabs[K_ISA_AVX2], &k_scalar_ops);
+    merge(&g_tabs[K_ISA_AVX512], &k_scalar_ops);
+#if defined(__x86_64__)
+    merge(&g_tabs[K_ISA_AVX2], &k_avx2_ops);
+    merge(&g_tabs[K_ISA_AVX512], &k_avx512_ops);
+#endif
+    g_default = K_ISA_SCALAR;
+    for (int i = K_ISA_COUNT - 1; i > 0; i--)
+        if (k_isa_available((k_isa)i)) { g_default = (k_isa)i; break; }
+    const char *env = getenv("K3_ISA");
+    if (env && *env) {
+        char msg[160];
+        if (k_isa_parse(env, isa_mask(), &g_default, msg, sizeof msg)) {
+            fprintf(stderr, "k3: K3_ISA=%s: %s\n", env, msg);
+            exit(K3_EXIT_USAGE);
+        }
+    }
+    g_active = g_default;
+    g_ready = true;
+}
+
+/* At program start, before any thread exists: a bad K3_ISA stops every k3
+ * program (k3, tests, benchmarks) before it does anything. */
+__attribute__((constructor)) static void isa_init_at_start(void) { isa_init(); }
+
+k_isa k_isa_active(void) {
+    isa_init();
+    return g_active;
+}
+
+bool k_set_isa(k_isa isa) {
+    isa_init();
+    if (!k_isa_available(isa)) return false;
+    g_active = isa;
+    return true;
+}
+
+void k_set_scalar(bool scalar_only) {
+    isa_init();
+    g_active = scalar_only ? K_ISA_SCALAR : g_default;
+}
+
+bool k_simd_available(void) { return k_isa_available(K_ISA_AVX512); }
 
 const k_vops *k_ops(void) {
-#if defined(__x86_64__)
-    if (!g_force_scalar && k_simd_available()) return &k_avx512_ops;
-#endif
-    return &k_scalar_ops;
+    isa_init();
+    return &g_tabs[g_active];
 }
 
-const char *k_path_name(void) { return k_ops() == &k_scalar_ops ? "scalar" : "avx512"; }
+const char *k_path_name(void) { return k_isa_name(k_isa_active()); }
 
 /* ---- weights --------------------------------------------------------------- */
 
@@ -328,7 +423,7 @@ void k_l2norm(float *x, int n, float eps) {
     ops->divs(x, x, r, n);
 }
 
-float k_sigmoid(float x) { return km_sigmoid(x); }
+K3_HOT float k_sigmoid(float x) { return km_sigmoid(x); }
 void k_silu(float *x, int n) { k_ops()->silu(x, n); }
 
 void k_situ_glu(float *out, const float *gate, const float *up, int n, float b1, float b2) {
@@ -348,7 +443,7 @@ void k_softmax(float *x, int n) {
 
 /* ---- router ------------------------------------------------------------------ */
 
-void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale,
+K3_HOT void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale,
                    int *idx, float *w) {
     if (k > n) k = n;
     float *s = xmalloc_array((size_t)(n > 0 ? n : 1), sizeof *s);

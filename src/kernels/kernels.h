@@ -7,8 +7,10 @@
  * j = l, l+16, l+32, ... in increasing j with a fused multiply-add
  * (acc[l] = fmaf(w[j], x[j], acc[l])), starting from +0.0f; the lanes are then
  * combined by a fixed tree: for s = 8, 4, 2, 1: acc[l] += acc[l+s] for l < s;
- * the result is acc[0]. The scalar path does exactly this with fmaf; the SIMD
- * path does it with one 16-wide vector and the same tree. Consequences:
+ * the result is acc[0]. The scalar path does exactly this with fmaf; the
+ * AVX-512 path does it with one 16-wide vector, the AVX2 path with two 8-wide
+ * vectors (lanes 0-7 and 8-15, the first tree level adds them), and the same
+ * tree. Consequences:
  *  - results do not depend on thread count: threads split rows, never a dot;
  *  - k_matmul over n inputs gives, for each input, the same bits as k_matvec;
  *  - a weight's storage (F32, BF16, MXFP4) only changes how w[j] is formed:
@@ -27,11 +29,47 @@
 #include <stdbool.h>
 
 /* ---- path selection --------------------------------------------------- */
-/* Force the scalar reference path (true) or allow SIMD (false, default when
- * the CPU supports it). Tests flip this to compare both paths bit for bit. */
+/* Instruction-set paths. Every path gives the scalar reference's bits; the
+ * binary is built for baseline x86-64 and reaches a wider path only after a
+ * CPUID check, so it runs on any x86-64 CPU. The path in force is the best
+ * one the CPU has, unless the environment variable K3_ISA (scalar, avx2 or
+ * avx512) names another: it is read once, at program start, and a value that
+ * is unknown or that the CPU lacks stops the program with one line
+ * "k3: K3_ISA=...: ..." and exit code 2. */
+typedef enum { K_ISA_SCALAR = 0, K_ISA_AVX2, K_ISA_AVX512, K_ISA_COUNT } k_isa;
+const char *k_isa_name(k_isa isa);   /* "scalar", "avx2", "avx512" */
+bool k_isa_available(k_isa isa);     /* the CPU and OS support the path */
+k_isa k_isa_active(void);            /* the path in force now */
+/* Selects a path for what follows (tests, benchmarks); false, changing
+ * nothing, when it is not available. */
+bool k_set_isa(k_isa isa);
+/* Parses a K3_ISA value: 0 and *isa, or nonzero with a one-line reason in msg
+ * (unknown name, or a path missing from avail, a mask of 1u << k_isa). */
+int k_isa_parse(const char *value, unsigned avail, k_isa *isa, char *msg, size_t cap);
+
+/* Older switches, kept: k_set_scalar(true) selects the scalar path, false
+ * the default one (K3_ISA or the best); k_simd_available() is
+ * k_isa_available(K_ISA_AVX512); k_path_name() the active path's name. */
 void k_set_scalar(bool scalar_only);
 bool k_simd_available(void);
-const char *k_path_name(void); /* "avx512" or "scalar" */
+const char *k_path_name(void);
+
+/* Hot loops outside the kernels (model glue, training ops): K3_HOT before a
+ * function definition compiles it, OpenMP regions included, for x86-64-v4
+ * (AVX-512), x86-64-v3 (AVX2 + FMA) and baseline x86-64, and the loader
+ * picks one by CPUID (GCC target_clones: an ifunc). The binary is built for
+ * baseline x86-64, where fmaf is a libm call and loops vectorise 4 wide at
+ * most; this gives such a function back what -march=native gave it. Bits do
+ * not change: with -ffp-contract=off and no fast-math the compiler may widen
+ * elementwise work and inline fmaf as one instruction, never fuse or
+ * reassociate. K3_ISA does not steer these clones (there is no numeric path
+ * to choose); tests/cli/test_portable.sh checks the machine code. Use it on
+ * functions that profile hot, not everywhere: each costs three copies. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define K3_HOT __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define K3_HOT
+#endif
 
 /* ---- weights ------------------------------------------------------------ */
 typedef enum { KW_F32 = 0, KW_BF16, KW_MXFP4 } kw_type;

@@ -110,7 +110,7 @@ static void add_rows(float *y, const float *x, size_t n) {
 /* ---- AttnRes (section 7) -------------------------------------------------------
  * Keys are the RMSNormed sources (gain folded into q at load time), values the
  * RAW sources; one softmax over sources per position. */
-static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
+K3_HOT static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
                     float *out, k3_ws *ws) {
     int E = c->hidden_size, nthr = omp_get_max_threads();
     float *logits = ws_f(ws, (size_t)nthr * nsrc);
@@ -348,7 +348,7 @@ typedef struct {
  * is the same per-row kernel call as in moe() (k_products gives the bits of
  * k_matvec whatever the grouping), so the bits equal moe()'s and do not
  * depend on the order of arrival (test: stream_expert_arrival_order). */
-static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x,
+K3_HOT static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x,
                                  float *y, k3_ws *ws, k3_err *err) {
     int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
     int S = w->shared.gate.rows;
@@ -417,7 +417,7 @@ static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, const ex
     return K3_OK;
 }
 
-static int moe(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x, int T,
+K3_HOT static int moe(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x, int T,
                float *y, k3_ws *ws, k3_err *err) {
     if (T == 1 && xa->src && xa->src->experts_start && xa->src->experts_next)
         return moe_decode_overlapped(c, w, xa, x, y, ws, err);

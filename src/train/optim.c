@@ -17,6 +17,7 @@
 
 #include "train/tinternal.h"
 #include "train/tgemm.h"
+#include "kernels/kernels.h" /* K3_HOT */
 
 void topt_defaults(topt_cfg *c) {
     memset(c, 0, sizeof *c);
@@ -113,7 +114,7 @@ typedef struct {
     int row0, rows;
 } mblock;
 
-double topt_step(topt *o, tmodel *m, double *lr_out) {
+K3_HOT double topt_step(topt *o, tmodel *m, double *lr_out) {
     const topt_cfg *c = &o->c;
     double lr = topt_lr(c, o->step);
     o->step++;

@@ -35,7 +35,8 @@ bool tg_bf16_available(void) {
 #endif
 }
 
-static bool use_simd(void) { return !g_scalar && k_ops() != &k_scalar_ops; }
+/* The tiles below are AVX-512: only when that path is in force (K3_ISA). */
+static bool use_simd(void) { return !g_scalar && k_isa_active() == K_ISA_AVX512; }
 
 static inline float at(tg_view v, ptrdiff_t i, ptrdiff_t j) { return v.p[i * v.rs + j * v.cs]; }
 

@@ -82,7 +82,7 @@ void kda_free(kda_acts *a) {
 
 /* One recurrence step for one head: S <- diag(exp g) S; u = S^T k;
  * S += k (beta (v - u))^T; o = S^T q / sqrt(D). u, d are D-float scratch. */
-static void step_fwd(float *o, float *S, const float *q, const float *k, const float *v,
+K3_HOT static void step_fwd(float *o, float *S, const float *q, const float *k, const float *v,
                      const float *gl, float beta, int D, float qscale, float *u) {
     for (int i = 0; i < D; i++) {
         float a = t_exp(gl[i]);
@@ -109,7 +109,7 @@ static void step_fwd(float *o, float *S, const float *q, const float *k, const f
     }
 }
 
-void kda_recur_fwd(float *o, float *S, const float *q, const float *k, const float *v,
+K3_HOT void kda_recur_fwd(float *o, float *S, const float *q, const float *k, const float *v,
                    const float *gl, const float *beta, int T, int D, size_t st, size_t sb) {
     float *u = xmalloc_array((size_t)D, sizeof(float));
     float qs = 1.0f / sqrtf((float)D);
@@ -226,7 +226,7 @@ static void chunk_fwd(const k_vops *ops, cws *w, float *o, float *S, const float
 /* Backward of one chunk: dS is d(loss)/d(state after the chunk) on entry and
  * d/d(S0) on return; dout rows (stride st) are d/d(o). Writes dq, dk, dv, dgl
  * (stride st) and dbeta (stride sb). */
-static void chunk_bwd_cw(const k_vops *ops, cws *w, float *dS, const float *S0, const float *q,
+K3_HOT static void chunk_bwd_cw(const k_vops *ops, cws *w, float *dS, const float *S0, const float *q,
                          const float *k, const float *v, const float *gl, const float *beta,
                          const float *dout, float *dq, float *dk, float *dv, float *dgl, float *dbeta, int L,
                          size_t st, size_t sb) {
@@ -316,7 +316,7 @@ static float *conv_taps_t(const float *cw, int nch, int K) {
     return t;
 }
 
-void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, float *out, int B, int T) {
+K3_HOT void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, float *out, int B, int T) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     const int N = B * T, P3 = 3 * P;
@@ -412,7 +412,7 @@ void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, flo
  * gradient w.r.t. the state before it. Sprev: [len][D][D] states before each
  * step (recomputed by the caller). Outputs dq, dk, dv, dgl (rows of stride st)
  * and dbeta (stride sb) are overwritten. */
-static void chunk_bwd(float *dS, const float *Sprev, const float *q, const float *k, const float *v,
+K3_HOT static void chunk_bwd(float *dS, const float *Sprev, const float *q, const float *k, const float *v,
                       const float *gl, const float *beta, const float *dout, float *dq, float *dk,
                       float *dv, float *dgl, float *dbeta, int len, int D, size_t st, size_t sb,
                       float *wk) {
@@ -483,7 +483,7 @@ static void chunk_bwd(float *dS, const float *Sprev, const float *q, const float
     }
 }
 
-void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, const float *dout,
+K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, const float *dout,
                   float *dx, int B, int T, float *scratch) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;

@@ -127,7 +127,7 @@ static void attn_bwd_bf16(const tmodel *m, const mla_acts *a, const float *dO, f
     }
 }
 
-void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, float *out, int B, int T) {
+K3_HOT void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, float *out, int B, int T) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim,
               dv = c->v_head_dim, rq = c->q_lora_rank, rkv = c->kv_lora_rank;
@@ -185,7 +185,7 @@ void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, flo
     t_linear(out, a->y, w + mw->o_proj, N, HV, E);
 }
 
-void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, const float *dout,
+K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, const float *dout,
                   float *dx, int B, int T, float *scratch) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim,

@@ -16,7 +16,7 @@
 
 /* ---- dense SiTU-GLU MLP (also the fused shared experts) ----------------------- */
 
-static void situ_run_row(float *restrict h, const float *restrict a, const float *restrict u, int W, float b1,
+K3_HOT static void situ_run_row(float *restrict h, const float *restrict a, const float *restrict u, int W, float b1,
                          float b2) {
     for (int i = 0; i < W; i++) {
         float ga = b1 * t_tanh(a[i] / b1) * t_sigmoid(a[i]);
@@ -25,7 +25,7 @@ static void situ_run_row(float *restrict h, const float *restrict a, const float
     }
 }
 
-static void situ_rows(float *h, const float *gu, int N, int W, float b1, float b2) {
+K3_HOT static void situ_rows(float *h, const float *gu, int N, int W, float b1, float b2) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *a = gu + (size_t)n * 2 * W, *u = a + W;
@@ -134,7 +134,7 @@ static void dispatch(const int *idx, int N, int k, int Ne, int *off, int *list) 
     free(fill);
 }
 
-void moe_forward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, float *out, int N) {
+K3_HOT void moe_forward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, float *out, int N) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, Ne = c->num_experts, k = c->experts_per_token, lat = c->latent_dim,
               I = c->moe_inter;

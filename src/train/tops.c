@@ -40,7 +40,7 @@ void t_rmsnorm(float *y, float *r, const float *x, const float *g, int n, int di
     }
 }
 
-void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const float *r,
+K3_HOT void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const float *r,
                    const float *g, int n, int dim, bool accumulate) {
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < n; t++) {
@@ -88,7 +88,7 @@ static void situ_run(float *restrict h, const float *restrict a, const float *re
     }
 }
 
-static void situ_bwd_run(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
+K3_HOT static void situ_bwd_run(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
                          const float *restrict u, size_t m, float b1, float b2) {
     for (size_t i = 0; i < m; i++) {
         float ta = t_tanh(a[i] / b1), sa = t_sigmoid(a[i]), tu = t_tanh(u[i] / b2);
@@ -102,7 +102,7 @@ static void situ_bwd_run(float *restrict da, float *restrict du, const float *re
 
 enum { SITU_BLK = 4096 };
 
-void t_situ(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1, float b2) {
+K3_HOT void t_situ(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1, float b2) {
     size_t nb = (m + SITU_BLK - 1) / SITU_BLK;
 #pragma omp parallel for schedule(static) if (nb > 1)
     for (size_t b = 0; b < nb; b++) {
@@ -111,7 +111,7 @@ void t_situ(float *restrict h, const float *restrict a, const float *restrict u,
     }
 }
 
-void t_situ_bwd(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
+K3_HOT void t_situ_bwd(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
                 const float *restrict u, size_t m, float b1, float b2) {
     size_t nb = (m + SITU_BLK - 1) / SITU_BLK;
 #pragma omp parallel for schedule(static) if (nb > 1)
@@ -121,7 +121,7 @@ void t_situ_bwd(float *restrict da, float *restrict du, const float *restrict dh
     }
 }
 
-void t_attnres(float *out, float *alpha, float *r, const float *const *src, int m,
+K3_HOT void t_attnres(float *out, float *alpha, float *r, const float *const *src, int m,
                const float *gn, const float *w, int n, int dim, float eps) {
     float *gw = xmalloc_array((size_t)dim, sizeof(float));
     for (int d = 0; d < dim; d++) gw[d] = gn[d] * w[d];
@@ -151,7 +151,7 @@ void t_attnres(float *out, float *alpha, float *r, const float *const *src, int 
     free(gw);
 }
 
-void t_attnres_bwd(float *const *dsrc, float *dgn, float *dw, const float *dout,
+K3_HOT void t_attnres_bwd(float *const *dsrc, float *dgn, float *dw, const float *dout,
                    const float *alpha, const float *r, const float *const *src, int m,
                    const float *gn, const float *w, int n, int dim, float eps) {
     (void)eps;
