@@ -27,6 +27,9 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors data is little-endian; this reader assumes a little-endian host"
@@ -42,6 +45,11 @@
 
 static const char *const dtype_names[ST_NDTYPES] = {
     "F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"};
+/* the same names as little-endian words, for the scanner */
+#define DK(a, b, c, d) ((uint32_t)(a) | (uint32_t)(b) << 8 | (uint32_t)(c) << 16 | (uint32_t)(d) << 24)
+static const uint32_t dtype_keys[ST_NDTYPES] = {
+    DK('F', '6', '4', 0), DK('F', '3', '2', 0), DK('F', '1', '6', 0), DK('B', 'F', '1', '6'), DK('I', '6', '4', 0),
+    DK('I', '3', '2', 0), DK('I', '1', '6', 0), DK('I', '8', 0, 0),     DK('U', '8', 0, 0),     DK('B', 'O', 'O', 'L')};
 static const size_t dtype_sizes[ST_NDTYPES] = {8, 4, 2, 2, 8, 4, 2, 1, 1, 1};
 
 const char *st_dtype_name(st_dtype d) {
@@ -50,29 +58,117 @@ const char *st_dtype_name(st_dtype d) {
 size_t st_dtype_size(st_dtype d) { return (unsigned)d < ST_NDTYPES ? dtype_sizes[d] : 0; }
 
 /* Name hash, eight bytes at a time: it runs over ~35 MB of names (twice,
- * with the index file) when the release is opened. */
-static uint64_t hash_n(const char *s, size_t n) {
-    uint64_t h = 0x9e3779b97f4a7c15ull ^ (n * 0xff51afd7ed558ccdull);
-    for (; n >= 8; s += 8, n -= 8) {
-        uint64_t w;
-        memcpy(&w, s, 8);
-        h = (h ^ w) * 0xff51afd7ed558ccdull;
-        h ^= h >> 32;
-    }
-    uint64_t w = 0;
-    memcpy(&w, s, n);
+ * with the index file) when the release is opened. A multiply carries each
+ * word's bits upwards, the rotate brings the high ones back down; a name of
+ * 8 or more bytes ends with its last 8 bytes (overlapping the previous word),
+ * a shorter one is read bytewise. */
+static inline uint64_t hash_n(const char *s, size_t n) {
+    const uint64_t K = 0xff51afd7ed558ccdull;
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ (n * K), w = 0;
+    if (n >= 8) {
+        const char *last = s + n - 8;
+        for (; s < last; s += 8) {
+            memcpy(&w, s, 8);
+            h = (h ^ w) * K;
+            h = h << 31 | h >> 33;
+        }
+        memcpy(&w, last, 8);
+    } else
+        for (size_t i = 0; i < n; i++) w |= (uint64_t)(unsigned char)s[i] << (8 * i);
     h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
-    return h ^ (h >> 29);
+    h ^= h >> 29;
+    h *= K;
+    return h ^ (h >> 32);
 }
 static uint64_t hash_name(const char *s) { return hash_n(s, strlen(s)); }
 
-/* ---- phase 1: one header ---------------------------------------------- */
+/* ---- memory for the tables -------------------------------------------- */
+
+/* The release's tables come to ~100 MB (tensor records, names, hashes, the
+ * name table). From malloc they are faulted in 4 KiB at a time, which cost a
+ * third of an open; anonymous mappings that ask for transparent huge pages
+ * fault 2 MiB at a time. An arena hands out the top of its current block
+ * (reserved, not committed: pages never touched cost nothing) and only
+ * advances by what a shard really used, so what is touched stays packed. */
+typedef struct {
+    void *p;
+    size_t len;
+    bool mapped;       /* mmap (else malloc) */
+} st_block;
 
 typedef struct {
-    st_tensor *t;
-    uint64_t *hash;
+    st_block *b;
+    size_t nb, capb;
+    char *top;         /* free room of the last block */
+    size_t left;
+} st_arena;
+
+#define ST_HUGE ((size_t)2 << 20)
+#define ST_ARENA_BLOCK ((size_t)256 << 20)
+
+static st_block block_new(size_t len) {
+    len = (len + ST_HUGE - 1) & ~(ST_HUGE - 1);
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return (st_block){xcalloc(1, len), len, false};
+#ifdef MADV_HUGEPAGE
+    madvise(p, len, MADV_HUGEPAGE); /* a hint: without it the tables are merely slower */
+#endif
+    return (st_block){p, len, true};
+}
+
+static void block_free(st_block *b) {
+    if (b->mapped) munmap(b->p, b->len);
+    else free(b->p);
+    b->p = NULL;
+}
+
+static void arena_push(st_arena *a, st_block blk) {
+    if (a->nb == a->capb) a->b = xrealloc_array(a->b, a->capb = a->capb ? 2 * a->capb : 4, sizeof *a->b);
+    a->b[a->nb++] = blk;
+}
+
+/* need contiguous bytes at the top of the arena (not yet taken). */
+static void *arena_room(st_arena *a, size_t need) {
+    if (a->left >= need) return a->top;
+    st_block blk = block_new(need > ST_ARENA_BLOCK ? need : ST_ARENA_BLOCK);
+    arena_push(a, blk);
+    a->top = blk.p;
+    a->left = blk.len;
+    return a->top;
+}
+
+static void arena_take(st_arena *a, size_t n) {
+    n = (n + 63) & ~(size_t)63;
+    if (n > a->left) n = a->left;
+    a->top += n;
+    a->left -= n;
+}
+
+/* Moves every block of from into to (which then frees them). */
+static void arena_move(st_arena *to, st_arena *from) {
+    for (size_t i = 0; i < from->nb; i++) arena_push(to, from->b[i]);
+    free(from->b);
+    memset(from, 0, sizeof *from);
+}
+
+static void arena_free(st_arena *a) {
+    for (size_t i = 0; i < a->nb; i++) block_free(&a->b[i]);
+    free(a->b);
+    memset(a, 0, sizeof *a);
+}
+
+/* ---- phase 1: one header ---------------------------------------------- */
+
+/* One parsing thread's arenas: tensor records, name hashes, names. */
+typedef struct {
+    st_arena t, h, names;
+} parse_mem;
+
+typedef struct {
+    st_tensor *t;      /* room in mem->t */
+    uint64_t *hash;    /* name hashes, parallel to t */
     size_t n, cap;
-    char *names;       /* arena holding every name of this shard (header-sized) */
+    char *names;       /* room in mem->names holding every name of this shard */
     size_t names_used;
     json_t *meta;      /* __metadata__ object or NULL */
 } shard_parse;
@@ -85,22 +181,42 @@ typedef struct {
 } hdr_ctx;
 
 static void shard_parse_free(shard_parse *p) {
-    free(p->t);
-    free(p->hash);
-    free(p->names);
     if (p->meta) json_decref(p->meta);
     memset(p, 0, sizeof *p);
 }
 
+/* The shortest tensor entry, "":{"dtype":"U8","shape":[],"data_offsets":[0,0]}
+ * and its comma, is 50 bytes: no header of hlen bytes holds more than
+ * hlen / 49 + 1 tensors, whichever parser reads it. */
+static size_t max_tensors(size_t hlen) { return hlen / 49 + 1; }
+
 /* Resets p for a fresh parse of a header of hlen bytes (keeps no tensors). */
-static void shard_parse_init(shard_parse *p, size_t hlen) {
+static void shard_parse_init(shard_parse *p, parse_mem *m, size_t hlen) {
     shard_parse_free(p);
-    /* an entry takes well over 64 header bytes, so this rarely grows (and
-     * pages never touched cost nothing) */
-    p->cap = hlen / 64 + 64;
-    p->t = xmalloc_array(p->cap, sizeof *p->t);
+    p->cap = max_tensors(hlen);
+    p->t = arena_room(&m->t, p->cap * sizeof *p->t);
+    p->hash = arena_room(&m->h, p->cap * sizeof *p->hash);
     /* every name is a JSON string of the header, so the names fit in hlen */
-    p->names = xmalloc(hlen + 1);
+    p->names = arena_room(&m->names, hlen + 1);
+}
+
+/* The parse succeeded: what it used of the arenas is now taken. */
+static void shard_parse_keep(shard_parse *p, parse_mem *m) {
+    arena_take(&m->t, p->n * sizeof *p->t);
+    arena_take(&m->h, p->n * sizeof *p->hash);
+    arena_take(&m->names, p->names_used);
+}
+
+static void parse_mem_move(parse_mem *to, parse_mem *from) {
+    arena_move(&to->t, &from->t);
+    arena_move(&to->h, &from->h);
+    arena_move(&to->names, &from->names);
+}
+
+static void parse_mem_free(parse_mem *m) {
+    arena_free(&m->t);
+    arena_free(&m->h);
+    arena_free(&m->names);
 }
 
 static int cmp_offset(const void *a, const void *b) {
@@ -113,12 +229,16 @@ static int cmp_offset(const void *a, const void *b) {
 /* Validates one tensor entry and appends it. Both parsers end here, so a
  * header gets the same checks and messages whichever parser read it.
  * name is already in the arena; rank may exceed ST_MAX_RANK (then refused). */
-static int add_tensor(shard_parse *out, const hdr_ctx *c, const char *name, const char *dtype,
+static int add_tensor(shard_parse *out, const hdr_ctx *c, const char *name, size_t nlen, const char *dtype,
                       size_t dtlen, const uint64_t *shape, size_t rank, uint64_t b0, uint64_t b1,
                       k3_err *err) {
     int d = -1;
-    for (int i = 0; i < ST_NDTYPES; i++)
-        if (strlen(dtype_names[i]) == dtlen && memcmp(dtype, dtype_names[i], dtlen) == 0) d = i;
+    if (dtlen >= 2 && dtlen <= 4) { /* every dtype name is 2..4 bytes: compare as one word */
+        uint32_t key = 0;
+        for (size_t i = 0; i < dtlen; i++) key |= (uint32_t)(unsigned char)dtype[i] << (8 * i);
+        for (int i = 0; i < ST_NDTYPES && d < 0; i++)
+            if (dtype_keys[i] == key) d = i;
+    }
     if (d < 0)
         return k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': unknown dtype '%.*s'", c->fname, name,
                        (int)(dtlen > 64 ? 64 : dtlen), dtype);
@@ -127,11 +247,11 @@ static int add_tensor(shard_parse *out, const hdr_ctx *c, const char *name, cons
                        ST_MAX_RANK);
     uint64_t numel = 1, nbytes = 0;
     bool ovf = false;
-    for (size_t i = 0; i < rank; i++)
-        if (!k3_mul_ok(numel, shape[i], &numel)) ovf = true;
-    for (size_t i = 0; i < rank; i++)
-        if (shape[i] > (uint64_t)INT64_MAX) ovf = true;
-    if (ovf || numel > (uint64_t)INT64_MAX || !k3_mul_ok(numel, dtype_sizes[d], &nbytes))
+    for (size_t i = 0; i < rank; i++) {
+        ovf |= __builtin_mul_overflow(numel, shape[i], &numel);
+        ovf |= shape[i] > (uint64_t)INT64_MAX;
+    }
+    if (ovf || numel > (uint64_t)INT64_MAX || __builtin_mul_overflow(numel, (uint64_t)dtype_sizes[d], &nbytes))
         return k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': shape overflows", c->fname, name);
     if (b1 < b0)
         return k3_fail(err, K3_EXIT_DATA,
@@ -146,17 +266,13 @@ static int add_tensor(shard_parse *out, const hdr_ctx *c, const char *name, cons
         return k3_fail(err, K3_EXIT_DATA,
                        "%s: tensor '%s': data_offsets end %llu is past the data section (%llu bytes; truncated file?)",
                        c->fname, name, (unsigned long long)b1, (unsigned long long)c->data_len);
-    if (out->n == out->cap) out->t = xrealloc_array(out->t, out->cap *= 2, sizeof *out->t);
+    if (out->n == out->cap) /* cannot happen (see max_tensors) */
+        return k3_fail(err, K3_EXIT_DATA, "%s: more tensors than the header can hold", c->fname);
+    out->hash[out->n] = hash_n(name, nlen);
     st_tensor *t = &out->t[out->n++];
-    memset(t, 0, sizeof *t);
-    t->name = name;
-    t->dtype = (st_dtype)d;
-    t->rank = (int)rank;
+    *t = (st_tensor){.name = name, .dtype = (st_dtype)d, .rank = (int)rank, .numel = (int64_t)numel,
+                     .shard = c->shard, .offset = c->data_start + b0, .nbytes = nbytes};
     for (size_t i = 0; i < rank; i++) t->shape[i] = (int64_t)shape[i];
-    t->numel = (int64_t)numel;
-    t->nbytes = nbytes;
-    t->offset = c->data_start + b0;
-    t->shard = c->shard;
     return K3_OK;
 }
 
@@ -181,7 +297,10 @@ typedef struct {
 } scan;
 
 static inline void sk_ws(scan *s) {
-    while (s->p < s->e && (*s->p == ' ' || *s->p == '\n' || *s->p == '\r' || *s->p == '\t')) s->p++;
+    /* the compact form has no whitespace: one compare in the usual case */
+    while (s->p < s->e && (unsigned char)*s->p <= ' ' &&
+           (*s->p == ' ' || *s->p == '\n' || *s->p == '\r' || *s->p == '\t'))
+        s->p++;
 }
 static inline bool sk_ch(scan *s, char c) {
     sk_ws(s);
@@ -191,47 +310,89 @@ static inline bool sk_ch(scan *s, char c) {
     }
     return false;
 }
+/* The closing quote of a plain string whose contents start at q, or NULL when
+ * a byte before it is a backslash, a control character or outside printable
+ * ASCII, or the text ends first. SSE2 (every x86-64 has it) looks at 16 bytes
+ * per step; the bytewise loop is the definition and handles the tail. */
+static inline const char *plain_str_end(const char *q, const char *e) {
+#ifdef __SSE2__
+    const __m128i quote = _mm_set1_epi8('"'), bsl = _mm_set1_epi8('\\'), sp = _mm_set1_epi8(0x20),
+                  del = _mm_set1_epi8(0x7f);
+    while (e - q >= 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(const void *)q);
+        /* signed compare: bytes >= 0x80 are negative, so "< 0x20" flags them too */
+        __m128i stop = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, bsl)),
+                                    _mm_or_si128(_mm_cmplt_epi8(v, sp), _mm_cmpeq_epi8(v, del)));
+        unsigned m = (unsigned)_mm_movemask_epi8(stop);
+        if (m) {
+            q += __builtin_ctz(m);
+            return *q == '"' ? q : NULL;
+        }
+        q += 16;
+    }
+#endif
+    for (; q < e; q++) {
+        unsigned char ch = (unsigned char)*q;
+        if (ch == '"') return q;
+        if (ch < 0x20 || ch >= 0x7f || ch == '\\') return NULL;
+    }
+    return NULL;
+}
 /* A string of printable ASCII without escapes; *b, *n get its contents. */
 static inline bool sk_str(scan *s, const char **b, size_t *n) {
     sk_ws(s);
     if (s->p >= s->e || *s->p != '"') return false;
-    const char *q = ++s->p;
-    /* eight bytes at a time while none is a quote, a backslash, a control
-     * character or outside printable ASCII (exact bit tests, no false
-     * negatives: a flagged word is finished byte by byte) */
-    const uint64_t ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
-    while (s->e - q >= 8) {
-        uint64_t w;
-        memcpy(&w, q, 8);
-        uint64_t lt20 = (w - ones * 0x20) & ~w & high;      /* any byte < 0x20 (or >= 0x80) */
-        uint64_t ge7f = ((w + ones * (127 - 0x7e)) | w) & high; /* any byte > 0x7e */
-        uint64_t xq = w ^ (ones * '"'), xb = w ^ (ones * '\\');
-        uint64_t quote = (xq - ones) & ~xq & high, bsl = (xb - ones) & ~xb & high;
-        if (lt20 | ge7f | quote | bsl) break;
-        q += 8;
-    }
-    for (; q < s->e; q++) {
-        unsigned char ch = (unsigned char)*q;
-        if (ch == '"') break;
-        if (ch < 0x20 || ch >= 0x7f || ch == '\\') return false;
-    }
-    if (q >= s->e) return false;
-    *b = s->p;
-    *n = (size_t)(q - s->p);
+    const char *q = plain_str_end(s->p + 1, s->e);
+    if (!q) return false;
+    *b = s->p + 1;
+    *n = (size_t)(q - *b);
     s->p = q + 1;
     return true;
 }
-/* A non-negative JSON integer of at most 18 digits (fits int64 either way). */
+/* How many of the 8 bytes of w (in memory order) are ASCII digits before the
+ * first one that is not. A byte is a digit iff its high nibble is 3 and
+ * adding 6 keeps it so; a carry out of a byte only comes from a byte >= 0xfa,
+ * itself a non-digit, and only disturbs the bytes after it. */
+static inline unsigned digit_run8(uint64_t w) {
+    const uint64_t hi = 0xF0F0F0F0F0F0F0F0ull, three = 0x3030303030303030ull;
+    uint64_t nd = ((w & hi) ^ three) | (((w + 0x0606060606060606ull) & hi) ^ three);
+    return nd ? (unsigned)__builtin_ctzll(nd) / 8 : 8;
+}
+/* The value of 8 ASCII digits in w (first digit in the lowest byte); bytes
+ * that are 0 count as leading zeros. */
+static inline uint64_t swar8(uint64_t w) {
+    w = ((w & 0x0F0F0F0F0F0F0F0Full) * 2561) >> 8;
+    w = ((w & 0x00FF00FF00FF00FFull) * 6553601) >> 16;
+    return ((w & 0x0000FFFF0000FFFFull) * 42949672960001ull) >> 32;
+}
+static const uint64_t pow10_8[9] = {1, 10, 100, 1000, 10000, 100000, 1000000, 10000000, 100000000};
+/* A non-negative JSON integer of at most 18 digits (fits int64 either way)
+ * starting exactly at q: the position after it, or NULL. */
+static inline const char *num_at(const char *q, const char *e, uint64_t *v) {
+    const char *b = q;
+    uint64_t x = 0;
+    /* eight bytes at a time while eight remain; the bytewise loop finishes */
+    while (e - q >= 8 && q - b <= 18) {
+        uint64_t w;
+        memcpy(&w, q, 8);
+        unsigned L = digit_run8(w);
+        if (L == 0) break;
+        x = x * pow10_8[L] + swar8(w << (8 * (8 - L)));
+        q += L;
+        if (L < 8) break;
+    }
+    while (q < e && *q >= '0' && *q <= '9' && q - b < 19) x = x * 10 + (uint64_t)(*q++ - '0');
+    size_t nd = (size_t)(q - b);
+    if (nd == 0 || nd > 18 || (nd > 1 && *b == '0')) return NULL;
+    if (q < e && (*q == '.' || *q == 'e' || *q == 'E' || (*q >= '0' && *q <= '9'))) return NULL;
+    *v = x;
+    return q;
+}
 static inline bool sk_uint(scan *s, uint64_t *v) {
     sk_ws(s);
-    const char *q = s->p;
-    uint64_t x = 0;
-    while (q < s->e && *q >= '0' && *q <= '9' && q - s->p < 19) x = x * 10 + (uint64_t)(*q++ - '0');
-    size_t nd = (size_t)(q - s->p);
-    if (nd == 0 || nd > 18 || (nd > 1 && *s->p == '0')) return false;
-    if (q < s->e && (*q == '.' || *q == 'e' || *q == 'E' || (*q >= '0' && *q <= '9'))) return false;
+    const char *q = num_at(s->p, s->e, v);
+    if (!q) return false;
     s->p = q;
-    *v = x;
     return true;
 }
 /* [u, u, ...] storing at most max values; *n gets the full count. */
@@ -247,8 +408,59 @@ static inline bool sk_uints(scan *s, uint64_t *v, size_t max, size_t *n) {
     } while (sk_ch(s, ','));
     return sk_ch(s, ']');
 }
-static inline bool key_is(const char *k, size_t n, const char *lit) {
-    return strlen(lit) == n && memcmp(k, lit, n) == 0;
+#define key_is(k, n, lit) ((n) == sizeof(lit) - 1 && memcmp((k), (lit), sizeof(lit) - 1) == 0)
+/* The literal lit at p (and inside the text). */
+#define LIT_AT(p, e, lit) ((size_t)((e) - (p)) >= sizeof(lit) - 1 && memcmp((p), (lit), sizeof(lit) - 1) == 0)
+
+/* One tensor entry as read from the header. */
+typedef struct {
+    const char *k, *dt;
+    size_t kn, dtn, rank;
+    uint64_t shape[ST_MAX_RANK], b0, b1;
+} hdr_entry;
+
+/* The entry exactly as writers emit it, without whitespace and with the
+ * fields in the usual order:
+ *   "name":{"dtype":"BF16","shape":[12288,7168],"data_offsets":[b,e]}
+ * matched literally. The position after it, or NULL for anything else, which
+ * the token scanner (same grammar, any spacing and order) then reads. */
+static inline const char *compact_entry(const char *p, const char *e, hdr_entry *en) {
+    if (p >= e || *p != '"') return NULL;
+    const char *q = plain_str_end(p + 1, e);
+    if (!q) return NULL;
+    en->k = p + 1;
+    en->kn = (size_t)(q - en->k);
+    p = q + 1;
+    if (!LIT_AT(p, e, ":{\"dtype\":\"")) return NULL;
+    p += 11;
+    if (!(q = plain_str_end(p, e))) return NULL;
+    en->dt = p;
+    en->dtn = (size_t)(q - p);
+    p = q + 1;
+    if (!LIT_AT(p, e, ",\"shape\":[")) return NULL;
+    p += 10;
+    size_t r = 0;
+    if (p < e && *p == ']') p++;
+    else
+        for (;;) {
+            uint64_t x;
+            if (!(p = num_at(p, e, &x))) return NULL;
+            if (r < ST_MAX_RANK) en->shape[r] = x;
+            r++;
+            if (p < e && *p == ',') p++;
+            else if (p < e && *p == ']') {
+                p++;
+                break;
+            } else
+                return NULL;
+        }
+    en->rank = r;
+    if (!LIT_AT(p, e, ",\"data_offsets\":[")) return NULL;
+    p += 17;
+    if (!(p = num_at(p, e, &en->b0)) || p >= e || *p != ',' || !(p = num_at(p + 1, e, &en->b1)) ||
+        !LIT_AT(p, e, "]}"))
+        return NULL;
+    return p + 2;
 }
 
 static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_parse *out, k3_err *err) {
@@ -256,6 +468,13 @@ static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_pars
     if (!sk_ch(&s, '{')) return BAIL;
     if (sk_ch(&s, '}')) goto end;
     do {
+        hdr_entry en;
+        sk_ws(&s);
+        const char *np = compact_entry(s.p, s.e, &en);
+        if (np && !key_is(en.k, en.kn, "__metadata__")) {
+            s.p = np;
+            goto add;
+        }
         const char *k;
         size_t kn;
         if (!sk_str(&s, &k, &kn) || !sk_ch(&s, ':')) return BAIL;
@@ -280,9 +499,12 @@ static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_pars
             if (!sk_ch(&s, '}')) return BAIL;
             continue;
         }
-        const char *dt = NULL;
-        size_t dtn = 0, rank = 0, noff = 0;
-        uint64_t shape[ST_MAX_RANK], offs[2];
+        en.k = k;
+        en.kn = kn;
+        en.dt = NULL;
+        en.dtn = en.rank = 0;
+        size_t noff = 0;
+        uint64_t offs[2];
         bool have_s = false, have_o = false;
         if (!sk_ch(&s, '{')) return BAIL;
         do {
@@ -290,9 +512,9 @@ static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_pars
             size_t fn;
             if (!sk_str(&s, &f, &fn) || !sk_ch(&s, ':')) return BAIL;
             if (key_is(f, fn, "dtype")) {
-                if (dt || !sk_str(&s, &dt, &dtn)) return BAIL;
+                if (en.dt || !sk_str(&s, &en.dt, &en.dtn)) return BAIL;
             } else if (key_is(f, fn, "shape")) {
-                if (have_s || !sk_uints(&s, shape, ST_MAX_RANK, &rank)) return BAIL;
+                if (have_s || !sk_uints(&s, en.shape, ST_MAX_RANK, &en.rank)) return BAIL;
                 have_s = true;
             } else if (key_is(f, fn, "data_offsets")) {
                 if (have_o || !sk_uints(&s, offs, 2, &noff) || noff != 2) return BAIL;
@@ -301,10 +523,13 @@ static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_pars
                 return BAIL;
             }
         } while (sk_ch(&s, ','));
-        if (!sk_ch(&s, '}') || !dt || !have_s || !have_o) return BAIL;
-        if (rank > ST_MAX_RANK) rank = ST_MAX_RANK + 1; /* refused by add_tensor */
-        char *name = arena_put(out, k, kn);
-        int rc = add_tensor(out, c, name, dt, dtn, shape, rank, offs[0], offs[1], err);
+        if (!sk_ch(&s, '}') || !en.dt || !have_s || !have_o) return BAIL;
+        en.b0 = offs[0];
+        en.b1 = offs[1];
+    add:
+        if (en.rank > ST_MAX_RANK) en.rank = ST_MAX_RANK + 1; /* refused by add_tensor */
+        char *name = arena_put(out, en.k, en.kn);
+        int rc = add_tensor(out, c, name, en.kn, en.dt, en.dtn, en.shape, en.rank, en.b0, en.b1, err);
         if (rc) return rc;
     } while (sk_ch(&s, ','));
     if (!sk_ch(&s, '}')) return BAIL;
@@ -352,7 +577,8 @@ static int parse_jansson(const char *json, size_t len, const hdr_ctx *c, shard_p
             out->meta = json_incref(val);
             continue;
         }
-        char *name = arena_put(out, key, strlen(key));
+        size_t klen = strlen(key);
+        char *name = arena_put(out, key, klen);
         if (!json_is_object(val)) {
             rc = k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': entry is not an object", fname, name);
             goto done;
@@ -388,7 +614,7 @@ static int parse_jansson(const char *json, size_t len, const hdr_ctx *c, shard_p
                          "%s: tensor '%s': data_offsets must be [begin, end] with 0 <= begin <= end", fname, name);
             goto done;
         }
-        if ((rc = add_tensor(out, c, name, json_string_value(jd), json_string_length(jd), shape,
+        if ((rc = add_tensor(out, c, name, klen, json_string_value(jd), json_string_length(jd), shape,
                              rank, b0, b1, err)))
             goto done;
     }
@@ -404,7 +630,10 @@ static int finish_shard(shard_parse *out, const hdr_ctx *c, k3_err *err) {
     /* writers emit the header in offset order: sort only when it is not */
     bool sorted = true;
     for (size_t i = 1; i < out->n && sorted; i++) sorted = cmp_offset(&out->t[i - 1], &out->t[i]) <= 0;
-    if (!sorted) qsort(out->t, out->n, sizeof *out->t, cmp_offset);
+    if (!sorted) {
+        qsort(out->t, out->n, sizeof *out->t, cmp_offset);
+        for (size_t i = 0; i < out->n; i++) out->hash[i] = hash_name(out->t[i].name);
+    }
     uint64_t end = c->data_start;
     const char *prev = NULL;
     for (size_t i = 0; i < out->n; i++) {
@@ -422,13 +651,12 @@ static int finish_shard(shard_parse *out, const hdr_ctx *c, k3_err *err) {
     if (end != c->data_start + c->data_len)
         return k3_fail(err, K3_EXIT_DATA, "%s: %llu trailing bytes after the last tensor", fname,
                        (unsigned long long)(c->data_start + c->data_len - end));
-    out->hash = xmalloc_array(out->n ? out->n : 1, sizeof *out->hash);
     size_t cap = 16;
     while (cap < 2 * out->n) cap *= 2;
     uint32_t *slots = xcalloc(cap, sizeof *slots);
     int rc = K3_OK;
     for (size_t i = 0; i < out->n && rc == K3_OK; i++) {
-        uint64_t h = out->hash[i] = hash_name(out->t[i].name);
+        uint64_t h = out->hash[i];
         for (size_t sl = h & (cap - 1);; sl = (sl + 1) & (cap - 1)) {
             if (!slots[sl]) {
                 slots[sl] = (uint32_t)(i + 1);
@@ -448,18 +676,19 @@ static int finish_shard(shard_parse *out, const hdr_ctx *c, k3_err *err) {
 
 /* Parses and validates the header text json[0..len). use_jansson skips the
  * fast scanner; *fast (may be NULL) tells which parser produced the result. */
-static int parse_header(const char *json, size_t len, const hdr_ctx *c, bool use_jansson, shard_parse *out,
-                        bool *fast, k3_err *err) {
+static int parse_header(const char *json, size_t len, const hdr_ctx *c, bool use_jansson, parse_mem *m,
+                        shard_parse *out, bool *fast, k3_err *err) {
     memset(out, 0, sizeof *out);
-    shard_parse_init(out, len);
+    shard_parse_init(out, m, len);
     int rc = use_jansson ? BAIL : parse_fast(json, len, c, out, err);
     if (fast) *fast = rc != BAIL;
     if (rc == BAIL) {
-        shard_parse_init(out, len);
+        shard_parse_init(out, m, len);
         rc = parse_jansson(json, len, c, out, err);
     }
     if (rc == K3_OK) rc = finish_shard(out, c, err);
     if (rc) shard_parse_free(out);
+    else shard_parse_keep(out, m);
     return rc;
 }
 
@@ -487,8 +716,8 @@ static int pread_full(int fd, void *dst, size_t len, uint64_t off, const char *p
 
 /* buf/cap: the calling thread's reusable header buffer (fresh large
  * allocations would be page-faulted in for every shard). */
-static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *out, char **bufp, size_t *capp,
-                      k3_err *err) {
+static int parse_file(const char *path, int shard, st_shard *sh, parse_mem *m, shard_parse *out, char **bufp,
+                      size_t *capp, k3_err *err) {
     memset(out, 0, sizeof *out);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", path, strerror(errno));
@@ -531,7 +760,7 @@ static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *ou
     }
     char *buf = *bufp;
     if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
-    rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), out, NULL, err);
+    rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), m, out, NULL, err);
     if (rc == K3_OK) sh->ntensors = (int)out->n;
 out:
     close(fd);
@@ -556,9 +785,13 @@ int st_check_buffer(const void *file, size_t len, const char *name, bool use_jan
     shard_parse p;
     hdr_ctx c = {name, 0, 8 + hlen, len - 8 - hlen};
     bool fast = false;
-    int rc = parse_header((const char *)b + 8, (size_t)hlen, &c, use_jansson, &p, &fast, err);
+    parse_mem m = {0};
+    int rc = parse_header((const char *)b + 8, (size_t)hlen, &c, use_jansson, &m, &p, &fast, err);
     if (info) info->fast = fast;
-    if (rc) return rc;
+    if (rc) {
+        parse_mem_free(&m);
+        return rc;
+    }
     if (info) {
         /* a digest of everything the index keeps, in offset order */
         uint64_t h = 0x9e3779b97f4a7c15ull;
@@ -580,14 +813,14 @@ int st_check_buffer(const void *file, size_t len, const char *name, bool use_jan
         info->nmeta = p.meta ? json_object_size(p.meta) : 0;
     }
     shard_parse_free(&p);
+    parse_mem_free(&m);
     return K3_OK;
 }
 
 /* ---- the index --------------------------------------------------------- */
 
 typedef struct {
-    st_tensor *t;          /* this shard's tensors, offset order */
-    char *names;
+    st_tensor *t;          /* this shard's tensors, offset order (in ix->mem) */
     json_t *meta;
     /* lazily opened; guarded by st_index.lock */
     int fd, fd_direct;     /* -1 until opened; fd_direct -2 when refused */
@@ -611,6 +844,8 @@ struct st_index {
     size_t mask;
     bool direct;           /* try O_DIRECT in st_pread */
     pthread_mutex_t lock;
+    parse_mem mem;         /* holds every tensor record, hash and name */
+    st_block tp_blk, slots_blk;
 };
 
 size_t st_count(const st_index *ix) { return ix->n; }
@@ -651,16 +886,15 @@ void st_close(st_index *ix) {
         if (p->map) munmap((void *)p->map, ix->shards[i].file_size);
         if (p->fd >= 0) close(p->fd);
         if (p->fd_direct >= 0) close(p->fd_direct);
-        free(p->t);
-        free(p->names);
         if (p->meta) json_decref(p->meta);
         free(ix->shards[i].path);
     }
     pthread_mutex_destroy(&ix->lock);
     free(ix->priv);
     free(ix->shards);
-    free(ix->tp);
-    free(ix->slots);
+    if (ix->tp_blk.p) block_free(&ix->tp_blk);
+    if (ix->slots_blk.p) block_free(&ix->slots_blk);
+    parse_mem_free(&ix->mem);
     free(ix);
 }
 
@@ -971,6 +1205,7 @@ int st_open(const char *path, st_index **out, k3_err *err) {
     {
         char *buf = NULL;
         size_t cap = 0;
+        parse_mem mem = {0};
 #pragma omp for schedule(dynamic, 1)
         for (int task = 0; task < ntasks; task++) {
             if (ipath && task == 0) {
@@ -979,9 +1214,11 @@ int st_open(const char *path, st_index **out, k3_err *err) {
                 continue;
             }
             int s = task - (ipath ? 1 : 0);
-            scode[s] = parse_file(ix->shards[s].path, s, &ix->shards[s], &sp[s], &buf, &cap, &serr[s]);
+            scode[s] = parse_file(ix->shards[s].path, s, &ix->shards[s], &mem, &sp[s], &buf, &cap, &serr[s]);
         }
         free(buf);
+#pragma omp critical(st_open_mem)
+        parse_mem_move(&ix->mem, &mem);
     }
     rc = K3_OK;
     for (int s = 0; s < nfiles && rc == K3_OK; s++)
@@ -1012,11 +1249,13 @@ int st_open(const char *path, st_index **out, k3_err *err) {
         total = 0;
     }
     ix->n = total;
-    ix->tp = xmalloc_array(total ? total : 1, sizeof *ix->tp);
+    ix->tp_blk = block_new((total ? total : 1) * sizeof *ix->tp);
+    ix->tp = ix->tp_blk.p;
     size_t cap = 16;
     while (cap < 2 * total) cap *= 2;
     ix->mask = cap - 1;
-    ix->slots = xcalloc(cap, sizeof *ix->slots);
+    ix->slots_blk = block_new(cap * sizeof *ix->slots); /* zero-filled either way */
+    ix->slots = ix->slots_blk.p;
     size_t k = 0;
     for (int s = 0; s < nfiles && rc == K3_OK; s++) {
         for (size_t j = 0; j < sp[s].n && rc == K3_OK; j++) {
@@ -1041,10 +1280,7 @@ int st_open(const char *path, st_index **out, k3_err *err) {
         k += sp[s].n;
         /* the shard keeps its tensors, names and metadata; tp points in */
         ix->priv[s].t = sp[s].t;
-        ix->priv[s].names = sp[s].names;
         ix->priv[s].meta = sp[s].meta;
-        sp[s].t = NULL;
-        sp[s].names = NULL;
         sp[s].meta = NULL;
         shard_parse_free(&sp[s]);
     }
