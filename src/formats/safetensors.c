@@ -844,6 +844,7 @@ struct st_index {
     size_t mask;
     bool direct;           /* try O_DIRECT in st_pread */
     pthread_mutex_t lock;
+    size_t *first;         /* index of each shard's first tensor */
     parse_mem mem;         /* holds every tensor record, hash and name */
     st_block tp_blk, slots_blk;
 };
@@ -892,6 +893,7 @@ void st_close(st_index *ix) {
     pthread_mutex_destroy(&ix->lock);
     free(ix->priv);
     free(ix->shards);
+    free(ix->first);
     if (ix->tp_blk.p) block_free(&ix->tp_blk);
     if (ix->slots_blk.p) block_free(&ix->slots_blk);
     parse_mem_free(&ix->mem);
@@ -956,7 +958,8 @@ typedef struct {
     char *text;
     size_t maplen;       /* > 0: text is a read-only mapping of this length */
     json_t *root;        /* set when jansson parsed it (the strings live there) */
-    wm_entry *e;
+    wm_entry *e;         /* in blk, sized for the most entries the text can hold */
+    st_block blk;
     size_t n, cap;
     bool has_total;
     uint64_t total;
@@ -966,12 +969,20 @@ static void index_parse_free(index_parse *p) {
     if (p->maplen) munmap(p->text, p->maplen);
     else free(p->text);
     if (p->root) json_decref(p->root);
-    free(p->e);
+    if (p->blk.p) block_free(&p->blk);
     memset(p, 0, sizeof *p);
 }
 
+/* An entry is at least 6 bytes of text ("":"" and a comma), so a text of len
+ * bytes holds at most len / 5 + 1 of them, whichever parser reads it. */
+static void wm_init(index_parse *p, size_t len) {
+    p->cap = len / 5 + 1;
+    p->blk = block_new(p->cap * sizeof *p->e);
+    p->e = p->blk.p;
+}
+
 static void wm_add(index_parse *p, const char *name, size_t nlen, const char *file, size_t flen) {
-    if (p->n == p->cap) p->e = xrealloc_array(p->e, p->cap = p->cap ? 2 * p->cap : 1024, sizeof *p->e);
+    if (p->n == p->cap) return; /* cannot happen (see wm_init); the count check then fails */
     p->e[p->n++] = (wm_entry){name, file, nlen, flen};
 }
 
@@ -1038,6 +1049,7 @@ static int index_load(const char *ipath, index_parse *p, k3_err *err) {
     }
     close(fd);
     if (rc) return rc;
+    wm_init(p, len);
     if (!force_jansson() && index_fast(p, len) == K3_OK) return K3_OK;
     p->n = 0;
     p->has_total = false;
@@ -1065,34 +1077,66 @@ static int index_load(const char *ipath, index_parse *p, k3_err *err) {
 
 
 
+/* Shard base names by hash, for the file names of the weight map. */
+typedef struct {
+    int *slot;
+    size_t mask;
+} file_table;
+
+static file_table file_table_new(const st_index *ix) {
+    size_t cap = 16;
+    while (cap < 4 * (size_t)ix->nshards) cap *= 2;
+    file_table ft = {xmalloc_array(cap, sizeof(int)), cap - 1};
+    for (size_t i = 0; i < cap; i++) ft.slot[i] = -1;
+    for (int k = 0; k < ix->nshards; k++) {
+        const char *b = base_name(ix->shards[k].path);
+        size_t sl = hash_n(b, strlen(b)) & ft.mask;
+        while (ft.slot[sl] >= 0) sl = (sl + 1) & ft.mask;
+        ft.slot[sl] = k;
+    }
+    return ft;
+}
+
+static int file_shard(const st_index *ix, const file_table *ft, const char *f, size_t n) {
+    for (size_t sl = hash_n(f, n) & ft->mask; ft->slot[sl] >= 0; sl = (sl + 1) & ft->mask) {
+        const char *b = base_name(ix->shards[ft->slot[sl]].path);
+        if (strncmp(b, f, n) == 0 && b[n] == 0) return ft->slot[sl];
+    }
+    return -1;
+}
+
+/* The shard of tensor t: tensors are in shard order, so a binary search of
+ * the shards' first indices (a small table that stays in cache) answers
+ * without touching the tensor's record. */
+static int tensor_shard(const st_index *ix, long t) {
+    int lo = 0, hi = ix->nshards - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (ix->first[mid] <= (size_t)t) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Cross-checks the index file against the shards: every name it maps must be
  * in the shard it names, no name twice, and as many names as tensors (so the
  * two name sets are equal); metadata.total_size, when present, must equal
- * the tensor bytes. */
+ * the tensor bytes.
+ *
+ * The lookups are independent, so they run in parallel and only say whether
+ * all is well; when anything is not, a serial walk in file order finds the
+ * first problem, so the message never depends on the thread count. */
 static int check_index(st_index *ix, const index_parse *p, const char *ipath, k3_err *err) {
-    unsigned char *seen = xcalloc(ix->n ? ix->n : 1, 1);
-    /* shard base names by hash: the weight map is in name order, so its
-     * file names change from one entry to the next */
-    size_t fcap = 16;
-    while (fcap < 4 * (size_t)ix->nshards) fcap *= 2;
-    int *fslot = xmalloc_array(fcap, sizeof *fslot);
-    for (size_t i = 0; i < fcap; i++) fslot[i] = -1;
-    for (int k = 0; k < ix->nshards; k++) {
-        const char *b = base_name(ix->shards[k].path);
-        size_t sl = hash_n(b, strlen(b)) & (fcap - 1);
-        while (fslot[sl] >= 0) sl = (sl + 1) & (fcap - 1);
-        fslot[sl] = k;
-    }
-    /* the lookups are independent: do them in parallel, then walk the
-     * results in order so the first problem reported is always the same */
-    long *tix = xmalloc_array(p->n ? p->n : 1, sizeof *tix);
-    int *shard_of = xmalloc_array(p->n ? p->n : 1, sizeof *shard_of);
+    st_block seen_blk = block_new(ix->n ? ix->n : 1);
+    unsigned char *seen = seen_blk.p;
+    file_table ft = file_table_new(ix);
     long nent = (long)p->n;
+    int bad = p->n != ix->n;
     /* Lookups go in batches: hash a batch and prefetch its slots, then
      * prefetch the names those slots point to, then compare. The table is far
      * larger than the caches, so this hides most of the memory latency. */
-    long nbatch = (nent + 15) / 16;
-#pragma omp parallel for schedule(static)
+    long nbatch = bad ? 0 : (nent + 15) / 16;
+#pragma omp parallel for schedule(static) reduction(| : bad)
     for (long bi = 0; bi < nbatch; bi++) {
         long i0 = bi * 16, i1 = i0 + 16 < nent ? i0 + 16 : nent;
         uint64_t h[16];
@@ -1101,57 +1145,165 @@ static int check_index(st_index *ix, const index_parse *p, const char *ipath, k3
             __builtin_prefetch(&ix->slots[h[i - i0] & ix->mask]);
         }
         for (long i = i0; i < i1; i++) __builtin_prefetch(ix->slots[h[i - i0] & ix->mask].name);
+        int s = -1;
         for (long i = i0; i < i1; i++) {
             const wm_entry *e = &p->e[i];
-            int s = -1;
             /* consecutive entries usually name the same shard */
-            if (i > i0 && e->flen == p->e[i - 1].flen && memcmp(e->file, p->e[i - 1].file, e->flen) == 0)
-                s = shard_of[i - 1];
-            else
-                for (size_t sl = hash_n(e->file, e->flen) & (fcap - 1); fslot[sl] >= 0; sl = (sl + 1) & (fcap - 1)) {
-                    const char *b = base_name(ix->shards[fslot[sl]].path);
-                    if (strncmp(b, e->file, e->flen) == 0 && b[e->flen] == 0) {
-                        s = fslot[sl];
-                        break;
-                    }
-                }
-            shard_of[i] = s;
-            tix[i] = s < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i - i0]);
+            if (!(i > i0 && e->flen == p->e[i - 1].flen && memcmp(e->file, p->e[i - 1].file, e->flen) == 0))
+                s = file_shard(ix, &ft, e->file, e->flen);
+            long t = s < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i - i0]);
+            /* a tensor listed twice is seen twice (the byte may wrap later:
+             * bad is set by then) */
+            if (t < 0 || tensor_shard(ix, t) != s || __atomic_fetch_add(&seen[t], 1, __ATOMIC_RELAXED) != 0)
+                bad = 1;
         }
     }
     int rc = K3_OK;
-    for (size_t i = 0; i < p->n && rc == K3_OK; i++) {
-        const wm_entry *e = &p->e[i];
-        int s = shard_of[i];
-        long t = tix[i];
-        int nl = (int)(e->nlen > 200 ? 200 : e->nlen), fl = (int)(e->flen > 200 ? 200 : e->flen);
-        if (s < 0)
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: names shard '%.*s' (for '%.*s'), which is not in the directory",
-                         ipath, fl, e->file, nl, e->name);
-        else if (t < 0)
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: names tensor '%.*s', which no shard holds", ipath, nl, e->name);
-        else if (ix->tp[t]->shard != s)
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: maps '%.*s' to %.*s but it is in %s", ipath, nl, e->name, fl,
-                         e->file, base_name(ix->shards[ix->tp[t]->shard].path));
-        else if (seen[t]++)
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: lists tensor '%.*s' twice", ipath, nl, e->name);
+    if (bad) {
+        /* something is wrong: find the first problem in file order */
+        memset(seen, 0, ix->n);
+        for (size_t i = 0; i < p->n && rc == K3_OK; i++) {
+            const wm_entry *e = &p->e[i];
+            int s = file_shard(ix, &ft, e->file, e->flen);
+            long t = s < 0 ? -1 : find_n(ix, e->name, e->nlen);
+            int nl = (int)(e->nlen > 200 ? 200 : e->nlen), fl = (int)(e->flen > 200 ? 200 : e->flen);
+            if (s < 0)
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: names shard '%.*s' (for '%.*s'), which is not in the directory",
+                             ipath, fl, e->file, nl, e->name);
+            else if (t < 0)
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: names tensor '%.*s', which no shard holds", ipath, nl, e->name);
+            else if (tensor_shard(ix, t) != s)
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: maps '%.*s' to %.*s but it is in %s", ipath, nl, e->name, fl,
+                             e->file, base_name(ix->shards[tensor_shard(ix, t)].path));
+            else if (seen[t]++)
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: lists tensor '%.*s' twice", ipath, nl, e->name);
+        }
+        for (size_t i = 0; i < ix->n && rc == K3_OK; i++)
+            if (!seen[i])
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: does not list tensor '%s' (in %s)", ipath, ix->tp[i]->name,
+                             base_name(ix->shards[ix->tp[i]->shard].path));
     }
-    free(tix);
-    free(shard_of);
-    for (size_t i = 0; i < ix->n && rc == K3_OK; i++)
-        if (!seen[i])
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: does not list tensor '%s' (in %s)", ipath, ix->tp[i]->name,
-                         base_name(ix->shards[ix->tp[i]->shard].path));
-    free(seen);
-    free(fslot);
+    block_free(&seen_blk);
+    free(ft.slot);
     if (rc == K3_OK && p->has_total) {
+        /* the tensors of a shard tile its data section exactly (checked), so
+         * their bytes are the section's length */
         uint64_t total = 0;
-        for (size_t i = 0; i < ix->n; i++) total += ix->tp[i]->nbytes;
+        for (int k = 0; k < ix->nshards; k++) total += ix->shards[k].file_size - ix->shards[k].data_start;
         if (p->total != total)
             rc = k3_fail(err, K3_EXIT_DATA, "%s: metadata.total_size %llu but the shards hold %llu tensor bytes",
                          ipath, (unsigned long long)p->total, (unsigned long long)total);
     }
     return rc;
+}
+
+/* The usual case in one pass: the weight map read by the strict scanner and
+ * each entry looked up while its text is still in cache, in batches of 16
+ * (hash and prefetch the slots, prefetch the names they point to, compare).
+ * Answers K3_OK only when everything checks (every entry in the shard it
+ * names, each tensor once, all listed, total_size right); anything else,
+ * unusual text or a problem, answers BAIL and the caller runs the general
+ * path (index_load, check_index), which also words the message. */
+#define WM_BATCH 16
+static int index_check_fast(st_index *ix, const char *ipath) {
+    if (force_jansson()) return BAIL;
+    int fd = open(ipath, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0 || st.st_size <= 0) {
+        if (fd >= 0) close(fd);
+        return BAIL;
+    }
+    size_t len = (size_t)st.st_size;
+    void *map = mmap(NULL, len, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) return BAIL;
+    st_block seen_blk = block_new(ix->n ? ix->n : 1);
+    unsigned char *seen = seen_blk.p;
+    file_table ft = file_table_new(ix);
+    scan s = {map, (const char *)map + len};
+    bool seen_meta = false, seen_map = false, has_total = false, ok = true;
+    uint64_t total = 0;
+    size_t count = 0;
+    wm_entry b[WM_BATCH];
+    uint64_t h[WM_BATCH];
+    int prev_shard = -1;
+    const char *prev_file = NULL;
+    size_t prev_flen = 0;
+    if (!sk_ch(&s, '{')) ok = false;
+    else
+        do {
+            const char *k;
+            size_t kn;
+            if (!sk_str(&s, &k, &kn) || !sk_ch(&s, ':')) {
+                ok = false;
+            } else if (key_is(k, kn, "metadata") && !seen_meta) {
+                seen_meta = true;
+                if (!sk_ch(&s, '{')) ok = false;
+                else if (sk_ch(&s, '}')) continue;
+                else {
+                    const char *mk;
+                    size_t mkn;
+                    ok = sk_str(&s, &mk, &mkn) && key_is(mk, mkn, "total_size") && sk_ch(&s, ':') &&
+                         sk_uint(&s, &total) && sk_ch(&s, '}');
+                    has_total = true;
+                }
+            } else if (key_is(k, kn, "weight_map") && !seen_map) {
+                seen_map = true;
+                if (!sk_ch(&s, '{')) ok = false;
+                else if (sk_ch(&s, '}')) continue;
+                else {
+                    size_t nb = 0;
+                    bool more = true;
+                    while (ok && (more || nb)) {
+                        if (more) {
+                            wm_entry *e = &b[nb];
+                            if (!sk_str(&s, &e->name, &e->nlen) || !sk_ch(&s, ':') || !sk_str(&s, &e->file, &e->flen)) {
+                                ok = false;
+                                break;
+                            }
+                            h[nb] = hash_n(e->name, e->nlen);
+                            __builtin_prefetch(&ix->slots[h[nb] & ix->mask]);
+                            nb++;
+                            more = sk_ch(&s, ',');
+                            if (more && nb < WM_BATCH) continue;
+                        }
+                        for (size_t i = 0; i < nb; i++) __builtin_prefetch(ix->slots[h[i] & ix->mask].name);
+                        for (size_t i = 0; i < nb && ok; i++) {
+                            const wm_entry *e = &b[i];
+                            /* consecutive entries usually name the same shard */
+                            if (!(prev_file && e->flen == prev_flen && memcmp(e->file, prev_file, e->flen) == 0))
+                                prev_shard = file_shard(ix, &ft, e->file, e->flen);
+                            prev_file = e->file;
+                            prev_flen = e->flen;
+                            long t = prev_shard < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i]);
+                            if (t < 0 || tensor_shard(ix, t) != prev_shard || seen[t]) ok = false;
+                            else seen[t] = 1;
+                        }
+                        count += nb;
+                        nb = 0;
+                    }
+                    if (ok && !sk_ch(&s, '}')) ok = false;
+                }
+            } else {
+                ok = false;
+            }
+        } while (ok && sk_ch(&s, ','));
+    if (ok) {
+        ok = sk_ch(&s, '}') && seen_map;
+        sk_ws(&s);
+        ok = ok && s.p == s.e && count == ix->n;
+    }
+    if (ok && has_total) {
+        /* the tensors of a shard tile its data section exactly (checked), so
+         * their bytes are the section's length */
+        uint64_t sum = 0;
+        for (int k = 0; k < ix->nshards; k++) sum += ix->shards[k].file_size - ix->shards[k].data_start;
+        ok = sum == total;
+    }
+    block_free(&seen_blk);
+    free(ft.slot);
+    munmap(map, len);
+    return ok ? K3_OK : BAIL;
 }
 
 int st_open(const char *path, st_index **out, k3_err *err) {
@@ -1197,23 +1349,14 @@ int st_open(const char *path, st_index **out, k3_err *err) {
     k3_err *serr = xcalloc((size_t)nfiles, sizeof *serr);
     int *scode = xcalloc((size_t)nfiles, sizeof *scode);
     index_parse ip = {0};
-    k3_err ierr = {0};
-    int icode = K3_OK;
     json_object_seed(0); /* before any thread creates an object */
-    int ntasks = nfiles + (ipath ? 1 : 0);
 #pragma omp parallel
     {
         char *buf = NULL;
         size_t cap = 0;
         parse_mem mem = {0};
 #pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < ntasks; task++) {
-            if (ipath && task == 0) {
-                /* the index file is the largest single parse: start it first */
-                icode = index_load(ipath, &ip, &ierr);
-                continue;
-            }
-            int s = task - (ipath ? 1 : 0);
+        for (int s = 0; s < nfiles; s++) {
             scode[s] = parse_file(ix->shards[s].path, s, &ix->shards[s], &mem, &sp[s], &buf, &cap, &serr[s]);
         }
         free(buf);
@@ -1228,10 +1371,6 @@ int st_open(const char *path, st_index **out, k3_err *err) {
         }
     free(serr);
     free(scode);
-    if (rc == K3_OK && icode) {
-        if (err) *err = ierr;
-        rc = icode;
-    }
     if (rc) {
         for (int s = 0; s < nfiles; s++) shard_parse_free(&sp[s]);
         free(sp);
@@ -1257,6 +1396,8 @@ int st_open(const char *path, st_index **out, k3_err *err) {
     ix->slots_blk = block_new(cap * sizeof *ix->slots); /* zero-filled either way */
     ix->slots = ix->slots_blk.p;
     size_t k = 0;
+    ix->first = xcalloc((size_t)nfiles + 1, sizeof *ix->first);
+    for (int s = 0; s < nfiles; s++) ix->first[s + 1] = ix->first[s] + sp[s].n;
     for (int s = 0; s < nfiles && rc == K3_OK; s++) {
         for (size_t j = 0; j < sp[s].n && rc == K3_OK; j++) {
             size_t i = k + j;
@@ -1286,7 +1427,21 @@ int st_open(const char *path, st_index **out, k3_err *err) {
     }
     for (int s = 0; s < nfiles; s++) shard_parse_free(&sp[s]);
     free(sp);
-    if (rc == K3_OK && ipath) rc = check_index(ix, &ip, ipath, err);
+    /* phase 3: the index file. Its own errors (unreadable, bad JSON, no
+     * weight_map) come before those of phase 2, as the shards' do. */
+    if (ipath) {
+        if (rc) {
+            k3_err ierr = {0};
+            int icode = index_load(ipath, &ip, &ierr);
+            if (icode) {
+                if (err) *err = ierr;
+                rc = icode;
+            }
+        } else if (index_check_fast(ix, ipath) != K3_OK) {
+            rc = index_load(ipath, &ip, err);
+            if (rc == K3_OK) rc = check_index(ix, &ip, ipath, err);
+        }
+    }
     index_parse_free(&ip);
     free(ipath);
     if (rc) {
