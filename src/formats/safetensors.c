@@ -388,6 +388,25 @@ static inline const char *num_at(const char *q, const char *e, uint64_t *v) {
     *v = x;
     return q;
 }
+/* num_at for the compact entry, where the caller then demands ',' or ']'
+ * (so the character after the digits needs no check of its own): one or two
+ * words of digits where 16 bytes remain, num_at otherwise. */
+static inline const char *num_compact(const char *q, const char *e, uint64_t *v) {
+    if (e - q < 16) return num_at(q, e, v);
+    uint64_t w, w2;
+    memcpy(&w, q, 8);
+    unsigned L = digit_run8(w);
+    if (L == 0 || (L > 1 && (w & 0xff) == '0')) return NULL;
+    if (L < 8) {
+        *v = swar8(w << (8 * (8 - L)));
+        return q + L;
+    }
+    memcpy(&w2, q + 8, 8);
+    unsigned L2 = digit_run8(w2);
+    if (L2 == 8) return num_at(q, e, v); /* 16 digits or more: rare */
+    *v = L2 ? swar8(w) * pow10_8[L2] + swar8(w2 << (8 * (8 - L2))) : swar8(w);
+    return q + 8 + L2;
+}
 static inline bool sk_uint(scan *s, uint64_t *v) {
     sk_ws(s);
     const char *q = num_at(s->p, s->e, v);
@@ -444,7 +463,7 @@ static inline const char *compact_entry(const char *p, const char *e, hdr_entry 
     else
         for (;;) {
             uint64_t x;
-            if (!(p = num_at(p, e, &x))) return NULL;
+            if (!(p = num_compact(p, e, &x))) return NULL;
             if (r < ST_MAX_RANK) en->shape[r] = x;
             r++;
             if (p < e && *p == ',') p++;
@@ -457,7 +476,7 @@ static inline const char *compact_entry(const char *p, const char *e, hdr_entry 
     en->rank = r;
     if (!LIT_AT(p, e, ",\"data_offsets\":[")) return NULL;
     p += 17;
-    if (!(p = num_at(p, e, &en->b0)) || p >= e || *p != ',' || !(p = num_at(p + 1, e, &en->b1)) ||
+    if (!(p = num_compact(p, e, &en->b0)) || p >= e || *p != ',' || !(p = num_compact(p + 1, e, &en->b1)) ||
         !LIT_AT(p, e, "]}"))
         return NULL;
     return p + 2;
@@ -1204,7 +1223,7 @@ static int check_index(st_index *ix, const index_parse *p, const char *ipath, k3
  * names, each tensor once, all listed, total_size right); anything else,
  * unusual text or a problem, answers BAIL and the caller runs the general
  * path (index_load, check_index), which also words the message. */
-#define WM_BATCH 16
+#define WM_BATCH 64
 static int index_check_fast(st_index *ix, const char *ipath) {
     if (force_jansson()) return BAIL;
     int fd = open(ipath, O_RDONLY | O_CLOEXEC);
@@ -1227,8 +1246,8 @@ static int index_check_fast(st_index *ix, const char *ipath) {
     wm_entry b[WM_BATCH];
     uint64_t h[WM_BATCH];
     int prev_shard = -1;
-    const char *prev_file = NULL;
-    size_t prev_flen = 0;
+    const char *prev_file = NULL, *shard_file = NULL;
+    size_t prev_flen = 0, shard_flen = 0;
     if (!sk_ch(&s, '{')) ok = false;
     else
         do {
@@ -1257,10 +1276,24 @@ static int index_check_fast(st_index *ix, const char *ipath) {
                     while (ok && (more || nb)) {
                         if (more) {
                             wm_entry *e = &b[nb];
-                            if (!sk_str(&s, &e->name, &e->nlen) || !sk_ch(&s, ':') || !sk_str(&s, &e->file, &e->flen)) {
+                            if (!sk_str(&s, &e->name, &e->nlen) || !sk_ch(&s, ':')) {
                                 ok = false;
                                 break;
                             }
+                            sk_ws(&s);
+                            /* the same file as the entry before (quote included):
+                             * a string already read and checked */
+                            if (prev_file && (size_t)(s.e - s.p) > prev_flen + 1 && s.p[0] == '"' &&
+                                memcmp(s.p + 1, prev_file, prev_flen + 1) == 0) {
+                                e->file = s.p + 1;
+                                e->flen = prev_flen;
+                                s.p += prev_flen + 2;
+                            } else if (!sk_str(&s, &e->file, &e->flen)) {
+                                ok = false;
+                                break;
+                            }
+                            prev_file = e->file;
+                            prev_flen = e->flen;
                             h[nb] = hash_n(e->name, e->nlen);
                             __builtin_prefetch(&ix->slots[h[nb] & ix->mask]);
                             nb++;
@@ -1271,10 +1304,10 @@ static int index_check_fast(st_index *ix, const char *ipath) {
                         for (size_t i = 0; i < nb && ok; i++) {
                             const wm_entry *e = &b[i];
                             /* consecutive entries usually name the same shard */
-                            if (!(prev_file && e->flen == prev_flen && memcmp(e->file, prev_file, e->flen) == 0))
+                            if (!(shard_file && e->flen == shard_flen && memcmp(e->file, shard_file, e->flen) == 0))
                                 prev_shard = file_shard(ix, &ft, e->file, e->flen);
-                            prev_file = e->file;
-                            prev_flen = e->flen;
+                            shard_file = e->file;
+                            shard_flen = e->flen;
                             long t = prev_shard < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i]);
                             if (t < 0 || tensor_shard(ix, t) != prev_shard || seen[t]) ok = false;
                             else seen[t] = 1;
@@ -1402,7 +1435,7 @@ int st_open(const char *path, st_index **out, k3_err *err) {
         for (size_t j = 0; j < sp[s].n && rc == K3_OK; j++) {
             size_t i = k + j;
             uint64_t h = sp[s].hash[j];
-            if (j + 8 < sp[s].n) __builtin_prefetch(&ix->slots[sp[s].hash[j + 8] & ix->mask], 1);
+            if (j + 32 < sp[s].n) __builtin_prefetch(&ix->slots[sp[s].hash[j + 32] & ix->mask], 1);
             ix->tp[i] = &sp[s].t[j];
             const char *name = sp[s].t[j].name;
             for (size_t sl = h & ix->mask;; sl = (sl + 1) & ix->mask) {
