@@ -101,17 +101,21 @@ typedef struct {
     size_t nb, capb;
     char *top;         /* free room of the last block */
     size_t left;
+    size_t grain;      /* reserve blocks for this many requests like the current one (0: 1) */
 } st_arena;
 
 #define ST_HUGE ((size_t)2 << 20)
 #define ST_ARENA_BLOCK ((size_t)256 << 20)
 
+/* A zero-filled block of at least len bytes. Huge pages only for big blocks:
+ * each one touched is zeroed whole, which small tables must not pay for. */
 static st_block block_new(size_t len) {
-    len = (len + ST_HUGE - 1) & ~(ST_HUGE - 1);
+    bool huge = len >= 4 * ST_HUGE;
+    len = (len + (huge ? ST_HUGE : 4096) - 1) & ~((huge ? ST_HUGE : 4096) - 1);
     void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return (st_block){xcalloc(1, len), len, false};
 #ifdef MADV_HUGEPAGE
-    madvise(p, len, MADV_HUGEPAGE); /* a hint: without it the tables are merely slower */
+    if (huge) madvise(p, len, MADV_HUGEPAGE); /* a hint: without it the tables are merely slower */
 #endif
     return (st_block){p, len, true};
 }
@@ -130,7 +134,11 @@ static void arena_push(st_arena *a, st_block blk) {
 /* need contiguous bytes at the top of the arena (not yet taken). */
 static void *arena_room(st_arena *a, size_t need) {
     if (a->left >= need) return a->top;
-    st_block blk = block_new(need > ST_ARENA_BLOCK ? need : ST_ARENA_BLOCK);
+    /* room for the shards still to come (a guess: sizes vary), so that one
+     * open makes few blocks; reserving costs address space, not memory */
+    size_t want = need;
+    if (a->grain > 1) want = need < ST_ARENA_BLOCK / a->grain ? need * a->grain : ST_ARENA_BLOCK;
+    st_block blk = block_new(want > need ? want : need);
     arena_push(a, blk);
     a->top = blk.p;
     a->left = blk.len;
@@ -148,7 +156,9 @@ static void arena_take(st_arena *a, size_t n) {
 static void arena_move(st_arena *to, st_arena *from) {
     for (size_t i = 0; i < from->nb; i++) arena_push(to, from->b[i]);
     free(from->b);
-    memset(from, 0, sizeof *from);
+    from->b = NULL;
+    from->nb = from->capb = from->left = 0;
+    from->top = NULL;
 }
 
 static void arena_free(st_arena *a) {
@@ -1387,7 +1397,8 @@ int st_open(const char *path, st_index **out, k3_err *err) {
     {
         char *buf = NULL;
         size_t cap = 0;
-        parse_mem mem = {0};
+        size_t g = (size_t)nfiles;
+        parse_mem mem = {.t.grain = g, .h.grain = g, .names.grain = g};
 #pragma omp for schedule(dynamic, 1)
         for (int s = 0; s < nfiles; s++) {
             scode[s] = parse_file(ix->shards[s].path, s, &ix->shards[s], &mem, &sp[s], &buf, &cap, &serr[s]);
