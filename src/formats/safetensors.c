@@ -1226,14 +1226,83 @@ static int check_index(st_index *ix, const index_parse *p, const char *ipath, k3
     return rc;
 }
 
-/* The usual case in one pass: the weight map read by the strict scanner and
- * each entry looked up while its text is still in cache, in batches of 16
- * (hash and prefetch the slots, prefetch the names they point to, compare).
- * Answers K3_OK only when everything checks (every entry in the shard it
- * names, each tensor once, all listed, total_size right); anything else,
- * unusual text or a problem, answers BAIL and the caller runs the general
- * path (index_load, check_index), which also words the message. */
-#define WM_BATCH 64
+/* Weight-map entries "name": "file" from s->p on, each looked up while its
+ * text is still in cache, in batches (hash and prefetch the slots, prefetch
+ * the names they point to, compare); seen[t] is set for every tensor found.
+ * Stops after the last entry (no comma follows), or, when stop is given,
+ * right after the comma that ends at stop. False on anything unusual or
+ * wrong: an entry not in the shard it names, a wrong shard, text the strict
+ * scanner does not take, stop not met exactly. */
+#define WM_BATCH 32
+static bool wm_run(const st_index *ix, const file_table *ft, unsigned char *seen, scan *s, const char *stop,
+                   size_t *count) {
+    wm_entry b[WM_BATCH];
+    uint64_t h[WM_BATCH];
+    int shard = -1;
+    const char *prev_file = NULL, *shard_file = NULL;
+    size_t prev_flen = 0, shard_flen = 0, nb = 0, n = 0;
+    bool more = true, ok = true;
+    while (ok && (more || nb)) {
+        if (more) {
+            wm_entry *e = &b[nb];
+            if (!sk_str(s, &e->name, &e->nlen) || !sk_ch(s, ':')) {
+                ok = false;
+                break;
+            }
+            sk_ws(s);
+            /* the same file as the entry before (quote included): a string
+             * already read and checked */
+            if (prev_file && (size_t)(s->e - s->p) > prev_flen + 1 && s->p[0] == '"' &&
+                memcmp(s->p + 1, prev_file, prev_flen + 1) == 0) {
+                e->file = s->p + 1;
+                e->flen = prev_flen;
+                s->p += prev_flen + 2;
+            } else if (!sk_str(s, &e->file, &e->flen)) {
+                ok = false;
+                break;
+            }
+            prev_file = e->file;
+            prev_flen = e->flen;
+            h[nb] = hash_n(e->name, e->nlen);
+            __builtin_prefetch(&ix->slots[h[nb] & ix->mask]);
+            nb++;
+            more = sk_ch(s, ',');
+            if (more && stop && s->p >= stop) {
+                if (s->p != stop) ok = false;
+                more = false;
+            }
+            if (more && nb < WM_BATCH) continue;
+        }
+        for (size_t i = 0; i < nb; i++) __builtin_prefetch(ix->slots[h[i] & ix->mask].name);
+        for (size_t i = 0; i < nb && ok; i++) {
+            const wm_entry *e = &b[i];
+            /* consecutive entries usually name the same shard */
+            if (!(shard_file && e->flen == shard_flen && memcmp(e->file, shard_file, e->flen) == 0))
+                shard = file_shard(ix, ft, e->file, e->flen);
+            shard_file = e->file;
+            shard_flen = e->flen;
+            long t = shard < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i]);
+            if (t < 0 || tensor_shard(ix, t) != shard) ok = false;
+            else __atomic_store_n(&seen[t], 1, __ATOMIC_RELAXED); /* a tensor listed twice leaves another unseen */
+        }
+        n += nb;
+        nb = 0;
+    }
+    if (stop && ok && s->p != stop) ok = false;
+    *count = n;
+    return ok;
+}
+
+/* The usual case: the weight map read by the strict scanner and checked as
+ * it is read. A big weight map that is the last key is read in two halves
+ * in parallel: the second half starts after the first '",' past the middle,
+ * which is a boundary between entries only if the first half's reading ends
+ * exactly there (a string can hold a comma, never a quote); otherwise the
+ * whole map is read again in one piece. Answers K3_OK only when everything
+ * checks (every entry in the shard it names, each tensor once, all listed,
+ * total_size right); anything else, unusual text or a problem, answers BAIL
+ * and the caller runs the general path (index_load, check_index), which also
+ * words the message. */
 static int index_check_fast(st_index *ix, const char *ipath) {
     if (force_jansson()) return BAIL;
     int fd = open(ipath, O_RDONLY | O_CLOEXEC);
@@ -1253,11 +1322,6 @@ static int index_check_fast(st_index *ix, const char *ipath) {
     bool seen_meta = false, seen_map = false, has_total = false, ok = true;
     uint64_t total = 0;
     size_t count = 0;
-    wm_entry b[WM_BATCH];
-    uint64_t h[WM_BATCH];
-    int prev_shard = -1;
-    const char *prev_file = NULL, *shard_file = NULL;
-    size_t prev_flen = 0, shard_flen = 0;
     if (!sk_ch(&s, '{')) ok = false;
     else
         do {
@@ -1281,50 +1345,34 @@ static int index_check_fast(st_index *ix, const char *ipath) {
                 if (!sk_ch(&s, '{')) ok = false;
                 else if (sk_ch(&s, '}')) continue;
                 else {
-                    size_t nb = 0;
-                    bool more = true;
-                    while (ok && (more || nb)) {
-                        if (more) {
-                            wm_entry *e = &b[nb];
-                            if (!sk_str(&s, &e->name, &e->nlen) || !sk_ch(&s, ':')) {
-                                ok = false;
+                    /* the split point: the first '",' after the middle of
+                     * what is left (the map's own end is further on) */
+                    const char *mid = s.p + (size_t)(s.e - s.p) / 2, *split = NULL;
+                    if (s.e - s.p > 256) /* two threads pay off early; small maps test the split */
+                        for (const char *q = mid; q + 1 < s.e && (q = memchr(q, '"', (size_t)(s.e - q - 1))); q++)
+                            if (q[1] == ',') {
+                                split = q + 2;
                                 break;
                             }
-                            sk_ws(&s);
-                            /* the same file as the entry before (quote included):
-                             * a string already read and checked */
-                            if (prev_file && (size_t)(s.e - s.p) > prev_flen + 1 && s.p[0] == '"' &&
-                                memcmp(s.p + 1, prev_file, prev_flen + 1) == 0) {
-                                e->file = s.p + 1;
-                                e->flen = prev_flen;
-                                s.p += prev_flen + 2;
-                            } else if (!sk_str(&s, &e->file, &e->flen)) {
-                                ok = false;
-                                break;
-                            }
-                            prev_file = e->file;
-                            prev_flen = e->flen;
-                            h[nb] = hash_n(e->name, e->nlen);
-                            __builtin_prefetch(&ix->slots[h[nb] & ix->mask]);
-                            nb++;
-                            more = sk_ch(&s, ',');
-                            if (more && nb < WM_BATCH) continue;
+                    bool done = false;
+                    if (split) {
+                        scan part[2] = {s, {split, s.e}};
+                        size_t cnt[2] = {0, 0};
+                        bool pok[2] = {false, false};
+#pragma omp parallel for schedule(static, 1)
+                        for (int i = 0; i < 2; i++)
+                            pok[i] = wm_run(ix, &ft, seen, &part[i], i ? NULL : split, &cnt[i]);
+                        if (pok[0] && pok[1]) {
+                            s = part[1];
+                            count = cnt[0] + cnt[1];
+                            done = true;
+                        } else {
+                            /* not a boundary after all, or a problem: read it
+                             * in one piece */
+                            memset(seen, 0, ix->n);
                         }
-                        for (size_t i = 0; i < nb; i++) __builtin_prefetch(ix->slots[h[i] & ix->mask].name);
-                        for (size_t i = 0; i < nb && ok; i++) {
-                            const wm_entry *e = &b[i];
-                            /* consecutive entries usually name the same shard */
-                            if (!(shard_file && e->flen == shard_flen && memcmp(e->file, shard_file, e->flen) == 0))
-                                prev_shard = file_shard(ix, &ft, e->file, e->flen);
-                            shard_file = e->file;
-                            shard_flen = e->flen;
-                            long t = prev_shard < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i]);
-                            if (t < 0 || tensor_shard(ix, t) != prev_shard || seen[t]) ok = false;
-                            else seen[t] = 1;
-                        }
-                        count += nb;
-                        nb = 0;
                     }
+                    if (ok && !done) ok = wm_run(ix, &ft, seen, &s, NULL, &count);
                     if (ok && !sk_ch(&s, '}')) ok = false;
                 }
             } else {
@@ -1334,7 +1382,8 @@ static int index_check_fast(st_index *ix, const char *ipath) {
     if (ok) {
         ok = sk_ch(&s, '}') && seen_map;
         sk_ws(&s);
-        ok = ok && s.p == s.e && count == ix->n;
+        /* as many entries as tensors, each found: all listed, none twice */
+        ok = ok && s.p == s.e && count == ix->n && (ix->n == 0 || !memchr(seen, 0, ix->n));
     }
     if (ok && has_total) {
         /* the tensors of a shard tile its data section exactly (checked), so
