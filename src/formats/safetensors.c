@@ -306,13 +306,12 @@ typedef struct {
     const char *p, *e;
 } scan;
 
-static inline void sk_ws(scan *s) {
-    /* the compact form has no whitespace: one compare in the usual case */
-    while (s->p < s->e && (unsigned char)*s->p <= ' ' &&
-           (*s->p == ' ' || *s->p == '\n' || *s->p == '\r' || *s->p == '\t'))
-        s->p++;
+static inline __attribute__((always_inline)) void sk_ws(scan *s) {
+    /* the compact form has no whitespace: one compare in the usual case; the
+     * mask has the bits of ' ', '\n', '\r' and '\t' */
+    while (s->p < s->e && (unsigned char)*s->p <= ' ' && ((1ull << (unsigned char)*s->p) & 0x100002600ull)) s->p++;
 }
-static inline bool sk_ch(scan *s, char c) {
+static inline __attribute__((always_inline)) bool sk_ch(scan *s, char c) {
     sk_ws(s);
     if (s->p < s->e && *s->p == c) {
         s->p++;
@@ -401,8 +400,11 @@ static inline const char *num_at(const char *q, const char *e, uint64_t *v) {
 /* num_at for the compact entry, where the caller then demands ',' or ']'
  * (so the character after the digits needs no check of its own): one or two
  * words of digits where 16 bytes remain, num_at otherwise. */
-static inline const char *num_compact(const char *q, const char *e, uint64_t *v) {
-    if (e - q < 16) return num_at(q, e, v);
+static __attribute__((noinline)) const char *num_slow(const char *q, const char *e, uint64_t *v) {
+    return num_at(q, e, v);
+}
+static inline __attribute__((always_inline)) const char *num_compact(const char *q, const char *e, uint64_t *v) {
+    if (e - q < 16) return num_slow(q, e, v);
     uint64_t w, w2;
     memcpy(&w, q, 8);
     unsigned L = digit_run8(w);
@@ -413,7 +415,7 @@ static inline const char *num_compact(const char *q, const char *e, uint64_t *v)
     }
     memcpy(&w2, q + 8, 8);
     unsigned L2 = digit_run8(w2);
-    if (L2 == 8) return num_at(q, e, v); /* 16 digits or more: rare */
+    if (L2 == 8) return num_slow(q, e, v); /* 16 digits or more: rare */
     *v = L2 ? swar8(w) * pow10_8[L2] + swar8(w2 << (8 * (8 - L2))) : swar8(w);
     return q + 8 + L2;
 }
@@ -1282,7 +1284,8 @@ static bool wm_run(const st_index *ix, const file_table *ft, unsigned char *seen
             shard_file = e->file;
             shard_flen = e->flen;
             long t = shard < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i]);
-            if (t < 0 || tensor_shard(ix, t) != shard) ok = false;
+            /* in the shard named: its tensors are first[shard] .. first[shard + 1] - 1 */
+            if (t < 0 || (size_t)t < ix->first[shard] || (size_t)t >= ix->first[shard + 1]) ok = false;
             else __atomic_store_n(&seen[t], 1, __ATOMIC_RELAXED); /* a tensor listed twice leaves another unseen */
         }
         n += nb;
