@@ -1,13 +1,14 @@
 /* safetensors.c: see safetensors.h.
  *
- * Opening runs in two phases. Phase 1 parses every shard's header on its own
- * (OpenMP, one shard per task, plus the optional model.safetensors.index.json
- * as one more task) into a per-shard table sorted by offset; nothing is shared
- * between tasks, so errors are kept per shard and the first one in shard order
- * is reported, whatever the thread count. Phase 2 is linear: it links the
- * tables into one order, builds an open-addressing hash of the names (which
- * also finds duplicates across shards) and cross-checks the index file (its
- * lookups in parallel, its verdicts in file order).
+ * Opening runs in three phases. Phase 1 parses every shard's header on its
+ * own (OpenMP, one shard per task) into a per-shard table sorted by offset,
+ * in the parsing thread's arenas; nothing else is shared between tasks, so
+ * errors are kept per shard and the first one in shard order is reported,
+ * whatever the thread count. Phase 2 is linear: it links the tables into one
+ * order and builds an open-addressing hash of the names (which also finds
+ * duplicates across shards). Phase 3 cross-checks the optional
+ * model.safetensors.index.json against that table (index_check_fast, with the
+ * general index_load + check_index behind it).
  *
  * Headers are read by a strict scanner for the common case, with jansson as
  * the general parser behind it (see parse_fast).
