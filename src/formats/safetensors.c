@@ -108,17 +108,24 @@ typedef struct {
 #define ST_HUGE ((size_t)2 << 20)
 #define ST_ARENA_BLOCK ((size_t)256 << 20)
 
-/* A zero-filled block of at least len bytes. Huge pages only for big blocks:
- * each one touched is zeroed whole, which small tables must not pay for. */
-static st_block block_new(size_t len) {
+/* A zero-filled mapping of at least len bytes, or p == NULL. Huge pages only
+ * for big blocks: each one touched is zeroed whole, which small tables must
+ * not pay for. */
+static st_block block_map(size_t len) {
     bool huge = len >= 4 * ST_HUGE;
     len = (len + (huge ? ST_HUGE : 4096) - 1) & ~((huge ? ST_HUGE : 4096) - 1);
     void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) return (st_block){xcalloc(1, len), len, false};
+    if (p == MAP_FAILED) return (st_block){NULL, 0, false};
 #ifdef MADV_HUGEPAGE
     if (huge) madvise(p, len, MADV_HUGEPAGE); /* a hint: without it the tables are merely slower */
 #endif
     return (st_block){p, len, true};
+}
+
+/* A zero-filled block of at least len bytes (malloc where mapping fails). */
+static st_block block_new(size_t len) {
+    st_block b = block_map(len);
+    return b.p ? b : (st_block){xcalloc(1, len), len, false};
 }
 
 static void block_free(st_block *b) {
@@ -139,7 +146,9 @@ static void *arena_room(st_arena *a, size_t need) {
      * open makes few blocks; reserving costs address space, not memory */
     size_t want = need;
     if (a->grain > 1) want = need < ST_ARENA_BLOCK / a->grain ? need * a->grain : ST_ARENA_BLOCK;
-    st_block blk = block_new(want > need ? want : need);
+    /* where address space is scarce (strict overcommit), just what is needed */
+    st_block blk = want > need ? block_map(want) : (st_block){NULL, 0, false};
+    if (!blk.p) blk = block_new(need);
     arena_push(a, blk);
     a->top = blk.p;
     a->left = blk.len;
