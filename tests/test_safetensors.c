@@ -419,3 +419,113 @@ TEST(st_write_roundtrips_through_the_reader) {
     CHECK(st_write(path, NULL, 0, ts, 2, &err) != 0);
     CHECK(strstr(err.msg, "tensor b") != NULL);
 }
+
+/* The scanner's 16-byte string steps and two-word integers: a bad byte at
+ * every position of a long name sends it to jansson, and integers of every
+ * length (leading zeros, 16+ digits, what follows them) read exactly as
+ * jansson reads them, in a compact header and in a spaced one. */
+TEST(st_scanner_blocks_and_integers_agree_with_jansson) {
+    st_buffer_info a, b;
+    static const char base[] = "language_model.model.layers.12.block_sparse_moe.experts.895.w3.weight_packed.x";
+    for (int pos = 0; pos < (int)sizeof base - 1; pos++) {
+        for (int k = 0; k < 3; k++) {
+            char name[256];
+            snprintf(name, sizeof name, "%.*s%s%s", pos, base, k == 0 ? "\x7f" : k == 1 ? "\\u0041" : "\xc3\xa9",
+                     base + pos);
+            CHECKF(check_named(name, &a, false) == 0 && !a.fast, "bad byte %d at %d", k, pos);
+            CHECKF(check_named(name, &b, true) == 0 && a.digest == b.digest, "digest %d at %d", k, pos);
+        }
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", pos + 1, base);
+        CHECKF(check_named(name, &a, false) == 0 && a.fast, "plain name of %d bytes", pos + 1);
+    }
+    /* integers: shape [n] of U8 with data_offsets [0, n], n of 1..20 digits */
+    for (int nd = 1; nd <= 20; nd++)
+        for (int var = 0; var < 4; var++) {
+            char num[32], hdr[256];
+            for (int i = 0; i < nd; i++) num[i] = (char)('0' + (i * 7 + 3) % 10);
+            num[nd] = 0;
+            if (var == 1) num[0] = '0';                  /* a leading zero */
+            const char *sp = var == 2 ? " " : "";        /* spaced: the token path */
+            const char *tail = var == 3 ? ".0" : "";     /* not an integer */
+            snprintf(hdr, sizeof hdr, "{\"t\":{\"dtype\":\"U8\",\"shape\":[%s%s%s%s],\"data_offsets\":[0,%s%s]}}",
+                     sp, num, tail, sp, num, tail);
+            size_t hl = strlen(hdr);
+            unsigned long long n = strtoull(num, NULL, 10);
+            size_t dl = nd <= 4 ? (size_t)n : 0; /* a data section only where it can be small */
+            unsigned char *img = calloc(1, 8 + hl + dl);
+            for (int i = 0; i < 8; i++) img[i] = (unsigned char)((uint64_t)hl >> (8 * i));
+            memcpy(img + 8, hdr, hl);
+            k3_err e1 = {0}, e2 = {0};
+            int r1 = st_check_buffer(img, 8 + hl + dl, "n", false, &a, &e1);
+            int r2 = st_check_buffer(img, 8 + hl + dl, "n", true, &b, &e2);
+            free(img);
+            CHECKF((r1 == 0) == (r2 == 0), "%d digits var %d: %s / %s", nd, var, e1.msg, e2.msg);
+            CHECKF(r1 != 0 || (a.digest == b.digest && a.ntensors == 1), "%d digits var %d", nd, var);
+            if (var == 0 && nd <= 4) CHECKF(r1 == 0 && a.fast, "%d digits: %s", nd, e1.msg);
+        }
+}
+
+/* The release-shaped index (pretty-printed, hundreds of entries, not in
+ * shard order) goes through the one-pass reader in batches; a problem at any
+ * entry is reported exactly as the general check words it, both ways. */
+TEST(st_index_json_many_entries) {
+    char *d = outpath("ixmany");
+    mkdir(d, 0755);
+    enum { N1 = 150, N2 = 61 };
+    for (int sh = 0; sh < 2; sh++) {
+        int n = sh ? N2 : N1;
+        size_t cap = 64 + (size_t)n * 96, len = 0;
+        char *h = malloc(cap);
+        len += (size_t)snprintf(h + len, cap - len, "{");
+        for (int i = 0; i < n; i++)
+            len += (size_t)snprintf(h + len, cap - len, "%s\"s%d.layers.%03d.weight\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[%d,%d]}",
+                                    i ? "," : "", sh, i, i, i + 1);
+        snprintf(h + len, cap - len, "}");
+        char f[1100];
+        snprintf(f, sizeof f, "%s/model-0000%d-of-000002.safetensors", d, sh + 1);
+        write_st(f, h, (size_t)n, 0);
+        free(h);
+    }
+    /* entries in a scrambled order; variant v breaks one thing at entry 100 */
+    const int total = N1 + N2;
+    for (int v = 0; v < 7; v++) {
+        size_t cap = 200 + (size_t)(total + 1) * 128, len = 0;
+        char *j = malloc(cap);
+        len += (size_t)snprintf(j + len, cap - len, "{\n  \"metadata\": {\n    \"total_size\": %d\n  },\n  \"weight_map\": {",
+                                v == 4 ? total + 1 : total);
+        int listed = 0;
+        for (int k = 0; k < total; k++) {
+            int idx = (k * 97) % total; /* 97 is prime to 211: a permutation */
+            int sh = idx < N1 ? 0 : 1, i = sh ? idx - N1 : idx;
+            if (v == 3 && k == 100) continue;                 /* one tensor not listed */
+            int fsh = (v == 1 && k == 100) ? 1 - sh : sh;      /* the wrong shard */
+            char name[64];
+            snprintf(name, sizeof name, "s%d.layers.%03d.weight", sh, i);
+            if (v == 2 && k == 100) snprintf(name, sizeof name, "nosuch.%d", k);
+            if (v == 5 && k == 100) { /* entry 0's tensor again (in shard 1) */
+                snprintf(name, sizeof name, "s0.layers.000.weight");
+                fsh = 0;
+            }
+            len += (size_t)snprintf(j + len, cap - len, "%s\n    \"%s\": \"model-0000%d-of-00000%d.safetensors\"",
+                                    listed++ ? "," : "", name, fsh + 1, v == 6 && k == 100 ? 3 : 2);
+        }
+        snprintf(j + len, cap - len, "\n  }\n}\n");
+        static const char *const want[7] = {NULL, "but it is in", "names tensor 'nosuch.100'", "does not list tensor",
+                                            "total_size", "twice", "not in the directory"};
+        for (int rep = 0; rep < 2; rep++) {
+            k3_err err = {0};
+            int rc = open_with_index(d, j, &err);
+            if (!want[v]) {
+                CHECKF(rc == 0, "variant %d: %s", v, err.msg);
+            } else if (v == 5 && strstr(err.msg, "bad JSON")) {
+                CHECK(rc == K3_EXIT_DATA); /* jansson refuses the duplicate key itself */
+            } else {
+                CHECKF(rc == K3_EXIT_DATA && strstr(err.msg, want[v]) && strstr(err.msg, "model.safetensors.index.json"),
+                       "variant %d: rc %d %s", v, rc, err.msg);
+            }
+        }
+        free(j);
+    }
+    unsetenv("K3_ST_JANSSON");
+}

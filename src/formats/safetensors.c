@@ -1,13 +1,14 @@
 /* safetensors.c: see safetensors.h.
  *
- * Opening runs in two phases. Phase 1 parses every shard's header on its own
- * (OpenMP, one shard per task, plus the optional model.safetensors.index.json
- * as one more task) into a per-shard table sorted by offset; nothing is shared
- * between tasks, so errors are kept per shard and the first one in shard order
- * is reported, whatever the thread count. Phase 2 is linear: it links the
- * tables into one order, builds an open-addressing hash of the names (which
- * also finds duplicates across shards) and cross-checks the index file (its
- * lookups in parallel, its verdicts in file order).
+ * Opening runs in three phases. Phase 1 parses every shard's header on its
+ * own (OpenMP, one shard per task) into a per-shard table sorted by offset,
+ * in the parsing thread's arenas; nothing else is shared between tasks, so
+ * errors are kept per shard and the first one in shard order is reported,
+ * whatever the thread count. Phase 2 is linear: it links the tables into one
+ * order and builds an open-addressing hash of the names (which also finds
+ * duplicates across shards). Phase 3 cross-checks the optional
+ * model.safetensors.index.json against that table (index_check_fast, with the
+ * general index_load + check_index behind it).
  *
  * Headers are read by a strict scanner for the common case, with jansson as
  * the general parser behind it (see parse_fast).
@@ -27,6 +28,9 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "safetensors data is little-endian; this reader assumes a little-endian host"
@@ -42,6 +46,11 @@
 
 static const char *const dtype_names[ST_NDTYPES] = {
     "F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"};
+/* the same names as little-endian words, for the scanner */
+#define DK(a, b, c, d) ((uint32_t)(a) | (uint32_t)(b) << 8 | (uint32_t)(c) << 16 | (uint32_t)(d) << 24)
+static const uint32_t dtype_keys[ST_NDTYPES] = {
+    DK('F', '6', '4', 0), DK('F', '3', '2', 0), DK('F', '1', '6', 0), DK('B', 'F', '1', '6'), DK('I', '6', '4', 0),
+    DK('I', '3', '2', 0), DK('I', '1', '6', 0), DK('I', '8', 0, 0),     DK('U', '8', 0, 0),     DK('B', 'O', 'O', 'L')};
 static const size_t dtype_sizes[ST_NDTYPES] = {8, 4, 2, 2, 8, 4, 2, 1, 1, 1};
 
 const char *st_dtype_name(st_dtype d) {
@@ -50,29 +59,136 @@ const char *st_dtype_name(st_dtype d) {
 size_t st_dtype_size(st_dtype d) { return (unsigned)d < ST_NDTYPES ? dtype_sizes[d] : 0; }
 
 /* Name hash, eight bytes at a time: it runs over ~35 MB of names (twice,
- * with the index file) when the release is opened. */
-static uint64_t hash_n(const char *s, size_t n) {
-    uint64_t h = 0x9e3779b97f4a7c15ull ^ (n * 0xff51afd7ed558ccdull);
-    for (; n >= 8; s += 8, n -= 8) {
-        uint64_t w;
-        memcpy(&w, s, 8);
-        h = (h ^ w) * 0xff51afd7ed558ccdull;
-        h ^= h >> 32;
-    }
-    uint64_t w = 0;
-    memcpy(&w, s, n);
+ * with the index file) when the release is opened. A multiply carries each
+ * word's bits upwards, the rotate brings the high ones back down; a name of
+ * 8 or more bytes ends with its last 8 bytes (overlapping the previous word),
+ * a shorter one is read bytewise. */
+static inline uint64_t hash_n(const char *s, size_t n) {
+    const uint64_t K = 0xff51afd7ed558ccdull;
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ (n * K), w = 0;
+    if (n >= 8) {
+        const char *last = s + n - 8;
+        for (; s < last; s += 8) {
+            memcpy(&w, s, 8);
+            h = (h ^ w) * K;
+            h = h << 31 | h >> 33;
+        }
+        memcpy(&w, last, 8);
+    } else
+        for (size_t i = 0; i < n; i++) w |= (uint64_t)(unsigned char)s[i] << (8 * i);
     h = (h ^ w) * 0xc4ceb9fe1a85ec53ull;
-    return h ^ (h >> 29);
+    h ^= h >> 29;
+    h *= K;
+    return h ^ (h >> 32);
 }
 static uint64_t hash_name(const char *s) { return hash_n(s, strlen(s)); }
 
-/* ---- phase 1: one header ---------------------------------------------- */
+/* ---- memory for the tables -------------------------------------------- */
+
+/* The release's tables come to ~100 MB (tensor records, names, hashes, the
+ * name table). From malloc they are faulted in 4 KiB at a time, which cost a
+ * third of an open; anonymous mappings that ask for transparent huge pages
+ * fault 2 MiB at a time. An arena hands out the top of its current block
+ * (reserved, not committed: pages never touched cost nothing) and only
+ * advances by what a shard really used, so what is touched stays packed. */
+typedef struct {
+    void *p;
+    size_t len;
+    bool mapped;       /* mmap (else malloc) */
+} st_block;
 
 typedef struct {
-    st_tensor *t;
-    uint64_t *hash;
+    st_block *b;
+    size_t nb, capb;
+    char *top;         /* free room of the last block */
+    size_t left;
+    size_t grain;      /* reserve blocks for this many requests like the current one (0: 1) */
+} st_arena;
+
+#define ST_HUGE ((size_t)2 << 20)
+#define ST_ARENA_BLOCK ((size_t)256 << 20)
+
+/* A zero-filled mapping of at least len bytes, or p == NULL. Huge pages only
+ * for big blocks: each one touched is zeroed whole, which small tables must
+ * not pay for. */
+static st_block block_map(size_t len) {
+    bool huge = len >= 4 * ST_HUGE;
+    len = (len + (huge ? ST_HUGE : 4096) - 1) & ~((huge ? ST_HUGE : 4096) - 1);
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return (st_block){NULL, 0, false};
+#ifdef MADV_HUGEPAGE
+    if (huge) madvise(p, len, MADV_HUGEPAGE); /* a hint: without it the tables are merely slower */
+#endif
+    return (st_block){p, len, true};
+}
+
+/* A zero-filled block of at least len bytes (malloc where mapping fails). */
+static st_block block_new(size_t len) {
+    st_block b = block_map(len);
+    return b.p ? b : (st_block){xcalloc(1, len), len, false};
+}
+
+static void block_free(st_block *b) {
+    if (b->mapped) munmap(b->p, b->len);
+    else free(b->p);
+    b->p = NULL;
+}
+
+static void arena_push(st_arena *a, st_block blk) {
+    if (a->nb == a->capb) a->b = xrealloc_array(a->b, a->capb = a->capb ? 2 * a->capb : 4, sizeof *a->b);
+    a->b[a->nb++] = blk;
+}
+
+/* need contiguous bytes at the top of the arena (not yet taken). */
+static void *arena_room(st_arena *a, size_t need) {
+    if (a->left >= need) return a->top;
+    /* room for the shards still to come (a guess: sizes vary), so that one
+     * open makes few blocks; reserving costs address space, not memory */
+    size_t want = need;
+    if (a->grain > 1) want = need < ST_ARENA_BLOCK / a->grain ? need * a->grain : ST_ARENA_BLOCK;
+    /* where address space is scarce (strict overcommit), just what is needed */
+    st_block blk = want > need ? block_map(want) : (st_block){NULL, 0, false};
+    if (!blk.p) blk = block_new(need);
+    arena_push(a, blk);
+    a->top = blk.p;
+    a->left = blk.len;
+    return a->top;
+}
+
+static void arena_take(st_arena *a, size_t n) {
+    n = (n + 63) & ~(size_t)63;
+    if (n > a->left) n = a->left;
+    a->top += n;
+    a->left -= n;
+}
+
+/* Moves every block of from into to (which then frees them). */
+static void arena_move(st_arena *to, st_arena *from) {
+    for (size_t i = 0; i < from->nb; i++) arena_push(to, from->b[i]);
+    free(from->b);
+    from->b = NULL;
+    from->nb = from->capb = from->left = 0;
+    from->top = NULL;
+}
+
+static void arena_free(st_arena *a) {
+    for (size_t i = 0; i < a->nb; i++) block_free(&a->b[i]);
+    free(a->b);
+    memset(a, 0, sizeof *a);
+}
+
+/* ---- phase 1: one header ---------------------------------------------- */
+
+/* One parsing thread's arenas: tensor records, name hashes, names. */
+typedef struct {
+    st_arena t, h, names;
+} parse_mem;
+
+typedef struct {
+    st_tensor *t;      /* room in mem->t */
+    uint64_t *hash;    /* name hashes, parallel to t */
     size_t n, cap;
-    char *names;       /* arena holding every name of this shard (header-sized) */
+    char *names;       /* room in mem->names holding every name of this shard */
     size_t names_used;
     json_t *meta;      /* __metadata__ object or NULL */
 } shard_parse;
@@ -85,22 +201,42 @@ typedef struct {
 } hdr_ctx;
 
 static void shard_parse_free(shard_parse *p) {
-    free(p->t);
-    free(p->hash);
-    free(p->names);
     if (p->meta) json_decref(p->meta);
     memset(p, 0, sizeof *p);
 }
 
+/* The shortest tensor entry, "":{"dtype":"U8","shape":[],"data_offsets":[0,0]}
+ * and its comma, is 50 bytes: no header of hlen bytes holds more than
+ * hlen / 49 + 1 tensors, whichever parser reads it. */
+static size_t max_tensors(size_t hlen) { return hlen / 49 + 1; }
+
 /* Resets p for a fresh parse of a header of hlen bytes (keeps no tensors). */
-static void shard_parse_init(shard_parse *p, size_t hlen) {
+static void shard_parse_init(shard_parse *p, parse_mem *m, size_t hlen) {
     shard_parse_free(p);
-    /* an entry takes well over 64 header bytes, so this rarely grows (and
-     * pages never touched cost nothing) */
-    p->cap = hlen / 64 + 64;
-    p->t = xmalloc_array(p->cap, sizeof *p->t);
+    p->cap = max_tensors(hlen);
+    p->t = arena_room(&m->t, p->cap * sizeof *p->t);
+    p->hash = arena_room(&m->h, p->cap * sizeof *p->hash);
     /* every name is a JSON string of the header, so the names fit in hlen */
-    p->names = xmalloc(hlen + 1);
+    p->names = arena_room(&m->names, hlen + 1);
+}
+
+/* The parse succeeded: what it used of the arenas is now taken. */
+static void shard_parse_keep(shard_parse *p, parse_mem *m) {
+    arena_take(&m->t, p->n * sizeof *p->t);
+    arena_take(&m->h, p->n * sizeof *p->hash);
+    arena_take(&m->names, p->names_used);
+}
+
+static void parse_mem_move(parse_mem *to, parse_mem *from) {
+    arena_move(&to->t, &from->t);
+    arena_move(&to->h, &from->h);
+    arena_move(&to->names, &from->names);
+}
+
+static void parse_mem_free(parse_mem *m) {
+    arena_free(&m->t);
+    arena_free(&m->h);
+    arena_free(&m->names);
 }
 
 static int cmp_offset(const void *a, const void *b) {
@@ -113,12 +249,16 @@ static int cmp_offset(const void *a, const void *b) {
 /* Validates one tensor entry and appends it. Both parsers end here, so a
  * header gets the same checks and messages whichever parser read it.
  * name is already in the arena; rank may exceed ST_MAX_RANK (then refused). */
-static int add_tensor(shard_parse *out, const hdr_ctx *c, const char *name, const char *dtype,
+static int add_tensor(shard_parse *out, const hdr_ctx *c, const char *name, size_t nlen, const char *dtype,
                       size_t dtlen, const uint64_t *shape, size_t rank, uint64_t b0, uint64_t b1,
                       k3_err *err) {
     int d = -1;
-    for (int i = 0; i < ST_NDTYPES; i++)
-        if (strlen(dtype_names[i]) == dtlen && memcmp(dtype, dtype_names[i], dtlen) == 0) d = i;
+    if (dtlen >= 2 && dtlen <= 4) { /* every dtype name is 2..4 bytes: compare as one word */
+        uint32_t key = 0;
+        for (size_t i = 0; i < dtlen; i++) key |= (uint32_t)(unsigned char)dtype[i] << (8 * i);
+        for (int i = 0; i < ST_NDTYPES && d < 0; i++)
+            if (dtype_keys[i] == key) d = i;
+    }
     if (d < 0)
         return k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': unknown dtype '%.*s'", c->fname, name,
                        (int)(dtlen > 64 ? 64 : dtlen), dtype);
@@ -127,11 +267,11 @@ static int add_tensor(shard_parse *out, const hdr_ctx *c, const char *name, cons
                        ST_MAX_RANK);
     uint64_t numel = 1, nbytes = 0;
     bool ovf = false;
-    for (size_t i = 0; i < rank; i++)
-        if (!k3_mul_ok(numel, shape[i], &numel)) ovf = true;
-    for (size_t i = 0; i < rank; i++)
-        if (shape[i] > (uint64_t)INT64_MAX) ovf = true;
-    if (ovf || numel > (uint64_t)INT64_MAX || !k3_mul_ok(numel, dtype_sizes[d], &nbytes))
+    for (size_t i = 0; i < rank; i++) {
+        ovf |= __builtin_mul_overflow(numel, shape[i], &numel);
+        ovf |= shape[i] > (uint64_t)INT64_MAX;
+    }
+    if (ovf || numel > (uint64_t)INT64_MAX || __builtin_mul_overflow(numel, (uint64_t)dtype_sizes[d], &nbytes))
         return k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': shape overflows", c->fname, name);
     if (b1 < b0)
         return k3_fail(err, K3_EXIT_DATA,
@@ -146,17 +286,13 @@ static int add_tensor(shard_parse *out, const hdr_ctx *c, const char *name, cons
         return k3_fail(err, K3_EXIT_DATA,
                        "%s: tensor '%s': data_offsets end %llu is past the data section (%llu bytes; truncated file?)",
                        c->fname, name, (unsigned long long)b1, (unsigned long long)c->data_len);
-    if (out->n == out->cap) out->t = xrealloc_array(out->t, out->cap *= 2, sizeof *out->t);
+    if (out->n == out->cap) /* cannot happen (see max_tensors) */
+        return k3_fail(err, K3_EXIT_DATA, "%s: more tensors than the header can hold", c->fname);
+    out->hash[out->n] = hash_n(name, nlen);
     st_tensor *t = &out->t[out->n++];
-    memset(t, 0, sizeof *t);
-    t->name = name;
-    t->dtype = (st_dtype)d;
-    t->rank = (int)rank;
+    *t = (st_tensor){.name = name, .dtype = (st_dtype)d, .rank = (int)rank, .numel = (int64_t)numel,
+                     .shard = c->shard, .offset = c->data_start + b0, .nbytes = nbytes};
     for (size_t i = 0; i < rank; i++) t->shape[i] = (int64_t)shape[i];
-    t->numel = (int64_t)numel;
-    t->nbytes = nbytes;
-    t->offset = c->data_start + b0;
-    t->shard = c->shard;
     return K3_OK;
 }
 
@@ -180,10 +316,12 @@ typedef struct {
     const char *p, *e;
 } scan;
 
-static inline void sk_ws(scan *s) {
-    while (s->p < s->e && (*s->p == ' ' || *s->p == '\n' || *s->p == '\r' || *s->p == '\t')) s->p++;
+static inline __attribute__((always_inline)) void sk_ws(scan *s) {
+    /* the compact form has no whitespace: one compare in the usual case; the
+     * mask has the bits of ' ', '\n', '\r' and '\t' */
+    while (s->p < s->e && (unsigned char)*s->p <= ' ' && ((1ull << (unsigned char)*s->p) & 0x100002600ull)) s->p++;
 }
-static inline bool sk_ch(scan *s, char c) {
+static inline __attribute__((always_inline)) bool sk_ch(scan *s, char c) {
     sk_ws(s);
     if (s->p < s->e && *s->p == c) {
         s->p++;
@@ -191,47 +329,111 @@ static inline bool sk_ch(scan *s, char c) {
     }
     return false;
 }
+/* The closing quote of a plain string whose contents start at q, or NULL when
+ * a byte before it is a backslash, a control character or outside printable
+ * ASCII, or the text ends first. SSE2 (every x86-64 has it) looks at 16 bytes
+ * per step; the bytewise loop is the definition and handles the tail. */
+static inline const char *plain_str_end(const char *q, const char *e) {
+#ifdef __SSE2__
+    const __m128i quote = _mm_set1_epi8('"'), bsl = _mm_set1_epi8('\\'), sp = _mm_set1_epi8(0x20),
+                  del = _mm_set1_epi8(0x7f);
+    while (e - q >= 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(const void *)q);
+        /* signed compare: bytes >= 0x80 are negative, so "< 0x20" flags them too */
+        __m128i stop = _mm_or_si128(_mm_or_si128(_mm_cmpeq_epi8(v, quote), _mm_cmpeq_epi8(v, bsl)),
+                                    _mm_or_si128(_mm_cmplt_epi8(v, sp), _mm_cmpeq_epi8(v, del)));
+        unsigned m = (unsigned)_mm_movemask_epi8(stop);
+        if (m) {
+            q += __builtin_ctz(m);
+            return *q == '"' ? q : NULL;
+        }
+        q += 16;
+    }
+#endif
+    for (; q < e; q++) {
+        unsigned char ch = (unsigned char)*q;
+        if (ch == '"') return q;
+        if (ch < 0x20 || ch >= 0x7f || ch == '\\') return NULL;
+    }
+    return NULL;
+}
 /* A string of printable ASCII without escapes; *b, *n get its contents. */
 static inline bool sk_str(scan *s, const char **b, size_t *n) {
     sk_ws(s);
     if (s->p >= s->e || *s->p != '"') return false;
-    const char *q = ++s->p;
-    /* eight bytes at a time while none is a quote, a backslash, a control
-     * character or outside printable ASCII (exact bit tests, no false
-     * negatives: a flagged word is finished byte by byte) */
-    const uint64_t ones = 0x0101010101010101ull, high = 0x8080808080808080ull;
-    while (s->e - q >= 8) {
-        uint64_t w;
-        memcpy(&w, q, 8);
-        uint64_t lt20 = (w - ones * 0x20) & ~w & high;      /* any byte < 0x20 (or >= 0x80) */
-        uint64_t ge7f = ((w + ones * (127 - 0x7e)) | w) & high; /* any byte > 0x7e */
-        uint64_t xq = w ^ (ones * '"'), xb = w ^ (ones * '\\');
-        uint64_t quote = (xq - ones) & ~xq & high, bsl = (xb - ones) & ~xb & high;
-        if (lt20 | ge7f | quote | bsl) break;
-        q += 8;
-    }
-    for (; q < s->e; q++) {
-        unsigned char ch = (unsigned char)*q;
-        if (ch == '"') break;
-        if (ch < 0x20 || ch >= 0x7f || ch == '\\') return false;
-    }
-    if (q >= s->e) return false;
-    *b = s->p;
-    *n = (size_t)(q - s->p);
+    const char *q = plain_str_end(s->p + 1, s->e);
+    if (!q) return false;
+    *b = s->p + 1;
+    *n = (size_t)(q - *b);
     s->p = q + 1;
     return true;
 }
-/* A non-negative JSON integer of at most 18 digits (fits int64 either way). */
+/* How many of the 8 bytes of w (in memory order) are ASCII digits before the
+ * first one that is not. A byte is a digit iff its high nibble is 3 and
+ * adding 6 keeps it so; a carry out of a byte only comes from a byte >= 0xfa,
+ * itself a non-digit, and only disturbs the bytes after it. */
+static inline unsigned digit_run8(uint64_t w) {
+    const uint64_t hi = 0xF0F0F0F0F0F0F0F0ull, three = 0x3030303030303030ull;
+    uint64_t nd = ((w & hi) ^ three) | (((w + 0x0606060606060606ull) & hi) ^ three);
+    return nd ? (unsigned)__builtin_ctzll(nd) / 8 : 8;
+}
+/* The value of 8 ASCII digits in w (first digit in the lowest byte); bytes
+ * that are 0 count as leading zeros. */
+static inline uint64_t swar8(uint64_t w) {
+    w = ((w & 0x0F0F0F0F0F0F0F0Full) * 2561) >> 8;
+    w = ((w & 0x00FF00FF00FF00FFull) * 6553601) >> 16;
+    return ((w & 0x0000FFFF0000FFFFull) * 42949672960001ull) >> 32;
+}
+static const uint64_t pow10_8[9] = {1, 10, 100, 1000, 10000, 100000, 1000000, 10000000, 100000000};
+/* A non-negative JSON integer of at most 18 digits (fits int64 either way)
+ * starting exactly at q: the position after it, or NULL. */
+static inline const char *num_at(const char *q, const char *e, uint64_t *v) {
+    const char *b = q;
+    uint64_t x = 0;
+    /* eight bytes at a time while eight remain; the bytewise loop finishes */
+    while (e - q >= 8 && q - b <= 18) {
+        uint64_t w;
+        memcpy(&w, q, 8);
+        unsigned L = digit_run8(w);
+        if (L == 0) break;
+        x = x * pow10_8[L] + swar8(w << (8 * (8 - L)));
+        q += L;
+        if (L < 8) break;
+    }
+    while (q < e && *q >= '0' && *q <= '9' && q - b < 19) x = x * 10 + (uint64_t)(*q++ - '0');
+    size_t nd = (size_t)(q - b);
+    if (nd == 0 || nd > 18 || (nd > 1 && *b == '0')) return NULL;
+    if (q < e && (*q == '.' || *q == 'e' || *q == 'E' || (*q >= '0' && *q <= '9'))) return NULL;
+    *v = x;
+    return q;
+}
+/* num_at for the compact entry, where the caller then demands ',' or ']'
+ * (so the character after the digits needs no check of its own): one or two
+ * words of digits where 16 bytes remain, num_at otherwise. */
+static __attribute__((noinline)) const char *num_slow(const char *q, const char *e, uint64_t *v) {
+    return num_at(q, e, v);
+}
+static inline __attribute__((always_inline)) const char *num_compact(const char *q, const char *e, uint64_t *v) {
+    if (e - q < 16) return num_slow(q, e, v);
+    uint64_t w, w2;
+    memcpy(&w, q, 8);
+    unsigned L = digit_run8(w);
+    if (L == 0 || (L > 1 && (w & 0xff) == '0')) return NULL;
+    if (L < 8) {
+        *v = swar8(w << (8 * (8 - L)));
+        return q + L;
+    }
+    memcpy(&w2, q + 8, 8);
+    unsigned L2 = digit_run8(w2);
+    if (L2 == 8) return num_slow(q, e, v); /* 16 digits or more: rare */
+    *v = L2 ? swar8(w) * pow10_8[L2] + swar8(w2 << (8 * (8 - L2))) : swar8(w);
+    return q + 8 + L2;
+}
 static inline bool sk_uint(scan *s, uint64_t *v) {
     sk_ws(s);
-    const char *q = s->p;
-    uint64_t x = 0;
-    while (q < s->e && *q >= '0' && *q <= '9' && q - s->p < 19) x = x * 10 + (uint64_t)(*q++ - '0');
-    size_t nd = (size_t)(q - s->p);
-    if (nd == 0 || nd > 18 || (nd > 1 && *s->p == '0')) return false;
-    if (q < s->e && (*q == '.' || *q == 'e' || *q == 'E' || (*q >= '0' && *q <= '9'))) return false;
+    const char *q = num_at(s->p, s->e, v);
+    if (!q) return false;
     s->p = q;
-    *v = x;
     return true;
 }
 /* [u, u, ...] storing at most max values; *n gets the full count. */
@@ -247,8 +449,59 @@ static inline bool sk_uints(scan *s, uint64_t *v, size_t max, size_t *n) {
     } while (sk_ch(s, ','));
     return sk_ch(s, ']');
 }
-static inline bool key_is(const char *k, size_t n, const char *lit) {
-    return strlen(lit) == n && memcmp(k, lit, n) == 0;
+#define key_is(k, n, lit) ((n) == sizeof(lit) - 1 && memcmp((k), (lit), sizeof(lit) - 1) == 0)
+/* The literal lit at p (and inside the text). */
+#define LIT_AT(p, e, lit) ((size_t)((e) - (p)) >= sizeof(lit) - 1 && memcmp((p), (lit), sizeof(lit) - 1) == 0)
+
+/* One tensor entry as read from the header. */
+typedef struct {
+    const char *k, *dt;
+    size_t kn, dtn, rank;
+    uint64_t shape[ST_MAX_RANK], b0, b1;
+} hdr_entry;
+
+/* The entry exactly as writers emit it, without whitespace and with the
+ * fields in the usual order:
+ *   "name":{"dtype":"BF16","shape":[12288,7168],"data_offsets":[b,e]}
+ * matched literally. The position after it, or NULL for anything else, which
+ * the token scanner (same grammar, any spacing and order) then reads. */
+static inline const char *compact_entry(const char *p, const char *e, hdr_entry *en) {
+    if (p >= e || *p != '"') return NULL;
+    const char *q = plain_str_end(p + 1, e);
+    if (!q) return NULL;
+    en->k = p + 1;
+    en->kn = (size_t)(q - en->k);
+    p = q + 1;
+    if (!LIT_AT(p, e, ":{\"dtype\":\"")) return NULL;
+    p += 11;
+    if (!(q = plain_str_end(p, e))) return NULL;
+    en->dt = p;
+    en->dtn = (size_t)(q - p);
+    p = q + 1;
+    if (!LIT_AT(p, e, ",\"shape\":[")) return NULL;
+    p += 10;
+    size_t r = 0;
+    if (p < e && *p == ']') p++;
+    else
+        for (;;) {
+            uint64_t x;
+            if (!(p = num_compact(p, e, &x))) return NULL;
+            if (r < ST_MAX_RANK) en->shape[r] = x;
+            r++;
+            if (p < e && *p == ',') p++;
+            else if (p < e && *p == ']') {
+                p++;
+                break;
+            } else
+                return NULL;
+        }
+    en->rank = r;
+    if (!LIT_AT(p, e, ",\"data_offsets\":[")) return NULL;
+    p += 17;
+    if (!(p = num_compact(p, e, &en->b0)) || p >= e || *p != ',' || !(p = num_compact(p + 1, e, &en->b1)) ||
+        !LIT_AT(p, e, "]}"))
+        return NULL;
+    return p + 2;
 }
 
 static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_parse *out, k3_err *err) {
@@ -256,6 +509,13 @@ static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_pars
     if (!sk_ch(&s, '{')) return BAIL;
     if (sk_ch(&s, '}')) goto end;
     do {
+        hdr_entry en;
+        sk_ws(&s);
+        const char *np = compact_entry(s.p, s.e, &en);
+        if (np && !key_is(en.k, en.kn, "__metadata__")) {
+            s.p = np;
+            goto add;
+        }
         const char *k;
         size_t kn;
         if (!sk_str(&s, &k, &kn) || !sk_ch(&s, ':')) return BAIL;
@@ -280,9 +540,12 @@ static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_pars
             if (!sk_ch(&s, '}')) return BAIL;
             continue;
         }
-        const char *dt = NULL;
-        size_t dtn = 0, rank = 0, noff = 0;
-        uint64_t shape[ST_MAX_RANK], offs[2];
+        en.k = k;
+        en.kn = kn;
+        en.dt = NULL;
+        en.dtn = en.rank = 0;
+        size_t noff = 0;
+        uint64_t offs[2];
         bool have_s = false, have_o = false;
         if (!sk_ch(&s, '{')) return BAIL;
         do {
@@ -290,9 +553,9 @@ static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_pars
             size_t fn;
             if (!sk_str(&s, &f, &fn) || !sk_ch(&s, ':')) return BAIL;
             if (key_is(f, fn, "dtype")) {
-                if (dt || !sk_str(&s, &dt, &dtn)) return BAIL;
+                if (en.dt || !sk_str(&s, &en.dt, &en.dtn)) return BAIL;
             } else if (key_is(f, fn, "shape")) {
-                if (have_s || !sk_uints(&s, shape, ST_MAX_RANK, &rank)) return BAIL;
+                if (have_s || !sk_uints(&s, en.shape, ST_MAX_RANK, &en.rank)) return BAIL;
                 have_s = true;
             } else if (key_is(f, fn, "data_offsets")) {
                 if (have_o || !sk_uints(&s, offs, 2, &noff) || noff != 2) return BAIL;
@@ -301,10 +564,13 @@ static int parse_fast(const char *json, size_t len, const hdr_ctx *c, shard_pars
                 return BAIL;
             }
         } while (sk_ch(&s, ','));
-        if (!sk_ch(&s, '}') || !dt || !have_s || !have_o) return BAIL;
-        if (rank > ST_MAX_RANK) rank = ST_MAX_RANK + 1; /* refused by add_tensor */
-        char *name = arena_put(out, k, kn);
-        int rc = add_tensor(out, c, name, dt, dtn, shape, rank, offs[0], offs[1], err);
+        if (!sk_ch(&s, '}') || !en.dt || !have_s || !have_o) return BAIL;
+        en.b0 = offs[0];
+        en.b1 = offs[1];
+    add:
+        if (en.rank > ST_MAX_RANK) en.rank = ST_MAX_RANK + 1; /* refused by add_tensor */
+        char *name = arena_put(out, en.k, en.kn);
+        int rc = add_tensor(out, c, name, en.kn, en.dt, en.dtn, en.shape, en.rank, en.b0, en.b1, err);
         if (rc) return rc;
     } while (sk_ch(&s, ','));
     if (!sk_ch(&s, '}')) return BAIL;
@@ -352,7 +618,8 @@ static int parse_jansson(const char *json, size_t len, const hdr_ctx *c, shard_p
             out->meta = json_incref(val);
             continue;
         }
-        char *name = arena_put(out, key, strlen(key));
+        size_t klen = strlen(key);
+        char *name = arena_put(out, key, klen);
         if (!json_is_object(val)) {
             rc = k3_fail(err, K3_EXIT_DATA, "%s: tensor '%s': entry is not an object", fname, name);
             goto done;
@@ -388,7 +655,7 @@ static int parse_jansson(const char *json, size_t len, const hdr_ctx *c, shard_p
                          "%s: tensor '%s': data_offsets must be [begin, end] with 0 <= begin <= end", fname, name);
             goto done;
         }
-        if ((rc = add_tensor(out, c, name, json_string_value(jd), json_string_length(jd), shape,
+        if ((rc = add_tensor(out, c, name, klen, json_string_value(jd), json_string_length(jd), shape,
                              rank, b0, b1, err)))
             goto done;
     }
@@ -404,7 +671,10 @@ static int finish_shard(shard_parse *out, const hdr_ctx *c, k3_err *err) {
     /* writers emit the header in offset order: sort only when it is not */
     bool sorted = true;
     for (size_t i = 1; i < out->n && sorted; i++) sorted = cmp_offset(&out->t[i - 1], &out->t[i]) <= 0;
-    if (!sorted) qsort(out->t, out->n, sizeof *out->t, cmp_offset);
+    if (!sorted) {
+        qsort(out->t, out->n, sizeof *out->t, cmp_offset);
+        for (size_t i = 0; i < out->n; i++) out->hash[i] = hash_name(out->t[i].name);
+    }
     uint64_t end = c->data_start;
     const char *prev = NULL;
     for (size_t i = 0; i < out->n; i++) {
@@ -422,13 +692,12 @@ static int finish_shard(shard_parse *out, const hdr_ctx *c, k3_err *err) {
     if (end != c->data_start + c->data_len)
         return k3_fail(err, K3_EXIT_DATA, "%s: %llu trailing bytes after the last tensor", fname,
                        (unsigned long long)(c->data_start + c->data_len - end));
-    out->hash = xmalloc_array(out->n ? out->n : 1, sizeof *out->hash);
     size_t cap = 16;
     while (cap < 2 * out->n) cap *= 2;
     uint32_t *slots = xcalloc(cap, sizeof *slots);
     int rc = K3_OK;
     for (size_t i = 0; i < out->n && rc == K3_OK; i++) {
-        uint64_t h = out->hash[i] = hash_name(out->t[i].name);
+        uint64_t h = out->hash[i];
         for (size_t sl = h & (cap - 1);; sl = (sl + 1) & (cap - 1)) {
             if (!slots[sl]) {
                 slots[sl] = (uint32_t)(i + 1);
@@ -448,18 +717,19 @@ static int finish_shard(shard_parse *out, const hdr_ctx *c, k3_err *err) {
 
 /* Parses and validates the header text json[0..len). use_jansson skips the
  * fast scanner; *fast (may be NULL) tells which parser produced the result. */
-static int parse_header(const char *json, size_t len, const hdr_ctx *c, bool use_jansson, shard_parse *out,
-                        bool *fast, k3_err *err) {
+static int parse_header(const char *json, size_t len, const hdr_ctx *c, bool use_jansson, parse_mem *m,
+                        shard_parse *out, bool *fast, k3_err *err) {
     memset(out, 0, sizeof *out);
-    shard_parse_init(out, len);
+    shard_parse_init(out, m, len);
     int rc = use_jansson ? BAIL : parse_fast(json, len, c, out, err);
     if (fast) *fast = rc != BAIL;
     if (rc == BAIL) {
-        shard_parse_init(out, len);
+        shard_parse_init(out, m, len);
         rc = parse_jansson(json, len, c, out, err);
     }
     if (rc == K3_OK) rc = finish_shard(out, c, err);
     if (rc) shard_parse_free(out);
+    else shard_parse_keep(out, m);
     return rc;
 }
 
@@ -487,8 +757,8 @@ static int pread_full(int fd, void *dst, size_t len, uint64_t off, const char *p
 
 /* buf/cap: the calling thread's reusable header buffer (fresh large
  * allocations would be page-faulted in for every shard). */
-static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *out, char **bufp, size_t *capp,
-                      k3_err *err) {
+static int parse_file(const char *path, int shard, st_shard *sh, parse_mem *m, shard_parse *out, char **bufp,
+                      size_t *capp, k3_err *err) {
     memset(out, 0, sizeof *out);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", path, strerror(errno));
@@ -531,7 +801,7 @@ static int parse_file(const char *path, int shard, st_shard *sh, shard_parse *ou
     }
     char *buf = *bufp;
     if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
-    rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), out, NULL, err);
+    rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), m, out, NULL, err);
     if (rc == K3_OK) sh->ntensors = (int)out->n;
 out:
     close(fd);
@@ -556,9 +826,13 @@ int st_check_buffer(const void *file, size_t len, const char *name, bool use_jan
     shard_parse p;
     hdr_ctx c = {name, 0, 8 + hlen, len - 8 - hlen};
     bool fast = false;
-    int rc = parse_header((const char *)b + 8, (size_t)hlen, &c, use_jansson, &p, &fast, err);
+    parse_mem m = {0};
+    int rc = parse_header((const char *)b + 8, (size_t)hlen, &c, use_jansson, &m, &p, &fast, err);
     if (info) info->fast = fast;
-    if (rc) return rc;
+    if (rc) {
+        parse_mem_free(&m);
+        return rc;
+    }
     if (info) {
         /* a digest of everything the index keeps, in offset order */
         uint64_t h = 0x9e3779b97f4a7c15ull;
@@ -580,14 +854,14 @@ int st_check_buffer(const void *file, size_t len, const char *name, bool use_jan
         info->nmeta = p.meta ? json_object_size(p.meta) : 0;
     }
     shard_parse_free(&p);
+    parse_mem_free(&m);
     return K3_OK;
 }
 
 /* ---- the index --------------------------------------------------------- */
 
 typedef struct {
-    st_tensor *t;          /* this shard's tensors, offset order */
-    char *names;
+    st_tensor *t;          /* this shard's tensors, offset order (in ix->mem) */
     json_t *meta;
     /* lazily opened; guarded by st_index.lock */
     int fd, fd_direct;     /* -1 until opened; fd_direct -2 when refused */
@@ -611,6 +885,9 @@ struct st_index {
     size_t mask;
     bool direct;           /* try O_DIRECT in st_pread */
     pthread_mutex_t lock;
+    size_t *first;         /* index of each shard's first tensor */
+    parse_mem mem;         /* holds every tensor record, hash and name */
+    st_block tp_blk, slots_blk;
 };
 
 size_t st_count(const st_index *ix) { return ix->n; }
@@ -651,16 +928,16 @@ void st_close(st_index *ix) {
         if (p->map) munmap((void *)p->map, ix->shards[i].file_size);
         if (p->fd >= 0) close(p->fd);
         if (p->fd_direct >= 0) close(p->fd_direct);
-        free(p->t);
-        free(p->names);
         if (p->meta) json_decref(p->meta);
         free(ix->shards[i].path);
     }
     pthread_mutex_destroy(&ix->lock);
     free(ix->priv);
     free(ix->shards);
-    free(ix->tp);
-    free(ix->slots);
+    free(ix->first);
+    if (ix->tp_blk.p) block_free(&ix->tp_blk);
+    if (ix->slots_blk.p) block_free(&ix->slots_blk);
+    parse_mem_free(&ix->mem);
     free(ix);
 }
 
@@ -722,7 +999,8 @@ typedef struct {
     char *text;
     size_t maplen;       /* > 0: text is a read-only mapping of this length */
     json_t *root;        /* set when jansson parsed it (the strings live there) */
-    wm_entry *e;
+    wm_entry *e;         /* in blk, sized for the most entries the text can hold */
+    st_block blk;
     size_t n, cap;
     bool has_total;
     uint64_t total;
@@ -732,12 +1010,20 @@ static void index_parse_free(index_parse *p) {
     if (p->maplen) munmap(p->text, p->maplen);
     else free(p->text);
     if (p->root) json_decref(p->root);
-    free(p->e);
+    if (p->blk.p) block_free(&p->blk);
     memset(p, 0, sizeof *p);
 }
 
+/* An entry is at least 6 bytes of text ("":"" and a comma), so a text of len
+ * bytes holds at most len / 5 + 1 of them, whichever parser reads it. */
+static void wm_init(index_parse *p, size_t len) {
+    p->cap = len / 5 + 1;
+    p->blk = block_new(p->cap * sizeof *p->e);
+    p->e = p->blk.p;
+}
+
 static void wm_add(index_parse *p, const char *name, size_t nlen, const char *file, size_t flen) {
-    if (p->n == p->cap) p->e = xrealloc_array(p->e, p->cap = p->cap ? 2 * p->cap : 1024, sizeof *p->e);
+    if (p->n == p->cap) return; /* cannot happen (see wm_init); the count check then fails */
     p->e[p->n++] = (wm_entry){name, file, nlen, flen};
 }
 
@@ -804,6 +1090,7 @@ static int index_load(const char *ipath, index_parse *p, k3_err *err) {
     }
     close(fd);
     if (rc) return rc;
+    wm_init(p, len);
     if (!force_jansson() && index_fast(p, len) == K3_OK) return K3_OK;
     p->n = 0;
     p->has_total = false;
@@ -831,34 +1118,66 @@ static int index_load(const char *ipath, index_parse *p, k3_err *err) {
 
 
 
+/* Shard base names by hash, for the file names of the weight map. */
+typedef struct {
+    int *slot;
+    size_t mask;
+} file_table;
+
+static file_table file_table_new(const st_index *ix) {
+    size_t cap = 16;
+    while (cap < 4 * (size_t)ix->nshards) cap *= 2;
+    file_table ft = {xmalloc_array(cap, sizeof(int)), cap - 1};
+    for (size_t i = 0; i < cap; i++) ft.slot[i] = -1;
+    for (int k = 0; k < ix->nshards; k++) {
+        const char *b = base_name(ix->shards[k].path);
+        size_t sl = hash_n(b, strlen(b)) & ft.mask;
+        while (ft.slot[sl] >= 0) sl = (sl + 1) & ft.mask;
+        ft.slot[sl] = k;
+    }
+    return ft;
+}
+
+static int file_shard(const st_index *ix, const file_table *ft, const char *f, size_t n) {
+    for (size_t sl = hash_n(f, n) & ft->mask; ft->slot[sl] >= 0; sl = (sl + 1) & ft->mask) {
+        const char *b = base_name(ix->shards[ft->slot[sl]].path);
+        if (strncmp(b, f, n) == 0 && b[n] == 0) return ft->slot[sl];
+    }
+    return -1;
+}
+
+/* The shard of tensor t: tensors are in shard order, so a binary search of
+ * the shards' first indices (a small table that stays in cache) answers
+ * without touching the tensor's record. */
+static int tensor_shard(const st_index *ix, long t) {
+    int lo = 0, hi = ix->nshards - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (ix->first[mid] <= (size_t)t) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Cross-checks the index file against the shards: every name it maps must be
  * in the shard it names, no name twice, and as many names as tensors (so the
  * two name sets are equal); metadata.total_size, when present, must equal
- * the tensor bytes. */
+ * the tensor bytes.
+ *
+ * The lookups are independent, so they run in parallel and only say whether
+ * all is well; when anything is not, a serial walk in file order finds the
+ * first problem, so the message never depends on the thread count. */
 static int check_index(st_index *ix, const index_parse *p, const char *ipath, k3_err *err) {
-    unsigned char *seen = xcalloc(ix->n ? ix->n : 1, 1);
-    /* shard base names by hash: the weight map is in name order, so its
-     * file names change from one entry to the next */
-    size_t fcap = 16;
-    while (fcap < 4 * (size_t)ix->nshards) fcap *= 2;
-    int *fslot = xmalloc_array(fcap, sizeof *fslot);
-    for (size_t i = 0; i < fcap; i++) fslot[i] = -1;
-    for (int k = 0; k < ix->nshards; k++) {
-        const char *b = base_name(ix->shards[k].path);
-        size_t sl = hash_n(b, strlen(b)) & (fcap - 1);
-        while (fslot[sl] >= 0) sl = (sl + 1) & (fcap - 1);
-        fslot[sl] = k;
-    }
-    /* the lookups are independent: do them in parallel, then walk the
-     * results in order so the first problem reported is always the same */
-    long *tix = xmalloc_array(p->n ? p->n : 1, sizeof *tix);
-    int *shard_of = xmalloc_array(p->n ? p->n : 1, sizeof *shard_of);
+    st_block seen_blk = block_new(ix->n ? ix->n : 1);
+    unsigned char *seen = seen_blk.p;
+    file_table ft = file_table_new(ix);
     long nent = (long)p->n;
+    int bad = p->n != ix->n;
     /* Lookups go in batches: hash a batch and prefetch its slots, then
      * prefetch the names those slots point to, then compare. The table is far
      * larger than the caches, so this hides most of the memory latency. */
-    long nbatch = (nent + 15) / 16;
-#pragma omp parallel for schedule(static)
+    long nbatch = bad ? 0 : (nent + 15) / 16;
+#pragma omp parallel for schedule(static) reduction(| : bad)
     for (long bi = 0; bi < nbatch; bi++) {
         long i0 = bi * 16, i1 = i0 + 16 < nent ? i0 + 16 : nent;
         uint64_t h[16];
@@ -867,57 +1186,229 @@ static int check_index(st_index *ix, const index_parse *p, const char *ipath, k3
             __builtin_prefetch(&ix->slots[h[i - i0] & ix->mask]);
         }
         for (long i = i0; i < i1; i++) __builtin_prefetch(ix->slots[h[i - i0] & ix->mask].name);
+        int s = -1;
         for (long i = i0; i < i1; i++) {
             const wm_entry *e = &p->e[i];
-            int s = -1;
             /* consecutive entries usually name the same shard */
-            if (i > i0 && e->flen == p->e[i - 1].flen && memcmp(e->file, p->e[i - 1].file, e->flen) == 0)
-                s = shard_of[i - 1];
-            else
-                for (size_t sl = hash_n(e->file, e->flen) & (fcap - 1); fslot[sl] >= 0; sl = (sl + 1) & (fcap - 1)) {
-                    const char *b = base_name(ix->shards[fslot[sl]].path);
-                    if (strncmp(b, e->file, e->flen) == 0 && b[e->flen] == 0) {
-                        s = fslot[sl];
-                        break;
-                    }
-                }
-            shard_of[i] = s;
-            tix[i] = s < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i - i0]);
+            if (!(i > i0 && e->flen == p->e[i - 1].flen && memcmp(e->file, p->e[i - 1].file, e->flen) == 0))
+                s = file_shard(ix, &ft, e->file, e->flen);
+            long t = s < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i - i0]);
+            /* a tensor listed twice is seen twice (the byte may wrap later:
+             * bad is set by then) */
+            if (t < 0 || tensor_shard(ix, t) != s || __atomic_fetch_add(&seen[t], 1, __ATOMIC_RELAXED) != 0)
+                bad = 1;
         }
     }
     int rc = K3_OK;
-    for (size_t i = 0; i < p->n && rc == K3_OK; i++) {
-        const wm_entry *e = &p->e[i];
-        int s = shard_of[i];
-        long t = tix[i];
-        int nl = (int)(e->nlen > 200 ? 200 : e->nlen), fl = (int)(e->flen > 200 ? 200 : e->flen);
-        if (s < 0)
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: names shard '%.*s' (for '%.*s'), which is not in the directory",
-                         ipath, fl, e->file, nl, e->name);
-        else if (t < 0)
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: names tensor '%.*s', which no shard holds", ipath, nl, e->name);
-        else if (ix->tp[t]->shard != s)
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: maps '%.*s' to %.*s but it is in %s", ipath, nl, e->name, fl,
-                         e->file, base_name(ix->shards[ix->tp[t]->shard].path));
-        else if (seen[t]++)
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: lists tensor '%.*s' twice", ipath, nl, e->name);
+    if (bad) {
+        /* something is wrong: find the first problem in file order */
+        memset(seen, 0, ix->n);
+        for (size_t i = 0; i < p->n && rc == K3_OK; i++) {
+            const wm_entry *e = &p->e[i];
+            int s = file_shard(ix, &ft, e->file, e->flen);
+            long t = s < 0 ? -1 : find_n(ix, e->name, e->nlen);
+            int nl = (int)(e->nlen > 200 ? 200 : e->nlen), fl = (int)(e->flen > 200 ? 200 : e->flen);
+            if (s < 0)
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: names shard '%.*s' (for '%.*s'), which is not in the directory",
+                             ipath, fl, e->file, nl, e->name);
+            else if (t < 0)
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: names tensor '%.*s', which no shard holds", ipath, nl, e->name);
+            else if (tensor_shard(ix, t) != s)
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: maps '%.*s' to %.*s but it is in %s", ipath, nl, e->name, fl,
+                             e->file, base_name(ix->shards[tensor_shard(ix, t)].path));
+            else if (seen[t]++)
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: lists tensor '%.*s' twice", ipath, nl, e->name);
+        }
+        for (size_t i = 0; i < ix->n && rc == K3_OK; i++)
+            if (!seen[i])
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: does not list tensor '%s' (in %s)", ipath, ix->tp[i]->name,
+                             base_name(ix->shards[ix->tp[i]->shard].path));
     }
-    free(tix);
-    free(shard_of);
-    for (size_t i = 0; i < ix->n && rc == K3_OK; i++)
-        if (!seen[i])
-            rc = k3_fail(err, K3_EXIT_DATA, "%s: does not list tensor '%s' (in %s)", ipath, ix->tp[i]->name,
-                         base_name(ix->shards[ix->tp[i]->shard].path));
-    free(seen);
-    free(fslot);
+    block_free(&seen_blk);
+    free(ft.slot);
     if (rc == K3_OK && p->has_total) {
+        /* the tensors of a shard tile its data section exactly (checked), so
+         * their bytes are the section's length */
         uint64_t total = 0;
-        for (size_t i = 0; i < ix->n; i++) total += ix->tp[i]->nbytes;
+        for (int k = 0; k < ix->nshards; k++) total += ix->shards[k].file_size - ix->shards[k].data_start;
         if (p->total != total)
             rc = k3_fail(err, K3_EXIT_DATA, "%s: metadata.total_size %llu but the shards hold %llu tensor bytes",
                          ipath, (unsigned long long)p->total, (unsigned long long)total);
     }
     return rc;
+}
+
+/* Weight-map entries "name": "file" from s->p on, each looked up while its
+ * text is still in cache, in batches (hash and prefetch the slots, prefetch
+ * the names they point to, compare); seen[t] is set for every tensor found.
+ * Stops after the last entry (no comma follows), or, when stop is given,
+ * right after the comma that ends at stop. False on anything unusual or
+ * wrong: an entry not in the shard it names, a wrong shard, text the strict
+ * scanner does not take, stop not met exactly. */
+#define WM_BATCH 32
+static bool wm_run(const st_index *ix, const file_table *ft, unsigned char *seen, scan *s, const char *stop,
+                   size_t *count) {
+    wm_entry b[WM_BATCH];
+    uint64_t h[WM_BATCH];
+    int shard = -1;
+    const char *prev_file = NULL, *shard_file = NULL;
+    size_t prev_flen = 0, shard_flen = 0, nb = 0, n = 0;
+    bool more = true, ok = true;
+    while (ok && (more || nb)) {
+        if (more) {
+            wm_entry *e = &b[nb];
+            if (!sk_str(s, &e->name, &e->nlen) || !sk_ch(s, ':')) {
+                ok = false;
+                break;
+            }
+            sk_ws(s);
+            /* the same file as the entry before (quote included): a string
+             * already read and checked */
+            if (prev_file && (size_t)(s->e - s->p) > prev_flen + 1 && s->p[0] == '"' &&
+                memcmp(s->p + 1, prev_file, prev_flen + 1) == 0) {
+                e->file = s->p + 1;
+                e->flen = prev_flen;
+                s->p += prev_flen + 2;
+            } else if (!sk_str(s, &e->file, &e->flen)) {
+                ok = false;
+                break;
+            }
+            prev_file = e->file;
+            prev_flen = e->flen;
+            h[nb] = hash_n(e->name, e->nlen);
+            __builtin_prefetch(&ix->slots[h[nb] & ix->mask]);
+            nb++;
+            more = sk_ch(s, ',');
+            if (more && stop && s->p >= stop) {
+                if (s->p != stop) ok = false;
+                more = false;
+            }
+            if (more && nb < WM_BATCH) continue;
+        }
+        for (size_t i = 0; i < nb; i++) __builtin_prefetch(ix->slots[h[i] & ix->mask].name);
+        for (size_t i = 0; i < nb && ok; i++) {
+            const wm_entry *e = &b[i];
+            /* consecutive entries usually name the same shard */
+            if (!(shard_file && e->flen == shard_flen && memcmp(e->file, shard_file, e->flen) == 0))
+                shard = file_shard(ix, ft, e->file, e->flen);
+            shard_file = e->file;
+            shard_flen = e->flen;
+            long t = shard < 0 ? -1 : find_h(ix, e->name, e->nlen, h[i]);
+            /* in the shard named: its tensors are first[shard] .. first[shard + 1] - 1 */
+            if (t < 0 || (size_t)t < ix->first[shard] || (size_t)t >= ix->first[shard + 1]) ok = false;
+            else __atomic_store_n(&seen[t], 1, __ATOMIC_RELAXED); /* a tensor listed twice leaves another unseen */
+        }
+        n += nb;
+        nb = 0;
+    }
+    if (stop && ok && s->p != stop) ok = false;
+    *count = n;
+    return ok;
+}
+
+/* The usual case: the weight map read by the strict scanner and checked as
+ * it is read. A big weight map that is the last key is read in two halves
+ * in parallel: the second half starts after the first '",' past the middle,
+ * which is a boundary between entries only if the first half's reading ends
+ * exactly there (a string can hold a comma, never a quote); otherwise the
+ * whole map is read again in one piece. Answers K3_OK only when everything
+ * checks (every entry in the shard it names, each tensor once, all listed,
+ * total_size right); anything else, unusual text or a problem, answers BAIL
+ * and the caller runs the general path (index_load, check_index), which also
+ * words the message. */
+static int index_check_fast(st_index *ix, const char *ipath) {
+    if (force_jansson()) return BAIL;
+    int fd = open(ipath, O_RDONLY | O_CLOEXEC);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0 || st.st_size <= 0) {
+        if (fd >= 0) close(fd);
+        return BAIL;
+    }
+    size_t len = (size_t)st.st_size;
+    void *map = mmap(NULL, len, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0);
+    close(fd);
+    if (map == MAP_FAILED) return BAIL;
+    st_block seen_blk = block_new(ix->n ? ix->n : 1);
+    unsigned char *seen = seen_blk.p;
+    file_table ft = file_table_new(ix);
+    scan s = {map, (const char *)map + len};
+    bool seen_meta = false, seen_map = false, has_total = false, ok = true;
+    uint64_t total = 0;
+    size_t count = 0;
+    if (!sk_ch(&s, '{')) ok = false;
+    else
+        do {
+            const char *k;
+            size_t kn;
+            if (!sk_str(&s, &k, &kn) || !sk_ch(&s, ':')) {
+                ok = false;
+            } else if (key_is(k, kn, "metadata") && !seen_meta) {
+                seen_meta = true;
+                if (!sk_ch(&s, '{')) ok = false;
+                else if (sk_ch(&s, '}')) continue;
+                else {
+                    const char *mk;
+                    size_t mkn;
+                    ok = sk_str(&s, &mk, &mkn) && key_is(mk, mkn, "total_size") && sk_ch(&s, ':') &&
+                         sk_uint(&s, &total) && sk_ch(&s, '}');
+                    has_total = true;
+                }
+            } else if (key_is(k, kn, "weight_map") && !seen_map) {
+                seen_map = true;
+                if (!sk_ch(&s, '{')) ok = false;
+                else if (sk_ch(&s, '}')) continue;
+                else {
+                    /* the split point: the first '",' after the middle of
+                     * what is left (the map's own end is further on) */
+                    const char *mid = s.p + (size_t)(s.e - s.p) / 2, *split = NULL;
+                    if (s.e - s.p > 256) /* two threads pay off early; small maps test the split */
+                        for (const char *q = mid; q + 1 < s.e && (q = memchr(q, '"', (size_t)(s.e - q - 1))); q++)
+                            if (q[1] == ',') {
+                                split = q + 2;
+                                break;
+                            }
+                    bool done = false;
+                    if (split) {
+                        scan part[2] = {s, {split, s.e}};
+                        size_t cnt[2] = {0, 0};
+                        bool pok[2] = {false, false};
+#pragma omp parallel for schedule(static, 1)
+                        for (int i = 0; i < 2; i++)
+                            pok[i] = wm_run(ix, &ft, seen, &part[i], i ? NULL : split, &cnt[i]);
+                        if (pok[0] && pok[1]) {
+                            s = part[1];
+                            count = cnt[0] + cnt[1];
+                            done = true;
+                        } else {
+                            /* not a boundary after all, or a problem: read it
+                             * in one piece */
+                            memset(seen, 0, ix->n);
+                        }
+                    }
+                    if (ok && !done) ok = wm_run(ix, &ft, seen, &s, NULL, &count);
+                    if (ok && !sk_ch(&s, '}')) ok = false;
+                }
+            } else {
+                ok = false;
+            }
+        } while (ok && sk_ch(&s, ','));
+    if (ok) {
+        ok = sk_ch(&s, '}') && seen_map;
+        sk_ws(&s);
+        /* as many entries as tensors, each found: all listed, none twice */
+        ok = ok && s.p == s.e && count == ix->n && (ix->n == 0 || !memchr(seen, 0, ix->n));
+    }
+    if (ok && has_total) {
+        /* the tensors of a shard tile its data section exactly (checked), so
+         * their bytes are the section's length */
+        uint64_t sum = 0;
+        for (int k = 0; k < ix->nshards; k++) sum += ix->shards[k].file_size - ix->shards[k].data_start;
+        ok = sum == total;
+    }
+    block_free(&seen_blk);
+    free(ft.slot);
+    munmap(map, len);
+    return ok ? K3_OK : BAIL;
 }
 
 int st_open(const char *path, st_index **out, k3_err *err) {
@@ -963,25 +1454,20 @@ int st_open(const char *path, st_index **out, k3_err *err) {
     k3_err *serr = xcalloc((size_t)nfiles, sizeof *serr);
     int *scode = xcalloc((size_t)nfiles, sizeof *scode);
     index_parse ip = {0};
-    k3_err ierr = {0};
-    int icode = K3_OK;
     json_object_seed(0); /* before any thread creates an object */
-    int ntasks = nfiles + (ipath ? 1 : 0);
 #pragma omp parallel
     {
         char *buf = NULL;
         size_t cap = 0;
+        size_t g = (size_t)nfiles;
+        parse_mem mem = {.t.grain = g, .h.grain = g, .names.grain = g};
 #pragma omp for schedule(dynamic, 1)
-        for (int task = 0; task < ntasks; task++) {
-            if (ipath && task == 0) {
-                /* the index file is the largest single parse: start it first */
-                icode = index_load(ipath, &ip, &ierr);
-                continue;
-            }
-            int s = task - (ipath ? 1 : 0);
-            scode[s] = parse_file(ix->shards[s].path, s, &ix->shards[s], &sp[s], &buf, &cap, &serr[s]);
+        for (int s = 0; s < nfiles; s++) {
+            scode[s] = parse_file(ix->shards[s].path, s, &ix->shards[s], &mem, &sp[s], &buf, &cap, &serr[s]);
         }
         free(buf);
+#pragma omp critical(st_open_mem)
+        parse_mem_move(&ix->mem, &mem);
     }
     rc = K3_OK;
     for (int s = 0; s < nfiles && rc == K3_OK; s++)
@@ -991,10 +1477,6 @@ int st_open(const char *path, st_index **out, k3_err *err) {
         }
     free(serr);
     free(scode);
-    if (rc == K3_OK && icode) {
-        if (err) *err = ierr;
-        rc = icode;
-    }
     if (rc) {
         for (int s = 0; s < nfiles; s++) shard_parse_free(&sp[s]);
         free(sp);
@@ -1012,17 +1494,21 @@ int st_open(const char *path, st_index **out, k3_err *err) {
         total = 0;
     }
     ix->n = total;
-    ix->tp = xmalloc_array(total ? total : 1, sizeof *ix->tp);
+    ix->tp_blk = block_new((total ? total : 1) * sizeof *ix->tp);
+    ix->tp = ix->tp_blk.p;
     size_t cap = 16;
     while (cap < 2 * total) cap *= 2;
     ix->mask = cap - 1;
-    ix->slots = xcalloc(cap, sizeof *ix->slots);
+    ix->slots_blk = block_new(cap * sizeof *ix->slots); /* zero-filled either way */
+    ix->slots = ix->slots_blk.p;
     size_t k = 0;
+    ix->first = xcalloc((size_t)nfiles + 1, sizeof *ix->first);
+    for (int s = 0; s < nfiles; s++) ix->first[s + 1] = ix->first[s] + sp[s].n;
     for (int s = 0; s < nfiles && rc == K3_OK; s++) {
         for (size_t j = 0; j < sp[s].n && rc == K3_OK; j++) {
             size_t i = k + j;
             uint64_t h = sp[s].hash[j];
-            if (j + 8 < sp[s].n) __builtin_prefetch(&ix->slots[sp[s].hash[j + 8] & ix->mask], 1);
+            if (j + 32 < sp[s].n) __builtin_prefetch(&ix->slots[sp[s].hash[j + 32] & ix->mask], 1);
             ix->tp[i] = &sp[s].t[j];
             const char *name = sp[s].t[j].name;
             for (size_t sl = h & ix->mask;; sl = (sl + 1) & ix->mask) {
@@ -1041,16 +1527,27 @@ int st_open(const char *path, st_index **out, k3_err *err) {
         k += sp[s].n;
         /* the shard keeps its tensors, names and metadata; tp points in */
         ix->priv[s].t = sp[s].t;
-        ix->priv[s].names = sp[s].names;
         ix->priv[s].meta = sp[s].meta;
-        sp[s].t = NULL;
-        sp[s].names = NULL;
         sp[s].meta = NULL;
         shard_parse_free(&sp[s]);
     }
     for (int s = 0; s < nfiles; s++) shard_parse_free(&sp[s]);
     free(sp);
-    if (rc == K3_OK && ipath) rc = check_index(ix, &ip, ipath, err);
+    /* phase 3: the index file. Its own errors (unreadable, bad JSON, no
+     * weight_map) come before those of phase 2, as the shards' do. */
+    if (ipath) {
+        if (rc) {
+            k3_err ierr = {0};
+            int icode = index_load(ipath, &ip, &ierr);
+            if (icode) {
+                if (err) *err = ierr;
+                rc = icode;
+            }
+        } else if (index_check_fast(ix, ipath) != K3_OK) {
+            rc = index_load(ipath, &ip, err);
+            if (rc == K3_OK) rc = check_index(ix, &ip, ipath, err);
+        }
+    }
     index_parse_free(&ip);
     free(ipath);
     if (rc) {
