@@ -45,6 +45,9 @@ typedef struct {
 extern const k_vops k_scalar_ops;
 #if defined(__x86_64__)
 extern const k_vops k_avx512_ops;
+/* Products over >= 8 inputs decode rows once into an f32 panel (default on);
+ * off runs the direct tiles. Same bits; for benchmarks only. */
+void k_avx512_set_panel(bool on);
 #endif
 /* The table in force (scalar when forced or when the CPU lacks AVX-512). */
 const k_vops *k_ops(void);
