@@ -5,7 +5,8 @@
  *
  *   bin/bench_decode MODEL_DIR [--prompt N] [--gen N] [--threads 1,2] [--probe-mb MB] [--chunk N]
  *
- * --chunk: positions per forward pass (k3_model_opts.prefill_chunk; default 64).
+ * --chunk: positions per forward pass (k3_model_opts.prefill_chunk; default
+ * K3_PREFILL_CHUNK, 256).
  *
  * Build a checkpoint with tools/gen_checkpoint.py (e.g. --preset issue7, 627 MB,
  * 96 MXFP4 experts). Not a test: numbers depend on the machine and its load. */
@@ -220,7 +221,7 @@ int main(int argc, char **argv) {
         return err.code;
     }
     printf("\nprefill (%d-token prompt, one call, chunks of %d; %.2f GFLOP = 2 x multiply-adds incl. attention)\n", np,
-           chunk > 0 ? chunk : 64, 2 * pf_macs / 1e9);
+           chunk > 0 ? chunk : K3_PREFILL_CHUNK, 2 * pf_macs / 1e9);
     double peak = fma_peak_gflops();
     printf("%-7s %10s %10s %10s %12s %12s %10s\n", "threads", "tok/s", "GFLOP/s", "% of peak", "CPU s",
            "GFLOP/CPU-s", "% of peak");
