@@ -23,7 +23,7 @@ ASN_LIB  := $(LIB_SRC:%.c=build/asan/%.o)
 REL_TEST := $(TEST_SRC:%.c=build/rel/%.o)
 ASN_TEST := $(TEST_SRC:%.c=build/asan/%.o)
 
-.PHONY: all test clean setup bench fuzz
+.PHONY: all test clean setup bench bench-report fuzz
 all: bin/k3
 
 bin/k3: build/rel/src/cli/main.o $(REL_LIB) | bin
@@ -61,6 +61,10 @@ BENCH_SRC := $(sort $(wildcard bench/*.c))
 bench: $(BENCH_SRC:bench/%.c=bin/bench_%)
 bin/bench_%: build/rel/bench/%.o $(REL_LIB) | bin
 	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)
+# issue 7's summary table in one run (docs/performance.md, "The summary table");
+# e.g. make bench-report ARGS=--quick
+bench-report: bin/k3 bin/bench_decode bin/bench_stream bin/bench_train bin/bench_index
+	bash bench/report.sh $(ARGS)
 
 # Fuzzing (libFuzzer; needs clang): bin/fuzz_safetensors, bin/fuzz_config.
 # Only the parsers' sources are compiled, without OpenMP (its pragmas are

@@ -4,14 +4,18 @@
  * (so the ratio to the machine's limit is visible).
  *
  *   bin/bench_decode MODEL_DIR [--prompt N] [--gen N] [--threads 1,2] [--probe-mb MB] [--chunk N]
+ *                    [--json FILE]
  *
  * --chunk: positions per forward pass (k3_model_opts.prefill_chunk; default
  * K3_PREFILL_CHUNK, 256).
+ * --json: also write every figure of the tables to FILE (atomically), for
+ * bench/report.sh; the printed tables are the same with or without it.
  *
  * Build a checkpoint with tools/gen_checkpoint.py (e.g. --preset issue7, 627 MB,
  * 96 MXFP4 experts). Not a test: numbers depend on the machine and its load. */
 #include "model/model.h"
 
+#include <jansson.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -114,7 +118,7 @@ static int cmp_double(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
-    const char *dir = NULL, *tlist = "1,2";
+    const char *dir = NULL, *tlist = "1,2", *json_path = NULL;
     int np = 64, ng = 32, probe_mb = 1024, chunk = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--prompt") && i + 1 < argc) np = atoi(argv[++i]);
@@ -122,14 +126,17 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--threads") && i + 1 < argc) tlist = argv[++i];
         else if (!strcmp(argv[i], "--probe-mb") && i + 1 < argc) probe_mb = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--chunk") && i + 1 < argc) chunk = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
         else if (argv[i][0] != '-' && !dir) dir = argv[i];
         else {
-            fprintf(stderr, "usage: bench_decode MODEL_DIR [--prompt N] [--gen N] [--threads 1,2] [--probe-mb MB] [--chunk N]\n");
+            fprintf(stderr, "usage: bench_decode MODEL_DIR [--prompt N] [--gen N] [--threads 1,2] [--probe-mb MB] [--chunk N] "
+                            "[--json FILE]\n");
             return 2;
         }
     }
     if (!dir || np < 1 || ng < 2 || probe_mb < 16) {
-        fprintf(stderr, "usage: bench_decode MODEL_DIR [--prompt N] [--gen N>=2] [--threads 1,2] [--probe-mb MB>=16] [--chunk N]\n");
+        fprintf(stderr, "usage: bench_decode MODEL_DIR [--prompt N] [--gen N>=2] [--threads 1,2] [--probe-mb MB>=16] [--chunk N] "
+                        "[--json FILE]\n");
         return 2;
     }
     int threads[16], nt = 0;
@@ -177,6 +184,7 @@ int main(int argc, char **argv) {
     printf("%-7s %9s %9s | %9s %9s %9s %8s | %10s %9s %8s\n", "", "GB/s", "CPU GB/s", "tok/s", "tok/s", "GB/s",
            "probe", "per token", "GB/s", "CPU prb");
     struct { double pre_wall, pre_cpu; } *pf = xcalloc((size_t)nt, sizeof *pf);
+    json_t *jdec = json_array();
     for (int ti = 0; ti < nt; ti++) {
         int t = threads[ti];
         omp_set_num_threads(t);
@@ -215,6 +223,10 @@ int main(int argc, char **argv) {
         dec_cpu[ti] = cgbs;
         printf("%-7d %9.1f %9.1f | %9.2f %9.2f %9.2f %7.0f%% | %10.1f %9.2f %7.0f%%\n", t, bw, bwc, dec, med, gbs,
                100 * gbs / bw, 1e3 * cpt, cgbs, 100 * cgbs / bwc);
+        json_array_append_new(jdec, json_pack("{s:i, s:f, s:f, s:f, s:f, s:f, s:f, s:f}", "threads", t,
+                                              "probe_gbs", bw, "probe_cpu_gbs", bwc, "best_tokens_per_s", dec,
+                                              "median_tokens_per_s", med, "best_gbs", gbs,
+                                              "cpu_ms_per_token", 1e3 * cpt, "cpu_gbs", cgbs));
         continue;
     fail:
         fprintf(stderr, "k3: %s\n", err.msg);
@@ -231,6 +243,32 @@ int main(int argc, char **argv) {
                peak > 0 ? 100 * g / (peak * threads[ti]) : 0, pf[ti].pre_cpu, gc, peak > 0 ? 100 * gc / peak : 0);
     }
     printf("FMA peak: %.1f GFLOP/s per core (AVX-512 FMA loop, CPU time)\n", peak);
+    if (json_path) {
+        json_t *jpf = json_array();
+        for (int ti = 0; ti < nt; ti++)
+            json_array_append_new(jpf, json_pack("{s:i, s:f, s:f, s:f, s:f, s:f}", "threads", threads[ti],
+                                                 "wall_s", pf[ti].pre_wall, "cpu_s", pf[ti].pre_cpu,
+                                                 "tokens_per_s", np / pf[ti].pre_wall,
+                                                 "gflops", 2 * pf_macs / pf[ti].pre_wall / 1e9,
+                                                 "gflops_per_cpu_s", 2 * pf_macs / pf[ti].pre_cpu / 1e9));
+        json_t *o = json_pack("{s:s, s:i, s:i, s:i, s:i, s:I, s:I, s:s, s:i, s:i, s:i, s:i, s:f, s:f, s:o, s:o}",
+                              "model", dir, "layers", c->num_layers, "hidden", c->hidden_size, "experts",
+                              c->num_experts, "experts_per_token", c->experts_per_token, "weight_bytes",
+                              (json_int_t)k3_model_weight_bytes(m), "bytes_per_token", (json_int_t)bpt, "kernels",
+                              k_path_name(), "prompt", np, "gen", ng, "chunk", chunk > 0 ? chunk : K3_PREFILL_CHUNK, "probe_mb",
+                              probe_mb, "prefill_gflop", 2 * pf_macs / 1e9, "fma_peak_gflops_per_core", peak,
+                              "decode", jdec, "prefill", jpf);
+        jdec = NULL;
+        char *txt = o ? json_dumps(o, JSON_INDENT(1) | JSON_REAL_PRECISION(6)) : NULL;
+        json_decref(o);
+        if (!txt || k3_write_file_atomic(json_path, txt, strlen(txt), &err)) {
+            fprintf(stderr, "k3: %s\n", txt ? err.msg : "bench_decode: cannot build the JSON report");
+            free(txt);
+            return 1;
+        }
+        free(txt);
+    }
+    json_decref(jdec);
     printf("\n(decode GB/s = tok/s x %.1f MB of weights per token; %% of probe = that / the read-bandwidth probe\n"
            " taken at the same thread count just before; CPU columns divide CPU time by the thread count)\n",
            bpt / 1e6);

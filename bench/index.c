@@ -1,13 +1,15 @@
 /* bench_index: time st_open on a model directory (the sparse replica of the
  * release: 497,220 tensors in 96 shards, tools/make_sparse_replica.py).
  *
- *   bin/bench_index DIR [REPEATS]
+ *   bin/bench_index DIR [REPEATS] [--json FILE]
  *
  * Prints the best and median wall time of REPEATS opens (default 5) and the
  * tensors indexed per second, and the CPU seconds per open (all threads),
- * which a busy machine does not inflate. OMP_NUM_THREADS sets the threads. */
+ * which a busy machine does not inflate. OMP_NUM_THREADS sets the threads.
+ * --json also writes those figures to FILE (for bench/report.sh). */
 #include "formats/safetensors.h"
 
+#include <jansson.h>
 #include <omp.h>
 #include <sys/resource.h>
 #include <stdlib.h>
@@ -26,8 +28,13 @@ static int cmp_d(const void *a, const void *b) {
 }
 
 int main(int argc, char **argv) {
+    const char *json_path = NULL;
+    if (argc >= 4 && !strcmp(argv[argc - 2], "--json")) {
+        json_path = argv[argc - 1];
+        argc -= 2;
+    }
     if (argc < 2 || argc > 3) {
-        fprintf(stderr, "usage: bench_index DIR [REPEATS]\n");
+        fprintf(stderr, "usage: bench_index DIR [REPEATS] [--json FILE]\n");
         return K3_EXIT_USAGE;
     }
     int reps = argc == 3 ? atoi(argv[2]) : 5;
@@ -61,6 +68,21 @@ int main(int argc, char **argv) {
            (double)n / t[0] / 1e6);
     /* CPU time is the figure that does not depend on what else the machine runs */
     printf("cpu %.3f s per open (user+sys, all threads)\n", cpu);
+    if (json_path) {
+        json_t *o = json_pack("{s:s, s:I, s:i, s:i, s:i, s:f, s:f, s:f}", "dir", argv[1], "tensors", (json_int_t)n,
+                              "shards", nshards, "threads", omp_get_max_threads(), "repeats", reps, "best_s", t[0],
+                              "median_s", t[reps / 2], "cpu_s_per_open", cpu);
+        char *txt = o ? json_dumps(o, JSON_INDENT(1) | JSON_REAL_PRECISION(6)) : NULL;
+        json_decref(o);
+        k3_err err = {0};
+        if (!txt || k3_write_file_atomic(json_path, txt, strlen(txt), &err)) {
+            fprintf(stderr, "k3: %s\n", txt ? err.msg : "bench_index: cannot build the JSON report");
+            free(txt);
+            free(t);
+            return 1;
+        }
+        free(txt);
+    }
     free(t);
     return 0;
 }

@@ -17,7 +17,9 @@ TEST_PKGS="python3 python3-numpy util-linux nodejs clang chromium curl"
 want="$BUILD_PKGS"
 case "${1:-}" in
   --test) want="$BUILD_PKGS $TEST_PKGS" ;;
-  --dev)  want="$BUILD_PKGS $TEST_PKGS python3-torch" ;;
+  # --dev: PyTorch for the reference tools; OpenBLAS so that the PyTorch side of
+  # the training benchmark runs on an optimised BLAS, not Debian's netlib reference.
+  --dev)  want="$BUILD_PKGS $TEST_PKGS python3-torch libopenblas0-pthread" ;;
 esac
 # Debian's nodejs comes without npm (a separate package); a Node.js that already
 # has npm (such as NodeSource's) must not get Debian's npm, which conflicts with it.
