@@ -712,6 +712,34 @@ TEST(elementwise_scalar_equals_simd) {
     pool_free();
 }
 
+/* The recurrent form over T positions (which fuses the write sweep of one
+ * step with the decay sweep of the next) == T calls of one position each
+ * (the two sweeps one after the other): o and S bit for bit, both paths,
+ * register sweeps (D 16..128) and the generic loop (D 8, 17). */
+TEST(kda_recurrent_fused_steps_same_bits) {
+    static const int cases[][3] = {{7, 2, 8}, {5, 3, 17}, {9, 2, 16}, {6, 1, 32}, {5, 2, 64}, {4, 1, 128}};
+    for (int path = 0; path < 2; path++) {
+        k_set_scalar(path == 0);
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            int T = cases[c][0], H = cases[c][1], D = cases[c][2];
+            size_t HD = (size_t)H * D, n = (size_t)T * HD, ns = HD * D;
+            float *q, *k, *v, *g, *beta;
+            kda_inputs(T, H, D, -5.0f, &q, &k, &v, &g, &beta);
+            float *S0 = frand(ns, -0.5f, 0.5f);
+            float *o1 = fzero(n), *S1 = fcopy(S0, ns), *o2 = fzero(n), *S2 = fcopy(S0, ns);
+            k_kda_recurrent(o1, S1, q, k, v, g, beta, T, H, D);
+            for (int t = 0; t < T; t++)
+                k_kda_recurrent(o2 + t * HD, S2, q + t * HD, k + t * HD, v + t * HD, g + t * HD, beta + (size_t)t * H,
+                                1, H, D);
+            size_t at = 0;
+            CHECKF(same_bits(o1, o2, n, &at), "%s T %d H %d D %d: o differs at %zu", k_path_name(), T, H, D, at);
+            CHECKF(same_bits(S1, S2, ns, &at), "%s T %d H %d D %d: S differs at %zu", k_path_name(), T, H, D, at);
+        }
+        pool_free();
+    }
+    k_set_scalar(false);
+}
+
 TEST(kda_scalar_equals_simd_and_threads) {
     NEED_SIMD();
     static const int cases[][5] = {{1, 3, 16, 16, 4}, {9, 2, 17, 4, 3}, {40, 4, 32, 16, 4}, {23, 2, 8, 64, 2},

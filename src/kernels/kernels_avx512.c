@@ -256,6 +256,40 @@ KDA_ROWS(2)
 KDA_ROWS(4)
 KDA_ROWS(8)
 
+/* The write sweep of one step and the decay sweep of the next in one pass
+ * (o, u2 and d in registers): each row of S is read and written once per
+ * step instead of twice, the same elementwise operations in the same order. */
+#define KDA_WD(ND)                                                                                \
+    TGT static void kda_wd_##ND(float *S, const float *k, const float *d, const float *qs, float *o, \
+                                const float *a2, const float *k2, float *u2) {                    \
+        __m512 ao[ND], au[ND], dv[ND];                                                            \
+        UNROLL for (int v = 0; v < ND; v++) {                                                     \
+            ao[v] = _mm512_loadu_ps(o + 16 * v);                                                  \
+            au[v] = _mm512_loadu_ps(u2 + 16 * v);                                                 \
+            dv[v] = _mm512_loadu_ps(d + 16 * v);                                                  \
+        }                                                                                         \
+        for (int i = 0; i < 16 * ND; i++) {                                                       \
+            float *Si = S + (size_t)i * 16 * ND;                                                  \
+            __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(qs[i]);                         \
+            __m512 ai = _mm512_set1_ps(a2[i]), k2i = _mm512_set1_ps(k2[i]);                       \
+            UNROLL for (int v = 0; v < ND; v++) {                                                 \
+                __m512 sv = _mm512_fmadd_ps(ki, dv[v], _mm512_loadu_ps(Si + 16 * v));             \
+                ao[v] = _mm512_fmadd_ps(qi, sv, ao[v]);                                           \
+                sv = _mm512_mul_ps(sv, ai);                                                       \
+                _mm512_storeu_ps(Si + 16 * v, sv);                                                \
+                au[v] = _mm512_fmadd_ps(k2i, sv, au[v]);                                          \
+            }                                                                                     \
+        }                                                                                         \
+        UNROLL for (int v = 0; v < ND; v++) {                                                     \
+            _mm512_storeu_ps(o + 16 * v, ao[v]);                                                  \
+            _mm512_storeu_ps(u2 + 16 * v, au[v]);                                                 \
+        }                                                                                         \
+    }
+KDA_WD(1)
+KDA_WD(2)
+KDA_WD(4)
+KDA_WD(8)
+
 TGT static void v_kda_rows_decay(float *S, int D, const float *a, const float *k, float *u) {
     switch (D) {
     case 16: kda_decay_1(S, a, k, u); return;
@@ -280,6 +314,23 @@ TGT static void v_kda_rows_write(float *S, int D, const float *k, const float *d
         float *Si = S + (size_t)i * D;
         v_axpy(Si, k[i], d, D);
         v_axpy(o, qs[i], Si, D);
+    }
+}
+
+TGT static void v_kda_rows_write_decay(float *S, int D, const float *k, const float *d, const float *qs, float *o,
+                                       const float *a2, const float *k2, float *u2) {
+    switch (D) {
+    case 16: kda_wd_1(S, k, d, qs, o, a2, k2, u2); return;
+    case 32: kda_wd_2(S, k, d, qs, o, a2, k2, u2); return;
+    case 64: kda_wd_4(S, k, d, qs, o, a2, k2, u2); return;
+    case 128: kda_wd_8(S, k, d, qs, o, a2, k2, u2); return;
+    }
+    for (int i = 0; i < D; i++) {
+        float *Si = S + (size_t)i * D;
+        v_axpy(Si, k[i], d, D);
+        v_axpy(o, qs[i], Si, D);
+        v_scale(Si, Si, a2[i], D);
+        v_axpy(u2, k2[i], Si, D);
     }
 }
 
@@ -793,6 +844,7 @@ const k_vops k_avx512_ops = {
     .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
     .prepare = v_prepare, .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .dots = v_dots, .kda_rows_decay = v_kda_rows_decay,
     .kda_rows_write = v_kda_rows_write, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
+    .kda_rows_write_decay = v_kda_rows_write_decay,
 };
 
 #endif
