@@ -17,6 +17,10 @@
 #include <string.h>
 #include <time.h>
 
+#ifndef K3_PREFILL_CHUNK /* builds against an engine older than the constant (its default was 64) */
+#define K3_PREFILL_CHUNK 64
+#endif
+
 static double cpu_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
