@@ -6,7 +6,8 @@
  *   bin/bench_decode MODEL_DIR [--prompt N] [--gen N] [--threads 1,2] [--probe-mb MB] [--chunk N]
  *                    [--json FILE]
  *
- * --chunk: positions per forward pass (k3_model_opts.prefill_chunk; default 64).
+ * --chunk: positions per forward pass (k3_model_opts.prefill_chunk; default
+ * K3_PREFILL_CHUNK, 256).
  * --json: also write every figure of the tables to FILE (atomically), for
  * bench/report.sh; the printed tables are the same with or without it.
  *
@@ -236,7 +237,7 @@ int main(int argc, char **argv) {
         return err.code;
     }
     printf("\nprefill (%d-token prompt, one call, chunks of %d; %.2f GFLOP = 2 x multiply-adds incl. attention)\n", np,
-           chunk > 0 ? chunk : 64, 2 * pf_macs / 1e9);
+           chunk > 0 ? chunk : K3_PREFILL_CHUNK, 2 * pf_macs / 1e9);
     double peak = fma_peak_gflops();
     printf("%-7s %10s %10s %10s %12s %12s %10s\n", "threads", "tok/s", "GFLOP/s", "% of peak", "CPU s",
            "GFLOP/CPU-s", "% of peak");
@@ -258,7 +259,7 @@ int main(int argc, char **argv) {
                               "model", dir, "layers", c->num_layers, "hidden", c->hidden_size, "experts",
                               c->num_experts, "experts_per_token", c->experts_per_token, "weight_bytes",
                               (json_int_t)k3_model_weight_bytes(m), "bytes_per_token", (json_int_t)bpt, "kernels",
-                              k_path_name(), "prompt", np, "gen", ng, "chunk", chunk > 0 ? chunk : 64, "probe_mb",
+                              k_path_name(), "prompt", np, "gen", ng, "chunk", chunk > 0 ? chunk : K3_PREFILL_CHUNK, "probe_mb",
                               probe_mb, "prefill_gflop", 2 * pf_macs / 1e9, "fma_peak_gflops_per_core", peak,
                               "decode", jdec, "prefill", jpf);
         jdec = NULL;

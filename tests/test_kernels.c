@@ -594,6 +594,47 @@ TEST(products_tiles_and_batches_agree) {
     pool_free();
 }
 
+/* Products over many inputs (the SIMD path decodes each row once into an f32
+ * panel and sweeps wide rows in column blocks of 1024, keeping the lane
+ * accumulators between blocks): every input against the scalar matvec, for
+ * rows wider than one and several blocks, a ragged last vector, row counts
+ * that leave edge tiles and panel remainders, MXFP4 layouts the fast decode
+ * takes and one it does not, -0 weights (sign-symmetric E2M1 codes), and
+ * input counts on both sides of the panel threshold; 1 and 2 threads. */
+TEST(products_panel_column_blocks_agree) {
+    static const int shapes[][4] = {{KW_BF16, 37, 2070, 0}, {KW_BF16, 20, 1024, 0}, {KW_F32, 19, 1041, 0},
+                                    {KW_MXFP4, 21, 2112, 32}, {KW_MXFP4, 18, 1040, 16}, {KW_MXFP4, 5, 1030, 10},
+                                    {KW_BF16, 33, 40, 0}};
+    static const int ntoks[] = {7, 8, 9, 13, 40};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        kw_type type = (kw_type)shapes[si][0];
+        int rows = shapes[si][1], cols = shapes[si][2];
+        tmat t = make_mat(type, rows, cols, shapes[si][3]);
+        if (type == KW_BF16) ((uint16_t *)t.buf)[3] = 0x8000; /* a -0 weight */
+        int nmax = 40;
+        float *X = frand((size_t)nmax * cols, -1, 1);
+        X[5] = -0.0f;
+        float *ref = fzero((size_t)nmax * rows);
+        k_set_scalar(true);
+        omp_set_num_threads(1);
+        for (int i = 0; i < nmax; i++) k_matvec(&t.m, X + (size_t)i * cols, ref + (size_t)i * rows);
+        k_set_scalar(false);
+        for (int th = 1; th <= 2; th++) {
+            omp_set_num_threads(th);
+            for (size_t ni = 0; ni < sizeof ntoks / sizeof ntoks[0]; ni++) {
+                int n = ntoks[ni];
+                float *y = fzero((size_t)n * rows);
+                k_matmul(&t.m, X, n, y);
+                size_t at = 0;
+                CHECKF(same_bits(y, ref, (size_t)n * rows, &at), "%s %dx%d n %d %s threads %d: differs at %zu",
+                       tname[type], rows, cols, n, k_path_name(), th, at);
+            }
+        }
+        pool_free();
+    }
+    omp_set_num_threads(2);
+}
+
 /* k_dots and k_gemm_acc: scalar == SIMD, and the definitions written out. */
 TEST(dots_and_gemm_acc_agree) {
     int rows = 37, len = 83, ldb = 100;
@@ -690,6 +731,34 @@ TEST(elementwise_scalar_equals_simd) {
             }
     }
     pool_free();
+}
+
+/* The recurrent form over T positions (which fuses the write sweep of one
+ * step with the decay sweep of the next) == T calls of one position each
+ * (the two sweeps one after the other): o and S bit for bit, both paths,
+ * register sweeps (D 16..128) and the generic loop (D 8, 17). */
+TEST(kda_recurrent_fused_steps_same_bits) {
+    static const int cases[][3] = {{7, 2, 8}, {5, 3, 17}, {9, 2, 16}, {6, 1, 32}, {5, 2, 64}, {4, 1, 128}};
+    for (int path = 0; path < 2; path++) {
+        k_set_scalar(path == 0);
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            int T = cases[c][0], H = cases[c][1], D = cases[c][2];
+            size_t HD = (size_t)H * D, n = (size_t)T * HD, ns = HD * D;
+            float *q, *k, *v, *g, *beta;
+            kda_inputs(T, H, D, -5.0f, &q, &k, &v, &g, &beta);
+            float *S0 = frand(ns, -0.5f, 0.5f);
+            float *o1 = fzero(n), *S1 = fcopy(S0, ns), *o2 = fzero(n), *S2 = fcopy(S0, ns);
+            k_kda_recurrent(o1, S1, q, k, v, g, beta, T, H, D);
+            for (int t = 0; t < T; t++)
+                k_kda_recurrent(o2 + t * HD, S2, q + t * HD, k + t * HD, v + t * HD, g + t * HD, beta + (size_t)t * H,
+                                1, H, D);
+            size_t at = 0;
+            CHECKF(same_bits(o1, o2, n, &at), "%s T %d H %d D %d: o differs at %zu", k_path_name(), T, H, D, at);
+            CHECKF(same_bits(S1, S2, ns, &at), "%s T %d H %d D %d: S differs at %zu", k_path_name(), T, H, D, at);
+        }
+        pool_free();
+    }
+    k_set_scalar(false);
 }
 
 TEST(kda_scalar_equals_simd_and_threads) {

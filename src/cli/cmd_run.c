@@ -428,6 +428,7 @@ static int run(const run_args *a, k3_err *err) {
     if ((rc = k3_runmem_begin(&a->mem, a->model_dir, a->layers, prompt_bound(a) + a->gen, a->max_memory, &r.rm, err)))
         goto done;
     mo.top_only = true;
+    mo.prefill_chunk = k3_runmem_chunk(r.rm); /* the plan's chunk: its scratch is what the plan counted */
     if ((rc = k3_model_open(a->model_dir, &mo, &r.m, err))) goto done;
     if ((rc = k3_runmem_attach(r.rm, r.m, err))) goto done;
     const k3_config *c = k3_model_config(r.m);
@@ -440,7 +441,7 @@ static int run(const run_args *a, k3_err *err) {
     int64_t max_pos = (int64_t)r.nprompt + a->gen;
     k3_state_plan plan = k3_state_size(r.m, max_pos);
     uint64_t wbytes = k3_model_weight_bytes(r.m);
-    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (a->dump ? 64 : 1);
+    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (a->dump ? (uint64_t)k3_runmem_chunk(r.rm) : 1);
     uint64_t need = plan.total + wbytes + logit_bytes;
     if (need < plan.total) need = UINT64_MAX;
     uint64_t budget = a->max_memory ? a->max_memory : k3_mem_available_bytes();

@@ -40,6 +40,13 @@ typedef struct {
     void (*silu)(float *x, int n);
     void (*situ)(float *out, const float *gate, const float *up, int n, float b1, float b2);
     void (*sigmoid_mul)(float *y, const float *gate, int n);          /* y *= sigmoid(gate) */
+    /* rows_write of one step fused with rows_decay of the next, one pass over
+     * S instead of two (prefill): for i: S_i = fma(k[i], d, S_i);
+     * o = fma(qs[i], S_i, o); S_i = S_i * a2[i]; u2 = fma(k2[i], S_i, u2).
+     * The same operations per element as the two sweeps one after the other.
+     * May be NULL (then the two sweeps run). */
+    void (*kda_rows_write_decay)(float *S, int D, const float *k, const float *d, const float *qs, float *o,
+                                 const float *a2, const float *k2, float *u2);
 } k_vops;
 
 extern const k_vops k_scalar_ops;
@@ -47,6 +54,9 @@ extern const k_vops k_scalar_ops;
 /* Partial tables are fine: a NULL slot runs the scalar primitive. */
 extern const k_vops k_avx2_ops;
 extern const k_vops k_avx512_ops;
+/* Products over >= 8 inputs decode rows once into an f32 panel (default on);
+ * off runs the direct tiles. Same bits; for benchmarks only. */
+void k_avx512_set_panel(bool on);
 #endif
 /* The table in force (kernels.c: K3_ISA or the best path the CPU has), with
  * every slot filled. Compare k_isa_active(), never table addresses. */

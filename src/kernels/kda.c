@@ -59,33 +59,53 @@ K3_HOT void k_kda_gate(float *g, const float *z, const float *A_log, const float
 
 /* ---- recurrent form --------------------------------------------------------------- */
 
-/* One head, one position. S is [D][D] (row i = key channel). */
-static void recur_step(const k_vops *ops, float *o, float *S, const float *q, const float *k,
-                       const float *v, const float *g, float beta, int D, float qscale, float *tmp) {
-    float *a = tmp, *u = tmp + D, *d = tmp + 2 * D, *qs = tmp + 3 * D;
+/* One head over T positions. S is [D][D] (row i = key channel). Per step:
+ *   S = diag(a) S; u = S^T k (sequential over i);  d = beta (v - u);
+ *   S += k d^T; o = S^T qs.
+ * Where the primitive table has it, the write sweep of step t and the decay
+ * sweep of step t+1 run as one pass over S (the same operations per element
+ * in the same order, so the same bits; S is read once per step, not twice). */
+static void recur_head(const k_vops *ops, float *o, float *S, const float *q, const float *k, const float *v,
+                       const float *g, const float *beta, int T, int H, int D, float qscale, float *tmp) {
+    float *a = tmp, *u = tmp + D, *d = tmp + 2 * D, *qs = tmp + 3 * D, *u2 = tmp + 4 * D;
+    size_t P = (size_t)H * (size_t)D;
+    if (T < 1) return;
     ops->vexp(a, g, D);
     memset(u, 0, (size_t)D * sizeof *u);
-    ops->kda_rows_decay(S, D, a, k, u); /* S = diag(a) S; u = S^T k (sequential over i) */
-    ops->subscale(d, v, u, beta, D);    /* d = beta (v - u) */
-    ops->scale(qs, q, qscale, D);
-    memset(o, 0, (size_t)D * sizeof *o);
-    ops->kda_rows_write(S, D, k, d, qs, o); /* S += k d^T; o = S^T qs */
+    ops->kda_rows_decay(S, D, a, k, u);
+    for (int t = 0; t < T; t++) {
+        size_t off = (size_t)t * P;
+        ops->subscale(d, v + off, u, beta[(size_t)t * H], D);
+        ops->scale(qs, q + off, qscale, D);
+        float *ot = o + off;
+        memset(ot, 0, (size_t)D * sizeof *ot);
+        if (t + 1 < T && ops->kda_rows_write_decay) {
+            ops->vexp(a, g + off + P, D);
+            memset(u2, 0, (size_t)D * sizeof *u2);
+            ops->kda_rows_write_decay(S, D, k + off, d, qs, ot, a, k + off + P, u2);
+            float *sw = u;
+            u = u2;
+            u2 = sw;
+        } else {
+            ops->kda_rows_write(S, D, k + off, d, qs, ot);
+            if (t + 1 < T) {
+                ops->vexp(a, g + off + P, D);
+                memset(u, 0, (size_t)D * sizeof *u);
+                ops->kda_rows_decay(S, D, a, k + off + P, u);
+            }
+        }
+    }
 }
 
 void k_kda_recurrent(float *o, float *S, const float *q, const float *k, const float *v,
                      const float *g, const float *beta, int T, int H, int D) {
     const k_vops *ops = k_ops();
     float qscale = 1.0f / sqrtf((float)D);
-    size_t P = (size_t)H * (size_t)D;
 #pragma omp parallel for schedule(static) if ((double)T * H * D * D > 32768.0)
     for (int h = 0; h < H; h++) {
-        float *tmp = xmalloc_array(4 * (size_t)D, sizeof *tmp);
-        float *Sh = S + (size_t)h * D * D;
-        for (int t = 0; t < T; t++) {
-            size_t off = (size_t)t * P + (size_t)h * D;
-            recur_step(ops, o + off, Sh, q + off, k + off, v + off, g + off,
-                       beta[(size_t)t * H + h], D, qscale, tmp);
-        }
+        float *tmp = xmalloc_array(5 * (size_t)D, sizeof *tmp);
+        size_t hd = (size_t)h * D;
+        recur_head(ops, o + hd, S + hd * D, q + hd, k + hd, v + hd, g + hd, beta + h, T, H, D, qscale, tmp);
         free(tmp);
     }
 }

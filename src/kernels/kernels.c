@@ -238,6 +238,16 @@ static void s_kda_rows_write(float *S, int D, const float *k, const float *d, co
         s_axpy(o, qs[i], Si, D);
     }
 }
+static void s_kda_rows_write_decay(float *S, int D, const float *k, const float *d, const float *qs, float *o,
+                                   const float *a2, const float *k2, float *u2) {
+    for (int i = 0; i < D; i++) {
+        float *Si = S + (size_t)i * D;
+        s_axpy(Si, k[i], d, D);
+        s_axpy(o, qs[i], Si, D);
+        s_scale(Si, Si, a2[i], D);
+        s_axpy(u2, k2[i], Si, D);
+    }
+}
 static void s_silu(float *x, int n) {
     for (int j = 0; j < n; j++) x[j] = x[j] / (1.0f + km_exp(-x[j]));
 }
@@ -295,6 +305,7 @@ const k_vops k_scalar_ops = {
     .vadd = s_vadd, .vexp = s_vexp, .subscale = s_subscale, .divs = s_divs,
     .prepare = NULL, .rowdots = s_rowdots, .gemm_acc = s_gemm_acc, .dots = s_dots, .kda_rows_decay = s_kda_rows_decay,
     .kda_rows_write = s_kda_rows_write, .silu = s_silu, .situ = s_situ, .sigmoid_mul = s_sigmoid_mul,
+    .kda_rows_write_decay = s_kda_rows_write_decay,
 };
 
 /* ---- products --------------------------------------------------------------- */

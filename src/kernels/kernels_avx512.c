@@ -256,6 +256,40 @@ KDA_ROWS(2)
 KDA_ROWS(4)
 KDA_ROWS(8)
 
+/* The write sweep of one step and the decay sweep of the next in one pass
+ * (o, u2 and d in registers): each row of S is read and written once per
+ * step instead of twice, the same elementwise operations in the same order. */
+#define KDA_WD(ND)                                                                                \
+    TGT static void kda_wd_##ND(float *S, const float *k, const float *d, const float *qs, float *o, \
+                                const float *a2, const float *k2, float *u2) {                    \
+        __m512 ao[ND], au[ND], dv[ND];                                                            \
+        UNROLL for (int v = 0; v < ND; v++) {                                                     \
+            ao[v] = _mm512_loadu_ps(o + 16 * v);                                                  \
+            au[v] = _mm512_loadu_ps(u2 + 16 * v);                                                 \
+            dv[v] = _mm512_loadu_ps(d + 16 * v);                                                  \
+        }                                                                                         \
+        for (int i = 0; i < 16 * ND; i++) {                                                       \
+            float *Si = S + (size_t)i * 16 * ND;                                                  \
+            __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(qs[i]);                         \
+            __m512 ai = _mm512_set1_ps(a2[i]), k2i = _mm512_set1_ps(k2[i]);                       \
+            UNROLL for (int v = 0; v < ND; v++) {                                                 \
+                __m512 sv = _mm512_fmadd_ps(ki, dv[v], _mm512_loadu_ps(Si + 16 * v));             \
+                ao[v] = _mm512_fmadd_ps(qi, sv, ao[v]);                                           \
+                sv = _mm512_mul_ps(sv, ai);                                                       \
+                _mm512_storeu_ps(Si + 16 * v, sv);                                                \
+                au[v] = _mm512_fmadd_ps(k2i, sv, au[v]);                                          \
+            }                                                                                     \
+        }                                                                                         \
+        UNROLL for (int v = 0; v < ND; v++) {                                                     \
+            _mm512_storeu_ps(o + 16 * v, ao[v]);                                                  \
+            _mm512_storeu_ps(u2 + 16 * v, au[v]);                                                 \
+        }                                                                                         \
+    }
+KDA_WD(1)
+KDA_WD(2)
+KDA_WD(4)
+KDA_WD(8)
+
 TGT static void v_kda_rows_decay(float *S, int D, const float *a, const float *k, float *u) {
     switch (D) {
     case 16: kda_decay_1(S, a, k, u); return;
@@ -280,6 +314,23 @@ TGT static void v_kda_rows_write(float *S, int D, const float *k, const float *d
         float *Si = S + (size_t)i * D;
         v_axpy(Si, k[i], d, D);
         v_axpy(o, qs[i], Si, D);
+    }
+}
+
+TGT static void v_kda_rows_write_decay(float *S, int D, const float *k, const float *d, const float *qs, float *o,
+                                       const float *a2, const float *k2, float *u2) {
+    switch (D) {
+    case 16: kda_wd_1(S, k, d, qs, o, a2, k2, u2); return;
+    case 32: kda_wd_2(S, k, d, qs, o, a2, k2, u2); return;
+    case 64: kda_wd_4(S, k, d, qs, o, a2, k2, u2); return;
+    case 128: kda_wd_8(S, k, d, qs, o, a2, k2, u2); return;
+    }
+    for (int i = 0; i < D; i++) {
+        float *Si = S + (size_t)i * D;
+        v_axpy(Si, k[i], d, D);
+        v_axpy(o, qs[i], Si, D);
+        v_scale(Si, Si, a2[i], D);
+        v_axpy(u2, k2[i], Si, D);
     }
 }
 
@@ -594,12 +645,19 @@ DEF_TILES(tile_mx, TILE_MX_BODY)
         }                                                                                  \
     } while (0)
 
+/* The panel path of products over many inputs (see rowdots_panel); off only
+ * to measure the direct tiles beside it (bench_gemm). Same bits either way. */
+static bool g_panel = true;
+void k_avx512_set_panel(bool on) { g_panel = on; }
+static bool panel_on(void) { return g_panel; }
+
+#define PN_MIN 8
 static bool mx_fast(const k3_mat *W) { return W->cols % 16 == 0 && W->group > 0 && W->group % 16 == 0; }
 
 /* For MXFP4: a copy of X with every 16-block in the decode's lane order
  * (lane 2i <- element i, lane 2i+1 <- element 8+i), made once per product. */
 static void *v_prepare(const k3_mat *W, const float *X, int n) {
-    if (W->type != KW_MXFP4 || !mx_fast(W) || n <= 0) return NULL;
+    if (W->type != KW_MXFP4 || !mx_fast(W) || n <= 0 || (n >= PN_MIN && panel_on())) return NULL;
     size_t tot = (size_t)n * (size_t)W->cols;
     float *Xp = xmalloc_aligned(tot * sizeof *Xp);
     for (size_t b = 0; b < tot; b += 16)
@@ -610,8 +668,167 @@ static void *v_prepare(const k3_mat *W, const float *X, int n) {
     return Xp;
 }
 
+/* ---- products over many inputs: rows decoded once into an f32 panel -------------------
+ * With n >= PN_MIN inputs, a BF16 or MXFP4 row is widened (exactly) once into
+ * a per-thread f32 panel of PN_ROWS rows and then multiplied by every input
+ * from there: the decode (a shuffle per 16 weights, on the FMA ports) is paid
+ * once per row instead of once per 6 inputs. The tile over the panel is the
+ * 4 x 6 (RB x TB) register tile of plain f32 loads and FMAs; each accumulator
+ * still sees its row's elements in the canonical lane order (the panel holds
+ * the same f32 values the direct tiles form), so the bits are those of the
+ * scalar reference. The inputs of a tile are the outer loop: a tile's 6
+ * inputs stay in L1 while the panel's rows pass under them. */
+#define PN_ROWS 16
+#ifndef PN_KC
+#define PN_KC 1024
+#endif
+
+/* One 16-column step of MXFP4 in the natural lane order (lane l = element l):
+ * each byte doubled (lanes 2i, 2i+1 get byte i), shifted by 0 / 4, and the
+ * low 4 bits looked up in the scaled E2M1 table. */
+INL __m512 w_mx_nat(const uint8_t *p, __m512 lut) {
+    const __m512i sh = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    __m128i b = _mm_loadl_epi64((const __m128i *)p);
+    __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(b, b));
+    return _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh), lut);
+}
+
+/* Rows [r, r + nr) of W widened into dst (row stride ld floats), exactly. */
+TGT static void panel_decode(const k3_mat *W, int r, int nr, float *dst, size_t ld) {
+    const int cols = W->cols;
+    for (int i = 0; i < nr; i++) {
+        float *d = dst + (size_t)i * ld;
+        if (W->type == KW_BF16) {
+            const uint16_t *s = (const uint16_t *)W->data + (size_t)(r + i) * (size_t)cols;
+            int j = 0;
+            for (; j + 16 <= cols; j += 16) _mm512_storeu_ps(d + j, ld_bf16(s, j, 0xffff));
+            if (j < cols) _mm512_mask_storeu_ps(d + j, tailmask(cols - j), ld_bf16(s, j, tailmask(cols - j)));
+        } else if (mx_fast(W)) {
+            const int G = W->group, ng = cols / G;
+            const uint8_t *s = (const uint8_t *)W->data + (size_t)(r + i) * (size_t)(cols / 2);
+            const uint8_t *sc = W->scales + (size_t)(r + i) * (size_t)ng;
+            const __m512 e2m1 = _mm512_loadu_ps(k_e2m1);
+            for (int g = 0, j = 0; g < ng; g++) {
+                __m512 lut = _mm512_mul_ps(e2m1, _mm512_set1_ps(e8m0_tab[sc[g]]));
+                for (int v = 0; v < G; v += 16, j += 16) _mm512_storeu_ps(d + j, w_mx_nat(s + j / 2, lut));
+            }
+        } else {
+            k_mat_row(W, r + i, d); /* odd MXFP4 layouts: the scalar decode, same values */
+        }
+    }
+}
+
+typedef struct {
+    const float *Wp; /* panel row 0 = weight row r */
+    size_t ldw;
+    const float *X;
+    float *Y;
+    int cols, rows; /* rows: of Y */
+} pan;
+
+/* Columns [j0, j1) of a RB x TB tile over the panel. Columns go in blocks
+ * (PN_KC) so that a tile's inputs stay in L1 on wide rows; between blocks the
+ * 16-lane accumulators wait in part[] (stored and reloaded exactly, so each
+ * lane still sees its FMAs in column order). The last block closes the trees. */
+#define PANEL_BODY(RB, TB)                                                                     \
+    const int cols = P->cols;                                                                  \
+    const float *wr[RB], *xr[TB];                                                              \
+    UNROLL for (int i = 0; i < RB; i++) wr[i] = P->Wp + (size_t)(rr + i) * P->ldw;             \
+    UNROLL for (int t = 0; t < TB; t++) xr[t] = P->X + (size_t)(t0 + t) * (size_t)cols;        \
+    __m512 acc[RB][TB];                                                                        \
+    UNROLL for (int i = 0; i < RB; i++)                                                        \
+        UNROLL for (int t = 0; t < TB; t++)                                                    \
+            acc[i][t] = j0 ? _mm512_load_ps(part + 16 * (i * TB + t)) : _mm512_setzero_ps();   \
+    int j = j0;                                                                                \
+    for (; j + 16 <= j1; j += 16) {                                                            \
+        __m512 w[RB];                                                                          \
+        UNROLL for (int i = 0; i < RB; i++) w[i] = _mm512_loadu_ps(wr[i] + j);                 \
+        UNROLL for (int t = 0; t < TB; t++) {                                                  \
+            __m512 x = _mm512_loadu_ps(xr[t] + j);                                             \
+            UNROLL for (int i = 0; i < RB; i++) acc[i][t] = _mm512_fmadd_ps(w[i], x, acc[i][t]); \
+        }                                                                                      \
+    }                                                                                          \
+    if (j < j1) {                                                                              \
+        const __mmask16 m = tailmask(j1 - j);                                                  \
+        __m512 w[RB];                                                                          \
+        UNROLL for (int i = 0; i < RB; i++) w[i] = _mm512_maskz_loadu_ps(m, wr[i] + j);        \
+        UNROLL for (int t = 0; t < TB; t++) {                                                  \
+            __m512 x = _mm512_maskz_loadu_ps(m, xr[t] + j);                                    \
+            UNROLL for (int i = 0; i < RB; i++) acc[i][t] = _mm512_mask3_fmadd_ps(w[i], x, acc[i][t], m); \
+        }                                                                                      \
+    }                                                                                          \
+    if (j1 < cols) {                                                                           \
+        UNROLL for (int i = 0; i < RB; i++)                                                    \
+            UNROLL for (int t = 0; t < TB; t++) _mm512_store_ps(part + 16 * (i * TB + t), acc[i][t]); \
+        return;                                                                                \
+    }                                                                                          \
+    TILE_STORE(RB, TB, ACC_PLAIN);
+
+#define DEF_PTILE(RB, TB)                                                                      \
+    TGT static void ptile_##RB##x##TB(const pan *P, int rr, int r, int t0, int j0, int j1, float *part) { \
+        PANEL_BODY(RB, TB)                                                                     \
+    }
+DEF_PTILE(4, 1) DEF_PTILE(4, 2) DEF_PTILE(4, 3) DEF_PTILE(4, 4) DEF_PTILE(4, 5) DEF_PTILE(4, 6)
+DEF_PTILE(1, 1) DEF_PTILE(1, 2) DEF_PTILE(1, 3) DEF_PTILE(1, 4) DEF_PTILE(1, 5) DEF_PTILE(1, 6)
+typedef void (*ptile_fn)(const pan *, int, int, int, int, int, float *);
+static const ptile_fn ptile_4[7] = {NULL, ptile_4x1, ptile_4x2, ptile_4x3, ptile_4x4, ptile_4x5, ptile_4x6};
+static const ptile_fn ptile_1[7] = {NULL, ptile_1x1, ptile_1x2, ptile_1x3, ptile_1x4, ptile_1x5, ptile_1x6};
+
+/* The per-thread panel (grown on demand, kept for the thread's life). */
+static _Thread_local float *tl_panel;
+static _Thread_local size_t tl_panel_cap;
+
+static float *panel_buf(size_t floats) {
+    if (floats > tl_panel_cap) {
+        free(tl_panel);
+        tl_panel = xmalloc_aligned(floats * sizeof(float));
+        tl_panel_cap = floats;
+    }
+    return tl_panel;
+}
+
+TGT static void rowdots_panel(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1) {
+    size_t ld = ((size_t)W->cols + 15) / 16 * 16;
+    pan P = {.ldw = ld, .X = X, .Y = Y, .cols = W->cols, .rows = W->rows};
+    float *buf = W->type == KW_F32 ? NULL : panel_buf(PN_ROWS * ld);
+    _Alignas(64) float part[PN_ROWS * TB_MAX * 16]; /* accumulators between column blocks */
+    /* the stored bytes of one row, for prefetching the next row block (the
+     * rows after this item's: the same thread usually takes them next) while
+     * this one computes, so their first read does not stall on memory */
+    size_t rbytes = W->type == KW_BF16 ? (size_t)W->cols * 2 : W->type == KW_MXFP4 ? (size_t)W->cols / 2 : 0;
+    int ntile = (n + TB_MAX - 1) / TB_MAX;
+    for (int rb = r0; rb < r1; rb += PN_ROWS) {
+        int nr = r1 - rb < PN_ROWS ? r1 - rb : PN_ROWS;
+        int nnext = W->rows - (rb + nr) < PN_ROWS ? W->rows - (rb + nr) : PN_ROWS;
+        const char *pf = (const char *)W->data + (size_t)(rb + nr) * rbytes;
+        size_t pflen = rbytes ? (size_t)nnext * rbytes : 0, pfstep = (pflen / (size_t)ntile + 63) / 64 * 64;
+        if (buf) {
+            panel_decode(W, rb, nr, buf, ld);
+            P.Wp = buf;
+        } else {
+            P.Wp = (const float *)W->data + (size_t)rb * (size_t)W->cols;
+            P.ldw = (size_t)W->cols;
+        }
+        for (int t = 0; t < n; t += TB_MAX) {
+            int tb = n - t < TB_MAX ? n - t : TB_MAX;
+            for (size_t o = (size_t)(t / TB_MAX) * pfstep, e = o + pfstep; o < e && o < pflen; o += 64)
+                _mm_prefetch(pf + o, _MM_HINT_T1);
+            for (int j0 = 0; j0 < W->cols; j0 += PN_KC) {
+                int j1 = W->cols - j0 < PN_KC ? W->cols : j0 + PN_KC;
+                int i = 0;
+                for (; i + 4 <= nr; i += 4) ptile_4[tb](&P, i, rb + i, t, j0, j1, part + (size_t)i * TB_MAX * 16);
+                for (; i < nr; i++) ptile_1[tb](&P, i, rb + i, t, j0, j1, part + (size_t)i * TB_MAX * 16);
+            }
+        }
+    }
+}
+
 TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux) {
     prod P = {.W = W, .X = X, .aux = aux, .Y = Y, .cols = W->cols, .rows = W->rows};
+    if (n >= PN_MIN && panel_on()) {
+        rowdots_panel(W, X, n, Y, r0, r1);
+        return;
+    }
     switch (W->type) {
     case KW_F32: DRIVE(tile_f32); break;
     case KW_BF16: DRIVE(tile_bf16); break;
@@ -627,6 +844,7 @@ const k_vops k_avx512_ops = {
     .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
     .prepare = v_prepare, .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .dots = v_dots, .kda_rows_decay = v_kda_rows_decay,
     .kda_rows_write = v_kda_rows_write, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
+    .kda_rows_write_decay = v_kda_rows_write_decay,
 };
 
 #endif

@@ -48,8 +48,8 @@ int k3_runmem_parse(k3_runmem_args *a, int argc, char **argv, int *i, bool *used
     "                       next layer while the current one computes; without\n" \
     "                       --trunk the trunk is mapped resident from the shards\n" \
     "  --chunk C            prefill C tokens per forward call, each selected expert\n" \
-    "                       read once per chunk (default 64, lowered to what the\n" \
-    "                       cache budget holds)\n" \
+    "                       read once per chunk (default 256, lowered to what the\n" \
+    "                       memory budget holds)\n" \
     "  --cache-policy P     lfu (default) or lru\n" \
     "  --dump-cache-trace DIR   write DIR/cache_trace.bin, every expert request\n" \
     "                       (step, layer, expert), for 'k3 cache-sim'\n"

@@ -328,7 +328,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
             if (x.need > p->expert_buf) p->expert_buf = x.need;
         }
     }
-    int want_chunk = o->chunk > 0 ? o->chunk : 64;
+    int want_chunk = o->chunk > 0 ? o->chunk : K3_PREFILL_CHUNK;
     p->chunk = want_chunk;
     if (p->total_experts > 0) {
         int k = c->experts_per_token;
@@ -361,9 +361,15 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
                          (uint64_t)p->cache_experts * 96;
     }
 
-    p->state = k3_state_size_cfg(c, max_pos);
+    p->state = k3_state_size_chunk(c, p->chunk, max_pos);
     p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total;
     uint64_t limit = o->mem_limit ? o->mem_limit : k3_mem_available_bytes();
+    /* without --chunk, a smaller chunk's scratch may fit where the default's does not */
+    while (o->chunk <= 0 && p->chunk > 1 && limit && p->total + K3_PLAN_OVERHEAD > limit) {
+        p->chunk /= 2;
+        p->state = k3_state_size_chunk(c, p->chunk, max_pos);
+        p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total;
+    }
     if (limit && p->total + K3_PLAN_OVERHEAD > limit)
         return k3_fail(err, K3_EXIT_BUDGET,
                        "the memory plan needs %.3f GB (trunk %.3f, experts %.3f, state %.3f at %lld positions) + %.3f GB "

@@ -39,7 +39,7 @@ typedef struct {
     double trunk_gb;         /* < 0: unlimited */
     double cache_gb;         /* < 0: unlimited */
     const char *preset;      /* name of the preset applied last, or NULL */
-    int chunk;               /* prefill chunk; 0: default (64, reduced to fit) */
+    int chunk;               /* prefill chunk; 0: default (K3_PREFILL_CHUNK, reduced to fit) */
     xc_policy policy;        /* expert cache policy (LFU) */
     int io_depth;            /* expert reads in flight (32) */
     int trunk_depth;         /* trunk pieces in flight (4; K3_TRUNK_DEPTH) */

@@ -574,12 +574,11 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
     return base + need;
 }
 
-/* Positions a forward pass processes at once (the model's chunk, 64 unless
+/* Positions a forward pass processes at once (the model's chunk, K3_PREFILL_CHUNK unless
  * opened otherwise): bounds the activations while letting every weight be
  * read once per chunk. */
-#define DEFAULT_CHUNK 64
 static int chunk_for(int chunk, int64_t max_pos) {
-    int ch = chunk > 0 ? chunk : DEFAULT_CHUNK;
+    int ch = chunk > 0 ? chunk : K3_PREFILL_CHUNK;
     return max_pos < ch ? (int)(max_pos > 0 ? max_pos : 1) : ch;
 }
 static int state_chunk(const k3_model *m, int64_t max_pos) { return chunk_for(m->chunk, max_pos); }
@@ -612,6 +611,10 @@ k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos) {
 /* For a plan made before the model is open: the default chunk. */
 k3_state_plan k3_state_size_cfg(const k3_config *c, int64_t max_pos) {
     return state_size(c, chunk_for(0, max_pos), max_pos);
+}
+
+k3_state_plan k3_state_size_chunk(const k3_config *c, int chunk, int64_t max_pos) {
+    return state_size(c, chunk_for(chunk, max_pos), max_pos);
 }
 
 int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err) {

@@ -42,12 +42,19 @@ typedef struct {
                               prompts, equal to fp32 rounding but NOT bitwise to
                               the recurrent form, so prefill and token-by-token
                               logits then differ in the last bits. 0: recurrent. */
-    int prefill_chunk;     /* positions one forward pass carries at once (0: 64).
+    int prefill_chunk;     /* positions one forward pass carries at once (0:
+                              K3_PREFILL_CHUNK).
                               Larger chunks read every weight (and a layer's
                               experts) once for more positions: faster prefill,
                               more scratch and, for a streaming source, more
                               experts fetched per layer. Never changes the bits. */
 } k3_model_opts;
+
+/* The default prefill chunk: every weight (and each selected expert) is read
+ * and decoded once per this many positions; 256 keeps the products of a chunk
+ * matrix-matrix (about 21 rows per routed expert at top-8 of 96) for a few
+ * MB of scratch on the issue-7 shape (k3_state_size says how much). */
+#define K3_PREFILL_CHUNK 256
 
 /* Opens a model directory (config.json + *.safetensors in the released layout,
  * spec section 3). opts may be NULL. Errors: K3_EXIT_USAGE for a missing
@@ -85,6 +92,9 @@ k3_state_plan k3_state_size(const k3_model *m, int64_t max_pos);
  * n_kda_layers / n_mla_layers recounted), so a memory plan can be checked
  * before any weight is read. */
 k3_state_plan k3_state_size_cfg(const k3_config *c, int64_t max_pos);
+/* The same for a model that will be opened with prefill_chunk = chunk (0: the
+ * default), so a plan can try smaller chunks before refusing. */
+k3_state_plan k3_state_size_chunk(const k3_config *c, int chunk, int64_t max_pos);
 int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err);
 void k3_state_reset(k3_state *s);  /* back to position 0, state zeroed */
 void k3_state_free(k3_state *s);

@@ -10,7 +10,7 @@ struct k3_model {
     k3_config cfg;            /* num_layers cut to opts.layers */
     float mla_eps;            /* MLA latent-norm epsilon in use */
     int kda_chunk;            /* > 0: chunkwise KDA for multi-token calls */
-    int chunk;                /* positions per forward pass (opts.prefill_chunk, default 64) */
+    int chunk;                /* positions per forward pass (opts.prefill_chunk, default K3_PREFILL_CHUNK) */
     k3_mat embed;             /* [V][E] */
     k3_mat lm_head;           /* [V][E] */
     float *norm;              /* final RMSNorm gain [E] */

@@ -426,7 +426,7 @@ static void apply_opts(k3_model *m, const k3_model_opts *opts) {
     m->mla_eps = m->cfg.mla_latent_eps > 0 ? m->cfg.mla_latent_eps : 1e-6f;
     if (opts && opts->peer_mla_eps) m->mla_eps = m->cfg.rms_eps;
     if (opts && opts->kda_chunk > 0) m->kda_chunk = opts->kda_chunk;
-    m->chunk = opts && opts->prefill_chunk > 0 ? opts->prefill_chunk : 64;
+    m->chunk = opts && opts->prefill_chunk > 0 ? opts->prefill_chunk : K3_PREFILL_CHUNK;
     if (opts && opts->layers > 0 && opts->layers < m->cfg.num_layers) {
         m->cfg.num_layers = opts->layers;
         m->cfg.n_kda_layers = m->cfg.n_mla_layers = 0;
