@@ -17,7 +17,16 @@ if ! $CC -O2 -Wall -Wextra -Werror -o "$CLIENT" tests/dashboard/http_client.c 2>
   fail "build-client" "$(head -c 300 "$OUT/client-build.log")"; finish; exit 1
 fi
 PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; }
+cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
+# stop_wait PID SIGNAL: sends SIGNAL, waits up to 20 s, sets RC to the exit
+# status (or 124 after a SIGKILL). A server that ignores the signal fails its
+# check instead of hanging the suite.
+stop_wait() {
+  kill "-$2" "$1" 2>/dev/null
+  for _ in $(seq 200); do kill -0 "$1" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$1" 2>/dev/null; then kill -9 "$1" 2>/dev/null; wait "$1" 2>/dev/null; RC=124; return; fi
+  wait "$1"; RC=$?
+}
 trap cleanup EXIT
 
 # the page embedded in the binary is the one in src/web/assets/
@@ -97,7 +106,7 @@ pass "start (port $PORT)"
 get() { # PATH [CURL ARGS...]: sets CODE and CTYPE, body in $OUT/body, headers in $OUT/headers
   local p=$1; shift
   local res
-  res=$(curl -s --path-as-is -o "$OUT/body" -D "$OUT/headers" -w '%{http_code}|%{content_type}' "$@" "http://127.0.0.1:$PORT$p")
+  res=$(curl -s --max-time 60 --path-as-is -o "$OUT/body" -D "$OUT/headers" -w '%{http_code}|%{content_type}' "$@" "http://127.0.0.1:$PORT$p")
   CODE=${res%%|*}; CTYPE=${res#*|}
 }
 ok() { # NAME TEST...: pass if TEST succeeds, else fail with the last response
@@ -282,11 +291,12 @@ MAIN_PORT=$PORT MAIN_PID=$DPID
 if start_dash "$OUT/server2.log" --run-dir "$OUT/solo/a/run" --run-dir "$OUT/solo/b/run/"; then
   get /api/runs
   ok two-runs body_has '"name":"run~2"'
+  kill -0 "$DPID" 2>/dev/null || fail "two-runs-alive" "server exited: $(cat "$OUT/server2.log" "$OUT/server2.log.err" | head -c 400)"
   # the port is taken: a clear one-line error
-  expect_exit port-in-use 1 "$K3" dashboard --run-dir "$OUT/runs" --port "$PORT"
+  expect_exit port-in-use 1 timeout 30 "$K3" dashboard --run-dir "$OUT/runs" --port "$PORT"
   expect_err_contains port-in-use "cannot listen"
-  kill -TERM "$DPID"; wait "$DPID"; rc=$?
-  ok sigterm-exit0 is "$rc" 0
+  stop_wait "$DPID" TERM
+  ok sigterm-exit0 is "$RC" 0
 else
   fail "start-two" "$(cat "$OUT/server2.log.err")"
 fi
@@ -296,7 +306,7 @@ PORT=$MAIN_PORT DPID=$MAIN_PID
 "$K3" dashboard --run-dir "$OUT/runs" --host 0.0.0.0 --port 0 >"$OUT/any.out" 2>"$OUT/any.err" &
 APID=$!; PIDS+=($APID)
 for _ in $(seq 100); do grep -q http "$OUT/any.out" && break; sleep 0.1; done
-kill -INT "$APID"; wait "$APID"
+stop_wait "$APID" INT
 ok nonloopback-warning grep -q 'warning: listening on 0.0.0.0' "$OUT/any.err"
 
 # ---- Ctrl-C stops cleanly ----
