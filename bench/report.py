@@ -386,9 +386,11 @@ def derive(rep):
                             section="prefill"))
     s = raw.get("stream")
     if "stream" in want and not failed("stream", "streaming decode"):
-        for r in s["ladder"]:
-            if r.get("io", "scheduler") != "scheduler":
-                continue
+        ladder = [r for r in s["ladder"] if r.get("io") != "before"]  # "before": --compare's old I/O
+        if not ladder:
+            rows.append(row("streaming decode", "not measured: the ladder has no rungs", "-", None, "-", None,
+                            section="stream", kind="error"))
+        for r in ladder:
             streamed = r.get("ring_slots", 0) > 0
             goal = ">= 80% of disk roofline" if streamed else "- (compute-bound: %.0f%% of max(disk, compute))" % (
                 100 * r["roofline_ratio"])
