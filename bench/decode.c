@@ -13,6 +13,7 @@
  *
  * Build a checkpoint with tools/gen_checkpoint.py (e.g. --preset issue7, 627 MB,
  * 96 MXFP4 experts). Not a test: numbers depend on the machine and its load. */
+#include "bench.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
 
@@ -23,26 +24,19 @@
 #include <string.h>
 #include <time.h>
 
-/* CPU seconds of the whole process (all threads): what load does not inflate. */
-static double cpu_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Read bandwidth: best wall-clock GB/s, and GB/s per CPU-second x threads
  * (the rate while the threads actually ran). */
 static void probe_read_gbs(const float *a, size_t n, int threads, double *wall_gbs, double *cpu_gbs) {
     double best = 1e30, bestc = 1e30, sink = 0;
     for (int rep = 0; rep < 4; rep++) {
-        double t0 = k3_now(), c0 = cpu_now(), s = 0;
+        double t0 = k3_now(), c0 = bench_cpu_now(), s = 0;
         size_t blk = 1 << 16, nb = (n + blk - 1) / blk;
 #pragma omp parallel for num_threads(threads) reduction(+ : s) schedule(static)
         for (size_t b = 0; b < nb; b++) {
             size_t lo = b * blk, len = lo + blk <= n ? blk : n - lo;
             s += k_sum(a + lo, (int)len);
         }
-        double dt = k3_now() - t0, dc = (cpu_now() - c0) / threads;
+        double dt = k3_now() - t0, dc = (bench_cpu_now() - c0) / threads;
         sink += s;
         if (dt < best) best = dt;
         if (dc < bestc) bestc = dc;
@@ -52,35 +46,6 @@ static void probe_read_gbs(const float *a, size_t n, int threads, double *wall_g
     *cpu_gbs = (double)n * sizeof(float) / bestc / 1e9;
 }
 
-/* FMA peak of one core in GFLOP per CPU-second: 16 independent 16-lane FMA
- * chains (enough to cover latency x ports), timed in CPU time so a shared
- * machine's time slicing does not count. The prefill figures are set beside
- * it as a fraction of (this x threads). */
-#if defined(__x86_64__)
-#include <immintrin.h>
-/* target attribute + the CPUID check in the caller: the binary is built for
- * baseline x86-64 */
-__attribute__((target("avx512f,fma"))) static double fma_peak_avx512(void) {
-    __m512 a[16], b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-4f);
-    for (int i = 0; i < 16; i++) a[i] = _mm512_set1_ps((float)i * 1e-3f);
-    long n = 4000000;
-    double best = 0;
-    for (int rep = 0; rep < 3; rep++) {
-        double c0 = cpu_now();
-        for (long k = 0; k < n; k++)
-            for (int i = 0; i < 16; i++) a[i] = _mm512_fmadd_ps(a[i], b, c);
-        double g = (double)n * 16 * 32 / (cpu_now() - c0) / 1e9;
-        if (g > best) best = g;
-    }
-    float s = 0;
-    for (int i = 0; i < 16; i++) s += _mm512_reduce_add_ps(a[i]);
-    if (s == 12345.0f) puts("");
-    return best;
-}
-static double fma_peak_gflops(void) { return k_isa_available(K_ISA_AVX512) ? fma_peak_avx512() : 0; }
-#else
-static double fma_peak_gflops(void) { return 0; } /* not measured without AVX-512 */
-#endif
 
 /* Multiply-adds of one token at position pos: every matrix it multiplies
  * (k experts per MoE layer, lm_head only when logits are asked for), the KDA
@@ -202,9 +167,9 @@ int main(int argc, char **argv) {
         /* warm-up: touch the trunk and some experts once (page cache, first-touch) */
         if (k3_forward(m, s, ids, np < 8 ? np : 8, lg, false, &err)) goto fail;
         k3_state_reset(s);
-        double t0 = k3_now(), c0 = cpu_now();
+        double t0 = k3_now(), c0 = bench_cpu_now();
         if (k3_forward(m, s, ids, np, lg, false, &err)) goto fail;
-        double t1 = k3_now(), c1 = cpu_now();
+        double t1 = k3_now(), c1 = bench_cpu_now();
         pf[ti].pre_wall = t1 - t0;
         pf[ti].pre_cpu = c1 - c0;
         for (int g = 0; g < ng; g++) {
@@ -213,7 +178,7 @@ int main(int argc, char **argv) {
             if (k3_forward(m, s, &ids[np + g], 1, lg, false, &err)) goto fail;
             dt[g] = k3_now() - tt;
         }
-        double c2 = cpu_now();
+        double c2 = bench_cpu_now();
         k3_state_free(s);
         /* A token reads every weight once, so the best token time is the one
          * least disturbed by other processes on a shared machine: the figure
@@ -238,7 +203,7 @@ int main(int argc, char **argv) {
     }
     printf("\nprefill (%d-token prompt, one call, chunks of %d; %.2f GFLOP = 2 x multiply-adds incl. attention)\n", np,
            chunk > 0 ? chunk : K3_PREFILL_CHUNK, 2 * pf_macs / 1e9);
-    double peak = fma_peak_gflops();
+    double peak = bench_fma_peak_gflops();
     printf("%-7s %10s %10s %10s %12s %12s %10s\n", "threads", "tok/s", "GFLOP/s", "% of peak", "CPU s",
            "GFLOP/CPU-s", "% of peak");
     for (int ti = 0; ti < nt; ti++) {
@@ -246,7 +211,7 @@ int main(int argc, char **argv) {
         printf("%-7d %10.1f %10.1f %9.0f%% %12.3f %12.1f %9.0f%%\n", threads[ti], np / pf[ti].pre_wall, g,
                peak > 0 ? 100 * g / (peak * threads[ti]) : 0, pf[ti].pre_cpu, gc, peak > 0 ? 100 * gc / peak : 0);
     }
-    printf("FMA peak: %.1f GFLOP/s per core (AVX-512 FMA loop, CPU time)\n", peak);
+    printf("FMA peak: %.1f GFLOP/s per core (FMA chains on the widest SIMD path, CPU time)\n", peak);
     if (json_path) {
         json_t *jpf = json_array();
         for (int ti = 0; ti < nt; ti++)

@@ -13,6 +13,7 @@
  * tiles that decode BF16/MXFP4 in the loop, the engine before the panel path)
  * and "panel" (rows decoded once into an f32 panel, column blocks; the
  * default). Same bits either way. Not a test. */
+#include "bench.h"
 #include "kernels/kernels.h"
 #include "kernels/internal.h"
 #include "util/common.h"
@@ -23,12 +24,6 @@
 #include <string.h>
 #include <time.h>
 
-static double cpu_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 static uint64_t xs = 0x9e3779b97f4a7c15ull;
 static uint64_t next64(void) {
     xs ^= xs << 13;
@@ -37,28 +32,6 @@ static uint64_t next64(void) {
     return xs;
 }
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-__attribute__((target("avx512f,fma"))) static double fma_peak(void) {
-    __m512 a[16], b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-4f);
-    for (int i = 0; i < 16; i++) a[i] = _mm512_set1_ps((float)i * 1e-3f);
-    double best = 0;
-    for (int rep = 0; rep < 3; rep++) {
-        long n = 3000000;
-        double c0 = cpu_now();
-        for (long k = 0; k < n; k++)
-            for (int i = 0; i < 16; i++) a[i] = _mm512_fmadd_ps(a[i], b, c);
-        double g = (double)n * 16 * 32 / (cpu_now() - c0) / 1e9;
-        if (g > best) best = g;
-    }
-    float s = 0;
-    for (int i = 0; i < 16; i++) s += _mm512_reduce_add_ps(a[i]);
-    if (s == 12345.0f) puts("");
-    return best;
-}
-#else
-static double fma_peak(void) { return 0; }
-#endif
 
 typedef struct {
     const char *name;
@@ -91,7 +64,7 @@ int main(int argc, char **argv) {
         {"mxfp4 expert w2 512x256", KW_MXFP4, 512, 256, 1},
     };
     omp_set_num_threads(1);
-    double peak = fma_peak();
+    double peak = bench_fma_peak_gflops();
     printf("k3 prefill products: path %s, 1 thread, %d tokens per chunk, FMA peak %.1f GFLOP/s (CPU time)\n",
            k_path_name(), T, peak);
     printf("%-28s %7s | %12s %9s | %12s %9s\n", "product", "inputs", "direct", "", "panel", "");
@@ -127,9 +100,9 @@ int main(int argc, char **argv) {
 #if defined(__x86_64__)
                 k_avx512_set_panel(v == 1);
 #endif
-                double c0 = cpu_now();
+                double c0 = bench_cpu_now();
                 for (int k = 0; k < inner; k++) k_matmul(&W, X, n, Y);
-                double dt = (cpu_now() - c0) / inner;
+                double dt = (bench_cpu_now() - c0) / inner;
                 if (dt < best[v]) best[v] = dt;
             }
         double g0 = flop / best[0] / 1e9, g1 = flop / best[1] / 1e9;
@@ -143,7 +116,7 @@ int main(int argc, char **argv) {
 #if defined(__x86_64__)
     k_avx512_set_panel(true);
 #endif
-    double peak2 = fma_peak(); /* again: a busy moment at the start would understate it */
+    double peak2 = bench_fma_peak_gflops(); /* again: a busy moment at the start would understate it */
     if (peak2 > peak) printf("(FMA peak measured again at the end: %.1f GFLOP/s; %% above used the first)\n", peak2);
     return 0;
 }

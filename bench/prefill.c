@@ -9,6 +9,7 @@
  * pseudo-random prompt (default 256; the ids bench_decode uses) from an empty
  * state, logits of the last position only. Prints one line per prefill
  * ("wall_s cpu_s") and a summary. Not a test. */
+#include "bench.h"
 #include "model/model.h"
 
 #include <omp.h>
@@ -20,12 +21,6 @@
 #ifndef K3_PREFILL_CHUNK /* builds against an engine older than the constant (its default was 64) */
 #define K3_PREFILL_CHUNK 64
 #endif
-
-static double cpu_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -73,14 +68,14 @@ int main(int argc, char **argv) {
            omp_get_max_threads(), k_path_name());
     for (int r = -1; r < reps; r++) {
         k3_state_reset(s);
-        double t0 = k3_now(), c0 = cpu_now();
+        double t0 = k3_now(), c0 = bench_cpu_now();
         if (k3_forward(m, s, ids, np, lg, false, &err)) {
             fprintf(stderr, "k3: %s\n", err.msg);
             return err.code;
         }
         if (r < 0) continue; /* warm-up: page cache, first touch */
         w[r] = k3_now() - t0;
-        c[r] = cpu_now() - c0;
+        c[r] = bench_cpu_now() - c0;
         printf("%.4f %.4f\n", w[r], c[r]);
     }
     qsort(w, (size_t)reps, sizeof *w, cmp_double);

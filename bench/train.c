@@ -16,6 +16,7 @@
  * CPU time / threads is the busy time), the model FLOPs per token (see
  * flops_per_token) and the achieved FLOP/s. scripts/bench_train.sh runs it
  * beside the PyTorch reference. */
+#include "bench.h"
 #include "train/tinternal.h"
 #include "train/tgemm.h"
 #include "kernels/kernels.h"
@@ -25,12 +26,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-
-static double cpu_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
 
 /* Model FLOPs of one training token (forward + backward = 3x forward):
  *  - every weight matrix a token goes through: 2 * rows * cols forward
@@ -67,37 +62,19 @@ static uint64_t mix(uint64_t z) {
     return z ^ (z >> 31);
 }
 
-/* The FMA peak of one core, measured: 24 independent 16-lane FMA chains in
- * registers (no loads), CPU time. Peak of n cores = n x this. */
 #if defined(__x86_64__)
 #include <immintrin.h>
-__attribute__((target("avx512f,fma"))) static double fma_peak_gflops(void) {
-    __m512 c0 = _mm512_set1_ps(1e-3f), a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-7f);
-    __m512 c[24];
-    for (int i = 0; i < 24; i++) c[i] = _mm512_add_ps(c0, _mm512_set1_ps((float)i));
-    const long n = 20000000;
-    double t0 = cpu_now();
-    for (long it = 0; it < n; it++) {
-        _Pragma("GCC unroll 24") for (int i = 0; i < 24; i++) c[i] = _mm512_fmadd_ps(a, c[i], b);
-    }
-    double dt = cpu_now() - t0;
-    __m512 s = c[0];
-    for (int i = 1; i < 24; i++) s = _mm512_add_ps(s, c[i]);
-    volatile float sink = _mm512_reduce_add_ps(s);
-    (void)sink;
-    return (double)n * 24 * 32 / dt / 1e9;
-}
 /* The same for vdpbf16ps (2 multiply-adds per lane = 64 flops each). */
 __attribute__((target("avx512f,avx512bf16"))) static double bf16_peak_gflops(void) {
     __m512 c[24];
     for (int i = 0; i < 24; i++) c[i] = _mm512_set1_ps(1e-3f * (float)i);
     __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80), y = (__m512bh)_mm512_set1_epi32(0x33803380);
     const long n = 10000000;
-    double t0 = cpu_now();
+    double t0 = bench_cpu_now();
     for (long it = 0; it < n; it++) {
         _Pragma("GCC unroll 24") for (int i = 0; i < 24; i++) c[i] = _mm512_dpbf16_ps(c[i], x, y);
     }
-    double dt = cpu_now() - t0;
+    double dt = bench_cpu_now() - t0;
     __m512 s = c[0];
     for (int i = 1; i < 24; i++) s = _mm512_add_ps(s, c[i]);
     volatile float sink = _mm512_reduce_add_ps(s);
@@ -124,14 +101,14 @@ __attribute__((target("amx-tile,amx-bf16"))) static double amx_peak_gflops(void)
     _tile_loadd(5, ab, 64);
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     const long n = 2000000;
-    double t0 = cpu_now();
+    double t0 = bench_cpu_now();
     for (long it = 0; it < n; it++) {
         _tile_dpbf16ps(0, 4, 5);
         _tile_dpbf16ps(1, 4, 5);
         _tile_dpbf16ps(2, 4, 5);
         _tile_dpbf16ps(3, 4, 5);
     }
-    double dt = cpu_now() - t0;
+    double dt = bench_cpu_now() - t0;
     static float out[256] __attribute__((aligned(64)));
     _tile_stored(0, out, 64);
     _tile_release();
@@ -140,7 +117,6 @@ __attribute__((target("amx-tile,amx-bf16"))) static double amx_peak_gflops(void)
     return (double)n * 4 * 16384 / dt / 1e9;
 }
 #else
-static double fma_peak_gflops(void) { return 0; }
 static double bf16_peak_gflops(void) { return 0; }
 static double amx_peak_gflops(void) { return 0; }
 #endif
@@ -158,7 +134,7 @@ static uint64_t weights_hash(const tmodel *m) {
 static void gemm_bench(int nt, int n, int in, int out) {
     omp_set_num_threads(nt);
     /* one thread: CPU time (immune to other jobs holding the core); two: wall */
-    double (*clk)(void) = nt == 1 ? cpu_now : k3_now;
+    double (*clk)(void) = nt == 1 ? bench_cpu_now : k3_now;
     float *X = xmalloc_aligned(sizeof(float) * (size_t)n * in), *W = xmalloc_aligned(sizeof(float) * (size_t)out * in);
     float *Y = xmalloc_aligned(sizeof(float) * (size_t)n * out), *G = xmalloc_aligned(sizeof(float) * (size_t)out * in);
     float *DX = xmalloc_aligned(sizeof(float) * (size_t)n * in);
@@ -205,9 +181,7 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "--bf16")) { bf16 = true; continue; }
         if (!strcmp(a, "--no-amx")) { tg_set_amx(false); continue; }
         if (!strcmp(a, "--peak")) {
-            double best = 0;
-            if (k_isa_available(K_ISA_AVX512)) /* the loops below are AVX-512 */
-                for (int r = 0; r < 3; r++) { double g = fma_peak_gflops(); if (g > best) best = g; }
+            double best = bench_fma_peak_gflops();
             double bb = 0, am = 0;
             if (tg_bf16_available())
                 for (int r = 0; r < 3; r++) { double g = bf16_peak_gflops(); if (g > bb) bb = g; }
@@ -215,7 +189,7 @@ int main(int argc, char **argv) {
             if (json)
                 printf("{\"fma_peak_gflops_per_core\":%.2f,\"bf16_peak_gflops_per_core\":%.2f,"
                        "\"amx_peak_gflops_per_core\":%.2f}\n", best, bb, am);
-            else printf("FMA peak, one core: %.1f GFLOP/s (f32, 16 lanes x 2 flops per FMA); "
+            else printf("FMA peak, one core: %.1f GFLOP/s (f32 FMA chains on the widest SIMD path); "
                         "vdpbf16ps peak %.1f GFLOP/s; AMX-BF16 peak %.1f GFLOP/s (0: no AMX)\n", best, bb, am);
             return 0;
         }
@@ -274,28 +248,28 @@ int main(int argc, char **argv) {
         omp_set_num_threads(nt);
         double wall = 0, cpu = 0, loss = 0, fwd = 0, bwd = 0, optt = 0;
         for (int st = 0; st <= steps; st++) {
-            double w0 = k3_now(), c0 = cpu_now();
+            double w0 = k3_now(), c0 = bench_cpu_now();
             memset(m.g, 0, m.nw * sizeof(float));
             m.qb_record = true;
             loss = 0;
             double tf = 0, tb = 0;
             for (int a = 0; a < A; a++) {
                 for (size_t i = 0; i < (size_t)B * (T + 1); i++) tok[i] = (int32_t)(mix(ctr++) % (uint64_t)V);
-                double t0 = cpu_now();
+                double t0 = bench_cpu_now();
                 loss += tm_forward(&m, tok, B, T);
-                double t1 = cpu_now();
+                double t1 = bench_cpu_now();
                 tm_backward(&m, 1.0f / (float)ntok);
                 tf += t1 - t0;
-                tb += cpu_now() - t1;
+                tb += bench_cpu_now() - t1;
             }
             m.qb_record = false;
-            double t2 = cpu_now(), lr;
+            double t2 = bench_cpu_now(), lr;
             topt_step(&opt, &m, &lr);
             tm_qb_update(&m);
-            double t3 = cpu_now();
+            double t3 = bench_cpu_now();
             if (st == 0) continue; /* warm-up: allocation, first touch */
             wall += k3_now() - w0;
-            cpu += cpu_now() - c0;
+            cpu += bench_cpu_now() - c0;
             fwd += tf;
             bwd += tb;
             optt += t3 - t2;

@@ -9,7 +9,8 @@
 # instruction beyond baseline x86-64: a ymm/zmm or mask register, a VEX/EVEX
 # encoded instruction, or an SSE3..SSE4.2, BMI, LZCNT, POPCNT, MOVBE, AES or
 # CLMUL instruction. Such a function is allowed
-#  - in an object whose source uses __attribute__((target(...))) (the SIMD
+#  - in an object whose source (or a header beside it that it includes)
+#    uses __attribute__((target(...))) (the SIMD
 #    kernel files: found by grep, so the list maintains itself), or
 #  - anywhere, when it is an x86-64-v3/v4 clone of a K3_HOT (target_clones)
 #    function (name suffix .arch_x86_64_v3/v4; GCC's ifunc picks it by CPUID);
@@ -57,6 +58,17 @@ wide_funcs() {
 # strip the compiler's clone suffixes: foo.part.0, foo.constprop.1, foo.isra.0, foo.cold
 base() { sed -E 's/\.(part|constprop|isra|cold|lto_priv|localalias)(\.[0-9]+)?//g; s/\.(arch_x86_64_v[0-9]|default|resolver)//g'; }
 
+# uses_target SRC: SRC, or a header it includes from its own folder (such as
+# bench/bench.h), defines functions with __attribute__((target(...))).
+uses_target() {
+  local h
+  grep -q '__attribute__((target(' "$1" && return 0
+  for h in $(sed -n 's/^#include "\([^"]*\)".*/\1/p' "$1"); do
+    [ -f "$(dirname "$1")/$h" ] && grep -q '__attribute__((target(' "$(dirname "$1")/$h" && return 0
+  done
+  return 1
+}
+
 status=0
 cloned=0
 allowed_objs=()
@@ -66,7 +78,7 @@ while IFS= read -r o; do
   rel=${o#"$OBJ"/}
   src=${rel%.o}.c
   funcs=$(objdump -d --no-show-raw-insn "$o" | wide_funcs)
-  if [ -f "$src" ] && grep -q '__attribute__((target(' "$src"; then
+  if [ -f "$src" ] && uses_target "$src"; then
     allowed_objs+=("$o")
     nm "$o" | awk '$2 ~ /^[tTwW]$/ {print $3}' | base >>"$allowed_names"
     continue
