@@ -35,8 +35,16 @@ bool tg_bf16_available(void) {
 #endif
 }
 
-/* The tiles below are AVX-512: only when that path is in force (K3_ISA). */
-static bool use_simd(void) { return !g_scalar && k_isa_active() == K_ISA_AVX512; }
+/* Which tiles run (K3_ISA decides the path in force): AVX-512 tiles for both
+ * modes (BF16 needs AVX512_BF16), AVX2+FMA tiles for F32; everything else is
+ * the scalar reference. Every path gives the scalar reference's bits in F32. */
+static k_isa tile_isa(tg_mode mode) {
+    if (g_scalar) return K_ISA_SCALAR;
+    k_isa a = k_isa_active();
+    if (a == K_ISA_AVX512 && (mode == TG_F32 || tg_bf16_available())) return K_ISA_AVX512;
+    if (a == K_ISA_AVX2 && mode == TG_F32) return K_ISA_AVX2;
+    return K_ISA_SCALAR;
+}
 
 static inline float at(tg_view v, ptrdiff_t i, ptrdiff_t j) { return v.p[i * v.rs + j * v.cs]; }
 
@@ -308,6 +316,33 @@ TGTBF static void tile_bf16(float *C, ptrdiff_t ldc, int h, int w, const uint32_
         _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c[r][1]);
     }
 }
+
+/* ---- AVX2 + FMA tile (F32) -------------------------------------------------------------
+ * The same MR x NR tile over the same packed panels, as NR/8 column groups of
+ * 8: 12 ymm accumulators + one B vector + one broadcast fit the 16 registers.
+ * Each C element still sees its FMAs in k order from C (or zero). */
+
+#define TGT2 __attribute__((target("avx2,fma")))
+
+TGT2 static void tile_f32_avx2(float *C, ptrdiff_t ldc, int h, int w, const float *Ap, const float *Bp, int kc,
+                               bool first) {
+    for (int g = 0; g * 8 < w; g++) {
+        int left = w - 8 * g;
+        __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        __m256 c[MR];
+        UNROLL for (int r = 0; r < MR; r++)
+            c[r] = (first || r >= h) ? _mm256_setzero_ps() : _mm256_maskload_ps(C + r * ldc + 8 * g, m);
+        for (int k = 0; k < kc; k++) {
+            __m256 b = _mm256_loadu_ps(Bp + (size_t)k * NR + 8 * g);
+            const float *a = Ap + (size_t)k * MR;
+            UNROLL for (int r = 0; r < MR; r++) c[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r), b, c[r]);
+        }
+        UNROLL for (int r = 0; r < MR; r++) {
+            if (r >= h) break;
+            _mm256_maskstore_ps(C + r * ldc + 8 * g, m, c[r]);
+        }
+    }
+}
 #endif
 
 /* ---- driver --------------------------------------------------------------------------- */
@@ -320,7 +355,8 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
         return;
     }
 #if defined(__x86_64__)
-    bool simd = use_simd() && (mode == TG_F32 || tg_bf16_available());
+    const k_isa isa = tile_isa(mode);
+    bool simd = isa != K_ISA_SCALAR;
 #else
     bool simd = false;
 #endif
@@ -372,6 +408,9 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
                         if (bfm)
                             tile_bf16(Ct, ldc, h, w, (const uint32_t *)Ap + (size_t)t * kc2,
                                       (const uint16_t *)Bp + ((size_t)p * K2 + k0 / 2) * NR * 2, kc2, first);
+                        else if (isa == K_ISA_AVX2)
+                            tile_f32_avx2(Ct, ldc, h, w, (const float *)Ap + (size_t)t * kc,
+                                          (const float *)Bp + ((size_t)p * K + k0) * NR, kc, first);
                         else
                             tile_f32(Ct, ldc, h, w, (const float *)Ap + (size_t)t * kc,
                                      (const float *)Bp + ((size_t)p * K + k0) * NR, kc, first);
