@@ -18,18 +18,6 @@
 #include <string.h>
 #include <unistd.h>
 
-typedef struct {
-    const bpe_model *m;
-    int32_t *ids;
-    size_t n, cap;
-} apply_ctx;
-
-static int apply_piece(const char *piece, size_t n, void *ctx) {
-    apply_ctx *a = ctx;
-    bpe_apply_merges(a->m, (const uint8_t *)piece, n, &a->ids, &a->n, &a->cap);
-    return 0;
-}
-
 static int die(const k3_err *e) {
     fprintf(stderr, "bench_bpe: %s\n", e->msg);
     return 1;
@@ -101,18 +89,10 @@ int main(int argc, char **argv) {
     t0 = k3_now();
     if (tok_encode(tk, text, n_check, true, &ids, &n, &err)) return die(&err);
     double t_enc = k3_now() - t0;
-    apply_ctx a = {.m = &m};
     int32_t eot_id = tok_special_id(tk, "<|endoftext|>");
-    const char *p = text, *end = text + n_check;
-    while (p < end) {
-        const char *q = memmem(p, (size_t)(end - p), "<|endoftext|>", 13);
-        size_t seg = q ? (size_t)(q - p) : (size_t)(end - p);
-        if (tok_split(sp, p, seg, apply_piece, &a, &err)) return die(&err);
-        if (!q) break;
-        if (a.n == a.cap) a.ids = xrealloc_array(a.ids, a.cap = a.cap * 2 + 16, sizeof *a.ids);
-        a.ids[a.n++] = eot_id;
-        p = q + 13;
-    }
+    struct { int32_t *ids; size_t n, cap; } a = {0};
+    if (bpe_encode_reference(&m, sp, text, n_check, "<|endoftext|>", eot_id, &a.ids, &a.n, &a.cap, &err))
+        return die(&err);
     size_t diff = a.n == n ? 0 : 1;
     for (size_t i = 0; i < n && i < a.n; i++) diff += ids[i] != a.ids[i];
     printf("check: tok_load + tok_encode of the first %.1f MB: %zu ids, %.3f bytes/token, %.1f MB/s; "

@@ -272,18 +272,6 @@ TEST(bpe_counts_do_not_depend_on_threads) {
     free(text);
 }
 
-typedef struct {
-    const bpe_model *m;
-    int32_t *ids;
-    size_t n, cap;
-} apply_ctx;
-
-static int apply_piece(const char *piece, size_t n, void *ctx) {
-    apply_ctx *a = ctx;
-    bpe_apply_merges(a->m, (const uint8_t *)piece, n, &a->ids, &a->n, &a->cap);
-    return 0;
-}
-
 /* Train on TinyStories text with the Kimi pattern, write tiktoken.model +
  * tokenizer_config.json, load it with tok_load: encoding the training text
  * gives exactly the ids that replaying the learned merges gives (tiktoken's
@@ -318,17 +306,8 @@ TEST(bpe_tokenizer_roundtrips_through_tok_load) {
     CHECKF(tok_encode(tk, text, len, true, &ids, &n, &err) == 0, "%s", err.msg);
     /* expected: per story, the pieces' merges replayed; the separator line
      * "\n<|endoftext|>\n" is "\n", the special, "\n" */
-    apply_ctx a = {.m = &m};
-    const char *p = text, *end = text + len;
-    while (p < end) {
-        const char *q = memmem(p, (size_t)(end - p), "<|endoftext|>", 13);
-        size_t seg = q ? (size_t)(q - p) : (size_t)(end - p);
-        CHECK(tok_split(sp, p, seg, apply_piece, &a, &err) == 0);
-        if (!q) break;
-        if (a.n == a.cap) a.ids = xrealloc_array(a.ids, a.cap = a.cap * 2 + 16, sizeof *a.ids);
-        a.ids[a.n++] = 1023;
-        p = q + 13;
-    }
+    struct { int32_t *ids; size_t n, cap; } a = {0};
+    CHECK(bpe_encode_reference(&m, sp, text, len, "<|endoftext|>", 1023, &a.ids, &a.n, &a.cap, &err) == 0);
     CHECKF(a.n == n, "tok_encode gave %zu ids, replayed merges %zu", n, a.n);
     for (size_t i = 0; i < n; i++) CHECKF(ids[i] == a.ids[i], "id %zu: %d vs %d", i, ids[i], a.ids[i]);
     uint8_t *back;

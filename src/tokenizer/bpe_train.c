@@ -825,3 +825,34 @@ int bpe_write_tiktoken(const bpe_model *m, const char *dir, const char *const *s
     free(js2);
     return rc;
 }
+
+typedef struct {
+    const bpe_model *m;
+    int32_t **ids;
+    size_t *n, *cap;
+} replay_ctx;
+
+static int replay_piece(const char *piece, size_t len, void *ctx) {
+    replay_ctx *r = ctx;
+    bpe_apply_merges(r->m, (const uint8_t *)piece, len, r->ids, r->n, r->cap);
+    return 0;
+}
+
+int bpe_encode_reference(const bpe_model *m, const tok_splitter *sp, const char *text, size_t len,
+                         const char *special, int32_t special_id, int32_t **ids, size_t *n, size_t *cap,
+                         k3_err *err) {
+    replay_ctx r = {m, ids, n, cap};
+    size_t sl = strlen(special);
+    const char *p = text, *end = text + len;
+    while (p < end) {
+        const char *q = sl ? memmem(p, (size_t)(end - p), special, sl) : NULL;
+        size_t seg = q ? (size_t)(q - p) : (size_t)(end - p);
+        int rc = tok_split(sp, p, seg, replay_piece, &r, err);
+        if (rc) return rc;
+        if (!q) break;
+        if (*n == *cap) *ids = xrealloc_array(*ids, *cap = *cap * 2 + 16, sizeof **ids);
+        (*ids)[(*n)++] = special_id;
+        p = q + sl;
+    }
+    return 0;
+}

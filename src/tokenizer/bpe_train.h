@@ -85,6 +85,15 @@ void bpe_model_free(bpe_model *m);
 void bpe_apply_merges(const bpe_model *m, const uint8_t *bytes, size_t len, int32_t **ids,
                       size_t *n, size_t *cap);
 
+/* The reference encoder built on it: text split by sp (the pre-tokenizer),
+ * each piece's merges replayed, and every occurrence of the string special
+ * emitted as special_id (the document separator). Appends to *ids as
+ * bpe_apply_merges does. Slow on purpose: it is what a fast tiktoken-style
+ * encoder of the trained vocabulary must agree with. */
+int bpe_encode_reference(const bpe_model *m, const tok_splitter *sp, const char *text, size_t len,
+                         const char *special, int32_t special_id, int32_t **ids, size_t *n, size_t *cap,
+                         k3_err *err);
+
 /* ---- output -------------------------------------------------------------- */
 /* Writes dir/tiktoken.model (base64 of each token's bytes, then its id as
  * the rank) and dir/tokenizer_config.json: the specials as ids n_tokens,
