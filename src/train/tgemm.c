@@ -253,21 +253,39 @@ TGTBF static bool pack_a_bf16_v(uint32_t *Ap, tg_view A, int m0, int rows, int k
     return false;
 }
 
-/* C tile (h rows, w cols) at C; first: start from zero instead of C. */
-TGT static void tile_f32(float *C, ptrdiff_t ldc, int h, int w, const float *Ap, const float *Bp, int kc,
-                         bool first) {
-    __m512 c[MR][2];
-    __mmask16 m0 = w >= 16 ? 0xffff : (__mmask16)((1u << w) - 1u);
-    __mmask16 m1 = w >= 32 ? 0xffff : (w > 16 ? (__mmask16)((1u << (w - 16)) - 1u) : 0);
+/* The MR x NR block of C a tile accumulates in registers: columns past w
+ * masked off, rows past h (and a first pass) start from zero and are never
+ * stored. Shared by the F32 and BF16 tiles; always inlined so c stays in
+ * registers. */
+#define TINL static inline __attribute__((always_inline)) TGT
+TINL void tile_begin(__m512 c[MR][2], __mmask16 *m0, __mmask16 *m1, const float *C, ptrdiff_t ldc, int h, int w,
+                     bool first) {
+    *m0 = w >= 16 ? 0xffff : (__mmask16)((1u << w) - 1u);
+    *m1 = w >= 32 ? 0xffff : (w > 16 ? (__mmask16)((1u << (w - 16)) - 1u) : 0);
     UNROLL for (int r = 0; r < MR; r++) {
         if (first || r >= h) {
             c[r][0] = _mm512_setzero_ps();
             c[r][1] = _mm512_setzero_ps();
         } else {
-            c[r][0] = _mm512_maskz_loadu_ps(m0, C + r * ldc);
-            c[r][1] = _mm512_maskz_loadu_ps(m1, C + r * ldc + 16);
+            c[r][0] = _mm512_maskz_loadu_ps(*m0, C + r * ldc);
+            c[r][1] = _mm512_maskz_loadu_ps(*m1, C + r * ldc + 16);
         }
     }
+}
+TINL void tile_end(float *C, ptrdiff_t ldc, int h, __mmask16 m0, __mmask16 m1, __m512 c[MR][2]) {
+    UNROLL for (int r = 0; r < MR; r++) {
+        if (r >= h) break;
+        _mm512_mask_storeu_ps(C + r * ldc, m0, c[r][0]);
+        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c[r][1]);
+    }
+}
+
+/* C tile (h rows, w cols) at C; first: start from zero instead of C. */
+TGT static void tile_f32(float *C, ptrdiff_t ldc, int h, int w, const float *Ap, const float *Bp, int kc,
+                         bool first) {
+    __m512 c[MR][2];
+    __mmask16 m0, m1;
+    tile_begin(c, &m0, &m1, C, ldc, h, w, first);
     for (int k = 0; k < kc; k++) {
         __m512 b0 = _mm512_loadu_ps(Bp + (size_t)k * NR), b1 = _mm512_loadu_ps(Bp + (size_t)k * NR + 16);
         const float *a = Ap + (size_t)k * MR;
@@ -277,11 +295,7 @@ TGT static void tile_f32(float *C, ptrdiff_t ldc, int h, int w, const float *Ap,
             c[r][1] = _mm512_fmadd_ps(av, b1, c[r][1]);
         }
     }
-    UNROLL for (int r = 0; r < MR; r++) {
-        if (r >= h) break;
-        _mm512_mask_storeu_ps(C + r * ldc, m0, c[r][0]);
-        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c[r][1]);
-    }
+    tile_end(C, ldc, h, m0, m1, c);
 }
 
 /* The same over kc2 pairs; C is flushed to zero when denormal on entry, as
@@ -289,17 +303,8 @@ TGT static void tile_f32(float *C, ptrdiff_t ldc, int h, int w, const float *Ap,
 TGTBF static void tile_bf16(float *C, ptrdiff_t ldc, int h, int w, const uint32_t *Ap, const uint16_t *Bp,
                             int kc2, bool first) {
     __m512 c[MR][2];
-    __mmask16 m0 = w >= 16 ? 0xffff : (__mmask16)((1u << w) - 1u);
-    __mmask16 m1 = w >= 32 ? 0xffff : (w > 16 ? (__mmask16)((1u << (w - 16)) - 1u) : 0);
-    UNROLL for (int r = 0; r < MR; r++) {
-        if (first || r >= h) {
-            c[r][0] = _mm512_setzero_ps();
-            c[r][1] = _mm512_setzero_ps();
-        } else {
-            c[r][0] = _mm512_maskz_loadu_ps(m0, C + r * ldc);
-            c[r][1] = _mm512_maskz_loadu_ps(m1, C + r * ldc + 16);
-        }
-    }
+    __mmask16 m0, m1;
+    tile_begin(c, &m0, &m1, C, ldc, h, w, first);
     for (int q = 0; q < kc2; q++) {
         __m512bh b0 = (__m512bh)_mm512_loadu_si512(Bp + (size_t)q * NR * 2);
         __m512bh b1 = (__m512bh)_mm512_loadu_si512(Bp + (size_t)q * NR * 2 + 32);
@@ -310,11 +315,7 @@ TGTBF static void tile_bf16(float *C, ptrdiff_t ldc, int h, int w, const uint32_
             c[r][1] = _mm512_dpbf16_ps(c[r][1], av, b1);
         }
     }
-    UNROLL for (int r = 0; r < MR; r++) {
-        if (r >= h) break;
-        _mm512_mask_storeu_ps(C + r * ldc, m0, c[r][0]);
-        _mm512_mask_storeu_ps(C + r * ldc + 16, m1, c[r][1]);
-    }
+    tile_end(C, ldc, h, m0, m1, c);
 }
 
 /* ---- AVX2 + FMA tile (F32) -------------------------------------------------------------
