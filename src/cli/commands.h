@@ -24,6 +24,10 @@ K3_DECLARE_COMMAND(prepare);
 K3_DECLARE_COMMAND(train);
 K3_DECLARE_COMMAND(export);
 K3_DECLARE_COMMAND(dashboard);
+K3_DECLARE_COMMAND(chat);
+K3_DECLARE_COMMAND(serve);
+K3_DECLARE_COMMAND(eval);
+K3_DECLARE_COMMAND(verify);
 
 /* The error printer every command uses: "k3: <msg>\n" on stderr. */
 #include "util/common.h"

@@ -16,7 +16,11 @@ typedef struct {
 
 static const command commands[] = {
     {"run", cmd_run, &cmd_run_help, "generate text from a model directory"},
+    {"chat", cmd_chat, &cmd_chat_help, "chat with a model in the terminal (XTML chat template)"},
+    {"serve", cmd_serve, &cmd_serve_help, "OpenAI-compatible HTTP server with a chat page"},
+    {"eval", cmd_eval, &cmd_eval_help, "nats per token and bits per byte of a model on a text"},
     {"inspect", cmd_inspect, &cmd_inspect_help, "census of a checkpoint: bytes, parameters, layer map"},
+    {"verify", cmd_verify, &cmd_verify_help, "check every shard's sha256 and every tensor's byte range"},
     {"tokenize", cmd_tokenize, &cmd_tokenize_help, "text to token ids with a tiktoken tokenizer"},
     {"detokenize", cmd_detokenize, &cmd_detokenize_help, "token ids to bytes"},
     {"pack-trunk", cmd_pack_trunk, &cmd_pack_trunk_help, "pack the dense trunk into one streamable file"},
