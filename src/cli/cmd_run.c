@@ -300,7 +300,9 @@ typedef struct {
     bool dumping;
 } run_ctx;
 
-static void emit_token(run_ctx *r, int32_t id) {
+/* Streams one token's text (or id); a write error on stdout (a full disk or
+ * device) stops the run instead of generating into the void. */
+static int emit_token(run_ctx *r, int32_t id, k3_err *err) {
     if (r->tok) {
         size_t len = 0;
         tok_token_bytes(r->tok, id, &len);
@@ -317,6 +319,8 @@ static void emit_token(run_ctx *r, int32_t id) {
         printf("%s%d", r->nseq > r->nprompt + 1 ? " " : "", id);
         fflush(stdout);
     }
+    if (ferror(stdout)) return k3_fail(err, K3_EXIT_RUNTIME, "standard output: write failed: %s", strerror(errno));
+    return K3_OK;
 }
 
 /* Feeds the prompt in slices (a progress bar for long prompts; when dumping,
@@ -422,6 +426,9 @@ static int run(const run_args *a, k3_err *err) {
     if (a->threads > 0) omp_set_num_threads(a->threads);
     int threads = omp_get_max_threads();
     k3_model_opts mo = {.layers = a->layers, .peer_mla_eps = a->peer_eps, .kda_chunk = a->kda_chunk};
+    /* a bad output path fails now, not after the whole generation */
+    if (a->out && (rc = k3_check_output_path(a->out, "--out", err))) goto done;
+    if (a->dump && (rc = k3_check_output_path(a->dump, "--dump-logits", err))) goto done;
     /* issue 4: the memory plan comes first (exit 3 before any weight is read);
      * the model then keeps only its model-level tensors and the stream serves
      * the layers and the routed experts */
@@ -484,8 +491,8 @@ static int run(const run_args *a, k3_err *err) {
         /* the end-of-sequence token ends the text; its name is not part of it
          * (it is still in generated_ids) */
         if (id == eos) { stop = "eos"; break; }
-        emit_token(&r, id);
-        if (g + 1 < a->gen) rc = step(&r, err);
+        rc = emit_token(&r, id, err);
+        if (!rc && g + 1 < a->gen) rc = step(&r, err);
     }
     t2 = k3_now();
     k3_sampler_free(&sp);

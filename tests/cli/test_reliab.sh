@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# asan
+# Hostile-user cases: output paths that are not regular files, full devices,
+# corrupted indexes and checkpoints, out-of-range config integers, stale temp
+# files. Each must end in one error line and its exit code, never wrong output.
+. "$(dirname "$0")/lib.sh"
+M=tests/fixtures/gen/k3_like
+type skip >/dev/null 2>&1 || skip() { echo "SKIP $1: $2"; }
+
+# ---- output paths ---------------------------------------------------------------
+expect_exit out-empty 2 $K3 run $M --ids 1,2,3 --gen 2 --quiet --out ''
+expect_exit dump-empty 2 $K3 run $M --ids 1,2,3 --gen 2 --quiet --dump-logits ''
+expect_exit out-nodir 2 $K3 run $M --ids 1,2,3 --gen 2 --quiet --out "$OUT/no/such/dir/x.json"
+expect_exit out-isdir 2 $K3 run $M --ids 1,2,3 --gen 2 --quiet --out "$OUT"
+expect_err_contains out-isdir "--out"
+# a FIFO stays a FIFO and the reader gets the report
+rm -f "$OUT/fifo" "$OUT/fifo.got"; mkfifo "$OUT/fifo"
+timeout 60 cat "$OUT/fifo" >"$OUT/fifo.got" & reader=$!
+expect_exit out-fifo 0 $K3 run $M --ids 1,2,3 --gen 2 --quiet --out "$OUT/fifo"
+[ -p "$OUT/fifo" ] && pass out-fifo:still-fifo || { fail out-fifo:still-fifo "replaced by a regular file"; kill $reader 2>/dev/null; }
+wait $reader
+grep -q '"generated_ids"' "$OUT/fifo.got" && pass out-fifo:content || fail out-fifo:content "reader got $(head -c 100 "$OUT/fifo.got")"
+# a symlink to a regular file: the target is replaced, the link stays
+echo old >"$OUT/target.json"; ln -sf target.json "$OUT/link.json"
+expect_exit out-symlink 0 $K3 run $M --ids 1,2,3 --gen 2 --quiet --out "$OUT/link.json"
+[ -L "$OUT/link.json" ] && grep -q generated_ids "$OUT/target.json" && pass out-symlink:kept || fail out-symlink:kept
+# a device is written in place; a full one is an error. The devices are our
+# own nodes in $OUT: a build without the fix would replace /dev/null itself.
+rm -f "$OUT/null" "$OUT/full"
+if mknod -m 666 "$OUT/null" c 1 3 2>/dev/null && mknod -m 666 "$OUT/full" c 1 7 2>/dev/null &&
+   echo x >"$OUT/null" 2>/dev/null; then
+  expect_exit out-devnull 0 $K3 run $M --ids 1,2,3 --gen 2 --quiet --out "$OUT/null" --dump-logits "$OUT/null"
+  [ -c "$OUT/null" ] && pass out-devnull:still-device || fail out-devnull:still-device
+  expect_exit out-devfull 1 $K3 run $M --ids 1,2,3 --gen 2 --quiet --out "$OUT/full"
+  expect_exit dump-devfull 1 $K3 run $M --ids 1,2,3 --gen 2 --quiet --dump-logits "$OUT/full"
+  [ -c "$OUT/full" ] && pass out-devfull:still-device || fail out-devfull:still-device
+else
+  skip out-devices "cannot make device nodes here (not root, or a nodev mount)"
+fi
+# a link to the standard output (as /dev/stdout is) writes into the pipe
+ln -sfn /proc/self/fd/1 "$OUT/stdout-link"
+$K3 run $M --ids 1,2,3 --gen 2 --quiet --out "$OUT/stdout-link" | cat >"$OUT/piped.json"
+[ -L "$OUT/stdout-link" ] && grep -q generated_ids "$OUT/piped.json" && pass out-stdout-link || fail out-stdout-link
+
+# ---- standard output full -----------------------------------------------------------
+# full_exit NAME CODE CMD...: like expect_exit, with stdout on /dev/full
+full_exit() {
+  local name=$1 code=$2; shift 2
+  "$@" >/dev/full 2>"$OUT/$name.err"
+  local rc=$?
+  if [ "$rc" -ne "$code" ]; then fail "$name" "exit $rc, wanted $code: $(head -c 200 "$OUT/$name.err")"; return; fi
+  # k3 run's report precedes the error on stderr: the error is the last line
+  if { [ -z "$REPORT_OK" ] && [ "$(grep -c '' "$OUT/$name.err")" -ne 1 ]; } || ! tail -n 1 "$OUT/$name.err" | grep -q '^k3: standard output'; then
+    fail "$name" "not one error line: $(head -c 300 "$OUT/$name.err")"; return
+  fi
+  pass "$name"
+}
+REPORT_OK=1 full_exit stdout-run 1 $K3 run $M --ids 1,2,3 --gen 4
+full_exit stdout-inspect 1 $K3 inspect $M
+full_exit stdout-inspect-json 1 $K3 inspect $M --json
+full_exit stdout-help 1 $K3 --help
+full_exit stdout-run-help 1 $K3 run --help
+full_exit stdout-version 1 $K3 --version
+full_exit stdout-cache-sim 1 $K3 cache-sim --help
