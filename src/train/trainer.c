@@ -699,8 +699,12 @@ static int setup(run *r, k3_err *err) {
     topt_init(&r->opt, &r->m, &oc);
     if (have_ck) {
         rc = tckpt_load(&ck, &r->m, &r->opt, err);
+        bool unverified = ck.unverified;
         tckpt_close(&ck);
         if (rc) return rc;
+        if (unverified && !o->quiet)
+            fprintf(stderr, "k3: note: %s is a version 1 checkpoint without a payload checksum: its weights are not "
+                            "verified\n", o->resume);
     } else {
         tm_init(&r->m, r->seed);
     }
