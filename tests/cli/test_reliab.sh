@@ -42,6 +42,24 @@ ln -sfn /proc/self/fd/1 "$OUT/stdout-link"
 $K3 run $M --ids 1,2,3 --gen 2 --quiet --out "$OUT/stdout-link" | cat >"$OUT/piped.json"
 [ -L "$OUT/stdout-link" ] && grep -q generated_ids "$OUT/piped.json" && pass out-stdout-link || fail out-stdout-link
 
+# ---- packed trunk index ---------------------------------------------------------------
+T=$OUT/trunk; rm -rf "$T"
+expect_exit trunk-pack 0 $K3 pack-trunk $M "$T"
+expect_exit trunk-run 0 $K3 run $M --ids 1,2,3 --gen 4 --quiet --trunk "$T" --out "$OUT/trunk-good.json"
+cp "$T/trunk.json" "$OUT/trunk.json.good"
+# trunk_edit NAME PERL-EXPR: the run refuses an index edited by PERL-EXPR (exit 4)
+trunk_edit() {
+  perl -0pe "$2" "$OUT/trunk.json.good" >"$T/trunk.json"
+  if cmp -s "$T/trunk.json" "$OUT/trunk.json.good"; then fail "$1" "the edit changed nothing"; return; fi
+  expect_exit "$1" 4 $K3 run $M --ids 1,2,3 --gen 4 --quiet --trunk "$T"
+}
+# the first two model-level tensors have the same dtype and size: swap their offsets
+trunk_edit trunk-swap-offsets 's/("offset": )0(,\s*"bytes": 96\s*\},\s*\{[^}]*?"offset": )128/${1}128${2}0/'
+trunk_edit trunk-dtype 's/"dtype": "BF16"/"dtype": "F16"/'
+trunk_edit trunk-name 's/model\.norm\.weight/model.nxrm.weight/'
+trunk_edit trunk-no-checksum 's/,\s*"table_crc32c": "[0-9a-f]+"//'
+cp "$OUT/trunk.json.good" "$T/trunk.json"
+
 # ---- standard output full -----------------------------------------------------------
 # full_exit NAME CODE CMD...: like expect_exit, with stdout on /dev/full
 full_exit() {
