@@ -60,6 +60,28 @@ trunk_edit trunk-name 's/model\.norm\.weight/model.nxrm.weight/'
 trunk_edit trunk-no-checksum 's/,\s*"table_crc32c": "[0-9a-f]+"//'
 cp "$OUT/trunk.json.good" "$T/trunk.json"
 
+# ---- config integers ------------------------------------------------------------------
+# cfg_set SRC KEY VALUE DEST: SRC with KEY's integer replaced
+cfg_set() { sed -E "s/\"$2\": [0-9]+/\"$2\": $3/" "$1" >"$4"; cmp -s "$1" "$4" && echo "cfg_set: $2 not in $1" >&2; }
+C=$OUT/cfg; rm -rf "$C"; mkdir -p "$C/m"
+for f in $M/*.safetensors $M/model.safetensors.index.json; do ln -sf "$PWD/$f" "$C/m/"; done
+for kv in attn_res_block_size:2147483647 vocab_size:2147483648 hidden_size:4294967297 num_shared_experts:1073741824 \
+          v_head_dim:2147483647 qk_nope_head_dim:2147483647; do
+  k=${kv%%:*}; v=${kv#*:}
+  cfg_set $M/config.json "$k" "$v" "$C/m/config.json"
+  expect_exit "cfg-run-$k" 2 $K3 run "$C/m" --ids 1,2 --gen 2 --quiet
+  expect_err_contains "cfg-run-$k" "too large"
+  cfg_set configs/tiny-train.json "$k" "$v" "$C/t.json"
+  expect_exit "cfg-inventory-$k" 2 $K3 train --config "$C/t.json" --inventory
+  expect_err_contains "cfg-inventory-$k" "too large"
+done
+# within the per-key bound, but a derived size is not
+cfg_set configs/tiny-train.json num_shared_experts 16777215 "$C/t.json"
+expect_exit cfg-derived-shared 2 $K3 train --config "$C/t.json" --inventory
+expect_err_contains cfg-derived-shared "num_shared_experts x moe_intermediate_size"
+cfg_set configs/tiny-train.json v_head_dim 16000000 "$C/t.json"
+expect_exit cfg-derived-v 2 $K3 train --config "$C/t.json" --inventory
+
 # ---- standard output full -----------------------------------------------------------
 # full_exit NAME CODE CMD...: like expect_exit, with stdout on /dev/full
 full_exit() {
@@ -80,3 +102,4 @@ full_exit stdout-help 1 $K3 --help
 full_exit stdout-run-help 1 $K3 run --help
 full_exit stdout-version 1 $K3 --version
 full_exit stdout-cache-sim 1 $K3 cache-sim --help
+finish
