@@ -82,6 +82,19 @@ expect_err_contains cfg-derived-shared "num_shared_experts x moe_intermediate_si
 cfg_set configs/tiny-train.json v_head_dim 16000000 "$C/t.json"
 expect_exit cfg-derived-v 2 $K3 train --config "$C/t.json" --inventory
 
+# ---- tokenizer_config.json that is not an object ----------------------------------
+TK=$OUT/tok; rm -rf "$TK"; mkdir -p "$TK"
+ln -sf "$(cd "$SHARED/tokenizers/kimi" && pwd)/tiktoken.model" "$TK/tiktoken.model"
+for j in '[1,2,3]' '[]' '[{"added_tokens_decoder":{}}]'; do
+  printf '%s' "$j" >"$TK/tokenizer_config.json"
+  expect_exit "tokcfg-$j" 2 $K3 tokenize "$TK" --text "hello"
+  expect_err_contains "tokcfg-$j" "not a JSON object"
+done
+printf '42' >"$TK/tokenizer_config.json"
+expect_exit tokcfg-scalar 2 $K3 tokenize "$TK" --text "hello"
+printf '{}' >"$TK/tokenizer_config.json"
+expect_exit tokcfg-empty-object 0 $K3 tokenize "$TK" --text "hello"
+
 # ---- standard output full -----------------------------------------------------------
 # full_exit NAME CODE CMD...: like expect_exit, with stdout on /dev/full
 full_exit() {
