@@ -95,6 +95,24 @@ expect_exit tokcfg-scalar 2 $K3 tokenize "$TK" --text "hello"
 printf '{}' >"$TK/tokenizer_config.json"
 expect_exit tokcfg-empty-object 0 $K3 tokenize "$TK" --text "hello"
 
+# ---- a shard truncated while mapped --------------------------------------------------
+# The prompt comes from a FIFO, read after the shards are mapped: opening the
+# FIFO for writing returns once k3 is there, the shards are truncated, and the
+# prompt then lets the forward pass touch the vanished pages.
+B=$OUT/bus; rm -rf "$B"; mkdir -p "$B"; cp $M/* "$B/"; mkfifo "$B/prompt"
+$K3 run "$B" --tok "$TK" --prompt-file "$B/prompt" --gen 3 --quiet >"$OUT/bus.out" 2>"$OUT/bus.err" &
+bus_pid=$!
+exec 3>"$B/prompt"
+for f in "$B"/model-*.safetensors; do truncate -s 8192 "$f"; done
+printf 'Q' >&3
+exec 3>&-
+wait $bus_pid; bus_rc=$?
+if [ "$bus_rc" -eq 4 ] && [ "$(grep -c '' "$OUT/bus.err")" -eq 1 ] && grep -q '^k3: .*model-0000.*safetensors: .*shrank' "$OUT/bus.err"; then
+  pass shard-truncated-while-mapped
+else
+  fail shard-truncated-while-mapped "exit $bus_rc: $(head -c 300 "$OUT/bus.err")"
+fi
+
 # ---- standard output full -----------------------------------------------------------
 # full_exit NAME CODE CMD...: like expect_exit, with stdout on /dev/full
 full_exit() {
