@@ -259,8 +259,6 @@ static int prompt_ids(const run_args *a, const k3_tokenizer *tok, int vocab, int
     return rc;
 }
 
-static double gib(uint64_t b) { return (double)b / (1024.0 * 1024 * 1024); }
-
 /* Writes n rows of logits to the dump (little-endian f32). */
 static int dump_rows(k3_atomic_file *df, const float *rows, size_t nfloats, k3_err *err) {
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -468,10 +466,11 @@ static int run(const run_args *a, k3_err *err) {
     if ((budget && need > budget) || max_pos > INT_MAX - 1) {
         free(pids);
         rc = k3_fail(err, K3_EXIT_BUDGET,
-                     "%s: %zu prompt + %lld generated tokens need %.3f GiB (weights %.3f, KDA state %.3f, "
-                     "MLA cache %.3f, scratch %.3f) but %s is %.3f GiB",
-                     a->model_dir, r.nprompt, (long long)a->gen, gib(need), gib(wbytes), gib(plan.kda_bytes),
-                     gib(plan.mla_bytes), gib(plan.scratch_bytes), bname, gib(budget));
+                     "%s: %zu prompt + %lld generated tokens need %s (weights %s, KDA state %s, "
+                     "MLA cache %s, scratch %s) but %s is %s",
+                     a->model_dir, r.nprompt, (long long)a->gen, k3_size_str(need), k3_size_str(wbytes),
+                     k3_size_str(plan.kda_bytes), k3_size_str(plan.mla_bytes), k3_size_str(plan.scratch_bytes), bname,
+                     k3_size_str(budget));
         goto done;
     }
     if ((rc = k3_state_new(r.m, (int)max_pos, &r.s, err))) { free(pids); goto done; }
