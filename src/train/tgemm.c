@@ -8,6 +8,7 @@
  * never changes a result. In BF16 mode the packed operands are BF16 pairs
  * (k, k+1) and the tile uses vdpbf16ps. */
 #include "train/tgemm.h"
+#include "train/train.h"
 
 #include <math.h>
 #include <omp.h>
@@ -44,6 +45,15 @@ static k_isa tile_isa(tg_mode mode) {
     if (a == K_ISA_AVX512 && (mode == TG_F32 || tg_bf16_available())) return K_ISA_AVX512;
     if (a == K_ISA_AVX2 && mode == TG_F32) return K_ISA_AVX2;
     return K_ISA_SCALAR;
+}
+
+void k3_train_gemm_describe(char *buf, size_t n) {
+    static const char *const f32[] = {"the scalar reference", "AVX2+FMA tiles (the scalar reference's bits)",
+                                      "AVX-512 tiles (the scalar reference's bits)"};
+    k_isa a = tile_isa(TG_F32), b = tile_isa(TG_BF16);
+    const char *bf = b == K_ISA_SCALAR ? "the scalar emulation of its rounding"
+                     : tg_amx_available() ? "AMX-BF16 tiles" : "AVX512_BF16 (vdpbf16ps) tiles";
+    snprintf(buf, n, "F32 on %s, --bf16 on %s", f32[a < 3 ? a : 0], bf);
 }
 
 static inline float at(tg_view v, ptrdiff_t i, ptrdiff_t j) { return v.p[i * v.rs + j * v.cs]; }

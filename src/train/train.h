@@ -170,4 +170,8 @@ typedef struct {
 
 int k3_train_run(const ttrain_opts *o, k3_err *err);
 
+/* One line on the training products this CPU runs (K3_ISA respected): which
+ * tiles the F32 and the --bf16 products use. For k3 doctor. */
+void k3_train_gemm_describe(char *buf, size_t n);
+
 #endif

@@ -113,6 +113,23 @@ else
   fail shard-truncated-while-mapped "exit $bus_rc: $(head -c 300 "$OUT/bus.err")"
 fi
 
+# ---- --layers, memory refusal units, k3 doctor ------------------------------------------
+expect_exit layers-too-many 2 $K3 run $M --ids 1,2 --gen 2 --quiet --layers 10
+expect_err_contains layers-too-many "has only 9 layers"
+expect_exit layers-all 0 $K3 run $M --ids 1,2 --gen 2 --quiet --layers 9
+expect_exit budget-tiny 3 $K3 run $M --ids 1,2 --gen 2 --quiet --max-memory 1K
+if grep -q '0\.000' "$OUT/budget-tiny.err"; then fail budget-tiny:units "$(cat "$OUT/budget-tiny.err")"; else pass budget-tiny:units; fi
+expect_err_contains budget-tiny "kB"
+if $K3 doctor >/dev/null 2>&1 && K3_ISA=avx2 $K3 doctor >/dev/null 2>&1; then
+  K3_ISA=avx2 expect_exit doctor-avx2 0 $K3 doctor
+  expect_out_contains doctor-avx2 "F32 on AVX2+FMA tiles"
+  grep -q "scalar path" "$OUT/doctor-avx2.out" && fail doctor-avx2:no-scalar-claim || pass doctor-avx2:no-scalar-claim
+else
+  skip doctor-avx2 "this CPU has no AVX2"
+fi
+K3_ISA=scalar expect_exit doctor-scalar 0 $K3 doctor
+expect_out_contains doctor-scalar "F32 on the scalar reference"
+
 # ---- standard output full -----------------------------------------------------------
 # full_exit NAME CODE CMD...: like expect_exit, with stdout on /dev/full
 full_exit() {
