@@ -204,6 +204,7 @@ static int utf8_char(const uint8_t *in, size_t n) {
 
 size_t chat_utf8_take(const uint8_t *in, size_t n, bool final, chat_buf *out) {
     static const char repl[] = "\xef\xbf\xbd";
+    if (!n) return 0;
     size_t i = 0, run = 0;
     while (i < n) {
         int l = utf8_char(in + i, n - i);
