@@ -141,6 +141,7 @@ static bool make_room(k3_state_cache *c, uint64_t need) {
 
 /* ---- sessions ------------------------------------------------------------------------------ */
 struct k3_session {
+    k3_engine *e;      /* NULL: fed with k3_forward on m */
     k3_model *m;
     k3_state *st;
     k3_state_cache *c;
@@ -163,6 +164,12 @@ k3_session *k3_session_new(k3_model *m, k3_state *st, k3_state_cache *cache) {
     s->ids = xmalloc_array(s->cap, sizeof *s->ids);
     s->logits = xmalloc_array((size_t)s->V, sizeof *s->logits);
     k3_state_reset(st);
+    return s;
+}
+
+k3_session *k3_session_open(k3_engine *e, k3_state *st, k3_state_cache *cache) {
+    k3_session *s = k3_session_new(e->model, st, cache);
+    s->e = e;
     return s;
 }
 
@@ -273,7 +280,7 @@ void k3_session_snapshot(k3_session *s) {
 
 /* Feeds ids[0..n) at the session's position, stopping at every grid position
  * to snapshot; logits of the last token into logits (and the session's copy). */
-static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_err *err) {
+static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool prefill, k3_err *err) {
     int G = s->c && s->c->budget > 0 ? s->c->grid : 0;
     s->have_logits = false;
     while (n > 0) {
@@ -284,7 +291,9 @@ static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_e
         }
         if (t > INT_MAX / 2) t = INT_MAX / 2;
         bool last = t == n;
-        int rc = k3_forward(s->m, s->st, ids, (int)t, last && logits ? s->logits : NULL, false, err);
+        float *lg = last && logits ? s->logits : NULL;
+        int rc = s->e ? k3_engine_feed(s->e, s->st, ids, t, lg, false, prefill, NULL, err)
+                      : k3_forward(s->m, s->st, ids, (int)t, lg, false, err);
         if (rc) {
             k3_session_reset(s);
             return rc;
@@ -303,7 +312,7 @@ static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_e
 
 int k3_session_feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_err *err) {
     if (n == 0) return k3_fail(err, K3_EXIT_USAGE, "no tokens to feed");
-    return feed(s, ids, n, logits, err);
+    return feed(s, ids, n, logits, false, err);
 }
 
 /* Puts snapshot x (found and referenced under the lock) into the session's
@@ -375,7 +384,7 @@ int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logit
      * positions the session held), but a cold start drops it */
     size_t from = s->n;
     if (reused) *reused = from;
-    int rc = feed(s, ids + from, n - from, logits, err);
+    int rc = feed(s, ids + from, n - from, logits, true, err);
     if (rc) return rc;
     k3_session_snapshot(s);
     return K3_OK;
@@ -602,4 +611,9 @@ int k3_model_identity(const char *model_dir, const char *tok_dir, uint64_t salt,
     if (rc) return rc;
     *out = h;
     return K3_OK;
+}
+
+int k3_engine_identity(const k3_engine *e, uint64_t *out, k3_err *err) {
+    uint64_t salt = (uint64_t)e->cfg->num_layers << 1 | (e->opts.peer_mla_eps ? 1u : 0u);
+    return k3_model_identity(e->opts.model_dir, e->opts.tok_dir, salt, out, err);
 }

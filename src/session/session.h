@@ -56,6 +56,7 @@
 #ifndef K3_SESSION_H
 #define K3_SESSION_H
 
+#include "engine/engine.h"
 #include "model/model.h"
 #include "util/common.h"
 
@@ -91,6 +92,10 @@ k3_state_cache_stats k3_state_cache_get_stats(k3_state_cache *sc);
  * by the session, and must not be fed by anyone else while the session lives).
  * cache may be NULL (no snapshots: only case 1 above). */
 k3_session *k3_session_new(k3_model *m, k3_state *st, k3_state_cache *cache);
+/* The same on an engine (the usual way): tokens go through k3_engine_feed, so
+ * the plan's chunks, weight source and run report apply; st from
+ * k3_engine_state_new (count the cache's budget in its extra_bytes). */
+k3_session *k3_session_open(k3_engine *e, k3_state *st, k3_state_cache *cache);
 void k3_session_free(k3_session *s);
 /* Back to position 0, nothing consumed (the cache keeps its snapshots). */
 void k3_session_reset(k3_session *s);
@@ -140,5 +145,8 @@ int k3_session_load(k3_session *s, const char *path, uint64_t model_id, char **e
  * what changes the state's bits or size: the effective layer count, the MLA
  * epsilon choice). Errors: K3_EXIT_RUNTIME / K3_EXIT_DATA for unreadable files. */
 int k3_model_identity(const char *model_dir, const char *tok_dir, uint64_t salt, uint64_t *out, k3_err *err);
+/* k3_model_identity of an open engine, salted with what changes its states:
+ * the effective layer count and --peer-mla-eps. */
+int k3_engine_identity(const k3_engine *e, uint64_t *out, k3_err *err);
 
 #endif
