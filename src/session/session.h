@@ -140,7 +140,8 @@ int k3_session_load(k3_session *s, const char *path, uint64_t model_id, char **e
 
 /* The identity a session file is bound to: a 64-bit hash of model_dir's
  * config.json, the header (tensor table) of every *.safetensors shard in name
- * order, the tokenizer files (tiktoken.model, tokenizer_config.json) in tok_dir
+ * order with the first and last 4 KiB of its data (two models of one
+ * architecture have the same tables), the tokenizer files (tiktoken.model, tokenizer_config.json) in tok_dir
  * (NULL: model_dir; absent files count as empty) and salt (the caller mixes in
  * what changes the state's bits or size: the effective layer count, the MLA
  * epsilon choice). Errors: K3_EXIT_RUNTIME / K3_EXIT_DATA for unreadable files. */
