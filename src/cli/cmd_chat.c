@@ -44,8 +44,10 @@ const char *const cmd_chat_help =
     "                       seed S + t, as `k3 run --seed S+t` would\n"
     "  --state-cache-gb G   budget of the state cache (default 2; 0: none). It\n"
     "                       keeps decode-state snapshots at turn ends and every\n"
-    "                       1024 positions, so a conversation whose history is\n"
-    "                       re-rendered differently resumes without re-reading it\n"
+    "                       --state-grid positions, so a history that re-renders\n"
+    "                       differently from what was generated resumes from the\n"
+    "                       deepest snapshot before the difference\n"
+    "  --state-grid N       positions between grid snapshots (default 1024)\n"
     "  --load FILE          start from a saved conversation\n"
     "  --cold               re-prefill the whole conversation every turn (for\n"
     "                       comparison: the replies are the same bits)\n"
@@ -62,7 +64,7 @@ const char *const cmd_chat_help =
 typedef struct {
     const char *model_dir, *system, *load, *out;
     bool thinking, cold;
-    int64_t gen, max_ctx;
+    int64_t gen, max_ctx, grid;
     float temperature, top_p, min_p;
     int top_k;
     uint64_t seed;
@@ -117,6 +119,11 @@ static int parse_args(int argc, char **argv, chat_args *a) {
             if (!k3_parse_i64(v, 2, INT_MAX / 2, &n))
                 return k3_usage_error("chat", "--max-context: '%s' is not a count >= 2", v);
             a->max_ctx = n;
+        } else if (!strcmp(o, "--state-grid")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 1, INT_MAX / 2, &n))
+                return k3_usage_error("chat", "--state-grid: '%s' is not a count >= 1", v);
+            a->grid = n;
         } else if (!strcmp(o, "--state-cache-gb")) {
             NEED_VALUE();
             if (!parse_f(v, &d) || d < 0 || d > 1e6)
@@ -473,7 +480,7 @@ static int chat(const chat_args *a, k3_err *err) {
     uint64_t V = (uint64_t)c.e->vocab;
     if ((rc = k3_engine_state_new(c.e, a->max_ctx, budget + V * sizeof(float), &c.st, err))) goto done;
     if ((rc = k3_engine_identity(c.e, &c.model_id, err))) goto done;
-    c.cache = k3_state_cache_new(cfg, budget, 0);
+    c.cache = k3_state_cache_new(cfg, budget, (int)a->grid);
     c.s = k3_session_open(c.e, c.st, c.cache);
     c.logits = xmalloc_array((size_t)V, sizeof *c.logits);
     c.turns = json_array();

@@ -82,6 +82,25 @@ expect_exit streamed 0 $CHAT --trunk "$OUT/trunk" --trunk-gb 0.06 --cache-gb 0.0
 [ "$(turns "$OUT/ts.json" generated_ids)" = "$(turns "$OUT/t1.json" generated_ids)" ] && pass streamed:same_ids \
   || fail streamed:same_ids
 
+# /think off re-renders turn 1's reply without its think channel, so the
+# history diverges inside turn 1's generation prefix: the session and the
+# prompt-end snapshot do not match, the deepest grid snapshot (grid 8) before
+# the divergence does; the reply equals a cold run
+printf 'Hello there\n/think off\nWhat is 2+2?\n' >"$OUT/think.txt"
+expect_exit think 0 $CHAT --state-grid 8 --out "$OUT/tt.json" <"$OUT/think.txt"
+mapfile -t tre < <(turns "$OUT/tt.json" reused)
+mapfile -t tpr < <(turns "$OUT/tt.json" prompt_ids)
+mapfile -t tge < <(turns "$OUT/tt.json" generated_ids)
+div=$($PY -c 'import sys; a, b = (s.split(",") for s in sys.argv[1:3]); print(next(i for i, (x, y) in enumerate(zip(a, b)) if x != y))' \
+  "${tpr[0]}" "${tpr[1]}")
+[ "${tre[1]}" -gt 0 ] && [ "${tre[1]}" -le "$div" ] && [ $((tre[1] % 8)) -eq 0 ] && [ "${tre[1]}" -gt $((div - 8)) ] \
+  && pass "think_off:grid_snapshot(reused=${tre[1]},diverged=$div)" \
+  || fail think_off:grid_snapshot "reused ${tre[1]}, prompts diverge at $div"
+expect_exit think_cold 0 $K3 run $M --ids "${tpr[1]}" --gen 10 --temperature 0.9 --top-k 50 --seed 8 --quiet \
+  --out "$OUT/think_cold.json"
+want=$(tr -d '[:space:]' <"$OUT/think_cold.json" | grep -o '"generated_ids":\[[0-9,]*\]' | grep -o '[0-9,]*\]' | tr -d ']')
+case ",$want," in ",${tge[1]},"*) pass think_off:ids_equal_cold ;; *) fail think_off:ids_equal_cold "${tge[1]} vs $want" ;; esac
+
 # save after two turns, continue in a new process
 S=$OUT/conv.k3session
 rm -f "$S"
