@@ -361,8 +361,8 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     double ttft = t_first - t0, dec = t_end - t_first;
     double tps = ng > 1 && dec > 0 ? (double)(ng - 1) / dec : 0;
     char rr[96];
-    if (same == ns) snprintf(rr, sizeof rr, "history re-renders exactly");
-    else snprintf(rr, sizeof rr, "history re-renders differently from position %zu", same);
+    if (same == ns) snprintf(rr, sizeof rr, "re-rendered history extends the state");
+    else snprintf(rr, sizeof rr, "re-rendered history departs from the state at position %zu", same);
     fprintf(stderr,
             "[turn %d: prompt %zu tokens, reused %zu (%s); first token %.3f s; %zu tokens, %.2f tok/s; %s; %s]\n",
             c->turn, n, reused, source_name(source), ttft, ng, tps, stopped ? "stop" : finish, rr);
