@@ -19,7 +19,7 @@ BASE    := -std=gnu11 -Wall -Wextra -Werror -Wvla -fopenmp -ffp-contract=off \
 RELFLAGS:= -O3
 ASNFLAGS:= -O1 -g -fsanitize=address,undefined \
            -fno-sanitize-recover=all -fno-omit-frame-pointer
-LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lm
+LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lnettle -lm
 
 LIB_SRC  := $(shell find src -name '*.c' ! -path 'src/cli/main.c' | sort)
 TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c tests/tjson.c
