@@ -23,13 +23,6 @@
 #include <string.h>
 #include <unistd.h>
 
-/* Built without OpenMP (its pragmas are ignored): the two calls the
- * tokenizer makes, answered for one thread. */
-int omp_get_max_threads(void);
-int omp_in_parallel(void);
-int omp_get_max_threads(void) { return 1; }
-int omp_in_parallel(void) { return 0; }
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 static char dir[4096];
