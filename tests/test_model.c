@@ -25,7 +25,7 @@ typedef struct {
 
 static bool fx_open(fx *f, const char *rel) {
     memset(f, 0, sizeof *f);
-    f->root = tj_load(t_shared(rel));
+    f->root = tj_load(t_fixture(rel));
     return f->root != NULL;
 }
 
@@ -74,7 +74,7 @@ static int fx_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_er
 
 /* The tiny config of the op fixtures (MANIFEST.json "config"). */
 static bool manifest_config(k3_config *c) {
-    json_t *m = tj_load(t_shared("fixtures/peer/ops/MANIFEST.json"));
+    json_t *m = tj_load(t_fixture("peer/ops/MANIFEST.json"));
     if (!m) return false;
     char *txt = json_dumps(json_object_get(m, "config"), 0);
     json_decref(m);
@@ -97,7 +97,7 @@ static bool close_rows(const char *what, const float *got, const float *want, si
 
 TEST(model_attnres_matches_peer) {
     fx f;
-    CHECK(fx_open(&f, "fixtures/peer/ops/attnres.json"));
+    CHECK(fx_open(&f, "peer/ops/attnres.json"));
     k3_config c = {0};
     c.hidden_size = 128;
     c.rms_eps = (float)tj_num(f.root, "eps");
@@ -148,12 +148,12 @@ static void kda_fixture(const char *rel) {
     CHECK(ok);
 }
 
-TEST(model_kda_layer1_matches_peer) { kda_fixture("fixtures/peer/ops/kda_layer1.json"); }
-TEST(model_kda_layer8_matches_peer) { kda_fixture("fixtures/peer/ops/kda_layer8.json"); }
+TEST(model_kda_layer1_matches_peer) { kda_fixture("peer/ops/kda_layer1.json"); }
+TEST(model_kda_layer8_matches_peer) { kda_fixture("peer/ops/kda_layer8.json"); }
 
 TEST(model_mla_matches_peer_and_caches_the_latent) {
     fx f;
-    CHECK(fx_open(&f, "fixtures/peer/ops/mla.json"));
+    CHECK(fx_open(&f, "peer/ops/mla.json"));
     k3_config c = {0};
     int T = fx_dim(&f, "in", 1), E = fx_dim(&f, "in", 2);
     c.hidden_size = E;
@@ -201,7 +201,7 @@ TEST(model_mla_matches_peer_and_caches_the_latent) {
 
 TEST(model_moe_matches_peer) {
     fx f;
-    CHECK(fx_open(&f, "fixtures/peer/ops/moe.json"));
+    CHECK(fx_open(&f, "peer/ops/moe.json"));
     k3_config c = {0};
     int T = fx_dim(&f, "in", 1), E = (int)tj_num(f.root, "hidden"), N = (int)tj_num(f.root, "n_experts");
     c.hidden_size = E;
@@ -284,8 +284,8 @@ static void layer_fixture(const char *rel) {
     CHECKF(ok, "layer %d: rc %d nb %d (want %d) %s", L, rc, nb, nb_out, err.msg);
 }
 
-TEST(model_layer_kda_matches_peer) { layer_fixture("fixtures/peer/ops/layer_kda.json"); }
-TEST(model_layer_mla_matches_peer) { layer_fixture("fixtures/peer/ops/layer_mla.json"); }
+TEST(model_layer_kda_matches_peer) { layer_fixture("peer/ops/layer_kda.json"); }
+TEST(model_layer_mla_matches_peer) { layer_fixture("peer/ops/layer_mla.json"); }
 
 /* ---- whole models -------------------------------------------------------------------- */
 
@@ -293,7 +293,7 @@ static k3_model *open_oracle(void) {
     k3_model_opts o = {.peer_mla_eps = true}; /* the oracle was generated with eps 1e-5 there */
     k3_model *m = NULL;
     k3_err err = {0};
-    if (k3_model_open_blob(t_shared("fixtures/peer/tiny_k3.json"), t_shared("fixtures/peer/tiny_k3.bin"), &o, &m,
+    if (k3_model_open_blob(t_fixture("peer/tiny_k3.json"), t_fixture("peer/tiny_k3.bin"), &o, &m,
                            &err)) {
         fprintf(stderr, "  %s\n", err.msg);
         return NULL;
@@ -305,7 +305,7 @@ static k3_model *open_tiny_ckpt(bool peer_eps) {
     k3_model_opts o = {.peer_mla_eps = peer_eps};
     k3_model *m = NULL;
     k3_err err = {0};
-    if (k3_model_open(t_shared("fixtures/peer/tiny-checkpoint"), &o, &m, &err)) {
+    if (k3_model_open(t_fixture("peer/tiny-checkpoint"), &o, &m, &err)) {
         fprintf(stderr, "  %s\n", err.msg);
         return NULL;
     }
@@ -370,7 +370,7 @@ static int32_t *ids_of(json_t *root, const char *key, size_t *n) {
 }
 
 TEST(model_oracle_teacher_forcing_and_logits_head) {
-    json_t *ref = tj_load(t_shared("fixtures/peer/ref_k3.json"));
+    json_t *ref = tj_load(t_fixture("peer/ref_k3.json"));
     CHECK(ref);
     k3_model *m = open_oracle();
     CHECK(m);
@@ -399,7 +399,7 @@ TEST(model_oracle_teacher_forcing_and_logits_head) {
 }
 
 TEST(model_oracle_greedy_and_incremental) {
-    json_t *ref = tj_load(t_shared("fixtures/peer/ref_k3.json"));
+    json_t *ref = tj_load(t_fixture("peer/ref_k3.json"));
     CHECK(ref);
     k3_model *m = open_oracle();
     CHECK(m);
@@ -424,7 +424,7 @@ TEST(model_oracle_greedy_and_incremental) {
 }
 
 TEST(model_tiny_checkpoint_greedy_64) {
-    json_t *ref = tj_load(t_shared("fixtures/peer/tiny-checkpoint.greedy.json"));
+    json_t *ref = tj_load(t_fixture("peer/tiny-checkpoint.greedy.json"));
     CHECK(ref);
     k3_model *m = open_tiny_ckpt(true);
     CHECK(m);
@@ -458,7 +458,7 @@ TEST(model_tiny_checkpoint_greedy_64) {
 }
 
 TEST(model_tiny_checkpoint_final_logits) {
-    json_t *ref = tj_load(t_shared("fixtures/peer/tiny-checkpoint/ref_logits.json"));
+    json_t *ref = tj_load(t_fixture("peer/tiny-checkpoint/ref_logits.json"));
     CHECK(ref);
     k3_model *m = open_tiny_ckpt(true);
     CHECK(m);
@@ -550,7 +550,7 @@ TEST(model_prefill_chunk_option_same_bits) {
         k3_model_opts o = {.prefill_chunk = chunks[i]};
         k3_err err = {0};
         m = NULL;
-        CHECK(k3_model_open(t_shared("fixtures/peer/tiny-checkpoint"), &o, &m, &err) == 0);
+        CHECK(k3_model_open(t_fixture("peer/tiny-checkpoint"), &o, &m, &err) == 0);
         if (!m) break;
         omp_set_num_threads(i % 2 ? 1 : 2);
         float *a = logits_all(m, test_seq, n, 0), *b = logits_all(m, test_seq, n, 7);
@@ -587,7 +587,7 @@ TEST(model_layers_option_and_state_errors) {
     k3_model_opts o = {.layers = 2};
     k3_model *m = NULL;
     k3_err err = {0};
-    CHECKF(!k3_model_open(t_shared("fixtures/peer/tiny-checkpoint"), &o, &m, &err), "%s", err.msg);
+    CHECKF(!k3_model_open(t_fixture("peer/tiny-checkpoint"), &o, &m, &err), "%s", err.msg);
     CHECK(k3_model_config(m)->num_layers == 2);
     k3_state *s;
     CHECK(!k3_state_new(m, 3, &s, &err));
@@ -629,7 +629,7 @@ TEST(model_bind_errors_name_the_tensor) {
     for (int v = 0; v < 3; v++)
         for (int mode = 0; mode < 3; mode++) {
             broken b = {.victim = victims[v], .mode = mode};
-            CHECK(fx_open(&b.f, "fixtures/peer/ops/layer_mla.json"));
+            CHECK(fx_open(&b.f, "peer/ops/layer_mla.json"));
             k3_layer_w w;
             k3_owned own = {0};
             k3_err err = {0};
@@ -685,12 +685,12 @@ TEST(model_sampler_reproducible_and_filters) {
 }
 
 TEST(model_chunked_kda_prefill_close_to_recurrent) {
-    json_t *ref = tj_load(t_shared("fixtures/peer/ref_k3.json"));
+    json_t *ref = tj_load(t_fixture("peer/ref_k3.json"));
     CHECK(ref);
     k3_model_opts o = {.peer_mla_eps = true, .kda_chunk = 8};
     k3_model *m = NULL;
     k3_err err = {0};
-    CHECKF(!k3_model_open_blob(t_shared("fixtures/peer/tiny_k3.json"), t_shared("fixtures/peer/tiny_k3.bin"), &o, &m,
+    CHECKF(!k3_model_open_blob(t_fixture("peer/tiny_k3.json"), t_fixture("peer/tiny_k3.bin"), &o, &m,
                                &err), "%s", err.msg);
     k3_model *r = open_oracle();
     CHECK(r);

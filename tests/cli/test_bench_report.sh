@@ -95,7 +95,7 @@ expect_exit only_bad 2 $PY $R --only decode,warp --cache "$OUT/cache"
 expect_err_contains only_bad "unknown section 'warp'"
 
 # the cheap sections for real, on the tiny peer checkpoint (needs `make bench`)
-TINY=$SHARED/fixtures/peer/tiny-checkpoint
+TINY=$(fixture peer/tiny-checkpoint)
 if [ -x bin/bench_index ] && [ -d "$TINY" ]; then
   expect_exit live 0 $PY $R --only index,ttft --issue7-dir "$TINY" --replica-dir "$TINY" --index-repeats 1 \
     --ttft-runs 1 --cache "$OUT/cache"

@@ -5,7 +5,6 @@
 # validation loss through the inference engine equals the training forward's;
 # bad checkpoints, directories and flags give one-line errors.
 . "$(dirname "$0")/lib.sh"
-TS=$SHARED/data/tinystories
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 if ! $K3 help prepare >/dev/null 2>&1 || ! $K3 help train >/dev/null 2>&1; then
@@ -13,7 +12,7 @@ if ! $K3 help prepare >/dev/null 2>&1 || ! $K3 help train >/dev/null 2>&1; then
 fi
 D=$OUT/data R=$OUT/run
 rm -rf "$D" "$R" "$OUT"/ex-*
-expect_exit prepare 0 $K3 prepare --input "$TS/train.txt" --validation-input "$TS/valid.txt" \
+expect_exit prepare 0 $K3 prepare --input "$(fixture tinystories/train.txt)" --validation-input "$(fixture tinystories/valid.txt)" \
   --output-dir "$D" --vocab-size 1024
 expect_exit train 0 $K3 train --data-dir "$D" --config configs/tiny-train.json --batch-size 2 --seq-len 32 \
   --gradient-accumulation 1 --quiet --output-dir "$R" --steps 8 --eval-interval 8 --eval-tokens 512 --skip-samples

@@ -4,8 +4,8 @@
 # decode, --full and --threads give the same logits bytes, and every bad input
 # is one error line with its exit code.
 . "$(dirname "$0")/lib.sh"
-TINY=$SHARED/fixtures/peer/tiny-checkpoint
-KIMI=$SHARED/tokenizers/kimi
+TINY=$(fixture peer/tiny-checkpoint)
+KIMI=$(fixture tokenizer/kimi)
 
 # the "generated_ids" array of a JSON file, whitespace removed
 gen_ids() { tr -d '[:space:]' <"$1" | grep -o '"generated_ids":\[[0-9,]*\]'; }
@@ -13,7 +13,7 @@ gen_ids() { tr -d '[:space:]' <"$1" | grep -o '"generated_ids":\[[0-9,]*\]'; }
 # ---- the peer's greedy decode, 64/64 ----------------------------------------
 expect_exit greedy64 0 $K3 run "$TINY" --ids 3,7,11,5,9 --gen 64 --out "$OUT/g.json" --quiet \
   --dump-logits "$OUT/inc.bin" --threads 2
-want=$(gen_ids "$SHARED/fixtures/peer/tiny-checkpoint.greedy.json")
+want=$(gen_ids "$(fixture peer/tiny-checkpoint.greedy.json)")
 got=$(gen_ids "$OUT/g.json")
 if [ -n "$want" ] && [ "$want" = "$got" ]; then pass greedy64:ids; else fail greedy64:ids "got $got"; fi
 for k in prompt_ids prefill_s decode_s tokens_per_s peak_rss_bytes threads; do

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# k3 train on the tiny config: prepare the shared TinyStories text, train 200
+# k3 train on the tiny config: prepare the committed TinyStories text, train 200
 # steps (the validation loss must fall clearly), resume bit-identically, and
 # the one-line errors for bad data, configs and checkpoints.
 # Data: k3 prepare when this build has it; K3_TRAIN_DATA=DIR uses a prepared
 # directory instead.
 . "$(dirname "$0")/lib.sh"
-TS=$SHARED/data/tinystories
 D=${K3_TRAIN_DATA:-$OUT/data}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # on a shared CI machine a spinning OpenMP barrier costs 10x (measured: 94 s vs
@@ -16,7 +15,7 @@ if [ -z "${K3_TRAIN_DATA:-}" ]; then
     echo "SKIP train: this build has no 'k3 prepare'"; finish; exit $?
   fi
   rm -rf "$D"
-  expect_exit prepare 0 $K3 prepare --input "$TS/train.txt" --validation-input "$TS/valid.txt" \
+  expect_exit prepare 0 $K3 prepare --input "$(fixture tinystories/train.txt)" --validation-input "$(fixture tinystories/valid.txt)" \
     --output-dir "$D" --vocab-size 1024
 fi
 CFG=configs/tiny-train.json
