@@ -7,8 +7,8 @@
 . "$(dirname "$0")/lib.sh"
 PY=/usr/bin/python3
 if ! [ -x "$PY" ]; then
-  echo "NOTE: $PY missing: bench/report.py is not tested"
-  pass report_skipped_no_python; finish; exit $?
+  skip report "$PY missing: bench/report.py is not tested"
+  finish; exit $?
 fi
 R=bench/report.py
 FIX=tests/fixtures/bench/report.json
@@ -106,7 +106,6 @@ and r["raw"]["ttft"]["best_s"] > 0 and r["conditions"]["load_after"] is not None
     "$OUT/cache/report.json" && pass live:json || fail live:json
   [ -f "$OUT/cache/report.svg" ] && [ -f "$OUT/cache/report.md" ] && pass live:outputs || fail live:outputs
 else
-  echo "NOTE: bin/bench_index not built (make bench): the live part is skipped"
-  pass live_skipped
+  skip live "bin/bench_index not built (make bench): the live run of the index and ttft sections"
 fi
 finish

@@ -73,6 +73,6 @@ if [ -s "$M/config.json" ]; then
   size=$(cat "$M"/* | wc -c)
   [ "$size" -le 25000000 ] && pass default_model_size || fail default_model_size "$size bytes"
 else
-  echo "SKIP default_model: no $M"
+  skip default_model "no $M"
 fi
 finish
