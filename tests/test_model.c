@@ -684,6 +684,73 @@ TEST(model_sampler_reproducible_and_filters) {
     k3_sampler_free(&a);
 }
 
+/* Pearson's chi-square of observed counts against probabilities p (n cells,
+ * N draws); cells expecting fewer than 5 draws are pooled into one. *dof gets
+ * the degrees of freedom. */
+static double chi_square(const int *obs, const double *p, int n, int N, int *dof) {
+    double chi = 0, pool_e = 0;
+    int cells = 0, pool_o = 0;
+    for (int i = 0; i < n; i++) {
+        double e = p[i] * N;
+        if (e < 5) { pool_e += e; pool_o += obs[i]; continue; }
+        chi += (obs[i] - e) * (obs[i] - e) / e;
+        cells++;
+    }
+    if (pool_e > 0) {
+        chi += (pool_o - pool_e) * (pool_o - pool_e) / (pool_e < 1e-300 ? 1e-300 : pool_e);
+        cells++;
+    }
+    *dof = cells - 1;
+    return chi;
+}
+
+/* softmax(logits / T) in double, written out here (not the sampler's code) */
+static void softmax_t(const float *lg, int n, double T, double *p) {
+    double mx = lg[0], sum = 0;
+    for (int i = 1; i < n; i++) mx = lg[i] > mx ? lg[i] : mx;
+    for (int i = 0; i < n; i++) sum += p[i] = exp(((double)lg[i] - mx) / T);
+    for (int i = 0; i < n; i++) p[i] /= sum;
+}
+
+/* The temperature shapes the draws: at each T the counts fit softmax(l/T) by
+ * a chi-square test at the 0.1% level (fixed seeds, so the verdict is
+ * repeatable), and they do not fit the softmax of another temperature (the
+ * test can tell: a sampler that ignored T would fail it). */
+TEST(model_sampler_temperature_matches_softmax) {
+    static const float lg[8] = {1.0f, 3.0f, 2.0f, 0.5f, 3.0f, -1.0f, 0.0f, 2.5f};
+    /* chi-square quantiles at 1 - 0.001 for 1..7 degrees of freedom */
+    static const double crit[8] = {0, 10.828, 13.816, 16.266, 18.467, 20.515, 22.458, 24.322};
+    static const double temps[4] = {0.5, 0.8, 1.0, 2.0};
+    enum { N = 40000 };
+    int counts[4][8] = {{0}};
+    for (int t = 0; t < 4; t++) {
+        k3_sampler sp;
+        k3_sampler_init(&sp, 8, (float)temps[t], 0, 1.0f, 0, 1000 + (uint64_t)t);
+        for (int i = 0; i < N; i++) {
+            int x = k3_sample(&sp, lg);
+            CHECK(x >= 0 && x < 8);
+            counts[t][x]++;
+        }
+        k3_sampler_free(&sp);
+    }
+    for (int t = 0; t < 4; t++)
+        for (int u = 0; u < 4; u++) {
+            double p[8];
+            softmax_t(lg, 8, temps[u], p);
+            int dof;
+            double chi = chi_square(counts[t], p, 8, N, &dof);
+            CHECK(dof >= 1 && dof <= 7);
+            if (t == u) {
+                fprintf(stderr, "  T %.1f: chi-square %.2f, %d dof (0.1%% critical %.2f)\n", temps[t], chi, dof,
+                        crit[dof]);
+                CHECKF(chi < crit[dof], "T %.1f: chi-square %.2f >= %.2f", temps[t], chi, crit[dof]);
+            } else {
+                CHECKF(chi > 10 * crit[dof], "draws at T %.1f fit T %.1f too well: chi-square %.2f", temps[t],
+                       temps[u], chi);
+            }
+        }
+}
+
 TEST(model_chunked_kda_prefill_close_to_recurrent) {
     json_t *ref = tj_load(t_fixture("peer/ref_k3.json"));
     CHECK(ref);
