@@ -1,5 +1,5 @@
 /* Tests for src/kernels against the independent references:
- *  - ../shared/fixtures/peer/ops/ (each op) and mxfp4.json (the peer's PyTorch);
+ *  - tests/fixtures/peer/ops/ (each op) and mxfp4.json (the peer's PyTorch);
  *  - tests/fixtures/kernels/ (ours) (our own PyTorch, tools/kernels_ref.py);
  * plus the determinism contract: scalar == every SIMD path the CPU has (AVX2,
  * AVX-512) bit for bit, thread count

@@ -58,7 +58,7 @@ static json_t *expected(void) { return tj_load(t_repo("tests/fixtures/tokenizer/
 TEST(tokenizer_loads_kimi_vocabulary) {
     k3_tokenizer *t = load_kimi();
     CHECK(t);
-    /* figures from ../shared/tokenizers/kimi/SOURCE.md */
+    /* figures from tests/fixtures/tokenizer/kimi/SOURCE.md */
     CHECK(tok_n_base(t) == 163584);
     CHECK(tok_vocab_size(t) == 163840);
     CHECK(tok_bos_id(t) == 163584);
