@@ -18,7 +18,6 @@
  * beside the PyTorch reference. */
 #include "bench.h"
 #include "train/tinternal.h"
-#include "train/tgemm.h"
 #include "kernels/kernels.h"
 
 #include <omp.h>
