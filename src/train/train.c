@@ -271,15 +271,9 @@ size_t tm_print_inventory(const tmodel *m, FILE *f) {
 
 /* ---- initialisation ----------------------------------------------------------- */
 
-/* splitmix64: a counter-based generator, so each tensor's stream depends only
- * on (seed, tensor index), never on the order tensors are initialised in. */
-static uint64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double unif(uint64_t *s) { return (double)(splitmix(s) >> 11) * (1.0 / 9007199254740992.0); }
+/* k3_rng_next (splitmix64) is counter-based, so each tensor's stream depends
+ * only on (seed, tensor index), never on the order tensors are initialised in. */
+static double unif(uint64_t *s) { return k3_rng_unit(s); }
 static double gauss(uint64_t *s) {
     double u1 = unif(s), u2 = unif(s);
     if (u1 < 1e-300) u1 = 1e-300;

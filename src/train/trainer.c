@@ -34,12 +34,6 @@ static double wall(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 typedef struct {
     ttrain_opts o;
     char *config_text;
@@ -302,7 +296,7 @@ static int trim_jsonl(run *r, const char *name, bool history, k3_err *err) {
 static void make_batch(run *r, int64_t step, int a, int32_t *tok) {
     uint64_t span = r->train.info.n_tokens - (uint64_t)r->T; /* windows start in [0, span) */
     for (int b = 0; b < r->B; b++) {
-        uint64_t h = mix64(r->seed * 0x9E3779B97F4A7C15ull + mix64((uint64_t)step * 0x100000001B3ull +
+        uint64_t h = k3_mix64(r->seed * K3_GOLDEN64 + k3_mix64((uint64_t)step * 0x100000001B3ull +
                                                                   (uint64_t)a * 65537u + (uint64_t)b + 1));
         shard_read(&r->train, h % span, (size_t)r->T + 1, tok + (size_t)b * (r->T + 1));
     }
@@ -409,14 +403,14 @@ static int sample(run *r, int64_t step, k3_err *err) {
     int len = 0;
     float *lg = xmalloc_array((size_t)V, sizeof(float));
     double *p = xmalloc_array((size_t)V, sizeof(double));
-    uint64_t rng = mix64(r->seed ^ mix64((uint64_t)step + 77));
+    uint64_t rng = k3_mix64(r->seed ^ k3_mix64((uint64_t)step + 77));
     int32_t cur = r->eot >= 0 ? r->eot : 0;
     while (!rc && len < n) {
         if ((rc = k3_forward(km, st, &cur, 1, lg, false, err))) break;
         double mx = -INFINITY, s = 0;
         for (int v = 0; v < V; v++) if (lg[v] > mx) mx = lg[v];
         for (int v = 0; v < V; v++) { p[v] = exp((lg[v] - mx) / 0.8); s += p[v]; }
-        rng = mix64(rng + 0x9E3779B97F4A7C15ull);
+        rng = k3_mix64(rng + 0x9E3779B97F4A7C15ull);
         double u = (double)(rng >> 11) / 9007199254740992.0 * s, c = 0;
         int id = V - 1;
         for (int v = 0; v < V; v++) { c += p[v]; if (u < c) { id = v; break; } }
