@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "train/tgemm.h"
+#include "kernels/kernels.h"
 #include "tjson.h"
 #include "train/tinternal.h"
 
