@@ -6,7 +6,6 @@
 #include "kernels/kernels.h"
 #include "memory/budget.h"
 #include "memory/io.h"
-#include "train/train.h"
 
 #include <dirent.h>
 #include <getopt.h>
