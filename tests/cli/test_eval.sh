@@ -5,12 +5,11 @@
 # ctx, the same number of tokens), --json, --compare, sliding windows, and the
 # refusals.
 . "$(dirname "$0")/lib.sh"
-TS=$SHARED/data/tinystories
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 D=$OUT/data; R=$OUT/run; rm -rf "$D" "$R" "$OUT/model" "$OUT/model2"
-head -c 300000 "$TS/train.txt" >"$OUT/train.txt"
+head -c 300000 "$(fixture tinystories/train.txt)" >"$OUT/train.txt"
 # 40 whole validation stories, each ending in its separator line
-awk 'BEGIN { n = 0 } { print } /^<\|endoftext\|>$/ { if (++n == 41) exit }' "$TS/valid.txt" | sed '1,/^<|endoftext|>$/d' >"$OUT/val.txt"
+awk 'BEGIN { n = 0 } { print } /^<\|endoftext\|>$/ { if (++n == 41) exit }' "$(fixture tinystories/valid.txt)" | sed '1,/^<|endoftext|>$/d' >"$OUT/val.txt"
 expect_exit prepare 0 $K3 prepare --input "$OUT/train.txt" --validation-input "$OUT/val.txt" --output-dir "$D" \
   --vocab-size 1024
 T=32

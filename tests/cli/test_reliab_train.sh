@@ -100,7 +100,8 @@ cmp -s "$F/trunk/trunk.bin" "$F/trunk.bin.before" && cmp -s "$F/trunk/trunk.json
   && pass full-trunk:previous-intact || fail full-trunk:previous-intact
 # a prepared shard
 cp -r "$D" "$F/data"; ls -l "$F/data" >"$F/data.before"; md5sum "$F/data"/* >"$F/data.sums" 2>/dev/null
-full_run full-prepare 64 $K3 prepare --input "$TS/train.txt" --validation-input "$TS/valid.txt" --output-dir "$F/data" --vocab-size 1024
+full_run full-prepare 64 $K3 prepare --input "$(fixture tinystories/train.txt)" --validation-input "$(fixture tinystories/valid.txt)" \
+  --output-dir "$F/data" --vocab-size 1024
 md5sum -c --quiet "$F/data.sums" >/dev/null 2>&1 && pass full-prepare:previous-intact || fail full-prepare:previous-intact
 ls "$F/data" | grep -q '\.tmp\.' && fail full-prepare:no-temp "$(ls "$F/data")" || pass full-prepare:no-temp
 
