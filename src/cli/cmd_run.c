@@ -2,6 +2,7 @@
  * decode token by token (or recompute the whole prefix each step with --full),
  * streaming text to stdout and a report to stderr. */
 #include "cli/commands.h"
+#include "dist/dist.h"
 #include "engine/engine.h"
 
 #include <errno.h>
@@ -344,6 +345,14 @@ static int run(const run_args *a, k3_err *err) {
     eo.model_dir = a->model_dir;
     eo.max_pos = prompt_bound(a) + a->gen;
     if ((rc = k3_engine_open(&eo, &r.e, err))) goto done;
+    /* under mpirun, the ranks after the first compute alongside it silently */
+    run_args quiet_rank;
+    if (r.e->rank > 0) {
+        quiet_rank = *a;
+        quiet_rank.quiet = true;
+        quiet_rank.out = quiet_rank.dump = NULL;
+        a = r.a = &quiet_rank;
+    }
     r.m = r.e->model;
     r.tok = r.e->tok;
     r.rm = r.e->rm;
@@ -352,21 +361,23 @@ static int run(const run_args *a, k3_err *err) {
     const k3_config *c = r.e->cfg;
     size_t V = (size_t)c->vocab_size;
     int32_t *pids = NULL;
-    if ((rc = prompt_ids(a, r.e, &pids, &r.nprompt, err))) goto done;
+    if ((rc = prompt_ids(a, r.e, &pids, &r.nprompt, err))) goto ready;
 
     /* the state at the real length, before anything else is allocated */
     int64_t max_pos = (int64_t)r.nprompt + a->gen;
     uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (a->dump ? (uint64_t)r.e->chunk : 1);
-    if ((rc = k3_engine_state_new(r.e, max_pos, logit_bytes, &r.s, err))) { free(pids); goto done; }
+    if ((rc = k3_engine_state_new(r.e, max_pos, logit_bytes, &r.s, err))) { free(pids); goto ready; }
     r.seq = xmalloc_array((size_t)max_pos, sizeof *r.seq);
     memcpy(r.seq, pids, r.nprompt * sizeof *r.seq);
     free(pids);
     r.nseq = r.nprompt;
     r.logits = xmalloc_array(V * (a->dump ? (size_t)k3_runmem_chunk(r.rm) : 1), sizeof(float));
     if (a->dump) {
-        if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto done;
+        if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto ready;
         r.dumping = true;
     }
+ready: /* every rank of an expert-parallel job is ready, or none starts */
+    if ((rc = k3_engine_ready(r.e, rc, err))) goto done;
     if (r.tok) tok_stream_init(&r.ts, r.tok);
     int eos = c->eos_token_id >= 0 ? c->eos_token_id : (r.tok ? tok_eos_id(r.tok) : -1);
     if (!a->quiet)
@@ -391,6 +402,8 @@ static int run(const run_args *a, k3_err *err) {
     }
     t2 = k3_now();
     k3_sampler_free(&sp);
+    /* the other ranks of the job would wait for this one's next exchange */
+    if (rc && r.e->ranks > 1) k3_dist_abort(err);
     if (rc) goto done;
     if (r.tok && !a->quiet) {
         uint8_t tail[16];
