@@ -220,6 +220,7 @@ typedef struct {
     k3_runmem *rm;     /* plan, streaming source, run report */
     k3_atomic_file df;
     bool dumping;
+    json_t *dist;      /* expert-parallel figures (rank 0 of several), or NULL */
 } run_ctx;
 
 static void emit_token(run_ctx *r, int32_t id) {
@@ -325,6 +326,7 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
     json_object_set_new(o, "threads", json_integer(threads));
     json_object_set_new(o, "layers", json_integer(k3_model_config(r->m)->num_layers));
     k3_runmem_json(r->rm, o);
+    if (r->dist) json_object_set(o, "expert_parallel", r->dist);
     char *txt = json_dumps(o, JSON_INDENT(1));
     json_decref(o);
     if (!txt) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot serialise the report", r->a->out);
@@ -389,8 +391,10 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
     k3_sampler_init(&sp, (int)V, a->temperature, a->top_k, a->top_p, a->min_p, a->seed);
     double t0 = k3_now();
     const char *stop = "length";
+    k3_dist_stats ds0 = k3_dist_get_stats(), ds1;
     rc = prefill(&r, err);
     double t1 = k3_now(), t2 = t1;
+    ds1 = k3_dist_get_stats();
     for (int64_t g = 0; !rc && g < a->gen; g++) {
         int id = k3_sample(&sp, r.logits);
         r.seq[r.nseq++] = id;
@@ -401,10 +405,22 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
         if (g + 1 < a->gen) rc = step(&r, err);
     }
     t2 = k3_now();
+    k3_dist_stats ds2 = k3_dist_get_stats();
     k3_sampler_free(&sp);
     /* the other ranks of the job would wait for this one's next exchange */
     if (rc && r.e->ranks > 1) k3_dist_abort(err);
     if (rc) goto done;
+    if (r.e->ranks > 1) { /* every rank's exchange figures, for rank 0's report */
+        FILE *rf = a->quiet ? NULL : stderr;
+        json_t *pj = k3_engine_dist_report(r.e, "prefill", &ds0, &ds1, t1 - t0, r.nprompt, rf);
+        size_t steps = r.nseq - r.nprompt > 1 ? r.nseq - r.nprompt - 1 : 0;
+        json_t *dj = k3_engine_dist_report(r.e, "decode", &ds1, &ds2, t2 - t1, steps, rf);
+        if (pj || dj) {
+            r.dist = json_object();
+            if (pj) json_object_set_new(r.dist, "prefill", pj);
+            if (dj) json_object_set_new(r.dist, "decode", dj);
+        }
+    }
     if (r.tok && !a->quiet) {
         uint8_t tail[16];
         size_t k = tok_stream_flush(&r.ts, tail, sizeof tail);
@@ -428,6 +444,7 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
                 (double)k3_peak_rss_bytes() / (1024.0 * 1024), threads);
     if (a->out) rc = write_out_json(&r, prefill_s, decode_s, threads, stop, err);
 done:
+    json_decref(r.dist);
     if (r.dumping) k3_atomic_abort(&r.df);
     free(r.seq);
     free(r.logits);

@@ -5,6 +5,7 @@
 #include "dist/expert_par.h"
 
 #include <errno.h>
+#include <jansson.h>
 #include <limits.h>
 #include <math.h>
 #include <omp.h>
@@ -325,4 +326,56 @@ int k3_engine_encode(const k3_engine *e, const char *what, const char *text, siz
 
 int k3_engine_ready(k3_engine *e, int rc, k3_err *err) {
     return e && e->ranks > 1 ? k3_dist_agree(rc, err, "starting the run") : rc;
+}
+
+json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from_stats, const void *to_stats,
+                              double secs, uint64_t steps, FILE *f) {
+    if (!e || e->ranks <= 1) return NULL;
+    const k3_dist_stats *from = from_stats;
+    k3_dist_stats now = *(const k3_dist_stats *)to_stats;
+    struct { uint64_t held, exch, bytes; double wait; } mine = {0}, *all;
+    const k3_config *c = e->cfg;
+    for (size_t i = 0; i < (size_t)c->num_layers * (size_t)c->num_experts; i++)
+        mine.held += e->owned[i] && !c->layer_dense[i / (size_t)c->num_experts];
+    mine.exch = now.collectives - from->collectives;
+    mine.bytes = now.bytes_sent - from->bytes_sent;
+    mine.wait = now.wait_s - from->wait_s;
+    all = xmalloc_array((size_t)e->ranks, sizeof *all);
+    k3_dist_allgather(&mine, sizeof mine, all, "the run report");
+    json_t *o = NULL;
+    if (e->rank == 0) {
+        double st = steps ? (double)steps : 1;
+        o = json_object();
+        json_t *held = json_array(), *bytes = json_array(), *share = json_array(), *wait = json_array();
+        double maxb = 0, maxs = 0;
+        uint64_t minh = UINT64_MAX, maxh = 0;
+        for (int r = 0; r < e->ranks; r++) {
+            if (all[r].held < minh) minh = all[r].held;
+            if (all[r].held > maxh) maxh = all[r].held;
+            json_array_append_new(held, json_integer((json_int_t)all[r].held));
+            json_array_append_new(bytes, json_real((double)all[r].bytes / st));
+            double sh = secs > 0 ? all[r].wait / secs : 0;
+            json_array_append_new(share, json_real(sh));
+            json_array_append_new(wait, json_real(all[r].wait));
+            if ((double)all[r].bytes / st > maxb) maxb = (double)all[r].bytes / st;
+            if (sh > maxs) maxs = sh;
+        }
+        json_object_set_new(o, "phase", json_string(phase));
+        json_object_set_new(o, "ranks", json_integer(e->ranks));
+        json_object_set_new(o, "tokens", json_integer((json_int_t)steps));
+        json_object_set_new(o, "seconds", json_real(secs));
+        json_object_set_new(o, "experts_held", held);
+        json_object_set_new(o, "exchanges_per_token", json_real((double)all[0].exch / st));
+        json_object_set_new(o, "bytes_sent_per_token", bytes);
+        json_object_set_new(o, "exchange_seconds", wait);
+        json_object_set_new(o, "exchange_share", share);
+        if (f)
+            fprintf(f,
+                    "k3: expert parallel, %s: %d ranks hold %llu..%llu routed experts each; per token %.1f exchanges, "
+                    "up to %.1f kB sent per rank, up to %.1f%% of the time in exchanges\n",
+                    phase, e->ranks, (unsigned long long)minh, (unsigned long long)maxh,
+                    (double)all[0].exch / st, maxb / 1e3, 100 * maxs);
+    }
+    free(all);
+    return o;
 }

@@ -122,6 +122,18 @@ int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, floa
  * rank must end the job (k3_dist_abort). */
 int k3_engine_ready(k3_engine *e, int rc, k3_err *err);
 
+/* Under expert parallelism, the cost of the exchanges over one phase of the
+ * run (e.g. the decode), from every rank: a collective every rank calls with
+ * its own k3_dist_get_stats() taken at the phase's start and end (`from`, `to`:
+ * k3_dist_stats pointers), the phase's
+ * seconds and tokens. Prints one line on f (rank 0, f not NULL) and
+ * returns a JSON object (rank 0; NULL elsewhere and for one process):
+ * {"ranks", "experts_held": [per rank], "exchanges_per_token", "bytes_sent_per_token":
+ * [per rank], "exchange_share": [per rank], ...}. */
+struct json_t;
+struct json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from, const void *to, double secs,
+                                     uint64_t steps, FILE *f);
+
 /* Encodes text with the engine's tokenizer (allow_special as tok_encode) and
  * checks every id against the model's vocabulary. what names the input. */
 int k3_engine_encode(const k3_engine *e, const char *what, const char *text, size_t len, bool allow_special,

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# asan
+# Expert-parallel k3 run under mpirun on localhost (Open MPI, --oversubscribe):
+# the logits bytes of 1, 2 and 3 ranks equal the single process's (routed
+# experts resident, streamed under a small --cache-gb with token-at-a-time or
+# chunked prefill, trunk streamed, a placement from a cache trace), the ids
+# equal the float64 PyTorch reference's; only rank 0 prints and writes; and the
+# faults: more ranks than experts, a rank whose memory plan cannot fit, ranks
+# whose checkpoints or command lines differ, a rank's read error mid-run, a
+# rank that hangs, a rank that dies. Every run is bounded by `timeout`.
+. "$(dirname "$0")/lib.sh"
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+export OMP_NUM_THREADS=1
+if ! command -v mpirun >/dev/null; then
+  fail mpi:installed "no mpirun: install Open MPI (scripts/setup.sh)"; finish; exit
+fi
+if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+# shared memory between the ranks of one host; -q: no banners of mpirun's own
+MPI="timeout 120 mpirun -q --oversubscribe --mca btl self,vader"
+K3ABS=$(realpath "$K3")
+SRC=tests/fixtures/gen/k3_like   # 9 layers, 8 routed experts top-2 in 8 MoE layers
+M=$OUT/model
+T=$OUT/trunk
+rm -rf "$OUT"/*; mkdir -p "$M"; cp "$SRC"/* "$M"/
+IDS=99,46,66,78,71,82,91,43
+WANT=98,87,14,17,122,55   # the float64 PyTorch reference (expected.json)
+gen_ids() { tr -d '[:space:]' <"$1" | grep -o '"generated_ids":\[[0-9,]*\]' | grep -o '[0-9,]*\]' | tr -d ']'; }
+expect_exit pack 0 $K3 pack-trunk "$M" "$T"
+
+# ---- bit-identical at 1, 2 and 3 ranks -----------------------------------------------
+expect_exit single 0 $K3 run "$M" --ids $IDS --gen 6 --quiet --out "$OUT/single.json" --dump-logits "$OUT/single.bin"
+[ "$(gen_ids "$OUT/single.json")" = "$WANT" ] && pass single:ids || fail single:ids "$(gen_ids "$OUT/single.json")"
+while read -r name flags; do
+  [ -z "$name" ] && continue
+  flags=${flags//TRUNK/$T}
+  for R in 1 2 3; do
+    n=$name-np$R
+    expect_exit "$n" 0 $MPI -np $R $K3 run "$M" --ids $IDS --gen 6 --quiet --out "$OUT/$n.json" \
+      --dump-logits "$OUT/$n.bin" $flags
+    got=$(gen_ids "$OUT/$n.json")
+    [ "$got" = "$WANT" ] && pass "$n:ids" || fail "$n:ids" "got $got want $WANT"
+    cmp -s "$OUT/single.bin" "$OUT/$n.bin" && pass "$n:logits" || fail "$n:logits" "differ from one process's"
+  done
+done <<'LIST'
+resident
+streamed     --cache-gb 0.00002 --chunk 1
+chunked      --cache-gb 0.00012 --chunk 3
+trunk        --trunk TRUNK --trunk-gb 0.00012 --cache-gb 0.00002
+full         --cache-gb 0.00002 --full
+LIST
+
+# only rank 0 talks: one line of ids on stdout, its report names the ranks
+expect_exit talk 0 $MPI -np 3 $K3 run "$M" --ids $IDS --gen 6 --out "$OUT/talk.json"
+[ "$(grep -c '' "$OUT/talk.out")" = 1 ] && [ "$(tr -d '\n' <"$OUT/talk.out")" = "${WANT//,/ }" ] \
+  && pass talk:one-stdout || fail talk:one-stdout "$(head -c 200 "$OUT/talk.out")"
+[ "$(grep -c '^k3: memory plan' "$OUT/talk.err")" = 1 ] && pass talk:one-report || fail talk:one-report
+grep -q '^k3: expert parallel, decode: 3 ranks hold 16..24 routed experts each; per token 8.0 exchanges,' \
+  "$OUT/talk.err" && pass talk:figures || fail talk:figures "$(grep 'expert parallel' "$OUT/talk.err")"
+tr -d '[:space:]' <"$OUT/talk.json" | grep -q '"expert_parallel":{"prefill":{.*"decode":{"phase":"decode","ranks":3' \
+  && pass talk:json || fail talk:json
+# the plan is per rank: rank 0 holds 2 of each layer's 8 experts
+grep -q '16 of 16 experts' "$OUT/talk.err" && pass talk:rank-plan || fail talk:rank-plan "$(grep 'expert cache' "$OUT/talk.err")"
+
+# a placement from a cache trace: the same bits
+expect_exit trace 0 $K3 run "$M" --ids $IDS,5,6,7,8,9,10,11,12 --gen 20 --quiet --dump-cache-trace "$OUT/trace"
+expect_exit place 0 $K3 cache-sim "$OUT/trace/cache_trace.bin" --placement 3 --model "$M" --placement-out "$OUT/p3.json"
+expect_out_contains place "placement for 3 ranks"
+expect_exit placed 0 $MPI -np 3 $K3 run "$M" --ids $IDS --gen 6 --quiet --dump-logits "$OUT/placed.bin" \
+  --expert-placement "$OUT/p3.json" --cache-gb 0.00003 --chunk 1
+cmp -s "$OUT/single.bin" "$OUT/placed.bin" && pass placed:logits || fail placed:logits
+expect_exit placed-wrong-ranks 2 $MPI -np 2 $K3 run "$M" --ids $IDS --expert-placement "$OUT/p3.json"
+expect_err_contains placed-wrong-ranks "made for 3 ranks, this job has 2"
+
+# ---- faults: one line, nonzero exit, never a hang ---------------------------------
+expect_exit too-many-ranks 2 $MPI -np 9 $K3 run "$M" --ids $IDS --gen 2
+expect_err_contains too-many-ranks "9 ranks but 8 routed experts per layer"
+expect_exit not-a-job-command 2 $MPI -np 2 $K3 inspect "$M"
+# a plan that fits ranks 0 and 1 (2 experts a layer) but not rank 2 (4)
+row='[0,0,1,1,2,2,2,2]'
+printf '{"format":"k3-expert-placement","version":1,"ranks":3,"num_layers":9,"num_experts":8,"owner":[%s]}\n' \
+  "$row,$row,$row,$row,$row,$row,$row,$row,$row" >"$OUT/uneven.json"
+expect_exit rank-budget 3 $MPI -np 3 $K3 run "$M" --ids $IDS --gen 2 --expert-placement "$OUT/uneven.json" \
+  --cache-gb 0.00003 --chunk 3
+expect_err_contains rank-budget "rank 2 of 3"
+# the same relative MODEL_DIR naming another checkpoint on one rank
+mkdir -p "$OUT/a" "$OUT/b"; cp -r "$M" "$OUT/a/model"; cp -r "$M" "$OUT/b/model"
+sed -i 's/"rms_norm_eps": 1e-05/"rms_norm_eps": 2e-05/' "$OUT/b/model/config.json"
+expect_exit other-model 2 $MPI -np 1 -wdir "$OUT/a" $K3ABS run model --ids $IDS --gen 2 : \
+  -np 1 -wdir "$OUT/b" $K3ABS run model --ids $IDS --gen 2
+expect_err_contains other-model "rank 1 of 2"
+expect_err_contains other-model "not the same checkpoint"
+expect_exit other-args 2 $MPI -np 1 $K3 run "$M" --ids $IDS --gen 2 : -np 1 $K3 run "$M" --ids $IDS --gen 3
+expect_err_contains other-args "another k3 binary or command line"
+# a read error on rank 1 in the middle of the run
+expect_exit rank-read-error 1 $MPI -np 1 $K3 run "$M" --ids $IDS --gen 6 --quiet --out "$OUT/re.json" \
+  --cache-gb 0.00002 --chunk 1 : -np 1 -x K3_IO_FAIL_AFTER=20 $K3 run "$M" --ids $IDS --gen 6 --quiet \
+  --out "$OUT/re.json" --cache-gb 0.00002 --chunk 1
+expect_err_contains rank-read-error "rank 1 of 2"
+expect_err_contains rank-read-error "Input/output error"
+[ ! -e "$OUT/re.json" ] && pass rank-read-error:no-report || fail rank-read-error:no-report
+# a rank that stops answering: the others time out and name it
+K3_DIST_TIMEOUT=2 K3_DIST_FAULT=hang:1:5 expect_exit rank-hangs 1 $MPI -np 3 $K3 run "$M" --ids $IDS --gen 6 --quiet
+expect_err_contains rank-hangs "no answer from rank 1"
+# a rank that dies (SIGKILL): mpirun ends the job and its report names the rank
+K3_DIST_FAULT=die:2:5 timeout 120 mpirun --oversubscribe --mca btl self,vader -np 3 $K3 run "$M" --ids $IDS \
+  --gen 6 --quiet >"$OUT/dies.out" 2>"$OUT/dies.err"
+rc=$?
+[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && pass rank-dies:exit || fail rank-dies:exit "exit $rc"
+grep -q 'process rank 2 .* exited on signal 9' "$OUT/dies.err" && pass rank-dies:named \
+  || fail rank-dies:named "$(head -c 300 "$OUT/dies.err")"
+finish
