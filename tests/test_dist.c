@@ -55,6 +55,17 @@ TEST(dist_placement_from_trace_spreads_hot_experts) {
     free(r);
 }
 
+TEST(dist_placement_step_load_by_hand) {
+    /* step 0 selects experts 0-3 of layer 0, step 1 selects 0, 1, 4, 5 */
+    xc_request r[8] = {{0, 0, 0}, {0, 0, 1}, {0, 0, 2}, {0, 0, 3}, {1, 0, 0}, {1, 0, 1}, {1, 0, 4}, {1, 0, 5}};
+    k3_placement p;
+    k3_placement_contiguous(2, 1, 8, &p); /* rank 0: 0-3, rank 1: 4-7: max 4, then 2 */
+    CHECKF(k3_placement_step_load(&p, r, 8) == 3.0, "%g", k3_placement_step_load(&p, r, 8));
+    for (int e = 0; e < 8; e++) p.owner[e] = e & 1; /* even / odd: 2 and 2 */
+    CHECKF(k3_placement_step_load(&p, r, 8) == 2.0, "%g", k3_placement_step_load(&p, r, 8));
+    k3_placement_free(&p);
+}
+
 static void write_text(const char *path, const char *s) {
     FILE *f = fopen(path, "w");
     if (f) {

@@ -133,8 +133,10 @@ int cmd_cache_sim(int argc, char **argv) {
         }
         if (!rc)
             printf("placement for %ld ranks written to %s: the busiest rank serves %.3fx the mean of the trace's %zu "
-                   "requests (contiguous: %.3fx)\n",
-                   ranks, place_out, k3_placement_imbalance(&p, reqs, n), n, k3_placement_imbalance(&q, reqs, n));
+                   "requests (contiguous: %.3fx); per step and layer the busiest rank computes %.3f experts on "
+                   "average (contiguous: %.3f)\n",
+                   ranks, place_out, k3_placement_imbalance(&p, reqs, n), n, k3_placement_imbalance(&q, reqs, n),
+                   k3_placement_step_load(&p, reqs, n), k3_placement_step_load(&q, reqs, n));
         k3_placement_free(&p);
         k3_placement_free(&q);
         free(reqs);

@@ -88,6 +88,28 @@ double k3_placement_imbalance(const k3_placement *p, const xc_request *reqs, siz
     return meansum > 0 ? maxsum / meansum : 1.0;
 }
 
+double k3_placement_step_load(const k3_placement *p, const xc_request *reqs, size_t n) {
+    int *load = xcalloc((size_t)p->ranks, sizeof *load);
+    double sum = 0;
+    size_t groups = 0;
+    for (size_t i = 0; i < n;) {
+        size_t j = i;
+        memset(load, 0, (size_t)p->ranks * sizeof *load);
+        int mx = 0;
+        for (; j < n && reqs[j].step == reqs[i].step && reqs[j].layer == reqs[i].layer; j++) {
+            const xc_request *q = &reqs[j];
+            if (q->layer < 0 || q->layer >= p->layers || q->expert < 0 || q->expert >= p->experts) continue;
+            int r = p->owner[(size_t)q->layer * p->experts + q->expert];
+            if (++load[r] > mx) mx = load[r];
+        }
+        sum += mx;
+        groups++;
+        i = j;
+    }
+    free(load);
+    return groups ? sum / (double)groups : 0;
+}
+
 int k3_placement_save(const k3_placement *p, const char *path, k3_err *err) {
     json_t *o = json_object(), *own = json_array();
     json_object_set_new(o, "format", json_string("k3-expert-placement"));

@@ -40,6 +40,10 @@ void k3_placement_from_trace(int ranks, int layers, int experts, const xc_reques
 /* The most requests one rank serves in a layer over the mean, summed over
  * layers (1.0: perfectly even); for reports. */
 double k3_placement_imbalance(const k3_placement *p, const xc_request *reqs, size_t n);
+/* Per (step, layer) of the trace, the most experts one rank computes, averaged
+ * over the trace's (step, layer) pairs: what a decode step waits for (the
+ * mean is k / R). */
+double k3_placement_step_load(const k3_placement *p, const xc_request *reqs, size_t n);
 /* JSON: {"format": "k3-expert-placement", "version": 1, "ranks": R,
  * "num_layers": L, "num_experts": N, "owner": [[rank of expert 0, ...], ...]} */
 int k3_placement_save(const k3_placement *p, const char *path, k3_err *err);
