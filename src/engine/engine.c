@@ -133,6 +133,10 @@ static int ep_placement(k3_engine *e, k3_err *err) {
                        "%s: %d ranks but %d routed experts per layer: expert parallelism takes at most one rank per "
                        "expert (mpirun -np %d or fewer)",
                        o->model_dir, e->ranks, c.num_experts, c.num_experts);
+    if (o->mem.so.trace_dir)
+        return k3_fail(err, K3_EXIT_USAGE,
+                       "--dump-cache-trace: a rank of %d sees only its own experts' requests: trace with one process",
+                       e->ranks);
     k3_placement p;
     if (o->expert_placement) {
         if ((rc = k3_placement_load(o->expert_placement, e->ranks, &c, &p, err))) return rc;

@@ -89,6 +89,7 @@ expect_err_contains placed-wrong-ranks "made for 3 ranks, this job has 2"
 expect_exit too-many-ranks 2 $MPI -np 9 $K3 run "$M" --ids $IDS --gen 2
 expect_err_contains too-many-ranks "9 ranks but 8 routed experts per layer"
 expect_exit not-a-job-command 2 $MPI -np 2 $K3 inspect "$M"
+expect_exit no-rank-trace 2 $MPI -np 2 $K3 run "$M" --ids $IDS --dump-cache-trace "$OUT/rtrace"
 fi
 # a plan that fits ranks 0 and 1 (2 experts a layer) but not rank 2 (4)
 row='[0,0,1,1,2,2,2,2]'
