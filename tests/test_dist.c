@@ -8,6 +8,7 @@
 #include "dist/dist.h"
 #include "dist/expert_par.h"
 #include "harness.h"
+#include "session/session.h"
 
 TEST(dist_placement_contiguous_balanced) {
     k3_placement p;
@@ -112,6 +113,7 @@ TEST(dist_placement_file_roundtrip_and_refusals) {
     k3_placement_free(&p);
 }
 
+/* what the ranks compare at start (session.h's identity) */
 TEST(dist_model_identity_sees_config_and_tensor_table) {
     const char *src = t_repo("tests/fixtures/gen/k3_like");
     char a[512], b[512], cmd[4096];
@@ -121,16 +123,16 @@ TEST(dist_model_identity_sees_config_and_tensor_table) {
     CHECK(system(cmd) == 0);
     uint64_t h0, ha, hb;
     k3_err err = {0};
-    CHECK(k3_model_identity(src, &h0, &err) == K3_OK);
-    CHECK(k3_model_identity(a, &ha, &err) == K3_OK);
+    CHECK(k3_model_identity(src, NULL, 0, &h0, &err) == K3_OK);
+    CHECK(k3_model_identity(a, NULL, 0, &ha, &err) == K3_OK);
     CHECK(h0 == ha); /* a copy is the same checkpoint */
     snprintf(cmd, sizeof cmd, "sed -i 's/\"rms_norm_eps\": 1e-05/\"rms_norm_eps\": 2e-05/' '%s/config.json'", b);
     CHECK(system(cmd) == 0);
-    CHECK(k3_model_identity(b, &hb, &err) == K3_OK);
+    CHECK(k3_model_identity(b, NULL, 0, &hb, &err) == K3_OK);
     CHECK(hb != h0);
     /* another checkpoint (other tensor table) */
-    CHECK(k3_model_identity(t_repo("tests/fixtures/gen/s2_two_dense"), &hb, &err) == K3_OK && hb != h0);
-    CHECK(k3_model_identity("/nonexistent-k3-dir", &hb, &err) != K3_OK);
+    CHECK(k3_model_identity(t_repo("tests/fixtures/gen/s2_two_dense"), NULL, 0, &hb, &err) == K3_OK && hb != h0);
+    CHECK(k3_model_identity("/nonexistent-k3-dir", NULL, 0, &hb, &err) != K3_OK);
 }
 
 TEST(dist_one_process_job) {

@@ -2,10 +2,11 @@
  * accepted as `k3 run MODEL_DIR ...` (the released engine's form). */
 #include "cli/commands.h"
 
+#include <errno.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "dist/dist.h"
-#include <sys/stat.h>
 
 #define K3_VERSION "0.1.0"
 
@@ -69,16 +70,6 @@ static int print_help(const command *c) {
     return K3_OK;
 }
 
-static int dispatch(int argc, char **argv);
-
-/* Under mpirun (dist/dist.h) every rank runs this; the job ends with one
- * exit code and at most one error line (rank 0's). */
-int main(int argc, char **argv) {
-    int rc = k3_dist_init(&argc, &argv);
-    if (!rc) rc = dispatch(argc, argv);
-    return k3_dist_finish(rc);
-}
-
 /* Commands that run as one job over several ranks; the others refuse. */
 static int check_ranks(const command *c) {
     if (k3_dist_size() <= 1 || c->fn == cmd_run) return K3_OK;
@@ -124,4 +115,26 @@ static int dispatch(int argc, char **argv) {
     if (!c->fn) { fprintf(stderr, "k3: command '%s' is not available in this build\n", a); return K3_EXIT_USAGE; }
     if (check_ranks(c)) return K3_EXIT_USAGE;
     return c->fn(argc - 1, argv + 1);
+}
+
+/* Output to a full disk or device (`> /dev/full`) is a failure, whatever the
+ * command: buffered text is flushed here and any write error is one line. */
+static int check_stdout(int rc) {
+    errno = 0;
+    bool flush_failed = fflush(stdout) != 0;
+    int e = errno;
+    if ((flush_failed || ferror(stdout)) && rc == K3_OK) {
+        if (flush_failed && e) fprintf(stderr, "k3: standard output: write failed: %s\n", strerror(e));
+        else fprintf(stderr, "k3: standard output: write failed\n");
+        return K3_EXIT_RUNTIME;
+    }
+    return rc;
+}
+
+/* Under mpirun (dist/dist.h) every rank runs this; the job ends with one
+ * exit code and at most one error line (rank 0's). */
+int main(int argc, char **argv) {
+    int rc = k3_dist_init(&argc, &argv);
+    if (!rc) rc = check_stdout(dispatch(argc, argv));
+    return k3_dist_finish(rc);
 }

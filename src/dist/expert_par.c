@@ -6,7 +6,6 @@
 #include <string.h>
 
 #include "dist/dist.h"
-#include "formats/safetensors.h"
 
 /* ---- placements ------------------------------------------------------------ */
 
@@ -210,38 +209,6 @@ uint64_t k3_placement_hash(const k3_placement *p) {
 void k3_placement_free(k3_placement *p) {
     free(p->owner);
     memset(p, 0, sizeof *p);
-}
-
-int k3_model_identity(const char *dir, uint64_t *hash, k3_err *err) {
-    char path[4096];
-    int k = snprintf(path, sizeof path, "%s/config.json", dir);
-    if (k < 0 || (size_t)k >= sizeof path) return k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
-    char *cfg = NULL;
-    size_t len = 0;
-    int rc = k3_read_file(path, &cfg, &len, err);
-    if (rc) return rc;
-    uint64_t h = k3_fnv1a64(1469598103934665603ull, cfg, len);
-    free(cfg);
-    st_index *ix;
-    if ((rc = st_open(dir, &ix, err))) return rc;
-    for (int i = 0; i < st_nshards(ix); i++) {
-        const st_shard *s = st_shard_at(ix, i);
-        h = k3_fnv1a64(h, &s->file_size, sizeof s->file_size);
-        h = k3_fnv1a64(h, &s->data_start, sizeof s->data_start);
-    }
-    for (size_t i = 0; i < st_count(ix); i++) {
-        const st_tensor *t = st_at(ix, i);
-        h = k3_fnv1a64(h, t->name, strlen(t->name) + 1);
-        int32_t d[2] = {(int32_t)t->dtype, t->rank};
-        h = k3_fnv1a64(h, d, sizeof d);
-        h = k3_fnv1a64(h, t->shape, (size_t)t->rank * sizeof *t->shape);
-        h = k3_fnv1a64(h, &t->shard, sizeof t->shard);
-        h = k3_fnv1a64(h, &t->offset, sizeof t->offset);
-        h = k3_fnv1a64(h, &t->nbytes, sizeof t->nbytes);
-    }
-    st_close(ix);
-    *hash = h;
-    return K3_OK;
 }
 
 /* ---- the source ------------------------------------------------------------ */

@@ -17,7 +17,8 @@
  *
  * Invariants: every rank must make the same forward calls in the same
  * chunks (the engine agrees on the chunk at open); the placement and the
- * model's identity (k3_model_identity) are checked equal on all ranks. */
+ * model's identity (session.h's k3_model_identity: config, tensor tables,
+ * tokenizer) are checked equal on all ranks. */
 #ifndef K3_DIST_EXPERT_PAR_H
 #define K3_DIST_EXPERT_PAR_H
 
@@ -52,11 +53,6 @@ int k3_placement_save(const k3_placement *p, const char *path, k3_err *err);
 int k3_placement_load(const char *path, int ranks, const k3_config *c, k3_placement *p, k3_err *err);
 uint64_t k3_placement_hash(const k3_placement *p);
 void k3_placement_free(k3_placement *p);
-
-/* A hash of what makes two model directories compute alike: config.json's
- * bytes and the tensor table (names, dtypes, shapes, shard sizes, offsets).
- * Reads no weight data. */
-int k3_model_identity(const char *dir, uint64_t *hash, k3_err *err);
 
 /* The wrapping source. inner stays owned by the caller and must outlive it. */
 typedef struct k3_ep k3_ep;

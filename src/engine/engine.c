@@ -3,6 +3,7 @@
 
 #include "dist/dist.h"
 #include "dist/expert_par.h"
+#include "session/session.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -155,7 +156,7 @@ static int ep_placement(k3_engine *e, k3_err *err) {
  * same chunks: compared (and the chunk agreed) before any weight is read. */
 static int ep_check_same(k3_engine *e, k3_err *err) {
     struct { uint64_t model, place; int32_t chunk, pad; } mine = {0}, *all;
-    int rc = k3_model_identity(e->opts.model_dir, &mine.model, err);
+    int rc = k3_model_identity(e->opts.model_dir, e->opts.tok_dir, 0, &mine.model, err);
     rc = k3_dist_agree(rc, err, "opening the model (identity)");
     if (rc) return rc;
     k3_config cfg;
@@ -171,8 +172,8 @@ static int ep_check_same(k3_engine *e, k3_err *err) {
         if (all[r].chunk < chunk) chunk = all[r].chunk;
         if (all[r].model != all[0].model)
             rc = k3_fail(err, K3_EXIT_USAGE,
-                         "rank %d of %d (%s): %s is not the same checkpoint as rank 0's (%s): config.json or the tensor "
-                         "table differ; every host needs an identical copy",
+                         "rank %d of %d (%s): %s is not the same checkpoint as rank 0's (%s): config.json, the tensor "
+                         "tables or the tokenizer differ; every host needs an identical copy",
                          r, e->ranks, k3_dist_host(r), e->opts.model_dir, k3_dist_host(0));
         else if (all[r].place != all[0].place)
             rc = k3_fail(err, K3_EXIT_USAGE,
