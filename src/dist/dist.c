@@ -29,7 +29,10 @@ static struct {
     char fault_kind;        /* 'd', 'h', 'e' or 0 */
     int fault_rank;
     uint64_t fault_at, nexch;
+    FILE *err_out;          /* the job's error lines (stderr, kept when silenced) */
 } G = {.size = 1, .timeout = 600};
+
+static FILE *errf(void) { return G.err_out ? G.err_out : stderr; }
 
 static double now_s(void) {
     struct timespec t;
@@ -102,6 +105,8 @@ int k3_dist_init(int *argc, char ***argv) {
     return K3_OK;
 }
 int k3_dist_finish(int rc) { return rc; }
+long long k3_dist_getline(char **line, size_t *cap, FILE *f) { return getline(line, cap, f); }
+void k3_dist_silence_others(void) {}
 int k3_dist_agree(int rc, k3_err *err, const char *what) {
     (void)err;
     (void)what;
@@ -125,7 +130,7 @@ _Noreturn void k3_dist_abort(const k3_err *err) {
 
 /* Separate tags: a rank that left the run early (and waits in the final
  * agreement) is never mistaken for an exchange block; the others time out. */
-enum { TAG_GATHER = 1, TAG_EXCHANGE = 2 };
+enum { TAG_GATHER = 1, TAG_EXCHANGE = 2, TAG_LINE = 3 };
 
 static void put_prefix(char *buf, size_t n, int r) {
     snprintf(buf, n, "rank %d of %d (%s)", r, G.size, k3_dist_host(r));
@@ -140,8 +145,8 @@ _Noreturn void k3_dist_abort(const k3_err *err) {
     }
     char who[128];
     put_prefix(who, sizeof who, G.rank);
-    fprintf(stderr, "k3: %s: %s\n", who, msg);
-    fflush(stderr);
+    fprintf(errf(), "k3: %s: %s\n", who, msg);
+    fflush(errf());
     fflush(stdout);
     MPI_Abort(MPI_COMM_WORLD, code);
     _exit(code); /* not reached */
@@ -160,10 +165,10 @@ static _Noreturn void fail_mpi(int mrc, const char *what) {
  * A rank whose message has not come within the timeout is named and the job
  * aborted. Polls with sched_yield first (oversubscribed ranks on one host let
  * each other run), then with short sleeps. */
-static void wait_all(int n, MPI_Request *rq, const int *recv, const char *what) {
+static void wait_all(int n, MPI_Request *rq, const int *recv, const char *what, bool bounded) {
     /* staggered by rank, so that when several ranks wait for the same lost one
      * the lowest reports it and ends the job before the others print too */
-    double t0 = now_s(), deadline = t0 + G.timeout + 0.25 * (G.rank < 40 ? G.rank : 40);
+    double t0 = now_s(), deadline = bounded ? t0 + G.timeout + 0.25 * (G.rank < 40 ? G.rank : 40) : 1e300;
     for (long polls = 0;; polls++) {
         int done = 0;
         int mrc = MPI_Testall(n, rq, &done, MPI_STATUSES_IGNORE);
@@ -193,7 +198,8 @@ static void wait_all(int n, MPI_Request *rq, const int *recv, const char *what) 
             k3_dist_abort(&e);
         }
         if (t - t0 < 2e-3 || polls < 64) sched_yield();
-        else nanosleep(&(struct timespec){0, 50000}, NULL);
+        else if (t - t0 < 1.0) nanosleep(&(struct timespec){0, 50000}, NULL);
+        else nanosleep(&(struct timespec){0, 1000000}, NULL); /* a long wait (a person): less polling */
     }
 }
 
@@ -224,7 +230,7 @@ static void all_to_all(int tag, const void *mine, size_t mine_bytes, void *const
         recv[n] = -1;
         if ((mrc = MPI_Isend(mine, (int)mine_bytes, MPI_BYTE, r, tag, MPI_COMM_WORLD, &rq[n++]))) fail_mpi(mrc, what);
     }
-    wait_all(n, rq, recv, what);
+    wait_all(n, rq, recv, what, true);
     free(rq);
     free(recv);
     G.st.collectives++;
@@ -252,6 +258,43 @@ void k3_dist_exchange(const void *mine, size_t mine_bytes, void *const *theirs, 
     G.nexch++;
     fault_check();
     all_to_all(TAG_EXCHANGE, mine, mine_bytes, theirs, their_bytes, what);
+}
+
+/* rank 0's block to every other rank (the others receive into buf) */
+static void bcast0(void *buf, size_t n, const char *what) {
+    if (n > INT_MAX) fail_mpi(MPI_ERR_COUNT, what);
+    int R = G.size, k = 0, mrc;
+    MPI_Request *rq = xmalloc_array((size_t)R, sizeof *rq);
+    int *recv = xmalloc_array((size_t)R, sizeof *recv);
+    if (G.rank == 0) {
+        for (int r = 1; r < R; r++) {
+            recv[k] = -1;
+            if ((mrc = MPI_Isend(buf, (int)n, MPI_BYTE, r, TAG_LINE, MPI_COMM_WORLD, &rq[k++]))) fail_mpi(mrc, what);
+        }
+    } else {
+        recv[k] = 0;
+        if ((mrc = MPI_Irecv(buf, (int)n, MPI_BYTE, 0, TAG_LINE, MPI_COMM_WORLD, &rq[k++]))) fail_mpi(mrc, what);
+    }
+    wait_all(k, rq, recv, what, false);
+    free(rq);
+    free(recv);
+    G.st.collectives++;
+    if (G.rank == 0) G.st.bytes_sent += (uint64_t)n * (uint64_t)(R - 1);
+}
+
+long long k3_dist_getline(char **line, size_t *cap, FILE *f) {
+    int64_t len = 0;
+    if (G.rank == 0) len = getline(line, cap, f);
+    if (G.size == 1) return len;
+    bcast0(&len, sizeof len, "the next input line");
+    if (len < 0) return -1;
+    if (G.rank != 0 && (size_t)len + 1 > *cap) {
+        *cap = (size_t)len + 1;
+        *line = xrealloc(*line, *cap);
+    }
+    if (len > 0) bcast0(*line, (size_t)len, "the next input line");
+    (*line)[len] = 0;
+    return len;
 }
 
 typedef struct {
@@ -363,6 +406,17 @@ int k3_dist_init(int *argc, char ***argv) {
     return K3_OK;
 }
 
+void k3_dist_silence_others(void) {
+    if (!G.active || G.rank == 0) return;
+    if (!G.err_out) {
+        int fd = dup(2);
+        if (fd >= 0) G.err_out = fdopen(fd, "w");
+    }
+    fflush(stdout);
+    fflush(stderr);
+    if (!freopen("/dev/null", "w", stdout) || !freopen("/dev/null", "w", stderr)) return; /* (then they print) */
+}
+
 int k3_dist_finish(int rc) {
     if (!G.active) return rc;
     k3_err e = {0};
@@ -373,8 +427,8 @@ int k3_dist_finish(int rc) {
     }
     rc = k3_dist_agree(rc, &e, "the end of the run");
     if (rc && G.rank == 0) {
-        fprintf(stderr, "k3: %s\n", e.msg);
-        fflush(stderr);
+        fprintf(errf(), "k3: %s\n", e.msg);
+        fflush(errf());
     }
     fflush(stdout);
     MPI_Finalize();

@@ -65,6 +65,18 @@ void k3_dist_allgather(const void *mine, size_t n, void *all, const char *what);
 void k3_dist_exchange(const void *mine, size_t mine_bytes, void *const *theirs, const size_t *their_bytes,
                       const char *what);
 
+/* A line read by rank 0 from f (getline's contract: the length without a
+ * terminator added, -1 at the end or on an error), handed to every rank, so
+ * an interactive command (k3 chat) runs the same turns everywhere; the other
+ * ranks do not read f. The one wait without a bound: rank 0 waits for a
+ * person. */
+long long k3_dist_getline(char **line, size_t *cap, FILE *f);
+
+/* Ranks after the first stop printing: their stdout and stderr go to
+ * /dev/null (this module keeps its own copy of stderr for the job's error
+ * lines). One process, or rank 0: nothing changes. */
+void k3_dist_silence_others(void);
+
 /* Prints "k3: rank R of N (HOST): <msg>" and ends every rank of the job with
  * err->code (MPI_Abort). Not under mpirun: prints "k3: <msg>" and exits. */
 _Noreturn void k3_dist_abort(const k3_err *err);
