@@ -72,7 +72,7 @@ TEST(chat_template_matches_release_encoder_on_26_cases) {
 }
 
 /* The markup ids resolve by name in both spellings. The Kimi config's ids
- * are those of ../shared/fixtures/xtml/SOURCE.md's table. */
+ * are those of tests/fixtures/xtml/SOURCE.md's table. */
 TEST(chat_markup_ids_by_name_kimi_spelling) {
     k3_tokenizer *t = kimi_tok();
     k3_chat *c = kimi_chat(t);
