@@ -35,8 +35,11 @@ while [ $# -gt 0 ]; do
     *) echo "bench/mpi.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
-SHARED=${K3_SHARED:-../shared}
 PY=/usr/bin/python3; [ -x $PY ] || PY=python3
+RELEASE=tests/fixtures/k3-release            # the released config.json
+TRACE=bench/.cache/expert_trace.bin          # the peer's trace of a real run of the release
+mkdir -p bench/.cache
+[ -s "$TRACE" ] || gunzip -c tests/fixtures/peer/expert_trace.bin.gz >"$TRACE"
 make -s -j2 bin/k3 bin/bench_exchange >/dev/null
 mkdir -p bench/.cache
 if [ ! -e "$MODEL/config.json" ]; then
@@ -57,11 +60,10 @@ for R in $(seq 1 "$MAXR"); do
   else
     $MPI -np "$R" bin/k3 run "$MODEL" --ids "$IDS" --gen "$GEN" --quiet --threads "$THREADS" --out "$W/run$R.json"
   fi
-  $MPI -np "$R" bin/bench_exchange --config "$SHARED/fixtures/k3-release/config.json" --iters 400 >"$W/exch$R.jsonl"
+  $MPI -np "$R" bin/bench_exchange --config "$RELEASE/config.json" --iters 400 >"$W/exch$R.jsonl"
 done
-TRACE=$SHARED/fixtures/peer/expert_trace.bin
 for R in 2 4 8 16 32; do
-  bin/k3 cache-sim "$TRACE" --placement $R --model "$SHARED/fixtures/k3-release" --placement-out "$W/place$R.json" \
+  bin/k3 cache-sim "$TRACE" --placement $R --model "$RELEASE" --placement-out "$W/place$R.json" \
     >"$W/place$R.txt"
 done
 $PY - "$W" "$MAXR" "$OUTJ" "$MODEL" "$(nproc)" "$(cut -d' ' -f1 /proc/loadavg)" <<'PY'

@@ -29,6 +29,7 @@ of 16 hosts (one rank per socket, ~5 ms a token of communication in 581 small
 collectives).
 """
 import argparse
+import gzip
 import json
 import math
 import os
@@ -96,7 +97,8 @@ def busiest(R, k, N, owner_by_layer, popularity, tokens=64, seed=0):
 
 def trace_popularity(path, N):
     """Per layer, the share of requests of each expert in the peer's trace (int32 (layer, expert) pairs)."""
-    a = np.fromfile(path, dtype=np.int32).reshape(-1, 2)
+    raw = gzip.open(path).read() if path.endswith(".gz") else open(path, "rb").read()
+    a = np.frombuffer(raw, dtype=np.int32).reshape(-1, 2)
     pop = {}
     for L in np.unique(a[:, 0]):
         c = np.bincount(a[a[:, 0] == L, 1], minlength=N).astype(float) + 0.5  # (no expert impossible)
@@ -106,9 +108,9 @@ def trace_popularity(path, N):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    shared = os.environ.get("K3_SHARED", os.path.join(HERE, "..", "..", "shared"))
-    ap.add_argument("--config", default=os.path.join(shared, "fixtures/k3-release/config.json"))
-    ap.add_argument("--trace", default=os.path.join(shared, "fixtures/peer/expert_trace.bin"))
+    fx = os.path.join(HERE, "..", "tests", "fixtures")
+    ap.add_argument("--config", default=os.path.join(fx, "k3-release/config.json"))
+    ap.add_argument("--trace", default=os.path.join(fx, "peer/expert_trace.bin.gz"))
     ap.add_argument("--measured", default=os.path.join(HERE, ".cache/mpi.json"))
     ap.add_argument("--mem-bw", type=float, default=250.0, help="GB/s one rank reads from its RAM (a socket)")
     ap.add_argument("--eff", type=float, default=0.80, help="share of --mem-bw k3's decode reaches (measured: 81-88%%)")
