@@ -153,7 +153,7 @@ expect_err_contains rank-read-error "rank 1 of 2"
 expect_err_contains rank-read-error "Input/output error"
 [ ! -e "$OUT/re.json" ] && pass rank-read-error:no-report || fail rank-read-error:no-report
 # a rank that stops answering: the others time out and name it
-K3_DIST_TIMEOUT=2 K3_DIST_FAULT=hang:1:5 expect_exit rank-hangs 1 $MPI -np 3 $K3 run "$M" --ids $IDS --gen 6 --quiet
+K3_DIST_TIMEOUT=4 K3_DIST_FAULT=hang:1:5 expect_exit rank-hangs 1 $MPI -np 3 $K3 run "$M" --ids $IDS --gen 6 --quiet
 expect_err_contains rank-hangs "no answer from rank 1"
 # a rank that dies (SIGKILL): mpirun ends the job and its report names the rank
 [ $ASAN = 1 ] && { finish; exit; }
