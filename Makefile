@@ -20,6 +20,16 @@ RELFLAGS:= -O3
 ASNFLAGS:= -O1 -g -fsanitize=address,undefined \
            -fno-sanitize-recover=all -fno-omit-frame-pointer
 LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lnettle -lm
+# Open MPI (expert-parallel `k3 run` under mpirun, src/dist/): the flags its
+# mpicc wrapper would add. Without it the build still works and k3 runs as one
+# process (under mpirun with several ranks it refuses, saying why).
+MPI_CFLAGS := $(shell mpicc --showme:compile 2>/dev/null)
+MPI_LIBS   := $(shell mpicc --showme:link 2>/dev/null)
+ifeq ($(strip $(MPI_LIBS)),)
+MPI_CFLAGS := -DK3_NO_MPI
+endif
+BASE    += $(MPI_CFLAGS)
+LIBS    += $(MPI_LIBS)
 
 LIB_SRC  := $(shell find src -name '*.c' ! -path 'src/cli/main.c' | sort)
 TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c tests/tjson.c

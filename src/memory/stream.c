@@ -318,16 +318,23 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
                            o->trunk_gb, k3_size_str(p->trunk_bytes));
     }
 
-    /* expert part */
-    p->total_experts = (int64_t)p->n_moe * c->num_experts;
+    /* expert part: the experts this process holds (all, or its share of an
+     * expert-parallel job) */
+    p->total_experts = 0;
+    int most = 0; /* the most held in one layer: what one batch can need */
     const char *prefix = name_prefix(ix);
     for (int L = 0; L < c->num_layers; L++) {
         if (c->layer_dense[L]) continue;
+        int here = 0;
         for (int e = 0; e < c->num_experts; e++) {
+            if (o->owned && !o->owned[(size_t)L * c->num_experts + e]) continue;
+            here++;
             xlayout x;
             if ((rc = expert_layout(c, ix, prefix, L, e, &x, err))) return rc;
             if (x.need > p->expert_buf) p->expert_buf = x.need;
         }
+        p->total_experts += here;
+        if (here > most) most = here;
     }
     int want_chunk = o->chunk > 0 ? o->chunk : K3_PREFILL_CHUNK;
     p->chunk = want_chunk;
@@ -335,7 +342,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         int k = c->experts_per_token;
         int64_t pool = (int64_t)(xlimit / (double)p->expert_buf);
         if (xlimit >= 1e300 || pool > p->total_experts) pool = p->total_experts;
-        int64_t batch = (int64_t)want_chunk * k < c->num_experts ? (int64_t)want_chunk * k : c->num_experts;
+        int64_t batch = (int64_t)want_chunk * k < most ? (int64_t)want_chunk * k : most;
         if (pool >= p->total_experts) {
             /* every expert fits: nothing is ever evicted, a batch needs no extra buffers */
             p->cache_experts = p->total_experts;
@@ -348,7 +355,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
                                o->cache_gb, (long long)pool, k3_size_str(p->expert_buf), want_chunk, (long long)batch);
             while (pool < batch && p->chunk > 1) {
                 p->chunk = p->chunk / 2;
-                batch = (int64_t)p->chunk * k < c->num_experts ? (int64_t)p->chunk * k : c->num_experts;
+                batch = (int64_t)p->chunk * k < most ? (int64_t)p->chunk * k : most;
             }
             if (pool < batch)
                 return k3_fail(err, K3_EXIT_BUDGET,
