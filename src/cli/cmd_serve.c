@@ -1,11 +1,13 @@
 /* cmd_serve.c: `k3 serve MODEL_DIR`, an OpenAI-compatible HTTP server. The
- * model is opened here (the memory plan and flags of `k3 run`); the HTTP
- * side, the queue and the worker are src/serve/. */
+ * model is opened here through the engine (the memory plan and flags of
+ * `k3 run`) with one session on a shared state cache, so every request reuses
+ * what an earlier one computed; the HTTP side, the queue and the worker are
+ * src/serve/. */
+#include "chat/chat.h"
 #include "cli/commands.h"
-#include "memory/runmem.h"
-#include "model/model.h"
+#include "engine/engine.h"
 #include "serve/serve.h"
-#include "tokenizer/tokenizer.h"
+#include "session/session.h"
 #include "web/dashboard.h"
 
 #include <errno.h>
@@ -40,32 +42,25 @@ const char *const cmd_serve_help =
     "  --queue N            requests that may wait while one computes (default 16);\n"
     "                       more get 429\n"
     "  --max-body BYTES     largest request body (default 8M); larger get 413\n"
-    "  --state-cache-gb GB  memory for saved conversation states (default 1)\n"
+    "  --state-cache-gb GB  memory for saved conversation states, shared by all\n"
+    "                       requests (default 2; 0 keeps none: then only a request\n"
+    "                       that extends the previous one reuses its work)\n"
     "  --verbose            log every request and every generation on stderr\n"
     "\n"
-    "model:\n"
-    "  --tok DIR            tokenizer directory (default MODEL_DIR)\n"
-    "  --threads N          OpenMP threads (the output does not depend on N)\n"
-    "  --layers N           run only the first N layers\n"
-    "  --max-memory SIZE    memory budget, e.g. 8G (default: MemAvailable); refused\n"
-    "                       up front (exit 3) if weights + state at --ctx do not fit\n"
-    "  --kda-chunk C        chunkwise KDA prefill (see k3 help run)\n"
-    "  --peer-mla-eps       MLA latent norms use rms_norm_eps\n"
-    "\n"
-    K3_RUNMEM_HELP
+    K3_ENGINE_HELP
     "\n"
     "Prints the address, then serves until Ctrl-C (SIGINT) or SIGTERM.\n"
     "exit codes: 0 stopped by a signal, 1 runtime/I-O (cannot listen), 2 usage or\n"
     "bad model directory, 3 cannot fit the memory budget, 4 checkpoint data error\n";
 
 typedef struct {
-    const char *model_dir, *tok_dir, *host, *model_name;
-    int port, threads, layers, kda_chunk, queue;
-    bool peer_eps, verbose;
+    const char *host, *model_name;
+    int port, queue;
+    bool verbose;
     int64_t ctx, max_tokens;
-    uint64_t max_memory, max_body;
+    uint64_t max_body;
     double state_cache_gb;
-    k3_runmem_args mem;
+    k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } serve_args;
 
 static bool parse_size(const char *s, uint64_t *out) {
@@ -94,13 +89,13 @@ static bool parse_size(const char *s, uint64_t *out) {
 
 static int parse_args(int argc, char **argv, serve_args *a) {
     memset(a, 0, sizeof *a);
-    k3_runmem_args_init(&a->mem);
+    k3_engine_opts_init(&a->eo);
     a->host = "127.0.0.1";
     a->port = 8000;
     a->ctx = 4096;
     a->queue = 16;
     a->max_body = (uint64_t)8 << 20;
-    a->state_cache_gb = 1;
+    a->state_cache_gb = K3_STATE_CACHE_GB_DEFAULT;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -108,8 +103,8 @@ static int parse_args(int argc, char **argv, serve_args *a) {
     do { if (!v) return k3_usage_error("serve", "%s needs a value", o); i++; } while (0)
         int64_t n;
         if (o[0] != '-' || !o[1]) {
-            if (a->model_dir) return k3_usage_error("serve", "unexpected argument '%s'", o);
-            a->model_dir = o;
+            if (a->eo.model_dir) return k3_usage_error("serve", "unexpected argument '%s'", o);
+            a->eo.model_dir = o;
         } else if (!strcmp(o, "--host")) {
             NEED_VALUE();
             if (!*v) return k3_usage_error("serve", "--host needs an address");
@@ -149,139 +144,91 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             a->state_cache_gb = d;
         } else if (!strcmp(o, "--verbose")) {
             a->verbose = true;
-        } else if (!strcmp(o, "--tok")) {
-            NEED_VALUE();
-            a->tok_dir = v;
-        } else if (!strcmp(o, "--threads")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 1, 4096, &n)) return k3_usage_error("serve", "--threads: '%s' is not in 1..4096", v);
-            a->threads = (int)n;
-        } else if (!strcmp(o, "--layers")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 1, K3_MAX_LAYERS, &n)) return k3_usage_error("serve", "--layers: '%s' is not a layer count >= 1", v);
-            a->layers = (int)n;
-        } else if (!strcmp(o, "--kda-chunk")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 1, 4096, &n)) return k3_usage_error("serve", "--kda-chunk: '%s' is not in 1..4096", v);
-            a->kda_chunk = (int)n;
-        } else if (!strcmp(o, "--peer-mla-eps")) {
-            a->peer_eps = true;
-        } else if (!strcmp(o, "--max-memory")) {
-            NEED_VALUE();
-            if (!parse_size(v, &a->max_memory) || !a->max_memory)
-                return k3_usage_error("serve", "--max-memory: '%s' is not a size like 512M or 8G", v);
         } else {
             bool used;
             k3_err e = {0};
-            if (k3_runmem_parse(&a->mem, argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (k3_engine_parse_flag(&a->eo, "serve", argc, argv, &i, &used, &e)) return k3_report(&e);
             if (!used) return k3_usage_error("serve", "unknown option '%s'", o);
         }
 #undef NEED_VALUE
     }
-    if (a->mem.list_presets) return K3_OK;
-    if (!a->model_dir) return k3_usage_error("serve", "no MODEL_DIR given");
+    if (a->eo.mem.list_presets) return K3_OK;
+    if (!a->eo.model_dir) return k3_usage_error("serve", "no MODEL_DIR given");
     if (a->max_tokens > a->ctx) return k3_usage_error("serve", "--max-tokens %lld is over --ctx %lld",
                                                       (long long)a->max_tokens, (long long)a->ctx);
     return K3_OK;
 }
 
-/* ---- the model backend: one decode state, reused when a prompt extends it ---- */
+/* ---- the model backend: one session on the shared state cache ---- */
 
 typedef struct {
-    k3_model *m;
-    k3_runmem *rm;
+    k3_engine *e;
     k3_state *st;
-    k3_tokenizer *tok;
-    int chunk;
-    int32_t *hist;     /* the ids the state holds */
-    size_t nhist;
+    k3_state_cache *cache;
+    k3_session *sess;
+    k3_chat *chat;
+    int64_t ctx;
 } backend;
 
 static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
                       k3_err *err) {
     backend *b = ctx;
-    size_t start = 0;
-    if (b->nhist > 0 && b->nhist < n && !memcmp(b->hist, ids, b->nhist * sizeof *ids)) start = b->nhist;
-    else k3_state_reset(b->st), b->nhist = 0;
-    for (size_t i = start; i < n; i += (size_t)b->chunk) {
-        if (atomic_load(cancel)) return k3_fail(err, K3_EXIT_RUNTIME, "cancelled");
-        size_t k = n - i < (size_t)b->chunk ? n - i : (size_t)b->chunk;
-        int rc = k3_forward(b->m, b->st, ids + i, (int)k, i + k == n ? logits : NULL, false, err);
-        if (rc) {
-            k3_state_reset(b->st);
-            b->nhist = 0;
-            return rc;
-        }
-        memcpy(b->hist + i, ids + i, k * sizeof *ids);
-        b->nhist = i + k;
-        k3_runmem_step(b->rm, true, (int)k, NULL);
-    }
-    *reused = start;
-    return K3_OK;
+    if (atomic_load(cancel)) return k3_fail(err, K3_EXIT_RUNTIME, "cancelled");
+    return k3_session_prefill(b->sess, ids, n, logits, reused, err);
 }
 
 static int be_step(void *ctx, int32_t id, float *logits, k3_err *err) {
     backend *b = ctx;
-    int rc = k3_forward(b->m, b->st, &id, 1, logits, false, err);
-    if (rc) {
-        k3_state_reset(b->st);
-        b->nhist = 0;
-        return rc;
-    }
-    b->hist[b->nhist++] = id;
-    k3_runmem_step(b->rm, false, 1, NULL);
-    return K3_OK;
+    return k3_session_feed(b->sess, &id, 1, logits, err);
 }
 
-static bool is_file(const char *path) {
-    struct stat st;
-    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+/* A reply ended: the state holds the prompt and every generated id but the
+ * last. The next turn's prompt re-renders this reply, so keep the state where
+ * the reply ends as a snapshot too (the prompt's end is kept by the prefill). */
+static void be_end(void *ctx, int32_t last, bool stopped) {
+    backend *b = ctx;
+    k3_err err = {0};
+    /* the stop id is part of the rendered history: feed it so the state ends where the turn does */
+    if (stopped && (int64_t)k3_session_len(b->sess) < b->ctx && k3_session_feed(b->sess, &last, 1, NULL, &err))
+        return;
+    k3_session_snapshot(b->sess);
 }
 
 static int open_backend(const serve_args *a, backend *b, k3_serve_model *sm, k3_err *err) {
     memset(b, 0, sizeof *b);
     int rc;
-    if ((rc = k3_runmem_begin(&a->mem, a->model_dir, a->layers, a->ctx, a->max_memory, &b->rm, err))) return rc;
-    k3_model_opts mo = {.layers = a->layers, .peer_mla_eps = a->peer_eps, .kda_chunk = a->kda_chunk,
-                        .top_only = true, .prefill_chunk = k3_runmem_chunk(b->rm)};
-    if ((rc = k3_model_open(a->model_dir, &mo, &b->m, err))) return rc;
-    if ((rc = k3_runmem_attach(b->rm, b->m, err))) return rc;
-    const char *tdir = a->tok_dir ? a->tok_dir : a->model_dir;
-    char path[4096];
-    snprintf(path, sizeof path, "%s/tiktoken.model", tdir);
-    if (!a->tok_dir && !is_file(path))
-        return k3_fail(err, K3_EXIT_USAGE, "%s: no tokenizer (tiktoken.model): k3 serve needs one (--tok DIR)",
-                       a->model_dir);
-    if ((rc = tok_load(tdir, &b->tok, err))) return rc;
-    const k3_config *c = k3_model_config(b->m);
-    k3_state_plan plan = k3_state_size(b->m, a->ctx);
-    uint64_t need = plan.total + k3_model_weight_bytes(b->m) + (uint64_t)c->vocab_size * 8;
-    uint64_t budget = a->max_memory ? a->max_memory : k3_mem_available_bytes();
-    if (budget && need > budget)
-        return k3_fail(err, K3_EXIT_BUDGET, "%s: --ctx %lld needs %.3f GiB (state %.3f) but %s is %.3f GiB",
-                       a->model_dir, (long long)a->ctx, need / 1073741824.0, plan.total / 1073741824.0,
-                       a->max_memory ? "--max-memory" : "MemAvailable", budget / 1073741824.0);
-    if ((rc = k3_state_new(b->m, (int)a->ctx, &b->st, err))) return rc;
-    b->chunk = k3_runmem_chunk(b->rm);
-    b->hist = xmalloc_array((size_t)a->ctx, sizeof *b->hist);
+    k3_engine_opts eo = a->eo;
+    eo.need_tokenizer = true;
+    eo.max_pos = a->ctx;
+    if ((rc = k3_engine_open(&eo, &b->e, err))) return rc;
+    uint64_t cache_bytes = (uint64_t)(a->state_cache_gb * 1073741824.0);
+    uint64_t logit_bytes = (uint64_t)b->e->vocab * sizeof(float);
+    if ((rc = k3_engine_state_new(b->e, a->ctx, cache_bytes + logit_bytes, &b->st, err))) return rc;
+    b->cache = k3_state_cache_new(b->e->cfg, cache_bytes, 0);
+    b->sess = k3_session_open(b->e, b->st, b->cache);
+    b->ctx = a->ctx;
+    k3_err cerr = {0};
+    if (k3_chat_new(b->e->tok, &b->chat, &cerr)) b->chat = NULL; /* no XTML ids: completions only */
     memset(sm, 0, sizeof *sm);
     sm->ctx = b;
-    sm->vocab = c->vocab_size;
-    sm->eos = c->eos_token_id >= 0 ? c->eos_token_id : tok_eos_id(b->tok);
+    sm->vocab = b->e->vocab;
+    sm->eos = b->e->eos_id;
     sm->ctx_len = a->ctx;
-    sm->tok = b->tok;
-    sm->chat = NULL;
+    sm->tok = b->e->tok;
+    sm->chat = b->chat;
+    sm->threads = b->e->threads;
     sm->prefill = be_prefill;
     sm->step = be_step;
+    sm->end = be_end;
     return K3_OK;
 }
 
 static void close_backend(backend *b) {
-    free(b->hist);
-    k3_state_free(b->st);
-    if (b->tok) tok_free(b->tok);
-    k3_model_free(b->m);
-    k3_runmem_free(b->rm);
+    if (b->chat) k3_chat_free(b->chat);
+    if (b->sess) k3_session_free(b->sess);
+    if (b->cache) k3_state_cache_free(b->cache);
+    if (b->st) k3_engine_state_free(b->e, b->st);
+    k3_engine_free(b->e);
 }
 
 static const char *base_name(const char *dir, char *buf, size_t n) {
@@ -296,7 +243,7 @@ int cmd_serve(int argc, char **argv) {
     serve_args a;
     int rc = parse_args(argc, argv, &a);
     if (rc) return rc;
-    if (a.mem.list_presets) {
+    if (a.eo.mem.list_presets) {
         k3_presets_print(stdout);
         return K3_OK;
     }
@@ -319,9 +266,9 @@ int cmd_serve(int argc, char **argv) {
     }
     char nbuf[4096];
     k3_serve_opts o = {.host = a.host, .port = a.port,
-                       .model_id = a.model_name ? a.model_name : base_name(a.model_dir, nbuf, sizeof nbuf),
+                       .model_id = a.model_name ? a.model_name : base_name(a.eo.model_dir, nbuf, sizeof nbuf),
                        .max_body = (size_t)a.max_body, .queue = a.queue,
-                       .max_tokens = a.max_tokens ? a.max_tokens : a.ctx, .threads = a.threads,
+                       .max_tokens = a.max_tokens ? a.max_tokens : a.ctx,
                        .verbose = a.verbose};
     k3_serve *s;
     if ((rc = k3_serve_start(&o, &sm, &s, &err))) {

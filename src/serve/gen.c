@@ -86,6 +86,8 @@ static void emit_choice(gen_ctx *g, json_t *delta_or_text, const char *finish) {
     emit_event(g, o);
 }
 
+static void content(gen_ctx *g, const char *p, size_t n);
+
 static void chat_start(gen_ctx *g) {
     if (g->started || !g->stream) return;
     g->started = true;
@@ -103,6 +105,32 @@ static void put_text(gen_ctx *g, const char *p, size_t n) {
     } else {
         emit_choice(g, json_text(p, n), NULL);
     }
+}
+
+static void reasoning(gen_ctx *g, const char *p, size_t n) {
+    if (!n) return;
+    k3_sb_put(&g->reasoning, p, n);
+    if (!g->stream) return;
+    chat_start(g);
+    emit_choice(g, json_pack("{s:o}", "reasoning_content", json_text(p, n)), NULL);
+}
+
+static void tool_call(gen_ctx *g, json_t *call) {
+    if (!g->tool_calls) g->tool_calls = json_array();
+    size_t index = json_array_size(g->tool_calls);
+    json_array_append(g->tool_calls, call);
+    if (!g->stream) return;
+    chat_start(g);
+    json_t *c = json_deep_copy(call);
+    json_object_set_new(c, "index", json_integer((json_int_t)index));
+    emit_choice(g, json_pack("{s:[o]}", "tool_calls", c), NULL);
+}
+
+/* A parser delta: reasoning as it is, content through the stop strings, calls. */
+static void chat_delta(gen_ctx *g, const k3_chat_delta *d) {
+    reasoning(g, d->reasoning, d->reasoning_len);
+    if (!g->stop.hit) content(g, d->content, d->content_len);
+    if (d->tool_call && !g->stop.hit) tool_call(g, d->tool_call);
 }
 
 static void content(gen_ctx *g, const char *p, size_t n) {
@@ -200,12 +228,14 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     tok_stream_init(&ts, m->tok);
     k3_sampler sp;
     k3_sampler_init(&sp, m->vocab, j->req.temperature, j->req.top_k, j->req.top_p, j->req.min_p, j->req.seed);
+    k3_chat_parser *cp = g.chat ? k3_chat_parser_new(m->chat, j->req.thinking) : NULL;
+    k3_chat_delta d;
     const char *finish = "length";
-    bool cancelled = false, failed = false;
+    bool cancelled = false, failed = false, stopped = false;
+    int last = -1;
     double t0 = k3_now(), t1 = t0;
 
-    int rc = atomic_load(&j->cancel) ? -1
-                                     : m->prefill(m->ctx, j->ids, j->n, logits, &g.reused, &j->cancel, &err);
+    int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &g.reused, &j->cancel, &err);
     if (rc || atomic_load(&j->cancel)) {
         cancelled = atomic_load(&j->cancel);
         failed = !cancelled;
@@ -213,25 +243,38 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     t1 = k3_now();
     for (int64_t k = 0; !failed && !cancelled && k < j->max_tokens; k++) {
         int id = k3_sample(&sp, logits);
+        last = id;
         g.ngen++;
-        if (!g.chat) {
-            if (id == m->eos) { finish = "stop"; break; }
+        if (g.chat) {
+            if (k3_chat_parser_feed(cp, id, &d, &err)) { failed = true; break; }
+            chat_delta(&g, &d);
+            if (d.stop) { stopped = true; break; }
+        } else {
+            if (id == m->eos) { stopped = true; break; }
             size_t nb = tok_stream_feed(&ts, id, tbuf, tcap);
             content(&g, (const char *)tbuf, nb);
-            if (g.stop.hit) { finish = "stop"; break; }
         }
+        if (g.stop.hit) break;
         if (k + 1 < j->max_tokens) {
             if (atomic_load(&j->cancel)) { cancelled = true; break; }
             if (m->step(m->ctx, id, logits, &err)) { failed = true; break; }
         }
     }
     double t2 = k3_now();
-    if (!g.chat && !failed && !cancelled && !g.stop.hit) {
-        size_t nb = tok_stream_flush(&ts, tbuf, tcap);
-        content(&g, (const char *)tbuf, nb);
+    if (!failed && !cancelled) {
+        /* the text held back for an incomplete character, then by the stop strings */
+        if (g.chat) {
+            k3_chat_parser_flush(cp, &d);
+            chat_delta(&g, &d);
+        } else if (!g.stop.hit) {
+            size_t nb = tok_stream_flush(&ts, tbuf, tcap);
+            content(&g, (const char *)tbuf, nb);
+        }
         flush_text(&g);
+        if (g.stop.hit || (stopped && !(g.tool_calls && json_array_size(g.tool_calls)))) finish = "stop";
+        else if (stopped) finish = "tool_calls";
+        if (m->end) m->end(m->ctx, last, stopped && !g.stop.hit);
     }
-    if (m->end) m->end(m->ctx);
     pthread_mutex_lock(&s->mu);
     s->n_tokens += g.ngen;
     if (cancelled) s->n_cancelled++;
@@ -250,6 +293,7 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
                     "(%.1f tok/s), finish %s\n", j->id, j->n, g.reused, t1 - t0, g.ngen, t2 - t1,
                     t2 > t1 && g.ngen > 1 ? (double)(g.ngen - 1) / (t2 - t1) : 0.0, finish);
     }
+    if (cp) k3_chat_parser_free(cp);
     k3_sampler_free(&sp);
     k3_stopper_free(&g.stop);
     k3_sb_free(&g.text);

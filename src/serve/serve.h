@@ -22,6 +22,7 @@
 #ifndef K3_SERVE_SERVE_H
 #define K3_SERVE_SERVE_H
 
+#include "chat/chat.h"
 #include "tokenizer/tokenizer.h"
 #include "util/common.h"
 
@@ -32,7 +33,6 @@
 #include <jansson.h>
 
 /* ---- the model side, called on the worker thread only ---- */
-typedef struct k3_chat k3_chat;
 
 typedef struct {
     void *ctx;
@@ -41,6 +41,7 @@ typedef struct {
     int64_t ctx_len;           /* positions one conversation may hold (prompt + generated) */
     const k3_tokenizer *tok;   /* required */
     const k3_chat *chat;       /* NULL: no XTML ids, /v1/chat/completions answers 400 */
+    int threads;               /* OpenMP threads the worker computes with (0: default) */
     /* Makes the state hold exactly ids[0..n) and puts the logits of the last
      * one in logits[vocab]; *reused: how many leading ids were not recomputed
      * (taken from a saved state). *cancel is polled between prefill chunks
@@ -49,9 +50,10 @@ typedef struct {
                    const atomic_int *cancel, k3_err *err);
     /* Feeds one more id (the state then holds one more) and fills logits. */
     int (*step)(void *ctx, int32_t id, float *logits, k3_err *err);
-    /* Called when a job ends (finished, cut off or cancelled) with the ids the
-     * state holds now, so the backend may keep them for reuse; NULL: none. */
-    void (*end)(void *ctx);
+    /* Called when a reply ends (not after an error or a cancel): last is the
+     * last sampled id, which was not fed; stopped: it is a stop id (end of
+     * message / sequence), which the next prompt's history will hold. NULL: none. */
+    void (*end)(void *ctx, int32_t last, bool stopped);
 } k3_serve_model;
 
 typedef struct {
@@ -61,7 +63,6 @@ typedef struct {
     size_t max_body;           /* request body bytes; larger: 413 */
     int queue;                 /* jobs that may wait while one computes; more: 429 */
     int64_t max_tokens;        /* the largest max_tokens a request may ask for */
-    int threads;               /* OpenMP threads of the worker (0: default) */
     bool verbose;              /* log every request */
 } k3_serve_opts;
 

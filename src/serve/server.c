@@ -172,7 +172,7 @@ static void cancel_locked(k3_serve *s, k3_job *j) {
 
 static void *worker_main(void *arg) {
     k3_serve *s = arg;
-    if (s->o.threads > 0) omp_set_num_threads(s->o.threads);
+    if (s->m.threads > 0) omp_set_num_threads(s->m.threads);
     pthread_mutex_lock(&s->mu);
     for (;;) {
         while (!s->head && !s->stopping) pthread_cond_wait(&s->work_cv, &s->mu);
@@ -342,8 +342,10 @@ static int prompt_of(k3_serve *s, k3_job *j, k3_serve_error *e) {
                     s->model_id);
             return 400;
         }
-        err_from_k3(e, &err, "messages");
-        return 400; /* the chat template is not in this build yet */
+        if (k3_chat_encode(s->m.chat, r->chat, &j->ids, &j->n, &err)) {
+            err_from_k3(e, &err, "messages");
+            return 400;
+        }
     } else if (r->prompt_ids) {
         j->n = r->nprompt_ids;
         j->ids = xmalloc_array(j->n, sizeof *j->ids);

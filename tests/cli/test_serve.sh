@@ -46,7 +46,9 @@ stop_wait() { # PID: SIGTERM, up to 20 s, then RC (124 after a SIGKILL)
   wait "$1"; RC=$?
 }
 
-if ! start_serve "$OUT/server.log" --max-body 64K --ctx 512 --max-tokens 400 --queue 4; then
+# a small state cache (4 MB: about a dozen snapshots of this model), so that the
+# load below runs with it full and evicting
+if ! start_serve "$OUT/server.log" --max-body 64K --ctx 512 --max-tokens 400 --queue 4 --state-cache-gb 0.004; then
   fail "start" "$(cat "$OUT/server.log" "$OUT/server.log.err" | head -c 600)"; finish; exit 1
 fi
 pass "start (port $PORT)"
@@ -115,6 +117,18 @@ same_as_run() { # NAME MAX_TOKENS JSON-SAMPLING RUN-FLAGS...
 same_as_run run-greedy 48 '"temperature":0'
 same_as_run run-sampled 48 '"temperature":0.9,"top_k":40,"top_p":0.95,"seed":7' --temperature 0.9 --top-k 40 --top-p 0.95 --seed 7
 same_as_run run-minp 40 '"temperature":1.2,"min_p":0.05,"seed":123' --temperature 1.2 --min-p 0.05 --seed 123
+
+# requests share the state cache: a prompt that extends an earlier one feeds
+# only its new tokens, and gives what a cold `k3 run` gives for the whole prompt
+P2="$PROMPT there was a dog"
+"$K3" run "$MODEL" --prompt "$P2" --gen 24 --quiet --out "$OUT/p2.run.json" 2>/dev/null
+want=$(python3 -c 'import json,sys; sys.stdout.write(json.load(open(sys.argv[1]))["text"])' "$OUT/p2.run.json")
+n1=$("$K3" tokenize "$MODEL" --text "$PROMPT" 2>/dev/null | tr ',' '\n' | grep -c .)
+req POST /v1/completions "{\"prompt\":\"$PROMPT\",\"max_tokens\":4,\"temperature\":0}"
+req POST /v1/completions "{\"prompt\":\"$P2\",\"max_tokens\":24,\"temperature\":0}"
+check reuse-same-text "$(jget 'j["choices"][0]["text"]')" "$want"
+cached=$(jget 'j["usage"]["prompt_tokens_details"]["cached_tokens"]')
+if [ "$cached" -ge "$n1" ] 2>/dev/null; then pass "reuse-cached ($cached of $(jget 'j["usage"]["prompt_tokens"]') prompt tokens)"; else fail reuse-cached "cached_tokens $cached, wanted >= $n1"; fi
 
 # a response in OpenAI's shape, with usage
 req POST /v1/completions '{"model":"default","prompt":"The cat","max_tokens":5,"temperature":0}'
