@@ -268,7 +268,7 @@ static json_t *health(k3_serve *s) {
     pthread_mutex_lock(&s->mu);
     json_t *o = json_pack("{s:s, s:s, s:b, s:{s:i, s:i}, s:b, s:{s:I, s:I, s:I, s:I}, s:I, s:f}", "status",
                           s->stopping ? "stopping" : "ok", "model", s->model_id, "chat", s->m.chat != NULL, "queue",
-                          "waiting", s->nwaiting, "capacity", s->o.queue, "running", s->running != NULL, "requests",
+                          "waiting", s->nwaiting, "capacity", s->o.queue, "running", s->running && !s->running->done, "requests",
                           "completed", (json_int_t)s->n_ok, "cancelled", (json_int_t)s->n_cancelled, "refused",
                           (json_int_t)s->n_refused, "failed", (json_int_t)s->n_failed, "generated_tokens",
                           (json_int_t)s->n_tokens, "busy_s", s->busy_s);
