@@ -40,6 +40,14 @@ TEST(serve_parse_fields) {
     CHECK(json_is_false(json_object_get(r.chat, "thinking")));
     CHECK(!strcmp(json_string_value(json_object_get(r.chat, "thinking_effort")), "high"));
     CHECK(json_object_get(r.chat, "tools") != NULL);
+    k3_serve_req_free(&r);
+    /* the shapes OpenAI documents pass */
+    b = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\",\"function\":"
+        "{\"name\":\"f\",\"description\":\"d\",\"parameters\":{\"type\":\"object\"},\"strict\":true}}],"
+        "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}},"
+        "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"s\",\"schema\":{}}}}";
+    CHECKF(parse(b, K3_REQ_CHAT, &r, &e) == 0, "%s", e.message);
+    CHECK(json_object_get(r.chat, "tool_choice") && json_object_get(r.chat, "response_format"));
     CHECK(json_object_get(r.chat, "model") == NULL && json_object_get(r.chat, "temperature") == NULL);
     k3_serve_req_free(&r);
     /* enable_thinking is the other spelling */
@@ -104,6 +112,21 @@ TEST(serve_parse_errors) {
         {K3_REQ_CHAT, "{\"messages\":[{}],\"chat_template_kwargs\":{\"foo\":true}}", "unknown_parameter",
          "chat_template_kwargs.foo"},
         {K3_REQ_CHAT, "{\"messages\":[{}],\"enable_thinking\":\"no\"}", "invalid_type", "enable_thinking"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":{}}", "invalid_type", "tools"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"function\"}]}", "invalid_type", "tools[0]"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"code\",\"function\":{\"name\":\"f\"}}]}",
+         "invalid_value", "tools[0]"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"\"}}]}",
+         "invalid_value", "tools[0]"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":[]}}]}",
+         "invalid_type", "tools[0]"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":\"banana\"}", "invalid_value", "tool_choice"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":{\"type\":\"function\"}}", "invalid_value", "tool_choice"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":3}", "invalid_type", "tool_choice"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"response_format\":{\"type\":\"yaml\"}}", "invalid_value", "response_format"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"response_format\":{\"type\":\"json_schema\"}}", "invalid_value",
+         "response_format"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"response_format\":\"json\"}", "invalid_type", "response_format"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         k3_serve_req r;

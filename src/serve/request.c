@@ -176,6 +176,69 @@ static int parse_prompt(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
                jtype(v), json_is_array(v) ? " (empty)" : "");
 }
 
+/* The shapes OpenAI documents for tools, tool_choice and response_format;
+ * the template reads them (and their contents) from there. */
+static int check_tools(k3_serve_error *e, const json_t *tools, const json_t *choice, const json_t *rfmt) {
+    if (tools && !json_is_null(tools)) {
+        if (!json_is_array(tools))
+            return bad(e, 400, "tools", "invalid_type", "tools: expected an array, got %s", jtype(tools));
+        for (size_t i = 0; i < json_array_size(tools); i++) {
+            const json_t *t = json_array_get(tools, i);
+            char where[64];
+            snprintf(where, sizeof where, "tools[%zu]", i);
+            if (!json_is_object(t))
+                return bad(e, 400, where, "invalid_type", "%s: expected an object, got %s", where, jtype(t));
+            const json_t *ty = json_object_get(t, "type"), *fn = json_object_get(t, "function");
+            if (!json_is_string(ty) || strcmp(json_string_value(ty), "function"))
+                return bad(e, 400, where, "invalid_value", "%s.type: want \"function\"", where);
+            if (!json_is_object(fn))
+                return bad(e, 400, where, "invalid_type", "%s.function: expected an object", where);
+            const json_t *name = json_object_get(fn, "name"), *params = json_object_get(fn, "parameters"),
+                         *desc = json_object_get(fn, "description");
+            if (!json_is_string(name) || json_string_length(name) == 0)
+                return bad(e, 400, where, "invalid_value", "%s.function.name: expected a non-empty string", where);
+            if (params && !json_is_null(params) && !json_is_object(params))
+                return bad(e, 400, where, "invalid_type", "%s.function.parameters: expected an object, got %s", where,
+                           jtype(params));
+            if (desc && !json_is_null(desc) && !json_is_string(desc))
+                return bad(e, 400, where, "invalid_type", "%s.function.description: expected a string, got %s",
+                           where, jtype(desc));
+        }
+    }
+    if (choice && !json_is_null(choice)) {
+        if (json_is_string(choice)) {
+            const char *c = json_string_value(choice);
+            if (strcmp(c, "auto") && strcmp(c, "none") && strcmp(c, "required"))
+                return bad(e, 400, "tool_choice", "invalid_value",
+                           "tool_choice: want \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}} (got '%.60s')", c);
+        } else if (json_is_object(choice)) {
+            const json_t *ty = json_object_get(choice, "type"), *fn = json_object_get(choice, "function");
+            const json_t *name = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
+            if (!json_is_string(ty) || strcmp(json_string_value(ty), "function") || !json_is_string(name))
+                return bad(e, 400, "tool_choice", "invalid_value",
+                           "tool_choice: an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}");
+        } else {
+            return bad(e, 400, "tool_choice", "invalid_type", "tool_choice: expected a string or an object, got %s",
+                       jtype(choice));
+        }
+    }
+    if (rfmt && !json_is_null(rfmt)) {
+        if (!json_is_object(rfmt))
+            return bad(e, 400, "response_format", "invalid_type", "response_format: expected an object, got %s",
+                       jtype(rfmt));
+        const json_t *ty = json_object_get(rfmt, "type");
+        const char *t = json_string_value(ty);
+        if (!t || (strcmp(t, "text") && strcmp(t, "json_object") && strcmp(t, "json_schema")))
+            return bad(e, 400, "response_format", "invalid_value",
+                       "response_format.type: want one of text, json_object, json_schema");
+        if (!strcmp(t, "json_schema") && !json_is_object(json_object_get(rfmt, "json_schema")))
+            return bad(e, 400, "response_format", "invalid_value",
+                       "response_format.json_schema: expected an object with the schema");
+    }
+    return 0;
+}
+
 static int parse_kwargs(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
     if (json_is_null(v)) return 0;
     if (!json_is_object(v))
@@ -337,6 +400,7 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
                  "messages: expected a non-empty array, got %s%s", jtype(msgs), json_is_array(msgs) ? " (empty)" : "");
         goto out;
     }
+    if ((rc = check_tools(e, tools, tool_choice, rfmt))) goto out;
     if (effort && !json_is_null(effort) && !json_is_string(effort)) {
         rc = bad(e, 400, "reasoning_effort", "invalid_type", "reasoning_effort: expected a string, got %s", jtype(effort));
         goto out;

@@ -344,6 +344,13 @@ static int prompt_of(k3_serve *s, k3_job *j, k3_serve_error *e) {
         }
         if (k3_chat_encode(s->m.chat, r->chat, &j->ids, &j->n, &err)) {
             err_from_k3(e, &err, "messages");
+            /* the template calls the request's reasoning_effort thinking_effort */
+            if (!strcmp(e->param, "thinking_effort")) {
+                snprintf(e->param, sizeof e->param, "reasoning_effort");
+                char msg[sizeof e->message];
+                snprintf(msg, sizeof msg, "reasoning_effort%s", e->message + strlen("thinking_effort"));
+                snprintf(e->message, sizeof e->message, "%s", msg);
+            }
             return 400;
         }
     } else if (r->prompt_ids) {

@@ -139,6 +139,11 @@ curl -s --max-time 30 -o "$OUT/badrole.out" -w '%{http_code}' --data-binary '{"m
 grep -q '"param":"messages\[1\].role"' "$OUT/badrole.out" && [ "$(cat "$OUT/badrole.code")" = 400 ] && pass "template error names messages[1].role" || fail "template error" "$(cat "$OUT/badrole.code") $(head -c 300 "$OUT/badrole.out")"
 curl -s --max-time 30 -o "$OUT/kw.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"chat_template_kwargs":{"thinking":"yes"}}' "${WARM}v1/chat/completions" >"$OUT/kw.code"
 grep -q '"param":"chat_template_kwargs.thinking"' "$OUT/kw.out" && [ "$(cat "$OUT/kw.code")" = 400 ] && pass "thinking: wrong type named" || fail "thinking: wrong type" "$(head -c 300 "$OUT/kw.out")"
+# an effort the release's template does not know is named by the request's own field
+curl -s --max-time 30 -o "$OUT/effort.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"reasoning_effort":"medium"}' "${WARM}v1/chat/completions" >"$OUT/effort.code"
+grep -q '"param":"reasoning_effort"' "$OUT/effort.out" && grep -q '"message":"reasoning_effort: ' "$OUT/effort.out" && [ "$(cat "$OUT/effort.code")" = 400 ] && pass "reasoning_effort: unknown value named" || fail "reasoning_effort" "$(head -c 300 "$OUT/effort.out")"
+curl -s --max-time 60 -o "$OUT/effort2.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"reasoning_effort":"high","max_tokens":2}' "${WARM}v1/chat/completions" >"$OUT/effort2.code"
+[ "$(cat "$OUT/effort2.code")" = 200 ] && pass "reasoning_effort: high" || fail "reasoning_effort: high" "$(head -c 300 "$OUT/effort2.out")"
 
 # ---- the chat page in Chromium ----
 SERVE_URL=$WARM E2E_OUT=$OUT CHROMIUM=$CHROMIUM timeout 300 node "$E2E/serve_page.test.mjs" >"$OUT/page.log" 2>&1
