@@ -1274,8 +1274,7 @@ static void permute_ready(k3_stream *s) {
         }
     } else {
         for (int a = n - 1; a > 0; a--) {
-            s->xseed = s->xseed * 6364136223846793005ULL + 1442695040888963407ULL;
-            int b = (int)((s->xseed >> 33) % (uint64_t)(a + 1)), t = s->xready[a];
+            int b = (int)(k3_rng_next(&s->xseed) % (uint64_t)(a + 1)), t = s->xready[a];
             s->xready[a] = s->xready[b];
             s->xready[b] = t;
         }
@@ -1432,7 +1431,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         }
         const char *eo = getenv("K3_EXPERT_ORDER");
         s->xorder = eo && !strcmp(eo, "reverse") ? 1 : eo && !strcmp(eo, "shuffle") ? 2 : 0;
-        s->xseed = 0x9E3779B97F4A7C15ULL;
+        s->xseed = 0;
         s->xleft = xcalloc((size_t)cfg->num_experts, sizeof *s->xleft);
         s->xready = xcalloc((size_t)cfg->num_experts, sizeof *s->xready);
         s->xio = k3_io_new(o->io_depth, o->direct);

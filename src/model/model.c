@@ -902,14 +902,6 @@ int k3_argmax(const float *logits, int n) {
     return best;
 }
 
-/* splitmix64: a small, well-mixed generator; its sequence is the same everywhere. */
-static uint64_t rng_next(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p, float min_p,
                      uint64_t seed) {
     memset(sp, 0, sizeof *sp);
@@ -972,7 +964,7 @@ int k3_sample(k3_sampler *sp, const float *logits) {
     }
     double total = 0;
     for (int k = 0; k < keep; k++) total += sp->probs[sp->order[k]];
-    double r = (double)(rng_next(&sp->rng) >> 11) * 0x1p-53 * total, cum = 0;
+    double r = k3_rng_unit(&sp->rng) * total, cum = 0; /* common.h: the one PRNG */
     for (int k = 0; k < keep; k++) {
         cum += sp->probs[sp->order[k]];
         if (r < cum) return sp->order[k];

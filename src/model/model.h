@@ -263,6 +263,12 @@ typedef struct {
 } k3_tensor;
 typedef int (*k3_lookup_fn)(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err);
 /* (On "absent" the lookup still sets t->where to the full name it looked for.) */
+/* Opens a model whose tensors come from fn under the config cfg, checked
+ * exactly as at a directory open: e.g. the trainer's parameters in memory,
+ * used in place (no export; an aligned f32 matrix is not copied). fn's data
+ * must stay valid and unchanged while the model lives. */
+int k3_model_open_lookup(const k3_config *cfg, k3_lookup_fn fn, void *ctx, const k3_model_opts *opts,
+                         k3_model **out, k3_err *err);
 
 /* The peer blob / peer fixture spelling of a relative released name: dots become
  * '_' and the MoE members take the reference module's names (gate -> mlp_gate,

@@ -505,6 +505,23 @@ fail:
     return rc;
 }
 
+/* ---- any lookup (the trainer's parameters in memory) -------------------------------- */
+
+int k3_model_open_lookup(const k3_config *cfg, k3_lookup_fn fn, void *ctx, const k3_model_opts *opts,
+                         k3_model **out, k3_err *err) {
+    k3_model *m = xcalloc(1, sizeof *m);
+    m->cfg = *cfg;
+    apply_opts(m, opts);
+    int rc = bind_all(m, fn, ctx, opts && opts->top_only, err);
+    if (rc) {
+        k3_model_free(m);
+        return rc;
+    }
+    k3_model_set_source(m, NULL);
+    *out = m;
+    return K3_OK;
+}
+
 /* ---- the peer blob ------------------------------------------------------------ */
 
 bool k3_peer_name(int layer, bool with_layer_prefix, const char *name, char *buf, size_t n) {

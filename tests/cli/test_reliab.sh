@@ -84,7 +84,7 @@ expect_exit cfg-derived-v 2 $K3 train --config "$C/t.json" --inventory
 
 # ---- tokenizer_config.json that is not an object ----------------------------------
 TK=$OUT/tok; rm -rf "$TK"; mkdir -p "$TK"
-ln -sf "$(cd "$SHARED/tokenizers/kimi" && pwd)/tiktoken.model" "$TK/tiktoken.model"
+ln -sf "$(cd "$(fixture tokenizer/kimi)" && pwd)/tiktoken.model" "$TK/tiktoken.model"
 for j in '[1,2,3]' '[]' '[{"added_tokens_decoder":{}}]'; do
   printf '%s' "$j" >"$TK/tokenizer_config.json"
   expect_exit "tokcfg-$j" 2 $K3 tokenize "$TK" --text "hello"

@@ -4,12 +4,11 @@
 # while writing. Each ends in one error line and its exit code.
 . "$(dirname "$0")/lib.sh"
 type skip >/dev/null 2>&1 || skip() { echo "SKIP $1: $2"; }
-TS=$SHARED/data/tinystories
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 D=$OUT/data
 rm -rf "$D" "$OUT/tmp"; mkdir -p "$OUT/tmp"
-head -c 300000 "$TS/train.txt" >"$OUT/train.txt"
-expect_exit prepare 0 $K3 prepare --input "$OUT/train.txt" --validation-input "$TS/valid.txt" \
+head -c 300000 "$(fixture tinystories/train.txt)" >"$OUT/train.txt"
+expect_exit prepare 0 $K3 prepare --input "$OUT/train.txt" --validation-input "$(fixture tinystories/valid.txt)" \
   --output-dir "$D" --vocab-size 1024
 CFG=configs/tiny-train.json
 COMMON="--data-dir $D --config $CFG --batch-size 2 --seq-len 32 --gradient-accumulation 1 --quiet"

@@ -1,4 +1,5 @@
-/* tgemm.c: the training matrix product; see tgemm.h for the numerics.
+/* gemm.c: the training matrix product; see kernels.h ("the training GEMM")
+ * for the numerics.
  *
  * Blocking (GotoBLAS style): B is packed once per call into panels of NR
  * columns ([K][NR], zero-padded); each job (a block of MC rows x a range of
@@ -7,8 +8,6 @@
  * them. A KC slice continues the chain from the stored C, so the blocking
  * never changes a result. In BF16 mode the packed operands are BF16 pairs
  * (k, k+1) and the tile uses vdpbf16ps. */
-#include "train/tgemm.h"
-
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -22,18 +21,11 @@ enum { MR = 12, NR = 32, KC = 256, MC = 96 };
 static bool g_scalar = false;
 void tg_set_scalar(bool on) { g_scalar = on; }
 
-bool tg_bf16_available(void) {
-#if defined(__x86_64__)
-    static int have = -1;
-    if (have < 0) {
-        __builtin_cpu_init();
-        have = k_simd_available() && __builtin_cpu_supports("avx512bf16");
-    }
-    return have;
-#else
-    return false;
-#endif
-}
+bool tg_bf16_available(void) { return k_cpu_bf16(); }
+
+static bool g_amx_allowed = true;
+void tg_set_amx(bool on) { g_amx_allowed = on; }
+bool tg_amx_available(void) { return g_amx_allowed && k_cpu_amx(); }
 
 /* Which tiles run (K3_ISA decides the path in force): AVX-512 tiles for both
  * modes (BF16 needs AVX512_BF16), AVX2+FMA tiles for F32; everything else is
