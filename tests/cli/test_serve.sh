@@ -292,8 +292,17 @@ else fail load-rss-flat "VmRSS grew from $r0 kB to $r1 kB"; fi
 req GET /health ""
 check load-health "$(jget 'j["queue"]["waiting"], j["running"], j["requests"]["refused"] >= '"$n429")" "(0, False, True)"
 
-# ---- clean stop ----
+# ---- clean stop, also while a request streams and another waits ----
+curl -s -N --max-time 60 --data-binary "{$LONG,\"stream\":true}" "$URL/v1/completions" >"$OUT/atstop.sse" &
+CURL=$!
+for _ in $(seq 200); do [ -s "$OUT/atstop.sse" ] && break; sleep 0.05; done
+curl -s --max-time 60 -o "$OUT/atstop2.out" -w '%{http_code}' --data-binary "{$LONG}" "$URL/v1/completions" >"$OUT/atstop2.code" &
+CURL2=$!
+sleep 0.3
 stop_wait "$SPID"
 check stop-exit "$RC" 0
+wait "$CURL" 2>/dev/null; wait "$CURL2" 2>/dev/null
+if ! grep -q 'data: \[DONE\]' "$OUT/atstop.sse"; then pass stop-cuts-stream; else fail stop-cuts-stream "the stream ran to its end"; fi
+check stop-refuses-queued "$(cat "$OUT/atstop2.code")" 503
 if grep -q 'stopped' "$OUT/server.log"; then pass stop-message; else fail stop-message "$(tail -c 200 "$OUT/server.log")"; fi
 finish

@@ -47,7 +47,8 @@ pass "model ($(du -sh "$CK" | cut -f1), vocab $(grep -o '"vocab_size": *[0-9]*' 
 
 # ---- the scripted model's server, linked with the release objects ----
 SCRIPTED=$OUT/scripted_server
-objs=$(find build/rel/src -name '*.o' ! -path 'build/rel/src/cli/*' | sort)
+# the objects of today's sources (a build directory may hold stale ones of removed files)
+objs=$(find src -name '*.c' ! -path 'src/cli/*' | sort | sed -e 's#^#build/rel/#' -e 's#\.c$#.o#')
 if ! $CC -std=gnu11 -O2 -Wall -Wextra -Werror -fopenmp -D_GNU_SOURCE -Isrc -o "$SCRIPTED" tests/serve/scripted_server.c \
      $objs -ljansson -lpcre2-8 -lmicrohttpd -luring -lm 2>"$OUT/scripted-build.log"; then
   fail "build-scripted-server" "$(head -c 400 "$OUT/scripted-build.log") (build bin/k3 first)"; finish; exit 1
