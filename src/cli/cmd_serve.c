@@ -42,6 +42,9 @@ const char *const cmd_serve_help =
     "  --queue N            requests that may wait while one computes (default 16);\n"
     "                       more get 429\n"
     "  --max-body BYTES     largest request body (default 8M); larger get 413\n"
+    "  --sse-keepalive S    a stream without an event for S seconds gets an SSE\n"
+    "                       comment line, so read timeouts do not close it during\n"
+    "                       a long prefill or wait (default 5; 0: never)\n"
     "  --state-cache-gb GB  memory for saved conversation states, shared by all\n"
     "                       requests (default 2; 0 keeps none: then only a request\n"
     "                       that extends the previous one reuses its work)\n"
@@ -59,7 +62,7 @@ typedef struct {
     bool verbose;
     int64_t ctx, max_tokens;
     uint64_t max_body;
-    double state_cache_gb;
+    double state_cache_gb, keepalive_s;
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } serve_args;
 
@@ -96,6 +99,7 @@ static int parse_args(int argc, char **argv, serve_args *a) {
     a->queue = 16;
     a->max_body = (uint64_t)8 << 20;
     a->state_cache_gb = K3_STATE_CACHE_GB_DEFAULT;
+    a->keepalive_s = 5;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -142,6 +146,14 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             if (errno || *end || !*v || !(d >= 0 && d < 1e6))
                 return k3_usage_error("serve", "--state-cache-gb: '%s' is not a size in GB >= 0", v);
             a->state_cache_gb = d;
+        } else if (!strcmp(o, "--sse-keepalive")) {
+            NEED_VALUE();
+            char *end;
+            errno = 0;
+            double d = strtod(v, &end);
+            if (errno || *end || !*v || !(d == 0 || (d >= 0.05 && d <= 3600)))
+                return k3_usage_error("serve", "--sse-keepalive: '%s' is not 0 or a number of seconds in [0.05, 3600]", v);
+            a->keepalive_s = d;
         } else if (!strcmp(o, "--verbose")) {
             a->verbose = true;
         } else {
@@ -268,7 +280,7 @@ int cmd_serve(int argc, char **argv) {
     k3_serve_opts o = {.host = a.host, .port = a.port,
                        .model_id = a.model_name ? a.model_name : base_name(a.eo.model_dir, nbuf, sizeof nbuf),
                        .max_body = (size_t)a.max_body, .queue = a.queue,
-                       .max_tokens = a.max_tokens ? a.max_tokens : a.ctx,
+                       .max_tokens = a.max_tokens ? a.max_tokens : a.ctx, .keepalive_s = a.keepalive_s,
                        .verbose = a.verbose};
     k3_serve *s;
     if ((rc = k3_serve_start(&o, &sm, &s, &err))) {

@@ -63,6 +63,7 @@ typedef struct {
     size_t max_body;           /* request body bytes; larger: 413 */
     int queue;                 /* jobs that may wait while one computes; more: 429 */
     int64_t max_tokens;        /* the largest max_tokens a request may ask for */
+    double keepalive_s;        /* a stream silent this long gets an SSE comment line; 0: never */
     bool verbose;              /* log every request */
 } k3_serve_opts;
 

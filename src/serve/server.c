@@ -288,8 +288,20 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     stream_ctx *x = cls;
     k3_serve *s = x->s;
     k3_job *j = x->j;
+    double since = k3_now();
     pthread_mutex_lock(&s->mu);
     for (;;) {
+        /* An SSE comment line after keepalive_s without an event (a long
+         * prefill on a big model, a wait in the queue), so that clients and
+         * proxies with read timeouts keep the stream open; clients ignore
+         * comments. The worker appends whole events, so sent == out.n is an
+         * event boundary. */
+        if (j->sent == j->out.n && !j->done && s->o.keepalive_s > 0 && k3_now() - since >= s->o.keepalive_s &&
+            max >= 14) {
+            pthread_mutex_unlock(&s->mu);
+            memcpy(buf, ": keep-alive\n\n", 14);
+            return 14;
+        }
         if (j->sent < j->out.n) {
             size_t k = j->out.n - j->sent;
             if (k > max) k = max;

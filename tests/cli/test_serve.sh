@@ -22,6 +22,7 @@ expect_exit serve-bad-port 2 "$K3" serve "$MODEL" --port 70000
 expect_exit serve-bad-flag 2 "$K3" serve "$MODEL" --frobnicate
 expect_exit serve-bad-ctx 2 "$K3" serve "$MODEL" --ctx 1
 expect_exit serve-bad-body 2 "$K3" serve "$MODEL" --max-body 12Q
+expect_exit serve-bad-keepalive 2 "$K3" serve "$MODEL" --sse-keepalive -1
 expect_exit serve-missing-dir 2 "$K3" serve "$OUT/does-not-exist" --port 0
 expect_exit serve-budget 3 "$K3" serve "$MODEL" --port 0 --max-memory 1M
 expect_exit serve-help 0 "$K3" serve --help
@@ -48,7 +49,10 @@ stop_wait() { # PID: SIGTERM, up to 20 s, then RC (124 after a SIGKILL)
 
 # a small state cache (4 MB: about a dozen snapshots of this model), so that the
 # load below runs with it full and evicting
-if ! start_serve "$OUT/server.log" --max-body 64K --ctx 512 --max-tokens 400 --queue 4 --state-cache-gb 0.004; then
+# and SSE keep-alive comments after 0.1 s of silence (the default 5 s would make
+# the test wait)
+if ! start_serve "$OUT/server.log" --max-body 64K --ctx 512 --max-tokens 400 --queue 4 --state-cache-gb 0.004 \
+     --sse-keepalive 0.1; then
   fail "start" "$(cat "$OUT/server.log" "$OUT/server.log.err" | head -c 600)"; finish; exit 1
 fi
 pass "start (port $PORT)"
@@ -291,6 +295,24 @@ elif [ "$((r1 - r0))" -le 2048 ]; then pass "load-rss-flat (+$((r1 - r0)) kB)"
 else fail load-rss-flat "VmRSS grew from $r0 kB to $r1 kB"; fi
 req GET /health ""
 check load-health "$(jget 'j["queue"]["waiting"], j["running"], j["requests"]["refused"] >= '"$n429")" "(0, False, True)"
+
+# ---- a stream that waits long for its first event gets SSE keep-alive comments ----
+# (after --sse-keepalive 0.1 s without an event): four long requests ahead of
+# it (one computing, three waiting: the queue holds four)
+KA=()
+for i in 1 2 3 4; do
+  curl -s -o /dev/null --max-time 120 --data-binary "{$LONG}" "$URL/v1/completions" & KA+=($!)
+  sleep 0.1
+done
+curl -s -N --max-time 120 --data-binary '{"prompt":"Hi","max_tokens":3,"stream":true}' "$URL/v1/completions" >"$OUT/ka.sse"
+for p in "${KA[@]}"; do wait "$p" 2>/dev/null; done
+first_data=$(grep -n '^data: ' "$OUT/ka.sse" | head -n 1 | cut -d: -f1)
+first_ka=$(grep -n '^: keep-alive$' "$OUT/ka.sse" | head -n 1 | cut -d: -f1)
+if [ -n "$first_ka" ] && [ -n "$first_data" ] && [ "$first_ka" -lt "$first_data" ] && tail -n 2 "$OUT/ka.sse" | grep -q '^data: \[DONE\]'; then
+  pass "keep-alive ($(grep -c '^: keep-alive$' "$OUT/ka.sse") comments before the first event)"
+else
+  fail keep-alive "$(head -c 300 "$OUT/ka.sse")"
+fi
 
 # ---- clean stop, also while a request streams and another waits ----
 curl -s -N --max-time 60 --data-binary "{$LONG,\"stream\":true}" "$URL/v1/completions" >"$OUT/atstop.sse" &
