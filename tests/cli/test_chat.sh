@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# asan
 # `k3 chat`: a piped three-turn conversation on a small random model with the
 # full Kimi vocabulary (163,840 ids; generated at test time by
 # tools/gen_checkpoint.py with the Kimi tokenizer, cached under tests/out).
