@@ -257,46 +257,59 @@ TEST(chat_names_on_user_system_assistant) {
             "yo", C, "response", S, C, "message", S, E);
 }
 
-/* Typed arguments: strings raw, other values as json.dumps with its default
- * separators; attribute values escape & and " (and nothing else). */
+/* Typed arguments: strings decoded, other values keep their own JSON text;
+ * attribute values escape & and " (and nothing else). */
 TEST(chat_typed_arguments_and_attribute_escaping) {
     RENDERS("{\"messages\": [{\"role\": \"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"1\", "
             "\"type\": \"function\", \"function\": {\"name\": \"a\\\"b&c<d>\", \"arguments\": "
-            "\"{\\\"s\\\": \\\"x y\\\", \\\"n\\\": 1.50, \\\"i\\\": 3, \\\"b\\\": true, \\\"z\\\": null, "
-            "\\\"arr\\\": [1,2,{\\\"q\\\":\\\"\\u00e9\\\\n\\\"}], \\\"o\\\": {\\\"k\\\":false,\\\"a\\\":1e2}, "
+            "\"{\\\"s\\\": \\\"x y\\\\u00e9\\\", \\\"n\\\": 1.50, \\\"i\\\":-3e+2 , \\\"b\\\": true, \\\"z\\\": null, "
+            "\\\"arr\\\": [1,2,{\\\"q\\\":\\\"\\\\u00e9\\\\n\\\"}], \\\"o\\\": {\\\"k\\\":false,\\\"a\\\":1e2}, "
             "\\\"k&\\\\\\\"\\\": \\\"\\\"}\"}}]}], \"thinking\": false, \"add_generation_prompt\": false}",
             O, "message", " role", "=\"", "assistant", "\"", S, O, "response", S, C, "response", S,
             O, "tools", S, O, "call", " tool", "=\"", "a&quot;b&amp;c<d>", "\"", " index", "=\"", "1", "\"", S,
-            O, "argument", " key", "=\"", "s", "\"", " type", "=\"", "string", "\"", S, "x y", C, "argument", S,
-            O, "argument", " key", "=\"", "n", "\"", " type", "=\"", "number", "\"", S, "1.5", C, "argument", S,
-            O, "argument", " key", "=\"", "i", "\"", " type", "=\"", "number", "\"", S, "3", C, "argument", S,
+            O, "argument", " key", "=\"", "s", "\"", " type", "=\"", "string", "\"", S, "x y\xc3\xa9", C, "argument", S,
+            O, "argument", " key", "=\"", "n", "\"", " type", "=\"", "number", "\"", S, "1.50", C, "argument", S,
+            O, "argument", " key", "=\"", "i", "\"", " type", "=\"", "number", "\"", S, "-3e+2", C, "argument", S,
             O, "argument", " key", "=\"", "b", "\"", " type", "=\"", "boolean", "\"", S, "true", C, "argument", S,
             O, "argument", " key", "=\"", "z", "\"", " type", "=\"", "null", "\"", S, "null", C, "argument", S,
             O, "argument", " key", "=\"", "arr", "\"", " type", "=\"", "array", "\"", S,
-            "[1, 2, {\"q\": \"\xc3\xa9\\n\"}]", C, "argument", S,
+            "[1,2,{\"q\":\"\\u00e9\\n\"}]", C, "argument", S,
             O, "argument", " key", "=\"", "o", "\"", " type", "=\"", "object", "\"", S,
-            "{\"k\": false, \"a\": 100.0}", C, "argument", S,
+            "{\"k\":false,\"a\":1e2}", C, "argument", S,
             /* an empty string value is an empty segment: nothing */
             O, "argument", " key", "=\"", "k&amp;&quot;", "\"", " type", "=\"", "string", "\"", S, C, "argument", S,
             C, "call", S, C, "tools", S, C, "message", S, E);
 }
 
-/* Arguments that are an object already, blank strings, and the JSON fallback
- * block for text that does not parse. */
+/* Arguments that are an object already (values as json.dumps writes them),
+ * "" (none), and the JSON fallback block for text that is not one JSON
+ * object: malformed, blank, another JSON type. */
 TEST(chat_argument_forms) {
+#define JSON_BLOCK(text) O, "json", " type", "=\"", "object", "\"", S, text, C, "json", S
     RENDERS("{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": ["
-            "{\"function\": {\"name\": \"f\", \"arguments\": {\"x\": [true]}}},"
+            "{\"function\": {\"name\": \"f\", \"arguments\": {\"x\": [true,1.0], \"y\": {\"p\": 1e2}}}},"
             "{\"function\": {\"name\": \"g\", \"arguments\": \" \\n\"}},"
-            "{\"name\": \"h\", \"arguments\": \"[1, oops\"}]}],"
+            "{\"name\": \"h\", \"arguments\": \"[1, oops\"},"
+            "{\"function\": {\"name\": \"i\", \"arguments\": \"[1]\"}},"
+            "{\"function\": {\"name\": \"j\", \"arguments\": \"\"}},"
+            "{\"function\": {\"name\": \"k\", \"arguments\": \"{\\\"a\\\": 1} trailing\"}},"
+            "{\"function\": {\"name\": \"l\", \"arguments\": \"{\\\"a\\\": 01}\"}}]}],"
             "\"thinking\": false, \"add_generation_prompt\": false}",
             O, "message", " role", "=\"", "assistant", "\"", S, O, "response", S, C, "response", S, O, "tools", S,
             O, "call", " tool", "=\"", "f", "\"", " index", "=\"", "1", "\"", S,
-            O, "argument", " key", "=\"", "x", "\"", " type", "=\"", "array", "\"", S, "[true]", C, "argument", S,
+            O, "argument", " key", "=\"", "x", "\"", " type", "=\"", "array", "\"", S, "[true, 1.0]", C, "argument", S,
+            O, "argument", " key", "=\"", "y", "\"", " type", "=\"", "object", "\"", S, "{\"p\": 100.0}", C,
+            "argument", S, C, "call", S,
+            O, "call", " tool", "=\"", "g", "\"", " index", "=\"", "2", "\"", S, JSON_BLOCK(" \n"), C, "call", S,
+            O, "call", " tool", "=\"", "h", "\"", " index", "=\"", "3", "\"", S, JSON_BLOCK("[1, oops"), C, "call", S,
+            O, "call", " tool", "=\"", "i", "\"", " index", "=\"", "4", "\"", S, JSON_BLOCK("[1]"), C, "call", S,
+            O, "call", " tool", "=\"", "j", "\"", " index", "=\"", "5", "\"", S, C, "call", S,
+            /* what follows the object is not read */
+            O, "call", " tool", "=\"", "k", "\"", " index", "=\"", "6", "\"", S,
+            O, "argument", " key", "=\"", "a", "\"", " type", "=\"", "number", "\"", S, "1", C, "argument", S,
             C, "call", S,
-            O, "call", " tool", "=\"", "g", "\"", " index", "=\"", "2", "\"", S, C, "call", S,
-            O, "call", " tool", "=\"", "h", "\"", " index", "=\"", "3", "\"", S,
-            O, "json", " type", "=\"", "object", "\"", S, "[1, oops", C, "json", S, C, "call", S,
-            C, "tools", S, C, "message", S, E);
+            O, "call", " tool", "=\"", "l", "\"", " index", "=\"", "7", "\"", S, JSON_BLOCK("{\"a\": 01}"), C,
+            "call", S, C, "tools", S, C, "message", S, E);
 }
 
 /* Tool results answering calls out of order are put in call order and named
@@ -330,8 +343,9 @@ TEST(chat_tool_results_follow_call_order) {
 }
 
 /* With thinking off, history keeps only the response and tools channels; with
- * it on, the think channel is always there, blank reasoning left out, and
- * `reasoning` stands in for an empty `reasoning_content`. */
+ * it on, the think channel is always there (empty without reasoning;
+ * whitespace is reasoning), and `reasoning` stands in for an empty
+ * `reasoning_content`. */
 TEST(chat_reasoning_in_history) {
 #define HIST                                                                                           \
     "{\"role\": \"user\", \"content\": \"q\"},"                                                       \
@@ -349,8 +363,8 @@ TEST(chat_reasoning_in_history) {
     RENDERS("{\"messages\": [" HIST "]}", USER("q"),
             O, "message", " role", "=\"", "assistant", "\"", S, O, "think", S, "why", C, "think", S, O,
             "response", S, "a", C, "response", S, C, "message", S, E,
-            O, "message", " role", "=\"", "assistant", "\"", S, O, "think", S, C, "think", S, O,
-            "response", S, "b", C, "response", S, C, "message", S, E,
+            O, "message", " role", "=\"", "assistant", "\"", S, O, "think", S, " \n\xe3\x80\x80", C, "think", S,
+            O, "response", S, "b", C, "response", S, C, "message", S, E,
             O, "message", " role", "=\"", "assistant", "\"", S, O, "think", S, "r", C, "think", S, O,
             "response", S, "c", C, "response", S, C, "message", S, E, GEN_THINK);
 }
@@ -453,9 +467,6 @@ TEST(chat_errors_name_the_field) {
         {"{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": {}}]}", "messages[0].tool_calls: want an array"},
         {"{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"function\": {\"arguments\": \"{}\"}}]}]}",
          "messages[0].tool_calls[0].function.name: want a string"},
-        {"{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"function\": {\"name\": \"f\", "
-         "\"arguments\": \"[1]\"}}]}]}",
-         "messages[0].tool_calls[0].function.arguments: want a JSON object"},
         {"{\"messages\": [{\"role\": \"assistant\", \"tool_calls\": [{\"function\": {\"name\": \"f\", "
          "\"arguments\": 7}}]}]}",
          "messages[0].tool_calls[0].function.arguments: want a JSON string or an object"},

@@ -26,11 +26,6 @@ void cb_free(chat_buf *b);
 void chat_pyjson(chat_buf *b, const json_t *v, bool compact, bool sort_keys);
 void chat_pyjson_string(chat_buf *b, const char *s, size_t n);
 
-/* Python str.isspace() for a code point (used by str.strip()). */
-bool chat_py_isspace(uint32_t cp);
-/* True when s (valid UTF-8) is empty or only Python whitespace. */
-bool chat_py_blank(const char *s, size_t n);
-
 /* Moves the longest prefix of in[0..n) made of complete UTF-8 characters to
  * out; a byte that cannot start or continue a valid character becomes U+FFFD.
  * Returns how many bytes were consumed; the rest is an incomplete character

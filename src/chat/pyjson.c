@@ -156,28 +156,6 @@ void chat_pyjson(chat_buf *b, const json_t *v, bool compact, bool sort_keys) {
     }
 }
 
-bool chat_py_isspace(uint32_t c) {
-    return (c >= 0x09 && c <= 0x0d) || (c >= 0x1c && c <= 0x20) || c == 0x85 || c == 0xa0 ||
-           c == 0x1680 || (c >= 0x2000 && c <= 0x200a) || c == 0x2028 || c == 0x2029 ||
-           c == 0x202f || c == 0x205f || c == 0x3000;
-}
-
-/* Decodes one character of valid UTF-8 (callers pass jansson strings). */
-static uint32_t utf8_next(const unsigned char *s, size_t n, size_t *i) {
-    unsigned char c = s[*i];
-    int len = c < 0x80 ? 1 : c < 0xe0 ? 2 : c < 0xf0 ? 3 : 4;
-    uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1f : len == 3 ? c & 0x0f : c & 0x07;
-    for (int k = 1; k < len && *i + (size_t)k < n; k++) cp = cp << 6 | (s[*i + (size_t)k] & 0x3f);
-    *i += (size_t)len;
-    return cp;
-}
-
-bool chat_py_blank(const char *s, size_t n) {
-    for (size_t i = 0; i < n;)
-        if (!chat_py_isspace(utf8_next((const unsigned char *)s, n, &i))) return false;
-    return true;
-}
-
 /* Length of the valid character at in[0..n): >0 complete, 0 invalid, -1 a
  * valid but incomplete prefix. Same rules as tok_utf8_check (no overlongs,
  * surrogates or code points past U+10FFFF). */

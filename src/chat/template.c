@@ -104,35 +104,235 @@ static int check_content(const json_t *m, const char *where, k3_err *err) {
     return K3_OK;
 }
 
-/* Arguments as the release normalizes them: absent, null or blank -> no
- * arguments; an object as it is; a string that parses as JSON must be an
- * object; one that does not parse is kept raw (the JSON fallback block).
- * *parsed is a new reference (NULL for none), *raw is set for the fallback. */
-static int normalize_args(const json_t *a, const char *where, json_t **parsed, bool *raw,
-                          k3_err *err) {
-    *parsed = NULL;
-    *raw = false;
+/* ---- tool-call arguments ------------------------------------------------
+ *
+ * A JSON-string `arguments` is read as the release encoder reads it: one
+ * object level deep, keeping each non-string value's own JSON text (`1e2`
+ * stays `1e2`, `[1,2]` keeps its spacing) and decoding string values. Any
+ * string that is not such an object (malformed, another JSON type, blank) is
+ * kept whole for the JSON fallback block; only "" means no arguments. The
+ * value grammar is Python's json scanner: NaN, Infinity and -Infinity are
+ * numbers, raw control characters in strings are errors. */
+
+typedef struct {
+    const char *s;
+    size_t n, i;
+} scan_t;
+
+static void scan_ws(scan_t *c) {
+    while (c->i < c->n && strchr(" \t\n\r", c->s[c->i]) && c->s[c->i]) c->i++;
+}
+static bool scan_lit(scan_t *c, const char *lit) {
+    size_t l = strlen(lit);
+    if (c->n - c->i < l || memcmp(c->s + c->i, lit, l)) return false;
+    c->i += l;
+    return true;
+}
+static int hexval(char h) {
+    return h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : -1;
+}
+static bool scan_hex4(scan_t *c, uint32_t *v) {
+    if (c->n - c->i < 4) return false;
+    *v = 0;
+    for (int k = 0; k < 4; k++) {
+        int h = hexval(c->s[c->i + (size_t)k]);
+        if (h < 0) return false;
+        *v = *v << 4 | (uint32_t)h;
+    }
+    c->i += 4;
+    return true;
+}
+static void put_cp(chat_buf *o, uint32_t cp) {
+    char b[4];
+    size_t n;
+    if (cp < 0x80) { b[0] = (char)cp; n = 1; }
+    else if (cp < 0x800) { b[0] = (char)(0xc0 | cp >> 6); b[1] = (char)(0x80 | (cp & 63)); n = 2; }
+    else if (cp < 0x10000) {
+        b[0] = (char)(0xe0 | cp >> 12); b[1] = (char)(0x80 | (cp >> 6 & 63)); b[2] = (char)(0x80 | (cp & 63));
+        n = 3;
+    } else {
+        b[0] = (char)(0xf0 | cp >> 18); b[1] = (char)(0x80 | (cp >> 12 & 63));
+        b[2] = (char)(0x80 | (cp >> 6 & 63)); b[3] = (char)(0x80 | (cp & 63));
+        n = 4;
+    }
+    cb_put(o, b, n);
+}
+/* A string at c->i (which is '"'); decoded into out when out is set. A lone
+ * surrogate escape is refused (it has no UTF-8 form to tokenize). */
+static bool scan_string(scan_t *c, chat_buf *out) {
+    c->i++;
+    while (c->i < c->n) {
+        unsigned char ch = (unsigned char)c->s[c->i++];
+        if (ch == '"') return true;
+        if (ch < 0x20) return false;
+        if (ch != '\\') {
+            if (out) cb_putc(out, (char)ch);
+            continue;
+        }
+        if (c->i >= c->n) return false;
+        char e = c->s[c->i++];
+        const char *from = "\"\\/bfnrt", *to = "\"\\/\b\f\n\r\t";
+        const char *hit = e ? strchr(from, e) : NULL;
+        if (hit) {
+            if (out) cb_putc(out, to[hit - from]);
+            continue;
+        }
+        uint32_t cp, lo;
+        if (e != 'u' || !scan_hex4(c, &cp)) return false;
+        if (cp >= 0xd800 && cp < 0xdc00) {
+            if (c->n - c->i < 6 || c->s[c->i] != '\\' || c->s[c->i + 1] != 'u') return false;
+            c->i += 2;
+            if (!scan_hex4(c, &lo) || lo < 0xdc00 || lo > 0xdfff) return false;
+            cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+        } else if (cp >= 0xdc00 && cp < 0xe000) {
+            return false;
+        }
+        if (out) put_cp(out, cp);
+    }
+    return false;
+}
+static bool is_digit(scan_t *c) { return c->i < c->n && c->s[c->i] >= '0' && c->s[c->i] <= '9'; }
+/* -?(0|[1-9]\d*)(\.\d+)?([eE][-+]?\d+)? or -Infinity */
+static bool scan_number(scan_t *c) {
+    if (c->i < c->n && c->s[c->i] == '-') {
+        c->i++;
+        if (scan_lit(c, "Infinity")) return true;
+    }
+    if (!is_digit(c)) return false;
+    if (c->s[c->i++] != '0')
+        while (is_digit(c)) c->i++;
+    if (c->i + 1 < c->n && c->s[c->i] == '.' && c->s[c->i + 1] >= '0' && c->s[c->i + 1] <= '9') {
+        c->i++;
+        while (is_digit(c)) c->i++;
+    }
+    if (c->i < c->n && (c->s[c->i] == 'e' || c->s[c->i] == 'E')) {
+        size_t back = c->i++;
+        if (c->i < c->n && (c->s[c->i] == '+' || c->s[c->i] == '-')) c->i++;
+        if (!is_digit(c)) c->i = back;
+        while (is_digit(c)) c->i++;
+    }
+    return true;
+}
+/* One value at c->i; *type is its XTML type. */
+static bool scan_value(scan_t *c, int depth, const char **type, chat_buf *str) {
+    if (c->i >= c->n || depth > 1000) return false;
+    char ch = c->s[c->i];
+    if (ch == '"') {
+        *type = "string";
+        return scan_string(c, str);
+    }
+    if (ch == '{' || ch == '[') {
+        char end = ch == '{' ? '}' : ']';
+        const char *t;
+        *type = ch == '{' ? "object" : "array";
+        c->i++;
+        scan_ws(c);
+        if (c->i < c->n && c->s[c->i] == end) {
+            c->i++;
+            return true;
+        }
+        for (;;) {
+            if (ch == '{') {
+                if (c->i >= c->n || c->s[c->i] != '"' || !scan_string(c, NULL)) return false;
+                scan_ws(c);
+                if (c->i >= c->n || c->s[c->i++] != ':') return false;
+                scan_ws(c);
+            }
+            if (!scan_value(c, depth + 1, &t, NULL)) return false;
+            scan_ws(c);
+            if (c->i >= c->n) return false;
+            char sep = c->s[c->i++];
+            if (sep == end) return true;
+            if (sep != ',') return false;
+            scan_ws(c);
+        }
+    }
+    if (scan_lit(c, "true") || scan_lit(c, "false")) {
+        *type = "boolean";
+        return true;
+    }
+    if (scan_lit(c, "null")) {
+        *type = "null";
+        return true;
+    }
+    *type = "number";
+    return scan_lit(c, "NaN") || scan_lit(c, "Infinity") || scan_number(c);
+}
+
+typedef struct {
+    chat_buf key, text; /* text: the decoded string, or the value's JSON text */
+    const char *type;
+} arg_t;
+typedef struct {
+    arg_t *v;
+    size_t n;
+} args_t;
+
+static void args_free(args_t *a) {
+    for (size_t i = 0; i < a->n; i++) {
+        cb_free(&a->v[i].key);
+        cb_free(&a->v[i].text);
+    }
+    free(a->v);
+    a->v = NULL;
+    a->n = 0;
+}
+
+/* {"key": value, ...} one level deep; what follows the closing brace is
+ * not read. */
+static bool parse_args_object(const char *s, size_t n, args_t *out) {
+    scan_t c = {s, n, 0};
+    scan_ws(&c);
+    if (c.i >= n || s[c.i++] != '{') return false;
+    scan_ws(&c);
+    if (c.i >= n) return false;
+    if (s[c.i] == '}') return true;
+    for (;;) {
+        scan_ws(&c);
+        arg_t a = {.type = NULL};
+        const char *kt;
+        cb_put(&a.key, "", 0);
+        cb_put(&a.text, "", 0);
+        out->v = xrealloc_array(out->v, out->n + 1, sizeof *out->v);
+        out->v[out->n++] = a;
+        arg_t *cur = &out->v[out->n - 1];
+        if (c.i >= n || s[c.i] != '"' || !scan_value(&c, 0, &kt, &cur->key)) return false;
+        scan_ws(&c);
+        if (c.i >= n || s[c.i++] != ':') return false;
+        scan_ws(&c);
+        size_t v0 = c.i;
+        if (!scan_value(&c, 0, &cur->type, &cur->text)) return false;
+        if (strcmp(cur->type, "string")) cb_put(&cur->text, s + v0, c.i - v0);
+        scan_ws(&c);
+        char t = c.i < n ? s[c.i++] : 0;
+        scan_ws(&c);
+        if (t == '}') return true;
+        if (t != ',') return false;
+    }
+}
+
+enum { ARGS_NONE, ARGS_OBJECT, ARGS_LIST, ARGS_RAW };
+
+/* Arguments as the release normalizes them: absent, null or "" -> none; an
+ * object as it is (values written by json.dumps); a string as above. */
+static int normalize_args(const json_t *a, const char *where, args_t *list, int *kind, k3_err *err) {
+    *kind = ARGS_NONE;
+    list->v = NULL;
+    list->n = 0;
     if (!a || json_is_null(a)) return K3_OK;
     if (json_is_object(a)) {
-        *parsed = json_incref((json_t *)a);
+        *kind = ARGS_OBJECT;
         return K3_OK;
     }
     if (!json_is_string(a))
         return k3_fail(err, K3_EXIT_USAGE, "%s.arguments: want a JSON string or an object", where);
-    const char *s = json_string_value(a);
-    size_t n = json_string_length(a);
-    if (chat_py_blank(s, n)) return K3_OK;
-    json_error_t je;
-    json_t *v = json_loadb(s, n, JSON_DECODE_ANY | JSON_ALLOW_NUL, &je);
-    if (!v) {
-        *raw = true;
-        return K3_OK;
+    if (!json_string_length(a)) return K3_OK;
+    if (parse_args_object(json_string_value(a), json_string_length(a), list)) {
+        *kind = ARGS_LIST;
+    } else {
+        args_free(list);
+        *kind = ARGS_RAW;
     }
-    if (!json_is_object(v)) {
-        json_decref(v);
-        return k3_fail(err, K3_EXIT_USAGE, "%s.arguments: want a JSON object", where);
-    }
-    *parsed = v;
     return K3_OK;
 }
 
@@ -158,10 +358,10 @@ static int check_tool_calls(const json_t *m, const char *where, k3_err *err) {
         }
         if (!json_is_string(json_object_get(fn, "name")))
             return k3_fail(err, K3_EXIT_USAGE, "%s.name: want a string", p.s);
-        json_t *args;
-        bool raw;
-        if (normalize_args(json_object_get(fn, "arguments"), p.s, &args, &raw, err)) return err->code;
-        json_decref(args);
+        args_t args;
+        int kind;
+        if (normalize_args(json_object_get(fn, "arguments"), p.s, &args, &kind, err)) return err->code;
+        args_free(&args);
     }
     return K3_OK;
 }
@@ -475,17 +675,24 @@ static int tool_call(enc_t *e, const json_t *call, size_t index, const char *whe
     if (open_tag(e, "call") || attr_j(e, "tool", json_object_get(fn, "name")) || attr_s(e, "index", idx) ||
         sep(e))
         return e->err->code;
-    json_t *args;
-    bool raw;
-    if (normalize_args(json_object_get(fn, "arguments"), where, &args, &raw, e->err)) return e->err->code;
+    const json_t *a = json_object_get(fn, "arguments");
+    args_t args;
+    int kind;
+    if (normalize_args(a, where, &args, &kind, e->err)) return e->err->code;
     int rc = K3_OK;
-    if (raw) {
-        rc = open_tag(e, "json") || attr_s(e, "type", "object") || sep(e) ||
-             user_json_text(e, json_object_get(fn, "arguments")) || close_tag(e, "json");
-    } else if (args) {
+    if (kind == ARGS_RAW) {
+        rc = open_tag(e, "json") || attr_s(e, "type", "object") || sep(e) || user_json_text(e, a) ||
+             close_tag(e, "json");
+    } else if (kind == ARGS_LIST) {
+        for (size_t i = 0; i < args.n && !rc; i++) {
+            const arg_t *g = &args.v[i];
+            rc = open_tag(e, "argument") || attr(e, "key", g->key.p, g->key.n) || attr_s(e, "type", g->type) ||
+                 sep(e) || user_text(e, g->text.p, g->text.n) || close_tag(e, "argument");
+        }
+    } else if (kind == ARGS_OBJECT) {
         const char *k;
         json_t *v;
-        json_object_foreach(args, k, v) {
+        json_object_foreach((json_t *)a, k, v) {
             chat_buf b = {0};
             if (json_is_string(v)) cb_put(&b, json_string_value(v), json_string_length(v));
             else chat_pyjson(&b, v, false, false);
@@ -495,7 +702,7 @@ static int tool_call(enc_t *e, const json_t *call, size_t index, const char *whe
             if (rc) break;
         }
     }
-    json_decref(args);
+    args_free(&args);
     if (rc) return e->err->code;
     return close_tag(e, "call");
 }
@@ -503,14 +710,12 @@ static int tool_call(enc_t *e, const json_t *call, size_t index, const char *whe
 static int assistant(enc_t *e, const json_t *m, bool thinking, const char *where) {
     if (open_message(e, "assistant", m)) return e->err->code;
     if (thinking) {
-        /* reasoning_content, else reasoning (Python `or`: an empty string
-         * falls through); whitespace-only reasoning is left out */
+        /* reasoning_content, else reasoning (an empty string falls
+         * through); only empty reasoning is left out, whitespace is kept */
         const json_t *r = json_object_get(m, "reasoning_content");
         if (!json_is_string(r) || !json_string_length(r)) r = json_object_get(m, "reasoning");
         if (open_simple(e, "think")) return e->err->code;
-        if (json_is_string(r) && !chat_py_blank(json_string_value(r), json_string_length(r)) &&
-            user_json_text(e, r))
-            return e->err->code;
+        if (json_is_string(r) && user_json_text(e, r)) return e->err->code;
         if (close_tag(e, "think")) return e->err->code;
     }
     if (open_simple(e, "response") || content(e, json_object_get(m, "content")) ||

@@ -221,7 +221,9 @@ typedef struct {
     bool dumping;
 } run_ctx;
 
-static void emit_token(run_ctx *r, int32_t id) {
+/* Streams one token's text (or id); a write error on stdout (a full disk or
+ * device) stops the run instead of generating into the void. */
+static int emit_token(run_ctx *r, int32_t id, k3_err *err) {
     if (r->tok) {
         size_t len = 0;
         tok_token_bytes(r->tok, id, &len);
@@ -238,6 +240,8 @@ static void emit_token(run_ctx *r, int32_t id) {
         printf("%s%d", r->nseq > r->nprompt + 1 ? " " : "", id);
         fflush(stdout);
     }
+    if (ferror(stdout)) return k3_fail(err, K3_EXIT_RUNTIME, "standard output: write failed: %s", strerror(errno));
+    return K3_OK;
 }
 
 /* Feeds the prompt in slices (a progress bar for long prompts; when dumping,
@@ -260,6 +264,18 @@ static int prefill(run_ctx *r, k3_err *err) {
         k3_runmem_step(r->rm, true, (int)n, r->e->step_log);
     }
     k3_progress_finish(&pb);
+    return K3_OK;
+}
+
+/* Non-finite logits (NaN or Inf weights) would make greedy decoding pick
+ * token 0 forever: the run stops instead. */
+static int check_logits(const run_ctx *r, k3_err *err) {
+    size_t V = (size_t)k3_model_config(r->m)->vocab_size;
+    for (size_t i = 0; i < V; i++)
+        if (!isfinite(r->logits[i]))
+            return k3_fail(err, K3_EXIT_DATA,
+                           "%s: logit %zu is not finite (%g) after %zu tokens: the checkpoint holds non-finite weights",
+                           r->a->model_dir, i, (double)r->logits[i], r->nseq);
     return K3_OK;
 }
 
@@ -340,6 +356,9 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
 static int run(const run_args *a, k3_err *err) {
     run_ctx r = {.a = a};
     int rc;
+    /* a bad output path fails now, not after the whole generation */
+    if (a->out && (rc = k3_check_output_path(a->out, "--out", err))) goto done;
+    if (a->dump && (rc = k3_check_output_path(a->dump, "--dump-logits", err))) goto done;
     k3_engine_opts eo = a->eo;
     eo.model_dir = a->model_dir;
     eo.max_pos = prompt_bound(a) + a->gen;
@@ -381,13 +400,14 @@ static int run(const run_args *a, k3_err *err) {
     rc = prefill(&r, err);
     double t1 = k3_now(), t2 = t1;
     for (int64_t g = 0; !rc && g < a->gen; g++) {
+        if ((rc = check_logits(&r, err))) break;
         int id = k3_sample(&sp, r.logits);
         r.seq[r.nseq++] = id;
         /* the end-of-sequence token ends the text; its name is not part of it
          * (it is still in generated_ids) */
         if (id == eos) { stop = "eos"; break; }
-        emit_token(&r, id);
-        if (g + 1 < a->gen) rc = step(&r, err);
+        rc = emit_token(&r, id, err);
+        if (!rc && g + 1 < a->gen) rc = step(&r, err);
     }
     t2 = k3_now();
     k3_sampler_free(&sp);

@@ -139,6 +139,7 @@ typedef struct {
     const char *path;
     tckpt_meta meta;     /* strings point into the index (valid until tckpt_close) */
     int64_t opt_step;
+    bool unverified;     /* version 1: no payload checksum to check */
 } tckpt;
 
 /* Atomic write of model, router biases, optimiser state and metadata. */

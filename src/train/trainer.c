@@ -7,6 +7,7 @@
  * learning rate is a function of (step, total); Quantile Balancing clears its
  * margins at every step. A checkpoint therefore holds all a run needs, and
  * `--resume` continues bit-identically. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -383,13 +384,46 @@ static int evaluate(run *r, int64_t step, k3_err *err) {
  * a temporary model directory, opened, decoded token by token, and removed.
  * The draw uses its own generator seeded by (seed, step), so samples never
  * touch the training state and resume stays bit-identical. */
+/* A run killed while sampling leaves its k3-sample-PID-XXXXXX folder behind:
+ * the next sampling run removes those whose PID no longer exists. */
+static void remove_stale_samples(const char *tdir) {
+    DIR *d = opendir(tdir);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char *end;
+        if (strncmp(e->d_name, "k3-sample-", 10) != 0) continue;
+        errno = 0;
+        long pid = strtol(e->d_name + 10, &end, 10);
+        if (errno || end == e->d_name + 10 || *end != '-' || pid <= 0 || pid == (long)getpid()) continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        char p[4200];
+        snprintf(p, sizeof p, "%s/%s", tdir, e->d_name);
+        DIR *sd = opendir(p);
+        if (sd) {
+            struct dirent *f;
+            while ((f = readdir(sd))) {
+                if (!strcmp(f->d_name, ".") || !strcmp(f->d_name, "..")) continue;
+                char q[8400];
+                snprintf(q, sizeof q, "%s/%s", p, f->d_name);
+                unlink(q);
+            }
+            closedir(sd);
+        }
+        rmdir(p);
+    }
+    closedir(d);
+}
+
 static int sample(run *r, int64_t step, k3_err *err) {
     r->phase = "sample";
     write_state(r, "running", NULL, err);
     const int n = r->o.sample_tokens, V = r->cfg.vocab_size;
     const char *tmp = getenv("TMPDIR");
     char dir[4096];
-    int k = snprintf(dir, sizeof dir, "%s/k3-sample-XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    const char *tdir = tmp && *tmp ? tmp : "/tmp";
+    remove_stale_samples(tdir);
+    int k = snprintf(dir, sizeof dir, "%s/k3-sample-%ld-XXXXXX", tdir, (long)getpid());
     if (k < 0 || (size_t)k >= sizeof dir) return k3_fail(err, K3_EXIT_RUNTIME, "TMPDIR is too long");
     if (!mkdtemp(dir)) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create a temporary directory: %s", dir, strerror(errno));
     texport_opts eo = {.dtype = TEX_F32, .experts = TEX_F32, .tok_dir = NULL, .step = step};
@@ -665,8 +699,12 @@ static int setup(run *r, k3_err *err) {
     topt_init(&r->opt, &r->m, &oc);
     if (have_ck) {
         rc = tckpt_load(&ck, &r->m, &r->opt, err);
+        bool unverified = ck.unverified;
         tckpt_close(&ck);
         if (rc) return rc;
+        if (unverified && !o->quiet)
+            fprintf(stderr, "k3: note: %s is a version 1 checkpoint without a payload checksum: its weights are not "
+                            "verified\n", o->resume);
     } else {
         tm_init(&r->m, r->seed);
     }

@@ -59,18 +59,29 @@ uint16_t k3_f32_to_f16(float f);
 int k3_read_file(const char *path, char **data, size_t *len, k3_err *err);
 
 /* Atomic write of a small file: temp file in the same directory, fsync,
- * rename over path, fsync the directory. */
+ * rename over path, fsync the directory. Only regular files (or missing
+ * paths) are replaced that way; a symlink to a regular file has its target
+ * replaced, and a device, FIFO or socket is written in place (so
+ * /dev/stdout stays a device). The temp file is PATH.tmp.PID; opening removes
+ * temp files of PATH left by processes that no longer exist. Write errors
+ * (a full disk or device) are reported, never ignored. */
 int k3_write_file_atomic(const char *path, const void *data, size_t len, k3_err *err);
 
 /* Streaming atomic writer for large outputs (checkpoints, packed trunks). */
 typedef struct {
-    char *path, *tmp;
+    char *path, *tmp;  /* tmp NULL when written in place */
+    char *shown;       /* the path as given, for messages */
     FILE *f;
+    bool inplace;      /* not a regular file: written directly */
 } k3_atomic_file;
 int k3_atomic_open(k3_atomic_file *af, const char *path, k3_err *err);
 int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *err);
 int k3_atomic_commit(k3_atomic_file *af, k3_err *err); /* fsync + rename + dir fsync */
 void k3_atomic_abort(k3_atomic_file *af);              /* unlink the temp file */
+/* Up-front check of an output path (before any long work), K3_EXIT_USAGE
+ * naming `what` (the flag) when it is empty, a directory, in a missing or
+ * unwritable directory, or an existing non-regular file that is not writable. */
+int k3_check_output_path(const char *path, const char *what, k3_err *err);
 
 /* CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
  * Start with crc = 0; feed chunks by passing the previous result. */
