@@ -15,6 +15,7 @@
 #define K3_TRAIN_TRAIN_H
 
 #include "formats/config.h"
+#include "model/model.h"
 #include "util/common.h"
 
 /* ---- parameter table ------------------------------------------------------- */
@@ -91,6 +92,13 @@ size_t tm_print_inventory(const tmodel *m, FILE *f);
 float *tm_bias(tmodel *m, int layer);
 /* The released name of that bias. */
 void tm_bias_name(int layer, char *buf, size_t n);
+
+/* The parameters as tensors of the released layout, for model.h's
+ * k3_model_open_lookup (ctx is the const tmodel *): layer -1 names the
+ * model-level tensors, layer >= 0 a layer's ("self_attn.q_proj.weight"); the
+ * router biases are served from `bias`. The data point into w and bias, so
+ * a model opened on them computes with the current parameters in place. */
+int tm_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err);
 
 /* Forward over B sequences of T+1 tokens (ids < V); returns the SUM of the
  * B*T cross-entropy terms. Keeps the logits in m->logits. */

@@ -90,6 +90,11 @@ uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n);
 uint64_t k3_fnv1a64(uint64_t h, const void *data, size_t n);
 #define K3_FNV_OFFSET 0xcbf29ce484222325ULL
 
+/* A byte count in the unit that fits, 3 significant digits: "512 B",
+ * "25.4 kB", "1.23 MB", "3.50 GB" (decimal units). Returns one of 8
+ * thread-local buffers in turn, so a message may hold up to 8 of them. */
+const char *k3_size_str(uint64_t bytes);
+
 double k3_now(void);               /* monotonic seconds */
 uint64_t k3_peak_rss_bytes(void);  /* getrusage ru_maxrss */
 uint64_t k3_mem_available_bytes(void); /* /proc/meminfo MemAvailable, 0 if unknown */
@@ -105,6 +110,20 @@ typedef struct {
 void k3_progress_start(k3_progress *p, const char *label, uint64_t total, bool bytes);
 void k3_progress_update(k3_progress *p, uint64_t done);
 void k3_progress_finish(k3_progress *p);
+
+/* The program's one pseudo-random generator: splitmix64, whose sequence is
+ * the same on every machine, so initialisation, data order and sampling are
+ * reproducible from a seed. k3_mix64 is its output function, also used as a
+ * hash of counters (the draw for step s depends only on (seed, s)). */
+static inline uint64_t k3_mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+#define K3_GOLDEN64 0x9E3779B97F4A7C15ull /* 2^64 / golden ratio: splitmix64's increment */
+static inline uint64_t k3_rng_next(uint64_t *state) { return k3_mix64(*state += K3_GOLDEN64); }
+/* Uniform in [0, 1) with 53 random bits. */
+static inline double k3_rng_unit(uint64_t *state) { return (double)(k3_rng_next(state) >> 11) * 0x1p-53; }
 
 /* Parses a whole decimal integer in [lo, hi]; false on anything else
  * (empty, trailing characters, overflow, out of range). */
