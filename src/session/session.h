@@ -11,6 +11,16 @@
  *      snapshot whose ids are a prefix of ids[0..n-1] and feed the rest;
  *   3. else start cold at position 0.
  *
+ * Typical use (k3 chat; k3 serve shares one cache between requests):
+ *
+ *     k3_state_cache *sc = k3_state_cache_new(e->cfg, budget_bytes, 0);
+ *     k3_state *st;      k3_engine_state_new(e, max_pos, budget_bytes, &st, &err);
+ *     k3_session *s = k3_session_open(e, st, sc);
+ *     each turn:  k3_session_prefill(s, prompt, n, logits, &reused, &err);
+ *                 per generated id: k3_session_feed(s, &id, 1, logits, &err);
+ *                 k3_session_snapshot(s);                       // the turn end
+ *     k3_session_free(s); k3_engine_state_free(e, st); k3_state_cache_free(sc);
+ *
  * Invariants (the reuse contract, tested bit for bit in tests/test_session.c
  * and tests/cli/test_chat.sh):
  *  - the logits prefill returns equal, bit for bit, the logits of a cold
