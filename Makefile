@@ -22,6 +22,9 @@ ASNFLAGS:= -O1 -g -fsanitize=address,undefined \
 LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lm
 
 LIB_SRC  := $(shell find src -name '*.c' ! -path 'src/cli/main.c' | sort)
+# Generated at build time (never committed): the dashboard page as C arrays.
+GEN_SRC  := build/gen/web_assets.c
+LIB_SRC  += $(GEN_SRC)
 TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c tests/tjson.c
 
 REL_LIB  := $(LIB_SRC:%.c=build/rel/%.o)
@@ -51,6 +54,9 @@ build/asan/%.o: %.c Makefile
 
 bin:
 	@mkdir -p bin
+
+build/gen/web_assets.c: scripts/embed-web-assets.sh $(sort $(wildcard src/web/assets/*))
+	bash scripts/embed-web-assets.sh $@
 
 setup:
 	bash scripts/setup.sh --test
