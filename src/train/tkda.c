@@ -35,8 +35,8 @@ enum { KCK = 16 };
 static int ck_len(const tmodel *m) {
     if (m->kda_chunk <= 0) return KCK;
     float lb = fabsf(m->cfg.gate_lower_bound);
-    int cmax = lb > 0.0f ? (int)(80.0f / lb) : 64;
-    if (cmax > 64) cmax = 64;
+    int cmax = lb > 0.0f ? (int)(80.0f / lb) : TM_MAX_KDA_CHUNK;
+    if (cmax > TM_MAX_KDA_CHUNK) cmax = TM_MAX_KDA_CHUNK;
     if (cmax < 1) cmax = 1;
     return m->kda_chunk < cmax ? m->kda_chunk : cmax;
 }

@@ -151,9 +151,9 @@ K3_HOT void moe_forward(tmodel *m, const tm_layer *ly, moe_acts *a, const float 
         float *s = a->s + (size_t)n * Ne;
         for (int e = 0; e < Ne; e++) s[e] = t_sigmoid(s[e]);
         int *id = a->idx + (size_t)n * k;
-        int sel[65];
+        int sel[TM_MAX_TOPK + 1]; /* the k chosen and the first one left out */
         int kk = k < Ne ? k + 1 : k;
-        unsigned char used[1024];
+        unsigned char used[TM_MAX_EXPERTS];
         float cut = 0.0f;
         memset(used, 0, sizeof used);
         for (int j = 0; j < kk; j++) {

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
+#include "train/train.h" /* TM_MAX_ATTNRES_SOURCES */
 #include "util/common.h"
 
 /* The three products of a linear layer are one strided GEMM each
@@ -161,7 +162,7 @@ K3_HOT void t_attnres_bwd(float *const *dsrc, float *dgn, float *dw, const float
     for (int t = 0; t < n; t++) {
         const float *al = alpha + (size_t)t * m, *rr = r + (size_t)t * m;
         const float *dy = dout + (size_t)t * dim;
-        float dal[64], ds[64];
+        float dal[TM_MAX_ATTNRES_SOURCES], ds[TM_MAX_ATTNRES_SOURCES];
         float mix = 0.0f;
         for (int i = 0; i < m; i++) {
             dal[i] = k_dot(dy, src[i] + (size_t)t * dim, dim);

@@ -68,16 +68,16 @@ int tm_build(tmodel *m, const k3_config *c, k3_err *err) {
     const int E = c->hidden_size, L = c->num_layers;
     if (c->attn_res_block_size <= 0)
         return k3_fail(err, K3_EXIT_USAGE, "config: the trainer needs attn_res_block_size > 0");
-    if ((L + c->attn_res_block_size - 1) / c->attn_res_block_size + 1 > 64)
-        return k3_fail(err, K3_EXIT_USAGE, "config: more than 64 AttnRes sources");
+    if ((L + c->attn_res_block_size - 1) / c->attn_res_block_size + 1 > TM_MAX_ATTNRES_SOURCES)
+        return k3_fail(err, K3_EXIT_USAGE, "config: more than %d AttnRes sources", TM_MAX_ATTNRES_SOURCES);
     if (!c->latent_moe_use_norm || !c->mla_output_gate)
         return k3_fail(err, K3_EXIT_USAGE,
                        "config: the trainer supports latent_moe_use_norm and mla_use_output_gate true only");
-    if (c->experts_per_token < 1 || c->experts_per_token > c->num_experts || c->experts_per_token > 64 ||
-        c->num_experts > 1024)
+    if (c->experts_per_token < 1 || c->experts_per_token > c->num_experts || c->experts_per_token > TM_MAX_TOPK ||
+        c->num_experts > TM_MAX_EXPERTS)
         return k3_fail(err, K3_EXIT_USAGE,
-                       "config: the trainer needs 1 <= num_experts_per_token <= min(num_experts, 64) and "
-                       "num_experts <= 1024");
+                       "config: the trainer needs 1 <= num_experts_per_token <= min(num_experts, %d) and "
+                       "num_experts <= %d", TM_MAX_TOPK, TM_MAX_EXPERTS);
     int cap = 0;
     m->layers = xcalloc((size_t)L, sizeof(tm_layer));
     m->moe_layer = xcalloc((size_t)L, sizeof(int));
@@ -480,7 +480,7 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
         m->qb_marg = xrealloc_array(m->qb_marg, (size_t)m->qb_cap * (size_t)(m->n_moe ? m->n_moe : 1),
                                     sizeof(float) * (size_t)c->num_experts);
     }
-    const float *srcs[66];
+    const float *srcs[TM_MAX_ATTNRES_SOURCES];
     const float *p_in = a->h0;
     for (int l = 0; l < L; l++) {
         const tm_layer *y = &m->layers[l];
@@ -552,8 +552,8 @@ void tm_backward(tmodel *m, float scale) {
     t_linear_dx(dx, m->logits, m->w + m->head, N, E, V, false);
     t_rmsnorm_bwd(dn, g + m->norm, dx, a->xf, a->rn, m->w + m->norm, N, E, false);
     /* final AttnRes: sources blocks + last partial */
-    const float *srcs[66];
-    float *dsrc[66];
+    const float *srcs[TM_MAX_ATTNRES_SOURCES];
+    float *dsrc[TM_MAX_ATTNRES_SOURCES];
     memset(dp, 0, sizeof(float) * NE);
     for (int i = 0; i < nb; i++) { srcs[i] = blk(m, i); dsrc[i] = a->dblk + (size_t)i * NE; }
     srcs[nb] = a->l[L - 1].p_out;

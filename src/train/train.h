@@ -28,6 +28,13 @@ typedef enum {
 
 #define TM_MAX_BLOCKS 256
 
+/* Bounds of the trainer's fixed-size per-row scratch; tm_build refuses a
+ * config beyond them (K3_EXIT_USAGE), so no array is ever overrun. */
+#define TM_MAX_ATTNRES_SOURCES 64 /* AttnRes inputs of one layer: blocks + the partial */
+#define TM_MAX_TOPK 64            /* num_experts_per_token */
+#define TM_MAX_EXPERTS 1024       /* routed experts per MoE layer */
+#define TM_MAX_KDA_CHUNK 64       /* --kda-chunk, positions per chunk */
+
 typedef struct {
     char name[112];
     int rank;
