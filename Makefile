@@ -74,7 +74,7 @@ BENCH_SRC := $(sort $(wildcard bench/*.c))
 bench: $(BENCH_SRC:bench/%.c=bin/bench_%)
 bin/bench_%: build/rel/bench/%.o $(REL_LIB) | bin
 	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)
-# issue 7's summary table in one run (docs/performance.md, "The summary table");
+# the performance summary table in one run (docs/performance.md, "The summary table");
 # e.g. make bench-report ARGS=--quick
 bench-report: bin/k3 bin/bench_decode bin/bench_stream bin/bench_train bin/bench_index
 	bash bench/report.sh $(ARGS)

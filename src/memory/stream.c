@@ -1097,8 +1097,8 @@ static void make_mat(const k3_stream *s, const xlayout *x, int m, const uint8_t 
 }
 
 /* A batch is issued by experts_start and handed out one expert at a time by
- * experts_next as its bytes arrive (issue 7: the model computes each expert
- * while the others are read). Hits are ready at once; every missing expert is
+ * experts_next as its bytes arrive (so the model computes each expert while
+ * the others are read). Hits are ready at once; every missing expert is
  * one read (or one per tensor), all sent together in offset order through
  * the expert io_uring, more as completions free depth. While the batch is in
  * flight the trunk I/O thread sends no new piece (xpending). */

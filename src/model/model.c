@@ -339,7 +339,7 @@ typedef struct {
 } expert_access;
 
 /* Decode (one position) from a source that reads experts asynchronously
- * (issue 7): the same products as moe() below, reordered so the reads overlap
+ * (experts_start/next): the same products as moe() below, reordered so the reads overlap
  * compute. The router alone runs first and the batch is issued the moment it
  * has chosen; W_down and the whole shared-expert MLP run while the bytes are
  * in flight; then each routed expert is computed as its bytes arrive, in
