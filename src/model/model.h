@@ -313,6 +313,16 @@ typedef struct {
  * sources src[0..nsrc) each [T][E]. */
 void k3_attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
                 float *out);
+/* The same block with the record training's backward needs (src/train):
+ * sources of width E, rms epsilon eps; alpha[T][nsrc] gets the softmax
+ * weights and rinv[T][nsrc] each source's inverse rms (either may be NULL).
+ * k3_attnres is this call with the config's E and rms_eps. */
+void k3_attnres_rows(const float *q, const float *const *src, int nsrc, int T, int E, float eps, float *out,
+                     float *alpha, float *rinv);
+/* RMSNorm of T rows of n: y = x / rms(x) * g (g NULL: no gain), rms(x) =
+ * sqrt(mean(x^2) + eps), the layers' and heads' norm; rinv[T] (may be NULL)
+ * records 1 / rms(x) for training's backward. y may alias x. */
+void k3_rmsnorm_rows(float *y, float *rinv, const float *x, const float *g, int T, int n, float eps);
 void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y);
 void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
             const float *x, int T, float *y);

@@ -402,7 +402,7 @@ K3_HOT void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float 
     /* head-wise RMSNorm (shared gain), sigmoid gate, o_proj */
     t_linear(a->gate, x, w + kw->g_proj, N, E, P);
     for (size_t i = 0; i < (size_t)N * P; i++) a->gate[i] = t_sigmoid(a->gate[i]);
-    t_rmsnorm(a->y, a->ro, a->o, w + kw->o_norm, N * H, D, c->rms_eps);
+    k3_rmsnorm_rows(a->y, a->ro, a->o, w + kw->o_norm, N * H, D, c->rms_eps);
     for (size_t i = 0; i < (size_t)N * P; i++) a->y[i] *= a->gate[i];
     t_linear(out, a->y, w + kw->o_proj, N, P, E);
 }

@@ -495,7 +495,7 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
             ain = x->a;
         }
         bool boundary = l % S == 0;
-        t_rmsnorm(x->xin, x->rin, ain, m->w + y->in_norm, N, E, c->rms_eps);
+        k3_rmsnorm_rows(x->xin, x->rin, ain, m->w + y->in_norm, N, E, c->rms_eps);
         if (y->kind == 'K')
             kda_forward(m, y, &x->kda, x->xin, x->p_mid, B, T);
         else
@@ -507,7 +507,7 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
         srcs[nba] = x->p_mid;
         t_attnres(x->mm, x->al_m, x->r_m, srcs, x->m_m, m->w + y->mlp_res_norm, m->w + y->mlp_res_proj, N, E,
                   c->rms_eps);
-        t_rmsnorm(x->xm, x->rm, x->mm, m->w + y->post_norm, N, E, c->rms_eps);
+        k3_rmsnorm_rows(x->xm, x->rm, x->mm, m->w + y->post_norm, N, E, c->rms_eps);
         if (y->dense)
             mlp_forward(m, &y->mlp, &x->mlp, c->dense_inter, x->xm, x->p_out, N);
         else
@@ -520,7 +520,7 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
     srcs[nb] = p_in;
     t_attnres(a->xf, a->al_f, a->r_f, srcs, a->m_f, m->w + m->out_res_norm, m->w + m->out_res_proj, N, E,
               c->rms_eps);
-    t_rmsnorm(a->xn, a->rn, a->xf, m->w + m->norm, N, E, c->rms_eps);
+    k3_rmsnorm_rows(a->xn, a->rn, a->xf, m->w + m->norm, N, E, c->rms_eps);
     t_linear(m->logits, a->xn, m->w + m->head, N, E, V);
     double loss;
     t_cross_entropy(m->logits, a->tgt, N, V, &loss, NULL, 0.0f);
