@@ -3,6 +3,7 @@
  * Read top to bottom: names and layouts, the plan, binding a layer from the
  * shards or from a trunk run, the I/O thread and the ring, the expert batch,
  * then open/free. */
+#include "formats/names.h"
 #include "memory/stream.h"
 
 #include "memory/io.h"
@@ -94,7 +95,7 @@ static int expert_layout(const k3_config *c, st_index *ix, const char *prefix, i
     int group = c->mxfp4_group > 0 ? c->mxfp4_group : 32;
     for (int m = 0; m < 3; m++) {
         int64_t rows = m == XW2 ? c->latent_dim : c->moe_inter, cols = m == XW2 ? c->moe_inter : c->latent_dim;
-        int k = snprintf(name, sizeof name, "%slayers.%d.block_sparse_moe.experts.%d.w%d.weight_packed", prefix, L, e,
+        int k = snprintf(name, sizeof name, "%slayers.%d." K3N_EXPERT_FMT K3N_PACKED, prefix, L, e,
                          wnum[m]);
         if (k < 0 || (size_t)k >= sizeof name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
         const st_tensor *p = st_find(ix, name);
@@ -207,7 +208,7 @@ static uint64_t head_size(const k3_config *c, st_index *ix, int64_t max_pos) {
     for (size_t i = 0; i < st_count(ix); i++) {
         const st_tensor *t = st_at(ix, i);
         if (k3_trunk_layer_of(t->name) >= 0 || !k3_trunk_wants(t->name)) continue;
-        if (strstr(t->name, "embed_tokens.") && t->dtype != ST_F16 && c->vocab_size > 0) {
+        if (strstr(t->name, K3N_EMBED) && t->dtype != ST_F16 && c->vocab_size > 0) {
             uint64_t row = t->nbytes / (uint64_t)c->vocab_size, per = row < 65536 ? 65536 : row + 4096;
             uint64_t rows = (uint64_t)(max_pos < c->vocab_size ? max_pos : c->vocab_size);
             b += rows * per < t->nbytes ? rows * per : t->nbytes;
@@ -650,8 +651,8 @@ static int read_run(k3_stream *s, k3_io *io, const k3_trunk_run *run, uint8_t *b
  * trunk.bin, so only the rows of the tokens in use become resident (as they
  * did when it was mapped from the shards). */
 static bool is_embedding(const char *name) {
-    size_t n = strlen(name), k = strlen("embed_tokens.weight");
-    return n >= k && !strcmp(name + n - k, "embed_tokens.weight");
+    size_t n = strlen(name), k = strlen(K3N_EMBED);
+    return n >= k && !strcmp(name + n - k, K3N_EMBED);
 }
 
 static int load_run0(k3_stream *s, k3_err *err) {
@@ -733,9 +734,9 @@ static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_e
     k3_stream *s = ctx;
     int k;
     if (layer >= 0) return k3_fail(err, K3_EXIT_RUNTIME, "top_lookup: layer %d", layer);
-    if (!strcmp(name, "lm_head.weight")) /* beside the model, not under its prefix */
-        k = snprintf(s->top_name, sizeof s->top_name, "%slm_head.weight",
-                     !strcmp(s->prefix, "model.") ? "" : "language_model.");
+    if (!strcmp(name, K3N_HEAD)) /* beside the model, not under its prefix */
+        k = snprintf(s->top_name, sizeof s->top_name, "%s" K3N_HEAD,
+                     !strcmp(s->prefix, K3N_PREFIX_PLAIN) ? "" : K3N_HEAD_PARENT);
     else
         k = snprintf(s->top_name, sizeof s->top_name, "%s%s", s->prefix, name);
     if (k < 0 || (size_t)k >= sizeof s->top_name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
