@@ -6,8 +6,10 @@ set -euo pipefail
 
 # Build and run: compiler, JSON (safetensors headers, configs), PCRE2 (the Kimi
 # pre-tokenizer pattern needs Unicode properties), libmicrohttpd (dashboard),
-# liburing (batched expert reads).
-BUILD_PKGS="build-essential pkg-config libjansson-dev libpcre2-dev libmicrohttpd-dev liburing-dev"
+# liburing (batched expert reads), nettle (SHA-256 for k3 verify), Open MPI
+# (k3 run over several ranks or hosts under mpirun; the build works without it,
+# single-process only).
+BUILD_PKGS="build-essential pkg-config libjansson-dev libpcre2-dev libmicrohttpd-dev liburing-dev nettle-dev openmpi-bin libopenmpi-dev"
 # Tests: PyTorch + NumPy for the reference tools (fixtures are committed, so these
 # are only needed to regenerate them), Node.js/npm for the tiktoken cross-check,
 # Chromium (driven by npm playwright-core) for the dashboard end-to-end test,

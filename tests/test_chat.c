@@ -72,7 +72,7 @@ TEST(chat_template_matches_release_encoder_on_26_cases) {
 }
 
 /* The markup ids resolve by name in both spellings. The Kimi config's ids
- * are those of ../shared/fixtures/xtml/SOURCE.md's table. */
+ * are those of tests/fixtures/xtml/SOURCE.md's table. */
 TEST(chat_markup_ids_by_name_kimi_spelling) {
     k3_tokenizer *t = kimi_tok();
     k3_chat *c = kimi_chat(t);
@@ -501,6 +501,77 @@ TEST(chat_errors_name_the_field) {
     CHECK(k3_chat_check_fields(req, &err) == K3_EXIT_USAGE);
     CHECKF(strcmp(err.msg, "request.thinkng: unknown field") == 0, "%s", err.msg);
     json_decref(req);
+    k3_chat_free(c);
+    tok_free(t);
+}
+
+/* Robustness: every fixture request with one node replaced by a value of
+ * another shape either encodes or is refused with exit 2 and one line (the
+ * sanitizer build checks memory). A fixed pseudo-random sequence. */
+typedef struct {
+    json_t *parent;
+    const char *key; /* NULL: array element index */
+    size_t index;
+} slot_t;
+
+static void collect(json_t *v, slot_t *out, size_t *n, size_t cap) {
+    if (json_is_object(v)) {
+        const char *k;
+        json_t *x;
+        json_object_foreach(v, k, x) {
+            if (*n < cap) out[(*n)++] = (slot_t){v, k, 0};
+            collect(x, out, n, cap);
+        }
+    } else if (json_is_array(v)) {
+        for (size_t i = 0; i < json_array_size(v); i++) {
+            if (*n < cap) out[(*n)++] = (slot_t){v, NULL, i};
+            collect(json_array_get(v, i), out, n, cap);
+        }
+    }
+}
+
+TEST(chat_template_refuses_or_renders_any_shape) {
+    k3_tokenizer *t = kimi_tok();
+    k3_chat *c = kimi_chat(t);
+    CHECK(c);
+    char *data;
+    size_t len;
+    k3_err err = {0};
+    CHECK(k3_read_file(t_repo("tests/fixtures/xtml/cases.jsonl"), &data, &len, &err) == 0);
+    static const char *const repl[] = {"null", "5", "-1.5", "\"\"", "\"x <|open|>\"", "[]", "{}", "true",
+                                       "[1, \"a\"]", "{\"type\": \"image\"}", "{\"role\": \"tool\"}",
+                                       "\"<|kimi_image_placeholder|>\"", "{\"type\": \"text\", \"text\": 1}"};
+    uint64_t s = 12345;
+    int encoded = 0, refused = 0;
+    for (char *line = data, *next; line && *line; line = next) {
+        next = strchr(line, '\n');
+        if (next) *next++ = 0;
+        json_t *cs = json_loads(line, 0, NULL);
+        CHECK(cs);
+        for (int round = 0; round < 60; round++) {
+            json_t *req = json_deep_copy(json_object_get(cs, "request"));
+            slot_t slots[512];
+            size_t ns = 0;
+            collect(req, slots, &ns, 512);
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            slot_t sl = slots[(s >> 33) % ns];
+            json_t *v = json_loads(repl[(s >> 17) % (sizeof repl / sizeof *repl)], JSON_DECODE_ANY, NULL);
+            if (sl.key) json_object_set_new(sl.parent, sl.key, v);
+            else json_array_set_new(sl.parent, sl.index, v);
+            int32_t *ids = NULL;
+            size_t n = 0;
+            int rc = k3_chat_encode(c, req, &ids, &n, &err);
+            CHECKF(rc == 0 || (rc == K3_EXIT_USAGE && err.msg[0] && !strchr(err.msg, '\n')), "rc %d: %s", rc,
+                   err.msg);
+            if (rc == 0) encoded++;
+            else refused++;
+            free(ids);
+            json_decref(req);
+        }
+        json_decref(cs);
+    }
+    free(data);
+    CHECKF(encoded > 100 && refused > 100, "encoded %d, refused %d", encoded, refused);
     k3_chat_free(c);
     tok_free(t);
 }

@@ -328,3 +328,61 @@ TEST(chat_parser_utf8_split_across_tokens) {
     k3_chat_parser_free(p);
     fix_close(&f);
 }
+
+/* Any id sequence (markup in any order, text, split characters, other
+ * specials) gives whole-character deltas, and a message whose every tool
+ * call has string arguments. A fixed pseudo-random script, 20,000 ids. */
+TEST(chat_parser_survives_any_ids) {
+    fix_t f;
+    CHECK(fix_open(&f));
+    k3_chat_ids m = k3_chat_markup(f.c);
+    const char *const pieces[] = {"think", "response", "tools", "call", " tool", "=\"", "x", "\"", "argument",
+                                  " key", " type", "string", "number", "json", "message", "[1,", " é", "{\"a\""};
+    int32_t pool[64];
+    size_t np = 0;
+    for (size_t i = 0; i < sizeof pieces / sizeof *pieces; i++) {
+        int32_t *v;
+        size_t k;
+        k3_err err;
+        CHECK(tok_encode(f.t, pieces[i], strlen(pieces[i]), false, &v, &k, &err) == 0);
+        for (size_t j = 0; j < k && np < 48; j++) pool[np++] = v[j];
+        free(v);
+    }
+    const uint8_t bytes[] = {0xe2, 0x82, 0xac, 0xf0, 0x9f, 0xff, 0x80};
+    for (size_t i = 0; i < sizeof bytes; i++) pool[np++] = byte_id(f.t, bytes[i]);
+    pool[np++] = 163584; /* [BOS]: another special */
+    for (int rep = 0; rep < 4; rep++) {
+        pool[np++] = m.open;
+        pool[np++] = m.close;
+        pool[np++] = m.sep;
+    }
+    uint64_t s = 0x9e3779b97f4a7c15ull;
+    for (int round = 0; round < 20; round++) {
+        k3_chat_parser *p = k3_chat_parser_new(f.c, round & 1);
+        bool ok = true;
+        for (int i = 0; i < 1000; i++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            k3_chat_delta d;
+            k3_err err = {0};
+            CHECK(k3_chat_parser_feed(p, pool[(s >> 33) % np], &d, &err) == 0);
+            ok &= tok_utf8_check((const uint8_t *)d.reasoning, d.reasoning_len) == d.reasoning_len;
+            ok &= tok_utf8_check((const uint8_t *)d.content, d.content_len) == d.content_len;
+            if (d.tool_call)
+                ok &= json_is_string(json_object_get(json_object_get(d.tool_call, "function"), "arguments"));
+        }
+        const char *fin;
+        json_t *msg = k3_chat_parser_message(p, true, &fin);
+        /* the pool has no stop id: every message is cut off */
+        CHECK(msg && ok && strcmp(fin, "length") == 0);
+        const json_t *calls = json_object_get(msg, "tool_calls");
+        for (size_t j = 0; j < json_array_size(calls); j++)
+            CHECK(json_is_string(json_object_get(json_object_get(json_array_get(calls, j), "function"), "arguments")));
+        char *dump = json_dumps(msg, 0);
+        CHECK(dump);
+        free(dump);
+        json_decref(msg);
+        k3_chat_parser_free(p);
+        CHECK(ok);
+    }
+    fix_close(&f);
+}

@@ -187,9 +187,9 @@ static int identity_one_by_one(st_index *ix, char out[17], size_t *samples) {
 
 TEST(trunk_identity_batched_reads_same_value) {
     static const char *models[] = {"tests/fixtures/gen/k3_like", "tests/fixtures/gen/s2_two_dense",
-                                   "fixtures/peer/tiny-checkpoint"};
+                                   "peer/tiny-checkpoint"};
     for (int m = 0; m < 3; m++) {
-        const char *dir = m < 2 ? t_repo(models[m]) : t_shared(models[m]);
+        const char *dir = m < 2 ? t_repo(models[m]) : t_fixture(models[m]);
         st_index *ix;
         k3_err err = {0};
         CHECKF(st_open(dir, &ix, &err) == 0, "%s", err.msg);

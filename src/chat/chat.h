@@ -59,7 +59,7 @@ k3_chat_ids k3_chat_markup(const k3_chat *c);
  *   thinking: bool (default true)     think channel in history and prefix
  *   thinking_effort: "low"|"high"|"max" | null (default: no effort message;
  *     the release's apply_chat_template passes "max"; ignored when thinking
- *     is off)
+ *     is off; "medium" is refused, as the release encoder refuses it)
  *   add_generation_prompt: bool (default true)
  *   image_prompts: [string]           expanded media markup, one per image
  * Other top-level fields are ignored here (k3_chat_check_fields rejects
@@ -83,7 +83,9 @@ typedef struct {
     const char *reasoning; size_t reasoning_len; /* new reasoning text (valid until next feed) */
     const char *content; size_t content_len;     /* new response text */
     json_t *tool_call; /* a completed call {"id","type":"function","function":{"name","arguments"}}
-                          (owned by the parser, valid until the next feed) or NULL */
+                          (owned by the parser, valid until the next feed) or NULL; ids are
+                          call_1, call_2, ... within the message (a server may rename them);
+                          arguments is a JSON string (docs/chat.md) */
     bool stop;         /* <|end_of_msg|> or [EOS] seen: the message ended */
 } k3_chat_delta;
 

@@ -8,6 +8,7 @@
  * the chat with its exit code, in a terminal it is printed and the chat goes on. */
 #include "chat/chat.h"
 #include "cli/commands.h"
+#include "dist/dist.h"
 #include "engine/engine.h"
 #include "session/session.h"
 
@@ -397,7 +398,8 @@ static int save(chat_ctx *c, const char *path, k3_err *err) {
     char *txt = json_dumps(x, JSON_COMPACT);
     json_decref(x);
     if (!txt) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot serialise the conversation", path);
-    rc = k3_session_save(c->s, path, c->model_id, txt, strlen(txt), err);
+    /* (under mpirun every rank prefilled alike; rank 0 writes the file) */
+    rc = c->e->rank == 0 ? k3_session_save(c->s, path, c->model_id, txt, strlen(txt), err) : K3_OK;
     free(txt);
     if (!rc) fprintf(stderr, "[saved %zu tokens to %s]\n", k3_session_len(c->s), path);
     return rc;
@@ -469,6 +471,14 @@ static int chat(const chat_args *a, k3_err *err) {
     eo.max_pos = a->max_ctx;
     int rc = k3_engine_open(&eo, &c.e, err);
     if (rc) return rc;
+    /* under mpirun: rank 0 reads the input and talks, every rank computes */
+    chat_args quiet_rank;
+    if (c.e->rank > 0) {
+        quiet_rank = *a;
+        quiet_rank.out = NULL;
+        a = c.a = &quiet_rank;
+        k3_dist_silence_others();
+    }
     const char *tok_dir = eo.tok_dir ? eo.tok_dir : a->model_dir;
     if ((rc = k3_chat_new(c.e->tok, &c.chat, err))) {
         k3_err inner = *err;
@@ -497,7 +507,8 @@ static int chat(const chat_args *a, k3_err *err) {
                 k3_engine_size_str(budget, b1, sizeof b1), k3_engine_size_str(cs.kda_bytes, b2, sizeof b2),
                 k3_engine_size_str(cs.row_bytes, b3, sizeof b3), cs.grid, c.thinking ? "on" : "off");
     }
-    if (a->load && (rc = load(&c, a->load, err))) goto done;
+    if (a->load) rc = load(&c, a->load, err);
+    if ((rc = k3_engine_ready(c.e, rc, err))) goto done; /* every rank of a job, or none */
     if (c.tty_in) fputs(chat_commands, stderr);
     char *line = NULL;
     size_t cap = 0;
@@ -506,7 +517,7 @@ static int chat(const chat_args *a, k3_err *err) {
             fputs("> ", stdout);
             fflush(stdout);
         }
-        ssize_t len = getline(&line, &cap, stdin);
+        ssize_t len = (ssize_t)k3_dist_getline(&line, &cap, stdin); /* rank 0's line, on every rank */
         if (len < 0) break;
         while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
         if (len == 0) continue;
@@ -515,6 +526,7 @@ static int chat(const chat_args *a, k3_err *err) {
         if (line[0] == '/') r = command(&c, line, &e);
         else if (memchr(line, 0, (size_t)len)) r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message holds a NUL byte");
         else r = turn(&c, line, &e);
+        if (c.e->ranks > 1) r = k3_dist_agree(r, &e, "a chat turn"); /* the same next step on every rank */
         if (r == 1) break;
         if (r) {
             if (!c.tty_in) { /* a script: the first error ends it */

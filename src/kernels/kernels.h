@@ -226,6 +226,9 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
 void tg_set_scalar(bool on);
 bool tg_bf16_available(void); /* the CPU has AVX512_BF16 (k_cpu_bf16) */
 bool tg_amx_available(void);  /* AMX-BF16 usable (k_cpu_amx) and not switched off */
+/* One line on the training products this CPU runs (K3_ISA respected): which
+ * tiles the F32 and the --bf16 products use. For k3 doctor. */
+void k3_train_gemm_describe(char *buf, size_t n);
 void tg_set_amx(bool on);     /* tests: allow (default) or forbid the AMX path */
 
 #endif

@@ -93,6 +93,10 @@ int k3_runmem_begin(const k3_runmem_args *a, const char *model_dir, int layers, 
     rm->a.so.mem_limit = mem_limit;
     int rc = k3_config_load(model_dir, &rm->cfg, err);
     if (rc) goto fail;
+    if (layers > rm->cfg.num_layers) {
+        rc = k3_fail(err, K3_EXIT_USAGE, "--layers %d: %s has only %d layers", layers, model_dir, rm->cfg.num_layers);
+        goto fail;
+    }
     if (layers > 0 && layers < rm->cfg.num_layers) {
         rm->cfg.num_layers = layers;
         rm->cfg.n_kda_layers = rm->cfg.n_mla_layers = 0;
@@ -126,6 +130,17 @@ int k3_runmem_attach(k3_runmem *rm, k3_model *m, k3_err *err) {
 void k3_runmem_print_plan(const k3_runmem *rm, FILE *f) { k3_plan_print(rm->plan, &rm->a.so, f); }
 
 int k3_runmem_chunk(const k3_runmem *rm) { return rm->plan->chunk; }
+
+void k3_runmem_limit_chunk(k3_runmem *rm, int chunk) {
+    k3_mem_plan *p = rm->plan;
+    if (chunk < 1 || chunk >= p->chunk) return;
+    p->chunk = chunk;
+    p->total -= p->state.total;
+    p->state = k3_state_size_chunk(&rm->cfg, chunk, p->max_pos);
+    p->total += p->state.total;
+}
+
+const k3_weight_source *k3_runmem_source(k3_runmem *rm) { return rm->s ? k3_stream_source(rm->s) : NULL; }
 
 static double mb(uint64_t b) { return (double)b / 1e6; }
 

@@ -65,6 +65,11 @@ void k3_runmem_print_plan(const k3_runmem *rm, FILE *f);
 int k3_runmem_attach(k3_runmem *rm, k3_model *m, k3_err *err);
 /* Tokens per prefill call the plan holds. */
 int k3_runmem_chunk(const k3_runmem *rm);
+/* Lowers the plan's prefill chunk to at most chunk (before attach): the ranks
+ * of an expert-parallel job must feed the same chunks. Only shrinks memory. */
+void k3_runmem_limit_chunk(k3_runmem *rm, int chunk);
+/* The weight source attached to the model (NULL before attach). */
+const k3_weight_source *k3_runmem_source(k3_runmem *rm);
 /* Records one forward call of ntokens (a prefill chunk or a decoded token)
  * and prints its line on f (NULL: record only). */
 void k3_runmem_step(k3_runmem *rm, bool prefill, int ntokens, FILE *f);

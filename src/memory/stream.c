@@ -300,9 +300,10 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
                 if (p->bind_bytes[L] > copy) copy = p->bind_bytes[L];
             }
             return k3_fail(err, K3_EXIT_BUDGET,
-                           "--trunk-gb %.3g: the trunk needs at least %.3f GB (model-level tensors %.3f GB + one ring "
-                           "slot of %.3f GB for the largest layer)",
-                           o->trunk_gb, gb(p->head_bytes + big + copy), gb(p->head_bytes), gb(big + copy));
+                           "--trunk-gb %.3g: the trunk needs at least %s (model-level tensors %s + one ring "
+                           "slot of %s for the largest layer)",
+                           o->trunk_gb, k3_size_str(p->head_bytes + big + copy), k3_size_str(p->head_bytes),
+                           k3_size_str(big + copy));
         }
     } else {
         uint64_t copies = 0;
@@ -313,21 +314,28 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         p->trunk_bytes = p->head_bytes + p->pinned_bytes;
         if ((double)p->trunk_bytes > tlimit)
             return k3_fail(err, K3_EXIT_BUDGET,
-                           "--trunk-gb %.3g: the trunk needs %.3f GB resident; pack it (k3 pack-trunk MODEL_DIR "
+                           "--trunk-gb %.3g: the trunk needs %s resident; pack it (k3 pack-trunk MODEL_DIR "
                            "TRUNK_DIR) and run with --trunk TRUNK_DIR to stream it",
-                           o->trunk_gb, gb(p->trunk_bytes));
+                           o->trunk_gb, k3_size_str(p->trunk_bytes));
     }
 
-    /* expert part */
-    p->total_experts = (int64_t)p->n_moe * c->num_experts;
+    /* expert part: the experts this process holds (all, or its share of an
+     * expert-parallel job) */
+    p->total_experts = 0;
+    int most = 0; /* the most held in one layer: what one batch can need */
     const char *prefix = name_prefix(ix);
     for (int L = 0; L < c->num_layers; L++) {
         if (c->layer_dense[L]) continue;
+        int here = 0;
         for (int e = 0; e < c->num_experts; e++) {
+            if (o->owned && !o->owned[(size_t)L * c->num_experts + e]) continue;
+            here++;
             xlayout x;
             if ((rc = expert_layout(c, ix, prefix, L, e, &x, err))) return rc;
             if (x.need > p->expert_buf) p->expert_buf = x.need;
         }
+        p->total_experts += here;
+        if (here > most) most = here;
     }
     int want_chunk = o->chunk > 0 ? o->chunk : K3_PREFILL_CHUNK;
     p->chunk = want_chunk;
@@ -335,7 +343,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         int k = c->experts_per_token;
         int64_t pool = (int64_t)(xlimit / (double)p->expert_buf);
         if (xlimit >= 1e300 || pool > p->total_experts) pool = p->total_experts;
-        int64_t batch = (int64_t)want_chunk * k < c->num_experts ? (int64_t)want_chunk * k : c->num_experts;
+        int64_t batch = (int64_t)want_chunk * k < most ? (int64_t)want_chunk * k : most;
         if (pool >= p->total_experts) {
             /* every expert fits: nothing is ever evicted, a batch needs no extra buffers */
             p->cache_experts = p->total_experts;
@@ -343,17 +351,17 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         } else {
             if (pool < batch && o->chunk > 0)
                 return k3_fail(err, K3_EXIT_BUDGET,
-                               "--cache-gb %.3g holds %lld expert buffers of %.1f MB; a prefill chunk of %d tokens "
+                               "--cache-gb %.3g holds %lld expert buffers of %s; a prefill chunk of %d tokens "
                                "needs up to %lld (use a smaller --chunk or a larger --cache-gb)",
-                               o->cache_gb, (long long)pool, (double)p->expert_buf / 1e6, want_chunk, (long long)batch);
+                               o->cache_gb, (long long)pool, k3_size_str(p->expert_buf), want_chunk, (long long)batch);
             while (pool < batch && p->chunk > 1) {
                 p->chunk = p->chunk / 2;
-                batch = (int64_t)p->chunk * k < c->num_experts ? (int64_t)p->chunk * k : c->num_experts;
+                batch = (int64_t)p->chunk * k < most ? (int64_t)p->chunk * k : most;
             }
             if (pool < batch)
                 return k3_fail(err, K3_EXIT_BUDGET,
-                               "--cache-gb %.3g holds %lld expert buffers of %.1f MB; one token needs %lld",
-                               o->cache_gb, (long long)pool, (double)p->expert_buf / 1e6, (long long)batch);
+                               "--cache-gb %.3g holds %lld expert buffers of %s; one token needs %lld",
+                               o->cache_gb, (long long)pool, k3_size_str(p->expert_buf), (long long)batch);
             p->batch_experts = (int)batch;
             p->cache_experts = pool - batch;
         }
@@ -373,11 +381,11 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
     }
     if (limit && p->total + K3_PLAN_OVERHEAD > limit)
         return k3_fail(err, K3_EXIT_BUDGET,
-                       "the memory plan needs %.3f GB (trunk %.3f, experts %.3f, state %.3f at %lld positions) + %.3f GB "
-                       "overhead but %s is %.3f GB: choose a smaller --preset, --trunk-gb or --cache-gb, or fewer positions",
-                       gb(p->total), gb(p->trunk_bytes), gb(p->expert_bytes + p->table_bytes), gb(p->state.total),
-                       (long long)max_pos, gb(K3_PLAN_OVERHEAD), o->mem_limit ? "--max-memory" : "MemAvailable",
-                       gb(limit));
+                       "the memory plan needs %s (trunk %s, experts %s, state %s at %lld positions) + %s "
+                       "overhead but %s is %s: choose a smaller --preset, --trunk-gb or --cache-gb, or fewer positions",
+                       k3_size_str(p->total), k3_size_str(p->trunk_bytes), k3_size_str(p->expert_bytes + p->table_bytes),
+                       k3_size_str(p->state.total), (long long)max_pos, k3_size_str(K3_PLAN_OVERHEAD),
+                       o->mem_limit ? "--max-memory" : "MemAvailable", k3_size_str(limit));
     return K3_OK;
 }
 

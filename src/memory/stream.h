@@ -51,6 +51,9 @@ typedef struct {
     bool direct;             /* O_DIRECT (default; K3_DIRECT_IO=0 turns it off) */
     const char *trace_dir;   /* --dump-cache-trace DIR, or NULL */
     uint64_t mem_limit;      /* refuse plans above this (0: MemAvailable) */
+    const uint8_t *owned;    /* [num_layers][num_experts], nonzero for the routed experts this
+                                process holds (its share of an expert-parallel job, dist/);
+                                NULL: all. Only these are planned for and ever requested. */
 } k3_stream_opts;
 
 void k3_stream_opts_init(k3_stream_opts *o);

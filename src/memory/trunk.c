@@ -324,15 +324,6 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     t->identity_scheme = K3_IDENTITY_SCHEME;
     t->dir = xstrdup(trunk_dir);
     t->bin_path = join(trunk_dir, "trunk.bin");
-    /* A stale trunk.json next to a half-rewritten trunk.bin must never look
-     * complete: drop the index first; it is written again last. */
-    char *old_json = join(trunk_dir, "trunk.json");
-    if (unlink(old_json) != 0 && errno != ENOENT) {
-        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot remove: %s", old_json, strerror(errno));
-        free(old_json);
-        goto out;
-    }
-    free(old_json);
     if ((rc = k3_checkpoint_identity(ix, t->identity, err))) goto out;
 
     /* group trunk tensors by layer: run 0 = model level, run L+1 = layer L */
@@ -424,6 +415,18 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     free(buf);
     if (rc) { k3_atomic_abort(&af); goto out_members; }
     k3_progress_finish(&pr);
+    /* trunk.bin is written beside the old one, so a failed pack leaves the
+     * previous pack whole. Only now, before the new data replaces the old,
+     * the old index goes: a stale trunk.json must never describe a new
+     * trunk.bin; the new index is written last. */
+    char *old_json = join(trunk_dir, "trunk.json");
+    if (unlink(old_json) != 0 && errno != ENOENT) {
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot remove: %s", old_json, strerror(errno));
+        free(old_json);
+        k3_atomic_abort(&af);
+        goto out_members;
+    }
+    free(old_json);
     if ((rc = k3_atomic_commit(&af, err))) goto out_members;
 
     /* write trunk.json last: its presence marks a complete pack */

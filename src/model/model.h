@@ -242,6 +242,19 @@ typedef struct {
      * released the batch itself (no experts_put). */
     int (*experts_start)(void *ctx, int layer, const int *ids, int n, k3_expert_w *ex, k3_err *err);
     int (*experts_next)(void *ctx, int layer, int *i, k3_err *err);
+    /* Optional (expert parallelism, dist/expert_par.h), both or neither: the
+     * routed experts are spread over the ranks of a job. expert_owned says
+     * whether this process computes expert e of a layer; the model fetches
+     * (experts_get/start) and computes only the selected experts it owns,
+     * then experts_combine fills the other rows of the chunk's expert
+     * outputs from their owners: expert ids[u]'s rows are out[rows[u] ..
+     * rows[u+1]) x width floats (u < n, ids ascending, the same on every
+     * rank since every rank routes the same bits). The weighted sum then
+     * runs in the router's slot order on every rank, exactly as in one
+     * process, so the bits do not depend on the rank count. */
+    bool (*expert_owned)(void *ctx, int layer, int e);
+    int (*experts_combine)(void *ctx, int layer, const int *ids, const int *rows, int n, float *out, int width,
+                           k3_err *err);
 } k3_weight_source;
 void k3_model_set_source(k3_model *m, const k3_weight_source *src); /* NULL: back to resident */
 /* Layer L as bound at open (the resident table the default source serves);

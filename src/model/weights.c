@@ -490,6 +490,10 @@ int k3_model_open(const char *dir, const k3_model_opts *opts, k3_model **out, k3
     k3_model *m = xcalloc(1, sizeof *m);
     int rc = k3_config_load(dir, &m->cfg, err);
     if (rc) goto fail;
+    if (opts && opts->layers > m->cfg.num_layers) {
+        rc = k3_fail(err, K3_EXIT_USAGE, "--layers %d: %s has only %d layers", opts->layers, dir, m->cfg.num_layers);
+        goto fail;
+    }
     apply_opts(m, opts);
     if ((rc = st_open(dir, &m->ix, err))) goto fail;
     st_ctx c = {.ix = m->ix, .prefix = K3N_PREFIX, .head = K3N_HEAD_FULL};

@@ -326,6 +326,20 @@ int k3_write_file_atomic(const char *path, const void *data, size_t len, k3_err 
     return k3_atomic_commit(&af, err);
 }
 
+const char *k3_size_str(uint64_t b) {
+    static __thread char ring[8][32];
+    static __thread int next;
+    char *buf = ring[next];
+    next = (next + 1) % 8;
+    static const char *const unit[] = {"B", "kB", "MB", "GB", "TB", "PB", "EB"};
+    double v = (double)b;
+    int u = 0;
+    while (v >= 999.5 && u < 6) { v /= 1000.0; u++; }
+    if (u == 0) snprintf(buf, 32, "%llu B", (unsigned long long)b);
+    else snprintf(buf, 32, v >= 99.95 ? "%.0f %s" : v >= 9.995 ? "%.1f %s" : "%.2f %s", v, unit[u]);
+    return buf;
+}
+
 double k3_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

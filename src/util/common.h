@@ -90,6 +90,11 @@ uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n);
 uint64_t k3_fnv1a64(uint64_t h, const void *data, size_t n);
 #define K3_FNV_OFFSET 0xcbf29ce484222325ULL
 
+/* A byte count in the unit that fits, 3 significant digits: "512 B",
+ * "25.4 kB", "1.23 MB", "3.50 GB" (decimal units). Returns one of 8
+ * thread-local buffers in turn, so a message may hold up to 8 of them. */
+const char *k3_size_str(uint64_t bytes);
+
 double k3_now(void);               /* monotonic seconds */
 uint64_t k3_peak_rss_bytes(void);  /* getrusage ru_maxrss */
 uint64_t k3_mem_available_bytes(void); /* /proc/meminfo MemAvailable, 0 if unknown */

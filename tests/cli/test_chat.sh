@@ -15,8 +15,8 @@
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 PY=/usr/bin/python3
 if ! $PY -c 'import numpy' 2>/dev/null; then
-  echo "NOTE: python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
-  pass chat_skipped_no_numpy; finish; exit $?
+  skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
+  finish; exit $?
 fi
 # gen_model DIR SEED: the model, regenerated only when the command changes
 gen_model() {

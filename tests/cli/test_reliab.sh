@@ -84,7 +84,7 @@ expect_exit cfg-derived-v 2 $K3 train --config "$C/t.json" --inventory
 
 # ---- tokenizer_config.json that is not an object ----------------------------------
 TK=$OUT/tok; rm -rf "$TK"; mkdir -p "$TK"
-ln -sf "$(cd "$SHARED/tokenizers/kimi" && pwd)/tiktoken.model" "$TK/tiktoken.model"
+ln -sf "$(cd "$(fixture tokenizer/kimi)" && pwd)/tiktoken.model" "$TK/tiktoken.model"
 for j in '[1,2,3]' '[]' '[{"added_tokens_decoder":{}}]'; do
   printf '%s' "$j" >"$TK/tokenizer_config.json"
   expect_exit "tokcfg-$j" 2 $K3 tokenize "$TK" --text "hello"
@@ -94,6 +94,41 @@ printf '42' >"$TK/tokenizer_config.json"
 expect_exit tokcfg-scalar 2 $K3 tokenize "$TK" --text "hello"
 printf '{}' >"$TK/tokenizer_config.json"
 expect_exit tokcfg-empty-object 0 $K3 tokenize "$TK" --text "hello"
+
+# ---- a shard truncated while mapped --------------------------------------------------
+# The prompt comes from a FIFO, read after the shards are mapped: opening the
+# FIFO for writing returns once k3 is there, the shards are truncated, and the
+# prompt then lets the forward pass touch the vanished pages.
+B=$OUT/bus; rm -rf "$B"; mkdir -p "$B"; cp $M/* "$B/"; mkfifo "$B/prompt"
+$K3 run "$B" --tok "$TK" --prompt-file "$B/prompt" --gen 3 --quiet >"$OUT/bus.out" 2>"$OUT/bus.err" &
+bus_pid=$!
+exec 3>"$B/prompt"
+for f in "$B"/model-*.safetensors; do truncate -s 8192 "$f"; done
+printf 'Q' >&3
+exec 3>&-
+wait $bus_pid; bus_rc=$?
+if [ "$bus_rc" -eq 4 ] && [ "$(grep -c '' "$OUT/bus.err")" -eq 1 ] && grep -q '^k3: .*model-0000.*safetensors: .*shrank' "$OUT/bus.err"; then
+  pass shard-truncated-while-mapped
+else
+  fail shard-truncated-while-mapped "exit $bus_rc: $(head -c 300 "$OUT/bus.err")"
+fi
+
+# ---- --layers, memory refusal units, k3 doctor ------------------------------------------
+expect_exit layers-too-many 2 $K3 run $M --ids 1,2 --gen 2 --quiet --layers 10
+expect_err_contains layers-too-many "has only 9 layers"
+expect_exit layers-all 0 $K3 run $M --ids 1,2 --gen 2 --quiet --layers 9
+expect_exit budget-tiny 3 $K3 run $M --ids 1,2 --gen 2 --quiet --max-memory 1K
+if grep -q '0\.000' "$OUT/budget-tiny.err"; then fail budget-tiny:units "$(cat "$OUT/budget-tiny.err")"; else pass budget-tiny:units; fi
+expect_err_contains budget-tiny "kB"
+if $K3 doctor >/dev/null 2>&1 && K3_ISA=avx2 $K3 doctor >/dev/null 2>&1; then
+  K3_ISA=avx2 expect_exit doctor-avx2 0 $K3 doctor
+  expect_out_contains doctor-avx2 "F32 on AVX2+FMA tiles"
+  grep -q "scalar path" "$OUT/doctor-avx2.out" && fail doctor-avx2:no-scalar-claim || pass doctor-avx2:no-scalar-claim
+else
+  skip doctor-avx2 "this CPU has no AVX2"
+fi
+K3_ISA=scalar expect_exit doctor-scalar 0 $K3 doctor
+expect_out_contains doctor-scalar "F32 on the scalar reference"
 
 # ---- standard output full -----------------------------------------------------------
 # full_exit NAME CODE CMD...: like expect_exit, with stdout on /dev/full

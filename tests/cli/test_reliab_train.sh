@@ -4,12 +4,11 @@
 # while writing. Each ends in one error line and its exit code.
 . "$(dirname "$0")/lib.sh"
 type skip >/dev/null 2>&1 || skip() { echo "SKIP $1: $2"; }
-TS=$SHARED/data/tinystories
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 D=$OUT/data
 rm -rf "$D" "$OUT/tmp"; mkdir -p "$OUT/tmp"
-head -c 300000 "$TS/train.txt" >"$OUT/train.txt"
-expect_exit prepare 0 $K3 prepare --input "$OUT/train.txt" --validation-input "$TS/valid.txt" \
+head -c 300000 "$(fixture tinystories/train.txt)" >"$OUT/train.txt"
+expect_exit prepare 0 $K3 prepare --input "$OUT/train.txt" --validation-input "$(fixture tinystories/valid.txt)" \
   --output-dir "$D" --vocab-size 1024
 CFG=configs/tiny-train.json
 COMMON="--data-dir $D --config $CFG --batch-size 2 --seq-len 32 --gradient-accumulation 1 --quiet"
@@ -67,5 +66,43 @@ msize=$(stat -c %s "$OUT/e4/model.safetensors")
 { head -c $((8 + mh)) "$OUT/e4/model.safetensors"; head -c $((msize - 8 - mh)) /dev/zero | tr '\0' '\377'; } >"$N/model.safetensors"
 expect_exit nan-run 4 $K3 run "$N" --ids 1,2,3 --gen 4 --quiet
 expect_err_contains nan-run "not finite"
+
+# ---- disk full while writing: the previous file stays, one error line --------
+# RLIMIT_FSIZE with SIGXFSZ ignored makes every write past the limit fail with
+# EFBIG, as a full disk fails with ENOSPC: no root, tmpfs or loop device needed.
+# full_run NAME LIMIT_KB CMD...: runs CMD under the limit; exit 1, one line
+full_run() {
+  local name=$1 kb=$2; shift 2
+  ( trap '' XFSZ; ulimit -f "$kb"; exec "$@" ) >"$OUT/$name.out" 2>"$OUT/$name.err"
+  local rc=$?
+  if [ "$rc" -ne 1 ]; then fail "$name" "exit $rc, wanted 1: $(head -c 300 "$OUT/$name.err")"; return 1; fi
+  if [ "$(grep -c '' "$OUT/$name.err")" -ne 1 ] || ! grep -q '^k3: ' "$OUT/$name.err"; then
+    fail "$name" "not one error line: $(head -c 300 "$OUT/$name.err")"; return 1
+  fi
+  pass "$name"
+}
+# a checkpoint
+F=$OUT/full; rm -rf "$F"; mkdir -p "$F"
+cp -r "$R" "$F/run"; cp "$F/run/latest.safetensors" "$F/latest.before"
+full_run full-checkpoint 64 $K3 train --data-dir "$D" --output-dir "$F/run" --steps 8 --resume "$F/run/latest.safetensors" --quiet
+cmp -s "$F/run/latest.safetensors" "$F/latest.before" && pass full-checkpoint:previous-intact || fail full-checkpoint:previous-intact
+ls "$F/run" | grep -q '\.tmp\.' && fail full-checkpoint:no-temp "$(ls "$F/run")" || pass full-checkpoint:no-temp
+# an export
+expect_exit full-export-first 0 $K3 export "$CK" "$F/exp" --no-tokenizer
+cp "$F/exp/model.safetensors" "$F/exp.before"
+full_run full-export 16 $K3 export "$CK" "$F/exp" --no-tokenizer --dtype f32 --experts f32
+cmp -s "$F/exp/model.safetensors" "$F/exp.before" && pass full-export:previous-intact || fail full-export:previous-intact
+# a packed trunk
+expect_exit full-trunk-first 0 $K3 pack-trunk "$F/exp" "$F/trunk"
+cp "$F/trunk/trunk.bin" "$F/trunk.bin.before"; cp "$F/trunk/trunk.json" "$F/trunk.json.before"
+full_run full-trunk 16 $K3 pack-trunk "$OUT/e4" "$F/trunk"
+cmp -s "$F/trunk/trunk.bin" "$F/trunk.bin.before" && cmp -s "$F/trunk/trunk.json" "$F/trunk.json.before" \
+  && pass full-trunk:previous-intact || fail full-trunk:previous-intact
+# a prepared shard
+cp -r "$D" "$F/data"; ls -l "$F/data" >"$F/data.before"; md5sum "$F/data"/* >"$F/data.sums" 2>/dev/null
+full_run full-prepare 64 $K3 prepare --input "$(fixture tinystories/train.txt)" --validation-input "$(fixture tinystories/valid.txt)" \
+  --output-dir "$F/data" --vocab-size 1024
+md5sum -c --quiet "$F/data.sums" >/dev/null 2>&1 && pass full-prepare:previous-intact || fail full-prepare:previous-intact
+ls "$F/data" | grep -q '\.tmp\.' && fail full-prepare:no-temp "$(ls "$F/data")" || pass full-prepare:no-temp
 
 finish
