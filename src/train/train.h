@@ -185,4 +185,10 @@ typedef struct {
 
 int k3_train_run(const ttrain_opts *o, k3_err *err);
 
+/* loss.svg (lossplot.c): the train losses (hs[i], hl[i]) and the validation
+ * losses (he[i], hv[i]) against the step, written atomically to path;
+ * non-finite values are skipped. */
+int tplot_loss_svg(const char *path, const int64_t *hs, const double *hl, size_t nh, const int64_t *he,
+                   const double *hv, size_t ne, k3_err *err);
+
 #endif
