@@ -32,6 +32,9 @@ BASE    += $(MPI_CFLAGS)
 LIBS    += $(MPI_LIBS)
 
 LIB_SRC  := $(shell find src -name '*.c' ! -path 'src/cli/main.c' | sort)
+# Generated at build time (never committed): the web pages as C arrays.
+GEN_SRC  := build/gen/web_assets.c
+LIB_SRC  += $(GEN_SRC)
 TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c tests/tjson.c
 
 REL_LIB  := $(LIB_SRC:%.c=build/rel/%.o)
@@ -62,6 +65,9 @@ build/asan/%.o: %.c Makefile
 bin:
 	@mkdir -p bin
 
+build/gen/web_assets.c: scripts/embed-web-assets.sh $(sort $(wildcard src/web/assets/* src/web/assets/chat/*))
+	bash scripts/embed-web-assets.sh $@
+
 setup:
 	bash scripts/setup.sh --test
 
@@ -78,7 +84,7 @@ BENCH_SRC := $(sort $(wildcard bench/*.c))
 bench: $(BENCH_SRC:bench/%.c=bin/bench_%)
 bin/bench_%: build/rel/bench/%.o $(REL_LIB) | bin
 	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)
-# issue 7's summary table in one run (docs/performance.md, "The summary table");
+# the performance summary table in one run (docs/performance.md, "The summary table");
 # e.g. make bench-report ARGS=--quick
 bench-report: bin/k3 bin/bench_decode bin/bench_stream bin/bench_train bin/bench_index
 	bash bench/report.sh $(ARGS)

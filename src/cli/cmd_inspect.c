@@ -16,6 +16,7 @@
  * *.weight_scale companion holds scales, not parameters. Everything else
  * counts one parameter per element. The resident floor and the always-active
  * parameters are the text totals less the routed experts. */
+#include "formats/names.h"
 #include "cli/commands.h"
 #include "formats/config.h"
 #include "formats/safetensors.h"
@@ -124,30 +125,30 @@ static bool ends(const char *s, const char *suf) {
 static int classify(const char *name, long *layer, long *expert) {
     *layer = *expert = -1;
     if (starts(name, "vision_tower.") || starts(name, "mm_projector.")) return C_VISION;
-    const char *n = starts(name, "language_model.") ? name + 15 : name;
-    if (!strcmp(n, "lm_head.weight") || !strcmp(n, "model.embed_tokens.weight")) return C_EMBED;
-    if (starts(n, "model.output_attn_res_")) return C_ATTNRES;
-    if (!starts(n, "model.layers.")) return C_OTHER;
-    const char *r = n + 13;
+    const char *n = starts(name, K3N_HEAD_PARENT) ? name + strlen(K3N_HEAD_PARENT) : name;
+    if (!strcmp(n, K3N_HEAD) || !strcmp(n, K3N_PREFIX_PLAIN K3N_EMBED)) return C_EMBED;
+    if (starts(n, K3N_PREFIX_PLAIN "output_attn_res_")) return C_ATTNRES;
+    if (!starts(n, K3N_PREFIX_PLAIN "layers.")) return C_OTHER;
+    const char *r = n + strlen(K3N_PREFIX_PLAIN "layers.");
     long L = parse_index(&r, K3_MAX_LAYERS);
     if (L < 0) return C_OTHER;
     *layer = L;
-    if (starts(r, "block_sparse_moe.experts.")) {
-        const char *e = r + 25;
+    if (starts(r, K3N_EXPERTS)) {
+        const char *e = r + strlen(K3N_EXPERTS);
         *expert = parse_index(&e, MAX_EXPERTS);
         return *expert >= 0 ? C_ROUTED : C_OTHER;
     }
-    if (starts(r, "block_sparse_moe.shared_experts.")) return C_SHARED;
-    if (starts(r, "block_sparse_moe.")) return C_ROUTER;
-    if (starts(r, "self_attn.")) return C_ATTN;
-    if (starts(r, "mlp.")) return C_DENSE;
+    if (starts(r, K3N_SHARED ".")) return C_SHARED;
+    if (starts(r, K3N_MOE)) return C_ROUTER;
+    if (starts(r, K3N_ATTN)) return C_ATTN;
+    if (starts(r, K3N_MLP ".")) return C_DENSE;
     if (starts(r, "self_attention_res_") || starts(r, "mlp_res_")) return C_ATTNRES;
     return C_OTHER;
 }
 
 static uint64_t params_of(const st_tensor *t) {
-    if (t->dtype == ST_U8 && ends(t->name, ".weight_packed")) return 2 * (uint64_t)t->numel;
-    if (t->dtype == ST_U8 && ends(t->name, ".weight_scale")) return 0;
+    if (t->dtype == ST_U8 && ends(t->name, K3N_PACKED)) return 2 * (uint64_t)t->numel;
+    if (t->dtype == ST_U8 && ends(t->name, K3N_SCALE)) return 0;
     return (uint64_t)t->numel;
 }
 
