@@ -32,7 +32,7 @@ BASE    += $(MPI_CFLAGS)
 LIBS    += $(MPI_LIBS)
 
 LIB_SRC  := $(shell find src -name '*.c' ! -path 'src/cli/main.c' | sort)
-# Generated at build time (never committed): the dashboard page as C arrays.
+# Generated at build time (never committed): the web pages as C arrays.
 GEN_SRC  := build/gen/web_assets.c
 LIB_SRC  += $(GEN_SRC)
 TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c tests/tjson.c
@@ -65,7 +65,7 @@ build/asan/%.o: %.c Makefile
 bin:
 	@mkdir -p bin
 
-build/gen/web_assets.c: scripts/embed-web-assets.sh $(sort $(wildcard src/web/assets/*))
+build/gen/web_assets.c: scripts/embed-web-assets.sh $(sort $(wildcard src/web/assets/* src/web/assets/chat/*))
 	bash scripts/embed-web-assets.sh $@
 
 setup:

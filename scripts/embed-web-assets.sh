@@ -1,45 +1,61 @@
 #!/usr/bin/env bash
-# Embeds the dashboard page (src/web/assets/) into the binary as a C source
-# (web/assets.h declares it). The Makefile runs it at build time:
+# Embeds the web pages (src/web/assets/) into the binary as one C source
+# (web/assets.h declares its two tables). The Makefile runs it at build time:
 #   scripts/embed-web-assets.sh OUT.c
 # Only od and sed are needed, so a build still needs nothing but a compiler
 # and the shell tools; nothing generated is committed.
+#   k3_web_assets     the dashboard's page (k3 dashboard)
+#   k3_serve_assets   the chat page (k3 serve), from src/web/assets/chat/
 set -euo pipefail
 [ $# -eq 1 ] || { echo "usage: scripts/embed-web-assets.sh OUT.c" >&2; exit 2; }
 out=$1
 dir=$(dirname "$0")/../src/web/assets
 
 # URL path, file, Content-Type
-assets=(
+dash_assets=(
   "/|index.html|text/html; charset=utf-8"
   "/app.js|app.js|text/javascript; charset=utf-8"
   "/style.css|style.css|text/css; charset=utf-8"
   "/favicon.svg|favicon.svg|image/svg+xml"
 )
+chat_assets=(
+  "/|chat/index.html|text/html; charset=utf-8"
+  "/chat.js|chat/chat.js|text/javascript; charset=utf-8"
+  "/chat.css|chat/chat.css|text/css; charset=utf-8"
+  "/favicon.svg|favicon.svg|image/svg+xml"
+)
 
-generate() {
-  echo "/* GENERATED at build time by scripts/embed-web-assets.sh from src/web/assets/. */"
-  echo "#include \"web/assets.h\""
-  local i=0
-  for a in "${assets[@]}"; do
+n=0  # arrays are numbered across both tables
+# table NAME ASSET...: the byte arrays, then the table and its count
+table() {
+  local name=$1 first=$n
+  shift
+  for a in "$@"; do
     IFS='|' read -r path file type <<<"$a"
     echo
     echo "/* $file */"
-    echo "static const unsigned char asset_$i[] = {"
+    echo "static const unsigned char asset_$n[] = {"
     od -An -v -tx1 "$dir/$file" | sed -e 's/ \([0-9a-f][0-9a-f]\)/0x\1,/g' -e 's/^/    /'
     echo "};"
-    i=$((i + 1))
+    n=$((n + 1))
   done
   echo
-  echo "const k3_web_asset k3_web_assets[] = {"
-  i=0
-  for a in "${assets[@]}"; do
+  echo "const k3_web_asset ${name}[] = {"
+  local i=$first
+  for a in "$@"; do
     IFS='|' read -r path file type <<<"$a"
     echo "    {\"$path\", \"$type\", asset_$i, sizeof asset_$i},"
     i=$((i + 1))
   done
   echo "};"
-  echo "const size_t k3_web_nassets = sizeof k3_web_assets / sizeof k3_web_assets[0];"
+  echo "const size_t ${name%_assets}_nassets = sizeof ${name} / sizeof ${name}[0];"
+}
+
+generate() {
+  echo "/* GENERATED at build time by scripts/embed-web-assets.sh from src/web/assets/. */"
+  echo "#include \"web/assets.h\""
+  table k3_web_assets "${dash_assets[@]}"
+  table k3_serve_assets "${chat_assets[@]}"
 }
 
 mkdir -p "$(dirname "$out")"

@@ -20,6 +20,7 @@
 #include "cli/commands.h"
 #include "formats/config.h"
 #include "formats/safetensors.h"
+#include "model/model.h"
 
 #include <jansson.h>
 #include <stdlib.h>
@@ -310,6 +311,11 @@ int cmd_inspect(int argc, char **argv) {
                                                  (json_int_t)text.bytes, "params", (json_int_t)text.params));
         json_object_set_new(o, "always_active_params", json_integer((json_int_t)active));
         json_object_set_new(o, "resident_floor_bytes", json_integer((json_int_t)floor_bytes));
+        if (cfg) {
+            json_object_set_new(o, "snapshot_kda_bytes", json_integer((json_int_t)k3_state_snapshot_bytes(cfg, 0)));
+            json_object_set_new(o, "snapshot_bytes_per_position",
+                                json_integer((json_int_t)(k3_state_row_floats(cfg) * 4)));
+        }
         json_object_set_new(o, "routed_experts",
                             json_pack("{s:I,s:I,s:I,s:o,s:I}", "count", (json_int_t)nexp, "min_bytes",
                                       (json_int_t)(nexp ? emin : 0), "max_bytes", (json_int_t)emax,
@@ -376,6 +382,9 @@ int cmd_inspect(int argc, char **argv) {
     }
     printf("\nalways-active parameters: %s (text, all but routed experts)\n", commas(active));
     printf("resident floor: %s bytes (text, all but routed experts)\n", commas(floor_bytes));
+    if (cfg) /* what one entry of the k3 chat / k3 serve state cache costs (session.h) */
+        printf("decode-state snapshot: %s bytes of KDA state + %s bytes per position of MLA rows\n",
+               commas(k3_state_snapshot_bytes(cfg, 0)), commas(k3_state_row_floats(cfg) * 4));
     if (nexp && emin == emax)
         printf("routed experts: %s routed experts of exactly %s bytes (%s parameters each); %s stored as one contiguous run\n",
                commas(nexp), commas(emin), eparams_exact ? commas(eparams) : "?", commas(econtig));

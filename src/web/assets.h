@@ -1,4 +1,5 @@
-/* assets.h: the dashboard page embedded in the binary (no files, no network).
+/* assets.h: the web pages embedded in the binary (no files, no network): the
+ * dashboard's (k3 dashboard) and the chat page (k3 serve, src/web/assets/chat/).
  *
  * The bytes come from src/web/assets/ at build time: the Makefile runs
  * scripts/embed-web-assets.sh, which writes build/gen/web_assets.c with one
@@ -17,5 +18,7 @@ typedef struct {
 
 extern const k3_web_asset k3_web_assets[];
 extern const size_t k3_web_nassets;
+extern const k3_web_asset k3_serve_assets[];
+extern const size_t k3_serve_nassets;
 
 #endif
