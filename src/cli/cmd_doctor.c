@@ -42,14 +42,13 @@ static double measure(const char *path, uint64_t size, int depth, double seconds
     uint64_t blocks = size / BLOCK;
     k3_io_req *reqs = xcalloc((size_t)depth, sizeof *reqs);
     for (int i = 0; i < depth; i++) reqs[i].buf = k3_io_alloc(BLOCK);
-    uint64_t seed = 0x9e3779b97f4a7c15ULL, bytes = 0;
+    uint64_t seed = 0, bytes = 0; /* random block offsets from the common generator */
     double t0 = k3_now(), t = 0;
     int rc = K3_OK;
     while (t < seconds && rc == K3_OK) {
         for (int i = 0; i < depth; i++) {
-            seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
             reqs[i].fd = fd;
-            reqs[i].offset = ((seed >> 17) % blocks) * BLOCK;
+            reqs[i].offset = (k3_rng_next(&seed) % blocks) * BLOCK;
             reqs[i].len = BLOCK;
         }
         rc = k3_io_read(io, reqs, (size_t)depth, err);
