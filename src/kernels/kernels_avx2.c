@@ -315,6 +315,48 @@ TGT static void v_kda_rows_write(float *S, int D, const float *k, const float *d
     }
 }
 
+/* rows_write of one step fused with rows_decay of the next (prefill): one
+ * pass over S. Columns are independent, so they go in blocks of 16 with the
+ * block's o, u2 and d in registers while the rows pass; each element sees the
+ * scalar sweeps' operations in their order. */
+TGT static void v_kda_rows_write_decay(float *S, int D, const float *k, const float *d, const float *qs, float *o,
+                                       const float *a2, const float *k2, float *u2) {
+    if (D % 16 != 0) {
+        for (int i = 0; i < D; i++) {
+            float *Si = S + (size_t)i * D;
+            v_axpy(Si, k[i], d, D);
+            v_axpy(o, qs[i], Si, D);
+            v_scale(Si, Si, a2[i], D);
+            v_axpy(u2, k2[i], Si, D);
+        }
+        return;
+    }
+    for (int c = 0; c < D; c += 16) {
+        __m256 o0 = _mm256_loadu_ps(o + c), o1 = _mm256_loadu_ps(o + c + 8);
+        __m256 u0 = _mm256_loadu_ps(u2 + c), u1 = _mm256_loadu_ps(u2 + c + 8);
+        __m256 d0 = _mm256_loadu_ps(d + c), d1 = _mm256_loadu_ps(d + c + 8);
+        for (int i = 0; i < D; i++) {
+            float *Si = S + (size_t)i * D + c;
+            __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(qs[i]);
+            __m256 ai = _mm256_set1_ps(a2[i]), k2i = _mm256_set1_ps(k2[i]);
+            __m256 s0 = _mm256_fmadd_ps(ki, d0, _mm256_loadu_ps(Si));
+            __m256 s1 = _mm256_fmadd_ps(ki, d1, _mm256_loadu_ps(Si + 8));
+            o0 = _mm256_fmadd_ps(qi, s0, o0);
+            o1 = _mm256_fmadd_ps(qi, s1, o1);
+            s0 = _mm256_mul_ps(s0, ai);
+            s1 = _mm256_mul_ps(s1, ai);
+            _mm256_storeu_ps(Si, s0);
+            _mm256_storeu_ps(Si + 8, s1);
+            u0 = _mm256_fmadd_ps(k2i, s0, u0);
+            u1 = _mm256_fmadd_ps(k2i, s1, u1);
+        }
+        _mm256_storeu_ps(o + c, o0);
+        _mm256_storeu_ps(o + c + 8, o1);
+        _mm256_storeu_ps(u2 + c, u0);
+        _mm256_storeu_ps(u2 + c + 8, u1);
+    }
+}
+
 /* out[p] = dot(x, B + p ldb): 4 rows side by side (independent chains hide
  * the FMA latency), each in the canonical order. */
 TGT static void v_dots(float *out, const float *x, const float *B, size_t ldb, int rows, int len) {
@@ -538,6 +580,7 @@ const k_vops k_avx2_ops = {
     .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
     .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .dots = v_dots, .kda_rows_decay = v_kda_rows_decay,
     .kda_rows_write = v_kda_rows_write, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
+    .kda_rows_write_decay = v_kda_rows_write_decay,
 };
 
 #endif
