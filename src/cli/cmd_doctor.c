@@ -88,11 +88,17 @@ int cmd_doctor(int argc, char **argv) {
 
     printf("build      gcc %s, OpenMP %d threads (of %ld CPUs)\n", __VERSION__, omp_get_max_threads(),
            sysconf(_SC_NPROCESSORS_ONLN));
+#if defined(__x86_64__)
     __builtin_cpu_init();
     bool avx512 = __builtin_cpu_supports("avx512f"), bf16 = __builtin_cpu_supports("avx512bf16"),
          fma = __builtin_cpu_supports("fma"), avx2 = __builtin_cpu_supports("avx2");
     printf("cpu        avx512f %s, avx512_bf16 %s, avx2 %s, fma %s\n", avx512 ? "yes" : "no", bf16 ? "yes" : "no",
            avx2 ? "yes" : "no", fma ? "yes" : "no");
+#elif defined(__aarch64__)
+    printf("cpu        arm64 (NEON and FMA are part of the architecture)\n");
+#else
+    printf("cpu        no SIMD path for this architecture\n");
+#endif
     /* the path the kernels use (K3_ISA or the best), and the others this CPU
      * could run: every path gives the same bits, only the speed differs */
     char paths[64] = "";
@@ -103,8 +109,8 @@ int cmd_doctor(int argc, char **argv) {
         }
     const char *why = getenv("K3_ISA") && *getenv("K3_ISA") ? "set by K3_ISA" : "the best available";
     printf("kernels    %s (%s; available: %s; all give the same bits)\n", k_path_name(), why, paths);
-    if (k_isa_active() != K_ISA_AVX512)
-        printf("           training GEMMs use the scalar path without AVX-512 (same bits, slower)\n");
+    if (k_isa_active() != K_ISA_AVX512 && k_isa_active() != K_ISA_AVX2)
+        printf("           training GEMMs use the scalar reference on this path (same bits, slower)\n");
 
     uint64_t avail = k3_mem_available_bytes();
     k3_budget b = k3_budget_auto(avail);

@@ -1,7 +1,7 @@
 /* kernels.c: path selection, the scalar reference for every primitive, and
  * the public kernels written once on top of the primitive table (see
  * internal.h). The scalar code here IS the definition of the results; the
- * AVX-512 file must reproduce it bit for bit. */
+ * SIMD files must reproduce it bit for bit. */
 #include "kernels/internal.h"
 #include "kernels/kmath.h"
 #include "util/common.h"
@@ -10,6 +10,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__aarch64__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
 
 /* ---- path selection ------------------------------------------------------
  * The one place that decides which instruction set the kernels use. Each
@@ -18,7 +22,7 @@
  * never an instruction the CPU lacks. Code outside this module that has its
  * own SIMD (the training GEMM) asks k_isa_active(), so K3_ISA rules it too. */
 
-static const char *const isa_names[K_ISA_COUNT] = {"scalar", "avx2", "avx512"};
+static const char *const isa_names[K_ISA_COUNT] = {"scalar", "avx2", "avx512", "neon"};
 
 const char *k_isa_name(k_isa isa) { return isa >= 0 && isa < K_ISA_COUNT ? isa_names[isa] : "?"; }
 
@@ -35,6 +39,8 @@ static unsigned isa_mask(void) {
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
             __builtin_cpu_supports("fma"))
             m |= 1u << K_ISA_AVX512;
+#elif defined(__aarch64__)
+        if (getauxval(AT_HWCAP) & HWCAP_ASIMD) m |= 1u << K_ISA_NEON;
 #endif
         mask = (int)m;
     }
@@ -59,7 +65,7 @@ int k_isa_parse(const char *value, unsigned avail, k_isa *isa, char *msg, size_t
         *isa = (k_isa)i;
         return 0;
     }
-    snprintf(msg, cap, "unknown instruction set (use scalar, avx2 or avx512)");
+    snprintf(msg, cap, "unknown instruction set (use scalar, avx2, avx512 or neon)");
     return -1;
 }
 
@@ -86,9 +92,12 @@ static void isa_init(void) {
     g_tabs[K_ISA_SCALAR] = k_scalar_ops;
     merge(&g_tabs[K_ISA_AVX2], &k_scalar_ops);
     merge(&g_tabs[K_ISA_AVX512], &k_scalar_ops);
+    merge(&g_tabs[K_ISA_NEON], &k_scalar_ops);
 #if defined(__x86_64__)
     merge(&g_tabs[K_ISA_AVX2], &k_avx2_ops);
     merge(&g_tabs[K_ISA_AVX512], &k_avx512_ops);
+#elif defined(__aarch64__)
+    merge(&g_tabs[K_ISA_NEON], &k_neon_ops);
 #endif
     g_default = K_ISA_SCALAR;
     for (int i = K_ISA_COUNT - 1; i > 0; i--)
