@@ -19,7 +19,7 @@ BASE    := -std=gnu11 -Wall -Wextra -Werror -Wvla -fopenmp -ffp-contract=off \
 RELFLAGS:= -O3
 ASNFLAGS:= -O1 -g -fsanitize=address,undefined \
            -fno-sanitize-recover=all -fno-omit-frame-pointer
-LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lm
+LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lnettle -lm
 # Where objects and programs go; scripts/test-arm64 cross-builds into
 # BUILD=build/arm64 BIN=bin/arm64 beside the native build.
 BUILD   ?= build
@@ -77,14 +77,18 @@ $(BIN)/bench_%: $(BUILD)/rel/bench/%.o $(REL_LIB) | $(BIN)
 bench-report: bin/k3 bin/bench_decode bin/bench_stream bin/bench_train bin/bench_index
 	bash bench/report.sh $(ARGS)
 
-# Fuzzing (libFuzzer; needs clang): bin/fuzz_safetensors, bin/fuzz_index, bin/fuzz_config.
+# Fuzzing (libFuzzer; needs clang): bin/fuzz_safetensors, bin/fuzz_index, bin/fuzz_config,
+# bin/fuzz_tokenizer.
 # Only the parsers' sources are compiled, without OpenMP (its pragmas are
 # ignored), under ASan+UBSan. tests/cli/test_fuzz.sh runs each for a bounded
 # time; run longer by hand: bin/fuzz_config -max_total_time=600 fuzz/corpus/config
 FUZZ_CC    ?= clang
 FUZZ_FLAGS := -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
               -Wall -Wextra -Werror -Wno-unknown-pragmas -D_GNU_SOURCE -Isrc
-FUZZ_SRC   := src/formats/safetensors.c src/formats/config.c src/util/common.c
+FUZZ_SRC   := src/formats/safetensors.c src/formats/config.c src/util/common.c src/util/checksum.c \
+              src/util/mapguard.c src/tokenizer/tokenizer.c src/tokenizer/pretok.c fuzz/omp_stub.c
+FUZZ_HDR   := src/formats/safetensors.h src/formats/config.h src/util/common.h src/util/mapguard.h \
+              src/tokenizer/tokenizer.h src/tokenizer/unicode_delta.h
 fuzz: $(patsubst fuzz/%.c,bin/%,$(wildcard fuzz/fuzz_*.c))
-bin/fuzz_%: fuzz/fuzz_%.c $(FUZZ_SRC) src/formats/safetensors.h src/formats/config.h src/util/common.h | bin
-	$(FUZZ_CC) $(FUZZ_FLAGS) -o $@ $< $(FUZZ_SRC) -ljansson -lpthread -lm
+bin/fuzz_%: fuzz/fuzz_%.c $(FUZZ_SRC) $(FUZZ_HDR) | bin
+	$(FUZZ_CC) $(FUZZ_FLAGS) -o $@ $< $(FUZZ_SRC) -ljansson -lpcre2-8 -lpthread -lm

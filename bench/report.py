@@ -710,8 +710,8 @@ def main(argv):
                 elif a.quick:  # the replica takes a while to write; the quick run indexes its own model
                     inputs[name] = need("issue7")
                 else:
-                    if not os.path.isdir("../shared/fixtures/k3-release"):
-                        raise BenchError("../shared/fixtures/k3-release missing: cannot build the sparse replica "
+                    if not os.path.isdir("tests/fixtures/k3-release"):
+                        raise BenchError("tests/fixtures/k3-release missing: cannot build the sparse replica "
                                          "(give --replica-dir)")
                     inputs[name] = cached_input(cache, "replica", GEN_REPLICA, opens)
         except BenchError as e:

@@ -18,7 +18,6 @@
  * beside the PyTorch reference. */
 #include "bench.h"
 #include "train/tinternal.h"
-#include "train/tgemm.h"
 #include "kernels/kernels.h"
 
 #include <omp.h>
@@ -55,12 +54,8 @@ static double flops_per_token(const tmodel *m, int T) {
     return 3.0 * f;
 }
 
-static uint64_t mix(uint64_t z) {
-    z += 0x9E3779B97F4A7C15ull;
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
+/* the i-th draw of the common generator seeded 0 (a pure function of i) */
+static uint64_t mix(uint64_t i) { return k3_rng_next(&i); }
 
 #if defined(__x86_64__)
 #include <immintrin.h>

@@ -6,8 +6,8 @@ set -euo pipefail
 
 # Build and run: compiler, JSON (safetensors headers, configs), PCRE2 (the Kimi
 # pre-tokenizer pattern needs Unicode properties), libmicrohttpd (dashboard),
-# liburing (batched expert reads).
-BUILD_PKGS="build-essential pkg-config libjansson-dev libpcre2-dev libmicrohttpd-dev liburing-dev"
+# liburing (batched expert reads), nettle (SHA-256 for k3 verify).
+BUILD_PKGS="build-essential pkg-config libjansson-dev libpcre2-dev libmicrohttpd-dev liburing-dev nettle-dev"
 # Tests: PyTorch + NumPy for the reference tools (fixtures are committed, so these
 # are only needed to regenerate them), Node.js/npm for the tiktoken cross-check,
 # Chromium (driven by npm playwright-core) for the dashboard end-to-end test,

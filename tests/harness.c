@@ -1,6 +1,7 @@
 /* harness.c: registry and runner for tests/harness.h. */
 #include "harness.h"
 
+#include <fcntl.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -61,6 +62,53 @@ const char *t_shared(const char *rel) {
 }
 
 const char *t_repo(const char *rel) { return ring(".", rel); }
+
+bool t_have(const char *path) { return access(path, F_OK) == 0; }
+
+static void mkdirs_for(const char *path) { /* every folder above path */
+    char d[4096];
+    snprintf(d, sizeof d, "%s", path);
+    for (char *s = d + 1; *s; s++)
+        if (*s == '/') { *s = 0; mkdir(d, 0755); *s = '/'; }
+}
+
+/* gzip -dc GZ > TMP, then rename TMP to OUT: a run killed half way, or two
+ * test binaries unpacking at once, never leave a partial file under OUT. */
+static bool gunzip_to(const char *gz, const char *out) {
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", out, (int)getpid());
+    mkdirs_for(out);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) return false;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd, 1);
+        execlp("gzip", "gzip", "-dc", "--", gz, (char *)NULL);
+        _exit(127);
+    }
+    close(fd);
+    int st = 0;
+    bool ok = pid > 0 && waitpid(pid, &st, 0) == pid && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+    if (ok) ok = rename(tmp, out) == 0;
+    if (!ok) {
+        fprintf(stderr, "  harness: cannot unpack %s (gzip)\n", gz);
+        unlink(tmp);
+    }
+    return ok;
+}
+
+const char *t_fixture(const char *rel) {
+    const char *plain = ring("tests/fixtures", rel);
+    if (t_have(plain)) return plain;
+    char gz[4200];
+    snprintf(gz, sizeof gz, "%s.gz", plain);
+    struct stat zs, os;
+    if (stat(gz, &zs) != 0) return plain; /* the caller's open fails and says which file */
+    const char *out = ring("tests/out/fixtures", rel);
+    if (stat(out, &os) == 0 && os.st_mtime >= zs.st_mtime) return out;
+    return gunzip_to(gz, out) ? out : plain;
+}
 
 const char *t_outdir(void) {
     static char d[1024];

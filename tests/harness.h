@@ -7,8 +7,11 @@
  *       CHECKF(err < tol, "row %d: err %g", r, err);
  *   }
  *
- * Paths: t_shared("fixtures/peer/ops/rmsnorm.json") resolves inside ../shared
- * (or $K3_SHARED); t_repo("tests/fixtures/...") inside the repository root;
+ * Paths: t_fixture("peer/ops/rmsnorm.json") is tests/fixtures/peer/ops/rmsnorm.json,
+ * or, for a fixture committed compressed as REL.gz, its copy unpacked once into
+ * tests/out/fixtures/REL; t_repo("configs/...") resolves inside the repository
+ * root; t_shared("docs/...") inside ../shared (or $K3_SHARED), only for the few
+ * checks whose input may not be committed, which SKIP without it (t_have);
  * t_outdir() is a scratch directory for this test (tests/out/<test name>). */
 #ifndef K3_TEST_HARNESS_H
 #define K3_TEST_HARNESS_H
@@ -20,7 +23,10 @@ typedef void (*t_fn)(void);
 void t_register(const char *name, const char *file, t_fn fn);
 void t_fail_at(const char *file, int line, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 void t_skip(const char *reason);
-const char *t_shared(const char *rel); /* static buffer ring: valid for a few calls */
+/* t_fixture, t_shared and t_repo return a static buffer ring: valid for a few calls */
+const char *t_fixture(const char *rel);
+const char *t_shared(const char *rel);
+bool t_have(const char *path); /* the file exists */
 const char *t_repo(const char *rel);
 const char *t_outdir(void);
 

@@ -64,7 +64,7 @@ TEST(bpe_matches_cs336_reference) {
     char *text;
     size_t len;
     k3_err err = {0};
-    CHECK(k3_read_file(t_shared("data/cs336-bpe/corpus.en"), &text, &len, &err) == 0);
+    CHECK(k3_read_file(t_fixture("cs336-bpe/corpus.en"), &text, &len, &err) == 0);
     tok_splitter *sp;
     CHECK(tok_splitter_new(TOK_PATTERN_GPT2, &sp, &err) == 0);
     bpe_counts *c = bpe_counts_new();
@@ -78,7 +78,7 @@ TEST(bpe_matches_cs336_reference) {
 
     char *ref;
     size_t rlen;
-    CHECK(k3_read_file(t_shared("data/cs336-bpe/train-bpe-reference-merges.txt"), &ref, &rlen, &err) == 0);
+    CHECK(k3_read_file(t_fixture("cs336-bpe/train-bpe-reference-merges.txt"), &ref, &rlen, &err) == 0);
     int line = 0;
     uint8_t l[256], r[256];
     for (char *p = ref, *nl; p < ref + rlen; p = nl + 1, line++) {
@@ -102,7 +102,7 @@ TEST(bpe_matches_cs336_reference) {
      * equals ours (special + 256 bytes + merged tokens); and reference ids
      * 257.. follow merge order, as our ids 256.. do */
     json_error_t je;
-    json_t *v = json_load_file(t_shared("data/cs336-bpe/train-bpe-reference-vocab.json"), 0, &je);
+    json_t *v = json_load_file(t_fixture("cs336-bpe/train-bpe-reference-vocab.json"), 0, &je);
     CHECKF(v && json_object_size(v) == 500, "vocab json: %s", v ? "wrong size" : je.text);
     uint8_t **refs = xcalloc(500, sizeof *refs), **ours = xcalloc(500, sizeof *ours);
     bool seen[500] = {0};
@@ -252,7 +252,7 @@ TEST(bpe_counts_do_not_depend_on_threads) {
     char *text;
     size_t len;
     k3_err err = {0};
-    CHECK(k3_read_file(t_shared("data/cs336-bpe/tinystories_sample.txt"), &text, &len, &err) == 0);
+    CHECK(k3_read_file(t_fixture("cs336-bpe/tinystories_sample.txt"), &text, &len, &err) == 0);
     tok_splitter *sp;
     CHECK(tok_splitter_new(TOK_PATTERN_KIMI, &sp, &err) == 0);
     bpe_model m[2];
@@ -281,7 +281,7 @@ TEST(bpe_tokenizer_roundtrips_through_tok_load) {
     char *text;
     size_t len;
     k3_err err = {0};
-    CHECK(k3_read_file(t_shared("data/tinystories/valid.txt"), &text, &len, &err) == 0);
+    CHECK(k3_read_file(t_fixture("tinystories/valid.txt"), &text, &len, &err) == 0);
     len = 200000; /* about 250 stories; cut at a story end below */
     while (len > 0 && !(len >= 15 && memcmp(text + len - 15, "\n<|endoftext|>\n", 15) == 0)) len--;
     CHECK(len > 100000);

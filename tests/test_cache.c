@@ -74,7 +74,7 @@ TEST(cache_trace_roundtrip_and_peer_format) {
     free(r);
     /* the peer's expert_trace.bin: 100,096 (layer, expert) requests over 8
      * full-recompute steps of 5..12 tokens x 16 experts x layers 1..92 */
-    CHECK(xc_trace_read(t_shared("fixtures/peer/expert_trace.bin"), &r, &n, &err) == 0);
+    CHECK(xc_trace_read(t_fixture("peer/expert_trace.bin"), &r, &n, &err) == 0);
     CHECKF(n == 100096, "n=%zu", n);
     CHECK(r[0].step == 0 && r[n - 1].step == 7);
     size_t step0 = 0;

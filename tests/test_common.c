@@ -107,3 +107,17 @@ TEST(fnv1a64_known_values) {
     CHECK(k3_fnv1a64(K3_FNV_OFFSET, "a", 1) == 0xaf63dc4c8601ec8cULL);
     CHECK(k3_fnv1a64(K3_FNV_OFFSET, "foobar", 6) == 0x85944171f73967e8ULL);
 }
+
+TEST(size_str_picks_the_unit) {
+    CHECK(strcmp(k3_size_str(0), "0 B") == 0);
+    CHECK(strcmp(k3_size_str(999), "999 B") == 0);
+    CHECK(strcmp(k3_size_str(1000), "1.00 kB") == 0);
+    CHECK(strcmp(k3_size_str(25400), "25.4 kB") == 0);
+    CHECK(strcmp(k3_size_str(1234567), "1.23 MB") == 0);
+    CHECK(strcmp(k3_size_str(999999), "1.00 MB") == 0); /* rounds into the next unit, not "1000 kB" */
+    CHECK(strcmp(k3_size_str(3500000000ull), "3.50 GB") == 0);
+    CHECK(strcmp(k3_size_str(1560936091448ull), "1.56 TB") == 0);
+    /* eight results may be held at once */
+    const char *a = k3_size_str(1), *b = k3_size_str(2000);
+    CHECK(strcmp(a, "1 B") == 0 && strcmp(b, "2.00 kB") == 0);
+}

@@ -10,12 +10,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define RELEASE "fixtures/k3-release/config.json"
+#define RELEASE "k3-release/config.json"
 
 TEST(config_released_matches_spec_table) {
     k3_config c;
     k3_err err = {0};
-    int rc = k3_config_load(t_shared(RELEASE), &c, &err);
+    int rc = k3_config_load(t_fixture(RELEASE), &c, &err);
     CHECKF(rc == 0, "%s", err.msg);
     CHECK(c.hidden_size == 7168 && c.num_layers == 93 && c.vocab_size == 163840);
     CHECK(c.rms_eps == 1e-5f && c.mla_latent_eps == 1e-6f);
@@ -44,7 +44,7 @@ TEST(config_released_matches_spec_table) {
     CHECKF(c.defaults_used[0] == 0, "defaults used: %s", c.defaults_used);
     /* a model directory works too */
     char dir[1024];
-    snprintf(dir, sizeof dir, "%s", t_shared("fixtures/k3-release"));
+    snprintf(dir, sizeof dir, "%s", t_fixture("k3-release"));
     CHECK(k3_config_load(dir, &c, &err) == 0 && c.num_layers == 93);
 }
 
@@ -62,9 +62,9 @@ static void check_tiny(const k3_config *c, int moe_inter) {
 TEST(config_flat_fixtures_parse) {
     k3_config c;
     k3_err err = {0};
-    CHECKF(k3_config_load(t_shared("fixtures/peer/tiny-checkpoint/config.json"), &c, &err) == 0, "%s", err.msg);
+    CHECKF(k3_config_load(t_fixture("peer/tiny-checkpoint/config.json"), &c, &err) == 0, "%s", err.msg);
     check_tiny(&c, 64);
-    json_t *ref = tj_load(t_shared("fixtures/peer/ref_k3.json"));
+    json_t *ref = tj_load(t_fixture("peer/ref_k3.json"));
     CHECK(ref);
     char *text = json_dumps(json_object_get(ref, "config"), 0);
     json_decref(ref);
@@ -77,14 +77,14 @@ TEST(config_flat_fixtures_parse) {
 
 TEST(config_peer_bad_configs_refused) {
     struct { const char *file, *m1, *m2; } cases[] = {
-        {"fixtures/peer/cfg/bad_layer_index.json", "full_attn_layers", "999"},
-        {"fixtures/peer/cfg/bad_topk.json", "num_experts_per_token 128", "num_experts 8"},
-        {"fixtures/peer/cfg/no_layermap.json", "missing required keys", "full_attn_layers"},
+        {"peer/cfg/bad_layer_index.json", "full_attn_layers", "999"},
+        {"peer/cfg/bad_topk.json", "num_experts_per_token 128", "num_experts 8"},
+        {"peer/cfg/no_layermap.json", "missing required keys", "full_attn_layers"},
     };
     for (int i = 0; i < 3; i++) {
         k3_config c;
         k3_err err = {0};
-        int rc = k3_config_load(t_shared(cases[i].file), &c, &err);
+        int rc = k3_config_load(t_fixture(cases[i].file), &c, &err);
         CHECKF(rc == K3_EXIT_USAGE, "%s: rc %d", cases[i].file, rc);
         CHECKF(strstr(err.msg, cases[i].file) && strstr(err.msg, cases[i].m1) && strstr(err.msg, cases[i].m2),
                "%s: '%s'", cases[i].file, err.msg);
@@ -93,7 +93,7 @@ TEST(config_peer_bad_configs_refused) {
 
 /* Loads the released config, lets edit() change it, parses the result. */
 static int parse_edited(void (*edit)(json_t *root, json_t *tc, json_t *lac), k3_config *c, k3_err *err) {
-    json_t *root = tj_load(t_shared(RELEASE));
+    json_t *root = tj_load(t_fixture(RELEASE));
     if (!root) return -1;
     json_t *tc = json_object_get(root, "text_config");
     edit(root, tc, json_object_get(tc, "linear_attn_config"));
@@ -223,9 +223,9 @@ TEST(config_garbage_refused) {
 TEST(config_meets_checkpoint) {
     k3_config c;
     k3_err err = {0};
-    CHECKF(k3_config_load(t_shared("fixtures/peer/tiny-checkpoint/config.json"), &c, &err) == 0, "%s", err.msg);
+    CHECKF(k3_config_load(t_fixture("peer/tiny-checkpoint/config.json"), &c, &err) == 0, "%s", err.msg);
     st_index *ix = NULL;
-    CHECKF(st_open(t_shared("fixtures/peer/tiny-checkpoint"), &ix, &err) == 0, "%s", err.msg);
+    CHECKF(st_open(t_fixture("peer/tiny-checkpoint"), &ix, &err) == 0, "%s", err.msg);
     CHECKF(k3_config_check_index(&c, ix, &err) == 0, "%s", err.msg);
     c.vocab_size = 300;
     CHECK(k3_config_check_index(&c, ix, &err) == K3_EXIT_DATA);

@@ -120,7 +120,7 @@ TEST(export_mxfp4_against_the_decoder) {
 
     /* real released bytes: their decoded values are on the grid, so encoding
      * them again must give back exactly those values */
-    json_t *j = tj_load(t_shared("fixtures/peer/mxfp4.json"));
+    json_t *j = tj_load(t_fixture("peer/mxfp4.json"));
     if (!j) SKIP("no peer mxfp4.json");
     size_t ne;
     float *want = tj_floats(json_object_get(json_object_get(j, "expected"), "data"), &ne);
@@ -286,7 +286,7 @@ TEST(export_default_model_predicts_stories) {
     CHECKF(tok_load(dir, &tok, &err) == 0, "%s", err.msg);
     char *text;
     size_t len;
-    CHECK(k3_read_file(t_shared("data/tinystories/valid.txt"), &text, &len, &err) == 0);
+    CHECK(k3_read_file(t_fixture("tinystories/valid.txt"), &text, &len, &err) == 0);
     const char *s = strstr(text, "<|endoftext|>\n");
     CHECK(s);
     s += strlen("<|endoftext|>\n");

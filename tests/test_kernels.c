@@ -1,5 +1,5 @@
 /* Tests for src/kernels against the independent references:
- *  - ../shared/fixtures/peer/ops/ (each op) and mxfp4.json (the peer's PyTorch);
+ *  - tests/fixtures/peer/ops/ (each op) and mxfp4.json (the peer's PyTorch);
  *  - tests/fixtures/kernels/ (ours) (our own PyTorch, tools/kernels_ref.py);
  * plus the determinism contract: scalar == every SIMD path the CPU has (AVX2,
  * AVX-512) bit for bit, thread count
@@ -118,7 +118,7 @@ TEST(kmath_exp_tanh_sigmoid_accuracy) {
 /* ---- peer fixtures ---------------------------------------------------------------- */
 
 TEST(peer_rmsnorm) {
-    json_t *j = tj_load(t_shared("fixtures/peer/ops/rmsnorm.json"));
+    json_t *j = tj_load(t_fixture("peer/ops/rmsnorm.json"));
     CHECK(j);
     size_t nw, nin, nout;
     float *w = fx(j, "weight", &nw), *in = fx(j, "in", &nin), *want = fx(j, "out", &nout);
@@ -139,7 +139,7 @@ TEST(peer_rmsnorm) {
 }
 
 TEST(peer_situ_glu) {
-    json_t *j = tj_load(t_shared("fixtures/peer/ops/situ_glu.json"));
+    json_t *j = tj_load(t_fixture("peer/ops/situ_glu.json"));
     CHECK(j);
     size_t nin, nout;
     float *in = fx(j, "in", &nin), *want = fx(j, "out", &nout);
@@ -162,7 +162,7 @@ TEST(peer_situ_glu) {
 }
 
 TEST(peer_shortconv_with_state) {
-    json_t *j = tj_load(t_shared("fixtures/peer/ops/shortconv.json"));
+    json_t *j = tj_load(t_fixture("peer/ops/shortconv.json"));
     CHECK(j);
     int K = (int)tj_num(j, "kernel"), C = (int)tj_num(j, "channels");
     size_t nw, nin, nout, nst, nnx, nonx;
@@ -190,7 +190,7 @@ TEST(peer_shortconv_with_state) {
 }
 
 TEST(peer_kda_decay_gate) {
-    json_t *j = tj_load(t_shared("fixtures/peer/ops/kda_decay.json"));
+    json_t *j = tj_load(t_fixture("peer/ops/kda_decay.json"));
     CHECK(j);
     size_t nz, na, nd, ng, nal;
     float *z = fx(j, "z", &nz), *A = fx(j, "A_log", &na), *dtb = fx(j, "dt_bias", &nd);
@@ -215,7 +215,7 @@ TEST(peer_kda_decay_gate) {
 }
 
 static void kda_recur_fixture(const char *name) {
-    json_t *j = tj_load(t_shared(name));
+    json_t *j = tj_load(t_fixture(name));
     CHECK(j);
     int T = (int)tj_num(j, "T"), H = (int)tj_num(j, "H"), D = (int)tj_num(j, "d_k");
     CHECK((int)tj_num(j, "d_v") == D);
@@ -243,11 +243,11 @@ static void kda_recur_fixture(const char *name) {
     json_decref(j);
     pool_free();
 }
-TEST(peer_kda_recur1) { kda_recur_fixture("fixtures/peer/ops/kda_recur1.json"); }
-TEST(peer_kda_recur8) { kda_recur_fixture("fixtures/peer/ops/kda_recur8.json"); }
+TEST(peer_kda_recur1) { kda_recur_fixture("peer/ops/kda_recur1.json"); }
+TEST(peer_kda_recur8) { kda_recur_fixture("peer/ops/kda_recur8.json"); }
 
 TEST(peer_router_topk) {
-    json_t *j = tj_load(t_shared("fixtures/peer/ops/router.json"));
+    json_t *j = tj_load(t_fixture("peer/ops/router.json"));
     CHECK(j);
     int K = (int)tj_num(j, "top_k"), N = (int)tj_num(j, "n_experts");
     size_t nw, nb, nin, ni, nwt;
@@ -299,7 +299,7 @@ TEST(router_ties_go_to_lower_index) {
 /* ---- MXFP4 -------------------------------------------------------------------------- */
 
 TEST(peer_mxfp4_bit_exact_and_decoy_detected) {
-    json_t *j = tj_load(t_shared("fixtures/peer/mxfp4.json"));
+    json_t *j = tj_load(t_fixture("peer/mxfp4.json"));
     CHECK(j);
     int rows = (int)tj_num(j, "rows"), cols = (int)tj_num(j, "logical_width");
     int G = (int)tj_num(j, "group_size");

@@ -25,7 +25,7 @@ typedef struct {
 
 static bool fx_open(fx *f, const char *rel) {
     memset(f, 0, sizeof *f);
-    f->root = tj_load(t_shared(rel));
+    f->root = tj_load(t_fixture(rel));
     return f->root != NULL;
 }
 
@@ -74,7 +74,7 @@ static int fx_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_er
 
 /* The tiny config of the op fixtures (MANIFEST.json "config"). */
 static bool manifest_config(k3_config *c) {
-    json_t *m = tj_load(t_shared("fixtures/peer/ops/MANIFEST.json"));
+    json_t *m = tj_load(t_fixture("peer/ops/MANIFEST.json"));
     if (!m) return false;
     char *txt = json_dumps(json_object_get(m, "config"), 0);
     json_decref(m);
@@ -97,7 +97,7 @@ static bool close_rows(const char *what, const float *got, const float *want, si
 
 TEST(model_attnres_matches_peer) {
     fx f;
-    CHECK(fx_open(&f, "fixtures/peer/ops/attnres.json"));
+    CHECK(fx_open(&f, "peer/ops/attnres.json"));
     k3_config c = {0};
     c.hidden_size = 128;
     c.rms_eps = (float)tj_num(f.root, "eps");
@@ -148,12 +148,12 @@ static void kda_fixture(const char *rel) {
     CHECK(ok);
 }
 
-TEST(model_kda_layer1_matches_peer) { kda_fixture("fixtures/peer/ops/kda_layer1.json"); }
-TEST(model_kda_layer8_matches_peer) { kda_fixture("fixtures/peer/ops/kda_layer8.json"); }
+TEST(model_kda_layer1_matches_peer) { kda_fixture("peer/ops/kda_layer1.json"); }
+TEST(model_kda_layer8_matches_peer) { kda_fixture("peer/ops/kda_layer8.json"); }
 
 TEST(model_mla_matches_peer_and_caches_the_latent) {
     fx f;
-    CHECK(fx_open(&f, "fixtures/peer/ops/mla.json"));
+    CHECK(fx_open(&f, "peer/ops/mla.json"));
     k3_config c = {0};
     int T = fx_dim(&f, "in", 1), E = fx_dim(&f, "in", 2);
     c.hidden_size = E;
@@ -201,7 +201,7 @@ TEST(model_mla_matches_peer_and_caches_the_latent) {
 
 TEST(model_moe_matches_peer) {
     fx f;
-    CHECK(fx_open(&f, "fixtures/peer/ops/moe.json"));
+    CHECK(fx_open(&f, "peer/ops/moe.json"));
     k3_config c = {0};
     int T = fx_dim(&f, "in", 1), E = (int)tj_num(f.root, "hidden"), N = (int)tj_num(f.root, "n_experts");
     c.hidden_size = E;
@@ -284,8 +284,8 @@ static void layer_fixture(const char *rel) {
     CHECKF(ok, "layer %d: rc %d nb %d (want %d) %s", L, rc, nb, nb_out, err.msg);
 }
 
-TEST(model_layer_kda_matches_peer) { layer_fixture("fixtures/peer/ops/layer_kda.json"); }
-TEST(model_layer_mla_matches_peer) { layer_fixture("fixtures/peer/ops/layer_mla.json"); }
+TEST(model_layer_kda_matches_peer) { layer_fixture("peer/ops/layer_kda.json"); }
+TEST(model_layer_mla_matches_peer) { layer_fixture("peer/ops/layer_mla.json"); }
 
 /* ---- whole models -------------------------------------------------------------------- */
 
@@ -293,7 +293,7 @@ static k3_model *open_oracle(void) {
     k3_model_opts o = {.peer_mla_eps = true}; /* the oracle was generated with eps 1e-5 there */
     k3_model *m = NULL;
     k3_err err = {0};
-    if (k3_model_open_blob(t_shared("fixtures/peer/tiny_k3.json"), t_shared("fixtures/peer/tiny_k3.bin"), &o, &m,
+    if (k3_model_open_blob(t_fixture("peer/tiny_k3.json"), t_fixture("peer/tiny_k3.bin"), &o, &m,
                            &err)) {
         fprintf(stderr, "  %s\n", err.msg);
         return NULL;
@@ -305,7 +305,7 @@ static k3_model *open_tiny_ckpt(bool peer_eps) {
     k3_model_opts o = {.peer_mla_eps = peer_eps};
     k3_model *m = NULL;
     k3_err err = {0};
-    if (k3_model_open(t_shared("fixtures/peer/tiny-checkpoint"), &o, &m, &err)) {
+    if (k3_model_open(t_fixture("peer/tiny-checkpoint"), &o, &m, &err)) {
         fprintf(stderr, "  %s\n", err.msg);
         return NULL;
     }
@@ -370,7 +370,7 @@ static int32_t *ids_of(json_t *root, const char *key, size_t *n) {
 }
 
 TEST(model_oracle_teacher_forcing_and_logits_head) {
-    json_t *ref = tj_load(t_shared("fixtures/peer/ref_k3.json"));
+    json_t *ref = tj_load(t_fixture("peer/ref_k3.json"));
     CHECK(ref);
     k3_model *m = open_oracle();
     CHECK(m);
@@ -399,7 +399,7 @@ TEST(model_oracle_teacher_forcing_and_logits_head) {
 }
 
 TEST(model_oracle_greedy_and_incremental) {
-    json_t *ref = tj_load(t_shared("fixtures/peer/ref_k3.json"));
+    json_t *ref = tj_load(t_fixture("peer/ref_k3.json"));
     CHECK(ref);
     k3_model *m = open_oracle();
     CHECK(m);
@@ -424,7 +424,7 @@ TEST(model_oracle_greedy_and_incremental) {
 }
 
 TEST(model_tiny_checkpoint_greedy_64) {
-    json_t *ref = tj_load(t_shared("fixtures/peer/tiny-checkpoint.greedy.json"));
+    json_t *ref = tj_load(t_fixture("peer/tiny-checkpoint.greedy.json"));
     CHECK(ref);
     k3_model *m = open_tiny_ckpt(true);
     CHECK(m);
@@ -458,7 +458,7 @@ TEST(model_tiny_checkpoint_greedy_64) {
 }
 
 TEST(model_tiny_checkpoint_final_logits) {
-    json_t *ref = tj_load(t_shared("fixtures/peer/tiny-checkpoint/ref_logits.json"));
+    json_t *ref = tj_load(t_fixture("peer/tiny-checkpoint/ref_logits.json"));
     CHECK(ref);
     k3_model *m = open_tiny_ckpt(true);
     CHECK(m);
@@ -550,7 +550,7 @@ TEST(model_prefill_chunk_option_same_bits) {
         k3_model_opts o = {.prefill_chunk = chunks[i]};
         k3_err err = {0};
         m = NULL;
-        CHECK(k3_model_open(t_shared("fixtures/peer/tiny-checkpoint"), &o, &m, &err) == 0);
+        CHECK(k3_model_open(t_fixture("peer/tiny-checkpoint"), &o, &m, &err) == 0);
         if (!m) break;
         omp_set_num_threads(i % 2 ? 1 : 2);
         float *a = logits_all(m, test_seq, n, 0), *b = logits_all(m, test_seq, n, 7);
@@ -587,7 +587,7 @@ TEST(model_layers_option_and_state_errors) {
     k3_model_opts o = {.layers = 2};
     k3_model *m = NULL;
     k3_err err = {0};
-    CHECKF(!k3_model_open(t_shared("fixtures/peer/tiny-checkpoint"), &o, &m, &err), "%s", err.msg);
+    CHECKF(!k3_model_open(t_fixture("peer/tiny-checkpoint"), &o, &m, &err), "%s", err.msg);
     CHECK(k3_model_config(m)->num_layers == 2);
     k3_state *s;
     CHECK(!k3_state_new(m, 3, &s, &err));
@@ -629,7 +629,7 @@ TEST(model_bind_errors_name_the_tensor) {
     for (int v = 0; v < 3; v++)
         for (int mode = 0; mode < 3; mode++) {
             broken b = {.victim = victims[v], .mode = mode};
-            CHECK(fx_open(&b.f, "fixtures/peer/ops/layer_mla.json"));
+            CHECK(fx_open(&b.f, "peer/ops/layer_mla.json"));
             k3_layer_w w;
             k3_owned own = {0};
             k3_err err = {0};
@@ -684,13 +684,80 @@ TEST(model_sampler_reproducible_and_filters) {
     k3_sampler_free(&a);
 }
 
+/* Pearson's chi-square of observed counts against probabilities p (n cells,
+ * N draws); cells expecting fewer than 5 draws are pooled into one. *dof gets
+ * the degrees of freedom. */
+static double chi_square(const int *obs, const double *p, int n, int N, int *dof) {
+    double chi = 0, pool_e = 0;
+    int cells = 0, pool_o = 0;
+    for (int i = 0; i < n; i++) {
+        double e = p[i] * N;
+        if (e < 5) { pool_e += e; pool_o += obs[i]; continue; }
+        chi += (obs[i] - e) * (obs[i] - e) / e;
+        cells++;
+    }
+    if (pool_e > 0) {
+        chi += (pool_o - pool_e) * (pool_o - pool_e) / (pool_e < 1e-300 ? 1e-300 : pool_e);
+        cells++;
+    }
+    *dof = cells - 1;
+    return chi;
+}
+
+/* softmax(logits / T) in double, written out here (not the sampler's code) */
+static void softmax_t(const float *lg, int n, double T, double *p) {
+    double mx = lg[0], sum = 0;
+    for (int i = 1; i < n; i++) mx = lg[i] > mx ? lg[i] : mx;
+    for (int i = 0; i < n; i++) sum += p[i] = exp(((double)lg[i] - mx) / T);
+    for (int i = 0; i < n; i++) p[i] /= sum;
+}
+
+/* The temperature shapes the draws: at each T the counts fit softmax(l/T) by
+ * a chi-square test at the 0.1% level (fixed seeds, so the verdict is
+ * repeatable), and they do not fit the softmax of another temperature (the
+ * test can tell: a sampler that ignored T would fail it). */
+TEST(model_sampler_temperature_matches_softmax) {
+    static const float lg[8] = {1.0f, 3.0f, 2.0f, 0.5f, 3.0f, -1.0f, 0.0f, 2.5f};
+    /* chi-square quantiles at 1 - 0.001 for 1..7 degrees of freedom */
+    static const double crit[8] = {0, 10.828, 13.816, 16.266, 18.467, 20.515, 22.458, 24.322};
+    static const double temps[4] = {0.5, 0.8, 1.0, 2.0};
+    enum { N = 40000 };
+    int counts[4][8] = {{0}};
+    for (int t = 0; t < 4; t++) {
+        k3_sampler sp;
+        k3_sampler_init(&sp, 8, (float)temps[t], 0, 1.0f, 0, 1000 + (uint64_t)t);
+        for (int i = 0; i < N; i++) {
+            int x = k3_sample(&sp, lg);
+            CHECK(x >= 0 && x < 8);
+            counts[t][x]++;
+        }
+        k3_sampler_free(&sp);
+    }
+    for (int t = 0; t < 4; t++)
+        for (int u = 0; u < 4; u++) {
+            double p[8];
+            softmax_t(lg, 8, temps[u], p);
+            int dof;
+            double chi = chi_square(counts[t], p, 8, N, &dof);
+            CHECK(dof >= 1 && dof <= 7);
+            if (t == u) {
+                fprintf(stderr, "  T %.1f: chi-square %.2f, %d dof (0.1%% critical %.2f)\n", temps[t], chi, dof,
+                        crit[dof]);
+                CHECKF(chi < crit[dof], "T %.1f: chi-square %.2f >= %.2f", temps[t], chi, crit[dof]);
+            } else {
+                CHECKF(chi > 10 * crit[dof], "draws at T %.1f fit T %.1f too well: chi-square %.2f", temps[t],
+                       temps[u], chi);
+            }
+        }
+}
+
 TEST(model_chunked_kda_prefill_close_to_recurrent) {
-    json_t *ref = tj_load(t_shared("fixtures/peer/ref_k3.json"));
+    json_t *ref = tj_load(t_fixture("peer/ref_k3.json"));
     CHECK(ref);
     k3_model_opts o = {.peer_mla_eps = true, .kda_chunk = 8};
     k3_model *m = NULL;
     k3_err err = {0};
-    CHECKF(!k3_model_open_blob(t_shared("fixtures/peer/tiny_k3.json"), t_shared("fixtures/peer/tiny_k3.bin"), &o, &m,
+    CHECKF(!k3_model_open_blob(t_fixture("peer/tiny_k3.json"), t_fixture("peer/tiny_k3.bin"), &o, &m,
                                &err), "%s", err.msg);
     k3_model *r = open_oracle();
     CHECK(r);

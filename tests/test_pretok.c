@@ -1,6 +1,6 @@
 /* Tests for the pre-tokenizer (tokenizer/pretok.c): the PCRE2 rewrite of the
  * Kimi pattern is proven equivalent to the literal pattern from
- * ../shared/tokenizers/kimi/SOURCE.md, class by class over every code point,
+ * tests/fixtures/tokenizer/kimi/SOURCE.md, class by class over every code point,
  * and on the SOURCE.md example split. */
 #include "harness.h"
 #include "tokenizer/tokenizer.h"

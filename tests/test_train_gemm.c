@@ -1,4 +1,4 @@
-/* test_train_gemm.c: the training GEMM (src/train/tgemm.c): the AVX-512 tiles
+/* test_train_gemm.c: the training GEMM (src/kernels/gemm.c): the AVX-512 tiles
  * give the scalar reference's bits (F32 and the BF16 emulation of
  * vdpbf16ps), at 1 and 2 threads, over awkward shapes and all three stride
  * layouts the training products use; the F32 mode equals a written-out fma
@@ -10,7 +10,6 @@
 
 #include "harness.h"
 #include "kernels/kernels.h"
-#include "train/tgemm.h"
 #include "util/common.h"
 
 static uint64_t st = 0x9E3779B97F4A7C15ull;
@@ -124,7 +123,7 @@ TEST(tgemm_bf16_scalar_equals_simd) {
 /* The AMX path against an exact reference: BF16 operands (the emulation's
  * rounding, checked separately below) multiplied and summed in double. The
  * hardware's accumulation inside one TDPBF16PS is not a sequence of IEEE
- * roundings we can reproduce (tgemm.h), so the bound is the F32
+ * roundings we can reproduce (kernels.h, "the training GEMM"), so the bound is the F32
  * accumulation error: |got - exact| <= 2^-22 (|C0| + sum |a b|) per
  * instruction step, i.e. K/32 + 1 roundings of at most 2 ulp. The AMX bits
  * must not depend on the thread count. */

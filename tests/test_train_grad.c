@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "train/tgemm.h"
+#include "kernels/kernels.h"
 #include "tjson.h"
 #include "train/tinternal.h"
 
@@ -181,9 +181,10 @@ TEST(train_gradients_match_torch) {
  * or the emulation, whichever this CPU runs) against the same float64
  * reference, at the BF16 tolerance: the first loss within 2e-4 relative and
  * the first gradient norm within 1.5% (a BF16 rounding is 2^-9 = 2e-3
- * relative; the products' errors average out), then every loss within 2%
- * (the trajectories drift apart as the rounding perturbs the updates; a
- * mode that computed the wrong products is off by far more at step 0). */
+ * relative; the products' errors average out), then every loss within about
+ * twice the worst error measured for that optimiser (the trajectories drift
+ * apart as the rounding perturbs the updates; a mode that computed the wrong
+ * products is off by far more at step 0). */
 static void ten_steps_mode(const char *mode, bool bf16) {
     fixture f;
     CHECK(fx_load(&f));
@@ -242,10 +243,13 @@ static void ten_steps_mode(const char *mode, bool bf16) {
             fprintf(stderr, "%s bf16 step %d: loss %.6f want %.6f (%.1e), grad norm %.4f want %.4f\n", mode, s, loss,
                     want[s], e, gn, wgn[s]);
             /* measured worst: step 0 2.4e-5 (loss) and 3.6e-3 (grad norm); later
-             * losses 1.0e-2 (AdamW), 4.7e-3 (Muon). Later gradient norms are not
-             * compared: the reference's own swing step to step by 30-50% at this
-             * learning rate, so a BF16 perturbation moves them by as much. */
-            CHECKF(e < (s == 0 ? 2e-4 : 2e-2), "%s bf16 step %d: loss %.7f want %.7f", mode, s, loss, want[s]);
+             * losses 1.01e-2 (AdamW, step 9) and 4.65e-3 (Muon), on the BF16
+             * emulation (vdpbf16ps gives its bits: test_train_gemm.c; AMX was not
+             * measured); bounds 2e-2 and 1e-2. Later gradient norms are not compared: the reference's own
+             * swing step to step by 30-50% at this learning rate, so a BF16
+             * perturbation moves them by as much. */
+            double bound = s == 0 ? 2e-4 : oc.muon ? 1e-2 : 2e-2;
+            CHECKF(e < bound, "%s bf16 step %d: loss %.7f want %.7f (bound %.0e)", mode, s, loss, want[s], bound);
             if (s == 0)
                 CHECKF(fabs(gn - wgn[s]) < 1.5e-2 * wgn[s], "%s bf16: grad norm %.6f want %.6f", mode, gn, wgn[s]);
             if (s == 0) CHECKF(e > 1e-6, "%s bf16: loss equals F32's (%.1e): the mode is not on", mode, e);

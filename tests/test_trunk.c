@@ -5,6 +5,7 @@
 #include "memory/trunk.h"
 
 #include <stdlib.h>
+#include <jansson.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -186,9 +187,9 @@ static int identity_one_by_one(st_index *ix, char out[17], size_t *samples) {
 
 TEST(trunk_identity_batched_reads_same_value) {
     static const char *models[] = {"tests/fixtures/gen/k3_like", "tests/fixtures/gen/s2_two_dense",
-                                   "fixtures/peer/tiny-checkpoint"};
+                                   "peer/tiny-checkpoint"};
     for (int m = 0; m < 3; m++) {
-        const char *dir = m < 2 ? t_repo(models[m]) : t_shared(models[m]);
+        const char *dir = m < 2 ? t_repo(models[m]) : t_fixture(models[m]);
         st_index *ix;
         k3_err err = {0};
         CHECKF(st_open(dir, &ix, &err) == 0, "%s", err.msg);
@@ -258,7 +259,20 @@ TEST(trunk_old_identity_scheme_accepted) {
     CHECK(at != NULL && sch != NULL);
     memcpy(at, v1, 16);
     memcpy(sch, "\"identity_schemX\"", 17); /* an unknown key: as if absent */
-    CHECK(k3_write_file_atomic(json, text, n, &err) == 0);
+    /* the edited index must still carry a valid table checksum (the canonical
+     * form: compact, sorted keys, without the checksum itself) */
+    json_t *root = json_loads(text, 0, NULL);
+    CHECK(root != NULL);
+    free(text);
+    json_object_del(root, "table_crc32c");
+    char *canon = json_dumps(root, JSON_COMPACT | JSON_SORT_KEYS);
+    char crc[9];
+    snprintf(crc, sizeof crc, "%08x", k3_crc32c(0, canon, strlen(canon)));
+    free(canon);
+    json_object_set_new(root, "table_crc32c", json_string(crc));
+    text = json_dumps(root, JSON_INDENT(1));
+    json_decref(root);
+    CHECK(k3_write_file_atomic(json, text, strlen(text), &err) == 0);
     free(text);
     k3_trunk *t = NULL;
     CHECKF(k3_trunk_open(dir, ix, &t, &err) == 0, "%s", err.msg);
@@ -269,6 +283,28 @@ TEST(trunk_old_identity_scheme_accepted) {
     CHECK(k3_trunk_open(dir, ix, &t, &err) == K3_EXIT_DATA);
     CHECKF(strstr(err.msg, "different checkpoint") != NULL, "%s", err.msg);
     st_close(ix);
+}
+
+/* An index without its checksum (packed before it existed, or stripped) is
+ * refused: an edited offset there would otherwise be read as wrong weights. */
+TEST(trunk_index_without_checksum_refused) {
+    const char *model = t_repo("tests/fixtures/gen/k3_like");
+    char dir[1024], json[1100];
+    snprintf(dir, sizeof dir, "%s/trunk", t_outdir());
+    snprintf(json, sizeof json, "%s/trunk.json", dir);
+    k3_err err = {0};
+    CHECKF(k3_trunk_pack(model, dir, &err) == 0, "%s", err.msg);
+    char *text;
+    size_t n;
+    CHECK(k3_read_file(json, &text, &n, &err) == 0);
+    char *at = strstr(text, "\"table_crc32c\"");
+    CHECK(at != NULL);
+    memcpy(at, "\"table_crc32X\"", 14);
+    CHECK(k3_write_file_atomic(json, text, n, &err) == 0);
+    free(text);
+    k3_trunk *t = NULL;
+    CHECK(k3_trunk_open(dir, NULL, &t, &err) == K3_EXIT_DATA);
+    CHECKF(strstr(err.msg, "checksum") != NULL, "%s", err.msg);
 }
 
 TEST(trunk_interrupted_pack_is_not_a_trunk) {

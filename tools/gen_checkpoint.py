@@ -617,7 +617,7 @@ def main(argv=None):
                     choices=["num_experts", "moe_intermediate_size"])
     ap.add_argument("--tokenizer", default="auto",
                     help="directory with tiktoken.model + tokenizer_config.json to copy, 'none', "
-                    "or 'auto' (../shared/tokenizers/kimi when vocab_size >= 163840)")
+                    "or 'auto' (tests/fixtures/tokenizer/kimi when vocab_size >= 163840)")
     ap.add_argument("--force", action="store_true", help="replace OUT if it exists")
     ap.add_argument("--dry-run", action="store_true", help="print the size and config only")
     ap.add_argument("--ref-ids", metavar="IDS",
@@ -646,7 +646,7 @@ def main(argv=None):
             raise GenError("--layers-per-shard must be >= 1")
         if a.tokenizer == "auto":
             here = os.path.dirname(os.path.abspath(__file__))
-            kimi = os.path.join(here, "..", "..", "shared", "tokenizers", "kimi")
+            kimi = os.path.join(here, "..", "tests", "fixtures", "tokenizer", "kimi")
             a.tokenizer = kimi if spec["vocab_size"] >= KIMI_VOCAB and os.path.isdir(kimi) else None
         elif a.tokenizer == "none":
             a.tokenizer = None

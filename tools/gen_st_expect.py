@@ -1,14 +1,14 @@
 #!/usr/bin/python3
 """Writes tests/fixtures/formats/st_expect.json: the f32 bit patterns that each
-float tensor of ../shared/fixtures/peer/st/*.safetensors widens to, computed
+float tensor of tests/fixtures/peer/st/*.safetensors widens to, computed
 with numpy (F16 -> F32) and torch (BF16 -> F32), independently of k3's reader.
 Run from the repository root: /usr/bin/python3 tools/gen_st_expect.py"""
 import json, struct, sys
 import numpy as np
 import torch
 
-SHARDS = ["../shared/fixtures/peer/st/model-00001-of-00002.safetensors",
-          "../shared/fixtures/peer/st/model-00002-of-00002.safetensors"]
+SHARDS = ["tests/fixtures/peer/st/model-00001-of-00002.safetensors",
+          "tests/fixtures/peer/st/model-00002-of-00002.safetensors"]
 
 out = {}
 for path in SHARDS:

@@ -4,7 +4,7 @@
     /usr/bin/python3 tools/make_sparse_replica.py OUT_DIR [--release DIR]
 
 Reads the released config.json and model.safetensors.index.json.gz (default
-../shared/fixtures/k3-release) and writes OUT_DIR with the 96 shards
+tests/fixtures/k3-release of this repository) and writes OUT_DIR with the 96 shards
 model-000NN-of-000096.safetensors, each a real safetensors header followed by
 a hole where the tensor data would be (the file is extended with truncate, so
 the data takes no disk space), plus config.json and the uncompressed
@@ -187,7 +187,7 @@ def main(argv):
         print(__doc__.strip())
         return 0 if len(argv) >= 2 else 2
     out = argv[1]
-    rel = "../shared/fixtures/k3-release"
+    rel = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "k3-release")
     if len(argv) == 4 and argv[2] == "--release":
         rel = argv[3]
     elif len(argv) != 2:

@@ -109,8 +109,9 @@ int cmd_doctor(int argc, char **argv) {
         }
     const char *why = getenv("K3_ISA") && *getenv("K3_ISA") ? "set by K3_ISA" : "the best available";
     printf("kernels    %s (%s; available: %s; all give the same bits)\n", k_path_name(), why, paths);
-    if (k_isa_active() != K_ISA_AVX512 && k_isa_active() != K_ISA_AVX2)
-        printf("           training GEMMs use the scalar reference on this path (same bits, slower)\n");
+    char tg[256];
+    k3_train_gemm_describe(tg, sizeof tg);
+    printf("training   products: %s\n", tg);
 
     uint64_t avail = k3_mem_available_bytes();
     k3_budget b = k3_budget_auto(avail);

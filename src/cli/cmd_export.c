@@ -106,6 +106,9 @@ int cmd_export(int argc, char **argv) {
     if ((rc = k3_config_parse(ck.meta.config_json, ckpt_path, &cfg, &err))) goto done;
     if ((rc = tm_build(&m, &cfg, &err))) goto done;
     if ((rc = tckpt_load(&ck, &m, NULL, &err))) goto done;
+    if (ck.unverified)
+        fprintf(stderr, "k3: note: %s is a version 1 checkpoint without a payload checksum: its weights are not verified\n",
+                ckpt_path);
     if (!no_tok) {
         if (!data_dir) data_dir = ck.meta.data_dir;
         if (!data_dir || !*data_dir) {

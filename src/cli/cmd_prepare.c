@@ -12,6 +12,8 @@
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <dirent.h>
+#include <signal.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -380,10 +382,62 @@ static json_t *split_json(const split_stats *s) {
     return o;
 }
 
+/* Removes a flat directory (the staging directory holds plain files only). */
+static void remove_dir(const char *dir) {
+    DIR *d = opendir(dir);
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d))) {
+            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+            char p[8400];
+            snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+            unlink(p);
+        }
+        closedir(d);
+    }
+    rmdir(dir);
+}
+
+static void remove_stale_stages(const char *out_dir) {
+    DIR *d = opendir(out_dir);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int64_t pid;
+        if (strncmp(e->d_name, ".k3-prepare.tmp.", 16) != 0 || !k3_parse_i64(e->d_name + 16, 1, INT32_MAX, &pid))
+            continue;
+        if (pid == (int64_t)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        char p[8400];
+        snprintf(p, sizeof p, "%s/%s", out_dir, e->d_name);
+        remove_dir(p);
+    }
+    closedir(d);
+}
+
+/* Moves every staged file into out_dir (each rename is atomic). */
+static int unstage(const char *stage, const char *out_dir, k3_err *err) {
+    DIR *d = opendir(stage);
+    if (!d) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot read: %s", stage, strerror(errno));
+    struct dirent *e;
+    int rc = K3_OK;
+    while (!rc && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char from[8400], to[8400];
+        snprintf(from, sizeof from, "%s/%s", stage, e->d_name);
+        snprintf(to, sizeof to, "%s/%s", out_dir, e->d_name);
+        if (rename(from, to) != 0) rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot move into place: %s", to, strerror(errno));
+    }
+    closedir(d);
+    if (!rc) rmdir(stage);
+    return rc;
+}
+
 int cmd_prepare(int argc, char **argv) {
     const char **inputs = xcalloc((size_t)argc, sizeof *inputs), **vinputs = xcalloc((size_t)argc, sizeof *vinputs);
     int n_in = 0, n_vin = 0;
     const char *out_dir = NULL, *tok_dir = NULL, *pattern = "kimi";
+    char stage[3900];
+    bool staged = false;
     uint64_t vocab = 8192, tok_stories = 0, val_stories = 0, threads = 0;
     double val_frac = 0.05;
     bool have_val_stories = false, have_val_frac = false;
@@ -491,6 +545,21 @@ int cmd_prepare(int argc, char **argv) {
         vlen = train.len + train.n;
     }
     if ((rc = mkdir_p(out_dir, &err))) goto done;
+    /* Everything is written into a staging directory inside out_dir and moved
+     * into place only when all of it is written: a failure (a full disk, a
+     * bad input half-way) leaves the previous tokenizer and shards whole. A
+     * staging directory of a process that no longer exists is removed. */
+    remove_stale_stages(out_dir);
+    if (snprintf(stage, sizeof stage, "%s/.k3-prepare.tmp.%ld", out_dir, (long)getpid()) >= (int)sizeof stage) {
+        rc = k3_fail(&err, K3_EXIT_USAGE, "%s: path too long", out_dir);
+        goto done;
+    }
+    if (mkdir(stage, 0755) != 0) {
+        rc = k3_fail(&err, K3_EXIT_RUNTIME, "%s: cannot create: %s", stage, strerror(errno));
+        goto done;
+    }
+    staged = true;
+    const char *wdir = stage;
 
     if (tok_dir) {
         /* reuse: copy the tokenizer so the output directory is self-contained */
@@ -498,7 +567,7 @@ int cmd_prepare(int argc, char **argv) {
         const char *names[2] = {"tiktoken.model", "tokenizer_config.json"};
         for (int k = 0; k < 2 && !rc; k++) {
             if (snprintf(src, sizeof src, "%s/%s", tok_dir, names[k]) >= (int)sizeof src ||
-                snprintf(path, sizeof path, "%s/%s", out_dir, names[k]) >= (int)sizeof path) {
+                snprintf(path, sizeof path, "%s/%s", wdir, names[k]) >= (int)sizeof path) {
                 rc = k3_fail(&err, K3_EXIT_USAGE, "%s: path too long", out_dir);
                 break;
             }
@@ -533,13 +602,13 @@ int cmd_prepare(int argc, char **argv) {
         if (!rc && m.n_tokens < (int)(vocab - N_RESERVED))
             fprintf(stderr, "k3: note: the tokenizer stories allow only %d BPE tokens; the vocabulary is %d, not %llu\n",
                     m.n_tokens, m.n_tokens + N_RESERVED, (unsigned long long)vocab);
-        if (!rc) rc = bpe_write_tiktoken(&m, out_dir, specials, 1, N_RESERVED, EOT_TEXT, pattern, &err);
+        if (!rc) rc = bpe_write_tiktoken(&m, wdir, specials, 1, N_RESERVED, EOT_TEXT, pattern, &err);
         bpe_model_free(&m);
         if (rc) goto done;
         t_tok = k3_now() - ts;
     }
 
-    if ((rc = tok_load(out_dir, &tk, &err))) goto done;
+    if ((rc = tok_load(wdir, &tk, &err))) goto done;
     int32_t eot = tok_special_id(tk, EOT_TEXT);
     if (eot < 0) eot = tok_eos_id(tk);
     if (eot < 0) {
@@ -548,15 +617,15 @@ int cmd_prepare(int argc, char **argv) {
         goto done;
     }
     uint64_t hash;
-    if ((rc = data_tokenizer_hash(out_dir, &hash, &err))) goto done;
+    if ((rc = data_tokenizer_hash(wdir, &hash, &err))) goto done;
     double te = k3_now();
-    if (snprintf(path, sizeof path, "%s/train.bin", out_dir) >= (int)sizeof path) {
+    if (snprintf(path, sizeof path, "%s/train.bin", wdir) >= (int)sizeof path) {
         rc = k3_fail(&err, K3_EXIT_USAGE, "%s: path too long", out_dir);
         goto done;
     }
     rc = write_split(tk, path, train.doc, train.len, train.n, eot, hash, "tokenize train", &st_train, &err);
     if (!rc && n_val) {
-        snprintf(path, sizeof path, "%s/val.bin", out_dir);
+        snprintf(path, sizeof path, "%s/val.bin", wdir);
         rc = write_split(tk, path, vdoc, vlen, n_val, eot, hash, "tokenize val", &st_val, &err);
     }
     if (rc) goto done;
@@ -578,13 +647,15 @@ int cmd_prepare(int argc, char **argv) {
     json_object_set_new(root, "seconds_total", json_real(k3_now() - t0));
     char *js = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
     json_decref(root);
-    snprintf(path, sizeof path, "%s/stats.json", out_dir);
+    snprintf(path, sizeof path, "%s/stats.json", wdir);
     size_t jl = strlen(js);
     js = xrealloc(js, jl + 2);
     js[jl] = '\n';
     rc = k3_write_file_atomic(path, js, jl + 1, &err);
     free(js);
     if (rc) goto done;
+    if ((rc = unstage(stage, out_dir, &err))) goto done;
+    staged = false;
 
     printf("%-11s %10s %14s %12s %12s\n", "split", "stories", "bytes", "tokens", "bytes/token");
     const split_stats *ss[2] = {&st_train, &st_val};
@@ -599,6 +670,7 @@ int cmd_prepare(int argc, char **argv) {
            tok_vocab_size(tk), tok_n_base(tk), eot, t_tok, t_enc, out_dir);
 
 done:
+    if (staged) remove_dir(stage);
     if (tk) tok_free(tk);
     corpus_free(&train);
     corpus_free(&valc);

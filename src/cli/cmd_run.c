@@ -2,9 +2,7 @@
  * decode token by token (or recompute the whole prefix each step with --full),
  * streaming text to stdout and a report to stderr. */
 #include "cli/commands.h"
-#include "memory/runmem.h"
-#include "model/model.h"
-#include "tokenizer/tokenizer.h"
+#include "engine/engine.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -29,8 +27,6 @@ const char *const cmd_run_help =
     "  --ids 1,2,3          token ids as given (works without a tokenizer)\n"
     "\n"
     "options:\n"
-    "  --tok DIR            tokenizer directory (tiktoken.model); default MODEL_DIR,\n"
-    "                       where a missing tokenizer is fine (then only --ids works)\n"
     "  --gen N              generate at most N tokens (default 32); generation also\n"
     "                       stops at the config's eos_token_id (else the tokenizer's)\n"
     "  --incremental        prefill once, then feed one token per step (default)\n"
@@ -39,16 +35,6 @@ const char *const cmd_run_help =
     "  --temperature T      sample at temperature T (default 0: greedy argmax)\n"
     "  --top-k K, --top-p P, --min-p P   sampling filters (need --temperature > 0)\n"
     "  --seed S             sampling seed (default 0); same seed, same tokens\n"
-    "  --threads N          OpenMP threads (the logits do not depend on N)\n"
-    "  --layers N           run only the first N layers (partial checkpoints)\n"
-    "  --max-memory SIZE    memory budget, e.g. 8G (default: MemAvailable); the run\n"
-    "                       is refused up front (exit 3) if weights + state at the\n"
-    "                       requested length do not fit\n"
-    "  --kda-chunk C        prefill KDA in the chunkwise form, chunk length C\n"
-    "                       (faster for long prompts; equal to fp32 rounding, not\n"
-    "                       bit-identical to token-by-token decoding)\n"
-    "  --peer-mla-eps       MLA latent norms use rms_norm_eps (the peer engine's\n"
-    "                       reading) instead of the released fixed 1e-6\n"
     "  --out FILE.json      write prompt_ids, generated_ids, text, prefill_s,\n"
     "                       decode_s, tokens_per_s, peak_rss_bytes, threads, ...\n"
     "  --dump-logits FILE   little-endian f32 rows of vocab_size logits, one per\n"
@@ -58,22 +44,21 @@ const char *const cmd_run_help =
     "  --verbose            also report every forward call on stderr (time, bytes\n"
     "                       read, expert hits); --out always has these lines\n"
     "\n"
-    K3_RUNMEM_HELP
+    K3_ENGINE_HELP
     "\n"
     "exit codes: 0 ok, 1 runtime/I-O, 2 usage or bad input (empty prompt, id\n"
     "outside the vocabulary), 3 cannot fit the memory budget, 4 checkpoint data\n"
     "error (missing tensor, wrong shape or dtype)\n";
 
 typedef struct {
-    const char *model_dir, *tok_dir, *prompt, *prompt_file, *ids, *out, *dump;
+    const char *model_dir, *prompt, *prompt_file, *ids, *out, *dump;
     int64_t gen;
-    bool full, incremental, quiet, verbose, peer_eps;
-    int threads, layers, kda_chunk;
+    bool full, incremental, quiet, verbose;
     float temperature, top_p, min_p;
     int top_k;
-    uint64_t seed, max_memory;
+    uint64_t seed;
     bool sampling_flag;
-    k3_runmem_args mem;    /* issue 4: memory budget flags (memory/runmem.h) */
+    k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } run_args;
 
 /* ---- argument parsing ---------------------------------------------------- */
@@ -89,34 +74,9 @@ static bool parse_f(const char *s, float *out) {
     return true;
 }
 
-static bool parse_size(const char *s, uint64_t *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || v < 0 || !isfinite(v)) return false;
-    double mul = 1;
-    if (*end) {
-        switch (*end) {
-        case 'k': case 'K': mul = 1024.0; break;
-        case 'm': case 'M': mul = 1024.0 * 1024; break;
-        case 'g': case 'G': mul = 1024.0 * 1024 * 1024; break;
-        case 't': case 'T': mul = 1024.0 * 1024 * 1024 * 1024; break;
-        default: return false;
-        }
-        end++;
-        if (*end == 'B' || *end == 'b') end++;
-        if (*end) return false;
-    }
-    double b = v * mul;
-    if (b >= 1.8e19) return false;
-    *out = (uint64_t)b;
-    return true;
-}
-
 static int parse_args(int argc, char **argv, run_args *a) {
     memset(a, 0, sizeof *a);
-    k3_runmem_args_init(&a->mem);
+    k3_engine_opts_init(&a->eo);
     a->gen = 32;
     a->top_p = 1.0f;
     for (int i = 1; i < argc; i++) {
@@ -132,7 +92,7 @@ static int parse_args(int argc, char **argv, run_args *a) {
         if (o[0] != '-' || !o[1]) {
             if (a->model_dir) return k3_usage_error("run", "unexpected argument '%s'", o);
             a->model_dir = o;
-        } else if (!strcmp(o, "--tok")) { NEED_VALUE(); a->tok_dir = v; }
+        }
         else if (!strcmp(o, "--prompt")) { NEED_VALUE(); if (a->prompt) return k3_usage_error("run", "--prompt given twice"); a->prompt = v; }
         else if (!strcmp(o, "--prompt-file")) { NEED_VALUE(); if (a->prompt_file) return k3_usage_error("run", "--prompt-file given twice"); a->prompt_file = v; }
         else if (!strcmp(o, "--ids")) { NEED_VALUE(); if (a->ids) return k3_usage_error("run", "--ids given twice"); a->ids = v; }
@@ -144,22 +104,9 @@ static int parse_args(int argc, char **argv, run_args *a) {
         else if (!strcmp(o, "--incremental")) a->incremental = true;
         else if (!strcmp(o, "--quiet")) a->quiet = true;
         else if (!strcmp(o, "--verbose")) a->verbose = true;
-        else if (!strcmp(o, "--peer-mla-eps")) a->peer_eps = true;
         else if (!strcmp(o, "--out")) { NEED_VALUE(); a->out = v; }
         else if (!strcmp(o, "--dump-logits")) { NEED_VALUE(); a->dump = v; }
-        else if (!strcmp(o, "--threads")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--threads: '%s' is not in 1..4096", v);
-            a->threads = (int)n;
-        } else if (!strcmp(o, "--layers")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 1, K3_MAX_LAYERS, &n)) return k3_usage_error("run", "--layers: '%s' is not a layer count >= 1", v);
-            a->layers = (int)n;
-        } else if (!strcmp(o, "--kda-chunk")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 1, 4096, &n)) return k3_usage_error("run", "--kda-chunk: '%s' is not in 1..4096", v);
-            a->kda_chunk = (int)n;
-        } else if (!strcmp(o, "--temperature")) {
+        else if (!strcmp(o, "--temperature")) {
             NEED_VALUE();
             if (!parse_f(v, &a->temperature) || a->temperature < 0)
                 return k3_usage_error("run", "--temperature: '%s' is not a number >= 0", v);
@@ -182,20 +129,15 @@ static int parse_args(int argc, char **argv, run_args *a) {
             NEED_VALUE();
             if (!k3_parse_i64(v, 0, INT64_MAX, &n)) return k3_usage_error("run", "--seed: '%s' is not an integer >= 0", v);
             a->seed = (uint64_t)n;
-        } else if (!strcmp(o, "--max-memory")) {
-            NEED_VALUE();
-            if (!parse_size(v, &a->max_memory) || !a->max_memory)
-                return k3_usage_error("run", "--max-memory: '%s' is not a size like 512M or 8G", v);
         } else {
-            /* issue 4: the memory budget flags */
             bool used;
             k3_err e = {0};
-            if (k3_runmem_parse(&a->mem, argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (k3_engine_parse_flag(&a->eo, "run", argc, argv, &i, &used, &e)) return k3_report(&e);
             if (!used) return k3_usage_error("run", "unknown option '%s'", o);
         }
 #undef NEED_VALUE
     }
-    if (a->mem.list_presets) return K3_OK;
+    if (a->eo.mem.list_presets) return K3_OK;
     if (!a->model_dir) return k3_usage_error("run", "no MODEL_DIR given");
     int np = !!a->prompt + !!a->prompt_file + !!a->ids;
     if (np != 1)
@@ -209,29 +151,13 @@ static int parse_args(int argc, char **argv, run_args *a) {
 
 /* ---- helpers ------------------------------------------------------------- */
 
-static bool is_file(const char *path) {
-    struct stat st;
-    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
-}
-
-static int load_tokenizer(const run_args *a, k3_tokenizer **tok, k3_err *err) {
-    *tok = NULL;
-    const char *dir = a->tok_dir ? a->tok_dir : a->model_dir;
-    char path[4096];
-    int k = snprintf(path, sizeof path, "%s/tiktoken.model", dir);
-    if (k < 0 || (size_t)k >= sizeof path) return k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
-    if (!a->tok_dir && !is_file(path)) return K3_OK; /* no tokenizer in the model dir: ids only */
-    return tok_load(dir, tok, err);
-}
-
-static int prompt_ids(const run_args *a, const k3_tokenizer *tok, int vocab, int32_t **ids, size_t *n,
-                      k3_err *err) {
+static int prompt_ids(const run_args *a, const k3_engine *e, int32_t **ids, size_t *n, k3_err *err) {
     if (a->ids) {
         if (!*a->ids) return k3_fail(err, K3_EXIT_USAGE, "--ids: empty prompt");
-        return k3_parse_ids(a->ids, vocab, ids, n, err);
+        return k3_parse_ids(a->ids, e->vocab, ids, n, err);
     }
     const char *what = a->prompt ? "--prompt" : a->prompt_file;
-    if (!tok)
+    if (!e->tok)
         return k3_fail(err, K3_EXIT_USAGE, "%s: no tokenizer (no tiktoken.model in %s): use --ids or --tok DIR", what,
                        a->model_dir);
     char *text = NULL;
@@ -245,21 +171,15 @@ static int prompt_ids(const run_args *a, const k3_tokenizer *tok, int vocab, int
     }
     int rc = K3_OK;
     if (len == 0) rc = k3_fail(err, K3_EXIT_USAGE, "%s: empty prompt", what);
-    else rc = tok_encode(tok, text, len, true, ids, n, err);
+    else rc = k3_engine_encode(e, what, text, len, true, ids, n, err);
     free(text);
-    if (!rc && *n == 0) rc = k3_fail(err, K3_EXIT_USAGE, "%s: the prompt encodes to no tokens", what);
-    for (size_t i = 0; !rc && i < *n; i++)
-        if ((*ids)[i] >= vocab)
-            rc = k3_fail(err, K3_EXIT_USAGE, "%s: token id %d is outside the model's vocabulary [0, %d)", what,
-                         (*ids)[i], vocab);
-    if (rc) {
+    if (!rc && *n == 0) {
         free(*ids);
         *ids = NULL;
+        rc = k3_fail(err, K3_EXIT_USAGE, "%s: the prompt encodes to no tokens", what);
     }
     return rc;
 }
-
-static double gib(uint64_t b) { return (double)b / (1024.0 * 1024 * 1024); }
 
 /* Writes n rows of logits to the dump (little-endian f32). */
 static int dump_rows(k3_atomic_file *df, const float *rows, size_t nfloats, k3_err *err) {
@@ -269,7 +189,7 @@ static int dump_rows(k3_atomic_file *df, const float *rows, size_t nfloats, k3_e
     return k3_atomic_write(df, rows, nfloats * sizeof(float), err);
 }
 
-/* issue 4: an upper bound on the prompt's tokens, known before the tokenizer
+/* An upper bound on the prompt's tokens, known before the tokenizer
  * and the weights are loaded (a token is at least one byte; one BOS). */
 static int64_t prompt_bound(const run_args *a) {
     if (a->ids) {
@@ -286,6 +206,7 @@ static int64_t prompt_bound(const run_args *a) {
 
 typedef struct {
     const run_args *a;
+    k3_engine *e;
     k3_model *m;
     k3_state *s;
     k3_tokenizer *tok;
@@ -295,12 +216,14 @@ typedef struct {
     int32_t *seq;      /* prompt + generated */
     size_t nseq, nprompt;
     float *logits;     /* [chunk][V] when dumping the prompt, else [V] */
-    k3_runmem *rm;     /* issue 4: plan, streaming source, run report */
+    k3_runmem *rm;     /* plan, streaming source, run report */
     k3_atomic_file df;
     bool dumping;
 } run_ctx;
 
-static void emit_token(run_ctx *r, int32_t id) {
+/* Streams one token's text (or id); a write error on stdout (a full disk or
+ * device) stops the run instead of generating into the void. */
+static int emit_token(run_ctx *r, int32_t id, k3_err *err) {
     if (r->tok) {
         size_t len = 0;
         tok_token_bytes(r->tok, id, &len);
@@ -317,6 +240,8 @@ static void emit_token(run_ctx *r, int32_t id) {
         printf("%s%d", r->nseq > r->nprompt + 1 ? " " : "", id);
         fflush(stdout);
     }
+    if (ferror(stdout)) return k3_fail(err, K3_EXIT_RUNTIME, "standard output: write failed: %s", strerror(errno));
+    return K3_OK;
 }
 
 /* Feeds the prompt in slices (a progress bar for long prompts; when dumping,
@@ -324,7 +249,7 @@ static void emit_token(run_ctx *r, int32_t id) {
  * change the logits bits. Leaves the last row's logits in r->logits[0..V). */
 static int prefill(run_ctx *r, k3_err *err) {
     size_t V = (size_t)k3_model_config(r->m)->vocab_size;
-    const size_t slice = (size_t)k3_runmem_chunk(r->rm); /* issue 4: --chunk */
+    const size_t slice = (size_t)k3_runmem_chunk(r->rm); /* --chunk */
     k3_progress pb;
     k3_progress_start(&pb, "prefill", r->nprompt, false);
     if (r->a->quiet) pb.enabled = false;
@@ -336,9 +261,21 @@ static int prefill(run_ctx *r, k3_err *err) {
         if (rc) return rc;
         if (r->dumping && n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
         k3_progress_update(&pb, i + n);
-        k3_runmem_step(r->rm, true, (int)n, r->a->verbose && !r->a->quiet ? stderr : NULL); /* issue 4 */
+        k3_runmem_step(r->rm, true, (int)n, r->e->step_log);
     }
     k3_progress_finish(&pb);
+    return K3_OK;
+}
+
+/* Non-finite logits (NaN or Inf weights) would make greedy decoding pick
+ * token 0 forever: the run stops instead. */
+static int check_logits(const run_ctx *r, k3_err *err) {
+    size_t V = (size_t)k3_model_config(r->m)->vocab_size;
+    for (size_t i = 0; i < V; i++)
+        if (!isfinite(r->logits[i]))
+            return k3_fail(err, K3_EXIT_DATA,
+                           "%s: logit %zu is not finite (%g) after %zu tokens: the checkpoint holds non-finite weights",
+                           r->a->model_dir, i, (double)r->logits[i], r->nseq);
     return K3_OK;
 }
 
@@ -348,7 +285,7 @@ static int step(run_ctx *r, k3_err *err) {
     int rc;
     if (r->a->full) {
         k3_state_reset(r->s);
-        size_t slice = (size_t)k3_runmem_chunk(r->rm); /* issue 4: the plan's batch */
+        size_t slice = (size_t)k3_runmem_chunk(r->rm); /* the plan's batch */
         rc = K3_OK;
         for (size_t i = 0; !rc && i < r->nseq; i += slice) {
             size_t n = r->nseq - i < slice ? r->nseq - i : slice;
@@ -357,7 +294,7 @@ static int step(run_ctx *r, k3_err *err) {
     } else {
         rc = k3_forward(r->m, r->s, r->seq + r->nseq - 1, 1, r->logits, false, err);
     }
-    if (!rc) k3_runmem_step(r->rm, false, 1, r->a->verbose && !r->a->quiet ? stderr : NULL);
+    if (!rc) k3_runmem_step(r->rm, false, 1, r->e->step_log);
     if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, V, err);
     return rc;
 }
@@ -402,7 +339,7 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
     json_object_set_new(o, "peak_rss_bytes", json_integer((json_int_t)k3_peak_rss_bytes()));
     json_object_set_new(o, "threads", json_integer(threads));
     json_object_set_new(o, "layers", json_integer(k3_model_config(r->m)->num_layers));
-    k3_runmem_json(r->rm, o); /* issue 4 */
+    k3_runmem_json(r->rm, o);
     char *txt = json_dumps(o, JSON_INDENT(1));
     json_decref(o);
     if (!txt) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot serialise the report", r->a->out);
@@ -419,43 +356,27 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
 static int run(const run_args *a, k3_err *err) {
     run_ctx r = {.a = a};
     int rc;
-    if (a->threads > 0) omp_set_num_threads(a->threads);
-    int threads = omp_get_max_threads();
-    k3_model_opts mo = {.layers = a->layers, .peer_mla_eps = a->peer_eps, .kda_chunk = a->kda_chunk};
-    /* issue 4: the memory plan comes first (exit 3 before any weight is read);
-     * the model then keeps only its model-level tensors and the stream serves
-     * the layers and the routed experts */
-    if ((rc = k3_runmem_begin(&a->mem, a->model_dir, a->layers, prompt_bound(a) + a->gen, a->max_memory, &r.rm, err)))
-        goto done;
-    mo.top_only = true;
-    mo.prefill_chunk = k3_runmem_chunk(r.rm); /* the plan's chunk: its scratch is what the plan counted */
-    if ((rc = k3_model_open(a->model_dir, &mo, &r.m, err))) goto done;
-    if ((rc = k3_runmem_attach(r.rm, r.m, err))) goto done;
-    const k3_config *c = k3_model_config(r.m);
+    /* a bad output path fails now, not after the whole generation */
+    if (a->out && (rc = k3_check_output_path(a->out, "--out", err))) goto done;
+    if (a->dump && (rc = k3_check_output_path(a->dump, "--dump-logits", err))) goto done;
+    k3_engine_opts eo = a->eo;
+    eo.model_dir = a->model_dir;
+    eo.max_pos = prompt_bound(a) + a->gen;
+    if ((rc = k3_engine_open(&eo, &r.e, err))) goto done;
+    r.m = r.e->model;
+    r.tok = r.e->tok;
+    r.rm = r.e->rm;
+    r.e->step_log = a->verbose && !a->quiet ? stderr : NULL;
+    int threads = r.e->threads;
+    const k3_config *c = r.e->cfg;
     size_t V = (size_t)c->vocab_size;
-    if ((rc = load_tokenizer(a, &r.tok, err))) goto done;
     int32_t *pids = NULL;
-    if ((rc = prompt_ids(a, r.tok, c->vocab_size, &pids, &r.nprompt, err))) goto done;
+    if ((rc = prompt_ids(a, r.e, &pids, &r.nprompt, err))) goto done;
 
-    /* the memory plan, before any state is allocated */
+    /* the state at the real length, before anything else is allocated */
     int64_t max_pos = (int64_t)r.nprompt + a->gen;
-    k3_state_plan plan = k3_state_size(r.m, max_pos);
-    uint64_t wbytes = k3_model_weight_bytes(r.m);
-    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (a->dump ? (uint64_t)k3_runmem_chunk(r.rm) : 1);
-    uint64_t need = plan.total + wbytes + logit_bytes;
-    if (need < plan.total) need = UINT64_MAX;
-    uint64_t budget = a->max_memory ? a->max_memory : k3_mem_available_bytes();
-    const char *bname = a->max_memory ? "--max-memory" : "MemAvailable";
-    if ((budget && need > budget) || max_pos > INT_MAX - 1) {
-        free(pids);
-        rc = k3_fail(err, K3_EXIT_BUDGET,
-                     "%s: %zu prompt + %lld generated tokens need %.3f GiB (weights %.3f, KDA state %.3f, "
-                     "MLA cache %.3f, scratch %.3f) but %s is %.3f GiB",
-                     a->model_dir, r.nprompt, (long long)a->gen, gib(need), gib(wbytes), gib(plan.kda_bytes),
-                     gib(plan.mla_bytes), gib(plan.scratch_bytes), bname, gib(budget));
-        goto done;
-    }
-    if ((rc = k3_state_new(r.m, (int)max_pos, &r.s, err))) { free(pids); goto done; }
+    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (a->dump ? (uint64_t)r.e->chunk : 1);
+    if ((rc = k3_engine_state_new(r.e, max_pos, logit_bytes, &r.s, err))) { free(pids); goto done; }
     r.seq = xmalloc_array((size_t)max_pos, sizeof *r.seq);
     memcpy(r.seq, pids, r.nprompt * sizeof *r.seq);
     free(pids);
@@ -471,7 +392,7 @@ static int run(const run_args *a, k3_err *err) {
         fprintf(stderr, "model %s: %d layers (%s), vocab %d; prompt %zu tokens; threads %d\n", a->model_dir,
                 c->num_layers, a->full ? "full recompute" : "incremental", c->vocab_size, r.nprompt, threads);
 
-    if (!a->quiet) k3_runmem_print_plan(r.rm, stderr); /* issue 4 */
+    if (!a->quiet) k3_runmem_print_plan(r.rm, stderr);
     k3_sampler sp;
     k3_sampler_init(&sp, (int)V, a->temperature, a->top_k, a->top_p, a->min_p, a->seed);
     double t0 = k3_now();
@@ -479,13 +400,14 @@ static int run(const run_args *a, k3_err *err) {
     rc = prefill(&r, err);
     double t1 = k3_now(), t2 = t1;
     for (int64_t g = 0; !rc && g < a->gen; g++) {
+        if ((rc = check_logits(&r, err))) break;
         int id = k3_sample(&sp, r.logits);
         r.seq[r.nseq++] = id;
         /* the end-of-sequence token ends the text; its name is not part of it
          * (it is still in generated_ids) */
         if (id == eos) { stop = "eos"; break; }
-        emit_token(&r, id);
-        if (g + 1 < a->gen) rc = step(&r, err);
+        rc = emit_token(&r, id, err);
+        if (!rc && g + 1 < a->gen) rc = step(&r, err);
     }
     t2 = k3_now();
     k3_sampler_free(&sp);
@@ -503,7 +425,7 @@ static int run(const run_args *a, k3_err *err) {
     }
     size_t ngen = r.nseq - r.nprompt;
     double prefill_s = t1 - t0, decode_s = t2 - t1;
-    if (!a->quiet) k3_runmem_summary(r.rm, stderr); /* issue 4 */
+    if (!a->quiet) k3_runmem_summary(r.rm, stderr);
     if (!a->quiet)
         fprintf(stderr,
                 "prefill %zu tokens in %.3f s (%.1f tok/s); generated %zu tokens (stop: %s), decode %.3f s "
@@ -517,10 +439,8 @@ done:
     free(r.seq);
     free(r.logits);
     free(r.tbuf);
-    k3_state_free(r.s);
-    if (r.tok) tok_free(r.tok);
-    k3_model_free(r.m);
-    k3_runmem_free(r.rm);
+    if (r.e) k3_engine_state_free(r.e, r.s);
+    k3_engine_free(r.e);
     return rc;
 }
 
@@ -529,7 +449,7 @@ int cmd_run(int argc, char **argv) {
     int rc = parse_args(argc, argv, &a);
     if (rc < 0) return K3_OK; /* --help */
     if (rc) return rc;
-    if (a.mem.list_presets) { /* issue 4 */
+    if (a.eo.mem.list_presets) {
         k3_presets_print(stdout);
         return K3_OK;
     }

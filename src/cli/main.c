@@ -2,6 +2,7 @@
  * accepted as `k3 run MODEL_DIR ...` (the released engine's form). */
 #include "cli/commands.h"
 
+#include <errno.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -67,7 +68,7 @@ static int print_help(const command *c) {
     return K3_OK;
 }
 
-int main(int argc, char **argv) {
+static int dispatch(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "k3: no command given (see 'k3 --help')\n");
         return K3_EXIT_USAGE;
@@ -100,4 +101,22 @@ int main(int argc, char **argv) {
     }
     if (!c->fn) { fprintf(stderr, "k3: command '%s' is not available in this build\n", a); return K3_EXIT_USAGE; }
     return c->fn(argc - 1, argv + 1);
+}
+
+/* Output to a full disk or device (`> /dev/full`) is a failure, whatever the
+ * command: buffered text is flushed here and any write error is one line. */
+static int check_stdout(int rc) {
+    errno = 0;
+    bool flush_failed = fflush(stdout) != 0;
+    int e = errno;
+    if ((flush_failed || ferror(stdout)) && rc == K3_OK) {
+        if (flush_failed && e) fprintf(stderr, "k3: standard output: write failed: %s\n", strerror(e));
+        else fprintf(stderr, "k3: standard output: write failed\n");
+        return K3_EXIT_RUNTIME;
+    }
+    return rc;
+}
+
+int main(int argc, char **argv) {
+    return check_stdout(dispatch(argc, argv));
 }

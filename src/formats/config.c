@@ -100,9 +100,15 @@ static bool get_int(reader *r, int scope, const char *const *names, bool require
         if (required) list_add(r, r->missing, sizeof r->missing, "%s", names[0]);
         return false;
     }
-    if (!json_is_integer(v) || json_integer_value(v) < -2147483647LL ||
-        json_integer_value(v) > 2147483647LL) {
+    if (!json_is_integer(v)) {
         list_add(r, r->badtype, sizeof r->badtype, "%s (want integer)", as);
+        return false;
+    }
+    json_int_t x = json_integer_value(v);
+    if (x > K3_MAX_DIM || x < -K3_MAX_DIM) {
+        if (r->code == K3_OK)
+            r->code = k3_fail(r->err, K3_EXIT_USAGE, "%s: %s %lld is too %s (k3 takes config integers up to %d)",
+                              r->name, as, (long long)x, x > 0 ? "large" : "small", K3_MAX_DIM);
         return false;
     }
     *out = (int)json_integer_value(v);
@@ -345,6 +351,54 @@ int k3_config_parse(const char *json_text, const char *name, k3_config *c, k3_er
     };
     for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++)
         if ((rc = positive(&r, pos[i].k, pos[i].v))) goto out;
+    /* sizes derived from the dimensions: every one computed in 64 bits here,
+     * so that the int arithmetic of the model and the trainer cannot wrap.
+     * A derived dimension (a projection's row count) stays within
+     * K3_MAX_DIM, one matrix within K3_MAX_MATRIX elements. */
+    {
+        const int64_t kp = (int64_t)c->kda_heads * c->kda_head_dim;
+        const int64_t qk = (int64_t)c->qk_nope_dim + c->qk_rope_dim;
+        const struct { const char *what; int64_t v; } dims[] = {
+            {"num_heads x head_dim (KDA)", kp},
+            {"num_attention_heads x (qk_nope_head_dim + qk_rope_head_dim)", (int64_t)c->mla_heads * qk},
+            {"num_attention_heads x (qk_nope_head_dim + v_head_dim)",
+             (int64_t)c->mla_heads * ((int64_t)c->qk_nope_dim + c->v_head_dim)},
+            {"2 x num_attention_heads", 2 * (int64_t)c->mla_heads},
+            {"kv_lora_rank + qk_rope_head_dim", (int64_t)c->kv_lora_rank + c->qk_rope_dim},
+            {"num_shared_experts x moe_intermediate_size", (int64_t)c->num_shared_experts * c->moe_inter},
+            {"num_experts x num_experts_per_token", (int64_t)c->num_experts * c->experts_per_token},
+        };
+        for (size_t i = 0; i < sizeof dims / sizeof dims[0]; i++)
+            if (dims[i].v > K3_MAX_DIM) {
+                rc = k3_fail(err, K3_EXIT_USAGE, "%s: %s = %lld is too large (at most %d)", name, dims[i].what,
+                             (long long)dims[i].v, K3_MAX_DIM);
+                goto out;
+            }
+        const int64_t E = c->hidden_size;
+        const struct { const char *what; int64_t a, b; } mats[] = {
+            {"vocab_size x hidden_size", c->vocab_size, E},
+            {"intermediate_size x hidden_size", c->dense_inter, E},
+            {"KDA projection", kp, E},
+            {"KDA short conv", kp, c->conv_kernel},
+            {"q_b_proj", (int64_t)c->mla_heads * qk, c->q_lora_rank},
+            {"q_a_proj", c->q_lora_rank, E},
+            {"kv_a_proj", (int64_t)c->kv_lora_rank + c->qk_rope_dim, E},
+            {"kv_b_proj", (int64_t)c->mla_heads * ((int64_t)c->qk_nope_dim + c->v_head_dim), c->kv_lora_rank},
+            {"MLA o_proj", (int64_t)c->mla_heads * c->v_head_dim, E},
+            {"router", c->num_experts, E},
+            {"latent projection", c->latent_dim, E},
+            {"routed expert", c->moe_inter, c->latent_dim},
+            {"shared experts", (int64_t)c->num_shared_experts * c->moe_inter, E},
+        };
+        for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) {
+            uint64_t n;
+            if (!k3_mul_ok((uint64_t)mats[i].a, (uint64_t)mats[i].b, &n) || n > K3_MAX_MATRIX) {
+                rc = k3_fail(err, K3_EXIT_USAGE, "%s: the %s matrix (%lld x %lld) is too large (at most %lld elements)",
+                             name, mats[i].what, (long long)mats[i].a, (long long)mats[i].b, (long long)K3_MAX_MATRIX);
+                goto out;
+            }
+        }
+    }
     if (c->num_layers > K3_MAX_LAYERS) {
         rc = k3_fail(err, K3_EXIT_USAGE, "%s: num_hidden_layers %d exceeds %d", name, c->num_layers, K3_MAX_LAYERS);
         goto out;

@@ -13,6 +13,13 @@
 #include "util/common.h"
 
 #define K3_MAX_LAYERS 4096
+/* Bounds on config integers (the released K3's largest is 163,840) and on
+ * what they derive: one projection's row count at most K3_MAX_DIM, one
+ * matrix at most K3_MAX_MATRIX elements (the release's largest, the
+ * embedding, has 1.17e9), so that no size computed from them wraps. Larger
+ * values are refused (exit 2) with "too large". */
+#define K3_MAX_DIM 16777216
+#define K3_MAX_MATRIX 2147483647LL
 
 typedef struct {
     /* trunk */

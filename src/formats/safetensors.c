@@ -17,6 +17,7 @@
  * enforces it: tensors tile the data section exactly (no overlap, no gap, no
  * trailing bytes) and each span equals dtype size x product(shape). */
 #include "formats/safetensors.h"
+#include "util/mapguard.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -925,7 +926,10 @@ void st_close(st_index *ix) {
     if (!ix) return;
     for (int i = 0; i < ix->nshards; i++) {
         shard_priv *p = &ix->priv[i];
-        if (p->map) munmap((void *)p->map, ix->shards[i].file_size);
+        if (p->map) {
+            k3_mapguard_remove(p->map);
+            munmap((void *)p->map, ix->shards[i].file_size);
+        }
         if (p->fd >= 0) close(p->fd);
         if (p->fd_direct >= 0) close(p->fd_direct);
         if (p->meta) json_decref(p->meta);
@@ -1596,6 +1600,7 @@ const void *st_data(st_index *ix, const st_tensor *t, k3_err *err) {
             return NULL;
         }
         p->map = m;
+        k3_mapguard_add(m, ix->shards[s].file_size, ix->shards[s].path);
     }
     pthread_mutex_unlock(&ix->lock);
     return p->map + t->offset;

@@ -15,12 +15,20 @@
 #include <sys/auxv.h>
 #endif
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 /* ---- path selection ------------------------------------------------------
  * The one place that decides which instruction set the kernels use. Each
  * SIMD table is completed from the scalar one (merge), so a primitive that a
  * path does not implement (yet) runs the scalar reference there: same bits,
- * never an instruction the CPU lacks. Code outside this module that has its
- * own SIMD (the training GEMM) asks k_isa_active(), so K3_ISA rules it too. */
+ * never an instruction the CPU lacks. The training GEMM (gemm.c), whose
+ * tiles are not in the table, asks k_isa_active(), so K3_ISA rules it too,
+ * and the extensions it needs beyond a path (k_cpu_bf16, k_cpu_amx) are
+ * checked here as well: the program's one CPU feature check. */
 
 static const char *const isa_names[K_ISA_COUNT] = {"scalar", "avx2", "avx512", "neon"};
 
@@ -136,6 +144,36 @@ void k_set_scalar(bool scalar_only) {
 }
 
 bool k_simd_available(void) { return k_isa_available(K_ISA_AVX512); }
+
+bool k_cpu_bf16(void) {
+#if defined(__x86_64__)
+    static int have = -1;
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = k_isa_available(K_ISA_AVX512) && __builtin_cpu_supports("avx512bf16");
+    }
+    return have;
+#else
+    return false;
+#endif
+}
+
+bool k_cpu_amx(void) {
+#if defined(__x86_64__) && defined(__linux__)
+    static int have = -1;
+    if (have < 0) {
+        enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+        unsigned a, b, c, d;
+        bool cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) /* AMX-TILE */ &&
+                   (d & (1u << 22)) /* AMX-BF16 */;
+        /* the AMX packers use AVX512_BF16's conversion; every AMX CPU has it */
+        have = cpu && k_cpu_bf16() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return have;
+#else
+    return false;
+#endif
+}
 
 const k_vops *k_ops(void) {
     isa_init();

@@ -56,6 +56,14 @@ void k_set_scalar(bool scalar_only);
 bool k_simd_available(void);
 const char *k_path_name(void);
 
+/* Extensions the training GEMM uses beyond a path (checked here, with the
+ * paths, so the program has one CPU feature check): AVX512_BF16 (with the
+ * AVX-512 path's features), and AMX-BF16 with the tile data Linux hands out
+ * only to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
+ * Neither depends on K3_ISA; the GEMM combines them with k_isa_active(). */
+bool k_cpu_bf16(void);
+bool k_cpu_amx(void);
+
 /* Hot loops outside the kernels (model glue, training ops): K3_HOT before a
  * function definition compiles it, OpenMP regions included, for x86-64-v4
  * (AVX-512), x86-64-v3 (AVX2 + FMA) and baseline x86-64, and the loader
@@ -174,5 +182,55 @@ void k_kda_out_norm_gate(float *out, const float *o, const float *gain, const fl
  * sum + 1e-20), then multiplied by scale. */
 void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale,
                    int *idx, float *w);
+
+/* ---- the training GEMM (gemm.c, gemm_amx.c) ---------------------------------
+ *
+ * C[m][n] = C0 + sum_k A(m,k) B(k,n) for m < M, n < N, where C0 is C's value
+ * (acc) or +0, and A, B are strided views (element (i,j) at p[i*rs + j*cs]),
+ * so one routine serves the forward X W^T, dX = dY W and dW = dY^T X.
+ *
+ * Numerics, F32 mode: every C element is ONE fused multiply-add chain over k
+ * in increasing order, c = fmaf(A(m,k), B(k,n), c). The AVX-512 path keeps one
+ * element per lane and only changes which chains run side by side, so it has
+ * the scalar path's bits; threads split output tiles, never a chain, so the
+ * bits do not depend on the thread count or on the blocking.
+ *
+ * BF16 mode (opt-in, `k3 train --bf16`): A and B are rounded to BF16 (round to
+ * nearest even) and each element accumulates in F32 over pairs of k as the
+ * AVX512_BF16 instruction vdpbf16ps does: c += a(k+1) b(k+1), then
+ * c += a(k) b(k), each rounded to F32 (the products are exact), denormal
+ * inputs read as zero and denormal sums flushed to zero; an odd K is padded
+ * with a zero pair element. The scalar emulation gives the same bits as the
+ * instruction (test tgemm_bf16_scalar_equals_simd). Without AVX512_BF16 the
+ * emulation runs.
+ *
+ * BF16 mode on AMX (gemm_amx.c; used when the CPU has AMX-BF16 and Linux
+ * grants the tile data, else the vdpbf16ps path above): the same BF16
+ * operands, accumulated in F32 by TDPBF16PS, 32 k per instruction in
+ * increasing k. Inside one instruction the hardware's accumulation is its
+ * own: no sequence of IEEE roundings we probed reproduces it (pairs rounded
+ * then added in order, either order within a pair, one rounding per pair or
+ * per instruction, round-toward-zero), so the AMX path is tested against an
+ * exact (double) BF16-product reference at a tight tolerance, not bit for
+ * bit against the emulation. It is still deterministic: an element's
+ * instruction sequence depends only on K, never on the thread count or the
+ * job split (test tgemm_amx_matches_reference). */
+typedef struct {
+    const float *p;
+    ptrdiff_t rs, cs; /* row and column strides in floats */
+} tg_view;
+
+typedef enum { TG_F32 = 0, TG_BF16 = 1 } tg_mode;
+
+void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc, tg_mode mode);
+
+/* Force the scalar reference (tests compare it with the vector path). */
+void tg_set_scalar(bool on);
+bool tg_bf16_available(void); /* the CPU has AVX512_BF16 (k_cpu_bf16) */
+bool tg_amx_available(void);  /* AMX-BF16 usable (k_cpu_amx) and not switched off */
+/* One line on the training products this CPU runs (K3_ISA respected): which
+ * tiles the F32 and the --bf16 products use. For k3 doctor. */
+void k3_train_gemm_describe(char *buf, size_t n);
+void tg_set_amx(bool on);     /* tests: allow (default) or forbid the AMX path */
 
 #endif

@@ -93,6 +93,10 @@ int k3_runmem_begin(const k3_runmem_args *a, const char *model_dir, int layers, 
     rm->a.so.mem_limit = mem_limit;
     int rc = k3_config_load(model_dir, &rm->cfg, err);
     if (rc) goto fail;
+    if (layers > rm->cfg.num_layers) {
+        rc = k3_fail(err, K3_EXIT_USAGE, "--layers %d: %s has only %d layers", layers, model_dir, rm->cfg.num_layers);
+        goto fail;
+    }
     if (layers > 0 && layers < rm->cfg.num_layers) {
         rm->cfg.num_layers = layers;
         rm->cfg.n_kda_layers = rm->cfg.n_mla_layers = 0;

@@ -299,9 +299,10 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
                 if (p->bind_bytes[L] > copy) copy = p->bind_bytes[L];
             }
             return k3_fail(err, K3_EXIT_BUDGET,
-                           "--trunk-gb %.3g: the trunk needs at least %.3f GB (model-level tensors %.3f GB + one ring "
-                           "slot of %.3f GB for the largest layer)",
-                           o->trunk_gb, gb(p->head_bytes + big + copy), gb(p->head_bytes), gb(big + copy));
+                           "--trunk-gb %.3g: the trunk needs at least %s (model-level tensors %s + one ring "
+                           "slot of %s for the largest layer)",
+                           o->trunk_gb, k3_size_str(p->head_bytes + big + copy), k3_size_str(p->head_bytes),
+                           k3_size_str(big + copy));
         }
     } else {
         uint64_t copies = 0;
@@ -312,9 +313,9 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         p->trunk_bytes = p->head_bytes + p->pinned_bytes;
         if ((double)p->trunk_bytes > tlimit)
             return k3_fail(err, K3_EXIT_BUDGET,
-                           "--trunk-gb %.3g: the trunk needs %.3f GB resident; pack it (k3 pack-trunk MODEL_DIR "
+                           "--trunk-gb %.3g: the trunk needs %s resident; pack it (k3 pack-trunk MODEL_DIR "
                            "TRUNK_DIR) and run with --trunk TRUNK_DIR to stream it",
-                           o->trunk_gb, gb(p->trunk_bytes));
+                           o->trunk_gb, k3_size_str(p->trunk_bytes));
     }
 
     /* expert part */
@@ -342,17 +343,17 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         } else {
             if (pool < batch && o->chunk > 0)
                 return k3_fail(err, K3_EXIT_BUDGET,
-                               "--cache-gb %.3g holds %lld expert buffers of %.1f MB; a prefill chunk of %d tokens "
+                               "--cache-gb %.3g holds %lld expert buffers of %s; a prefill chunk of %d tokens "
                                "needs up to %lld (use a smaller --chunk or a larger --cache-gb)",
-                               o->cache_gb, (long long)pool, (double)p->expert_buf / 1e6, want_chunk, (long long)batch);
+                               o->cache_gb, (long long)pool, k3_size_str(p->expert_buf), want_chunk, (long long)batch);
             while (pool < batch && p->chunk > 1) {
                 p->chunk = p->chunk / 2;
                 batch = (int64_t)p->chunk * k < c->num_experts ? (int64_t)p->chunk * k : c->num_experts;
             }
             if (pool < batch)
                 return k3_fail(err, K3_EXIT_BUDGET,
-                               "--cache-gb %.3g holds %lld expert buffers of %.1f MB; one token needs %lld",
-                               o->cache_gb, (long long)pool, (double)p->expert_buf / 1e6, (long long)batch);
+                               "--cache-gb %.3g holds %lld expert buffers of %s; one token needs %lld",
+                               o->cache_gb, (long long)pool, k3_size_str(p->expert_buf), (long long)batch);
             p->batch_experts = (int)batch;
             p->cache_experts = pool - batch;
         }
@@ -372,11 +373,11 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
     }
     if (limit && p->total + K3_PLAN_OVERHEAD > limit)
         return k3_fail(err, K3_EXIT_BUDGET,
-                       "the memory plan needs %.3f GB (trunk %.3f, experts %.3f, state %.3f at %lld positions) + %.3f GB "
-                       "overhead but %s is %.3f GB: choose a smaller --preset, --trunk-gb or --cache-gb, or fewer positions",
-                       gb(p->total), gb(p->trunk_bytes), gb(p->expert_bytes + p->table_bytes), gb(p->state.total),
-                       (long long)max_pos, gb(K3_PLAN_OVERHEAD), o->mem_limit ? "--max-memory" : "MemAvailable",
-                       gb(limit));
+                       "the memory plan needs %s (trunk %s, experts %s, state %s at %lld positions) + %s "
+                       "overhead but %s is %s: choose a smaller --preset, --trunk-gb or --cache-gb, or fewer positions",
+                       k3_size_str(p->total), k3_size_str(p->trunk_bytes), k3_size_str(p->expert_bytes + p->table_bytes),
+                       k3_size_str(p->state.total), (long long)max_pos, k3_size_str(K3_PLAN_OVERHEAD),
+                       o->mem_limit ? "--max-memory" : "MemAvailable", k3_size_str(limit));
     return K3_OK;
 }
 
@@ -1274,8 +1275,7 @@ static void permute_ready(k3_stream *s) {
         }
     } else {
         for (int a = n - 1; a > 0; a--) {
-            s->xseed = s->xseed * 6364136223846793005ULL + 1442695040888963407ULL;
-            int b = (int)((s->xseed >> 33) % (uint64_t)(a + 1)), t = s->xready[a];
+            int b = (int)(k3_rng_next(&s->xseed) % (uint64_t)(a + 1)), t = s->xready[a];
             s->xready[a] = s->xready[b];
             s->xready[b] = t;
         }
@@ -1432,7 +1432,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         }
         const char *eo = getenv("K3_EXPERT_ORDER");
         s->xorder = eo && !strcmp(eo, "reverse") ? 1 : eo && !strcmp(eo, "shuffle") ? 2 : 0;
-        s->xseed = 0x9E3779B97F4A7C15ULL;
+        s->xseed = 0;
         s->xleft = xcalloc((size_t)cfg->num_experts, sizeof *s->xleft);
         s->xready = xcalloc((size_t)cfg->num_experts, sizeof *s->xready);
         s->xio = k3_io_new(o->io_depth, o->direct);

@@ -284,6 +284,8 @@ static int cmp_tensor_src(const void *a, const void *b) {
     return x->offset < y->offset ? -1 : (x->offset > y->offset);
 }
 
+static uint32_t table_crc(json_t *root);
+
 static char *join(const char *dir, const char *file) {
     size_t n = strlen(dir) + strlen(file) + 2;
     char *p = xmalloc(n);
@@ -322,15 +324,6 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     t->identity_scheme = K3_IDENTITY_SCHEME;
     t->dir = xstrdup(trunk_dir);
     t->bin_path = join(trunk_dir, "trunk.bin");
-    /* A stale trunk.json next to a half-rewritten trunk.bin must never look
-     * complete: drop the index first; it is written again last. */
-    char *old_json = join(trunk_dir, "trunk.json");
-    if (unlink(old_json) != 0 && errno != ENOENT) {
-        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot remove: %s", old_json, strerror(errno));
-        free(old_json);
-        goto out;
-    }
-    free(old_json);
     if ((rc = k3_checkpoint_identity(ix, t->identity, err))) goto out;
 
     /* group trunk tensors by layer: run 0 = model level, run L+1 = layer L */
@@ -422,6 +415,18 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     free(buf);
     if (rc) { k3_atomic_abort(&af); goto out_members; }
     k3_progress_finish(&pr);
+    /* trunk.bin is written beside the old one, so a failed pack leaves the
+     * previous pack whole. Only now, before the new data replaces the old,
+     * the old index goes: a stale trunk.json must never describe a new
+     * trunk.bin; the new index is written last. */
+    char *old_json = join(trunk_dir, "trunk.json");
+    if (unlink(old_json) != 0 && errno != ENOENT) {
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot remove: %s", old_json, strerror(errno));
+        free(old_json);
+        k3_atomic_abort(&af);
+        goto out_members;
+    }
+    free(old_json);
     if ((rc = k3_atomic_commit(&af, err))) goto out_members;
 
     /* write trunk.json last: its presence marks a complete pack */
@@ -443,6 +448,9 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
                                               crc, "tensors", ts));
     }
     json_object_set_new(root, "runs", runs);
+    char tcrc[9];
+    snprintf(tcrc, sizeof tcrc, "%08x", table_crc(root));
+    json_object_set_new(root, "table_crc32c", json_string(tcrc));
     char *text = json_dumps(root, JSON_INDENT(1));
     json_decref(root);
     char *jpath = join(trunk_dir, "trunk.json");
@@ -457,6 +465,18 @@ out:
     k3_trunk_free(t);
     st_close(ix);
     return rc;
+}
+
+/* CRC-32C of the index without its own checksum, in one canonical form
+ * (compact, keys sorted): an edited offset, dtype, shape or name fails it. */
+static uint32_t table_crc(json_t *root) {
+    json_t *copy = json_deep_copy(root);
+    json_object_del(copy, "table_crc32c");
+    char *text = json_dumps(copy, JSON_COMPACT | JSON_SORT_KEYS);
+    json_decref(copy);
+    uint32_t crc = text ? k3_crc32c(0, text, strlen(text)) : 0;
+    free(text);
+    return crc;
 }
 
 static st_dtype dtype_from(const char *s) {
@@ -488,6 +508,20 @@ int k3_trunk_open(const char *trunk_dir, st_index *ix, k3_trunk **out, k3_err *e
         strcmp(fmt, "k3-trunk") || version != 1 || strlen(ident) != 16 || !json_is_array(runs) || strchr(file, '/')) {
         rc = k3_fail(err, K3_EXIT_DATA, "%s: not a k3 trunk index (format k3-trunk version 1)", jpath);
         goto out;
+    }
+    {
+        const char *want = json_string_value(json_object_get(root, "table_crc32c"));
+        char got[9];
+        snprintf(got, sizeof got, "%08x", table_crc(root));
+        if (!want) {
+            rc = k3_fail(err, K3_EXIT_DATA, "%s: packed by an older k3 without an index checksum: pack again", jpath);
+            goto out;
+        }
+        if (strcmp(want, got) != 0) {
+            rc = k3_fail(err, K3_EXIT_DATA, "%s: index checksum mismatch (table_crc32c %s, computed %s): the index was "
+                         "edited or damaged; pack again", jpath, want, got);
+            goto out;
+        }
     }
     memcpy(t->identity, ident, 17);
     /* absent: packed before scheme 2 existed */
@@ -554,13 +588,64 @@ out:
     return rc;
 }
 
+static int cmp_ptr(const void *a, const void *b) {
+    uintptr_t x = (uintptr_t)*(const void *const *)a, y = (uintptr_t)*(const void *const *)b;
+    return x < y ? -1 : x > y;
+}
+
 int k3_trunk_check_source(const k3_trunk *t, st_index *ix, k3_err *err) {
     char id[17];
-    int rc = k3_checkpoint_identity_ex(ix, t->identity_scheme, id, NULL, err);
-    if (rc) return rc;
+    int irc = k3_checkpoint_identity_ex(ix, t->identity_scheme, id, NULL, err);
+    if (irc) return irc;
     if (strcmp(id, t->identity))
         return k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: packed from a different checkpoint (identity %s, model has %s)",
                        t->dir, t->identity, id);
+    /* the table against the checkpoint: every tensor where the pack would put
+     * it, as the source declares it, without overlaps, and none missing */
+    size_t want = 0, have = 0, total = 0;
+    for (size_t i = 0; i < st_count(ix); i++) want += k3_trunk_wants(st_at(ix, i)->name);
+    for (int r = 0; r < t->nruns; r++) total += (size_t)t->runs[r].ntensors;
+    const st_tensor **seen = xcalloc(total ? total : 1, sizeof *seen);
+    int rc = K3_OK;
+    for (int r = 0; r < t->nruns && !rc; r++) {
+        const k3_trunk_run *run = &t->runs[r];
+        if (r > 0 && run->offset < t->runs[r - 1].offset + t->runs[r - 1].bytes) {
+            rc = k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: run %d overlaps the run before it", t->dir, r);
+            break;
+        }
+        uint64_t end = 0;
+        for (int i = 0; i < run->ntensors; i++) {
+            const k3_trunk_tensor *tt = &run->tensors[i];
+            const st_tensor *s = st_find(ix, tt->name);
+            bool ok = s && k3_trunk_wants(tt->name) && k3_trunk_layer_of(tt->name) == run->layer &&
+                      s->dtype == tt->dtype && s->rank == tt->rank && s->nbytes == tt->nbytes;
+            for (int d = 0; ok && d < s->rank; d++) ok = s->shape[d] == tt->shape[d];
+            if (!ok) {
+                rc = k3_fail(err, K3_EXIT_DATA,
+                             "%s/trunk.json: tensor '%s' (run %d) does not match the checkpoint's name, dtype, shape or layer",
+                             t->dir, tt->name, r);
+                break;
+            }
+            if (tt->offset < end || tt->offset % K3_TRUNK_TENSOR_ALIGN) {
+                rc = k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: tensor '%s' overlaps another or is misaligned",
+                             t->dir, tt->name);
+                break;
+            }
+            end = tt->offset + tt->nbytes;
+            seen[have++] = s;
+        }
+    }
+    if (!rc) {
+        qsort(seen, have, sizeof *seen, cmp_ptr);
+        for (size_t i = 1; i < have && !rc; i++)
+            if (seen[i] == seen[i - 1])
+                rc = k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: tensor '%s' is indexed twice", t->dir, seen[i]->name);
+    }
+    free(seen);
+    if (rc) return rc;
+    if (want != have)
+        return k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: indexes %zu trunk tensors, the checkpoint has %zu", t->dir,
+                       have, want);
     return K3_OK;
 }
 

@@ -9,7 +9,11 @@
  * (offset, bytes, CRC-32C), the tensors inside them (name, dtype, shape,
  * offset within the run) and the source checkpoint's identity (a hash over
  * every shard's name, size and header bytes and a sample of every trunk
- * tensor's data), so a trunk packed from a different checkpoint is refused. trunk.json is written last: a directory
+ * tensor's data), so a trunk packed from a different checkpoint is refused. The
+ * index carries table_crc32c, a CRC-32C of itself in canonical form, and at
+ * open every indexed tensor is checked against the checkpoint (name, dtype,
+ * shape, layer, no overlap, none missing or twice): an edited index is
+ * refused, never read as wrong weights. trunk.json is written last: a directory
  * without it is an interrupted pack, and packing again starts clean. */
 #ifndef K3_MEMORY_TRUNK_H
 #define K3_MEMORY_TRUNK_H

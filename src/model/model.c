@@ -677,6 +677,87 @@ int k3_state_pos(const k3_state *s) { return s->pos; }
 
 uint64_t k3_state_scratch_overflow(const k3_state *s) { return s->ws.overflow; }
 
+/* Snapshots: kda_mem is one block (every KDA layer's S then its conv history),
+ * mla_mem is [n_mla][max_pos][W], so both copy as a few memcpy. */
+static size_t row_width(const k3_config *c) { return (size_t)c->kv_lora_rank + c->qk_rope_dim; }
+static int n_mla_layers(const k3_config *c) {
+    int nm = 0;
+    for (int L = 0; L < c->num_layers; L++) nm += c->layer_kind[L] != 'K';
+    return nm;
+}
+
+uint64_t k3_state_kda_floats(const k3_config *c) {
+    uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
+    uint64_t per = P * (uint64_t)c->kda_head_dim + 3 * P * (uint64_t)(c->conv_kernel - 1);
+    return (uint64_t)(c->num_layers - n_mla_layers(c)) * per;
+}
+
+uint64_t k3_state_row_floats(const k3_config *c) { return (uint64_t)n_mla_layers(c) * row_width(c); }
+
+uint64_t k3_state_snapshot_bytes(const k3_config *c, int64_t pos) {
+    return 4 * (k3_state_kda_floats(c) + k3_state_row_floats(c) * (uint64_t)(pos > 0 ? pos : 0));
+}
+
+void k3_state_kda_get(const k3_state *s, float *out) { memcpy(out, s->kda_mem, s->kda_floats * sizeof(float)); }
+void k3_state_kda_set(k3_state *s, const float *in) { memcpy(s->kda_mem, in, s->kda_floats * sizeof(float)); }
+int k3_state_max_pos(const k3_state *s) { return s->max_pos; }
+
+static void rows_copy(const k3_state *s, int p0, int n, float *rows, bool get) {
+    const k3_config *c = &s->m->cfg;
+    size_t W = row_width(c), nm = (size_t)n_mla_layers(c);
+    for (size_t l = 0; l < nm; l++) {
+        float *st = s->mla_mem + (l * (size_t)s->max_pos + (size_t)p0) * W, *b = rows + l * (size_t)n * W;
+        if (get) memcpy(b, st, (size_t)n * W * sizeof(float));
+        else memcpy(st, b, (size_t)n * W * sizeof(float));
+    }
+}
+
+int k3_state_rows_get(const k3_state *s, int p0, int n, float *out, k3_err *err) {
+    if (p0 < 0 || n < 0 || n > s->pos - p0)
+        return k3_fail(err, K3_EXIT_USAGE, "state rows [%d, +%d) are not all filled (%d positions)", p0, n, s->pos);
+    rows_copy(s, p0, n, out, true);
+    return K3_OK;
+}
+
+int k3_state_rows_set(k3_state *s, int p0, int n, const float *in, k3_err *err) {
+    if (p0 < 0 || n < 0 || n > s->max_pos - p0)
+        return k3_fail(err, K3_EXIT_USAGE, "state rows [%d, +%d) do not fit %d positions", p0, n, s->max_pos);
+    rows_copy(s, p0, n, (float *)in, false);
+    return K3_OK;
+}
+
+int k3_state_set_pos(k3_state *s, int pos, k3_err *err) {
+    if (pos < 0 || pos > s->max_pos)
+        return k3_fail(err, K3_EXIT_USAGE, "state position %d is outside [0, %d]", pos, s->max_pos);
+    if (pos < s->pos) {
+        const k3_config *c = &s->m->cfg;
+        size_t W = row_width(c), nm = (size_t)n_mla_layers(c);
+        for (size_t l = 0; l < nm; l++)
+            memset(s->mla_mem + (l * (size_t)s->max_pos + (size_t)pos) * W, 0,
+                   (size_t)(s->pos - pos) * W * sizeof(float));
+    }
+    s->pos = pos;
+    return K3_OK;
+}
+
+void k3_state_save(const k3_state *s, void *buf) {
+    float *f = buf;
+    k3_state_kda_get(s, f);
+    rows_copy(s, 0, s->pos, f + s->kda_floats, true);
+}
+
+int k3_state_load(k3_state *s, const void *buf, int pos, k3_err *err) {
+    if (pos < 0 || pos > s->max_pos)
+        return k3_fail(err, K3_EXIT_USAGE, "snapshot of %d positions does not fit a state of %d", pos, s->max_pos);
+    const float *f = buf;
+    int rc = k3_state_set_pos(s, 0, err);
+    if (rc) return rc;
+    k3_state_kda_set(s, f);
+    rows_copy(s, 0, pos, (float *)(f + s->kda_floats), false);
+    s->pos = pos;
+    return K3_OK;
+}
+
 /* ---- weight sources ------------------------------------------------------------------ */
 
 static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err *err) {
@@ -821,14 +902,6 @@ int k3_argmax(const float *logits, int n) {
     return best;
 }
 
-/* splitmix64: a small, well-mixed generator; its sequence is the same everywhere. */
-static uint64_t rng_next(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
 void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p, float min_p,
                      uint64_t seed) {
     memset(sp, 0, sizeof *sp);
@@ -891,7 +964,7 @@ int k3_sample(k3_sampler *sp, const float *logits) {
     }
     double total = 0;
     for (int k = 0; k < keep; k++) total += sp->probs[sp->order[k]];
-    double r = (double)(rng_next(&sp->rng) >> 11) * 0x1p-53 * total, cum = 0;
+    double r = k3_rng_unit(&sp->rng) * total, cum = 0; /* common.h: the one PRNG */
     for (int k = 0; k < keep; k++) {
         cum += sp->probs[sp->order[k]];
         if (r < cum) return sp->order[k];

@@ -103,6 +103,36 @@ int k3_state_pos(const k3_state *s);
  * (0 when k3_state_size is right; the tests check it). */
 uint64_t k3_state_scratch_overflow(const k3_state *s);
 
+/* ---- decode-state snapshots ------------------------------------------- */
+/* A state at position p is exactly: the KDA part (S and the ShortConv history
+ * of every KDA layer, a fixed size) plus the MLA latent rows of positions
+ * [0, p) of every MLA layer; scratch holds nothing between calls. Copying
+ * those out and back in reproduces the state bit for bit, so a forward pass
+ * after a restore gives the logits the original state would have given. The
+ * KDA part is recurrent: it cannot be rewound, only replaced by a copy taken
+ * at the position wanted. Row buffers are layer-major: [n_mla][n][W] with
+ * W = kv_lora_rank + qk_rope_head_dim. */
+uint64_t k3_state_kda_floats(const k3_config *c);   /* floats of the KDA part */
+uint64_t k3_state_row_floats(const k3_config *c);   /* MLA floats per position, all MLA layers */
+/* Bytes of a whole snapshot at position pos: the KDA part plus pos rows. */
+uint64_t k3_state_snapshot_bytes(const k3_config *c, int64_t pos);
+void k3_state_kda_get(const k3_state *s, float *out);
+void k3_state_kda_set(k3_state *s, const float *in);
+/* MLA rows [p0, p0 + n) out of / into the cache. get needs p0 + n <= pos;
+ * set needs p0 + n <= max_pos and leaves pos alone. K3_EXIT_USAGE otherwise. */
+int k3_state_rows_get(const k3_state *s, int p0, int n, float *out, k3_err *err);
+int k3_state_rows_set(k3_state *s, int p0, int n, const float *in, k3_err *err);
+/* Declares the state to be at pos (0 <= pos <= max_pos): the caller vouches
+ * that the KDA part and rows [0, pos) belong to the same pos tokens (e.g. it
+ * has just set them from a snapshot). Lowering pos truncates the MLA cache
+ * (rows from pos on are zeroed); it does not rewind the KDA part. */
+int k3_state_set_pos(k3_state *s, int pos, k3_err *err);
+int k3_state_max_pos(const k3_state *s);
+/* A whole snapshot in one buffer (k3_state_snapshot_bytes(cfg, pos) bytes):
+ * the KDA part, then rows [0, pos). load sets pos. */
+void k3_state_save(const k3_state *s, void *buf);
+int k3_state_load(k3_state *s, const void *buf, int pos, k3_err *err);
+
 /* ---- forward ----------------------------------------------------------- */
 /* Feeds n >= 1 tokens at the state's position and advances it by n.
  * logits: NULL (none computed), [n][V] when all_logits, else [V] for the last
@@ -233,6 +263,12 @@ typedef struct {
 } k3_tensor;
 typedef int (*k3_lookup_fn)(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err);
 /* (On "absent" the lookup still sets t->where to the full name it looked for.) */
+/* Opens a model whose tensors come from fn under the config cfg, checked
+ * exactly as at a directory open: e.g. the trainer's parameters in memory,
+ * used in place (no export; an aligned f32 matrix is not copied). fn's data
+ * must stay valid and unchanged while the model lives. */
+int k3_model_open_lookup(const k3_config *cfg, k3_lookup_fn fn, void *ctx, const k3_model_opts *opts,
+                         k3_model **out, k3_err *err);
 
 /* The peer blob / peer fixture spelling of a relative released name: dots become
  * '_' and the MoE members take the reference module's names (gate -> mlp_gate,

@@ -489,6 +489,10 @@ int k3_model_open(const char *dir, const k3_model_opts *opts, k3_model **out, k3
     k3_model *m = xcalloc(1, sizeof *m);
     int rc = k3_config_load(dir, &m->cfg, err);
     if (rc) goto fail;
+    if (opts && opts->layers > m->cfg.num_layers) {
+        rc = k3_fail(err, K3_EXIT_USAGE, "--layers %d: %s has only %d layers", opts->layers, dir, m->cfg.num_layers);
+        goto fail;
+    }
     apply_opts(m, opts);
     if ((rc = st_open(dir, &m->ix, err))) goto fail;
     st_ctx c = {.ix = m->ix, .prefix = "language_model.model.", .head = "language_model.lm_head.weight"};
@@ -503,6 +507,23 @@ int k3_model_open(const char *dir, const k3_model_opts *opts, k3_model **out, k3
 fail:
     k3_model_free(m);
     return rc;
+}
+
+/* ---- any lookup (the trainer's parameters in memory) -------------------------------- */
+
+int k3_model_open_lookup(const k3_config *cfg, k3_lookup_fn fn, void *ctx, const k3_model_opts *opts,
+                         k3_model **out, k3_err *err) {
+    k3_model *m = xcalloc(1, sizeof *m);
+    m->cfg = *cfg;
+    apply_opts(m, opts);
+    int rc = bind_all(m, fn, ctx, opts && opts->top_only, err);
+    if (rc) {
+        k3_model_free(m);
+        return rc;
+    }
+    k3_model_set_source(m, NULL);
+    *out = m;
+    return K3_OK;
 }
 
 /* ---- the peer blob ------------------------------------------------------------ */

@@ -243,6 +243,7 @@ static int load_specials(k3_tokenizer *t, const char *path, k3_err *err) {
             free(names);
             return k3_fail(err, K3_EXIT_USAGE, "%s:%d: %s", path, je.line, je.text);
         }
+        if (!json_is_object(root)) rc = k3_fail(err, K3_EXIT_USAGE, "%s: not a JSON object", path);
         json_t *dec = json_object_get(root, "added_tokens_decoder");
         if (dec && !json_is_object(dec)) rc = k3_fail(err, K3_EXIT_USAGE, "%s: added_tokens_decoder is not an object", path);
         const char *key;
@@ -340,6 +341,11 @@ static int load_options(const char *dir, int *n_reserved, const char **pattern, 
     json_error_t je;
     json_t *root = json_load_file(path, JSON_DECODE_INT_AS_REAL, &je);
     if (!root) return k3_fail(err, K3_EXIT_USAGE, "%s:%d: %s", path, je.line, je.text);
+    if (!json_is_object(root)) {
+        /* an array or a scalar would silently drop every special token */
+        json_decref(root);
+        return k3_fail(err, K3_EXIT_USAGE, "%s: not a JSON object", path);
+    }
     int rc = K3_OK;
     json_t *v = json_object_get(root, "num_reserved_special_tokens");
     if (v) {

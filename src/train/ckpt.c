@@ -8,8 +8,15 @@
  * parameters, whose m2 is scratch). __metadata__ holds strings: format
  * "k3-train", version, step, total_steps, seed, data_position, optimizer_step,
  * best_val_loss, best_step, the model config (JSON text), the training
- * settings (JSON text) and the data directory. */
+ * settings (JSON text), the data directory and payload_crc32c: the CRC-32C
+ * (hex) of the whole data section, every weight, bias and optimiser moment,
+ * checked by tckpt_open so that a flipped bit is never resumed or exported.
+ * Version 1 checkpoints (older k3) carry no checksum: they are still read
+ * (tckpt.unverified; the commands say so on stderr once the load succeeded):
+ * the header, shape and finiteness checks still apply to them, so a damaged
+ * one cannot crash the reader, though a flipped bit goes unnoticed. */
 #include <errno.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -58,12 +65,17 @@ int tckpt_save(const char *path, const tmodel *m, const topt *o, const tckpt_met
         }
     /* metadata: strings, as safetensors requires */
     char num[6][32];
-    const char *md[2 * 12];
+    const char *md[2 * 14];
     size_t nmd = 0;
 #define MD(k, v) (md[2 * nmd] = (k), md[2 * nmd + 1] = (v), nmd++)
 #define MDI(k, i, v) (snprintf(num[i], sizeof num[i], "%lld", (long long)(v)), MD(k, num[i]))
+    uint32_t crc = 0;
+    for (size_t i = 0; i < n; i++) crc = k3_crc32c(crc, ts[i].data, ts[i].n * 4);
+    char crcs[16];
+    snprintf(crcs, sizeof crcs, "%08x", crc);
     MD("format", "k3-train");
-    MD("version", "1");
+    MD("version", "2");
+    MD("payload_crc32c", crcs);
     MDI("step", 0, meta->step);
     MDI("total_steps", 1, meta->total_steps);
     MDI("optimizer_step", 2, o->step);
@@ -96,6 +108,29 @@ int tckpt_save(const char *path, const tmodel *m, const topt *o, const tckpt_met
 }
 
 static const char *md(st_index *ix, const char *key) { return st_metadata(ix, 0, key); }
+
+/* CRC-32C of the file's data section (everything after the header). */
+static int payload_crc(const char *path, uint32_t *out, k3_err *err) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", path, strerror(errno));
+    unsigned char h8[8];
+    uint64_t hlen = 0;
+    int rc = K3_OK;
+    if (fread(h8, 1, 8, f) != 8) rc = k3_fail(err, K3_EXIT_DATA, "%s: truncated header", path);
+    for (int b = 0; b < 8; b++) hlen |= (uint64_t)h8[b] << (8 * b);
+    if (!rc && (hlen > (uint64_t)INT64_MAX - 8 || fseeko(f, (off_t)(8 + hlen), SEEK_SET) != 0))
+        rc = k3_fail(err, K3_EXIT_DATA, "%s: bad header length", path);
+    const size_t B = 1 << 20;
+    unsigned char *buf = xmalloc(B);
+    uint32_t crc = 0;
+    size_t got;
+    while (!rc && (got = fread(buf, 1, B, f)) > 0) crc = k3_crc32c(crc, buf, got);
+    if (!rc && ferror(f)) rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: read error: %s", path, strerror(errno));
+    free(buf);
+    fclose(f);
+    *out = crc;
+    return rc;
+}
 
 /* Metadata numbers: absent -> dflt; present -> a whole decimal in [lo, hi]. */
 static bool meta_i64(st_index *ix, const char *key, int64_t lo, int64_t hi, int64_t dflt, int64_t *out) {
@@ -163,6 +198,39 @@ int tckpt_open(const char *path, tckpt *ck, k3_err *err) {
         ck->ix = NULL;
         return k3_fail(err, K3_EXIT_DATA, "%s: checkpoint metadata %s is not a valid number", path, bad);
     }
+    int64_t version = 1;
+    if (!meta_i64(ck->ix, "version", 1, 1000, 1, &version) || version > 2) {
+        k3_fail(err, K3_EXIT_DATA, "%s: checkpoint version '%.20s' is not one this k3 reads (1 or 2)", path,
+                md(ck->ix, "version"));
+        st_close(ck->ix);
+        ck->ix = NULL;
+        return K3_EXIT_DATA;
+    }
+    const char *want = md(ck->ix, "payload_crc32c");
+    if (!want && version >= 2) {
+        st_close(ck->ix);
+        ck->ix = NULL;
+        return k3_fail(err, K3_EXIT_DATA, "%s: checkpoint metadata lacks payload_crc32c", path);
+    }
+    if (want) {
+        uint32_t got = 0;
+        if ((rc = payload_crc(path, &got, err))) {
+            st_close(ck->ix);
+            ck->ix = NULL;
+            return rc;
+        }
+        char gots[16];
+        snprintf(gots, sizeof gots, "%08x", got);
+        if (strcmp(gots, want) != 0) {
+            st_close(ck->ix);
+            ck->ix = NULL;
+            return k3_fail(err, K3_EXIT_DATA,
+                           "%s: payload checksum mismatch (crc32c %s, metadata says %s): the weights or optimizer "
+                           "state are corrupt", path, gots, want);
+        }
+    } else {
+        ck->unverified = true;
+    }
     m->config_json = md(ck->ix, "config");
     m->train_json = md(ck->ix, "train");
     m->data_dir = md(ck->ix, "data_dir");
@@ -183,31 +251,58 @@ static int read_exact(tckpt *ck, const char *name, int rank, const int *shape, f
     return st_read(ck->ix, t, dst, err);
 }
 
+static bool finite_all(const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(x[i])) return false;
+    return true;
+}
+
+/* Every tensor is checked for finiteness on the way in, whether the caller
+ * wants the optimiser state (resume) or not (export): both refuse the same
+ * checkpoints. */
 int tckpt_load(tckpt *ck, tmodel *m, topt *o, k3_err *err) {
     int rc;
     for (int i = 0; i < m->np; i++) {
         tparam *p = &m->params[i];
         if ((rc = read_exact(ck, p->name, p->rank, p->shape, m->w + p->off, err))) return rc;
+        if (!finite_all(m->w + p->off, p->numel))
+            return k3_fail(err, K3_EXIT_DATA, "%s: parameter %s is not finite", ck->path, p->name);
     }
     for (int q = 0; q < m->n_moe; q++) {
         char name[160];
         tm_bias_name(m->moe_layer[q], name, sizeof name);
         int sh = m->cfg.num_experts;
         if ((rc = read_exact(ck, name, 1, &sh, m->bias + (size_t)q * sh, err))) return rc;
+        if (!finite_all(m->bias + (size_t)q * sh, (size_t)sh))
+            return k3_fail(err, K3_EXIT_DATA, "%s: router bias %s is not finite", ck->path, name);
     }
-    if (!o) return K3_OK;
-    for (int k = 0; k < 2; k++)
-        for (int i = 0; i < m->np; i++) {
+    /* without an optimiser, the moments still exist in the checkpoint and are
+     * checked one tensor at a time in a scratch buffer */
+    float *scratch = NULL;
+    rc = K3_OK;
+    for (int k = 0; !rc && k < 2; k++)
+        for (int i = 0; !rc && i < m->np; i++) {
             tparam *p = &m->params[i];
-            float *dst = (k ? o->m2 : o->m1) + p->off;
-            if (k == 1 && muon_param(o, p)) {
-                memset(dst, 0, p->numel * sizeof(float));
-                continue;
-            }
             char name[160];
             snprintf(name, sizeof name, "optimizer.m%d.%s", k + 1, p->name);
-            if ((rc = read_exact(ck, name, p->rank, p->shape, dst, err))) return rc;
+            float *dst;
+            if (o) {
+                dst = (k ? o->m2 : o->m1) + p->off;
+                if (k == 1 && muon_param(o, p)) {
+                    memset(dst, 0, p->numel * sizeof(float));
+                    continue;
+                }
+            } else {
+                if (!st_find(ck->ix, name)) continue; /* Muon parameters have no m2 */
+                free(scratch);
+                dst = scratch = xmalloc_array(p->numel ? p->numel : 1, sizeof(float));
+            }
+            if ((rc = read_exact(ck, name, p->rank, p->shape, dst, err))) break;
+            if (!finite_all(dst, p->numel))
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: optimizer state %s is not finite", ck->path, name);
         }
-    o->step = ck->opt_step;
+    free(scratch);
+    if (rc) return rc;
+    if (o) o->step = ck->opt_step;
     return K3_OK;
 }

@@ -1,5 +1,6 @@
 /* data.c: see data.h. */
 #include "train/data.h"
+#include "util/mapguard.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -203,6 +204,7 @@ int shard_open(const char *path, uint32_t expect_vocab, uint64_t expect_hash, k3
         munmap(map, (size_t)size);
         return rc;
     }
+    k3_mapguard_add(map, (size_t)size, path);
     s->info = in;
     s->map = map;
     s->map_len = (size_t)size;
@@ -239,7 +241,10 @@ int data_open_split(const char *dir, const char *split, uint32_t expect_vocab, k
 }
 
 void shard_close(k3_shard *s) {
-    if (s->map) munmap(s->map, s->map_len);
+    if (s->map) {
+        k3_mapguard_remove(s->map);
+        munmap(s->map, s->map_len);
+    }
     memset(s, 0, sizeof *s);
 }
 

@@ -16,8 +16,7 @@
 #include <string.h>
 
 #include "train/tinternal.h"
-#include "train/tgemm.h"
-#include "kernels/kernels.h" /* K3_HOT */
+#include "kernels/kernels.h" /* tg_gemm, K3_HOT */
 
 void topt_defaults(topt_cfg *c) {
     memset(c, 0, sizeof *c);

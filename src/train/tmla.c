@@ -9,7 +9,6 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
-#include "train/tgemm.h"
 
 size_t mla_scratch(const tmodel *m, int N) {
     const k3_config *c = &m->cfg;

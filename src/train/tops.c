@@ -4,11 +4,10 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
-#include "train/tgemm.h"
 #include "util/common.h"
 
-/* The three products of a linear layer are one strided GEMM each (tgemm.h):
- * one fma chain per output element over the contraction index in increasing
+/* The three products of a linear layer are one strided GEMM each
+ * (kernels.h, "the training GEMM"): one fma chain per output element over the contraction index in increasing
  * order, whatever the tiling or thread count. */
 static tg_mode g_mode = TG_F32;
 void t_set_bf16(bool on) { g_mode = on ? TG_BF16 : TG_F32; }

@@ -1,8 +1,8 @@
 /* tops.h: the training-side numeric operations (internal to src/train).
  *
  * The products of a linear layer (forward, dX, dW) are blocked GEMMs
- * (tgemm.h) with one fma chain per output element; the other operations are
- * C with explicit fmaf, parallel over OUTPUT elements only (one thread owns
+ * (kernels.h, "the training GEMM") with one fma chain per output element;
+ * the other operations are C with explicit fmaf, parallel over OUTPUT elements only (one thread owns
  * each output and sums in a fixed order), so gradients have the same bits
  * whatever the thread count.
  *
@@ -18,7 +18,7 @@
 
 #include "kernels/kmath.h"
 
-/* Products of the training GEMM (tgemm.h); BF16 mode (t_set_bf16) rounds
+/* Products of the training GEMM (kernels.h); BF16 mode (t_set_bf16) rounds
  * their operands to BF16 and accumulates in F32. */
 void t_set_bf16(bool on);
 bool t_bf16(void);

@@ -269,17 +269,40 @@ size_t tm_print_inventory(const tmodel *m, FILE *f) {
     return total;
 }
 
+int tm_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err) {
+    const tmodel *m = ctx;
+    static _Thread_local char full[192];
+    int k = layer >= 0 ? snprintf(full, sizeof full, PFX "layers.%d.%s", layer, name)
+            : !strcmp(name, "lm_head.weight") ? snprintf(full, sizeof full, "language_model.%s", name)
+                                               : snprintf(full, sizeof full, PFX "%s", name);
+    if (k < 0 || (size_t)k >= sizeof full) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long: %s", name);
+    t->where = full;
+    t->dtype = KT_F32;
+    int i = tm_find(m, full);
+    if (i >= 0) {
+        const tparam *p = &m->params[i];
+        t->rank = p->rank;
+        for (int d = 0; d < p->rank; d++) t->shape[d] = p->shape[d];
+        t->data = m->w + p->off;
+        return K3_OK;
+    }
+    if (layer >= 0 && !strcmp(name, "block_sparse_moe.gate.e_score_correction_bias")) {
+        for (int q = 0; q < m->n_moe; q++)
+            if (m->moe_layer[q] == layer) {
+                t->rank = 1;
+                t->shape[0] = m->cfg.num_experts;
+                t->data = m->bias + (size_t)q * m->cfg.num_experts;
+                return K3_OK;
+            }
+    }
+    return 1;
+}
+
 /* ---- initialisation ----------------------------------------------------------- */
 
-/* splitmix64: a counter-based generator, so each tensor's stream depends only
- * on (seed, tensor index), never on the order tensors are initialised in. */
-static uint64_t splitmix(uint64_t *s) {
-    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-static double unif(uint64_t *s) { return (double)(splitmix(s) >> 11) * (1.0 / 9007199254740992.0); }
+/* k3_rng_next (splitmix64) is counter-based, so each tensor's stream depends
+ * only on (seed, tensor index), never on the order tensors are initialised in. */
+static double unif(uint64_t *s) { return k3_rng_unit(s); }
 static double gauss(uint64_t *s) {
     double u1 = unif(s), u2 = unif(s);
     if (u1 < 1e-300) u1 = 1e-300;

@@ -15,6 +15,7 @@
 #define K3_TRAIN_TRAIN_H
 
 #include "formats/config.h"
+#include "model/model.h"
 #include "util/common.h"
 
 /* ---- parameter table ------------------------------------------------------- */
@@ -92,6 +93,13 @@ float *tm_bias(tmodel *m, int layer);
 /* The released name of that bias. */
 void tm_bias_name(int layer, char *buf, size_t n);
 
+/* The parameters as tensors of the released layout, for model.h's
+ * k3_model_open_lookup (ctx is the const tmodel *): layer -1 names the
+ * model-level tensors, layer >= 0 a layer's ("self_attn.q_proj.weight"); the
+ * router biases are served from `bias`. The data point into w and bias, so
+ * a model opened on them computes with the current parameters in place. */
+int tm_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err);
+
 /* Forward over B sequences of T+1 tokens (ids < V); returns the SUM of the
  * B*T cross-entropy terms. Keeps the logits in m->logits. */
 double tm_forward(tmodel *m, const int32_t *tokens, int B, int T);
@@ -139,6 +147,7 @@ typedef struct {
     const char *path;
     tckpt_meta meta;     /* strings point into the index (valid until tckpt_close) */
     int64_t opt_step;
+    bool unverified;     /* version 1: no payload checksum to check */
 } tckpt;
 
 /* Atomic write of model, router biases, optimiser state and metadata. */

@@ -7,6 +7,7 @@
  * learning rate is a function of (step, total); Quantile Balancing clears its
  * margins at every step. A checkpoint therefore holds all a run needs, and
  * `--resume` continues bit-identically. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -23,7 +24,6 @@
 #include "tokenizer/tokenizer.h"
 #include "train/data.h"
 #include "train/export.h"
-#include "train/tgemm.h"
 #include "train/tinternal.h"
 
 static volatile sig_atomic_t g_stop;
@@ -33,12 +33,6 @@ static double wall(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
 }
 
 typedef struct {
@@ -303,7 +297,7 @@ static int trim_jsonl(run *r, const char *name, bool history, k3_err *err) {
 static void make_batch(run *r, int64_t step, int a, int32_t *tok) {
     uint64_t span = r->train.info.n_tokens - (uint64_t)r->T; /* windows start in [0, span) */
     for (int b = 0; b < r->B; b++) {
-        uint64_t h = mix64(r->seed * 0x9E3779B97F4A7C15ull + mix64((uint64_t)step * 0x100000001B3ull +
+        uint64_t h = k3_mix64(r->seed * K3_GOLDEN64 + k3_mix64((uint64_t)step * 0x100000001B3ull +
                                                                   (uint64_t)a * 65537u + (uint64_t)b + 1));
         shard_read(&r->train, h % span, (size_t)r->T + 1, tok + (size_t)b * (r->T + 1));
     }
@@ -378,53 +372,68 @@ static int evaluate(run *r, int64_t step, k3_err *err) {
     return rc;
 }
 
-/* Samples run through the inference engine (src/model/) with its cached
- * decoder, the same code `k3 run` uses: the current parameters are exported
- * (f32, so the engine computes the training model's logits to rounding) into
- * a temporary model directory, opened, decoded token by token, and removed.
- * The draw uses its own generator seeded by (seed, step), so samples never
- * touch the training state and resume stays bit-identical. */
+/* Earlier versions sampled through a temporary export, and a run killed
+ * while sampling left its k3-sample-PID-XXXXXX folder behind: sampling still
+ * removes those whose PID no longer exists. */
+static void remove_stale_samples(const char *tdir) {
+    DIR *d = opendir(tdir);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        char *end;
+        if (strncmp(e->d_name, "k3-sample-", 10) != 0) continue;
+        errno = 0;
+        long pid = strtol(e->d_name + 10, &end, 10);
+        if (errno || end == e->d_name + 10 || *end != '-' || pid <= 0 || pid == (long)getpid()) continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        char p[4200];
+        snprintf(p, sizeof p, "%s/%s", tdir, e->d_name);
+        DIR *sd = opendir(p);
+        if (sd) {
+            struct dirent *f;
+            while ((f = readdir(sd))) {
+                if (!strcmp(f->d_name, ".") || !strcmp(f->d_name, "..")) continue;
+                char q[8400];
+                snprintf(q, sizeof q, "%s/%s", p, f->d_name);
+                unlink(q);
+            }
+            closedir(sd);
+        }
+        rmdir(p);
+    }
+    closedir(d);
+}
+
+/* Samples run through the inference graph (src/model/) with its cached
+ * decoder and its sampler, the code `k3 run` uses: a model is opened on the
+ * current parameters in memory (tm_lookup: the f32 tensors in place, no
+ * export), decoded token by token at temperature 0.8, and freed. The sampler
+ * is seeded by (seed, step), so samples never touch the training state and
+ * resume stays bit-identical. */
+#define SAMPLE_TEMPERATURE 0.8f /* the dashboard's samples: varied but on topic */
 static int sample(run *r, int64_t step, k3_err *err) {
     r->phase = "sample";
     write_state(r, "running", NULL, err);
     const int n = r->o.sample_tokens, V = r->cfg.vocab_size;
     const char *tmp = getenv("TMPDIR");
-    char dir[4096];
-    int k = snprintf(dir, sizeof dir, "%s/k3-sample-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    if (k < 0 || (size_t)k >= sizeof dir) return k3_fail(err, K3_EXIT_RUNTIME, "TMPDIR is too long");
-    if (!mkdtemp(dir)) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create a temporary directory: %s", dir, strerror(errno));
-    texport_opts eo = {.dtype = TEX_F32, .experts = TEX_F32, .tok_dir = NULL, .step = step};
+    remove_stale_samples(tmp && *tmp ? tmp : "/tmp");
     k3_model *km = NULL;
     k3_state *st = NULL;
-    int rc = texport_write(&r->m, r->config_text, dir, &eo, err);
-    if (!rc) rc = k3_model_open(dir, NULL, &km, err);
-    const char *files[] = {"config.json", "model.safetensors"};
-    for (int i = 0; i < 2; i++) { /* mapped files stay readable after unlink */
-        char p[4200];
-        snprintf(p, sizeof p, "%s/%s", dir, files[i]);
-        unlink(p);
-    }
-    rmdir(dir);
+    int rc = k3_model_open_lookup(&r->m.cfg, tm_lookup, &r->m, NULL, &km, err);
     if (!rc) rc = k3_state_new(km, n + 1, &st, err);
     int32_t *ids = xcalloc((size_t)n + 1, sizeof(int32_t));
     int len = 0;
     float *lg = xmalloc_array((size_t)V, sizeof(float));
-    double *p = xmalloc_array((size_t)V, sizeof(double));
-    uint64_t rng = mix64(r->seed ^ mix64((uint64_t)step + 77));
+    k3_sampler sp;
+    k3_sampler_init(&sp, V, SAMPLE_TEMPERATURE, 0, 1.0f, 0.0f, k3_mix64(r->seed ^ k3_mix64((uint64_t)step + 77)));
     int32_t cur = r->eot >= 0 ? r->eot : 0;
     while (!rc && len < n) {
         if ((rc = k3_forward(km, st, &cur, 1, lg, false, err))) break;
-        double mx = -INFINITY, s = 0;
-        for (int v = 0; v < V; v++) if (lg[v] > mx) mx = lg[v];
-        for (int v = 0; v < V; v++) { p[v] = exp((lg[v] - mx) / 0.8); s += p[v]; }
-        rng = mix64(rng + 0x9E3779B97F4A7C15ull);
-        double u = (double)(rng >> 11) / 9007199254740992.0 * s, c = 0;
-        int id = V - 1;
-        for (int v = 0; v < V; v++) { c += p[v]; if (u < c) { id = v; break; } }
+        int id = k3_sample(&sp, lg);
         if (id == r->eot) break;
         ids[len++] = cur = id;
     }
-    free(p);
+    k3_sampler_free(&sp);
     free(lg);
     if (st) k3_state_free(st);
     if (km) k3_model_free(km);
@@ -681,8 +690,12 @@ static int setup(run *r, k3_err *err) {
     topt_init(&r->opt, &r->m, &oc);
     if (have_ck) {
         rc = tckpt_load(&ck, &r->m, &r->opt, err);
+        bool unverified = ck.unverified;
         tckpt_close(&ck);
         if (rc) return rc;
+        if (unverified && !o->quiet)
+            fprintf(stderr, "k3: note: %s is a version 1 checkpoint without a payload checksum: its weights are not "
+                            "verified\n", o->resume);
     } else {
         tm_init(&r->m, r->seed);
     }

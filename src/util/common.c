@@ -1,10 +1,12 @@
 /* common.c: see common.h. */
 #include "util/common.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <libgen.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,49 +172,147 @@ static int fsync_dir_of(const char *path) {
     return r;
 }
 
+/* Temp files are NAME.tmp.PID: a writer killed before its rename leaves one
+ * behind, and the next writer of NAME removes those whose PID is gone. */
+static void remove_stale_temps(const char *path) {
+    char *copy = xstrdup(path), *copy2 = xstrdup(path);
+    const char *dir = dirname(copy), *base = basename(copy2);
+    size_t bl = strlen(base);
+    DIR *d = opendir(dir);
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d))) {
+            const char *n = e->d_name;
+            if (strncmp(n, base, bl) != 0 || strncmp(n + bl, ".tmp.", 5) != 0) continue;
+            int64_t pid;
+            if (!k3_parse_i64(n + bl + 5, 1, INT32_MAX, &pid)) continue;
+            if (pid == (int64_t)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+            size_t m = strlen(dir) + strlen(n) + 2;
+            char *p = xmalloc(m);
+            snprintf(p, m, "%s/%s", dir, n);
+            unlink(p);
+            free(p);
+        }
+        closedir(d);
+    }
+    free(copy);
+    free(copy2);
+}
+
+int k3_check_output_path(const char *path, const char *what, k3_err *err) {
+    if (!path || !*path) return k3_fail(err, K3_EXIT_USAGE, "%s: empty output path", what);
+    struct stat st;
+    if (stat(path, &st) == 0) {
+        if (S_ISDIR(st.st_mode)) return k3_fail(err, K3_EXIT_USAGE, "%s: %s: is a directory", what, path);
+        /* a regular file is replaced by rename (the directory must be
+         * writable); anything else is written in place */
+        if (!S_ISREG(st.st_mode)) {
+            if (access(path, W_OK) != 0)
+                return k3_fail(err, K3_EXIT_USAGE, "%s: %s: not writable: %s", what, path, strerror(errno));
+            return K3_OK;
+        }
+    } else if (errno != ENOENT) {
+        return k3_fail(err, K3_EXIT_USAGE, "%s: %s: %s", what, path, strerror(errno));
+    }
+    char *real = realpath(path, NULL); /* the target of a symlink is what gets replaced */
+    char *copy = xstrdup(real ? real : path);
+    free(real);
+    const char *dir = dirname(copy);
+    int rc = K3_OK;
+    if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))
+        rc = k3_fail(err, K3_EXIT_USAGE, "%s: %s: directory %s does not exist", what, path, dir);
+    else if (access(dir, W_OK | X_OK) != 0)
+        rc = k3_fail(err, K3_EXIT_USAGE, "%s: %s: directory %s is not writable: %s", what, path, dir, strerror(errno));
+    free(copy);
+    return rc;
+}
+
+/* /dev/stdout and its kind link into /proc/PID/fd: the file behind them is an
+ * open descriptor of someone else, to be written through, never replaced. */
+static bool is_proc_link(const char *path) {
+    if (!strncmp(path, "/proc/", 6) || !strncmp(path, "/dev/", 5)) return true;
+    char buf[64];
+    ssize_t n = readlink(path, buf, sizeof buf - 1);
+    if (n <= 0) return false;
+    buf[n] = 0;
+    return !strncmp(buf, "/proc/", 6) || !strncmp(buf, "/dev/", 5);
+}
+
 int k3_atomic_open(k3_atomic_file *af, const char *path, k3_err *err) {
     memset(af, 0, sizeof *af);
-    af->path = xstrdup(path);
-    size_t n = strlen(path) + 32;
+    if (!*path) return k3_fail(err, K3_EXIT_USAGE, "empty output path");
+    struct stat st;
+    bool exists = stat(path, &st) == 0;
+    if (exists && S_ISDIR(st.st_mode)) return k3_fail(err, K3_EXIT_USAGE, "%s: is a directory", path);
+    if (exists && (!S_ISREG(st.st_mode) || is_proc_link(path))) {
+        /* a device, FIFO or socket (or a link to one) is written in place:
+         * replacing it with a regular file would break what it is */
+        af->path = xstrdup(path);
+        af->inplace = true;
+        af->f = fopen(path, "wb");
+        if (!af->f) {
+            int e = errno;
+            free(af->path);
+            af->path = NULL;
+            return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", path, strerror(e));
+        }
+        return K3_OK;
+    }
+    /* a symlink to a regular file: replace the target, keep the link */
+    char *real = exists ? realpath(path, NULL) : NULL;
+    af->path = real ? real : xstrdup(path);
+    af->shown = xstrdup(path);
+    size_t n = strlen(af->path) + 32;
     af->tmp = xmalloc(n);
-    snprintf(af->tmp, n, "%s.tmp.%ld", path, (long)getpid());
+    snprintf(af->tmp, n, "%s.tmp.%ld", af->path, (long)getpid());
+    remove_stale_temps(af->path);
     af->f = fopen(af->tmp, "wb");
     if (!af->f) {
         int e = errno;
-        free(af->path); free(af->tmp);
-        af->path = af->tmp = NULL;
+        free(af->path); free(af->tmp); free(af->shown);
+        memset(af, 0, sizeof *af);
         return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create: %s", path, strerror(e));
     }
     return K3_OK;
 }
 
+static const char *af_name(const k3_atomic_file *af) { return af->shown ? af->shown : af->path; }
+
 int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *err) {
     if (len && fwrite(data, 1, len, af->f) != len)
-        return k3_fail(err, K3_EXIT_RUNTIME, "%s: write failed: %s", af->tmp, strerror(errno));
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: write failed: %s", af_name(af), strerror(errno));
     return K3_OK;
+}
+
+static void af_free(k3_atomic_file *af) {
+    free(af->path); free(af->tmp); free(af->shown);
+    memset(af, 0, sizeof *af);
 }
 
 int k3_atomic_commit(k3_atomic_file *af, k3_err *err) {
     int rc = K3_OK;
-    if (fflush(af->f) != 0 || fsync(fileno(af->f)) != 0)
-        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: flush failed: %s", af->tmp, strerror(errno));
+    if (fflush(af->f) != 0)
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: write failed: %s", af_name(af), strerror(errno));
+    /* fsync of a pipe or a character device says EINVAL: nothing to sync */
+    if (rc == K3_OK && fsync(fileno(af->f)) != 0 && !(af->inplace && (errno == EINVAL || errno == EROFS)))
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: flush failed: %s", af_name(af), strerror(errno));
     if (fclose(af->f) != 0 && rc == K3_OK)
-        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: close failed: %s", af->tmp, strerror(errno));
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: close failed: %s", af_name(af), strerror(errno));
     af->f = NULL;
-    if (rc == K3_OK && rename(af->tmp, af->path) != 0)
-        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: rename failed: %s", af->path, strerror(errno));
-    if (rc == K3_OK) fsync_dir_of(af->path);
-    else unlink(af->tmp);
-    free(af->path); free(af->tmp);
-    af->path = af->tmp = NULL;
+    if (!af->inplace) {
+        if (rc == K3_OK && rename(af->tmp, af->path) != 0)
+            rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: rename failed: %s", af_name(af), strerror(errno));
+        if (rc == K3_OK) fsync_dir_of(af->path);
+        else unlink(af->tmp);
+    }
+    af_free(af);
     return rc;
 }
 
 void k3_atomic_abort(k3_atomic_file *af) {
     if (af->f) fclose(af->f);
     if (af->tmp) unlink(af->tmp);
-    free(af->path); free(af->tmp);
-    memset(af, 0, sizeof *af);
+    af_free(af);
 }
 
 int k3_write_file_atomic(const char *path, const void *data, size_t len, k3_err *err) {
@@ -224,6 +324,20 @@ int k3_write_file_atomic(const char *path, const void *data, size_t len, k3_err 
         return rc;
     }
     return k3_atomic_commit(&af, err);
+}
+
+const char *k3_size_str(uint64_t b) {
+    static __thread char ring[8][32];
+    static __thread int next;
+    char *buf = ring[next];
+    next = (next + 1) % 8;
+    static const char *const unit[] = {"B", "kB", "MB", "GB", "TB", "PB", "EB"};
+    double v = (double)b;
+    int u = 0;
+    while (v >= 999.5 && u < 6) { v /= 1000.0; u++; }
+    if (u == 0) snprintf(buf, 32, "%llu B", (unsigned long long)b);
+    else snprintf(buf, 32, v >= 99.95 ? "%.0f %s" : v >= 9.995 ? "%.1f %s" : "%.2f %s", v, unit[u]);
+    return buf;
 }
 
 double k3_now(void) {

@@ -59,18 +59,29 @@ uint16_t k3_f32_to_f16(float f);
 int k3_read_file(const char *path, char **data, size_t *len, k3_err *err);
 
 /* Atomic write of a small file: temp file in the same directory, fsync,
- * rename over path, fsync the directory. */
+ * rename over path, fsync the directory. Only regular files (or missing
+ * paths) are replaced that way; a symlink to a regular file has its target
+ * replaced, and a device, FIFO or socket is written in place (so
+ * /dev/stdout stays a device). The temp file is PATH.tmp.PID; opening removes
+ * temp files of PATH left by processes that no longer exist. Write errors
+ * (a full disk or device) are reported, never ignored. */
 int k3_write_file_atomic(const char *path, const void *data, size_t len, k3_err *err);
 
 /* Streaming atomic writer for large outputs (checkpoints, packed trunks). */
 typedef struct {
-    char *path, *tmp;
+    char *path, *tmp;  /* tmp NULL when written in place */
+    char *shown;       /* the path as given, for messages */
     FILE *f;
+    bool inplace;      /* not a regular file: written directly */
 } k3_atomic_file;
 int k3_atomic_open(k3_atomic_file *af, const char *path, k3_err *err);
 int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *err);
 int k3_atomic_commit(k3_atomic_file *af, k3_err *err); /* fsync + rename + dir fsync */
 void k3_atomic_abort(k3_atomic_file *af);              /* unlink the temp file */
+/* Up-front check of an output path (before any long work), K3_EXIT_USAGE
+ * naming `what` (the flag) when it is empty, a directory, in a missing or
+ * unwritable directory, or an existing non-regular file that is not writable. */
+int k3_check_output_path(const char *path, const char *what, k3_err *err);
 
 /* CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
  * Start with crc = 0; feed chunks by passing the previous result. */
@@ -78,6 +89,11 @@ uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n);
 /* FNV-1a 64-bit, for identities of small byte strings (headers, names). */
 uint64_t k3_fnv1a64(uint64_t h, const void *data, size_t n);
 #define K3_FNV_OFFSET 0xcbf29ce484222325ULL
+
+/* A byte count in the unit that fits, 3 significant digits: "512 B",
+ * "25.4 kB", "1.23 MB", "3.50 GB" (decimal units). Returns one of 8
+ * thread-local buffers in turn, so a message may hold up to 8 of them. */
+const char *k3_size_str(uint64_t bytes);
 
 double k3_now(void);               /* monotonic seconds */
 uint64_t k3_peak_rss_bytes(void);  /* getrusage ru_maxrss */
@@ -94,6 +110,20 @@ typedef struct {
 void k3_progress_start(k3_progress *p, const char *label, uint64_t total, bool bytes);
 void k3_progress_update(k3_progress *p, uint64_t done);
 void k3_progress_finish(k3_progress *p);
+
+/* The program's one pseudo-random generator: splitmix64, whose sequence is
+ * the same on every machine, so initialisation, data order and sampling are
+ * reproducible from a seed. k3_mix64 is its output function, also used as a
+ * hash of counters (the draw for step s depends only on (seed, s)). */
+static inline uint64_t k3_mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+#define K3_GOLDEN64 0x9E3779B97F4A7C15ull /* 2^64 / golden ratio: splitmix64's increment */
+static inline uint64_t k3_rng_next(uint64_t *state) { return k3_mix64(*state += K3_GOLDEN64); }
+/* Uniform in [0, 1) with 53 random bits. */
+static inline double k3_rng_unit(uint64_t *state) { return (double)(k3_rng_next(state) >> 11) * 0x1p-53; }
 
 /* Parses a whole decimal integer in [lo, hi]; false on anything else
  * (empty, trailing characters, overflow, out of range). */

@@ -1,14 +1,34 @@
-# lib.sh: helpers for command-line tests. Source it from tests/cli/*.sh.
-# $K3 is the binary under test (bin/k3 or bin/k3-asan); $SHARED is ../shared.
-# Each script ends by calling `finish`, which prints "N passed, N failed".
+# lib.sh: helpers for command-line tests. Source it from tests/cli/*.sh, with
+# the repository root as the working directory.
+# $K3 is the binary under test (bin/k3 or bin/k3-asan). Inputs come from
+# tests/fixtures (`fixture REL`); $SHARED (../shared, or $K3_SHARED) is only for
+# a check whose input may not be committed, which must `skip` without it.
+# Each script ends by calling `finish`, which prints "N passed, N failed, N skipped".
 K3=${K3:-bin/k3}
 SHARED=${K3_SHARED:-../shared}
 OUT=tests/out/cli-$(basename "$0" .sh)
 mkdir -p "$OUT"
-_pass=0; _fail=0
+_pass=0; _fail=0; _skip=0
 
 pass() { echo "PASS $1"; _pass=$((_pass + 1)); }
 fail() { echo "FAIL $1${2:+: $2}"; _fail=$((_fail + 1)); }
+# skip NAME REASON: a check that could not run here; counted apart, never as a pass
+skip() { echo "SKIP $1: $2"; _skip=$((_skip + 1)); }
+
+# fixture REL: the path of tests/fixtures/REL. A fixture committed compressed
+# (REL.gz) is unpacked once into tests/out/fixtures/REL (through a temp file,
+# so an interrupted run leaves no partial copy) and that path is printed.
+fixture() {
+  local p=tests/fixtures/$1 o=tests/out/fixtures/$1
+  if [ -e "$p" ] || [ ! -e "$p.gz" ]; then echo "$p"; return; fi
+  if [ ! -e "$o" ] || [ "$p.gz" -nt "$o" ]; then
+    mkdir -p "$(dirname "$o")"
+    if ! gzip -dc "$p.gz" >"$o.tmp.$$" || ! mv -f "$o.tmp.$$" "$o"; then
+      rm -f "$o.tmp.$$"; echo "lib.sh: cannot unpack $p.gz" >&2; echo "$p"; return
+    fi
+  fi
+  echo "$o"
+}
 
 # expect_exit NAME CODE CMD...: runs CMD, checks its exit code; for nonzero codes
 # also checks stderr is exactly one line starting "k3: " (the error contract).
@@ -37,4 +57,4 @@ expect_out_contains() {
   if grep -qF -- "$2" "$OUT/$1.out"; then pass "$1:out"; else fail "$1:out" "stdout lacks '$2'"; fi
 }
 
-finish() { echo "$_pass passed, $_fail failed"; [ "$_fail" -eq 0 ]; }
+finish() { echo "$_pass passed, $_fail failed, $_skip skipped"; [ "$_fail" -eq 0 ]; }

@@ -7,8 +7,8 @@
 . "$(dirname "$0")/lib.sh"
 PY=/usr/bin/python3
 if ! [ -x "$PY" ]; then
-  echo "NOTE: $PY missing: bench/report.py is not tested"
-  pass report_skipped_no_python; finish; exit $?
+  skip report "$PY missing: bench/report.py is not tested"
+  finish; exit $?
 fi
 R=bench/report.py
 FIX=tests/fixtures/bench/report.json
@@ -95,7 +95,7 @@ expect_exit only_bad 2 $PY $R --only decode,warp --cache "$OUT/cache"
 expect_err_contains only_bad "unknown section 'warp'"
 
 # the cheap sections for real, on the tiny peer checkpoint (needs `make bench`)
-TINY=$SHARED/fixtures/peer/tiny-checkpoint
+TINY=$(fixture peer/tiny-checkpoint)
 if [ -x bin/bench_index ] && [ -d "$TINY" ]; then
   expect_exit live 0 $PY $R --only index,ttft --issue7-dir "$TINY" --replica-dir "$TINY" --index-repeats 1 \
     --ttft-runs 1 --cache "$OUT/cache"
@@ -106,7 +106,6 @@ and r["raw"]["ttft"]["best_s"] > 0 and r["conditions"]["load_after"] is not None
     "$OUT/cache/report.json" && pass live:json || fail live:json
   [ -f "$OUT/cache/report.svg" ] && [ -f "$OUT/cache/report.md" ] && pass live:outputs || fail live:outputs
 else
-  echo "NOTE: bin/bench_index not built (make bench): the live part is skipped"
-  pass live_skipped
+  skip live "bin/bench_index not built (make bench): the live run of the index and ttft sections"
 fi
 finish

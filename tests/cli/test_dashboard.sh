@@ -240,7 +240,12 @@ rawok raw-post      'POST /api/state HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Leng
 rawok raw-put       'PUT /files/x.txt HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 3\r\n\r\nabc' '^HTTP/1.1 405'
 rawok raw-version   'GET / HTTP/9.9\r\nHost: 127.0.0.1\r\n\r\n'               '^(HTTP/1.1 (400|505) .*|)$'
 rawok raw-get-body  'GET /api/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Length: 4\r\n\r\nabcd' '^HTTP/1.1 200'
-rawok raw-huge-clen 'GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 99999999999999\r\n\r\nabc' '^(HTTP/1.1 [0-9]+|)'
+# the declared 99,999,999,999,999-byte body never comes: the server discards
+# what arrives and waits for the rest (up to its 15 s connection timeout), so
+# nothing comes back within the client's 2 s of silence. Refusing the length
+# at once (413) would be right too; any other status means it answered a
+# request whose body it had not read.
+rawok raw-huge-clen 'GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 99999999999999\r\n\r\nabc' '^(HTTP/1.1 413 .*|)$'
 rawok raw-truncated 'GET /api/st'                                             '^$'
 rawok raw-bad-escape 'GET /files/%%zz%%00%%ff?run=gamma HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n' '^HTTP/1.1 4[0-9][0-9]'
 long=$(head -c 20000 /dev/zero | tr '\0' 'a')

@@ -40,7 +40,7 @@ echo "trainer: $trainer"
 if [ "$trainer" = train ]; then
   # the shards' vocabulary must be the config's
   vocab=$(grep -o '"vocab_size": *[0-9]*' "$config" | head -n 1 | grep -o '[0-9]*$')
-  if ! "$K3" prepare --input "$SHARED/data/tinystories/valid.txt" --output-dir "$OUT/data" --vocab-size "$vocab" \
+  if ! "$K3" prepare --input "$(fixture tinystories/valid.txt)" --output-dir "$OUT/data" --vocab-size "$vocab" \
        --tokenizer-stories 400 --validation-stories 40 >"$OUT/prepare.log" 2>&1; then
     fail "e2e-prepare" "$(tail -n 3 "$OUT/prepare.log")"; finish; exit 1
   fi

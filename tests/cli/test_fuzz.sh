@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Bounded libFuzzer runs of the safetensors header parser, the index-file
-# cross-check and the config parser (fuzz/fuzz_*.c) from the committed seed
-# corpora. Passes when no
+# cross-check, the config parser and the tokenizer (tiktoken.model,
+# tokenizer_config.json, encode/decode round trips; fuzz/fuzz_*.c) from the
+# committed seed corpora. Passes when no
 # crash, sanitizer report or disagreement is found in K3_FUZZ_SECONDS
-# (default 20) per harness. Skipped, counted as a pass with a note, when
-# clang is not installed.
+# (default 20) per harness. Reported as skipped (not passed) when clang is
+# not installed.
 . tests/cli/lib.sh
 SECS=${K3_FUZZ_SECONDS:-20}
 if ! command -v "${FUZZ_CC:-clang}" >/dev/null 2>&1; then
-  echo "NOTE: clang not installed: fuzzing skipped (scripts/setup.sh --test installs it)"
-  pass fuzz_skipped_no_clang
+  skip fuzz "clang not installed (scripts/setup.sh --test installs it)"
   finish; exit $?
 fi
 if make -s fuzz bin/fuzz_index >"$OUT/build.log" 2>&1; then pass fuzz_build; else fail fuzz_build "$(tail -n 5 "$OUT/build.log")"; finish; exit 1; fi
-for h in safetensors config index; do
+for h in safetensors config index tokenizer; do
   work="$OUT/corpus-$h"; rm -rf "$work"; mkdir -p "$work" "$OUT/artifacts-$h"
   # the first corpus directory receives new inputs; the committed seeds stay as they are
   if ASAN_OPTIONS=detect_leaks=1 "bin/fuzz_$h" -max_total_time="$SECS" -timeout=10 -rss_limit_mb=2048 \

@@ -38,10 +38,10 @@ case "$K3" in
 esac
 
 # --- peer fixtures ---
-expect_exit tiny 0 "$K3" inspect "$SHARED/fixtures/peer/tiny-checkpoint"
+expect_exit tiny 0 "$K3" inspect "$(fixture peer/tiny-checkpoint)"
 expect_out_contains tiny "layer map: KKKMKKKMKKKMM"
 expect_out_contains tiny "96 routed experts of exactly 6,528 bytes"
-expect_exit peer_st 0 "$K3" inspect "$SHARED/fixtures/peer/st"
+expect_exit peer_st 0 "$K3" inspect "$(fixture peer/st)"
 expect_out_contains peer_st "tensors: 13"
 
 # --- usage ---
@@ -99,11 +99,11 @@ expect_err_contains bad_index_missing_tensor "names tensor 'b'"
 expect_err_contains bad_zero_bytes "0 bytes"
 
 # --- configs: each peer bad config beside the tiny checkpoint's weights ---
-TINY=$(cd "$SHARED/fixtures/peer/tiny-checkpoint" && pwd)
+TINY=$(cd "$(fixture peer/tiny-checkpoint)" && pwd)
 for c in bad_layer_index bad_topk no_layermap; do
   mkdir -p "$OUT/cfg_$c"
   ln -sf "$TINY/model.safetensors" "$OUT/cfg_$c/model.safetensors"
-  cp "$SHARED/fixtures/peer/cfg/$c.json" "$OUT/cfg_$c/config.json"
+  cp "$(fixture peer/cfg/$c.json)" "$OUT/cfg_$c/config.json"
   expect_exit "cfg_$c" 2 "$K3" inspect "$OUT/cfg_$c"
   expect_err_contains "cfg_$c" "$OUT/cfg_$c/config.json"
 done

@@ -9,7 +9,7 @@
 # under valgrind, whose CPU has no AVX-512 (the binary must fall back alone);
 # the model tests against our PyTorch fixtures pass on every path.
 . "$(dirname "$0")/lib.sh"
-TINY=$SHARED/fixtures/peer/tiny-checkpoint
+TINY=$(fixture peer/tiny-checkpoint)
 GEN=tests/fixtures/gen/k3_like
 
 # ---- the machine code (release build only: the objects are build/rel) ------

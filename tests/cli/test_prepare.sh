@@ -4,7 +4,7 @@
 # files and statistics it writes, determinism across thread counts, reuse of a
 # tokenizer, the three input formats, and the one-line errors.
 . "$(dirname "$0")/lib.sh"
-VALID=$SHARED/data/tinystories/valid.txt
+VALID=$(fixture tinystories/valid.txt)
 
 # json_num FILE SPLIT KEY: a number from stats.json ("train"/"validation" block
 # or "" for the top level), found by its key (keys are unique per block).

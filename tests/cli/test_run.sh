@@ -4,8 +4,8 @@
 # decode, --full and --threads give the same logits bytes, and every bad input
 # is one error line with its exit code.
 . "$(dirname "$0")/lib.sh"
-TINY=$SHARED/fixtures/peer/tiny-checkpoint
-KIMI=$SHARED/tokenizers/kimi
+TINY=$(fixture peer/tiny-checkpoint)
+KIMI=$(fixture tokenizer/kimi)
 
 # the "generated_ids" array of a JSON file, whitespace removed
 gen_ids() { tr -d '[:space:]' <"$1" | grep -o '"generated_ids":\[[0-9,]*\]'; }
@@ -13,7 +13,7 @@ gen_ids() { tr -d '[:space:]' <"$1" | grep -o '"generated_ids":\[[0-9,]*\]'; }
 # ---- the peer's greedy decode, 64/64 ----------------------------------------
 expect_exit greedy64 0 $K3 run "$TINY" --ids 3,7,11,5,9 --gen 64 --out "$OUT/g.json" --quiet \
   --dump-logits "$OUT/inc.bin" --threads 2
-want=$(gen_ids "$SHARED/fixtures/peer/tiny-checkpoint.greedy.json")
+want=$(gen_ids "$(fixture peer/tiny-checkpoint.greedy.json)")
 got=$(gen_ids "$OUT/g.json")
 if [ -n "$want" ] && [ "$want" = "$got" ]; then pass greedy64:ids; else fail greedy64:ids "got $got"; fi
 for k in prompt_ids prefill_s decode_s tokens_per_s peak_rss_bytes threads; do
@@ -45,6 +45,22 @@ expect_exit sample2 0 $K3 run "$TINY" --ids 3,7,11 --gen 16 --temperature 0.9 --
 # with a tokenizer: text streams to stdout and lands in --out (single-byte ids fit the tiny vocab)
 expect_exit text 0 $K3 run "$TINY" --tok "$KIMI" --prompt "Q" --gen 4 --out "$OUT/t.json"
 grep -q '"text"' "$OUT/t.json" && pass text:key || fail text:key
+# ... and that text is the generated ids detokenized (k3 detokenize, whose
+# bytes tests/cli/test_tokenize.sh holds to tiktoken's); JSON needs valid
+# UTF-8, so where the bytes are not, each byte >= 0x80 is written as '?'
+ids=$(gen_ids "$OUT/t.json" | grep -o '[0-9,]*\]' | tr -d ']')
+if expect_exit text_detok 0 $K3 detokenize "$KIMI" --ids "$ids"; then
+  if ! command -v python3 >/dev/null; then skip text:detokenized "python3 missing (to read the JSON string)"
+  elif python3 - "$OUT/t.json" "$OUT/text_detok.out" <<'PY'
+import json, sys
+text = json.load(open(sys.argv[1]))["text"]
+raw = open(sys.argv[2], "rb").read()
+try: want = raw.decode("utf-8")
+except UnicodeDecodeError: want = "".join(chr(b) if b < 0x80 else "?" for b in raw)
+sys.exit(0 if raw and text == want else 1)
+PY
+  then pass text:detokenized; else fail text:detokenized "text $(grep '"text"' "$OUT/t.json") vs ids $ids"; fi
+fi
 
 # generation stops at the config's eos_token_id (here the 3rd greedy token, 13)
 mkdir -p "$OUT/eos"

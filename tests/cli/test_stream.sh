@@ -43,6 +43,30 @@ trunk-ring   --trunk TRUNK --trunk-gb 0.00012 --cache-gb 0.00002 --chunk 1
 full         --trunk TRUNK --trunk-gb 0.00012 --cache-gb 0.00002 --full
 LIST
 [ "$n" -ge 8 ] && pass budgets:count || fail budgets:count "$n"
+# the rung every other one is compared with: its logits, row by row, against
+# the float64 PyTorch reference's (expected.json, its normwise tolerance)
+if command -v python3 >/dev/null; then
+  if python3 - "$SRC/expected.json" "$ref" >"$OUT/ref-check.out" 2>&1 <<'PY'
+import array, json, math, sys
+e = json.load(open(sys.argv[1]))
+got = array.array("f", open(sys.argv[2], "rb").read())
+V, tol = e["vocab_size"], e["tolerance"]
+rows = len(got) // V
+worst = 0.0
+for r in range(rows):
+    want = e["logits"][r]
+    rms = math.sqrt(sum(w * w for w in want) / V)
+    for g, w in zip(got[r * V:(r + 1) * V], want):
+        d = abs(g - w) / (tol["atol"] + tol["rtol"] * max(abs(w), rms))
+        worst = d if math.isnan(d) else max(worst, d)
+print("%d rows of %d logits, worst |d|/bound %.3g" % (rows, V, worst))
+sys.exit(0 if rows == 8 + 6 - 1 and len(got) == rows * V and worst <= 1 else 1)
+PY
+  then pass reference:logits; else fail reference:logits "$(cat "$OUT/ref-check.out")"; fi
+  cat "$OUT/ref-check.out"
+else
+  skip reference:logits "python3 missing"
+fi
 
 # the plans really differ: the smallest streams with one slot and no cache hits
 plan_of() { tr -d '[:space:]' <"$OUT/$1.json" | grep -o "\"$2\":[0-9a-z.-]*" | head -n 1 | cut -d: -f2; }
@@ -87,38 +111,58 @@ expect_exit no-fit-chunk 3 $K3 run "$M" --ids $IDS --gen 2 --cache-gb 0.00002 --
 expect_exit no-fit-memory 3 $K3 run "$M" --ids $IDS --gen 2 --max-memory 1M
 # ... and before any weight byte is read: no shard is mapped or read past its
 # header, no io_uring read is issued, nothing is read from trunk.bin
-# (checked with strace where it is installed; the release build only)
+# (checked with strace where it is installed; the release build only). The
+# log must show the run's own file activity (every shard opened and its
+# header read, trunk.json opened): an empty or unreadable log proves nothing.
+# -ff writes one log per thread, so no call is split into unfinished/resumed
+# halves that would hide its file or offsets.
 if command -v strace >/dev/null && command -v python3 >/dev/null && [ "${K3#*asan}" = "$K3" ]; then
-  strace -f -qq -y -e trace=pread64,read,mmap,openat,io_uring_enter -o "$OUT/strace.log" \
-    $K3 run "$M" --ids $IDS --gen 2 --trunk "$T" --trunk-gb 0.00003 2>/dev/null
-  if python3 - "$OUT/strace.log" "$M" <<'PY'
+  rm -f "$OUT"/strace.log*
+  strace -f -ff -qq -y -e trace=pread64,read,mmap,openat,io_uring_enter -o "$OUT/strace.log" \
+    $K3 run "$M" --ids $IDS --gen 2 --trunk "$T" --trunk-gb 0.00003 2>"$OUT/strace-run.err"
+  rc=$?
+  [ "$rc" -eq 3 ] && pass refuse:traced-exit-3 || fail refuse:traced-exit-3 "exit $rc: $(head -c 300 "$OUT/strace-run.err")"
+  if python3 - "$M" "$T" "$OUT"/strace.log.* >"$OUT/strace-check.out" 2>&1 <<'PY'
 import os, re, struct, sys
-log, model = sys.argv[1], sys.argv[2]
+model, trunk, logs = sys.argv[1], sys.argv[2], sys.argv[3:]
 start = {}
 for f in os.listdir(model):
     if f.endswith(".safetensors"):
         with open(os.path.join(model, f), "rb") as fh:
             start[os.path.realpath(os.path.join(model, f))] = 8 + struct.unpack("<Q", fh.read(8))[0]
-bad = []
-for line in open(log):
-    if "io_uring_enter(" in line: bad.append(line); continue
-    m = re.search(r'(pread64|mmap)\((?:NULL, (\d+), [^,]+, [^,]+, )?\d+<([^>]+)>(?:, (\d+))?', line)
-    if not m: continue
-    path = os.path.realpath(m.group(3))
-    if path.endswith("trunk.bin"): bad.append(line); continue
-    if path not in start: continue
-    if m.group(1) == "mmap":
-        # mapping the header alone (the index does) is not a weight read
-        if int(m.group(4) or 0) + int(m.group(2)) > start[path]: bad.append(line)
-        continue
-    a = re.search(r', (\d+), (\d+)\) = (-?\d+)', line)
-    if a and int(a.group(2)) + int(a.group(1)) > start[path]: bad.append(line)
+bad, opened, header_reads, trunk_json = [], set(), 0, False
+for log in logs:
+    for line in open(log):
+        if "io_uring_enter(" in line: bad.append(line); continue
+        o = re.search(r'openat\(.*\) = \d+<([^>]+)>', line)
+        if o:
+            path = os.path.realpath(o.group(1))
+            if path in start: opened.add(path)
+            if path == os.path.realpath(os.path.join(trunk, "trunk.json")): trunk_json = True
+            continue
+        m = re.search(r'(pread64|mmap)\((?:NULL, (\d+), [^,]+, [^,]+, )?\d+<([^>]+)>(?:, (\d+))?', line)
+        if not m: continue
+        path = os.path.realpath(m.group(3))
+        if path.endswith("trunk.bin"): bad.append(line); continue
+        if path not in start: continue
+        if m.group(1) == "mmap":
+            # mapping the header alone (the index does) is not a weight read
+            if int(m.group(4) or 0) + int(m.group(2)) > start[path]: bad.append(line)
+            else: header_reads += 1
+            continue
+        a = re.search(r', (\d+), (\d+)\) = (-?\d+)', line)
+        if not a: bad.append("unparsed: " + line); continue
+        if int(a.group(2)) + int(a.group(1)) > start[path]: bad.append(line)
+        else: header_reads += 1
+print("%d logs, %d of %d shards opened, %d header reads, trunk.json %s"
+      % (len(logs), len(opened), len(start), header_reads, "opened" if trunk_json else "not opened"))
 if bad: print("".join(bad[:3]))
-sys.exit(1 if bad else 0)
+sys.exit(1 if bad or len(opened) != len(start) or not start or header_reads < len(start) or not trunk_json else 0)
 PY
-  then pass refuse:no-weight-read; else fail refuse:no-weight-read "weights were read before the refusal"; fi
+  then pass refuse:no-weight-read; else fail refuse:no-weight-read "$(head -c 400 "$OUT/strace-check.out")"; fi
+  cat "$OUT/strace-check.out"
 else
-  pass refuse:no-weight-read-skipped
+  skip refuse:no-weight-read "strace or python3 missing, or the ASan build (LeakSanitizer does not run under ptrace)"
 fi
 
 # ---- the cache trace and the simulator -----------------------------------------

@@ -4,7 +4,7 @@
 # roundtrips, and one-line errors with exit code 2 for bad input.
 cd "$(dirname "$0")/../.." || exit 1
 . tests/cli/lib.sh
-TOK=$SHARED/tokenizers/kimi
+TOK=$(fixture tokenizer/kimi)
 
 # ids below come from npm tiktoken (tools/tiktoken-check/kimi.js encoder)
 expect_exit hello 0 "$K3" tokenize "$TOK" --text "Hello, world!"
@@ -26,7 +26,7 @@ expect_exit empty 0 "$K3" tokenize "$TOK" --text "" --json
 expect_out_contains empty '"count": 0'
 
 # whole files: tokenize then detokenize gives the same bytes
-for f in "$SHARED/tokenizers/kimi/SOURCE.md" "$SHARED/docs/k3-checkpoint-format.md" src/tokenizer/tokenizer.c; do
+for f in "$TOK/SOURCE.md" "$(fixture docs/k3-checkpoint-format.md)" src/tokenizer/tokenizer.c; do
   n=rt_$(basename "$f" | tr . _)
   if expect_exit "$n" 0 "$K3" tokenize "$TOK" --file "$f"; then
     expect_exit "$n.de" 0 "$K3" detokenize "$TOK" --ids "$(cat "$OUT/$n.out")"

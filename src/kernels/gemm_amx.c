@@ -1,5 +1,6 @@
-/* tgemm_amx.c: the BF16-mode training product on AMX tiles (Intel AMX-BF16:
- * Sapphire Rapids and later); see tgemm.h for when it runs and its numerics.
+/* gemm_amx.c: the BF16-mode training product on AMX tiles (Intel AMX-BF16:
+ * Sapphire Rapids and later); see kernels.h ("the training GEMM") for when it
+ * runs and its numerics.
  *
  * One TDPBF16PS multiplies a 16x32 BF16 tile of A by a 32x16 tile of B (in
  * pairs of k: row q holds B(2q, n), B(2q+1, n) side by side) into a 16x16
@@ -13,11 +14,11 @@
  * of instructions does not depend on the thread count or the job split.
  *
  * Tile state: Linux hands out AMX tile data only to a process that asks
- * (arch_prctl ARCH_REQ_XCOMP_PERM, once per process); the tile configuration
- * is per thread, so every thread loads it at the start of its share of a call
+ * (arch_prctl ARCH_REQ_XCOMP_PERM, once per process: k_cpu_amx in
+ * kernels.c); the tile configuration is per thread, so every thread loads it at the start of its share of a call
  * and releases the tiles at the end (a released tile state is cheap to save
  * on a context switch). */
-#include "train/tgemm.h"
+#include "kernels/internal.h"
 
 #include <omp.h>
 #include <stdint.h>
@@ -26,27 +27,7 @@
 #include "util/common.h"
 
 #if defined(__x86_64__) && defined(__linux__)
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
-
-static bool g_amx_allowed = true;
-void tg_set_amx(bool on) { g_amx_allowed = on; }
-
-bool tg_amx_available(void) {
-    static int have = -1;
-    if (have < 0) {
-        unsigned a, b, c, d;
-        bool cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) /* AMX-TILE */ &&
-                   (d & (1u << 22)) /* AMX-BF16 */;
-        /* the packers use AVX512_BF16's conversion; every AMX CPU has it */
-        have = cpu && tg_bf16_available() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }
-    return have && g_amx_allowed;
-}
 
 #define TGA __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 
@@ -261,8 +242,6 @@ TGA void tg_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg
 }
 
 #else
-void tg_set_amx(bool on) { (void)on; }
-bool tg_amx_available(void) { return false; }
 void tg_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc) {
     (void)C; (void)ldc; (void)M; (void)N; (void)K; (void)A; (void)B; (void)acc;
 }

@@ -1,4 +1,5 @@
-/* tgemm.c: the training matrix product; see tgemm.h for the numerics.
+/* gemm.c: the training matrix product; see kernels.h ("the training GEMM")
+ * for the numerics.
  *
  * Blocking (GotoBLAS style): B is packed once per call into panels of NR
  * columns ([K][NR], zero-padded); each job (a block of MC rows x a range of
@@ -7,8 +8,6 @@
  * them. A KC slice continues the chain from the stored C, so the blocking
  * never changes a result. In BF16 mode the packed operands are BF16 pairs
  * (k, k+1) and the tile uses vdpbf16ps. */
-#include "train/tgemm.h"
-
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -22,18 +21,11 @@ enum { MR = 12, NR = 32, KC = 256, MC = 96 };
 static bool g_scalar = false;
 void tg_set_scalar(bool on) { g_scalar = on; }
 
-bool tg_bf16_available(void) {
-#if defined(__x86_64__)
-    static int have = -1;
-    if (have < 0) {
-        __builtin_cpu_init();
-        have = k_simd_available() && __builtin_cpu_supports("avx512bf16");
-    }
-    return have;
-#else
-    return false;
-#endif
-}
+bool tg_bf16_available(void) { return k_cpu_bf16(); }
+
+static bool g_amx_allowed = true;
+void tg_set_amx(bool on) { g_amx_allowed = on; }
+bool tg_amx_available(void) { return g_amx_allowed && k_cpu_amx(); }
 
 /* Which tiles run (K3_ISA decides the path in force): AVX-512 tiles for both
  * modes (BF16 needs AVX512_BF16), AVX2+FMA tiles for F32; everything else is
@@ -44,6 +36,15 @@ static k_isa tile_isa(tg_mode mode) {
     if (a == K_ISA_AVX512 && (mode == TG_F32 || tg_bf16_available())) return K_ISA_AVX512;
     if (a == K_ISA_AVX2 && mode == TG_F32) return K_ISA_AVX2;
     return K_ISA_SCALAR;
+}
+
+void k3_train_gemm_describe(char *buf, size_t n) {
+    static const char *const f32[] = {"the scalar reference", "AVX2+FMA tiles (the scalar reference's bits)",
+                                      "AVX-512 tiles (the scalar reference's bits)"};
+    k_isa a = tile_isa(TG_F32), b = tile_isa(TG_BF16);
+    const char *bf = b == K_ISA_SCALAR ? "the scalar emulation of its rounding"
+                     : tg_amx_available() ? "AMX-BF16 tiles" : "AVX512_BF16 (vdpbf16ps) tiles";
+    snprintf(buf, n, "F32 on %s, --bf16 on %s", f32[a < 3 ? a : 0], bf);
 }
 
 static inline float at(tg_view v, ptrdiff_t i, ptrdiff_t j) { return v.p[i * v.rs + j * v.cs]; }
@@ -83,7 +84,9 @@ static void gemm_scalar(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A,
         }
 }
 
-/* ---- packing ------------------------------------------------------------------------ */
+/* ---- packing (for the SIMD tiles: x86-64 only) ------------------------------------------ */
+
+#if defined(__x86_64__)
 
 /* F32: panel p holds B(k, p*NR + j) at [k][j]; pairs: [k/2][j][2] as BF16. */
 static void pack_b_f32(float *Bp, tg_view B, int K, int N, int p) {
@@ -158,7 +161,6 @@ static void pack_a_bf16(uint32_t *Ap, tg_view A, int m0, int rows, int k0, int k
 
 /* ---- AVX-512 tiles ------------------------------------------------------------------- */
 
-#if defined(__x86_64__)
 #include <immintrin.h>
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))

@@ -1,0 +1,555 @@
+/* cmd_chat.c: `k3 chat MODEL_DIR`: an interactive chat in the terminal.
+ *
+ * Each turn renders the whole conversation with the XTML template
+ * (src/chat) and hands the ids to a session (src/session), which feeds only
+ * what its state has not seen; replies are parsed by token id into reasoning
+ * and answer. Standard input that is not a terminal works the same, one
+ * message per line (how the tests drive it); there an error in a command ends
+ * the chat with its exit code, in a terminal it is printed and the chat goes on. */
+#include "chat/chat.h"
+#include "cli/commands.h"
+#include "engine/engine.h"
+#include "session/session.h"
+
+#include <errno.h>
+#include <jansson.h>
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+const char *const cmd_chat_help =
+    "usage: k3 chat MODEL_DIR [options]\n"
+    "\n"
+    "Chats with a Kimi K3 chat model (a tokenizer with the XTML ids) in the\n"
+    "terminal. Type a message and Enter; lines starting with / are commands:\n"
+    "  /reset          forget the conversation (the state cache stays)\n"
+    "  /save FILE      save the conversation and its decode state\n"
+    "  /load FILE      continue a saved conversation (same model only)\n"
+    "  /think on|off   thinking for the next turns\n"
+    "  /help, /quit\n"
+    "Reasoning is shown dimmed (prefixed with '[think] ' when stdout is not a\n"
+    "terminal); time to first token and tokens/s follow each reply on stderr.\n"
+    "Standard input need not be a terminal: one message (or command) a line.\n"
+    "\n"
+    "options:\n"
+    "  --system TEXT        system prompt\n"
+    "  --think, --no-think  thinking on (default) or off\n"
+    "  --gen N              at most N tokens per reply (default 1024)\n"
+    "  --max-context N      positions the conversation may reach (default 4096)\n"
+    "  --temperature T      sample at temperature T (default 0: greedy)\n"
+    "  --top-k K, --top-p P, --min-p P   sampling filters (need --temperature > 0)\n"
+    "  --seed S             sampling seed (default 0); turn t (from 0) samples with\n"
+    "                       seed S + t, as `k3 run --seed S+t` would\n"
+    "  --state-cache-gb G   budget of the state cache (default 2; 0: none). It\n"
+    "                       keeps decode-state snapshots at turn ends and every\n"
+    "                       --state-grid positions, so a history that re-renders\n"
+    "                       differently from what was generated resumes from the\n"
+    "                       deepest snapshot before the difference\n"
+    "  --state-grid N       positions between grid snapshots (default 1024)\n"
+    "  --load FILE          start from a saved conversation\n"
+    "  --cold               re-prefill the whole conversation every turn (for\n"
+    "                       comparison: the replies are the same bits)\n"
+    "  --out FILE.json      after every turn, write the turns (prompt_ids,\n"
+    "                       generated_ids, reused, ttft_s, tokens_per_s) and the\n"
+    "                       messages\n"
+    "\n" K3_ENGINE_HELP
+    "\n"
+    "exit codes: 0 ok, 1 runtime/I-O, 2 usage (a model without a tokenizer or\n"
+    "without the XTML ids, a conversation longer than --max-context), 3 cannot\n"
+    "fit the memory budget, 4 checkpoint or session file data error (a session\n"
+    "of another model, a corrupt or truncated file)\n";
+
+typedef struct {
+    const char *model_dir, *system, *load, *out;
+    bool thinking, cold;
+    int64_t gen, max_ctx, grid;
+    float temperature, top_p, min_p;
+    int top_k;
+    uint64_t seed;
+    bool sampling_flag;
+    double cache_gb;
+    k3_engine_opts eo;
+} chat_args;
+
+static bool parse_f(const char *s, double *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || *end || !isfinite(v)) return false;
+    *out = v;
+    return true;
+}
+
+static int parse_args(int argc, char **argv, chat_args *a) {
+    memset(a, 0, sizeof *a);
+    k3_engine_opts_init(&a->eo);
+    a->thinking = true;
+    a->gen = 1024;
+    a->max_ctx = 4096;
+    a->top_p = 1.0f;
+    a->cache_gb = K3_STATE_CACHE_GB_DEFAULT;
+    for (int i = 1; i < argc; i++) {
+        const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define NEED_VALUE() \
+    do { if (!v) return k3_usage_error("chat", "%s needs a value", o); i++; } while (0)
+        int64_t n;
+        double d;
+        if (!strcmp(o, "--help") || !strcmp(o, "-h")) {
+            fputs(cmd_chat_help, stdout);
+            return -1;
+        }
+        if (o[0] != '-' || !o[1]) {
+            if (a->model_dir) return k3_usage_error("chat", "unexpected argument '%s'", o);
+            a->model_dir = o;
+        } else if (!strcmp(o, "--system")) { NEED_VALUE(); a->system = v; }
+        else if (!strcmp(o, "--think")) a->thinking = true;
+        else if (!strcmp(o, "--no-think")) a->thinking = false;
+        else if (!strcmp(o, "--cold")) a->cold = true;
+        else if (!strcmp(o, "--load")) { NEED_VALUE(); a->load = v; }
+        else if (!strcmp(o, "--out")) { NEED_VALUE(); a->out = v; }
+        else if (!strcmp(o, "--gen")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 1, INT_MAX / 2, &n)) return k3_usage_error("chat", "--gen: '%s' is not a count >= 1", v);
+            a->gen = n;
+        } else if (!strcmp(o, "--max-context")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 2, INT_MAX / 2, &n))
+                return k3_usage_error("chat", "--max-context: '%s' is not a count >= 2", v);
+            a->max_ctx = n;
+        } else if (!strcmp(o, "--state-grid")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 1, INT_MAX / 2, &n))
+                return k3_usage_error("chat", "--state-grid: '%s' is not a count >= 1", v);
+            a->grid = n;
+        } else if (!strcmp(o, "--state-cache-gb")) {
+            NEED_VALUE();
+            if (!parse_f(v, &d) || d < 0 || d > 1e6)
+                return k3_usage_error("chat", "--state-cache-gb: '%s' is not a size in GB >= 0", v);
+            a->cache_gb = d;
+        } else if (!strcmp(o, "--temperature")) {
+            NEED_VALUE();
+            if (!parse_f(v, &d) || d < 0) return k3_usage_error("chat", "--temperature: '%s' is not a number >= 0", v);
+            a->temperature = (float)d;
+        } else if (!strcmp(o, "--top-k")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 0, INT_MAX, &n)) return k3_usage_error("chat", "--top-k: '%s' is not a count >= 0", v);
+            a->top_k = (int)n;
+            a->sampling_flag = true;
+        } else if (!strcmp(o, "--top-p")) {
+            NEED_VALUE();
+            if (!parse_f(v, &d) || d <= 0 || d > 1) return k3_usage_error("chat", "--top-p: '%s' is not in (0, 1]", v);
+            a->top_p = (float)d;
+            a->sampling_flag = true;
+        } else if (!strcmp(o, "--min-p")) {
+            NEED_VALUE();
+            if (!parse_f(v, &d) || d < 0 || d > 1) return k3_usage_error("chat", "--min-p: '%s' is not in [0, 1]", v);
+            a->min_p = (float)d;
+            a->sampling_flag = true;
+        } else if (!strcmp(o, "--seed")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 0, INT64_MAX / 2, &n))
+                return k3_usage_error("chat", "--seed: '%s' is not an integer >= 0", v);
+            a->seed = (uint64_t)n;
+        } else {
+            bool used;
+            k3_err e = {0};
+            if (k3_engine_parse_flag(&a->eo, "chat", argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (!used) return k3_usage_error("chat", "unknown option '%s'", o);
+        }
+#undef NEED_VALUE
+    }
+    if (a->eo.mem.list_presets) return K3_OK;
+    if (!a->model_dir) return k3_usage_error("chat", "no MODEL_DIR given");
+    if (a->sampling_flag && a->temperature <= 0)
+        return k3_usage_error("chat", "--top-k/--top-p/--min-p need --temperature > 0");
+    return K3_OK;
+}
+
+/* ---- the chat ------------------------------------------------------------------------ */
+typedef struct {
+    const chat_args *a;
+    k3_engine *e;
+    k3_chat *chat;
+    k3_state *st;
+    k3_state_cache *cache;
+    k3_session *s;
+    uint64_t model_id;
+    json_t *messages;   /* the conversation, OpenAI-shaped */
+    json_t *turns;      /* for --out */
+    bool thinking;
+    int turn;           /* user turns so far (the sampling seed offset) */
+    float *logits;
+    bool tty_in, tty_out;
+    /* reasoning display */
+    bool line_start, in_reasoning, shown_reasoning;
+} chat_ctx;
+
+static json_t *request(chat_ctx *c, bool gen_prompt) {
+    json_t *r = json_object();
+    json_object_set(r, "messages", c->messages);
+    json_object_set_new(r, "thinking", json_boolean(c->thinking));
+    json_object_set_new(r, "add_generation_prompt", json_boolean(gen_prompt));
+    return r;
+}
+
+static int render(chat_ctx *c, bool gen_prompt, int32_t **ids, size_t *n, k3_err *err) {
+    json_t *r = request(c, gen_prompt);
+    int rc = k3_chat_encode(c->chat, r, ids, n, err);
+    json_decref(r);
+    return rc;
+}
+
+static void reset_conversation(chat_ctx *c) {
+    json_decref(c->messages);
+    c->messages = json_array();
+    if (c->a->system) {
+        json_t *m = json_object();
+        json_object_set_new(m, "role", json_string("system"));
+        json_object_set_new(m, "content", json_string(c->a->system));
+        json_array_append_new(c->messages, m);
+    }
+    c->turn = 0;
+}
+
+static void show(chat_ctx *c, const char *txt, size_t len, bool reasoning) {
+    if (!len) return;
+    if (reasoning && !c->in_reasoning) {
+        if (c->tty_out) fputs("\033[2m", stdout);
+        c->in_reasoning = c->shown_reasoning = true;
+    }
+    if (!reasoning && c->in_reasoning) {
+        if (c->tty_out) fputs("\033[0m", stdout);
+        if (!c->line_start) fputc('\n', stdout);
+        c->line_start = true;
+        c->in_reasoning = false;
+    }
+    for (size_t i = 0; i < len; i++) {
+        if (reasoning && !c->tty_out && c->line_start) fputs("[think] ", stdout);
+        fputc(txt[i], stdout);
+        c->line_start = txt[i] == '\n';
+    }
+    fflush(stdout);
+}
+
+static void show_delta(chat_ctx *c, const k3_chat_delta *d) {
+    show(c, d->reasoning, d->reasoning_len, true);
+    show(c, d->content, d->content_len, false);
+    if (d->tool_call) {
+        char *j = json_dumps(d->tool_call, JSON_COMPACT);
+        if (j) {
+            show(c, "[tool call] ", 12, false);
+            show(c, j, strlen(j), false);
+            show(c, "\n", 1, false);
+            free(j);
+        }
+    }
+}
+
+static json_t *ids_json(const int32_t *v, size_t n) {
+    json_t *a = json_array();
+    for (size_t i = 0; i < n; i++) json_array_append_new(a, json_integer(v[i]));
+    return a;
+}
+
+static int write_out(chat_ctx *c, k3_err *err) {
+    if (!c->a->out) return K3_OK;
+    json_t *o = json_object();
+    json_object_set(o, "turns", c->turns);
+    json_object_set(o, "messages", c->messages);
+    char *txt = json_dumps(o, JSON_INDENT(1));
+    json_decref(o);
+    if (!txt) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot serialise the transcript", c->a->out);
+    int rc = k3_write_file_atomic(c->a->out, txt, strlen(txt), err);
+    free(txt);
+    return rc;
+}
+
+static const char *source_name(int s) { return s == 2 ? "snapshot" : s == 1 ? "session" : "cold"; }
+
+/* One user message: render, prefill through the session, generate, parse. */
+static int turn(chat_ctx *c, const char *text, k3_err *err) {
+    const chat_args *a = c->a;
+    json_t *um = json_object();
+    json_object_set_new(um, "role", json_string("user"));
+    json_object_set_new(um, "content", json_string(text));
+    json_array_append_new(c->messages, um);
+    int32_t *ids = NULL;
+    size_t n = 0;
+    int rc = render(c, true, &ids, &n, err);
+    if (!rc && (int64_t)n >= a->max_ctx)
+        rc = k3_fail(err, K3_EXIT_USAGE, "conversation is %zu tokens, --max-context is %lld: /reset or restart with "
+                     "a larger --max-context", n, (long long)a->max_ctx);
+    if (rc) {
+        json_array_remove(c->messages, json_array_size(c->messages) - 1);
+        free(ids);
+        return rc;
+    }
+    int64_t gen = a->gen;
+    if (gen > a->max_ctx - (int64_t)n) gen = a->max_ctx - (int64_t)n;
+    if (a->cold) k3_session_reset(c->s);
+    size_t reused = 0;
+    double t0 = k3_now();
+    rc = k3_session_prefill(c->s, ids, n, c->logits, &reused, err);
+    if (rc) {
+        json_array_remove(c->messages, json_array_size(c->messages) - 1);
+        free(ids);
+        return rc;
+    }
+    int source = k3_session_last_source(c->s);
+    k3_sampler sp;
+    k3_sampler_init(&sp, c->e->vocab, a->temperature, a->top_k, a->top_p, a->min_p, a->seed + (uint64_t)c->turn);
+    k3_chat_parser *p = k3_chat_parser_new(c->chat, c->thinking);
+    int32_t *gids = xmalloc_array((size_t)gen, sizeof *gids);
+    size_t ng = 0;
+    bool stopped = false;
+    double t_first = 0, t_end;
+    c->line_start = true;
+    c->in_reasoning = c->shown_reasoning = false;
+    for (int64_t g = 0; g < gen && !rc; g++) {
+        int32_t id = k3_sample(&sp, c->logits);
+        if (g == 0) t_first = k3_now();
+        gids[ng++] = id;
+        k3_chat_delta d;
+        if ((rc = k3_chat_parser_feed(p, id, &d, err))) break;
+        show_delta(c, &d);
+        if (d.stop) {
+            /* the stop id is part of the rendered message: the state takes it too */
+            rc = k3_session_feed(c->s, &id, 1, NULL, err);
+            stopped = true;
+            break;
+        }
+        if (g + 1 < gen) rc = k3_session_feed(c->s, &id, 1, c->logits, err);
+    }
+    t_end = k3_now();
+    k3_chat_delta d;
+    k3_chat_parser_flush(p, &d);
+    show_delta(c, &d);
+    if (c->in_reasoning && c->tty_out) fputs("\033[0m", stdout);
+    if (!c->line_start) fputc('\n', stdout);
+    fflush(stdout);
+    k3_sampler_free(&sp);
+    const char *finish = "stop";
+    json_t *msg = k3_chat_parser_message(p, !stopped, &finish);
+    k3_chat_parser_free(p);
+    if (rc) {
+        json_decref(msg);
+        free(gids);
+        free(ids);
+        json_array_remove(c->messages, json_array_size(c->messages) - 1);
+        k3_session_reset(c->s);
+        return rc;
+    }
+    k3_session_snapshot(c->s);
+    json_array_append_new(c->messages, msg);
+    c->turn++;
+    /* does the history, re-rendered, hold exactly the tokens generated? */
+    int32_t *hist = NULL;
+    size_t nh = 0, same = 0;
+    rc = render(c, false, &hist, &nh, err);
+    size_t ns = k3_session_len(c->s);
+    const int32_t *sid = k3_session_ids(c->s);
+    while (!rc && same < nh && same < ns && hist[same] == sid[same]) same++;
+    free(hist);
+    if (rc) {
+        free(gids);
+        free(ids);
+        return rc;
+    }
+    double ttft = t_first - t0, dec = t_end - t_first;
+    double tps = ng > 1 && dec > 0 ? (double)(ng - 1) / dec : 0;
+    char rr[96];
+    if (same == ns) snprintf(rr, sizeof rr, "re-rendered history extends the state");
+    else snprintf(rr, sizeof rr, "re-rendered history departs from the state at position %zu", same);
+    fprintf(stderr,
+            "[turn %d: prompt %zu tokens, reused %zu (%s); first token %.3f s; %zu tokens, %.2f tok/s; %s; %s]\n",
+            c->turn, n, reused, source_name(source), ttft, ng, tps, stopped ? "stop" : finish, rr);
+    json_t *t = json_object();
+    json_object_set_new(t, "prompt_ids", ids_json(ids, n));
+    json_object_set_new(t, "generated_ids", ids_json(gids, ng));
+    json_object_set_new(t, "reused", json_integer((json_int_t)reused));
+    json_object_set_new(t, "source", json_string(source_name(source)));
+    json_object_set_new(t, "finish_reason", json_string(stopped ? "stop" : finish));
+    json_object_set_new(t, "ttft_s", json_real(ttft));
+    json_object_set_new(t, "tokens_per_s", json_real(tps));
+    json_object_set_new(t, "history_matches", json_boolean(same == ns));
+    json_array_append_new(c->turns, t);
+    free(gids);
+    free(ids);
+    return write_out(c, err);
+}
+
+static int save(chat_ctx *c, const char *path, k3_err *err) {
+    /* bring the state to the history exactly as it re-renders, so the loaded
+     * conversation's next turn feeds only the new message */
+    int32_t *hist = NULL;
+    size_t nh = 0;
+    int rc = render(c, false, &hist, &nh, err);
+    if (!rc && nh > 0) rc = k3_session_prefill(c->s, hist, nh, NULL, NULL, err);
+    free(hist);
+    if (rc) return rc;
+    json_t *x = json_object();
+    json_object_set(x, "messages", c->messages);
+    json_object_set_new(x, "thinking", json_boolean(c->thinking));
+    json_object_set_new(x, "turns", json_integer(c->turn));
+    char *txt = json_dumps(x, JSON_COMPACT);
+    json_decref(x);
+    if (!txt) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot serialise the conversation", path);
+    rc = k3_session_save(c->s, path, c->model_id, txt, strlen(txt), err);
+    free(txt);
+    if (!rc) fprintf(stderr, "[saved %zu tokens to %s]\n", k3_session_len(c->s), path);
+    return rc;
+}
+
+static int load(chat_ctx *c, const char *path, k3_err *err) {
+    char *extra = NULL;
+    size_t xl = 0;
+    int rc = k3_session_load(c->s, path, c->model_id, &extra, &xl, err);
+    if (rc) return rc;
+    json_error_t je;
+    json_t *x = json_loadb(extra ? extra : "", xl, 0, &je);
+    free(extra);
+    json_t *msgs = json_object_get(x, "messages"), *th = json_object_get(x, "thinking"),
+           *tn = json_object_get(x, "turns");
+    if (!json_is_array(msgs) || !json_is_boolean(th) || !json_is_integer(tn) || json_integer_value(tn) < 0) {
+        json_decref(x);
+        k3_session_reset(c->s);
+        return k3_fail(err, K3_EXIT_DATA, "%s: session file holds no k3 chat conversation", path);
+    }
+    json_decref(c->messages);
+    c->messages = json_incref(msgs);
+    c->thinking = json_is_true(th);
+    c->turn = (int)json_integer_value(tn);
+    json_decref(x);
+    fprintf(stderr, "[loaded %zu tokens, %zu messages from %s]\n", k3_session_len(c->s),
+            json_array_size(c->messages), path);
+    return K3_OK;
+}
+
+static const char *const chat_commands =
+    "commands: /reset, /save FILE, /load FILE, /think on|off, /help, /quit\n";
+
+/* A /command line. Returns 1 for /quit. */
+static int command(chat_ctx *c, char *line, k3_err *err) {
+    char *arg = line + strcspn(line, " \t");
+    if (*arg) *arg++ = 0;
+    arg += strspn(arg, " \t");
+    if (!strcmp(line, "/quit") || !strcmp(line, "/exit")) return 1;
+    if (!strcmp(line, "/help")) {
+        fputs(chat_commands, stderr);
+        return K3_OK;
+    }
+    if (!strcmp(line, "/reset")) {
+        reset_conversation(c);
+        k3_session_reset(c->s);
+        fputs("[conversation reset]\n", stderr);
+        return K3_OK;
+    }
+    if (!strcmp(line, "/think")) {
+        if (!strcmp(arg, "on")) c->thinking = true;
+        else if (!strcmp(arg, "off")) c->thinking = false;
+        else return k3_fail(err, K3_EXIT_USAGE, "/think: want on or off");
+        fprintf(stderr, "[thinking %s]\n", c->thinking ? "on" : "off");
+        return K3_OK;
+    }
+    if (!strcmp(line, "/save") || !strcmp(line, "/load")) {
+        if (!*arg) return k3_fail(err, K3_EXIT_USAGE, "%s needs a FILE", line);
+        return line[1] == 's' ? save(c, arg, err) : load(c, arg, err);
+    }
+    return k3_fail(err, K3_EXIT_USAGE, "%s: unknown command (%s)", line, "try /help");
+}
+
+static int chat(const chat_args *a, k3_err *err) {
+    chat_ctx c = {.a = a, .thinking = a->thinking};
+    k3_engine_opts eo = a->eo;
+    eo.model_dir = a->model_dir;
+    eo.need_tokenizer = true;
+    eo.max_pos = a->max_ctx;
+    int rc = k3_engine_open(&eo, &c.e, err);
+    if (rc) return rc;
+    const char *tok_dir = eo.tok_dir ? eo.tok_dir : a->model_dir;
+    if ((rc = k3_chat_new(c.e->tok, &c.chat, err))) {
+        k3_err inner = *err;
+        k3_fail(err, rc, "%s: %s", tok_dir, inner.msg);
+        goto done;
+    }
+    const k3_config *cfg = c.e->cfg;
+    uint64_t budget = a->cold ? 0 : (uint64_t)(a->cache_gb * 1e9);
+    uint64_t V = (uint64_t)c.e->vocab;
+    if ((rc = k3_engine_state_new(c.e, a->max_ctx, budget + V * sizeof(float), &c.st, err))) goto done;
+    if ((rc = k3_engine_identity(c.e, &c.model_id, err))) goto done;
+    c.cache = k3_state_cache_new(cfg, budget, (int)a->grid);
+    c.s = k3_session_open(c.e, c.st, c.cache);
+    c.logits = xmalloc_array((size_t)V, sizeof *c.logits);
+    c.turns = json_array();
+    c.tty_in = isatty(0);
+    c.tty_out = isatty(1);
+    reset_conversation(&c);
+    if (c.tty_in) { /* a script gets only the per-turn lines, so an error stays one line */
+        char b1[32], b2[32], b3[32];
+        k3_state_cache_stats cs = k3_state_cache_get_stats(c.cache);
+        fprintf(stderr,
+                "k3 chat: %s, %d layers, threads %d; context %lld; state cache %s (a snapshot: %s + %s per position, "
+                "grid %d); thinking %s\n",
+                a->model_dir, cfg->num_layers, c.e->threads, (long long)a->max_ctx,
+                k3_engine_size_str(budget, b1, sizeof b1), k3_engine_size_str(cs.kda_bytes, b2, sizeof b2),
+                k3_engine_size_str(cs.row_bytes, b3, sizeof b3), cs.grid, c.thinking ? "on" : "off");
+    }
+    if (a->load && (rc = load(&c, a->load, err))) goto done;
+    if (c.tty_in) fputs(chat_commands, stderr);
+    char *line = NULL;
+    size_t cap = 0;
+    for (;;) {
+        if (c.tty_in) {
+            fputs("> ", stdout);
+            fflush(stdout);
+        }
+        ssize_t len = getline(&line, &cap, stdin);
+        if (len < 0) break;
+        while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
+        if (len == 0) continue;
+        k3_err e = {0};
+        int r;
+        if (line[0] == '/') r = command(&c, line, &e);
+        else if (memchr(line, 0, (size_t)len)) r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message holds a NUL byte");
+        else r = turn(&c, line, &e);
+        if (r == 1) break;
+        if (r) {
+            if (!c.tty_in) { /* a script: the first error ends it */
+                *err = e;
+                rc = r;
+                break;
+            }
+            k3_report(&e);
+        }
+    }
+    free(line);
+    if (!rc && ferror(stdin)) rc = k3_fail(err, K3_EXIT_RUNTIME, "stdin: %s", strerror(errno));
+done:
+    k3_session_free(c.s);
+    k3_state_cache_free(c.cache);
+    if (c.st) k3_engine_state_free(c.e, c.st);
+    free(c.logits);
+    json_decref(c.messages);
+    json_decref(c.turns);
+    k3_chat_free(c.chat);
+    k3_engine_free(c.e);
+    return rc;
+}
+
+int cmd_chat(int argc, char **argv) {
+    chat_args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc < 0) return K3_OK;
+    if (rc) return rc;
+    if (a.eo.mem.list_presets) {
+        k3_presets_print(stdout);
+        return K3_OK;
+    }
+    k3_err err = {0};
+    rc = chat(&a, &err);
+    if (rc) return k3_report(&err);
+    return K3_OK;
+}

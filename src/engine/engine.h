@@ -1,0 +1,108 @@
+/* engine.h: the one way to open a model for inference.
+ *
+ * `k3 run`, `k3 chat`, `k3 serve`, `k3 eval` and the benches all go through
+ * here, so the flags, the memory plan and the errors are the same everywhere:
+ *
+ *     k3_engine_opts o;  k3_engine_opts_init(&o);
+ *     ... k3_engine_parse_flag(&o, argc, argv, &i, &used, &err) for each argument ...
+ *     o.model_dir = dir;  o.max_pos = longest sequence a state will hold;
+ *     k3_engine *e;      k3_engine_open(&o, &e, &err);     // plan, weights, tokenizer
+ *     k3_state *s;       k3_engine_state_new(e, max_pos, &s, &err);
+ *     k3_engine_feed(e, s, ids, n, logits, &err);          // prefill, then one id at a time
+ *     k3_state_free(s);  k3_engine_free(e);
+ *
+ * Invariants:
+ *   - the memory plan is made before any weight byte is read: a run that cannot
+ *     fit is refused with K3_EXIT_BUDGET and one line naming the sizes;
+ *   - the layers and routed experts come from the plan's weight source
+ *     (resident, or streamed under --trunk / --cache-gb); the output bits do
+ *     not depend on which (model.h's arithmetic contract);
+ *   - k3_engine_feed splits long inputs into the plan's prefill chunk, which
+ *     never changes the logits bits either. */
+#ifndef K3_ENGINE_ENGINE_H
+#define K3_ENGINE_ENGINE_H
+
+#include "memory/runmem.h"
+#include "model/model.h"
+#include "tokenizer/tokenizer.h"
+
+typedef struct {
+    const char *model_dir;
+    const char *tok_dir;     /* NULL: MODEL_DIR, where a missing tokenizer is fine */
+    bool need_tokenizer;     /* refuse (K3_EXIT_USAGE) a model without one */
+    int layers;              /* --layers (0: all) */
+    int kda_chunk;           /* --kda-chunk (0: recurrent KDA in prefill) */
+    int threads;             /* --threads (0: OpenMP's default) */
+    bool peer_mla_eps;       /* --peer-mla-eps */
+    uint64_t max_memory;     /* --max-memory bytes (0: MemAvailable) */
+    int64_t max_pos;         /* longest sequence one state will hold (for the plan) */
+    k3_runmem_args mem;      /* --preset, --trunk, --trunk-gb, --cache-gb, --chunk, ... */
+} k3_engine_opts;
+
+void k3_engine_opts_init(k3_engine_opts *o);
+
+/* If argv[*i] is one of the shared model flags (K3_ENGINE_HELP), consumes it
+ * and its value (moving *i) and sets *used. cmd names the command in usage
+ * errors, which return K3_EXIT_USAGE with err filled. */
+int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **argv, int *i, bool *used,
+                         k3_err *err);
+
+#define K3_ENGINE_HELP \
+    "model:\n" \
+    "  --tok DIR            tokenizer directory (tiktoken.model); default MODEL_DIR\n" \
+    "  --threads N          OpenMP threads (the logits do not depend on N)\n" \
+    "  --layers N           run only the first N layers (partial checkpoints)\n" \
+    "  --max-memory SIZE    memory budget, e.g. 8G (default: MemAvailable); refused\n" \
+    "                       up front (exit 3) if weights + state do not fit\n" \
+    "  --kda-chunk C        prefill KDA in the chunkwise form, chunk length C\n" \
+    "                       (faster for long prompts; equal to fp32 rounding, not\n" \
+    "                       bit-identical to token-by-token decoding)\n" \
+    "  --peer-mla-eps       MLA latent norms use rms_norm_eps (the peer engine's\n" \
+    "                       reading) instead of the released fixed 1e-6\n" \
+    "\n" K3_RUNMEM_HELP
+
+/* Sizes with the unit that fits ("512 B", "3.4 MiB", "1.250 GiB"), for messages. */
+const char *k3_engine_size_str(uint64_t bytes, char *buf, size_t n);
+
+typedef struct k3_engine {
+    k3_engine_opts opts;
+    k3_model *model;
+    const k3_config *cfg;
+    k3_tokenizer *tok;       /* NULL when the model has none and none was asked for */
+    k3_runmem *rm;           /* the memory plan and the weight source */
+    int vocab;
+    int chunk;               /* prefill positions per forward call (the plan's) */
+    int threads;             /* what OpenMP will use */
+    int eos_id;              /* config eos_token_id, else the tokenizer's, else -1 */
+    FILE *step_log;          /* a line per forward call (--verbose), or NULL */
+    uint64_t states_bytes;   /* decode states handed out and still live */
+    struct { k3_state *s; uint64_t bytes; } *live;
+    size_t nlive, caplive;
+} k3_engine;
+
+/* Memory plan (K3_EXIT_BUDGET when it cannot fit), then the model (top
+ * tensors; layers from the plan's source), then the tokenizer. */
+int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err);
+void k3_engine_free(k3_engine *e);
+
+/* A decode state for max_pos positions. extra_bytes: other memory the caller
+ * is about to hold (logit rows, a state cache), counted against the budget.
+ * Refused (K3_EXIT_BUDGET, one line with every part's size) when weights +
+ * live states + this state + extra exceed --max-memory (or MemAvailable). */
+int k3_engine_state_new(k3_engine *e, int64_t max_pos, uint64_t extra_bytes, k3_state **out, k3_err *err);
+/* Frees a state made by k3_engine_state_new (and forgets its bytes). */
+void k3_engine_state_free(k3_engine *e, k3_state *s);
+
+/* Feeds ids[0..n) at the state's position in the plan's chunks. logits: the
+ * last token's [V] logits (NULL: none). all_logits: logits holds [n][V] rows
+ * instead (the caller sizes it). prefill marks the calls as prompt work in the
+ * run report. progress: a bar for long inputs (NULL: none). */
+int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, bool all_logits,
+                   bool prefill, k3_progress *progress, k3_err *err);
+
+/* Encodes text with the engine's tokenizer (allow_special as tok_encode) and
+ * checks every id against the model's vocabulary. what names the input. */
+int k3_engine_encode(const k3_engine *e, const char *what, const char *text, size_t len, bool allow_special,
+                     int32_t **ids, size_t *n, k3_err *err);
+
+#endif

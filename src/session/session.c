@@ -1,0 +1,630 @@
+/* session.c: sessions, the shared state cache and session files (session.h). */
+#include "session/session.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- the state cache ------------------------------------------------------------------
+ * A segment holds the ids and MLA rows of positions [start, end) of one
+ * conversation; its parent holds [parent->start, start), down to 0. A snapshot
+ * at p is its KDA part plus the segment chain ending at p. Segments are
+ * reference counted (by snapshots, child segments and sessions) and freed, with
+ * their bytes taken off the cache's count, when the last reference goes. */
+typedef struct seg {
+    int refs;
+    struct seg *parent;
+    int start, end;
+    int32_t *ids;   /* [end - start] */
+    float *rows;    /* [n_mla][end - start][W], as k3_state_rows_get writes them */
+} seg;
+
+typedef struct {
+    uint64_t hash;  /* of ids[0..pos) */
+    int pos;
+    float *kda;     /* the KDA part */
+    seg *tail;      /* ends at pos */
+    uint64_t used;  /* LRU clock */
+} snap;
+
+struct k3_state_cache {
+    pthread_mutex_t mu;
+    uint64_t kda_floats, row_floats;
+    uint64_t budget, bytes;
+    int grid;
+    snap *v;
+    int n, cap;
+    uint64_t clock, taken, hits, evicted;
+};
+
+static uint64_t seg_bytes(const k3_state_cache *c, const seg *g) {
+    return (uint64_t)(g->end - g->start) * (c->row_floats * sizeof(float) + sizeof(int32_t)) + sizeof *g;
+}
+
+static uint64_t kda_bytes(const k3_state_cache *c) { return c->kda_floats * sizeof(float); }
+
+static seg *seg_ref(seg *g) {
+    if (g) g->refs++;
+    return g;
+}
+
+/* Drops one reference (cache lock held); frees the chain as far as it is unused. */
+static void seg_unref(k3_state_cache *c, seg *g) {
+    while (g && --g->refs == 0) {
+        seg *p = g->parent;
+        c->bytes -= seg_bytes(c, g);
+        free(g->ids);
+        free(g->rows);
+        free(g);
+        g = p;
+    }
+}
+
+static uint64_t hash_step(uint64_t h, int32_t id) {
+    h ^= (uint32_t)id;
+    h *= 0x100000001b3ULL;
+    return h ^ (h >> 31);
+}
+
+static uint64_t hash_ids(const int32_t *ids, size_t n) {
+    uint64_t h = K3_FNV_OFFSET;
+    for (size_t i = 0; i < n; i++) h = hash_step(h, ids[i]);
+    return h;
+}
+
+/* Whether the chain ending in g holds exactly ids[0..pos). */
+static bool chain_matches(const seg *g, const int32_t *ids, int pos) {
+    int want = pos;
+    for (; g; g = g->parent) {
+        if (g->end != want) return false;
+        if (memcmp(g->ids, ids + g->start, (size_t)(g->end - g->start) * sizeof *ids) != 0) return false;
+        want = g->start;
+    }
+    return want == 0;
+}
+
+k3_state_cache *k3_state_cache_new(const k3_config *cfg, uint64_t budget_bytes, int grid) {
+    k3_state_cache *c = xcalloc(1, sizeof *c);
+    pthread_mutex_init(&c->mu, NULL);
+    c->kda_floats = k3_state_kda_floats(cfg);
+    c->row_floats = k3_state_row_floats(cfg);
+    c->budget = budget_bytes;
+    c->grid = grid > 0 ? grid : K3_STATE_CACHE_GRID;
+    return c;
+}
+
+static void drop_snap(k3_state_cache *c, int i) {
+    free(c->v[i].kda);
+    seg_unref(c, c->v[i].tail);
+    c->bytes -= kda_bytes(c);
+    c->v[i] = c->v[--c->n];
+}
+
+void k3_state_cache_clear(k3_state_cache *c) {
+    pthread_mutex_lock(&c->mu);
+    while (c->n) drop_snap(c, c->n - 1);
+    pthread_mutex_unlock(&c->mu);
+}
+
+void k3_state_cache_free(k3_state_cache *c) {
+    if (!c) return;
+    k3_state_cache_clear(c);
+    pthread_mutex_destroy(&c->mu);
+    free(c->v);
+    free(c);
+}
+
+k3_state_cache_stats k3_state_cache_get_stats(k3_state_cache *c) {
+    pthread_mutex_lock(&c->mu);
+    k3_state_cache_stats st = {.bytes = c->bytes, .budget = c->budget, .grid = c->grid, .snapshots = c->n,
+                               .taken = c->taken, .hits = c->hits, .evicted = c->evicted,
+                               .kda_bytes = kda_bytes(c), .row_bytes = c->row_floats * sizeof(float)};
+    pthread_mutex_unlock(&c->mu);
+    return st;
+}
+
+/* Evicts least recently used snapshots until `need` more bytes fit the budget
+ * (or none is left); whether they fit. */
+static bool make_room(k3_state_cache *c, uint64_t need) {
+    while (c->bytes + need > c->budget && c->n > 0) {
+        int lru = 0;
+        for (int i = 1; i < c->n; i++)
+            if (c->v[i].used < c->v[lru].used) lru = i;
+        drop_snap(c, lru);
+        c->evicted++;
+    }
+    return c->bytes + need <= c->budget;
+}
+
+/* ---- sessions ------------------------------------------------------------------------------ */
+struct k3_session {
+    k3_engine *e;      /* NULL: fed with k3_forward on m */
+    k3_model *m;
+    k3_state *st;
+    k3_state_cache *c;
+    int V;
+    int32_t *ids;
+    size_t n, cap;
+    float *logits;     /* logits of ids[n-1] when have_logits */
+    bool have_logits;
+    seg *chain;        /* a cache chain holding ids[0..chain->end) of this session (end <= n) */
+    int source;
+};
+
+k3_session *k3_session_new(k3_model *m, k3_state *st, k3_state_cache *cache) {
+    k3_session *s = xcalloc(1, sizeof *s);
+    s->m = m;
+    s->st = st;
+    s->c = cache;
+    s->V = k3_model_config(m)->vocab_size;
+    s->cap = 256;
+    s->ids = xmalloc_array(s->cap, sizeof *s->ids);
+    s->logits = xmalloc_array((size_t)s->V, sizeof *s->logits);
+    k3_state_reset(st);
+    return s;
+}
+
+k3_session *k3_session_open(k3_engine *e, k3_state *st, k3_state_cache *cache) {
+    k3_session *s = k3_session_new(e->model, st, cache);
+    s->e = e;
+    return s;
+}
+
+static void set_chain(k3_session *s, seg *g) {
+    if (!s->c) return;
+    pthread_mutex_lock(&s->c->mu);
+    seg_ref(g);
+    seg_unref(s->c, s->chain);
+    s->chain = g;
+    pthread_mutex_unlock(&s->c->mu);
+}
+
+void k3_session_reset(k3_session *s) {
+    set_chain(s, NULL);
+    k3_state_reset(s->st);
+    s->n = 0;
+    s->have_logits = false;
+    s->source = 0;
+}
+
+void k3_session_free(k3_session *s) {
+    if (!s) return;
+    set_chain(s, NULL);
+    free(s->ids);
+    free(s->logits);
+    free(s);
+}
+
+size_t k3_session_len(const k3_session *s) { return s->n; }
+const int32_t *k3_session_ids(const k3_session *s) { return s->ids; }
+k3_state *k3_session_state(k3_session *s) { return s->st; }
+int k3_session_last_source(const k3_session *s) { return s->source; }
+
+static void append_ids(k3_session *s, const int32_t *ids, size_t n) {
+    if (s->n + n > s->cap) {
+        while (s->n + n > s->cap) s->cap *= 2;
+        s->ids = xrealloc_array(s->ids, s->cap, sizeof *s->ids);
+    }
+    memcpy(s->ids + s->n, ids, n * sizeof *ids);
+    s->n += n;
+}
+
+void k3_session_snapshot(k3_session *s) {
+    k3_state_cache *c = s->c;
+    if (!c || s->n == 0 || c->budget == 0) return;
+    int p = (int)s->n;
+    uint64_t h = hash_ids(s->ids, s->n);
+    pthread_mutex_lock(&c->mu);
+    for (int i = 0; i < c->n; i++) {
+        snap *x = &c->v[i];
+        if (x->pos == p && x->hash == h && chain_matches(x->tail, s->ids, p)) {
+            /* already held: refresh it, and grow later snapshots from its chain */
+            x->used = ++c->clock;
+            seg_ref(x->tail);
+            seg_unref(c, s->chain);
+            s->chain = x->tail;
+            pthread_mutex_unlock(&c->mu);
+            return;
+        }
+    }
+    int q = s->chain ? s->chain->end : 0;
+    uint64_t need = kda_bytes(c);
+    if (q < p) need += (uint64_t)(p - q) * (c->row_floats * sizeof(float) + sizeof(int32_t)) + sizeof(seg);
+    if (!make_room(c, need)) {
+        pthread_mutex_unlock(&c->mu);
+        return;
+    }
+    seg *tail = s->chain;
+    if (q < p) {
+        seg *g = xcalloc(1, sizeof *g);
+        g->refs = 0;
+        g->parent = seg_ref(s->chain);
+        g->start = q;
+        g->end = p;
+        g->ids = xmalloc_array((size_t)(p - q), sizeof *g->ids);
+        memcpy(g->ids, s->ids + q, (size_t)(p - q) * sizeof *g->ids);
+        g->rows = xmalloc_array((size_t)(p - q) * c->row_floats + 1, sizeof *g->rows);
+        k3_err e;
+        if (k3_state_rows_get(s->st, q, p - q, g->rows, &e)) { /* cannot happen: the state is at p */
+            free(g->ids);
+            free(g->rows);
+            seg_unref(c, g->parent);
+            free(g);
+            pthread_mutex_unlock(&c->mu);
+            return;
+        }
+        c->bytes += seg_bytes(c, g);
+        tail = g;
+    }
+    if (c->n == c->cap) {
+        c->cap = c->cap ? 2 * c->cap : 16;
+        c->v = xrealloc_array(c->v, (size_t)c->cap, sizeof *c->v);
+    }
+    snap *x = &c->v[c->n++];
+    x->hash = h;
+    x->pos = p;
+    x->kda = xmalloc_array(c->kda_floats + 1, sizeof *x->kda);
+    k3_state_kda_get(s->st, x->kda);
+    x->tail = seg_ref(tail);
+    x->used = ++c->clock;
+    c->bytes += kda_bytes(c);
+    c->taken++;
+    seg_ref(tail);
+    seg_unref(c, s->chain);
+    s->chain = tail;
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Feeds ids[0..n) at the session's position, stopping at every grid position
+ * to snapshot; logits of the last token into logits (and the session's copy). */
+static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool prefill, k3_err *err) {
+    int G = s->c && s->c->budget > 0 ? s->c->grid : 0;
+    s->have_logits = false;
+    while (n > 0) {
+        size_t t = n;
+        if (G > 0) {
+            size_t to_grid = (size_t)G - s->n % (size_t)G;
+            if (t > to_grid) t = to_grid;
+        }
+        if (t > INT_MAX / 2) t = INT_MAX / 2;
+        bool last = t == n;
+        float *lg = last && logits ? s->logits : NULL;
+        int rc = s->e ? k3_engine_feed(s->e, s->st, ids, t, lg, false, prefill, NULL, err)
+                      : k3_forward(s->m, s->st, ids, (int)t, lg, false, err);
+        if (rc) {
+            k3_session_reset(s);
+            return rc;
+        }
+        append_ids(s, ids, t);
+        ids += t;
+        n -= t;
+        if (G > 0 && s->n % (size_t)G == 0) k3_session_snapshot(s);
+    }
+    if (logits) {
+        memcpy(logits, s->logits, (size_t)s->V * sizeof *logits);
+        s->have_logits = true;
+    }
+    return K3_OK;
+}
+
+int k3_session_feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_err *err) {
+    if (n == 0) return k3_fail(err, K3_EXIT_USAGE, "no tokens to feed");
+    return feed(s, ids, n, logits, false, err);
+}
+
+/* Puts snapshot x (found and referenced under the lock) into the session's
+ * state: the KDA part, the MLA rows the state does not already hold (rows
+ * [0, d) are the session's own and equal, since ids[0..d) agree), position. */
+static void restore(k3_session *s, const float *kda, seg *tail, int pos, size_t d, const int32_t *ids) {
+    k3_err e;
+    k3_state_kda_set(s->st, kda);
+    for (seg *g = tail; g && (size_t)g->end > d; g = g->parent)
+        (void)k3_state_rows_set(s->st, g->start, g->end - g->start, g->rows, &e);
+    (void)k3_state_set_pos(s->st, pos, &e);
+    s->n = 0;
+    append_ids(s, ids, (size_t)pos);
+    s->have_logits = false;
+}
+
+int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logits, size_t *reused, k3_err *err) {
+    if (reused) *reused = 0;
+    if (n == 0) return k3_fail(err, K3_EXIT_USAGE, "empty prompt");
+    size_t d = 0; /* tokens the session's state and ids agree on */
+    while (d < s->n && d < n && s->ids[d] == ids[d]) d++;
+    if (d == s->n && d == n && s->have_logits) {
+        if (logits) memcpy(logits, s->logits, (size_t)s->V * sizeof *logits);
+        if (reused) *reused = n;
+        s->source = 1;
+        return K3_OK;
+    }
+    /* the session's own state serves when it is a prefix with something to feed */
+    size_t own = d == s->n && d < n ? d : 0;
+    k3_state_cache *c = s->c;
+    bool resumed = false;
+    if (c && n > 1) {
+        pthread_mutex_lock(&c->mu);
+        int best = -1;
+        if (c->n > 0) {
+            /* prefix hashes of ids[0..p) for every p a snapshot could have */
+            uint64_t *H = xmalloc_array(n, sizeof *H);
+            H[0] = K3_FNV_OFFSET;
+            for (size_t p = 1; p < n; p++) H[p] = hash_step(H[p - 1], ids[p - 1]);
+            for (int i = 0; i < c->n; i++) {
+                snap *x = &c->v[i];
+                if (x->pos < 1 || (size_t)x->pos >= n || (size_t)x->pos <= own) continue;
+                if (best >= 0 && x->pos <= c->v[best].pos) continue;
+                if (x->hash != H[x->pos] || !chain_matches(x->tail, ids, x->pos)) continue;
+                best = i;
+            }
+            free(H);
+        }
+        if (best >= 0) {
+            snap *x = &c->v[best];
+            x->used = ++c->clock;
+            c->hits++;
+            seg *tail = seg_ref(x->tail);
+            restore(s, x->kda, tail, x->pos, d, ids);
+            seg_unref(c, s->chain);
+            s->chain = tail;
+            resumed = true;
+        }
+        pthread_mutex_unlock(&c->mu);
+    }
+    if (resumed) {
+        s->source = 2;
+    } else if (own > 0) {
+        s->source = 1;
+    } else {
+        k3_session_reset(s);
+    }
+    /* a chain longer than the kept ids cannot happen (chains only grow from
+     * positions the session held), but a cold start drops it */
+    size_t from = s->n;
+    if (reused) *reused = from;
+    int rc = feed(s, ids + from, n - from, logits, true, err);
+    if (rc) return rc;
+    k3_session_snapshot(s);
+    return K3_OK;
+}
+
+/* ---- session files --------------------------------------------------------------------------- */
+#define SESS_MAGIC "K3SESSN\n"
+#define SESS_VERSION 1u
+#define SESS_HEADER 64u
+
+static void put32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint32_t get32(const uint8_t *p) {
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+static uint64_t get64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
+int k3_session_save(const k3_session *s, const char *path, uint64_t model_id, const void *extra, size_t extra_len,
+                    k3_err *err) {
+    const k3_config *cfg = k3_model_config(s->m);
+    uint64_t sbytes = k3_state_snapshot_bytes(cfg, (int64_t)s->n);
+    uint8_t *state = xmalloc(sbytes ? sbytes : 1);
+    k3_state_save(s->st, state);
+    uint32_t crc = k3_crc32c(0, s->ids, s->n * sizeof *s->ids);
+    crc = k3_crc32c(crc, state, sbytes);
+    if (extra_len) crc = k3_crc32c(crc, extra, extra_len);
+    uint8_t h[SESS_HEADER] = {0};
+    memcpy(h, SESS_MAGIC, 8);
+    put32(h + 8, SESS_VERSION);
+    put32(h + 12, SESS_HEADER);
+    put64(h + 16, model_id);
+    put64(h + 24, s->n);
+    put64(h + 32, sbytes);
+    put64(h + 40, extra_len);
+    put32(h + 48, crc);
+    put32(h + 60, k3_crc32c(0, h, 60));
+    k3_atomic_file af;
+    int rc = k3_atomic_open(&af, path, err);
+    if (!rc) rc = k3_atomic_write(&af, h, sizeof h, err);
+    if (!rc) rc = k3_atomic_write(&af, s->ids, s->n * sizeof *s->ids, err);
+    if (!rc) rc = k3_atomic_write(&af, state, sbytes, err);
+    if (!rc && extra_len) rc = k3_atomic_write(&af, extra, extra_len, err);
+    if (!rc) rc = k3_atomic_commit(&af, err);
+    else k3_atomic_abort(&af);
+    free(state);
+    return rc;
+}
+
+int k3_session_load(k3_session *s, const char *path, uint64_t model_id, char **extra, size_t *extra_len,
+                    k3_err *err) {
+    char *data = NULL;
+    size_t len = 0;
+    if (extra) *extra = NULL;
+    if (extra_len) *extra_len = 0;
+    int rc = k3_read_file(path, &data, &len, err);
+    if (rc) return rc;
+    const uint8_t *h = (const uint8_t *)data;
+    const k3_config *cfg = k3_model_config(s->m);
+    rc = K3_EXIT_DATA;
+    if (len < SESS_HEADER || memcmp(h, SESS_MAGIC, 8) != 0) {
+        k3_fail(err, rc, "%s: not a k3 session file", path);
+        goto out;
+    }
+    if (get32(h + 60) != k3_crc32c(0, h, 60)) {
+        k3_fail(err, rc, "%s: session header is corrupt (checksum mismatch)", path);
+        goto out;
+    }
+    if (get32(h + 8) != SESS_VERSION || get32(h + 12) != SESS_HEADER) {
+        k3_fail(err, rc, "%s: session file version %u, this build reads version %u", path, get32(h + 8),
+                SESS_VERSION);
+        goto out;
+    }
+    if (get64(h + 16) != model_id) {
+        k3_fail(err, rc, "%s: session was saved with another model (identity %016llx, this model %016llx)", path,
+                (unsigned long long)get64(h + 16), (unsigned long long)model_id);
+        goto out;
+    }
+    uint64_t n = get64(h + 24), sbytes = get64(h + 32), xbytes = get64(h + 40);
+    if (n > (uint64_t)k3_state_max_pos(s->st)) {
+        k3_fail(err, rc, "%s: session holds %llu tokens, more than the state's %d positions", path,
+                (unsigned long long)n, k3_state_max_pos(s->st));
+        goto out;
+    }
+    if (sbytes != k3_state_snapshot_bytes(cfg, (int64_t)n)) {
+        k3_fail(err, rc, "%s: session state is %llu bytes, this model's state at %llu tokens is %llu", path,
+                (unsigned long long)sbytes, (unsigned long long)n,
+                (unsigned long long)k3_state_snapshot_bytes(cfg, (int64_t)n));
+        goto out;
+    }
+    uint64_t want = SESS_HEADER + n * 4;
+    if (want + sbytes < want || want + sbytes + xbytes < want + sbytes || len != want + sbytes + xbytes) {
+        k3_fail(err, rc, "%s: session file is %zu bytes, its header says %llu (truncated or corrupt)", path, len,
+                (unsigned long long)(want + sbytes + xbytes));
+        goto out;
+    }
+    if (k3_crc32c(0, h + SESS_HEADER, len - SESS_HEADER) != get32(h + 48)) {
+        k3_fail(err, rc, "%s: session payload is corrupt (checksum mismatch)", path);
+        goto out;
+    }
+    const int32_t *ids = (const int32_t *)(data + SESS_HEADER);
+    for (uint64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= s->V) {
+            k3_fail(err, rc, "%s: token id %d is outside the vocabulary", path, ids[i]);
+            goto out;
+        }
+    k3_session_reset(s);
+    /* the payload is 4-byte aligned in the buffer only by luck: copy the state */
+    float *state = xmalloc(sbytes ? sbytes : 1);
+    memcpy(state, data + want, sbytes);
+    rc = k3_state_load(s->st, state, (int)n, err);
+    free(state);
+    if (rc) goto out;
+    append_ids(s, ids, n);
+    if (extra) {
+        *extra = xmalloc(xbytes + 1);
+        memcpy(*extra, data + want + sbytes, xbytes);
+        (*extra)[xbytes] = 0;
+    }
+    if (extra_len) *extra_len = xbytes;
+    rc = K3_OK;
+out:
+    free(data);
+    return rc;
+}
+
+/* ---- model identity ------------------------------------------------------------------------ */
+static int cmp_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+static int hash_file(uint64_t *h, const char *path, bool optional, k3_err *err) {
+    char *d = NULL;
+    size_t n = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        if (optional && errno == ENOENT) {
+            *h = k3_fnv1a64(*h, "-", 1);
+            return K3_OK;
+        }
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", path, strerror(errno));
+    }
+    fclose(f);
+    int rc = k3_read_file(path, &d, &n, err);
+    if (rc) return rc;
+    *h = k3_fnv1a64(*h, &n, sizeof n);
+    *h = k3_fnv1a64(*h, d, n);
+    free(d);
+    return K3_OK;
+}
+
+/* A shard's 8-byte length and JSON header (its tensor table) and a sample of its data. */
+static int hash_shard_header(uint64_t *h, const char *path, k3_err *err) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", path, strerror(errno));
+    uint8_t b[8];
+    if (fread(b, 1, 8, f) != 8) {
+        fclose(f);
+        return k3_fail(err, K3_EXIT_DATA, "%s: truncated safetensors header", path);
+    }
+    uint64_t hl = get64(b);
+    if (hl > ((uint64_t)1 << 30)) {
+        fclose(f);
+        return k3_fail(err, K3_EXIT_DATA, "%s: safetensors header of %llu bytes", path, (unsigned long long)hl);
+    }
+    char *j = xmalloc(hl + 1);
+    size_t got = fread(j, 1, hl, f);
+    if (got != hl) {
+        fclose(f);
+        free(j);
+        return k3_fail(err, K3_EXIT_DATA, "%s: truncated safetensors header", path);
+    }
+    *h = k3_fnv1a64(*h, b, 8);
+    *h = k3_fnv1a64(*h, j, hl);
+    free(j);
+    /* the tensor table is the same for every model of one architecture:
+     * a sample of the weights tells two such models apart (first and last
+     * 4 KiB of the data; cheap even for the release's 96 shards) */
+    uint8_t sample[4096];
+    size_t k = fread(sample, 1, sizeof sample, f);
+    *h = k3_fnv1a64(*h, sample, k);
+    if (fseeko(f, -(off_t)sizeof sample, SEEK_END) == 0) {
+        k = fread(sample, 1, sizeof sample, f);
+        *h = k3_fnv1a64(*h, sample, k);
+    }
+    fclose(f);
+    return K3_OK;
+}
+
+int k3_model_identity(const char *model_dir, const char *tok_dir, uint64_t salt, uint64_t *out, k3_err *err) {
+    uint64_t h = k3_fnv1a64(K3_FNV_OFFSET, &salt, sizeof salt);
+    char p[4096];
+    snprintf(p, sizeof p, "%s/config.json", model_dir);
+    int rc = hash_file(&h, p, false, err);
+    if (rc) return rc;
+    DIR *d = opendir(model_dir);
+    if (!d) return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", model_dir, strerror(errno));
+    char **names = NULL;
+    size_t nn = 0, cap = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        size_t l = strlen(e->d_name);
+        if (l < 12 || strcmp(e->d_name + l - 12, ".safetensors") != 0) continue;
+        if (nn == cap) {
+            cap = cap ? 2 * cap : 16;
+            names = xrealloc_array(names, cap, sizeof *names);
+        }
+        names[nn++] = xstrdup(e->d_name);
+    }
+    closedir(d);
+    if (nn) qsort(names, nn, sizeof *names, cmp_name);
+    for (size_t i = 0; i < nn; i++) {
+        if (!rc) {
+            h = k3_fnv1a64(h, names[i], strlen(names[i]) + 1);
+            snprintf(p, sizeof p, "%s/%s", model_dir, names[i]);
+            rc = hash_shard_header(&h, p, err);
+        }
+        free(names[i]);
+    }
+    free(names);
+    if (rc) return rc;
+    const char *td = tok_dir ? tok_dir : model_dir;
+    static const char *const tf[] = {"tiktoken.model", "tokenizer_config.json"};
+    for (int i = 0; i < 2 && !rc; i++) {
+        snprintf(p, sizeof p, "%s/%s", td, tf[i]);
+        rc = hash_file(&h, p, true, err);
+    }
+    if (rc) return rc;
+    *out = h;
+    return K3_OK;
+}
+
+int k3_engine_identity(const k3_engine *e, uint64_t *out, k3_err *err) {
+    uint64_t salt = (uint64_t)e->cfg->num_layers << 1 | (e->opts.peer_mla_eps ? 1u : 0u);
+    return k3_model_identity(e->opts.model_dir, e->opts.tok_dir, salt, out, err);
+}

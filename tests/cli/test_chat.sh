@@ -1,0 +1,145 @@
+#!/usr/bin/env bash
+# `k3 chat`: a piped three-turn conversation on a small random model with the
+# full Kimi vocabulary (163,840 ids; generated at test time by
+# tools/gen_checkpoint.py with the Kimi tokenizer, cached under tests/out).
+# The reference for every reply is `k3 run --ids` on that turn's whole prompt
+# (a cold prefill of the conversation, another code path), same sampling seed.
+#  - turn 2 and 3 report reused tokens and give the cold run's ids;
+#  - 1 vs 2 threads, --cold and a streamed budget (--trunk, tiny --cache-gb)
+#    give the same ids;
+#  - /save then --load (or /load) in a new process continues bit-identically,
+#    feeding only the new message;
+#  - a corrupt or truncated session file and another model's session: exit 4,
+#    one line; a model whose tokenizer has no XTML ids: exit 2, one line.
+. "$(dirname "$0")/lib.sh"
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+PY=/usr/bin/python3
+if ! $PY -c 'import numpy' 2>/dev/null; then
+  skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
+  finish; exit $?
+fi
+# gen_model DIR SEED: the model, regenerated only when the command changes
+gen_model() {
+  local gen="$PY tools/gen_checkpoint.py $1 --preset tiny --set vocab_size=163840 --set hidden_size=64"
+  gen="$gen --set num_hidden_layers=5 --tokenizer tests/fixtures/tokenizer/kimi --seed $2 --force"
+  if [ "$(cat "$1.stamp" 2>/dev/null)" != "$gen" ] || [ ! -f "$1/config.json" ]; then
+    rm -f "$1.stamp"
+    $gen >"$OUT/gen.log" 2>&1 && echo "$gen" >"$1.stamp" || { fail "generate $1" "$(tail -n 3 "$OUT/gen.log")"; finish; exit 1; }
+  fi
+}
+M=tests/out/chat-model-a
+M2=tests/out/chat-model-b
+gen_model $M 3
+gen_model $M2 4
+
+SAMPLE="--temperature 0.9 --top-k 50 --seed 7"
+CHAT="$K3 chat $M --gen 10 $SAMPLE --system You_are_a_test."
+printf 'Hello there\nWhat is 2+2?\nAnd once more.\n' >"$OUT/three.txt"
+
+# ids of a field in the transcript, one line per turn
+turns() { $PY -c '
+import json, sys
+d = json.load(open(sys.argv[1]))
+for t in d["turns"]: print(",".join(map(str, t[sys.argv[2]])) if isinstance(t[sys.argv[2]], list) else t[sys.argv[2]])
+' "$1" "$2"; }
+
+expect_exit three 0 $CHAT --threads 1 --out "$OUT/t1.json" <"$OUT/three.txt"
+[ "$(grep -c '^\[turn ' "$OUT/three.err")" -eq 3 ] && pass three:stats || fail three:stats "$(head -c 300 "$OUT/three.err")"
+grep -q 'first token .* tok/s' "$OUT/three.err" && pass three:ttft || fail three:ttft
+mapfile -t reused < <(turns "$OUT/t1.json" reused)
+mapfile -t plen < <($PY -c '
+import json, sys
+for t in json.load(open(sys.argv[1]))["turns"]: print(len(t["prompt_ids"]))' "$OUT/t1.json")
+[ "${reused[0]}" = 0 ] && pass turn1:cold || fail turn1:cold "reused ${reused[0]}"
+# turn 2 resumes at least from turn 1's prompt end (its prompt is a prefix)
+[ "${reused[1]}" -ge "${plen[0]}" ] && grep -q "^\[turn 2: prompt ${plen[1]} tokens, reused ${reused[1]} " "$OUT/three.err" \
+  && pass turn2:reused || fail turn2:reused "reused ${reused[1]}, turn 1 prompt ${plen[0]}"
+[ "${reused[2]}" -ge "${plen[1]}" ] && pass turn3:reused || fail turn3:reused "reused ${reused[2]}"
+
+# every turn against a cold `k3 run` of its whole prompt, seed + turn index
+mapfile -t prompts < <(turns "$OUT/t1.json" prompt_ids)
+mapfile -t gens < <(turns "$OUT/t1.json" generated_ids)
+for t in 0 1 2; do
+  expect_exit "cold$t" 0 $K3 run $M --ids "${prompts[$t]}" --gen 10 --temperature 0.9 --top-k 50 \
+    --seed $((7 + t)) --threads 1 --quiet --out "$OUT/cold$t.json"
+  want=$(tr -d '[:space:]' <"$OUT/cold$t.json" | grep -o '"generated_ids":\[[0-9,]*\]' | grep -o '[0-9,]*\]' | tr -d ']')
+  # k3 run stops only at eos_token_id; chat also at [EOS]: compare chat's reply as a prefix
+  case ",$want," in ",${gens[$t]},"*) pass "turn$((t + 1)):ids_equal_cold" ;;
+    *) fail "turn$((t + 1)):ids_equal_cold" "chat ${gens[$t]} vs run $want" ;; esac
+done
+
+# threads, --cold, a streamed budget: the same replies
+expect_exit threads2 0 $CHAT --threads 2 --out "$OUT/t2.json" <"$OUT/three.txt"
+[ "$(turns "$OUT/t2.json" generated_ids)" = "$(turns "$OUT/t1.json" generated_ids)" ] && pass threads:1_eq_2 \
+  || fail threads:1_eq_2
+expect_exit cold 0 $CHAT --cold --out "$OUT/tc.json" <"$OUT/three.txt"
+[ "$(turns "$OUT/tc.json" generated_ids)" = "$(turns "$OUT/t1.json" generated_ids)" ] && pass cold:same_ids \
+  || fail cold:same_ids
+[ "$(turns "$OUT/tc.json" reused | tr '\n' ' ')" = "0 0 0 " ] && pass cold:reuses_nothing || fail cold:reuses_nothing
+expect_exit pack 0 $K3 pack-trunk $M "$OUT/trunk"
+expect_exit streamed 0 $CHAT --trunk "$OUT/trunk" --trunk-gb 0.06 --cache-gb 0.0002 --chunk 3 --state-cache-gb 0.01 \
+  --out "$OUT/ts.json" <"$OUT/three.txt"
+[ "$(turns "$OUT/ts.json" generated_ids)" = "$(turns "$OUT/t1.json" generated_ids)" ] && pass streamed:same_ids \
+  || fail streamed:same_ids
+
+# /think off re-renders turn 1's reply without its think channel, so the
+# history diverges inside turn 1's generation prefix: the session and the
+# prompt-end snapshot do not match, the deepest grid snapshot (grid 8) before
+# the divergence does; the reply equals a cold run
+printf 'Hello there\n/think off\nWhat is 2+2?\n' >"$OUT/think.txt"
+expect_exit think 0 $CHAT --state-grid 8 --out "$OUT/tt.json" <"$OUT/think.txt"
+mapfile -t tre < <(turns "$OUT/tt.json" reused)
+mapfile -t tpr < <(turns "$OUT/tt.json" prompt_ids)
+mapfile -t tge < <(turns "$OUT/tt.json" generated_ids)
+div=$($PY -c 'import sys; a, b = (s.split(",") for s in sys.argv[1:3]); print(next(i for i, (x, y) in enumerate(zip(a, b)) if x != y))' \
+  "${tpr[0]}" "${tpr[1]}")
+[ "${tre[1]}" -gt 0 ] && [ "${tre[1]}" -le "$div" ] && [ $((tre[1] % 8)) -eq 0 ] && [ "${tre[1]}" -gt $((div - 8)) ] \
+  && pass "think_off:grid_snapshot(reused=${tre[1]},diverged=$div)" \
+  || fail think_off:grid_snapshot "reused ${tre[1]}, prompts diverge at $div"
+expect_exit think_cold 0 $K3 run $M --ids "${tpr[1]}" --gen 10 --temperature 0.9 --top-k 50 --seed 8 --quiet \
+  --out "$OUT/think_cold.json"
+want=$(tr -d '[:space:]' <"$OUT/think_cold.json" | grep -o '"generated_ids":\[[0-9,]*\]' | grep -o '[0-9,]*\]' | tr -d ']')
+case ",$want," in ",${tge[1]},"*) pass think_off:ids_equal_cold ;; *) fail think_off:ids_equal_cold "${tge[1]} vs $want" ;; esac
+
+# save after two turns, continue in a new process
+S=$OUT/conv.k3session
+rm -f "$S"
+printf 'Hello there\nWhat is 2+2?\n/save %s\nAnd once more.\n' "$S" >"$OUT/save.txt"
+expect_exit save 0 $CHAT --out "$OUT/tsave.json" <"$OUT/save.txt"
+[ -s "$S" ] && pass save:file || fail save:file
+[ "$(turns "$OUT/tsave.json" generated_ids)" = "$(turns "$OUT/t1.json" generated_ids)" ] && pass save:same_ids \
+  || fail save:same_ids
+g3=$(turns "$OUT/t1.json" generated_ids | sed -n 3p)
+echo 'And once more.' >"$OUT/third.txt"
+expect_exit load 0 $CHAT --load "$S" --out "$OUT/tload.json" <"$OUT/third.txt"
+[ "$(turns "$OUT/tload.json" generated_ids)" = "$g3" ] && pass load:continues_bit_identically \
+  || fail load:continues_bit_identically "$(turns "$OUT/tload.json" generated_ids) vs $g3"
+[ "$(turns "$OUT/tload.json" prompt_ids)" = "$(turns "$OUT/t1.json" prompt_ids | sed -n 3p)" ] && pass load:same_prompt \
+  || fail load:same_prompt
+lr=$(turns "$OUT/tload.json" reused)
+[ "$lr" -ge "${plen[1]}" ] && pass "load:reused=$lr" || fail load:reused "$lr"
+printf '/load %s\nAnd once more.\n' "$S" >"$OUT/load2.txt"
+expect_exit load_cmd 0 $CHAT --out "$OUT/tload2.json" <"$OUT/load2.txt"
+[ "$(turns "$OUT/tload2.json" generated_ids)" = "$g3" ] && pass load_cmd:same_ids || fail load_cmd:same_ids
+
+# refusals
+$PY - "$S" "$OUT/corrupt.k3session" <<'EOF'
+import sys
+b = bytearray(open(sys.argv[1], "rb").read())
+b[len(b) // 2] ^= 0x40
+open(sys.argv[2], "wb").write(b)
+EOF
+expect_exit corrupt 4 $CHAT --load "$OUT/corrupt.k3session" </dev/null
+expect_err_contains corrupt "corrupt"
+head -c 1000 "$S" >"$OUT/short.k3session"
+expect_exit truncated 4 $CHAT --load "$OUT/short.k3session" </dev/null
+expect_err_contains truncated "truncated"
+printf '/load %s\nHi\n' "$OUT/corrupt.k3session" >"$OUT/loadbad.txt"
+expect_exit corrupt_cmd 4 $CHAT <"$OUT/loadbad.txt"
+expect_exit other_model 4 $K3 chat $M2 --load "$S" </dev/null
+expect_err_contains other_model "another model"
+expect_exit no_xtml 2 $K3 chat models/default </dev/null
+expect_err_contains no_xtml "XTML"
+expect_exit bad_flag 2 $K3 chat $M --state-cache-gb lots </dev/null
+expect_exit bad_cmd 2 $CHAT <<<'/frobnicate'
+finish
