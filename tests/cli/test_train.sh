@@ -92,7 +92,7 @@ else
   expect_exit bf16_resume_refused 2 env K3_ISA=scalar $K3 train --data-dir "$D" --output-dir "$E/r10" --steps 30 \
     --resume "$E/bf16.safetensors" --quiet
   expect_err_contains bf16_resume_refused "--no-bf16"
-  expect_exit bf16_resume_no_bf16 0 env K3_ISA=scalar $K3 train --data-dir "$D" --output-dir "$E/r10" --steps 21 \
+  expect_exit bf16_resume_no_bf16 0 $K3 train --data-dir "$D" --output-dir "$E/r10" --steps 21 \
     --resume "$E/bf16.safetensors" --quiet --no-bf16
 fi
 finish
