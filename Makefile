@@ -24,8 +24,21 @@ LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lnettle -lm
 # BUILD=build/arm64 BIN=bin/arm64 beside the native build.
 BUILD   ?= build
 BIN     ?= bin
+# Open MPI (expert-parallel `k3 run` under mpirun, src/dist/): the flags its
+# mpicc wrapper would add. Without it the build still works and k3 runs as one
+# process (under mpirun with several ranks it refuses, saying why).
+MPI_CFLAGS := $(shell mpicc --showme:compile 2>/dev/null)
+MPI_LIBS   := $(shell mpicc --showme:link 2>/dev/null)
+ifeq ($(strip $(MPI_LIBS)),)
+MPI_CFLAGS := -DK3_NO_MPI
+endif
+BASE    += $(MPI_CFLAGS)
+LIBS    += $(MPI_LIBS)
 
 LIB_SRC  := $(shell find src -name '*.c' ! -path 'src/cli/main.c' | sort)
+# Generated at build time (never committed): the web pages as C arrays.
+GEN_SRC  := build/gen/web_assets.c
+LIB_SRC  += $(GEN_SRC)
 TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c tests/tjson.c
 
 REL_LIB  := $(LIB_SRC:%.c=$(BUILD)/rel/%.o)
@@ -56,6 +69,9 @@ $(BUILD)/asan/%.o: %.c Makefile
 $(BIN):
 	@mkdir -p $(BIN)
 
+build/gen/web_assets.c: scripts/embed-web-assets.sh $(sort $(wildcard src/web/assets/* src/web/assets/chat/*))
+	bash scripts/embed-web-assets.sh $@
+
 setup:
 	bash scripts/setup.sh --test
 
@@ -72,7 +88,7 @@ BENCH_SRC := $(sort $(wildcard bench/*.c))
 bench: $(BENCH_SRC:bench/%.c=bin/bench_%)
 $(BIN)/bench_%: $(BUILD)/rel/bench/%.o $(REL_LIB) | $(BIN)
 	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)
-# issue 7's summary table in one run (docs/performance.md, "The summary table");
+# the performance summary table in one run (docs/performance.md, "The summary table");
 # e.g. make bench-report ARGS=--quick
 bench-report: bin/k3 bin/bench_decode bin/bench_stream bin/bench_train bin/bench_index
 	bash bench/report.sh $(ARGS)

@@ -2,6 +2,8 @@
  * optimum at several capacities, so the cache size and policy are chosen from
  * data rather than guessed. */
 #include "cli/commands.h"
+#include "dist/expert_par.h"
+#include "formats/config.h"
 #include "memory/cache.h"
 
 #include <getopt.h>
@@ -26,7 +28,15 @@ const char *const cmd_cache_sim_help =
     "  --capacity-gb G,...  capacities in GB (10^9 bytes), using --expert-bytes\n"
     "  --expert-bytes B     bytes per expert (default 17547264, Kimi K3's MXFP4 expert)\n"
     "  --json               one JSON object instead of the table\n"
-    "Without a capacity, sweeps 1%..100% of the distinct experts in the trace.\n";
+    "Without a capacity, sweeps 1%..100% of the distinct experts in the trace.\n"
+    "\n"
+    "Expert placement for 'mpirun -np R k3 run --expert-placement FILE' (instead of\n"
+    "the sweep):\n"
+    "  --placement R        spread each layer's experts over R ranks so that every\n"
+    "                       rank serves about as many of the trace's requests and\n"
+    "                       holds at most ceil(experts / R) of them\n"
+    "  --model MODEL_DIR    the model the trace came from (its layer and expert counts)\n"
+    "  --placement-out FILE where to write it (JSON; docs/mpi.md)\n";
 
 static int parse_list(const char *s, double **out, size_t *n) {
     size_t cap = 8, cnt = 0;
@@ -54,11 +64,16 @@ int cmd_cache_sim(int argc, char **argv) {
         {"capacity-gb", required_argument, 0, 'g'},
         {"expert-bytes", required_argument, 0, 'b'},
         {"json", no_argument, 0, 'j'},
+        {"placement", required_argument, 0, 'p'},
+        {"model", required_argument, 0, 'm'},
+        {"placement-out", required_argument, 0, 'o'},
         {0, 0, 0, 0},
     };
     double *caps = NULL;
     size_t ncaps = 0;
     bool gb = false, json = false;
+    long ranks = 0;
+    const char *model = NULL, *place_out = NULL;
     double expert_bytes = 17547264.0;
     int o;
     optind = 1;
@@ -79,6 +94,14 @@ int cmd_cache_sim(int argc, char **argv) {
             break;
         }
         case 'j': json = true; break;
+        case 'p': {
+            char *end;
+            ranks = strtol(optarg, &end, 10);
+            if (*end || ranks < 1 || ranks > 65536) return k3_usage_error("cache-sim", "--placement: '%s' is not a rank count", optarg);
+            break;
+        }
+        case 'm': model = optarg; break;
+        case 'o': place_out = optarg; break;
         default: return k3_usage_error("cache-sim", "unknown option");
         }
     }
@@ -90,7 +113,35 @@ int cmd_cache_sim(int argc, char **argv) {
     k3_err err = {0};
     xc_request *reqs;
     size_t n;
+    if ((ranks || model || place_out) && (!ranks || !model || !place_out)) {
+        free(caps);
+        return k3_usage_error("cache-sim", "--placement, --model and --placement-out go together");
+    }
     if (xc_trace_read(path, &reqs, &n, &err)) { free(caps); return k3_report(&err); }
+    if (ranks) {
+        free(caps);
+        k3_config c;
+        int rc = k3_config_load(model, &c, &err);
+        if (!rc && ranks > c.num_experts)
+            rc = k3_fail(&err, K3_EXIT_USAGE, "--placement %ld: the model has %d routed experts per layer", ranks,
+                         c.num_experts);
+        k3_placement p = {0}, q = {0};
+        if (!rc) {
+            k3_placement_from_trace((int)ranks, c.num_layers, c.num_experts, reqs, n, &p);
+            k3_placement_contiguous((int)ranks, c.num_layers, c.num_experts, &q);
+            rc = k3_placement_save(&p, place_out, &err);
+        }
+        if (!rc)
+            printf("placement for %ld ranks written to %s: the busiest rank serves %.3fx the mean of the trace's %zu "
+                   "requests (contiguous: %.3fx); per step and layer the busiest rank computes %.3f experts on "
+                   "average (contiguous: %.3f)\n",
+                   ranks, place_out, k3_placement_imbalance(&p, reqs, n), n, k3_placement_imbalance(&q, reqs, n),
+                   k3_placement_step_load(&p, reqs, n), k3_placement_step_load(&q, reqs, n));
+        k3_placement_free(&p);
+        k3_placement_free(&q);
+        free(reqs);
+        return rc ? k3_report(&err) : K3_OK;
+    }
 
     /* distinct experts and steps, for the default sweep and the header */
     xcache *probe = xc_new(XC_LRU, n);

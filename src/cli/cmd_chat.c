@@ -8,6 +8,7 @@
  * the chat with its exit code, in a terminal it is printed and the chat goes on. */
 #include "chat/chat.h"
 #include "cli/commands.h"
+#include "dist/dist.h"
 #include "engine/engine.h"
 #include "session/session.h"
 
@@ -15,6 +16,7 @@
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -28,7 +30,7 @@ const char *const cmd_chat_help =
     "  /save FILE      save the conversation and its decode state\n"
     "  /load FILE      continue a saved conversation (same model only)\n"
     "  /think on|off   thinking for the next turns\n"
-    "  /help, /quit\n"
+    "  /help, /quit     (Ctrl-C stops a reply; at the prompt, or Ctrl-D, it quits)\n"
     "Reasoning is shown dimmed (prefixed with '[think] ' when stdout is not a\n"
     "terminal); time to first token and tokens/s follow each reply on stderr.\n"
     "Standard input need not be a terminal: one message (or command) a line.\n"
@@ -169,6 +171,14 @@ static int parse_args(int argc, char **argv, chat_args *a) {
 }
 
 /* ---- the chat ------------------------------------------------------------------------ */
+/* In a terminal, Ctrl-C stops the reply being generated (it is kept, cut
+ * off); at the prompt it ends the chat. */
+static volatile sig_atomic_t interrupted;
+static void on_sigint(int sig) {
+    (void)sig;
+    interrupted = 1;
+}
+
 typedef struct {
     const chat_args *a;
     k3_engine *e;
@@ -308,7 +318,8 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     double t_first = 0, t_end;
     c->line_start = true;
     c->in_reasoning = c->shown_reasoning = false;
-    for (int64_t g = 0; g < gen && !rc; g++) {
+    interrupted = 0;
+    for (int64_t g = 0; g < gen && !rc && !interrupted; g++) {
         int32_t id = k3_sample(&sp, c->logits);
         if (g == 0) t_first = k3_now();
         gids[ng++] = id;
@@ -365,7 +376,8 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     else snprintf(rr, sizeof rr, "re-rendered history departs from the state at position %zu", same);
     fprintf(stderr,
             "[turn %d: prompt %zu tokens, reused %zu (%s); first token %.3f s; %zu tokens, %.2f tok/s; %s; %s]\n",
-            c->turn, n, reused, source_name(source), ttft, ng, tps, stopped ? "stop" : finish, rr);
+            c->turn, n, reused, source_name(source), ttft, ng, tps,
+            stopped ? "stop" : interrupted ? "interrupted" : finish, rr);
     json_t *t = json_object();
     json_object_set_new(t, "prompt_ids", ids_json(ids, n));
     json_object_set_new(t, "generated_ids", ids_json(gids, ng));
@@ -397,7 +409,8 @@ static int save(chat_ctx *c, const char *path, k3_err *err) {
     char *txt = json_dumps(x, JSON_COMPACT);
     json_decref(x);
     if (!txt) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot serialise the conversation", path);
-    rc = k3_session_save(c->s, path, c->model_id, txt, strlen(txt), err);
+    /* (under mpirun every rank prefilled alike; rank 0 writes the file) */
+    rc = c->e->rank == 0 ? k3_session_save(c->s, path, c->model_id, txt, strlen(txt), err) : K3_OK;
     free(txt);
     if (!rc) fprintf(stderr, "[saved %zu tokens to %s]\n", k3_session_len(c->s), path);
     return rc;
@@ -469,6 +482,14 @@ static int chat(const chat_args *a, k3_err *err) {
     eo.max_pos = a->max_ctx;
     int rc = k3_engine_open(&eo, &c.e, err);
     if (rc) return rc;
+    /* under mpirun: rank 0 reads the input and talks, every rank computes */
+    chat_args quiet_rank;
+    if (c.e->rank > 0) {
+        quiet_rank = *a;
+        quiet_rank.out = NULL;
+        a = c.a = &quiet_rank;
+        k3_dist_silence_others();
+    }
     const char *tok_dir = eo.tok_dir ? eo.tok_dir : a->model_dir;
     if ((rc = k3_chat_new(c.e->tok, &c.chat, err))) {
         k3_err inner = *err;
@@ -497,8 +518,16 @@ static int chat(const chat_args *a, k3_err *err) {
                 k3_engine_size_str(budget, b1, sizeof b1), k3_engine_size_str(cs.kda_bytes, b2, sizeof b2),
                 k3_engine_size_str(cs.row_bytes, b3, sizeof b3), cs.grid, c.thinking ? "on" : "off");
     }
-    if (a->load && (rc = load(&c, a->load, err))) goto done;
-    if (c.tty_in) fputs(chat_commands, stderr);
+    if (a->load) rc = load(&c, a->load, err);
+    if ((rc = k3_engine_ready(c.e, rc, err))) goto done; /* every rank of a job, or none */
+    if (c.tty_in) {
+        fputs(chat_commands, stderr);
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_sigint; /* no SA_RESTART: getline at the prompt returns */
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, NULL);
+    }
     char *line = NULL;
     size_t cap = 0;
     for (;;) {
@@ -506,8 +535,12 @@ static int chat(const chat_args *a, k3_err *err) {
             fputs("> ", stdout);
             fflush(stdout);
         }
-        ssize_t len = getline(&line, &cap, stdin);
-        if (len < 0) break;
+        interrupted = 0;
+        ssize_t len = (ssize_t)k3_dist_getline(&line, &cap, stdin); /* rank 0's line, on every rank */
+        if (len < 0) {
+            if (interrupted) clearerr(stdin), fputc('\n', stdout);
+            break;
+        }
         while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
         if (len == 0) continue;
         k3_err e = {0};
@@ -515,6 +548,7 @@ static int chat(const chat_args *a, k3_err *err) {
         if (line[0] == '/') r = command(&c, line, &e);
         else if (memchr(line, 0, (size_t)len)) r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message holds a NUL byte");
         else r = turn(&c, line, &e);
+        if (c.e->ranks > 1) r = k3_dist_agree(r, &e, "a chat turn"); /* the same next step on every rank */
         if (r == 1) break;
         if (r) {
             if (!c.tty_in) { /* a script: the first error ends it */

@@ -2,6 +2,7 @@
  * decode token by token (or recompute the whole prefix each step with --full),
  * streaming text to stdout and a report to stderr. */
 #include "cli/commands.h"
+#include "dist/dist.h"
 #include "engine/engine.h"
 
 #include <errno.h>
@@ -219,6 +220,7 @@ typedef struct {
     k3_runmem *rm;     /* plan, streaming source, run report */
     k3_atomic_file df;
     bool dumping;
+    json_t *dist;      /* expert-parallel figures (rank 0 of several), or NULL */
 } run_ctx;
 
 /* Streams one token's text (or id); a write error on stdout (a full disk or
@@ -340,6 +342,7 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
     json_object_set_new(o, "threads", json_integer(threads));
     json_object_set_new(o, "layers", json_integer(k3_model_config(r->m)->num_layers));
     k3_runmem_json(r->rm, o);
+    if (r->dist) json_object_set(o, "expert_parallel", r->dist);
     char *txt = json_dumps(o, JSON_INDENT(1));
     json_decref(o);
     if (!txt) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot serialise the report", r->a->out);
@@ -363,6 +366,14 @@ static int run(const run_args *a, k3_err *err) {
     eo.model_dir = a->model_dir;
     eo.max_pos = prompt_bound(a) + a->gen;
     if ((rc = k3_engine_open(&eo, &r.e, err))) goto done;
+    /* under mpirun, the ranks after the first compute alongside it silently */
+    run_args quiet_rank;
+    if (r.e->rank > 0) {
+        quiet_rank = *a;
+        quiet_rank.quiet = true;
+        quiet_rank.out = quiet_rank.dump = NULL;
+        a = r.a = &quiet_rank;
+    }
     r.m = r.e->model;
     r.tok = r.e->tok;
     r.rm = r.e->rm;
@@ -371,21 +382,23 @@ static int run(const run_args *a, k3_err *err) {
     const k3_config *c = r.e->cfg;
     size_t V = (size_t)c->vocab_size;
     int32_t *pids = NULL;
-    if ((rc = prompt_ids(a, r.e, &pids, &r.nprompt, err))) goto done;
+    if ((rc = prompt_ids(a, r.e, &pids, &r.nprompt, err))) goto ready;
 
     /* the state at the real length, before anything else is allocated */
     int64_t max_pos = (int64_t)r.nprompt + a->gen;
     uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (a->dump ? (uint64_t)r.e->chunk : 1);
-    if ((rc = k3_engine_state_new(r.e, max_pos, logit_bytes, &r.s, err))) { free(pids); goto done; }
+    if ((rc = k3_engine_state_new(r.e, max_pos, logit_bytes, &r.s, err))) { free(pids); goto ready; }
     r.seq = xmalloc_array((size_t)max_pos, sizeof *r.seq);
     memcpy(r.seq, pids, r.nprompt * sizeof *r.seq);
     free(pids);
     r.nseq = r.nprompt;
     r.logits = xmalloc_array(V * (a->dump ? (size_t)k3_runmem_chunk(r.rm) : 1), sizeof(float));
     if (a->dump) {
-        if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto done;
+        if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto ready;
         r.dumping = true;
     }
+ready: /* every rank of an expert-parallel job is ready, or none starts */
+    if ((rc = k3_engine_ready(r.e, rc, err))) goto done;
     if (r.tok) tok_stream_init(&r.ts, r.tok);
     int eos = c->eos_token_id >= 0 ? c->eos_token_id : (r.tok ? tok_eos_id(r.tok) : -1);
     if (!a->quiet)
@@ -397,8 +410,10 @@ static int run(const run_args *a, k3_err *err) {
     k3_sampler_init(&sp, (int)V, a->temperature, a->top_k, a->top_p, a->min_p, a->seed);
     double t0 = k3_now();
     const char *stop = "length";
+    k3_dist_stats ds0 = k3_dist_get_stats(), ds1;
     rc = prefill(&r, err);
     double t1 = k3_now(), t2 = t1;
+    ds1 = k3_dist_get_stats();
     for (int64_t g = 0; !rc && g < a->gen; g++) {
         if ((rc = check_logits(&r, err))) break;
         int id = k3_sample(&sp, r.logits);
@@ -410,8 +425,22 @@ static int run(const run_args *a, k3_err *err) {
         if (!rc && g + 1 < a->gen) rc = step(&r, err);
     }
     t2 = k3_now();
+    k3_dist_stats ds2 = k3_dist_get_stats();
     k3_sampler_free(&sp);
+    /* the other ranks of the job would wait for this one's next exchange */
+    if (rc && r.e->ranks > 1) k3_dist_abort(err);
     if (rc) goto done;
+    if (r.e->ranks > 1) { /* every rank's exchange figures, for rank 0's report */
+        FILE *rf = a->quiet ? NULL : stderr;
+        json_t *pj = k3_engine_dist_report(r.e, "prefill", &ds0, &ds1, t1 - t0, r.nprompt, rf);
+        size_t steps = r.nseq - r.nprompt > 1 ? r.nseq - r.nprompt - 1 : 0;
+        json_t *dj = k3_engine_dist_report(r.e, "decode", &ds1, &ds2, t2 - t1, steps, rf);
+        if (pj || dj) {
+            r.dist = json_object();
+            if (pj) json_object_set_new(r.dist, "prefill", pj);
+            if (dj) json_object_set_new(r.dist, "decode", dj);
+        }
+    }
     if (r.tok && !a->quiet) {
         uint8_t tail[16];
         size_t k = tok_stream_flush(&r.ts, tail, sizeof tail);
@@ -435,6 +464,7 @@ static int run(const run_args *a, k3_err *err) {
                 (double)k3_peak_rss_bytes() / (1024.0 * 1024), threads);
     if (a->out) rc = write_out_json(&r, prefill_s, decode_s, threads, stop, err);
 done:
+    json_decref(r.dist);
     if (r.dumping) k3_atomic_abort(&r.df);
     free(r.seq);
     free(r.logits);

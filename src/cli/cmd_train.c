@@ -102,7 +102,7 @@ int cmd_train(int argc, char **argv) {
             o.lr = strtod(v, &end);
             if (*end || end == v || !(o.lr > 0) || o.lr > 10) return k3_usage_error("train", "--lr wants a positive number, got '%s'", v);
         } else if (strcmp(a, "--kda-chunk") == 0) {
-            if ((rc = parse_i64(a, v, 0, 64, &x))) return rc;
+            if ((rc = parse_i64(a, v, 0, TM_MAX_KDA_CHUNK, &x))) return rc;
             o.kda_chunk = x ? (int)x : -1;
         } else if (strcmp(a, "--optimizer") == 0) {
             if (strcmp(v, "muon") == 0) o.optimizer = 1;

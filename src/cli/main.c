@@ -6,6 +6,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "dist/dist.h"
+
 #define K3_VERSION "0.1.0"
 
 typedef struct {
@@ -68,6 +70,16 @@ static int print_help(const command *c) {
     return K3_OK;
 }
 
+/* Commands that run as one job over several ranks; the others refuse. */
+static int check_ranks(const command *c) {
+    if (k3_dist_size() <= 1 || c->fn == cmd_run || c->fn == cmd_chat) return K3_OK;
+    char line[256];
+    snprintf(line, sizeof line, "%s: not for several ranks (mpirun -np %d): only 'k3 run' and 'k3 chat' run as one job over ranks",
+             c->name, k3_dist_size());
+    if (!k3_dist_defer_error(K3_EXIT_USAGE, line)) fprintf(stderr, "k3: %s\n", line);
+    return K3_EXIT_USAGE;
+}
+
 static int dispatch(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "k3: no command given (see 'k3 --help')\n");
@@ -89,6 +101,7 @@ static int dispatch(int argc, char **argv) {
             /* k3 MODEL_DIR ...: rewrite as k3 run MODEL_DIR ... */
             c = find("run");
             argv[0] = (char *)"run";
+            if (check_ranks(c)) return K3_EXIT_USAGE;
             if (!c->fn) { fprintf(stderr, "k3: command 'run' is not available in this build\n"); return K3_EXIT_USAGE; }
             return c->fn(argc, argv);
         }
@@ -100,6 +113,7 @@ static int dispatch(int argc, char **argv) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return print_help(c);
     }
     if (!c->fn) { fprintf(stderr, "k3: command '%s' is not available in this build\n", a); return K3_EXIT_USAGE; }
+    if (check_ranks(c)) return K3_EXIT_USAGE;
     return c->fn(argc - 1, argv + 1);
 }
 
@@ -117,6 +131,10 @@ static int check_stdout(int rc) {
     return rc;
 }
 
+/* Under mpirun (dist/dist.h) every rank runs this; the job ends with one
+ * exit code and at most one error line (rank 0's). */
 int main(int argc, char **argv) {
-    return check_stdout(dispatch(argc, argv));
+    int rc = k3_dist_init(&argc, &argv);
+    if (!rc) rc = check_stdout(dispatch(argc, argv));
+    return k3_dist_finish(rc);
 }

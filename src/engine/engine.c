@@ -1,7 +1,12 @@
 /* engine.c: opening a model for inference (engine.h). */
 #include "engine/engine.h"
 
+#include "dist/dist.h"
+#include "dist/expert_par.h"
+#include "session/session.h"
+
 #include <errno.h>
+#include <jansson.h>
 #include <limits.h>
 #include <math.h>
 #include <omp.h>
@@ -69,6 +74,9 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
         o->kda_chunk = (int)n;
     } else if (!strcmp(f, "--peer-mla-eps")) {
         o->peer_mla_eps = true;
+    } else if (!strcmp(f, "--expert-placement")) {
+        VALUE();
+        o->expert_placement = v;
     } else if (!strcmp(f, "--max-memory")) {
         VALUE();
         if (!parse_size(v, &o->max_memory) || !o->max_memory)
@@ -108,28 +116,116 @@ static int load_tokenizer(k3_engine *e, k3_err *err) {
     return tok_load(dir, &e->tok, err);
 }
 
+/* Expert parallelism, before the plan: the placement and this rank's share
+ * (which the plan then sizes). */
+static int ep_placement(k3_engine *e, k3_err *err) {
+    const k3_engine_opts *o = &e->opts;
+    k3_config c;
+    int rc = k3_config_load(o->model_dir, &c, err);
+    if (rc) return rc;
+    if (o->layers > 0 && o->layers < c.num_layers) c.num_layers = o->layers;
+    int moe = 0;
+    for (int L = 0; L < c.num_layers; L++) moe += !c.layer_dense[L];
+    if (c.num_experts <= 0 || !moe)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: no routed experts to spread over %d ranks: run it without mpirun",
+                       o->model_dir, e->ranks);
+    if (e->ranks > c.num_experts)
+        return k3_fail(err, K3_EXIT_USAGE,
+                       "%s: %d ranks but %d routed experts per layer: expert parallelism takes at most one rank per "
+                       "expert (mpirun -np %d or fewer)",
+                       o->model_dir, e->ranks, c.num_experts, c.num_experts);
+    if (o->mem.so.trace_dir)
+        return k3_fail(err, K3_EXIT_USAGE,
+                       "--dump-cache-trace: a rank of %d sees only its own experts' requests: trace with one process",
+                       e->ranks);
+    k3_placement p;
+    if (o->expert_placement) {
+        if ((rc = k3_placement_load(o->expert_placement, e->ranks, &c, &p, err))) return rc;
+    } else {
+        k3_placement_contiguous(e->ranks, c.num_layers, c.num_experts, &p);
+    }
+    size_t n = (size_t)c.num_layers * (size_t)c.num_experts;
+    e->owner = p.owner;
+    e->owned = xcalloc(n, 1);
+    for (size_t i = 0; i < n; i++) e->owned[i] = p.owner[i] == e->rank;
+    e->opts.mem.so.owned = e->owned;
+    return K3_OK;
+}
+
+/* Every rank must open the same model with the same placement and feed the
+ * same chunks: compared (and the chunk agreed) before any weight is read. */
+static int ep_check_same(k3_engine *e, k3_err *err) {
+    struct { uint64_t model, place; int32_t chunk, pad; } mine = {0}, *all;
+    int rc = k3_model_identity(e->opts.model_dir, e->opts.tok_dir, 0, &mine.model, err);
+    rc = k3_dist_agree(rc, err, "opening the model (identity)");
+    if (rc) return rc;
+    k3_config cfg;
+    if ((rc = k3_config_load(e->opts.model_dir, &cfg, err))) return rc;
+    int layers = e->opts.layers > 0 && e->opts.layers < cfg.num_layers ? e->opts.layers : cfg.num_layers;
+    k3_placement p = {.ranks = e->ranks, .layers = layers, .experts = cfg.num_experts, .owner = e->owner};
+    mine.place = k3_placement_hash(&p);
+    mine.chunk = k3_runmem_chunk(e->rm);
+    all = xmalloc_array((size_t)e->ranks, sizeof *all);
+    k3_dist_allgather(&mine, sizeof mine, all, "opening the model (identity)");
+    int chunk = all[0].chunk;
+    for (int r = 0; r < e->ranks && !rc; r++) {
+        if (all[r].chunk < chunk) chunk = all[r].chunk;
+        if (all[r].model != all[0].model)
+            rc = k3_fail(err, K3_EXIT_USAGE,
+                         "rank %d of %d (%s): %s is not the same checkpoint as rank 0's (%s): config.json, the tensor "
+                         "tables or the tokenizer differ; every host needs an identical copy",
+                         r, e->ranks, k3_dist_host(r), e->opts.model_dir, k3_dist_host(0));
+        else if (all[r].place != all[0].place)
+            rc = k3_fail(err, K3_EXIT_USAGE,
+                         "rank %d of %d (%s): its expert placement differs from rank 0's (%s): give every host the same "
+                         "--expert-placement file",
+                         r, e->ranks, k3_dist_host(r), k3_dist_host(0));
+    }
+    free(all);
+    if (!rc) k3_runmem_limit_chunk(e->rm, chunk);
+    return rc;
+}
+
 int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
     *out = NULL;
     if (!o->model_dir) return k3_fail(err, K3_EXIT_USAGE, "no MODEL_DIR given");
     k3_engine *e = xcalloc(1, sizeof *e);
     e->opts = *o;
     e->eos_id = -1;
+    e->rank = k3_dist_rank();
+    e->ranks = k3_dist_size();
     if (o->threads > 0) omp_set_num_threads(o->threads);
     e->threads = omp_get_max_threads();
     int64_t max_pos = o->max_pos > 0 ? o->max_pos : 1;
+    int rc = K3_OK;
+    if (e->ranks > 1) rc = ep_placement(e, err);
     /* the plan comes first: a run that cannot fit is refused before any
      * weight is read; the model then keeps only its model-level tensors and
-     * the plan's source serves the layers and the routed experts */
-    int rc = k3_runmem_begin(&o->mem, o->model_dir, o->layers, max_pos, o->max_memory, &e->rm, err);
+     * the plan's source serves the layers and the routed experts. Under
+     * expert parallelism every rank plans for its own share, and a rank that
+     * cannot fit refuses the job (its line names it) */
+    if (!rc) rc = k3_runmem_begin(&e->opts.mem, o->model_dir, o->layers, max_pos, o->max_memory, &e->rm, err);
+    if (e->ranks > 1) {
+        if ((rc = k3_dist_agree(rc, err, "opening the model (memory plan)"))) goto fail;
+        if ((rc = ep_check_same(e, err))) goto fail;
+    }
     if (rc) goto fail;
     k3_model_opts mo = {.layers = o->layers, .peer_mla_eps = o->peer_mla_eps, .kda_chunk = o->kda_chunk,
                         .top_only = true, .prefill_chunk = k3_runmem_chunk(e->rm)};
-    if ((rc = k3_model_open(o->model_dir, &mo, &e->model, err))) goto fail;
-    if ((rc = k3_runmem_attach(e->rm, e->model, err))) goto fail;
+    rc = k3_model_open(o->model_dir, &mo, &e->model, err);
+    if (!rc) rc = k3_runmem_attach(e->rm, e->model, err);
+    if (!rc) rc = load_tokenizer(e, err);
+    if (e->ranks > 1 && (rc = k3_dist_agree(rc, err, "loading the weights"))) goto fail;
+    if (rc) goto fail;
+    if (e->ranks > 1) {
+        const k3_config *c = k3_model_config(e->model);
+        k3_placement p = {.ranks = e->ranks, .layers = c->num_layers, .experts = c->num_experts, .owner = e->owner};
+        e->ep = k3_ep_new(k3_runmem_source(e->rm), &p, e->rank, e->ranks);
+        k3_model_set_source(e->model, k3_ep_source(e->ep));
+    }
     e->cfg = k3_model_config(e->model);
     e->vocab = e->cfg->vocab_size;
     e->chunk = k3_runmem_chunk(e->rm);
-    if ((rc = load_tokenizer(e, err))) goto fail;
     e->eos_id = e->cfg->eos_token_id >= 0 ? e->cfg->eos_token_id : (e->tok ? tok_eos_id(e->tok) : -1);
     *out = e;
     return K3_OK;
@@ -143,7 +239,10 @@ void k3_engine_free(k3_engine *e) {
     free(e->live);
     if (e->tok) tok_free(e->tok);
     k3_model_free(e->model);
+    k3_ep_free(e->ep);
     k3_runmem_free(e->rm);
+    free(e->owner);
+    free(e->owned);
     free(e);
 }
 
@@ -202,6 +301,7 @@ int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, floa
         bool last = i + m == n;
         float *out = all_logits ? logits + i * V : (last ? logits : NULL);
         int rc = k3_forward(e->model, s, ids + i, (int)m, out, all_logits, err);
+        if (rc && e->ranks > 1) k3_dist_abort(err); /* the others wait in this call's exchanges */
         if (rc) return rc;
         k3_runmem_step(e->rm, prefill, (int)m, e->step_log);
         if (progress) k3_progress_update(progress, i + m);
@@ -227,4 +327,60 @@ int k3_engine_encode(const k3_engine *e, const char *what, const char *text, siz
         *n = 0;
     }
     return rc;
+}
+
+int k3_engine_ready(k3_engine *e, int rc, k3_err *err) {
+    return e && e->ranks > 1 ? k3_dist_agree(rc, err, "starting the run") : rc;
+}
+
+json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from_stats, const void *to_stats,
+                              double secs, uint64_t steps, FILE *f) {
+    if (!e || e->ranks <= 1) return NULL;
+    const k3_dist_stats *from = from_stats;
+    k3_dist_stats now = *(const k3_dist_stats *)to_stats;
+    struct { uint64_t held, exch, bytes; double wait; } mine = {0}, *all;
+    const k3_config *c = e->cfg;
+    for (size_t i = 0; i < (size_t)c->num_layers * (size_t)c->num_experts; i++)
+        mine.held += e->owned[i] && !c->layer_dense[i / (size_t)c->num_experts];
+    mine.exch = now.collectives - from->collectives;
+    mine.bytes = now.bytes_sent - from->bytes_sent;
+    mine.wait = now.wait_s - from->wait_s;
+    all = xmalloc_array((size_t)e->ranks, sizeof *all);
+    k3_dist_allgather(&mine, sizeof mine, all, "the run report");
+    json_t *o = NULL;
+    if (e->rank == 0) {
+        double st = steps ? (double)steps : 1;
+        o = json_object();
+        json_t *held = json_array(), *bytes = json_array(), *share = json_array(), *wait = json_array();
+        double maxb = 0, maxs = 0;
+        uint64_t minh = UINT64_MAX, maxh = 0;
+        for (int r = 0; r < e->ranks; r++) {
+            if (all[r].held < minh) minh = all[r].held;
+            if (all[r].held > maxh) maxh = all[r].held;
+            json_array_append_new(held, json_integer((json_int_t)all[r].held));
+            json_array_append_new(bytes, json_real((double)all[r].bytes / st));
+            double sh = secs > 0 ? all[r].wait / secs : 0;
+            json_array_append_new(share, json_real(sh));
+            json_array_append_new(wait, json_real(all[r].wait));
+            if ((double)all[r].bytes / st > maxb) maxb = (double)all[r].bytes / st;
+            if (sh > maxs) maxs = sh;
+        }
+        json_object_set_new(o, "phase", json_string(phase));
+        json_object_set_new(o, "ranks", json_integer(e->ranks));
+        json_object_set_new(o, "tokens", json_integer((json_int_t)steps));
+        json_object_set_new(o, "seconds", json_real(secs));
+        json_object_set_new(o, "experts_held", held);
+        json_object_set_new(o, "exchanges_per_token", json_real((double)all[0].exch / st));
+        json_object_set_new(o, "bytes_sent_per_token", bytes);
+        json_object_set_new(o, "exchange_seconds", wait);
+        json_object_set_new(o, "exchange_share", share);
+        if (f)
+            fprintf(f,
+                    "k3: expert parallel, %s: %d ranks hold %llu..%llu routed experts each; per token %.1f exchanges, "
+                    "up to %.1f kB sent per rank, up to %.1f%% of the time in exchanges\n",
+                    phase, e->ranks, (unsigned long long)minh, (unsigned long long)maxh,
+                    (double)all[0].exch / st, maxb / 1e3, 100 * maxs);
+    }
+    free(all);
+    return o;
 }

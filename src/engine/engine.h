@@ -36,6 +36,7 @@ typedef struct {
     bool peer_mla_eps;       /* --peer-mla-eps */
     uint64_t max_memory;     /* --max-memory bytes (0: MemAvailable) */
     int64_t max_pos;         /* longest sequence one state will hold (for the plan) */
+    const char *expert_placement; /* --expert-placement FILE (under mpirun); NULL: contiguous */
     k3_runmem_args mem;      /* --preset, --trunk, --trunk-gb, --cache-gb, --chunk, ... */
 } k3_engine_opts;
 
@@ -59,6 +60,9 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
     "                       bit-identical to token-by-token decoding)\n" \
     "  --peer-mla-eps       MLA latent norms use rms_norm_eps (the peer engine's\n" \
     "                       reading) instead of the released fixed 1e-6\n" \
+    "  --expert-placement FILE   under mpirun: which rank holds which routed expert\n" \
+    "                       (k3 cache-sim TRACE --placement R --placement-out FILE);\n" \
+    "                       default: contiguous, balanced (docs/mpi.md)\n" \
     "\n" K3_RUNMEM_HELP
 
 /* Sizes with the unit that fits ("512 B", "3.4 MiB", "1.250 GiB"), for messages. */
@@ -78,6 +82,14 @@ typedef struct k3_engine {
     uint64_t states_bytes;   /* decode states handed out and still live */
     struct { k3_state *s; uint64_t bytes; } *live;
     size_t nlive, caplive;
+    /* expert parallelism (under mpirun with several ranks, dist/): this
+     * process is rank `rank` of `ranks` and computes only its share of the
+     * routed experts; every rank makes the same calls and gets the same
+     * logits bits. Only rank 0 should talk to the user. */
+    int rank, ranks;
+    struct k3_ep *ep;        /* the expert-parallel source, or NULL */
+    int32_t *owner;          /* [layers][experts] placement, or NULL */
+    uint8_t *owned;          /* [layers][experts] this rank's share, or NULL */
 } k3_engine;
 
 /* Memory plan (K3_EXIT_BUDGET when it cannot fit), then the model (top
@@ -93,12 +105,34 @@ int k3_engine_state_new(k3_engine *e, int64_t max_pos, uint64_t extra_bytes, k3_
 /* Frees a state made by k3_engine_state_new (and forgets its bytes). */
 void k3_engine_state_free(k3_engine *e, k3_state *s);
 
-/* Feeds ids[0..n) at the state's position in the plan's chunks. logits: the
+/* Feeds ids[0..n) at the state's position in the plan's chunks. Under
+ * expert parallelism a failure ends the whole job (one line naming the rank):
+ * the other ranks wait in this call's exchanges. logits: the
  * last token's [V] logits (NULL: none). all_logits: logits holds [n][V] rows
  * instead (the caller sizes it). prefill marks the calls as prompt work in the
  * run report. progress: a bar for long inputs (NULL: none). */
 int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, bool all_logits,
                    bool prefill, k3_progress *progress, k3_err *err);
+
+/* Under expert parallelism every rank passes its status here after its own
+ * preparations (prompt, states, output files) and before the first feed, so
+ * that a rank that cannot start stops the job here instead of leaving the
+ * others waiting in an exchange: all return the lowest failing rank's code,
+ * err naming it. One process: returns rc. After this point a failure on any
+ * rank must end the job (k3_dist_abort). */
+int k3_engine_ready(k3_engine *e, int rc, k3_err *err);
+
+/* Under expert parallelism, the cost of the exchanges over one phase of the
+ * run (e.g. the decode), from every rank: a collective every rank calls with
+ * its own k3_dist_get_stats() taken at the phase's start and end (`from`, `to`:
+ * k3_dist_stats pointers), the phase's
+ * seconds and tokens. Prints one line on f (rank 0, f not NULL) and
+ * returns a JSON object (rank 0; NULL elsewhere and for one process):
+ * {"ranks", "experts_held": [per rank], "exchanges_per_token", "bytes_sent_per_token":
+ * [per rank], "exchange_share": [per rank], ...}. */
+struct json_t;
+struct json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from, const void *to, double secs,
+                                     uint64_t steps, FILE *f);
 
 /* Encodes text with the engine's tokenizer (allow_special as tok_encode) and
  * checks every id against the model's vocabulary. what names the input. */

@@ -131,6 +131,17 @@ void k3_runmem_print_plan(const k3_runmem *rm, FILE *f) { k3_plan_print(rm->plan
 
 int k3_runmem_chunk(const k3_runmem *rm) { return rm->plan->chunk; }
 
+void k3_runmem_limit_chunk(k3_runmem *rm, int chunk) {
+    k3_mem_plan *p = rm->plan;
+    if (chunk < 1 || chunk >= p->chunk) return;
+    p->chunk = chunk;
+    p->total -= p->state.total;
+    p->state = k3_state_size_chunk(&rm->cfg, chunk, p->max_pos);
+    p->total += p->state.total;
+}
+
+const k3_weight_source *k3_runmem_source(k3_runmem *rm) { return rm->s ? k3_stream_source(rm->s) : NULL; }
+
 static double mb(uint64_t b) { return (double)b / 1e6; }
 
 void k3_runmem_step(k3_runmem *rm, bool prefill, int ntokens, FILE *f) {

@@ -1,4 +1,5 @@
-/* runmem.h: what `k3 run` calls to run inside a memory budget (issue 4).
+/* runmem.h: what `k3 run` calls to run inside a memory budget (a model may
+ * be larger than the memory: layers and experts are then streamed).
  *
  * The command keeps its own flow; this module adds, in call order:
  *   k3_runmem_parse    the budget flags (--trunk, --preset, --trunk-gb,
@@ -64,6 +65,11 @@ void k3_runmem_print_plan(const k3_runmem *rm, FILE *f);
 int k3_runmem_attach(k3_runmem *rm, k3_model *m, k3_err *err);
 /* Tokens per prefill call the plan holds. */
 int k3_runmem_chunk(const k3_runmem *rm);
+/* Lowers the plan's prefill chunk to at most chunk (before attach): the ranks
+ * of an expert-parallel job must feed the same chunks. Only shrinks memory. */
+void k3_runmem_limit_chunk(k3_runmem *rm, int chunk);
+/* The weight source attached to the model (NULL before attach). */
+const k3_weight_source *k3_runmem_source(k3_runmem *rm);
 /* Records one forward call of ntokens (a prefill chunk or a decoded token)
  * and prints its line on f (NULL: record only). */
 void k3_runmem_step(k3_runmem *rm, bool prefill, int ntokens, FILE *f);

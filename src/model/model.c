@@ -92,6 +92,19 @@ static void rmsnorm_rows(float *y, const float *x, const float *g, int T, int n,
     for (int t = 0; t < T; t++) k_rmsnorm(y + (size_t)t * n, x + (size_t)t * n, g, n, eps);
 }
 
+void k3_rmsnorm_rows(float *y, float *rinv, const float *x, const float *g, int T, int n, float eps) {
+    if (!rinv) {
+        rmsnorm_rows(y, x, g, T, n, eps);
+        return;
+    }
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, n))
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * n;
+        rinv[t] = 1.0f / sqrtf(k_sumsq(xr, n) / (float)n + eps); /* before y: y may alias x */
+        k_rmsnorm(y + (size_t)t * n, xr, g, n, eps);
+    }
+}
+
 /* SiTU-GLU over n elements (elementwise), in blocks over threads when long. */
 static void situ_par(const k3_config *c, float *out, const float *gate, const float *up, size_t n) {
     const size_t B = 16384;
@@ -110,16 +123,16 @@ static void add_rows(float *y, const float *x, size_t n) {
 /* ---- AttnRes (section 7) -------------------------------------------------------
  * Keys are the RMSNormed sources (gain folded into q at load time), values the
  * RAW sources; one softmax over sources per position. */
-K3_HOT static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
-                    float *out, k3_ws *ws) {
-    int E = c->hidden_size, nthr = omp_get_max_threads();
-    float *logits = ws_f(ws, (size_t)nthr * nsrc);
+K3_HOT static void attnres_rows(const float *q, const float *const *src, int nsrc, int T, int E, float eps,
+                                 float *out, float *alpha, float *rinv, float *logits) {
+    int nthr = omp_get_max_threads();
 #pragma omp parallel for schedule(static) num_threads(nthr) if (PAR_ROWS(T, (double)E * nsrc))
     for (int t = 0; t < T; t++) {
-        float *logit = logits + (size_t)omp_get_thread_num() * nsrc;
+        float *logit = alpha ? alpha + (size_t)t * nsrc : logits + (size_t)omp_get_thread_num() * nsrc;
         for (int i = 0; i < nsrc; i++) {
             const float *v = src[i] + (size_t)t * E;
-            float inv = 1.0f / sqrtf(k_sumsq(v, E) / (float)E + c->rms_eps);
+            float inv = 1.0f / sqrtf(k_sumsq(v, E) / (float)E + eps);
+            if (rinv) rinv[(size_t)t * nsrc + i] = inv;
             logit[i] = k_dot(v, q, E) * inv;
         }
         k_softmax(logit, nsrc);
@@ -130,6 +143,19 @@ K3_HOT static void attnres(const k3_config *c, const float *q, const float *cons
             for (int j = 0; j < E; j++) o[j] = fmaf(logit[i], v[j], o[j]);
         }
     }
+}
+
+static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T, float *out,
+                    k3_ws *ws) {
+    float *logits = ws_f(ws, (size_t)omp_get_max_threads() * nsrc);
+    attnres_rows(q, src, nsrc, T, c->hidden_size, c->rms_eps, out, NULL, NULL, logits);
+}
+
+void k3_attnres_rows(const float *q, const float *const *src, int nsrc, int T, int E, float eps, float *out,
+                     float *alpha, float *rinv) {
+    float *logits = alpha ? NULL : xmalloc_array((size_t)omp_get_max_threads() * nsrc, sizeof(float));
+    attnres_rows(q, src, nsrc, T, E, eps, out, alpha, rinv, logits);
+    free(logits);
 }
 
 void k3_attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T, float *out) {
@@ -339,7 +365,7 @@ typedef struct {
 } expert_access;
 
 /* Decode (one position) from a source that reads experts asynchronously
- * (issue 7): the same products as moe() below, reordered so the reads overlap
+ * (experts_start/next): the same products as moe() below, reordered so the reads overlap
  * compute. The router alone runs first and the batch is issued the moment it
  * has chosen; W_down and the whole shared-expert MLP run while the bytes are
  * in flight; then each routed expert is computed as its bytes arrive, in
@@ -368,8 +394,16 @@ K3_HOT static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, c
     for (int s = 0; s < k; s++)
         for (int u = 0; u < k; u++)
             if (ids[u] == idx[s]) slot[s] = u;
+    /* the ones this process computes (all but under expert parallelism) */
+    bool ep = src->expert_owned && src->experts_combine;
+    int *sel = ws_i(ws, (size_t)k), *sid = ws_i(ws, (size_t)k), ns = 0;
+    for (int u = 0; u < k; u++)
+        if (!ep || src->expert_owned(src->ctx, xa->layer, ids[u])) {
+            sel[ns] = u;
+            sid[ns++] = ids[u];
+        }
     k3_expert_w *ex = ws_get(ws, (size_t)k * sizeof *ex);
-    int rc = src->experts_start(src->ctx, xa->layer, ids, k, ex, err);
+    int rc = src->experts_start(src->ctx, xa->layer, sid, ns, ex, err);
     if (rc) return rc;
 
     /* while the experts are read: W_down and the shared experts */
@@ -389,19 +423,25 @@ K3_HOT static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, c
 
     /* each expert as it arrives, into its own slot */
     float *h1 = ws_f(ws, (size_t)k * I), *h3 = ws_f(ws, (size_t)k * I), *out = ws_f(ws, (size_t)k * l);
-    for (int got = 0; got < k; got++) {
-        int u = -1;
-        if ((rc = src->experts_next(src->ctx, xa->layer, &u, err))) return rc;
-        if (u < 0 || u >= k)
+    for (int got = 0; got < ns; got++) {
+        int i = -1;
+        if ((rc = src->experts_next(src->ctx, xa->layer, &i, err))) return rc;
+        if (i < 0 || i >= ns)
             return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: the weight source returned expert %d of %d", xa->layer,
-                           u, k);
+                           i, ns);
+        int u = sel[i];
         float *a1 = h1 + (size_t)u * I, *a3 = h3 + (size_t)u * I;
-        k_prod jg[2] = {{&ex[u].w1, z, 1, a1}, {&ex[u].w3, z, 1, a3}};
+        k_prod jg[2] = {{&ex[i].w1, z, 1, a1}, {&ex[i].w3, z, 1, a3}};
         k_products(jg, 2);
         situ_par(c, a1, a1, a3, (size_t)I);
-        k_matvec(&ex[u].w2, a1, out + (size_t)u * l);
+        k_matvec(&ex[i].w2, a1, out + (size_t)u * l);
     }
-    if (src->experts_put) src->experts_put(src->ctx, xa->layer, ids, k);
+    if (src->experts_put) src->experts_put(src->ctx, xa->layer, sid, ns);
+    if (ep) { /* the other ranks' experts: one output row each */
+        int *rows = ws_i(ws, (size_t)k + 1);
+        for (int u = 0; u <= k; u++) rows[u] = u;
+        if ((rc = src->experts_combine(src->ctx, xa->layer, ids, rows, k, out, l, err))) return rc;
+    }
 
     /* sum_j p_j e_j in the router's slot order (as moe()) */
     float *a = ws_f(ws, (size_t)l);
@@ -452,12 +492,21 @@ K3_HOT static int moe(const k3_config *c, const k3_moe_w *w, const expert_access
             at[nu + 1] = at[nu] + cnt[e];
             nu++;
         }
+    /* the ones this process computes (all but under expert parallelism) */
+    const k3_weight_source *src = xa->src;
+    bool ep = src && src->expert_owned && src->experts_combine;
+    int *sel = ws_i(ws, (size_t)N), *sid = ws_i(ws, (size_t)N), ns = 0;
+    for (int u = 0; u < nu; u++)
+        if (!ep || src->expert_owned(src->ctx, xa->layer, ids[u])) {
+            sel[ns] = u;
+            sid[ns++] = ids[u];
+        }
     k3_expert_w *ex = ws_get(ws, (size_t)nu * sizeof *ex);
-    if (xa->src) {
-        int rc = xa->src->experts_get(xa->src->ctx, xa->layer, ids, nu, ex, err);
+    if (src) {
+        int rc = src->experts_get(src->ctx, xa->layer, sid, ns, ex, err);
         if (rc) return rc;
     } else {
-        for (int i = 0; i < nu; i++) ex[i] = xa->experts[ids[i]];
+        for (int i = 0; i < ns; i++) ex[i] = xa->experts[sid[i]];
     }
 
     /* rows grouped by expert (ascending id; within an expert, slot order):
@@ -473,24 +522,30 @@ K3_HOT static int moe(const k3_config *c, const k3_moe_w *w, const expert_access
     /* every selected expert's gate and up in one thread team, then every down
      * (with the shared experts' down): the experts are read once per chunk */
     k_prod *jb = ws_get(ws, (2 * (size_t)nu + 1) * sizeof *jb);
-    for (int u = 0; u < nu; u++) {
-        int n = at[u + 1] - at[u];
-        jb[2 * u] = (k_prod){&ex[u].w1, zin + (size_t)at[u] * l, n, h1 + (size_t)at[u] * I};
-        jb[2 * u + 1] = (k_prod){&ex[u].w3, zin + (size_t)at[u] * l, n, h3 + (size_t)at[u] * I};
+    for (int i = 0; i < ns; i++) {
+        int u = sel[i], n = at[u + 1] - at[u];
+        jb[2 * i] = (k_prod){&ex[i].w1, zin + (size_t)at[u] * l, n, h1 + (size_t)at[u] * I};
+        jb[2 * i + 1] = (k_prod){&ex[i].w3, zin + (size_t)at[u] * l, n, h3 + (size_t)at[u] * I};
     }
-    k_products(jb, 2 * nu);
+    k_products(jb, 2 * ns);
     situ_par(c, h1, h1, h3, Tk * I);
     float *sh = NULL;
-    nj = nu;
-    for (int u = 0; u < nu; u++)
-        jb[u] = (k_prod){&ex[u].w2, h1 + (size_t)at[u] * I, at[u + 1] - at[u], out + (size_t)at[u] * l};
+    nj = ns;
+    for (int i = 0; i < ns; i++) {
+        int u = sel[i];
+        jb[i] = (k_prod){&ex[i].w2, h1 + (size_t)at[u] * I, at[u + 1] - at[u], out + (size_t)at[u] * l};
+    }
     if (S) {
         situ_par(c, sg, sg, su, Ts * S);
         sh = ws_f(ws, Ts * E);
         jb[nj++] = (k_prod){&w->shared.down, sg, T, sh};
     }
     k_products(jb, nj);
-    if (xa->src && xa->src->experts_put) xa->src->experts_put(xa->src->ctx, xa->layer, ids, nu);
+    if (src && src->experts_put) src->experts_put(src->ctx, xa->layer, sid, ns);
+    if (ep) { /* the other ranks' experts' output rows */
+        int rc = src->experts_combine(src->ctx, xa->layer, ids, at, nu, out, l, err);
+        if (rc) return rc;
+    }
 
     /* per token: sum_j p_j e_j in the router's slot order */
     float *agg = zin; /* gathered inputs are consumed */
@@ -566,7 +621,7 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
     if (c->num_experts > 0) { /* moe(), including its shared-expert mlp() */
         size_t N = (size_t)c->num_experts, k = (size_t)c->experts_per_token, l = (size_t)c->latent_dim,
                I = (size_t)c->moe_inter, S = (size_t)c->num_shared_experts * I;
-        m = wsz(t * N) + 2 * wsz(t * k) + wsz(t * l) + 2 * wsz(t * S) + 4 * wsz(N + 1) +
+        m = wsz(t * N) + 2 * wsz(t * k) + wsz(t * l) + 2 * wsz(t * S) + 6 * wsz(N + 1) +
             (N * sizeof(k3_expert_w) + WS_ALIGN) + 2 * wsz(t * k * l) + 2 * wsz(t * k * I) + wsz(t * k) +
             ((2 * N + 1) * sizeof(k_prod) + WS_ALIGN) + wsz(t * E);
         if (m > need) need = m;

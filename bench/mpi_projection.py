@@ -1,0 +1,173 @@
+#!/usr/bin/python3
+"""mpi_projection.py: projected decode tokens/s of the full Kimi K3 release on R
+ranks (one rank per host or socket), from the release's config, figures
+measured by bench/mpi.sh, and stated host and network figures.
+
+  bench/mpi_projection.py [--measured bench/.cache/mpi.json] [--mem-bw 250] [--ram 1024]
+                          [--disk 6] [--net-bw 12.5] [--net-lat 10] [--eff 0.8] [--ranks 1,2,...,32]
+
+The model (docs/mpi.md explains each term):
+
+  t(R) = trunk_read / (mem_bw * eff)                      every rank runs the whole trunk
+       + n_moe * busiest(R) * expert_bytes / read_bw      the slowest rank's experts per layer
+       + n_moe * (net_lat + recv(R) / net_bw)             one exchange per MoE layer
+
+  busiest(R): the most of a token's k experts that one rank holds, averaged
+              over tokens and layers: drawn from the peer's real release trace
+              (per-layer expert popularity) under the traced placement that
+              bench/mpi.sh computed (contiguous where none), else uniform;
+  read_bw:    mem_bw * eff when the rank's share of the experts fits its RAM
+              beside the trunk, else a mix with the disk (the resident
+              fraction hits, the rest is read at --disk GB/s);
+  recv(R):    bytes a rank receives per exchange, (k - k / R) * latent * 4.
+
+The second table assumes what k3 does not do yet: the trunk split by output
+rows over the ranks (each rank reads 1/R of every matrix and the outputs are
+all-gathered, which keeps the bits), at `--tp-collectives` more small
+collectives per layer. The anchor is the published 21 tokens/s on 32 sockets
+of 16 hosts (one rank per socket, ~5 ms a token of communication in 581 small
+collectives).
+"""
+import argparse
+import gzip
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def text_config(path):
+    c = json.load(open(path))
+    t = c.get("text_config", c)
+    la = t.get("linear_attn_config", {})
+    return t, la
+
+
+def release_bytes(t, la):
+    """Bytes one decoded token reads, from the config's shapes (BF16 trunk, MXFP4 experts)."""
+    E, V, L = t["hidden_size"], t["vocab_size"], t["num_hidden_layers"]
+    N, k, l, I = t["num_experts"], t["num_experts_per_token"], t["routed_expert_hidden_size"], t["moe_intermediate_size"]
+    S = t.get("num_shared_experts", 0) * I
+    H, D, K = la["num_heads"], la["head_dim"], la.get("short_conv_kernel_size", 4)
+    P = H * D
+    mla_layers = set(x - 1 for x in la.get("full_attn_layers", []))  # 1-based in the config
+    Hm, rq, rkv = t["num_attention_heads"], t["q_lora_rank"], t["kv_lora_rank"]
+    dn, dr, dv = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"]
+    first_dense = t.get("first_k_dense_replace", 0)
+    Id = t.get("intermediate_size", 0)
+    kda = 2 * (3 * P * E + D * E + P * D + H * E + P * E + E * P) + 4 * 3 * P * K
+    mla = 2 * (rq * E + Hm * (dn + dr) * rq + (rkv + dr) * E + Hm * (dn + dv) * rkv + E * Hm * dv
+               + (Hm * dv * E if t.get("mla_use_output_gate") else 0))
+    moe_trunk = 2 * (N * E + l * E + E * l + 3 * S * E)
+    dense = 2 * 3 * Id * E
+    expert = 3 * I * l // 2 + 3 * I * l // 32  # MXFP4 nibbles + one E8M0 scale per 32
+    trunk, n_moe = 2 * V * E + 2 * E, 0           # lm_head + one embedding row
+    for L_ in range(L):
+        trunk += mla if L_ in mla_layers else kda
+        if L_ < first_dense:
+            trunk += dense
+        else:
+            trunk += moe_trunk
+            n_moe += 1
+    return dict(trunk=trunk, expert=expert, n_moe=n_moe, k=k, N=N, latent=l, layers=L, E=E,
+                experts_total=expert * N * n_moe)
+
+
+def busiest(R, k, N, owner_by_layer, popularity, tokens=64, seed=0):
+    """Mean over tokens and layers of the most of a token's k experts one rank holds."""
+    if R == 1:
+        return float(k)
+    rng = np.random.default_rng(seed)
+    tot, n = 0.0, 0
+    layers = list(popularity.keys()) if popularity else [None]
+    for L in layers:
+        p = popularity.get(L) if popularity else None
+        own = np.array(owner_by_layer.get(L) if owner_by_layer and L in owner_by_layer else
+                       [e * R // N for e in range(N)])
+        for _ in range(tokens):
+            sel = rng.choice(N, size=k, replace=False, p=p)
+            tot += np.bincount(own[sel], minlength=R).max()
+            n += 1
+    return tot / n
+
+
+def trace_popularity(path, N):
+    """Per layer, the share of requests of each expert in the peer's trace (int32 (layer, expert) pairs)."""
+    raw = gzip.open(path).read() if path.endswith(".gz") else open(path, "rb").read()
+    a = np.frombuffer(raw, dtype=np.int32).reshape(-1, 2)
+    pop = {}
+    for L in np.unique(a[:, 0]):
+        c = np.bincount(a[a[:, 0] == L, 1], minlength=N).astype(float) + 0.5  # (no expert impossible)
+        pop[int(L)] = c / c.sum()
+    return pop
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fx = os.path.join(HERE, "..", "tests", "fixtures")
+    ap.add_argument("--config", default=os.path.join(fx, "k3-release/config.json"))
+    ap.add_argument("--trace", default=os.path.join(fx, "peer/expert_trace.bin.gz"))
+    ap.add_argument("--measured", default=os.path.join(HERE, ".cache/mpi.json"))
+    ap.add_argument("--mem-bw", type=float, default=250.0, help="GB/s one rank reads from its RAM (a socket)")
+    ap.add_argument("--eff", type=float, default=0.80, help="share of --mem-bw k3's decode reaches (measured: 81-88%%)")
+    ap.add_argument("--ram", type=float, default=1024.0, help="GB of RAM per rank")
+    ap.add_argument("--disk", type=float, default=6.0, help="GB/s of expert reads per rank when they do not fit")
+    ap.add_argument("--net-bw", type=float, default=12.5, help="GB/s a rank receives (12.5: 100 Gb/s)")
+    ap.add_argument("--net-lat", type=float, default=10.0, help="microseconds per exchange beyond the bytes")
+    ap.add_argument("--tp-collectives", type=int, default=6, help="extra small collectives per layer, trunk split")
+    ap.add_argument("--ranks", default="1,2,4,8,16,32")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    t, la = text_config(a.config)
+    b = release_bytes(t, la)
+    G = 1e9
+    meas = json.load(open(a.measured)) if os.path.exists(a.measured) else None
+    owners = {}
+    if meas:
+        for p in meas.get("placement", []):
+            owners[p["ranks"]] = {L: row for L, row in enumerate(p["owner"])}
+    pop = trace_popularity(a.trace, b["N"]) if os.path.exists(a.trace) else None
+    bw = a.mem_bw * a.eff * G
+    rows = []
+    for R in [int(x) for x in a.ranks.split(",")]:
+        m = busiest(R, b["k"], b["N"], owners.get(R), pop)
+        share = b["experts_total"] / R
+        room = a.ram * G - b["trunk"] - 16 * G            # trunk, state, OS
+        resident = max(0.0, min(1.0, room / share))
+        # a miss costs a disk read, a hit a memory read of the same bytes
+        per_expert = b["expert"] * (resident / bw + (1 - resident) / (a.disk * G))
+        t_trunk = b["trunk"] / bw
+        t_exp = b["n_moe"] * m * per_expert
+        recv = (b["k"] - b["k"] / R) * b["latent"] * 4
+        t_net = 0 if R == 1 else b["n_moe"] * (a.net_lat * 1e-6 + recv / (a.net_bw * G))
+        t1 = t_trunk + t_exp + t_net
+        # what k3 would need: the trunk split by rows as well
+        t_tp_net = 0 if R == 1 else t_net + b["layers"] * a.tp_collectives * (
+            a.net_lat * 1e-6 + b["E"] * 4 * (R - 1) / R / (a.net_bw * G))
+        t2 = t_trunk / R + t_exp + t_tp_net
+        rows.append(dict(ranks=R, busiest_experts=m, resident_share=resident, trunk_s=t_trunk, experts_s=t_exp,
+                         exchange_s=t_net, tokens_per_s=1 / t1, split_trunk_tokens_per_s=1 / t2,
+                         split_trunk_comm_s=t_tp_net))
+    if a.json:
+        json.dump(dict(bytes=b, args=vars(a), rows=rows), sys.stdout, indent=1)
+        return
+    print(f"release: trunk read per token {b['trunk']/G:.1f} GB (BF16), {b['n_moe']} MoE layers x k={b['k']} experts of "
+          f"{b['expert']/1e6:.2f} MB ({b['n_moe']*b['k']*b['expert']/G:.1f} GB a token), all experts "
+          f"{b['experts_total']/1e12:.3f} TB")
+    print(f"host: {a.mem_bw:g} GB/s memory x {a.eff:g} reached, {a.ram:g} GB RAM, disk {a.disk:g} GB/s; "
+          f"network {a.net_bw:g} GB/s, {a.net_lat:g} us an exchange")
+    print(f"{'ranks':>5} {'busiest':>7} {'resident':>8} {'trunk ms':>8} {'experts ms':>10} {'exch ms':>7} "
+          f"{'tok/s':>6} | {'trunk split: tok/s':>18} {'comm ms':>7}")
+    for r in rows:
+        print(f"{r['ranks']:>5} {r['busiest_experts']:>7.2f} {100*r['resident_share']:>7.0f}% {1e3*r['trunk_s']:>8.1f} "
+              f"{1e3*r['experts_s']:>10.1f} {1e3*r['exchange_s']:>7.2f} {r['tokens_per_s']:>6.2f} | "
+              f"{r['split_trunk_tokens_per_s']:>18.1f} {1e3*r['split_trunk_comm_s']:>7.2f}")
+    print("anchor: 21 tokens/s on 32 sockets of 16 hosts (~5 ms a token of communication in 581 collectives)")
+
+
+if __name__ == "__main__":
+    main()
