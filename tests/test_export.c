@@ -305,7 +305,7 @@ TEST(export_default_model_predicts_stories) {
     for (size_t t = 0; t + 1 < n; t++) {
         const float *r = lg + t * V;
         double mx = -INFINITY, z = 0;
-        for (int v = 0; v < V; v++) mx = fmax(mx, r[v]);
+        for (int v = 0; v < V; v++) mx = r[v] > mx ? r[v] : mx; /* not fmax: GCC 12 for arm64 hits an internal error vectorising it */
         for (int v = 0; v < V; v++) z += exp(r[v] - mx);
         loss += mx + log(z) - r[ids[t + 1]];
     }

@@ -87,11 +87,17 @@ int cmd_doctor(int argc, char **argv) {
 
     printf("build      gcc %s, OpenMP %d threads (of %ld CPUs)\n", __VERSION__, omp_get_max_threads(),
            sysconf(_SC_NPROCESSORS_ONLN));
+#if defined(__x86_64__)
     __builtin_cpu_init();
     bool avx512 = __builtin_cpu_supports("avx512f"), bf16 = __builtin_cpu_supports("avx512bf16"),
          fma = __builtin_cpu_supports("fma"), avx2 = __builtin_cpu_supports("avx2");
     printf("cpu        avx512f %s, avx512_bf16 %s, avx2 %s, fma %s\n", avx512 ? "yes" : "no", bf16 ? "yes" : "no",
            avx2 ? "yes" : "no", fma ? "yes" : "no");
+#elif defined(__aarch64__)
+    printf("cpu        arm64 (NEON and FMA are part of the architecture)\n");
+#else
+    printf("cpu        no SIMD path for this architecture\n");
+#endif
     /* the path the kernels use (K3_ISA or the best), and the others this CPU
      * could run: every path gives the same bits, only the speed differs */
     char paths[64] = "";
