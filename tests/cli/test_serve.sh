@@ -100,8 +100,11 @@ req GET /v1/models/default ""
 check model-one "$CODE $(jget 'j["id"]')" "200 default"
 req GET / ""
 if [ "$CODE" = 200 ] && grep -q 'chat.js' "$OUT/body"; then pass page; else fail page "$CODE"; fi
-req GET /chat.js ""
-check page-js "$CODE" 200
+# the page the binary serves is the one in src/web/assets/chat/, byte for byte
+for f in /:index.html /chat.js:chat.js /chat.css:chat.css; do
+  req GET "${f%%:*}" ""
+  if [ "$CODE" = 200 ] && cmp -s "$OUT/body" "src/web/assets/chat/${f#*:}"; then pass "page-asset ${f%%:*}"; else fail "page-asset ${f%%:*}" "HTTP $CODE, differs from src/web/assets/chat/${f#*:}"; fi
+done
 
 # ---- /v1/completions == k3 run ----
 PROMPT="Once upon a time"

@@ -45,13 +45,10 @@ if [ "$(cat "$CK.stamp" 2>/dev/null)" != "$GEN" ] || [ ! -f "$CK/config.json" ];
 fi
 pass "model ($(du -sh "$CK" | cut -f1), vocab $(grep -o '"vocab_size": *[0-9]*' "$CK/config.json" | head -n 1 | grep -o '[0-9]*$'))"
 
-# ---- the scripted model's server, linked with the release objects ----
-SCRIPTED=$OUT/scripted_server
-# the objects of today's sources (a build directory may hold stale ones of removed files)
-objs=$(find src -name '*.c' ! -path 'src/cli/*' | sort | sed -e 's#^#build/rel/#' -e 's#\.c$#.o#')
-if ! $CC -std=gnu11 -O2 -Wall -Wextra -Werror -fopenmp -D_GNU_SOURCE -Isrc -o "$SCRIPTED" tests/serve/scripted_server.c \
-     $objs -ljansson -lpcre2-8 -lmicrohttpd -luring -lm 2>"$OUT/scripted-build.log"; then
-  fail "build-scripted-server" "$(head -c 400 "$OUT/scripted-build.log") (build bin/k3 first)"; finish; exit 1
+# ---- the scripted model's server (make bin/serve_scripted: the release objects) ----
+SCRIPTED=${SCRIPTED:-bin/serve_scripted}
+if ! make -s "$SCRIPTED" >"$OUT/scripted-build.log" 2>&1; then
+  fail "build-scripted-server" "$(tail -c 400 "$OUT/scripted-build.log")"; finish; exit 1
 fi
 # its reply: the ids the chat template renders for an assistant tool call,
 # after the generation prefix the template renders for the same conversation
