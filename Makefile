@@ -20,6 +20,10 @@ RELFLAGS:= -O3
 ASNFLAGS:= -O1 -g -fsanitize=address,undefined \
            -fno-sanitize-recover=all -fno-omit-frame-pointer
 LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lnettle -lm
+# Where objects and programs go; scripts/test-arm64 cross-builds into
+# BUILD=build/arm64 BIN=bin/arm64 beside the native build.
+BUILD   ?= build
+BIN     ?= bin
 # Open MPI (expert-parallel `k3 run` under mpirun, src/dist/): the flags its
 # mpicc wrapper would add. Without it the build still works and k3 runs as one
 # process (under mpirun with several ranks it refuses, saying why).
@@ -32,35 +36,41 @@ BASE    += $(MPI_CFLAGS)
 LIBS    += $(MPI_LIBS)
 
 LIB_SRC  := $(shell find src -name '*.c' ! -path 'src/cli/main.c' | sort)
+# Generated at build time (never committed): the web pages as C arrays.
+GEN_SRC  := build/gen/web_assets.c
+LIB_SRC  += $(GEN_SRC)
 TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c tests/tjson.c
 
-REL_LIB  := $(LIB_SRC:%.c=build/rel/%.o)
-ASN_LIB  := $(LIB_SRC:%.c=build/asan/%.o)
-REL_TEST := $(TEST_SRC:%.c=build/rel/%.o)
-ASN_TEST := $(TEST_SRC:%.c=build/asan/%.o)
+REL_LIB  := $(LIB_SRC:%.c=$(BUILD)/rel/%.o)
+ASN_LIB  := $(LIB_SRC:%.c=$(BUILD)/asan/%.o)
+REL_TEST := $(TEST_SRC:%.c=$(BUILD)/rel/%.o)
+ASN_TEST := $(TEST_SRC:%.c=$(BUILD)/asan/%.o)
 
 .PHONY: all test clean setup bench bench-report fuzz
-all: bin/k3
+all: $(BIN)/k3
 
-bin/k3: build/rel/src/cli/main.o $(REL_LIB) | bin
+$(BIN)/k3: $(BUILD)/rel/src/cli/main.o $(REL_LIB) | $(BIN)
 	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)
-bin/k3-asan: build/asan/src/cli/main.o $(ASN_LIB) | bin
+$(BIN)/k3-asan: $(BUILD)/asan/src/cli/main.o $(ASN_LIB) | $(BIN)
 	$(CC) $(BASE) $(ASNFLAGS) -o $@ $^ $(LIBS)
-bin/k3-test: $(REL_TEST) $(REL_LIB) | bin
+$(BIN)/k3-test: $(REL_TEST) $(REL_LIB) | $(BIN)
 	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)
-bin/k3-test-asan: $(ASN_TEST) $(ASN_LIB) | bin
+$(BIN)/k3-test-asan: $(ASN_TEST) $(ASN_LIB) | $(BIN)
 	$(CC) $(BASE) $(ASNFLAGS) -o $@ $^ $(LIBS)
 
 # Objects also depend on this Makefile, so a change of flags rebuilds them.
-build/rel/%.o: %.c Makefile
+$(BUILD)/rel/%.o: %.c Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(BASE) $(RELFLAGS) -c -o $@ $<
-build/asan/%.o: %.c Makefile
+$(BUILD)/asan/%.o: %.c Makefile
 	@mkdir -p $(dir $@)
 	$(CC) $(BASE) $(ASNFLAGS) -c -o $@ $<
 
-bin:
-	@mkdir -p bin
+$(BIN):
+	@mkdir -p $(BIN)
+
+build/gen/web_assets.c: scripts/embed-web-assets.sh $(sort $(wildcard src/web/assets/* src/web/assets/chat/*))
+	bash scripts/embed-web-assets.sh $@
 
 setup:
 	bash scripts/setup.sh --test
@@ -71,14 +81,14 @@ test: bin/k3 bin/k3-asan bin/k3-test bin/k3-test-asan
 clean:
 	rm -rf build bin
 
--include $(shell find build -name '*.d' 2>/dev/null)
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)
 
 # Benchmarks: every bench/<name>.c is a program bin/bench_<name> (not a test).
 BENCH_SRC := $(sort $(wildcard bench/*.c))
 bench: $(BENCH_SRC:bench/%.c=bin/bench_%)
-bin/bench_%: build/rel/bench/%.o $(REL_LIB) | bin
+$(BIN)/bench_%: $(BUILD)/rel/bench/%.o $(REL_LIB) | $(BIN)
 	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)
-# issue 7's summary table in one run (docs/performance.md, "The summary table");
+# the performance summary table in one run (docs/performance.md, "The summary table");
 # e.g. make bench-report ARGS=--quick
 bench-report: bin/k3 bin/bench_decode bin/bench_stream bin/bench_train bin/bench_index
 	bash bench/report.sh $(ARGS)
@@ -91,9 +101,9 @@ bench-report: bin/k3 bin/bench_decode bin/bench_stream bin/bench_train bin/bench
 FUZZ_CC    ?= clang
 FUZZ_FLAGS := -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
               -Wall -Wextra -Werror -Wno-unknown-pragmas -D_GNU_SOURCE -Isrc
-FUZZ_SRC   := src/formats/safetensors.c src/formats/config.c src/util/common.c src/util/checksum.c \
+FUZZ_SRC   := src/formats/safetensors.c src/formats/safetensors_header.c src/formats/config.c src/util/common.c src/util/checksum.c \
               src/util/mapguard.c src/tokenizer/tokenizer.c src/tokenizer/pretok.c fuzz/omp_stub.c
-FUZZ_HDR   := src/formats/safetensors.h src/formats/config.h src/util/common.h src/util/mapguard.h \
+FUZZ_HDR   := src/formats/safetensors.h src/formats/st_internal.h src/formats/config.h src/util/common.h src/util/mapguard.h \
               src/tokenizer/tokenizer.h src/tokenizer/unicode_delta.h
 fuzz: $(patsubst fuzz/%.c,bin/%,$(wildcard fuzz/fuzz_*.c))
 bin/fuzz_%: fuzz/fuzz_%.c $(FUZZ_SRC) $(FUZZ_HDR) | bin

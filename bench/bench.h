@@ -14,57 +14,76 @@ static inline double bench_cpu_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The F32 FMA peak of one core, measured: 24 independent FMA chains in
- * registers (no loads, enough chains to cover the FMA latency on two ports),
- * CPU time, best of 3. On the widest path the CPU has (16 lanes with AVX-512,
- * 8 with AVX2); 0 on a CPU without FMA. The peak of n cores is n x this.
- * Target attributes + the CPUID check: the benches are built for baseline
- * x86-64. */
+/* The F32 FMA peak of one core on the kernel path in force (k_isa_active():
+ * K3_ISA or the best the CPU has), measured: independent FMA chains held in
+ * registers (no loads), CPU time, best of 3. The chain count is what the
+ * path's register file holds with the two operands beside it: 24 of 32 zmm
+ * with AVX-512, 12 of 16 ymm with AVX2 (24 would spill to the stack and
+ * measure store-to-load forwarding, about half the peak), 24 of 32 q
+ * registers with NEON; each is more than FMA latency x FMA ports on the CPUs
+ * of that path (4-5 cycles x 2 ports on x86, 4 x 4 on Neoverse V1), so the
+ * FMA ports never wait. The scalar path counts one lane per FMA (fmaf: the
+ * instruction where the CPU has it; not vectorised, as the scalar kernels
+ * are not). The peak of n cores is n x this. */
+#define BENCH_FMA_PROBE(NAME, TGT, VT, NCH, LANES, SET1, FMA, STORE)                      \
+    TGT static double NAME(long n) {                                                      \
+        VT c[NCH], a = SET1(0.999f), b = SET1(1e-7f);                                     \
+        for (int i = 0; i < NCH; i++) c[i] = SET1(1e-3f + (float)i);                      \
+        double t0 = bench_cpu_now();                                                      \
+        for (long it = 0; it < n; it++) {                                                 \
+            _Pragma("GCC unroll 24") for (int i = 0; i < NCH; i++) c[i] = FMA(a, c[i], b); \
+        }                                                                                 \
+        double dt = bench_cpu_now() - t0;                                                 \
+        float lane[16], sum = 0;                                                          \
+        for (int i = 0; i < NCH; i++) {                                                   \
+            STORE(lane, c[i]);                                                            \
+            for (int j = 0; j < LANES; j++) sum += lane[j];                               \
+        }                                                                                 \
+        volatile float sink = sum;                                                        \
+        (void)sink;                                                                       \
+        return (double)n * NCH * LANES * 2 / dt / 1e9;                                    \
+    }
+
+#include <math.h>
+#define BENCH_S_SET1(x) (x)
+#define BENCH_S_STORE(p, v) ((p)[0] = (v))
 #if defined(__x86_64__)
 #include <immintrin.h>
-__attribute__((target("avx512f,fma"))) static double bench_fma_peak_avx512(long n) {
-    __m512 c[24], a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-7f);
-    for (int i = 0; i < 24; i++) c[i] = _mm512_set1_ps(1e-3f + (float)i);
-    double t0 = bench_cpu_now();
-    for (long it = 0; it < n; it++) {
-        _Pragma("GCC unroll 24") for (int i = 0; i < 24; i++) c[i] = _mm512_fmadd_ps(a, c[i], b);
+BENCH_FMA_PROBE(bench_fma_peak_avx512, __attribute__((target("avx512f,fma"))), __m512, 24, 16, _mm512_set1_ps,
+                _mm512_fmadd_ps, _mm512_storeu_ps)
+BENCH_FMA_PROBE(bench_fma_peak_avx2, __attribute__((target("avx2,fma"))), __m256, 12, 8, _mm256_set1_ps,
+                _mm256_fmadd_ps, _mm256_storeu_ps)
+BENCH_FMA_PROBE(bench_fma_peak_scalar_hw, __attribute__((target("fma"), optimize("no-tree-slp-vectorize"))), float, 12, 1, BENCH_S_SET1,
+                fmaf, BENCH_S_STORE)
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#define BENCH_NEON_FMA(a, c, b) vfmaq_f32((b), (a), (c))
+BENCH_FMA_PROBE(bench_fma_peak_neon, , float32x4_t, 24, 4, vdupq_n_f32, BENCH_NEON_FMA, vst1q_f32)
+#endif
+BENCH_FMA_PROBE(bench_fma_peak_scalar_lib, __attribute__((optimize("no-tree-slp-vectorize"))), float, 12, 1, BENCH_S_SET1, fmaf, BENCH_S_STORE)
+
+static inline double bench_fma_peak_once(void) {
+    switch (k_isa_active()) {
+#if defined(__x86_64__)
+    case K_ISA_AVX512: return bench_fma_peak_avx512(5000000);
+    case K_ISA_AVX2: return bench_fma_peak_avx2(10000000);
+#elif defined(__aarch64__)
+    case K_ISA_NEON: return bench_fma_peak_neon(5000000);
+#endif
+    default: break;
     }
-    double dt = bench_cpu_now() - t0;
-    __m512 s = c[0];
-    for (int i = 1; i < 24; i++) s = _mm512_add_ps(s, c[i]);
-    volatile float sink = _mm512_reduce_add_ps(s);
-    (void)sink;
-    return (double)n * 24 * 32 / dt / 1e9;
-}
-__attribute__((target("avx2,fma"))) static double bench_fma_peak_avx2(long n) {
-    __m256 c[24], a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-7f);
-    for (int i = 0; i < 24; i++) c[i] = _mm256_set1_ps(1e-3f + (float)i);
-    double t0 = bench_cpu_now();
-    for (long it = 0; it < n; it++) {
-        _Pragma("GCC unroll 24") for (int i = 0; i < 24; i++) c[i] = _mm256_fmadd_ps(a, c[i], b);
-    }
-    double dt = bench_cpu_now() - t0;
-    float lane[8], sum = 0;
-    for (int i = 0; i < 24; i++) {
-        _mm256_storeu_ps(lane, c[i]);
-        for (int j = 0; j < 8; j++) sum += lane[j];
-    }
-    volatile float sink = sum;
-    (void)sink;
-    return (double)n * 24 * 16 / dt / 1e9;
+#if defined(__x86_64__)
+    if (k_isa_available(K_ISA_AVX2)) return bench_fma_peak_scalar_hw(20000000);
+#endif
+    return bench_fma_peak_scalar_lib(20000000);
 }
 static inline double bench_fma_peak_gflops(void) {
     double best = 0;
     for (int rep = 0; rep < 3; rep++) {
-        double g = k_isa_available(K_ISA_AVX512) ? bench_fma_peak_avx512(5000000)
-                   : k_isa_available(K_ISA_AVX2) ? bench_fma_peak_avx2(5000000)
-                                                 : 0;
+        double g = bench_fma_peak_once();
         if (g > best) best = g;
     }
     return best;
 }
-#else
-static inline double bench_fma_peak_gflops(void) { return 0; }
-#endif
 
 #endif

@@ -211,7 +211,7 @@ int main(int argc, char **argv) {
         printf("%-7d %10.1f %10.1f %9.0f%% %12.3f %12.1f %9.0f%%\n", threads[ti], np / pf[ti].pre_wall, g,
                peak > 0 ? 100 * g / (peak * threads[ti]) : 0, pf[ti].pre_cpu, gc, peak > 0 ? 100 * gc / peak : 0);
     }
-    printf("FMA peak: %.1f GFLOP/s per core (FMA chains on the widest SIMD path, CPU time)\n", peak);
+    printf("FMA peak: %.1f GFLOP/s per core (FMA chains on the kernel path in force, CPU time)\n", peak);
     if (json_path) {
         json_t *jpf = json_array();
         for (int ti = 0; ti < nt; ti++)

@@ -3,7 +3,7 @@
  *
  *   bin/bench_gemm [--tokens N] [--reps R]
  *
- * Shapes are those of the issue-7 checkpoint (hidden 1280, KDA/MLA
+ * Shapes are those of the decode benchmark's checkpoint (hidden 1280, KDA/MLA
  * projections, the dense MLP, 96 MXFP4 experts top-8 with latent 512 and
  * inner 256): BF16 trunk products over N inputs (default 256, one prefill
  * chunk) and MXFP4 expert products over N * 8 / 96 inputs (the average an

@@ -307,6 +307,18 @@ def cpu_info():
     return model, isa
 
 
+def kernels_path():
+    """The kernel path in force (K3_ISA or the best the CPU has), as k3 doctor names it."""
+    try:
+        out = subprocess.run(["bin/k3", "doctor"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    for line in out.splitlines():
+        if line.startswith("kernels "):
+            return line.split()[1]
+    return "?"
+
+
 def git_commit():
     try:
         h = subprocess.run(["git", "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE,
@@ -467,7 +479,7 @@ def conditions_lines(rep):
         "date: %s; commit %s" % (c.get("date", "?"), c.get("commit", "?")),
         "CPU: %s, %s cores; ISA: %s; kernels path: %s" % (
             c.get("cpu", "?"), c.get("cores", "?"), " ".join(c.get("isa", [])) or "?",
-            c.get("kernels", "?") if c.get("kernels", "?") != "?" else "(decode not run)"),
+            c.get("kernels", "?")),
         "load average (1/5/15 min): before %s, after %s; OMP_WAIT_POLICY=%s" % (
             la(c.get("load_before")), la(c.get("load_after")), c.get("omp_wait_policy") or "(unset)"),
     ]
@@ -665,6 +677,7 @@ def main(argv):
     rep = {"schema": 1, "settings": s, "raw": {}, "errors": {},
            "conditions": {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
                           "commit": git_commit(), "cpu": model, "cores": os.cpu_count(), "isa": isa,
+                          "kernels": kernels_path(),
                           "load_before": loadavg(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                           "command": "bench/report.sh " + " ".join(shlex.quote(x) for x in argv)}}
     raw, errors = rep["raw"], rep["errors"]
@@ -732,7 +745,7 @@ def main(argv):
 
     c = rep["conditions"]
     c["load_after"] = loadavg()
-    c["kernels"] = raw.get("decode", {}).get("kernels", "?")
+    c["kernels"] = raw.get("decode", {}).get("kernels") or c.get("kernels", "?")
     log("logs of every bench: %s" % logs)
     print()
     render(rep, a)

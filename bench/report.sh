@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/report.sh: issue 7's summary table in one run (also `make bench-report`).
+# bench/report.sh: the performance summary table in one run (also `make bench-report`).
 #
 #   bench/report.sh [--quick] [--only decode,prefill,stream,train,index,ttft] [--cache DIR]
 #                   [--json F] [--svg F] [--md F] [--issue7-dir D] [--stream-dir D --trunk-dir T]

@@ -20,7 +20,7 @@
  * from minute to minute, so each run's I/O floor (bytes read per token / that
  * bandwidth) uses the figures taken around it.
  * Each rung runs --repeat times (medians reported). --compare also runs each
- * rung as decode did before issue 7's overlap (the model waits for the
+ * rung as decode did before reads overlapped compute (the model waits for the
  * whole expert batch, then computes; no buffers registered with io_uring;
  * pinned layers as a prefix),
  * alternating run by run with the current way, so old and new are measured
@@ -178,7 +178,7 @@ static int run_rung(const char *dir, const char *trunk_dir, const rung_def *d, b
     o.trunk_dir = d->trunk ? trunk_dir : NULL;
     o.trunk_gb = d->trunk_gb;
     o.cache_gb = d->cache_gb;
-    /* as before issue 7's overlap: wait for the whole expert batch; reads
+    /* as before reads overlapped compute: wait for the whole expert batch; reads
      * into unregistered buffers (k3_io_register is read at open) */
     if (old_io) {
         o.expert_overlap = false;

@@ -184,7 +184,7 @@ int main(int argc, char **argv) {
             if (json)
                 printf("{\"fma_peak_gflops_per_core\":%.2f,\"bf16_peak_gflops_per_core\":%.2f,"
                        "\"amx_peak_gflops_per_core\":%.2f}\n", best, bb, am);
-            else printf("FMA peak, one core: %.1f GFLOP/s (f32 FMA chains on the widest SIMD path); "
+            else printf("FMA peak, one core: %.1f GFLOP/s (f32 FMA chains on the kernel path in force); "
                         "vdpbf16ps peak %.1f GFLOP/s; AMX-BF16 peak %.1f GFLOP/s (0: no AMX)\n", best, bb, am);
             return 0;
         }

@@ -40,10 +40,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# The dashboard end-to-end test's npm packages (playwright-core, no browser
-# download: it drives Debian's /usr/bin/chromium), exactly as package-lock.json says.
+# The end-to-end tests' npm packages, exactly as package-lock.json says:
+# playwright-core (no browser download: it drives Debian's /usr/bin/chromium)
+# and the official openai client that drives k3 serve. npm ci also runs when
+# node_modules exists but lacks one of them (an older checkout's).
 e2e="$(cd "$(dirname "$0")/.." && pwd)/tests/e2e"
-if [ "$want" != "$BUILD_PKGS" ] && [ ! -d "$e2e/node_modules/playwright-core" ]; then
+if [ "$want" != "$BUILD_PKGS" ] && { [ ! -d "$e2e/node_modules/playwright-core" ] || [ ! -d "$e2e/node_modules/openai" ]; }; then
   echo "k3 setup: npm ci in tests/e2e" >&2
   (cd "$e2e" && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
 fi

@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -37,9 +38,13 @@ void t_fail_at(const char *file, int line, const char *fmt, ...) {
     failed_flag = 1;
 }
 
+static bool no_fork; /* --no-fork: tests run in the runner's process */
+static int skipped_flag;
+
 void t_skip(const char *reason) {
     fprintf(stderr, "  skipped: %s\n", reason);
     fflush(NULL);
+    if (no_fork) { skipped_flag = 1; return; } /* SKIP returns from the test */
     _exit(EXIT_SKIP);
 }
 
@@ -119,20 +124,54 @@ static int cmp(const void *a, const void *b) {
     return c ? c : strcmp(x->name, y->name);
 }
 
+/* Arguments: filters (run the tests whose name or file contains any of
+ * them; "=NAME" matches one name exactly), and
+ *   --list     print the names of the selected tests, run nothing;
+ *   --no-fork  run the selected tests in this process, one after the other
+ *              (no crash isolation: for emulators whose fork hangs, such as
+ *              qemu-user here; scripts/test-arm64 runs one test per process).
+ * No filter selects every test. */
 int main(int argc, char **argv) {
     qsort(tests, (size_t)ntests, sizeof tests[0], cmp);
+    bool list = false;
+    int nfilt = 0;
+    for (int a = 1; a < argc; a++) {
+        if (!strcmp(argv[a], "--list")) list = true;
+        else if (!strcmp(argv[a], "--no-fork")) no_fork = true;
+        else argv[1 + nfilt++] = argv[a];
+    }
     int pass = 0, fail = 0, skip = 0;
     for (int i = 0; i < ntests; i++) {
-        if (argc > 1) { /* filter: run tests whose name or file contains any argument */
+        if (nfilt > 0) {
             int hit = 0;
-            for (int a = 1; a < argc; a++)
-                if (strstr(tests[i].name, argv[a]) || strstr(tests[i].file, argv[a])) hit = 1;
+            for (int a = 1; a <= nfilt; a++)
+                if (argv[a][0] == '=' ? !strcmp(tests[i].name, argv[a] + 1)
+                                      : strstr(tests[i].name, argv[a]) || strstr(tests[i].file, argv[a]))
+                    hit = 1;
             if (!hit) continue;
+        }
+        if (list) {
+            printf("%s\n", tests[i].name);
+            continue;
         }
         current = tests[i].name;
         fflush(NULL);
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
+        if (no_fork) {
+            failed_flag = skipped_flag = 0;
+            tests[i].fn();
+            fflush(NULL);
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            double s = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+            const char *verdict = failed_flag ? "FAIL" : skipped_flag ? "SKIP" : "PASS";
+            if (failed_flag) fail++;
+            else if (skipped_flag) skip++;
+            else pass++;
+            printf("%s %s (%.2fs)\n", verdict, tests[i].name, s);
+            fflush(stdout);
+            continue;
+        }
         pid_t pid = fork();
         if (pid < 0) { perror("fork"); return 2; }
         if (pid == 0) {

@@ -689,7 +689,8 @@ TEST(dots_and_gemm_acc_agree) {
 static bool g_simd_skip;
 #define NEED_SIMD()                                                   \
     do {                                                              \
-        if (!k_isa_available(K_ISA_AVX2) && !k_isa_available(K_ISA_AVX512)) \
+        if (!k_isa_available(K_ISA_AVX2) && !k_isa_available(K_ISA_AVX512) && \
+            !k_isa_available(K_ISA_NEON))                             \
             SKIP("no SIMD path on this CPU");                         \
     } while (0)
 

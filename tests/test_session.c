@@ -392,8 +392,14 @@ TEST(session_file_roundtrip_and_refusals) {
     CHECK(k3_write_file_atomic(bad, "hello", 5, &err) == 0);
     CHECK(k3_session_load(s, bad, id, NULL, NULL, &err) == K3_EXIT_DATA);
     free(data);
-    /* the refused loads left the session at 70 tokens */
+    /* the refused loads left the session at 70 tokens; so does a prompt
+     * longer than the state */
     CHECK(k3_session_len(s) == 70 && memcmp(k3_session_ids(s), a, sizeof a) == 0);
+    int32_t *big = xcalloc(129, sizeof *big);
+    memcpy(big, a, sizeof a);
+    CHECK(k3_session_prefill(s, big, 129, lg, &reused, &err) == K3_EXIT_USAGE);
+    CHECK(k3_session_len(s) == 70 && memcmp(k3_session_ids(s), a, sizeof a) == 0);
+    free(big);
     free(want);
     free(lg);
     k3_session_free(s);

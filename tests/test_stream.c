@@ -199,7 +199,7 @@ TEST(stream_budgets_same_logits_resident_trunk) { run_budgets("tests/fixtures/ge
 TEST(stream_budgets_same_logits_packed_trunk) { run_budgets("tests/fixtures/gen/k3_like", true); }
 TEST(stream_budgets_unquantised_experts) { run_budgets("tests/fixtures/gen/dense_experts", true); }
 
-/* Decode computes each routed expert as its bytes arrive (issue 7) and sums
+/* Decode computes each routed expert as its bytes arrive (reads overlap compute) and sums
  * them in the router's order afterwards: the order in which the experts
  * arrive cannot change a bit. K3_EXPERT_ORDER hands every batch to the model
  * reversed or shuffled; the logits must equal the resident model's and the

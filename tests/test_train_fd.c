@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "model/model.h"
 #include "train/tinternal.h"
 
 static uint64_t rs = 88172645463325252ull;
@@ -33,24 +34,24 @@ TEST(train_fd_rmsnorm) {
     fill(g, D, 0.3f, 1.0f);
     fill(r, N * D, 1.0f, 0.0f);
     fill(d, N * D, 1.0f, 0.0f);
-    t_rmsnorm(y, inv, x, g, N, D, 1e-5f);
+    k3_rmsnorm_rows(y, inv, x, g, N, D, 1e-5f);
     t_rmsnorm_bwd(dx, dg, r, x, inv, g, N, D, false);
     const float eps = 1e-2f;
     for (int i = 0; i < N * D; i++) xp[i] = x[i] + eps * d[i];
-    t_rmsnorm(y, inv, xp, g, N, D, 1e-5f);
+    k3_rmsnorm_rows(y, inv, xp, g, N, D, 1e-5f);
     double lp = dotd(r, y, N * D);
     for (int i = 0; i < N * D; i++) xp[i] = x[i] - eps * d[i];
-    t_rmsnorm(y, inv, xp, g, N, D, 1e-5f);
+    k3_rmsnorm_rows(y, inv, xp, g, N, D, 1e-5f);
     double lm = dotd(r, y, N * D);
     double fd = (lp - lm) / (2 * eps), an = dotd(dx, d, N * D);
     CHECKF(fabs(fd - an) < 2e-3 * fabs(an) + 1e-4, "dx: fd %g analytic %g", fd, an);
     /* gain */
     float gp[D];
     for (int i = 0; i < D; i++) gp[i] = g[i] + eps * d[i];
-    t_rmsnorm(y, inv, x, gp, N, D, 1e-5f);
+    k3_rmsnorm_rows(y, inv, x, gp, N, D, 1e-5f);
     lp = dotd(r, y, N * D);
     for (int i = 0; i < D; i++) gp[i] = g[i] - eps * d[i];
-    t_rmsnorm(y, inv, x, gp, N, D, 1e-5f);
+    k3_rmsnorm_rows(y, inv, x, gp, N, D, 1e-5f);
     lm = dotd(r, y, N * D);
     fd = (lp - lm) / (2 * eps);
     an = dotd(dg, d, D);

@@ -16,7 +16,7 @@ static bool build(const char *cfg, tmodel *m) {
     return true;
 }
 
-/* Issue 5 item 2: the strict released layout of the 49M miniature counts
+/* The strict released layout of the 49M miniature counts
  * 49,018,061 parameters (the router biases are buffers, not parameters; A_log
  * has one value per head). tools/train_ref.py inventory counts the same. */
 TEST(train_smol_parameter_budget) {

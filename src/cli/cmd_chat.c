@@ -16,6 +16,7 @@
 #include <jansson.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -29,7 +30,7 @@ const char *const cmd_chat_help =
     "  /save FILE      save the conversation and its decode state\n"
     "  /load FILE      continue a saved conversation (same model only)\n"
     "  /think on|off   thinking for the next turns\n"
-    "  /help, /quit\n"
+    "  /help, /quit     (Ctrl-C stops a reply; at the prompt, or Ctrl-D, it quits)\n"
     "Reasoning is shown dimmed (prefixed with '[think] ' when stdout is not a\n"
     "terminal); time to first token and tokens/s follow each reply on stderr.\n"
     "Standard input need not be a terminal: one message (or command) a line.\n"
@@ -170,6 +171,14 @@ static int parse_args(int argc, char **argv, chat_args *a) {
 }
 
 /* ---- the chat ------------------------------------------------------------------------ */
+/* In a terminal, Ctrl-C stops the reply being generated (it is kept, cut
+ * off); at the prompt it ends the chat. */
+static volatile sig_atomic_t interrupted;
+static void on_sigint(int sig) {
+    (void)sig;
+    interrupted = 1;
+}
+
 typedef struct {
     const chat_args *a;
     k3_engine *e;
@@ -309,7 +318,8 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     double t_first = 0, t_end;
     c->line_start = true;
     c->in_reasoning = c->shown_reasoning = false;
-    for (int64_t g = 0; g < gen && !rc; g++) {
+    interrupted = 0;
+    for (int64_t g = 0; g < gen && !rc && !interrupted; g++) {
         int32_t id = k3_sample(&sp, c->logits);
         if (g == 0) t_first = k3_now();
         gids[ng++] = id;
@@ -366,7 +376,8 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     else snprintf(rr, sizeof rr, "re-rendered history departs from the state at position %zu", same);
     fprintf(stderr,
             "[turn %d: prompt %zu tokens, reused %zu (%s); first token %.3f s; %zu tokens, %.2f tok/s; %s; %s]\n",
-            c->turn, n, reused, source_name(source), ttft, ng, tps, stopped ? "stop" : finish, rr);
+            c->turn, n, reused, source_name(source), ttft, ng, tps,
+            stopped ? "stop" : interrupted ? "interrupted" : finish, rr);
     json_t *t = json_object();
     json_object_set_new(t, "prompt_ids", ids_json(ids, n));
     json_object_set_new(t, "generated_ids", ids_json(gids, ng));
@@ -509,7 +520,14 @@ static int chat(const chat_args *a, k3_err *err) {
     }
     if (a->load) rc = load(&c, a->load, err);
     if ((rc = k3_engine_ready(c.e, rc, err))) goto done; /* every rank of a job, or none */
-    if (c.tty_in) fputs(chat_commands, stderr);
+    if (c.tty_in) {
+        fputs(chat_commands, stderr);
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_sigint; /* no SA_RESTART: getline at the prompt returns */
+        sigemptyset(&sa.sa_mask);
+        sigaction(SIGINT, &sa, NULL);
+    }
     char *line = NULL;
     size_t cap = 0;
     for (;;) {
@@ -517,8 +535,12 @@ static int chat(const chat_args *a, k3_err *err) {
             fputs("> ", stdout);
             fflush(stdout);
         }
+        interrupted = 0;
         ssize_t len = (ssize_t)k3_dist_getline(&line, &cap, stdin); /* rank 0's line, on every rank */
-        if (len < 0) break;
+        if (len < 0) {
+            if (interrupted) clearerr(stdin), fputc('\n', stdout);
+            break;
+        }
         while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
         if (len == 0) continue;
         k3_err e = {0};

@@ -42,14 +42,13 @@ static double measure(const char *path, uint64_t size, int depth, double seconds
     uint64_t blocks = size / BLOCK;
     k3_io_req *reqs = xcalloc((size_t)depth, sizeof *reqs);
     for (int i = 0; i < depth; i++) reqs[i].buf = k3_io_alloc(BLOCK);
-    uint64_t seed = 0x9e3779b97f4a7c15ULL, bytes = 0;
+    uint64_t seed = 0, bytes = 0; /* random block offsets from the common generator */
     double t0 = k3_now(), t = 0;
     int rc = K3_OK;
     while (t < seconds && rc == K3_OK) {
         for (int i = 0; i < depth; i++) {
-            seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
             reqs[i].fd = fd;
-            reqs[i].offset = ((seed >> 17) % blocks) * BLOCK;
+            reqs[i].offset = (k3_rng_next(&seed) % blocks) * BLOCK;
             reqs[i].len = BLOCK;
         }
         rc = k3_io_read(io, reqs, (size_t)depth, err);
@@ -88,11 +87,17 @@ int cmd_doctor(int argc, char **argv) {
 
     printf("build      gcc %s, OpenMP %d threads (of %ld CPUs)\n", __VERSION__, omp_get_max_threads(),
            sysconf(_SC_NPROCESSORS_ONLN));
+#if defined(__x86_64__)
     __builtin_cpu_init();
     bool avx512 = __builtin_cpu_supports("avx512f"), bf16 = __builtin_cpu_supports("avx512bf16"),
          fma = __builtin_cpu_supports("fma"), avx2 = __builtin_cpu_supports("avx2");
     printf("cpu        avx512f %s, avx512_bf16 %s, avx2 %s, fma %s\n", avx512 ? "yes" : "no", bf16 ? "yes" : "no",
            avx2 ? "yes" : "no", fma ? "yes" : "no");
+#elif defined(__aarch64__)
+    printf("cpu        arm64 (NEON and FMA are part of the architecture)\n");
+#else
+    printf("cpu        no SIMD path for this architecture\n");
+#endif
     /* the path the kernels use (K3_ISA or the best), and the others this CPU
      * could run: every path gives the same bits, only the speed differs */
     char paths[64] = "";

@@ -16,9 +16,11 @@
  * *.weight_scale companion holds scales, not parameters. Everything else
  * counts one parameter per element. The resident floor and the always-active
  * parameters are the text totals less the routed experts. */
+#include "formats/names.h"
 #include "cli/commands.h"
 #include "formats/config.h"
 #include "formats/safetensors.h"
+#include "model/model.h"
 
 #include <jansson.h>
 #include <stdlib.h>
@@ -123,30 +125,30 @@ static bool ends(const char *s, const char *suf) {
 static int classify(const char *name, long *layer, long *expert) {
     *layer = *expert = -1;
     if (starts(name, "vision_tower.") || starts(name, "mm_projector.")) return C_VISION;
-    const char *n = starts(name, "language_model.") ? name + 15 : name;
-    if (!strcmp(n, "lm_head.weight") || !strcmp(n, "model.embed_tokens.weight")) return C_EMBED;
-    if (starts(n, "model.output_attn_res_")) return C_ATTNRES;
-    if (!starts(n, "model.layers.")) return C_OTHER;
-    const char *r = n + 13;
+    const char *n = starts(name, K3N_HEAD_PARENT) ? name + strlen(K3N_HEAD_PARENT) : name;
+    if (!strcmp(n, K3N_HEAD) || !strcmp(n, K3N_PREFIX_PLAIN K3N_EMBED)) return C_EMBED;
+    if (starts(n, K3N_PREFIX_PLAIN "output_attn_res_")) return C_ATTNRES;
+    if (!starts(n, K3N_PREFIX_PLAIN "layers.")) return C_OTHER;
+    const char *r = n + strlen(K3N_PREFIX_PLAIN "layers.");
     long L = parse_index(&r, K3_MAX_LAYERS);
     if (L < 0) return C_OTHER;
     *layer = L;
-    if (starts(r, "block_sparse_moe.experts.")) {
-        const char *e = r + 25;
+    if (starts(r, K3N_EXPERTS)) {
+        const char *e = r + strlen(K3N_EXPERTS);
         *expert = parse_index(&e, MAX_EXPERTS);
         return *expert >= 0 ? C_ROUTED : C_OTHER;
     }
-    if (starts(r, "block_sparse_moe.shared_experts.")) return C_SHARED;
-    if (starts(r, "block_sparse_moe.")) return C_ROUTER;
-    if (starts(r, "self_attn.")) return C_ATTN;
-    if (starts(r, "mlp.")) return C_DENSE;
+    if (starts(r, K3N_SHARED ".")) return C_SHARED;
+    if (starts(r, K3N_MOE)) return C_ROUTER;
+    if (starts(r, K3N_ATTN)) return C_ATTN;
+    if (starts(r, K3N_MLP ".")) return C_DENSE;
     if (starts(r, "self_attention_res_") || starts(r, "mlp_res_")) return C_ATTNRES;
     return C_OTHER;
 }
 
 static uint64_t params_of(const st_tensor *t) {
-    if (t->dtype == ST_U8 && ends(t->name, ".weight_packed")) return 2 * (uint64_t)t->numel;
-    if (t->dtype == ST_U8 && ends(t->name, ".weight_scale")) return 0;
+    if (t->dtype == ST_U8 && ends(t->name, K3N_PACKED)) return 2 * (uint64_t)t->numel;
+    if (t->dtype == ST_U8 && ends(t->name, K3N_SCALE)) return 0;
     return (uint64_t)t->numel;
 }
 
@@ -309,6 +311,11 @@ int cmd_inspect(int argc, char **argv) {
                                                  (json_int_t)text.bytes, "params", (json_int_t)text.params));
         json_object_set_new(o, "always_active_params", json_integer((json_int_t)active));
         json_object_set_new(o, "resident_floor_bytes", json_integer((json_int_t)floor_bytes));
+        if (cfg) {
+            json_object_set_new(o, "snapshot_kda_bytes", json_integer((json_int_t)k3_state_snapshot_bytes(cfg, 0)));
+            json_object_set_new(o, "snapshot_bytes_per_position",
+                                json_integer((json_int_t)(k3_state_row_floats(cfg) * 4)));
+        }
         json_object_set_new(o, "routed_experts",
                             json_pack("{s:I,s:I,s:I,s:o,s:I}", "count", (json_int_t)nexp, "min_bytes",
                                       (json_int_t)(nexp ? emin : 0), "max_bytes", (json_int_t)emax,
@@ -375,6 +382,9 @@ int cmd_inspect(int argc, char **argv) {
     }
     printf("\nalways-active parameters: %s (text, all but routed experts)\n", commas(active));
     printf("resident floor: %s bytes (text, all but routed experts)\n", commas(floor_bytes));
+    if (cfg) /* what one entry of the k3 chat / k3 serve state cache costs (session.h) */
+        printf("decode-state snapshot: %s bytes of KDA state + %s bytes per position of MLA rows\n",
+               commas(k3_state_snapshot_bytes(cfg, 0)), commas(k3_state_row_floats(cfg) * 4));
     if (nexp && emin == emax)
         printf("routed experts: %s routed experts of exactly %s bytes (%s parameters each); %s stored as one contiguous run\n",
                commas(nexp), commas(emin), eparams_exact ? commas(eparams) : "?", commas(econtig));

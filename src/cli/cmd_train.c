@@ -40,8 +40,10 @@ const char *const cmd_train_help =
     "  --bf16                     BF16 operands for the linear-layer products and\n"
     "                             Muon's Newton-Schulz (F32 accumulation and master\n"
     "                             weights; AMX tiles where the CPU has AMX-BF16,\n"
-    "                             else vdpbf16ps or its emulation); off by default,\n"
-    "                             kept on --resume (docs/training-speed.md)\n"
+    "                             else vdpbf16ps); off by default, kept on --resume\n"
+    "                             (docs/training-speed.md). Needs AVX512_BF16 on\n"
+    "                             the AVX-512 path: refused elsewhere (exit 2)\n"
+    "  --no-bf16                  F32 products, also when resuming a --bf16 run\n"
     "  --kda-chunk N              chunkwise KDA with N-position chunks (16);\n"
     "                             0: the exact recurrent form (reference, slower)\n"
     "  --quiet                    no per-step lines on stdout\n"
@@ -73,6 +75,7 @@ int cmd_train(int argc, char **argv) {
         }
         if (strcmp(a, "--skip-samples") == 0) { o.skip_samples = true; continue; }
         if (strcmp(a, "--bf16") == 0) { o.bf16 = 1; continue; }
+        if (strcmp(a, "--no-bf16") == 0) { o.bf16 = 2; continue; }
         if (strcmp(a, "--quiet") == 0) { o.quiet = true; continue; }
         if (strcmp(a, "--inventory") == 0) { inventory = true; continue; }
         if (i + 1 >= argc) return k3_usage_error("train", "unknown flag or missing value: %s", a);
@@ -99,7 +102,7 @@ int cmd_train(int argc, char **argv) {
             o.lr = strtod(v, &end);
             if (*end || end == v || !(o.lr > 0) || o.lr > 10) return k3_usage_error("train", "--lr wants a positive number, got '%s'", v);
         } else if (strcmp(a, "--kda-chunk") == 0) {
-            if ((rc = parse_i64(a, v, 0, 64, &x))) return rc;
+            if ((rc = parse_i64(a, v, 0, TM_MAX_KDA_CHUNK, &x))) return rc;
             o.kda_chunk = x ? (int)x : -1;
         } else if (strcmp(a, "--optimizer") == 0) {
             if (strcmp(v, "muon") == 0) o.optimizer = 1;

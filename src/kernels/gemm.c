@@ -42,7 +42,7 @@ void k3_train_gemm_describe(char *buf, size_t n) {
     static const char *const f32[] = {"the scalar reference", "AVX2+FMA tiles (the scalar reference's bits)",
                                       "AVX-512 tiles (the scalar reference's bits)"};
     k_isa a = tile_isa(TG_F32), b = tile_isa(TG_BF16);
-    const char *bf = b == K_ISA_SCALAR ? "the scalar emulation of its rounding"
+    const char *bf = b == K_ISA_SCALAR ? "refused by k3 train (no AVX512_BF16 on this path; the scalar emulation is for tests)"
                      : tg_amx_available() ? "AMX-BF16 tiles" : "AVX512_BF16 (vdpbf16ps) tiles";
     snprintf(buf, n, "F32 on %s, --bf16 on %s", f32[a < 3 ? a : 0], bf);
 }
@@ -84,7 +84,9 @@ static void gemm_scalar(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A,
         }
 }
 
-/* ---- packing ------------------------------------------------------------------------ */
+/* ---- packing (for the SIMD tiles: x86-64 only) ------------------------------------------ */
+
+#if defined(__x86_64__)
 
 /* F32: panel p holds B(k, p*NR + j) at [k][j]; pairs: [k/2][j][2] as BF16. */
 static void pack_b_f32(float *Bp, tg_view B, int K, int N, int p) {
@@ -159,7 +161,6 @@ static void pack_a_bf16(uint32_t *Ap, tg_view A, int m0, int rows, int k0, int k
 
 /* ---- AVX-512 tiles ------------------------------------------------------------------- */
 
-#if defined(__x86_64__)
 #include <immintrin.h>
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))

@@ -1,5 +1,5 @@
 /* internal.h (src/kernels only): the seam between the portable reference
- * code and the SIMD files (AVX2, AVX-512). Everything here obeys the canonical order of
+ * code and the SIMD files (AVX2, AVX-512, NEON). Everything here obeys the canonical order of
  * kernels.h, so a table of scalar functions and a table of vector functions
  * are interchangeable bit for bit. */
 #ifndef K3_KERNELS_INTERNAL_H
@@ -57,6 +57,9 @@ extern const k_vops k_avx512_ops;
 /* Products over >= 8 inputs decode rows once into an f32 panel (default on);
  * off runs the direct tiles. Same bits; for benchmarks only. */
 void k_avx512_set_panel(bool on);
+#endif
+#if defined(__aarch64__)
+extern const k_vops k_neon_ops;
 #endif
 /* The BF16 training product on AMX tiles (gemm_amx.c), called by tg_gemm
  * only when tg_amx_available(); it calls nothing of gemm.c. */

@@ -1,7 +1,7 @@
 /* kernels.c: path selection, the scalar reference for every primitive, and
  * the public kernels written once on top of the primitive table (see
  * internal.h). The scalar code here IS the definition of the results; the
- * AVX-512 file must reproduce it bit for bit. */
+ * SIMD files must reproduce it bit for bit. */
 #include "kernels/internal.h"
 #include "kernels/kmath.h"
 #include "util/common.h"
@@ -10,6 +10,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__aarch64__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
 
 #if defined(__x86_64__) && defined(__linux__)
 #include <cpuid.h>
@@ -26,7 +30,7 @@
  * and the extensions it needs beyond a path (k_cpu_bf16, k_cpu_amx) are
  * checked here as well: the program's one CPU feature check. */
 
-static const char *const isa_names[K_ISA_COUNT] = {"scalar", "avx2", "avx512"};
+static const char *const isa_names[K_ISA_COUNT] = {"scalar", "avx2", "avx512", "neon"};
 
 const char *k_isa_name(k_isa isa) { return isa >= 0 && isa < K_ISA_COUNT ? isa_names[isa] : "?"; }
 
@@ -43,6 +47,8 @@ static unsigned isa_mask(void) {
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
             __builtin_cpu_supports("fma"))
             m |= 1u << K_ISA_AVX512;
+#elif defined(__aarch64__)
+        if (getauxval(AT_HWCAP) & HWCAP_ASIMD) m |= 1u << K_ISA_NEON;
 #endif
         mask = (int)m;
     }
@@ -67,7 +73,7 @@ int k_isa_parse(const char *value, unsigned avail, k_isa *isa, char *msg, size_t
         *isa = (k_isa)i;
         return 0;
     }
-    snprintf(msg, cap, "unknown instruction set (use scalar, avx2 or avx512)");
+    snprintf(msg, cap, "unknown instruction set (use scalar, avx2, avx512 or neon)");
     return -1;
 }
 
@@ -94,9 +100,12 @@ static void isa_init(void) {
     g_tabs[K_ISA_SCALAR] = k_scalar_ops;
     merge(&g_tabs[K_ISA_AVX2], &k_scalar_ops);
     merge(&g_tabs[K_ISA_AVX512], &k_scalar_ops);
+    merge(&g_tabs[K_ISA_NEON], &k_scalar_ops);
 #if defined(__x86_64__)
     merge(&g_tabs[K_ISA_AVX2], &k_avx2_ops);
     merge(&g_tabs[K_ISA_AVX512], &k_avx512_ops);
+#elif defined(__aarch64__)
+    merge(&g_tabs[K_ISA_NEON], &k_neon_ops);
 #endif
     g_default = K_ISA_SCALAR;
     for (int i = K_ISA_COUNT - 1; i > 0; i--)

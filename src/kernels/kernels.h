@@ -1,6 +1,7 @@
 /* kernels.h: the numeric kernels of k3. One module, used by inference and
  * training alike. Every kernel has a scalar reference path and a SIMD path
- * (AVX-512 where the CPU has it) that give IDENTICAL bits; tests check both.
+ * (AVX2, AVX-512 or NEON where the CPU has it) that give IDENTICAL bits;
+ * tests check every path against the scalar one.
  *
  * Canonical reduction order (the determinism contract). A dot product of
  * length n is computed with 16 lane accumulators: lane l accumulates elements
@@ -9,8 +10,8 @@
  * combined by a fixed tree: for s = 8, 4, 2, 1: acc[l] += acc[l+s] for l < s;
  * the result is acc[0]. The scalar path does exactly this with fmaf; the
  * AVX-512 path does it with one 16-wide vector, the AVX2 path with two 8-wide
- * vectors (lanes 0-7 and 8-15, the first tree level adds them), and the same
- * tree. Consequences:
+ * vectors (lanes 0-7 and 8-15, the first tree level adds them), the NEON
+ * path with four 4-wide ones, and the same tree. Consequences:
  *  - results do not depend on thread count: threads split rows, never a dot;
  *  - k_matmul over n inputs gives, for each input, the same bits as k_matvec;
  *  - a weight's storage (F32, BF16, MXFP4) only changes how w[j] is formed:
@@ -29,15 +30,16 @@
 #include <stdbool.h>
 
 /* ---- path selection --------------------------------------------------- */
-/* Instruction-set paths. Every path gives the scalar reference's bits; the
- * binary is built for baseline x86-64 and reaches a wider path only after a
- * CPUID check, so it runs on any x86-64 CPU. The path in force is the best
- * one the CPU has, unless the environment variable K3_ISA (scalar, avx2 or
- * avx512) names another: it is read once, at program start, and a value that
- * is unknown or that the CPU lacks stops the program with one line
- * "k3: K3_ISA=...: ..." and exit code 2. */
-typedef enum { K_ISA_SCALAR = 0, K_ISA_AVX2, K_ISA_AVX512, K_ISA_COUNT } k_isa;
-const char *k_isa_name(k_isa isa);   /* "scalar", "avx2", "avx512" */
+/* Instruction-set paths. Every path gives the scalar reference's bits; on
+ * x86-64 the binary is built for the baseline and reaches a wider path only
+ * after a CPUID check, so it runs on any x86-64 CPU; on ARM64 the NEON path
+ * (part of the base architecture) is checked through HWCAP. The path in
+ * force is the best one the CPU has, unless the environment variable K3_ISA
+ * (scalar, avx2, avx512 or neon) names another: it is read once, at program
+ * start, and a value that is unknown or that the CPU lacks stops the program
+ * with one line "k3: K3_ISA=...: ..." and exit code 2. */
+typedef enum { K_ISA_SCALAR = 0, K_ISA_AVX2, K_ISA_AVX512, K_ISA_NEON, K_ISA_COUNT } k_isa;
+const char *k_isa_name(k_isa isa);   /* "scalar", "avx2", "avx512", "neon" */
 bool k_isa_available(k_isa isa);     /* the CPU and OS support the path */
 k_isa k_isa_active(void);            /* the path in force now */
 /* Selects a path for what follows (tests, benchmarks); false, changing

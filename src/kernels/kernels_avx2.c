@@ -315,6 +315,48 @@ TGT static void v_kda_rows_write(float *S, int D, const float *k, const float *d
     }
 }
 
+/* rows_write of one step fused with rows_decay of the next (prefill): one
+ * pass over S. Columns are independent, so they go in blocks of 16 with the
+ * block's o, u2 and d in registers while the rows pass; each element sees the
+ * scalar sweeps' operations in their order. */
+TGT static void v_kda_rows_write_decay(float *S, int D, const float *k, const float *d, const float *qs, float *o,
+                                       const float *a2, const float *k2, float *u2) {
+    if (D % 16 != 0) {
+        for (int i = 0; i < D; i++) {
+            float *Si = S + (size_t)i * D;
+            v_axpy(Si, k[i], d, D);
+            v_axpy(o, qs[i], Si, D);
+            v_scale(Si, Si, a2[i], D);
+            v_axpy(u2, k2[i], Si, D);
+        }
+        return;
+    }
+    for (int c = 0; c < D; c += 16) {
+        __m256 o0 = _mm256_loadu_ps(o + c), o1 = _mm256_loadu_ps(o + c + 8);
+        __m256 u0 = _mm256_loadu_ps(u2 + c), u1 = _mm256_loadu_ps(u2 + c + 8);
+        __m256 d0 = _mm256_loadu_ps(d + c), d1 = _mm256_loadu_ps(d + c + 8);
+        for (int i = 0; i < D; i++) {
+            float *Si = S + (size_t)i * D + c;
+            __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(qs[i]);
+            __m256 ai = _mm256_set1_ps(a2[i]), k2i = _mm256_set1_ps(k2[i]);
+            __m256 s0 = _mm256_fmadd_ps(ki, d0, _mm256_loadu_ps(Si));
+            __m256 s1 = _mm256_fmadd_ps(ki, d1, _mm256_loadu_ps(Si + 8));
+            o0 = _mm256_fmadd_ps(qi, s0, o0);
+            o1 = _mm256_fmadd_ps(qi, s1, o1);
+            s0 = _mm256_mul_ps(s0, ai);
+            s1 = _mm256_mul_ps(s1, ai);
+            _mm256_storeu_ps(Si, s0);
+            _mm256_storeu_ps(Si + 8, s1);
+            u0 = _mm256_fmadd_ps(k2i, s0, u0);
+            u1 = _mm256_fmadd_ps(k2i, s1, u1);
+        }
+        _mm256_storeu_ps(o + c, o0);
+        _mm256_storeu_ps(o + c + 8, o1);
+        _mm256_storeu_ps(u2 + c, u0);
+        _mm256_storeu_ps(u2 + c + 8, u1);
+    }
+}
+
 /* out[p] = dot(x, B + p ldb): 4 rows side by side (independent chains hide
  * the FMA latency), each in the canonical order. */
 TGT static void v_dots(float *out, const float *x, const float *B, size_t ldb, int rows, int len) {
@@ -520,7 +562,137 @@ DEF_TILES(tile_mx, TILE_MX_BODY)
 
 static bool mx_fast(const k3_mat *W) { return W->cols % 16 == 0 && W->group > 0 && W->group % 16 == 0; }
 
+/* ---- products over many inputs: rows decoded once into an f32 panel -------------------
+ * With n >= PN_MIN inputs (prefill) and cols a multiple of 16, a block of
+ * PN_ROWS weight rows is widened (exactly) once into a per-thread f32 panel
+ * and multiplied by every input from there, so the decode is paid once per
+ * row instead of once per 3 inputs. The tile is 4 rows x 3 inputs with ONE
+ * ymm accumulator per (row, input): lanes 0-7 and lanes 8-15 of the
+ * canonical 16-lane accumulator are independent chains, so the tile runs
+ * twice over a column block, first over the elements j = 16b + 0..7, then
+ * over j = 16b + 8..15 (12 accumulators + 3 inputs + 1 weight = the 16
+ * registers; 7 loads per 12 FMAs instead of 10). Column blocks of PN_KC keep
+ * a tile's rows and inputs in L1 for its second pass; between passes and
+ * blocks the accumulators wait in part[] (stored and reloaded exactly). Each
+ * lane still sees its elements in increasing j, from +0: the scalar bits. */
+#define PN_MIN 8
+#define PN_ROWS 16
+#define PN_KC 512
+#define PTB 3
+
+typedef struct {
+    const float *Wp; /* panel row 0 */
+    size_t ldw;
+    const float *X;
+    int cols;
+} pan;
+
+/* Half h of columns [j0, j1) for panel rows rr.. and inputs t0..;
+ * part: [RB][PTB][16] canonical lanes. */
+#define PANEL_BODY(RB, TB)                                                                     \
+    const float *wr[RB], *xr[TB];                                                              \
+    UNROLL for (int i = 0; i < RB; i++) wr[i] = P->Wp + (size_t)(rr + i) * P->ldw;             \
+    UNROLL for (int t = 0; t < TB; t++) xr[t] = P->X + (size_t)(t0 + t) * (size_t)P->cols;     \
+    __m256 acc[RB][TB];                                                                        \
+    UNROLL for (int i = 0; i < RB; i++) UNROLL for (int t = 0; t < TB; t++)                    \
+        acc[i][t] = j0 ? _mm256_loadu_ps(part + 16 * (i * PTB + t) + 8 * h) : _mm256_setzero_ps(); \
+    for (int j = j0 + 8 * h; j < j1; j += 16) {                                                \
+        __m256 x[TB];                                                                          \
+        UNROLL for (int t = 0; t < TB; t++) x[t] = _mm256_loadu_ps(xr[t] + j);                 \
+        UNROLL for (int i = 0; i < RB; i++) {                                                  \
+            __m256 w = _mm256_loadu_ps(wr[i] + j);                                             \
+            UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm256_fmadd_ps(w, x[t], acc[i][t]); \
+        }                                                                                      \
+    }                                                                                          \
+    UNROLL for (int i = 0; i < RB; i++) UNROLL for (int t = 0; t < TB; t++)                    \
+        _mm256_storeu_ps(part + 16 * (i * PTB + t) + 8 * h, acc[i][t]);
+
+#define DEF_PTILE(RB, TB)                                                                      \
+    TGT static void ptile_##RB##x##TB(const pan *P, int rr, int t0, int j0, int j1, int h, float *part) { \
+        PANEL_BODY(RB, TB)                                                                     \
+    }
+DEF_PTILE(4, 1) DEF_PTILE(4, 2) DEF_PTILE(4, 3) DEF_PTILE(1, 1) DEF_PTILE(1, 2) DEF_PTILE(1, 3)
+typedef void (*ptile_fn)(const pan *, int, int, int, int, int, float *);
+static const ptile_fn ptile_4[PTB + 1] = {NULL, ptile_4x1, ptile_4x2, ptile_4x3};
+static const ptile_fn ptile_1[PTB + 1] = {NULL, ptile_1x1, ptile_1x2, ptile_1x3};
+
+/* Rows [r, r + nr) of W widened into dst (row stride ld floats), exactly:
+ * the values the direct tiles form. cols is a multiple of 16. */
+TGT static void panel_decode(const k3_mat *W, int r, int nr, float *dst, size_t ld) {
+    const int cols = W->cols;
+    for (int i = 0; i < nr; i++) {
+        float *d = dst + (size_t)i * ld;
+        if (W->type == KW_BF16) {
+            const uint16_t *s = (const uint16_t *)W->data + (size_t)(r + i) * (size_t)cols;
+            for (int j = 0; j < cols; j += 8) _mm256_storeu_ps(d + j, bf8(s + j));
+        } else {
+            const int G = W->group, ng = cols / G;
+            const uint8_t *s = (const uint8_t *)W->data + (size_t)(r + i) * (size_t)(cols / 2);
+            const uint8_t *sc = W->scales + (size_t)(r + i) * (size_t)ng;
+            const __m256 e2m1 = _mm256_loadu_ps(k_e2m1);
+            const __m256i sh = mx_shifts();
+            for (int g = 0, j = 0; g < ng; g++) {
+                __m256 lut = _mm256_mul_ps(e2m1, _mm256_set1_ps(e8m0_tab[sc[g]]));
+                for (int v = 0; v < G; v += 8, j += 8) _mm256_storeu_ps(d + j, mx8(s + j / 2, lut, sh));
+            }
+        }
+    }
+}
+
+/* The per-thread panel (grown on demand, kept for the thread's life). */
+static _Thread_local float *tl_panel;
+static _Thread_local size_t tl_panel_cap;
+static float *panel_buf(size_t floats) {
+    if (floats > tl_panel_cap) {
+        free(tl_panel);
+        tl_panel = xmalloc_aligned(floats * sizeof(float));
+        tl_panel_cap = floats;
+    }
+    return tl_panel;
+}
+
+static bool panel_fits(const k3_mat *W, int n) {
+    return n >= PN_MIN && W->cols % 16 == 0 && (W->type != KW_MXFP4 || mx_fast(W));
+}
+
+TGT static void rowdots_panel(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1) {
+    const int cols = W->cols;
+    pan P = {.X = X, .cols = cols, .ldw = (size_t)cols};
+    float *buf = W->type == KW_F32 ? NULL : panel_buf((size_t)PN_ROWS * (size_t)cols);
+    _Alignas(32) float part[PN_ROWS * PTB * 16];
+    for (int rb = r0; rb < r1; rb += PN_ROWS) {
+        int nr = r1 - rb < PN_ROWS ? r1 - rb : PN_ROWS;
+        if (buf) {
+            panel_decode(W, rb, nr, buf, (size_t)cols);
+            P.Wp = buf;
+        } else {
+            P.Wp = (const float *)W->data + (size_t)rb * (size_t)cols;
+        }
+        for (int t = 0; t < n; t += PTB) {
+            int tb = n - t < PTB ? n - t : PTB;
+            for (int j0 = 0; j0 < cols; j0 += PN_KC) {
+                int j1 = cols - j0 < PN_KC ? cols : j0 + PN_KC;
+                int i = 0;
+                for (; i + 4 <= nr; i += 4)
+                    for (int h = 0; h < 2; h++) ptile_4[tb](&P, i, t, j0, j1, h, part + (size_t)i * PTB * 16);
+                for (; i < nr; i++)
+                    for (int h = 0; h < 2; h++) ptile_1[tb](&P, i, t, j0, j1, h, part + (size_t)i * PTB * 16);
+            }
+            for (int i = 0; i < nr; i++)
+                for (int u = 0; u < tb; u++) {
+                    const float *pa = part + 16 * ((size_t)i * PTB + (size_t)u);
+                    Y[(size_t)(t + u) * (size_t)W->rows + (size_t)(rb + i)] =
+                        tree2(_mm256_loadu_ps(pa), _mm256_loadu_ps(pa + 8));
+                }
+        }
+    }
+}
+
 TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux) {
+    if (panel_fits(W, n)) {
+        rowdots_panel(W, X, n, Y, r0, r1);
+        return;
+    }
     prod P = {.W = W, .X = X, .Y = Y, .cols = W->cols, .rows = W->rows};
     switch (W->type) {
     case KW_F32: DRIVE(tile_f32); break;
@@ -538,6 +710,7 @@ const k_vops k_avx2_ops = {
     .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
     .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .dots = v_dots, .kda_rows_decay = v_kda_rows_decay,
     .kda_rows_write = v_kda_rows_write, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
+    .kda_rows_write_decay = v_kda_rows_write_decay,
 };
 
 #endif

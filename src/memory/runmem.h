@@ -1,4 +1,5 @@
-/* runmem.h: what `k3 run` calls to run inside a memory budget (issue 4).
+/* runmem.h: what `k3 run` calls to run inside a memory budget (a model may
+ * be larger than the memory: layers and experts are then streamed).
  *
  * The command keeps its own flow; this module adds, in call order:
  *   k3_runmem_parse    the budget flags (--trunk, --preset, --trunk-gb,

@@ -1,4 +1,4 @@
-/* stream.h: running a model inside a memory budget (issue 4).
+/* stream.h: running a model inside a memory budget, however large the model.
  *
  * A k3_stream is a k3_weight_source (model.h) that serves
  *  - the dense trunk: resident from the shards (mapped), or, with a packed
@@ -70,7 +70,7 @@ typedef struct {
     int pinned;                  /* how many layers are pinned (resident) */
     bool pin[K3_MAX_LAYERS];     /* which: spread evenly through the stack, so the
                                     compute of each pinned layer overlaps the read of a
-                                    streamed one (issue 7); a prefix with pin_spread off */
+                                    streamed one; a prefix with pin_spread off */
     uint64_t pinned_bytes;       /* their runs and copies */
     int ring_slots;              /* 0 (all pinned), 1 (no overlap) or 2 */
     uint64_t slot_bytes;         /* one slot: the largest streamed run */

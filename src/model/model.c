@@ -92,6 +92,19 @@ static void rmsnorm_rows(float *y, const float *x, const float *g, int T, int n,
     for (int t = 0; t < T; t++) k_rmsnorm(y + (size_t)t * n, x + (size_t)t * n, g, n, eps);
 }
 
+void k3_rmsnorm_rows(float *y, float *rinv, const float *x, const float *g, int T, int n, float eps) {
+    if (!rinv) {
+        rmsnorm_rows(y, x, g, T, n, eps);
+        return;
+    }
+#pragma omp parallel for schedule(static) if (PAR_ROWS(T, n))
+    for (int t = 0; t < T; t++) {
+        const float *xr = x + (size_t)t * n;
+        rinv[t] = 1.0f / sqrtf(k_sumsq(xr, n) / (float)n + eps); /* before y: y may alias x */
+        k_rmsnorm(y + (size_t)t * n, xr, g, n, eps);
+    }
+}
+
 /* SiTU-GLU over n elements (elementwise), in blocks over threads when long. */
 static void situ_par(const k3_config *c, float *out, const float *gate, const float *up, size_t n) {
     const size_t B = 16384;
@@ -110,16 +123,16 @@ static void add_rows(float *y, const float *x, size_t n) {
 /* ---- AttnRes (section 7) -------------------------------------------------------
  * Keys are the RMSNormed sources (gain folded into q at load time), values the
  * RAW sources; one softmax over sources per position. */
-K3_HOT static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
-                    float *out, k3_ws *ws) {
-    int E = c->hidden_size, nthr = omp_get_max_threads();
-    float *logits = ws_f(ws, (size_t)nthr * nsrc);
+K3_HOT static void attnres_rows(const float *q, const float *const *src, int nsrc, int T, int E, float eps,
+                                 float *out, float *alpha, float *rinv, float *logits) {
+    int nthr = omp_get_max_threads();
 #pragma omp parallel for schedule(static) num_threads(nthr) if (PAR_ROWS(T, (double)E * nsrc))
     for (int t = 0; t < T; t++) {
-        float *logit = logits + (size_t)omp_get_thread_num() * nsrc;
+        float *logit = alpha ? alpha + (size_t)t * nsrc : logits + (size_t)omp_get_thread_num() * nsrc;
         for (int i = 0; i < nsrc; i++) {
             const float *v = src[i] + (size_t)t * E;
-            float inv = 1.0f / sqrtf(k_sumsq(v, E) / (float)E + c->rms_eps);
+            float inv = 1.0f / sqrtf(k_sumsq(v, E) / (float)E + eps);
+            if (rinv) rinv[(size_t)t * nsrc + i] = inv;
             logit[i] = k_dot(v, q, E) * inv;
         }
         k_softmax(logit, nsrc);
@@ -130,6 +143,19 @@ K3_HOT static void attnres(const k3_config *c, const float *q, const float *cons
             for (int j = 0; j < E; j++) o[j] = fmaf(logit[i], v[j], o[j]);
         }
     }
+}
+
+static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T, float *out,
+                    k3_ws *ws) {
+    float *logits = ws_f(ws, (size_t)omp_get_max_threads() * nsrc);
+    attnres_rows(q, src, nsrc, T, c->hidden_size, c->rms_eps, out, NULL, NULL, logits);
+}
+
+void k3_attnres_rows(const float *q, const float *const *src, int nsrc, int T, int E, float eps, float *out,
+                     float *alpha, float *rinv) {
+    float *logits = alpha ? NULL : xmalloc_array((size_t)omp_get_max_threads() * nsrc, sizeof(float));
+    attnres_rows(q, src, nsrc, T, E, eps, out, alpha, rinv, logits);
+    free(logits);
 }
 
 void k3_attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T, float *out) {
@@ -339,7 +365,7 @@ typedef struct {
 } expert_access;
 
 /* Decode (one position) from a source that reads experts asynchronously
- * (issue 7): the same products as moe() below, reordered so the reads overlap
+ * (experts_start/next): the same products as moe() below, reordered so the reads overlap
  * compute. The router alone runs first and the batch is issued the moment it
  * has chosen; W_down and the whole shared-expert MLP run while the bytes are
  * in flight; then each routed expert is computed as its bytes arrive, in

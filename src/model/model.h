@@ -36,7 +36,7 @@ typedef struct {
                               instead of the released fixed 1e-6 (spec section 9) */
     bool top_only;         /* bind only the model-level tensors (embeddings, head,
                               final norms); the layers must then come from a weight
-                              source set with k3_model_set_source (issue 4: streaming) */
+                              source set with k3_model_set_source (streaming under a budget) */
     int kda_chunk;         /* > 0: multi-token calls (prefill) use the chunkwise
                               KDA form with this chunk length. Faster for long
                               prompts, equal to fp32 rounding but NOT bitwise to
@@ -53,7 +53,8 @@ typedef struct {
 /* The default prefill chunk: every weight (and each selected expert) is read
  * and decoded once per this many positions; 256 keeps the products of a chunk
  * matrix-matrix (about 21 rows per routed expert at top-8 of 96) for a few
- * MB of scratch on the issue-7 shape (k3_state_size says how much). */
+ * MB of scratch at the decode benchmark's hidden size 1280 (k3_state_size
+ * says how much). */
 #define K3_PREFILL_CHUNK 256
 
 /* Opens a model directory (config.json + *.safetensors in the released layout,
@@ -165,7 +166,7 @@ int k3_sample(k3_sampler *sp, const float *logits);
 
 /* =============================================================== * Lower level: bound weights and per-module functions. Used by model.c, the
  * unit tests (peer module fixtures) and weight sources that stream layers or
- * experts from disk instead of holding them (issue 4).
+ * experts from disk instead of holding them (a model larger than memory).
  * ====================================================================== */
 
 typedef struct { k3_mat gate, up, down; } k3_mlp_w;            /* SiTU-GLU MLP */
@@ -216,7 +217,7 @@ typedef struct {
 } k3_layer_w;
 
 /* Where weights come from. The default source serves everything from memory
- * (mapped shards or the blob); a streaming source (issue 4) replaces it with
+ * (mapped shards or the blob); a streaming source (memory/stream.h) replaces it with
  * k3_model_set_source. Calls are made in forward order: layer_get(L) before
  * layer L computes and layer_put(L) after; experts_get once per layer per
  * forward call with the union of the chunk's selected experts (ascending,
@@ -227,8 +228,8 @@ typedef struct {
     void (*layer_put)(void *ctx, int layer);
     int (*experts_get)(void *ctx, int layer, const int *ids, int n, k3_expert_w *ex, k3_err *err);
     void (*experts_put)(void *ctx, int layer, const int *ids, int n);
-    /* Optional (issue 7), the asynchronous form of experts_get, used by the
-     * decode MoE when set: experts_start issues the reads for ids[0..n) (same
+    /* Optional, the asynchronous form of experts_get, used by the decode MoE
+     * when set: experts_start issues the reads for ids[0..n) (same
      * arguments as experts_get; ex[i] may be filled now but its bytes are only
      * valid once experts_next has returned i) and returns at once, so the
      * model computes what does not need them while they are read;
@@ -303,7 +304,7 @@ int k3_bind_layer_no_experts(const k3_config *cfg, int L, k3_lookup_fn fn, void 
                              k3_owned *owned, k3_err *err);
 /* Binds the model-level tensors (embed_tokens, lm_head, norm, the output
  * AttnRes; layer -1 of the lookup) again from fn, checking them as at open,
- * e.g. from a packed trunk instead of the shards (issue 4). fn's data must
+ * e.g. from a packed trunk instead of the shards (one sequential read). fn's data must
  * outlive the model. The earlier tensors are no longer used. */
 int k3_model_bind_top(k3_model *m, k3_lookup_fn fn, void *ctx, k3_err *err);
 void k3_owned_free(k3_owned *o);
@@ -325,6 +326,16 @@ typedef struct {
  * sources src[0..nsrc) each [T][E]. */
 void k3_attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T,
                 float *out);
+/* The same block with the record training's backward needs (src/train):
+ * sources of width E, rms epsilon eps; alpha[T][nsrc] gets the softmax
+ * weights and rinv[T][nsrc] each source's inverse rms (either may be NULL).
+ * k3_attnres is this call with the config's E and rms_eps. */
+void k3_attnres_rows(const float *q, const float *const *src, int nsrc, int T, int E, float eps, float *out,
+                     float *alpha, float *rinv);
+/* RMSNorm of T rows of n: y = x / rms(x) * g (g NULL: no gain), rms(x) =
+ * sqrt(mean(x^2) + eps), the layers' and heads' norm; rinv[T] (may be NULL)
+ * records 1 / rms(x) for training's backward. y may alias x. */
+void k3_rmsnorm_rows(float *y, float *rinv, const float *x, const float *g, int T, int n, float eps);
 void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y);
 void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
             const float *x, int T, float *y);

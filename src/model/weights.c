@@ -14,6 +14,7 @@
  * blob) when suitably aligned, copied otherwise; F16 matrices are widened to
  * F32 (exact; the kernels have no F16 path). Small vectors (norm gains, biases,
  * conv taps, A_log) are always widened to f32 copies. MXFP4 experts stay packed. */
+#include "formats/names.h"
 #include "model/model_impl.h"
 
 #include <jansson.h>
@@ -212,15 +213,15 @@ static int bind_conv(binder *b, const char *name, int64_t P, int64_t K, float **
  * NAME.weight. The packed form is decided per tensor from the names present. */
 static int bind_expert_mat(binder *b, const char *base, int64_t rows, int64_t cols, k3_mat *m) {
     char pn[256], sn[256];
-    int k1 = snprintf(pn, sizeof pn, "%s.weight_packed", base);
-    int k2 = snprintf(sn, sizeof sn, "%s.weight_scale", base);
+    int k1 = snprintf(pn, sizeof pn, "%s" K3N_PACKED, base);
+    int k2 = snprintf(sn, sizeof sn, "%s" K3N_SCALE, base);
     if (k1 < 0 || k2 < 0 || (size_t)k1 >= sizeof pn || (size_t)k2 >= sizeof sn)
         return k3_fail(b->err, K3_EXIT_RUNTIME, "%s: name too long", base);
     k3_tensor tp, ts;
     int rc = find(b, pn, &tp, true);
     if (rc == 1) { /* unquantised expert */
         char wn[256];
-        int k3 = snprintf(wn, sizeof wn, "%s.weight", base);
+        int k3 = snprintf(wn, sizeof wn, "%s" K3N_WEIGHT, base);
         if (k3 < 0 || (size_t)k3 >= sizeof wn) return k3_fail(b->err, K3_EXIT_RUNTIME, "%s: name too long", base);
         k3_tensor tw;
         rc = find(b, wn, &tw, true);
@@ -254,9 +255,9 @@ static int bind_expert_mat(binder *b, const char *base, int64_t rows, int64_t co
 
 static int bind_mlp(binder *b, const char *pre, int64_t E, int64_t I, k3_mlp_w *w) {
     char g[160], u[160], d[160];
-    snprintf(g, sizeof g, "%s.gate_proj.weight", pre);
-    snprintf(u, sizeof u, "%s.up_proj.weight", pre);
-    snprintf(d, sizeof d, "%s.down_proj.weight", pre);
+    snprintf(g, sizeof g, "%s" K3N_GATE_PROJ, pre);
+    snprintf(u, sizeof u, "%s" K3N_UP_PROJ, pre);
+    snprintf(d, sizeof d, "%s" K3N_DOWN_PROJ, pre);
     int rc = bind_mat(b, g, I, E, &w->gate);
     if (!rc) rc = bind_mat(b, u, I, E, &w->up);
     if (!rc) rc = bind_mat(b, d, E, I, &w->down);
@@ -267,24 +268,24 @@ static int bind_kda(binder *b, k3_kda_w *w) {
     const k3_config *c = b->cfg;
     int64_t E = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     int rc;
-    if ((rc = bind_mat(b, "self_attn.q_proj.weight", P, E, &w->q)) ||
-        (rc = bind_mat(b, "self_attn.k_proj.weight", P, E, &w->k)) ||
-        (rc = bind_mat(b, "self_attn.v_proj.weight", P, E, &w->v)) ||
-        (rc = bind_conv(b, "self_attn.q_conv1d.weight", P, K, &w->conv[0])) ||
-        (rc = bind_conv(b, "self_attn.k_conv1d.weight", P, K, &w->conv[1])) ||
-        (rc = bind_conv(b, "self_attn.v_conv1d.weight", P, K, &w->conv[2])) ||
-        (rc = bind_mat(b, "self_attn.f_a_proj.weight", D, E, &w->f_a)) ||
-        (rc = bind_mat(b, "self_attn.f_b_proj.weight", P, D, &w->f_b)) ||
-        (rc = bind_vec(b, "self_attn.dt_bias", P, &w->dt_bias)) ||
-        (rc = bind_mat(b, "self_attn.b_proj.weight", H, E, &w->b)) ||
-        (rc = bind_mat(b, "self_attn.g_proj.weight", P, E, &w->g)) ||
-        (rc = bind_vec(b, "self_attn.o_norm.weight", D, &w->o_norm)) ||
-        (rc = bind_mat(b, "self_attn.o_proj.weight", E, P, &w->o)))
+    if ((rc = bind_mat(b, K3N_Q_PROJ, P, E, &w->q)) ||
+        (rc = bind_mat(b, K3N_K_PROJ, P, E, &w->k)) ||
+        (rc = bind_mat(b, K3N_V_PROJ, P, E, &w->v)) ||
+        (rc = bind_conv(b, K3N_Q_CONV, P, K, &w->conv[0])) ||
+        (rc = bind_conv(b, K3N_K_CONV, P, K, &w->conv[1])) ||
+        (rc = bind_conv(b, K3N_V_CONV, P, K, &w->conv[2])) ||
+        (rc = bind_mat(b, K3N_F_A, D, E, &w->f_a)) ||
+        (rc = bind_mat(b, K3N_F_B, P, D, &w->f_b)) ||
+        (rc = bind_vec(b, K3N_DT_BIAS, P, &w->dt_bias)) ||
+        (rc = bind_mat(b, K3N_B_PROJ, H, E, &w->b)) ||
+        (rc = bind_mat(b, K3N_G_PROJ, P, E, &w->g)) ||
+        (rc = bind_vec(b, K3N_O_NORM, D, &w->o_norm)) ||
+        (rc = bind_mat(b, K3N_O_PROJ, E, P, &w->o)))
         return rc;
     /* A_log is per head; the release stores D_k values with a zero tail, the
      * reference declares H_k (spec section 3.3): accept any length >= H. */
     k3_tensor t;
-    if ((rc = find(b, "self_attn.A_log", &t, false))) return rc;
+    if ((rc = find(b, K3N_A_LOG, &t, false))) return rc;
     if (t.dtype == KT_U8) return not_float(b, &t);
     if (t.rank != 1 || t.shape[0] < H)
         return k3_fail(b->err, K3_EXIT_DATA, "%s: expected a vector of at least %lld values (one per KDA head)",
@@ -300,19 +301,19 @@ static int bind_mla(binder *b, k3_mla_w *w) {
     int rc;
     memset(w, 0, sizeof *w);
     if (rq > 0) {
-        if ((rc = bind_mat(b, "self_attn.q_a_proj.weight", rq, E, &w->q_a)) ||
-            (rc = bind_vec(b, "self_attn.q_a_layernorm.weight", rq, &w->q_a_norm)) ||
-            (rc = bind_mat(b, "self_attn.q_b_proj.weight", H * (dn + dr), rq, &w->q_b)))
+        if ((rc = bind_mat(b, K3N_Q_A, rq, E, &w->q_a)) ||
+            (rc = bind_vec(b, K3N_Q_A_NORM, rq, &w->q_a_norm)) ||
+            (rc = bind_mat(b, K3N_Q_B, H * (dn + dr), rq, &w->q_b)))
             return rc;
-    } else if ((rc = bind_mat(b, "self_attn.q_proj.weight", H * (dn + dr), E, &w->q_b))) {
+    } else if ((rc = bind_mat(b, K3N_Q_PROJ, H * (dn + dr), E, &w->q_b))) {
         return rc;
     }
-    if ((rc = bind_mat(b, "self_attn.kv_a_proj_with_mqa.weight", rkv + dr, E, &w->kv_a)) ||
-        (rc = bind_vec(b, "self_attn.kv_a_layernorm.weight", rkv, &w->kv_a_norm)) ||
-        (rc = bind_mat(b, "self_attn.kv_b_proj.weight", H * (dn + dv), rkv, &w->kv_b)) ||
-        (rc = bind_mat(b, "self_attn.o_proj.weight", E, H * dv, &w->o)))
+    if ((rc = bind_mat(b, K3N_KV_A, rkv + dr, E, &w->kv_a)) ||
+        (rc = bind_vec(b, K3N_KV_A_NORM, rkv, &w->kv_a_norm)) ||
+        (rc = bind_mat(b, K3N_KV_B, H * (dn + dv), rkv, &w->kv_b)) ||
+        (rc = bind_mat(b, K3N_O_PROJ, E, H * dv, &w->o)))
         return rc;
-    if (c->mla_output_gate && (rc = bind_mat(b, "self_attn.g_proj.weight", H * dv, E, &w->g))) return rc;
+    if (c->mla_output_gate && (rc = bind_mat(b, K3N_G_PROJ, H * dv, E, &w->g))) return rc;
     return K3_OK;
 }
 
@@ -322,21 +323,21 @@ static int bind_moe(binder *b, k3_moe_w *w) {
             S = (int64_t)c->num_shared_experts * I;
     int rc;
     memset(w, 0, sizeof *w);
-    if ((rc = bind_mat(b, "block_sparse_moe.gate.weight", N, E, &w->router)) ||
-        (rc = bind_vec(b, "block_sparse_moe.gate.e_score_correction_bias", N, &w->router_bias)) ||
-        (rc = bind_mat(b, "block_sparse_moe.routed_expert_down_proj.weight", l, E, &w->down)) ||
-        (rc = bind_mat(b, "block_sparse_moe.routed_expert_up_proj.weight", E, l, &w->up)))
+    if ((rc = bind_mat(b, K3N_ROUTER, N, E, &w->router)) ||
+        (rc = bind_vec(b, K3N_ROUTER_BIAS, N, &w->router_bias)) ||
+        (rc = bind_mat(b, K3N_LAT_DOWN, l, E, &w->down)) ||
+        (rc = bind_mat(b, K3N_LAT_UP, E, l, &w->up)))
         return rc;
     if (c->latent_moe_use_norm &&
-        (rc = bind_vec(b, "block_sparse_moe.routed_expert_norm.weight", l, &w->norm)))
+        (rc = bind_vec(b, K3N_LAT_NORM, l, &w->norm)))
         return rc;
-    if (S > 0 && (rc = bind_mlp(b, "block_sparse_moe.shared_experts", E, S, &w->shared))) return rc;
+    if (S > 0 && (rc = bind_mlp(b, K3N_SHARED, E, S, &w->shared))) return rc;
     if (b->no_experts) return K3_OK; /* a weight source serves them (experts_get) */
     w->experts = k3_own(b->owned, xcalloc((size_t)N, sizeof *w->experts), (uint64_t)N * sizeof *w->experts);
     for (int64_t e = 0; e < N; e++) {
         char base[3][96];
         for (int j = 0; j < 3; j++)
-            snprintf(base[j], sizeof base[j], "block_sparse_moe.experts.%lld.w%d", (long long)e, j + 1);
+            snprintf(base[j], sizeof base[j], K3N_EXPERT_FMT, (int)e, j + 1);
         k3_expert_w *x = &w->experts[e];
         if ((rc = bind_expert_mat(b, base[0], I, l, &x->w1)) ||
             (rc = bind_expert_mat(b, base[2], I, l, &x->w3)) ||
@@ -354,15 +355,15 @@ static int bind_layer(binder *b, k3_layer_w *w) {
     memset(w, 0, sizeof *w);
     w->kind = cfg->layer_kind[L];
     w->dense = cfg->layer_dense[L];
-    if ((rc = bind_vec(b, "input_layernorm.weight", E, &w->input_norm)) ||
-        (rc = bind_vec(b, "post_attention_layernorm.weight", E, &w->post_norm)) ||
-        (rc = bind_res_query(b, "self_attention_res_norm.weight", "self_attention_res_proj.weight", E,
+    if ((rc = bind_vec(b, K3N_IN_NORM, E, &w->input_norm)) ||
+        (rc = bind_vec(b, K3N_POST_NORM, E, &w->post_norm)) ||
+        (rc = bind_res_query(b, K3N_ATTN_RES_NORM, K3N_ATTN_RES_PROJ, E,
                              &w->attn_res_q)) ||
-        (rc = bind_res_query(b, "mlp_res_norm.weight", "mlp_res_proj.weight", E, &w->mlp_res_q)))
+        (rc = bind_res_query(b, K3N_MLP_RES_NORM, K3N_MLP_RES_PROJ, E, &w->mlp_res_q)))
         return rc;
     rc = w->kind == 'K' ? bind_kda(b, &w->kda) : bind_mla(b, &w->mla);
     if (rc) return rc;
-    if (w->dense) rc = bind_mlp(b, "mlp", E, cfg->dense_inter, &w->mlp);
+    if (w->dense) rc = bind_mlp(b, K3N_MLP, E, cfg->dense_inter, &w->mlp);
     else rc = bind_moe(b, &w->moe);
     return rc;
 }
@@ -384,10 +385,10 @@ static int bind_top(k3_model *m, k3_lookup_fn fn, void *ctx, k3_err *err) {
     binder b = {.cfg = &m->cfg, .L = -1, .fn = fn, .ctx = ctx, .owned = &m->owned, .err = err};
     int64_t E = m->cfg.hidden_size, V = m->cfg.vocab_size;
     int rc;
-    if ((rc = bind_mat(&b, "embed_tokens.weight", V, E, &m->embed)) ||
-        (rc = bind_mat(&b, "lm_head.weight", V, E, &m->lm_head)) ||
-        (rc = bind_vec(&b, "norm.weight", E, &m->norm)) ||
-        (rc = bind_res_query(&b, "output_attn_res_norm.weight", "output_attn_res_proj.weight", E, &m->out_res_q)))
+    if ((rc = bind_mat(&b, K3N_EMBED, V, E, &m->embed)) ||
+        (rc = bind_mat(&b, K3N_HEAD, V, E, &m->lm_head)) ||
+        (rc = bind_vec(&b, K3N_NORM, E, &m->norm)) ||
+        (rc = bind_res_query(&b, K3N_OUT_RES_NORM, K3N_OUT_RES_PROJ, E, &m->out_res_q)))
         return rc;
     m->mapped_bytes += b.mapped;
     return K3_OK;
@@ -453,15 +454,15 @@ uint64_t k3_model_weight_bytes(const k3_model *m) { return m->mapped_bytes + m->
 
 typedef struct {
     st_index *ix;
-    const char *prefix;   /* "language_model.model." or "model." */
-    const char *head;     /* "language_model.lm_head.weight" or "lm_head.weight" */
+    const char *prefix;   /* K3N_PREFIX or K3N_PREFIX_PLAIN */
+    const char *head;     /* K3N_HEAD_FULL or K3N_HEAD */
     char name[512];
 } st_ctx;
 
 static int st_lookup(void *vctx, int layer, const char *name, k3_tensor *t, k3_err *err) {
     st_ctx *c = vctx;
     int k;
-    if (layer < 0 && !strcmp(name, "lm_head.weight")) k = snprintf(c->name, sizeof c->name, "%s", c->head);
+    if (layer < 0 && !strcmp(name, K3N_HEAD)) k = snprintf(c->name, sizeof c->name, "%s", c->head);
     else if (layer < 0) k = snprintf(c->name, sizeof c->name, "%s%s", c->prefix, name);
     else k = snprintf(c->name, sizeof c->name, "%slayers.%d.%s", c->prefix, layer, name);
     if (k < 0 || (size_t)k >= sizeof c->name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
@@ -495,10 +496,10 @@ int k3_model_open(const char *dir, const k3_model_opts *opts, k3_model **out, k3
     }
     apply_opts(m, opts);
     if ((rc = st_open(dir, &m->ix, err))) goto fail;
-    st_ctx c = {.ix = m->ix, .prefix = "language_model.model.", .head = "language_model.lm_head.weight"};
+    st_ctx c = {.ix = m->ix, .prefix = K3N_PREFIX, .head = K3N_HEAD_FULL};
     if (!st_find(m->ix, "language_model.model.embed_tokens.weight") && st_find(m->ix, "model.embed_tokens.weight")) {
-        c.prefix = "model.";
-        c.head = "lm_head.weight";
+        c.prefix = K3N_PREFIX_PLAIN;
+        c.head = K3N_HEAD;
     }
     if ((rc = bind_all(m, st_lookup, &c, opts && opts->top_only, err))) goto fail;
     k3_model_set_source(m, NULL);
@@ -530,21 +531,22 @@ int k3_model_open_lookup(const k3_config *cfg, k3_lookup_fn fn, void *ctx, const
 
 bool k3_peer_name(int layer, bool with_layer_prefix, const char *name, char *buf, size_t n) {
     static const struct { const char *from, *to; } moe[] = {
-        {"block_sparse_moe.gate.weight", "mlp.gate.weight"},
-        {"block_sparse_moe.gate.e_score_correction_bias", "mlp.e_score_correction_bias"},
-        {"block_sparse_moe.routed_expert_down_proj.weight", "mlp.down.weight"},
-        {"block_sparse_moe.routed_expert_up_proj.weight", "mlp.up.weight"},
-        {"block_sparse_moe.routed_expert_norm.weight", "mlp.norm.weight"},
-        {"block_sparse_moe.shared_experts.gate_proj.weight", "mlp.shared.w1.weight"},
-        {"block_sparse_moe.shared_experts.up_proj.weight", "mlp.shared.w3.weight"},
-        {"block_sparse_moe.shared_experts.down_proj.weight", "mlp.shared.w2.weight"},
+        {K3N_ROUTER, "mlp.gate.weight"},
+        {K3N_ROUTER_BIAS, "mlp.e_score_correction_bias"},
+        {K3N_LAT_DOWN, "mlp.down.weight"},
+        {K3N_LAT_UP, "mlp.up.weight"},
+        {K3N_LAT_NORM, "mlp.norm.weight"},
+        {K3N_SHARED K3N_GATE_PROJ, "mlp.shared.w1.weight"},
+        {K3N_SHARED K3N_UP_PROJ, "mlp.shared.w3.weight"},
+        {K3N_SHARED K3N_DOWN_PROJ, "mlp.shared.w2.weight"},
     };
     char tmp[256];
     const char *src = name;
     for (size_t i = 0; i < sizeof moe / sizeof moe[0]; i++)
         if (!strcmp(name, moe[i].from)) src = moe[i].to;
-    if (src == name && !strncmp(name, "block_sparse_moe.experts.", 25)) {
-        int k = snprintf(tmp, sizeof tmp, "mlp.experts.%s", name + 25);
+    const size_t nx = strlen(K3N_EXPERTS);
+    if (src == name && !strncmp(name, K3N_EXPERTS, nx)) {
+        int k = snprintf(tmp, sizeof tmp, "mlp.experts.%s", name + nx);
         if (k < 0 || (size_t)k >= sizeof tmp) return false;
         src = tmp;
     }

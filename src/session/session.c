@@ -158,6 +158,11 @@ k3_session *k3_session_new(k3_model *m, k3_state *st, k3_state_cache *cache) {
     k3_session *s = xcalloc(1, sizeof *s);
     s->m = m;
     s->st = st;
+    /* a cache made for another shape of state would hand out wrong-sized
+     * snapshots: such a session keeps none */
+    const k3_config *cfg = k3_model_config(m);
+    if (cache && (cache->kda_floats != k3_state_kda_floats(cfg) || cache->row_floats != k3_state_row_floats(cfg)))
+        cache = NULL;
     s->c = cache;
     s->V = k3_model_config(m)->vocab_size;
     s->cap = 256;
@@ -332,6 +337,9 @@ static void restore(k3_session *s, const float *kda, seg *tail, int pos, size_t 
 int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logits, size_t *reused, k3_err *err) {
     if (reused) *reused = 0;
     if (n == 0) return k3_fail(err, K3_EXIT_USAGE, "empty prompt");
+    if (n > (size_t)k3_state_max_pos(s->st))
+        return k3_fail(err, K3_EXIT_USAGE, "prompt of %zu tokens does not fit the state's %d positions", n,
+                       k3_state_max_pos(s->st));
     size_t d = 0; /* tokens the session's state and ids agree on */
     while (d < s->n && d < n && s->ids[d] == ids[d]) d++;
     if (d == s->n && d == n && s->have_logits) {

@@ -11,6 +11,16 @@
  *      snapshot whose ids are a prefix of ids[0..n-1] and feed the rest;
  *   3. else start cold at position 0.
  *
+ * Typical use (k3 chat; k3 serve shares one cache between requests):
+ *
+ *     k3_state_cache *sc = k3_state_cache_new(e->cfg, budget_bytes, 0);
+ *     k3_state *st;      k3_engine_state_new(e, max_pos, budget_bytes, &st, &err);
+ *     k3_session *s = k3_session_open(e, st, sc);
+ *     each turn:  k3_session_prefill(s, prompt, n, logits, &reused, &err);
+ *                 per generated id: k3_session_feed(s, &id, 1, logits, &err);
+ *                 k3_session_snapshot(s);                       // the turn end
+ *     k3_session_free(s); k3_engine_state_free(e, st); k3_state_cache_free(sc);
+ *
  * Invariants (the reuse contract, tested bit for bit in tests/test_session.c
  * and tests/cli/test_chat.sh):
  *  - the logits prefill returns equal, bit for bit, the logits of a cold
@@ -90,7 +100,9 @@ k3_state_cache_stats k3_state_cache_get_stats(k3_state_cache *sc);
 
 /* A session on model m with state st (both the caller's; st is used and reset
  * by the session, and must not be fed by anyone else while the session lives).
- * cache may be NULL (no snapshots: only case 1 above). */
+ * cache may be NULL (no snapshots: only case 1 above); it must have been made
+ * for m's config (a cache of another state shape is ignored). The state's
+ * max_pos bounds every prompt (longer: K3_EXIT_USAGE, session unchanged). */
 k3_session *k3_session_new(k3_model *m, k3_state *st, k3_state_cache *cache);
 /* The same on an engine (the usual way): tokens go through k3_engine_feed, so
  * the plan's chunks, weight source and run report apply; st from
@@ -103,8 +115,9 @@ void k3_session_reset(k3_session *s);
 /* Brings the session to "has consumed ids[0..n)" (n >= 1) as described above
  * and writes the logits of ids[n-1] to logits[V] (NULL: not wanted). *reused
  * (may be NULL): how many of the n tokens were not fed (taken from the
- * session's state or a snapshot). Errors: those of k3_forward (a too long
- * prompt: K3_EXIT_USAGE); after an error the session is reset. */
+ * session's state or a snapshot). Errors: a prompt longer than the state
+ * (K3_EXIT_USAGE, session unchanged); those of the forward pass, after which
+ * the session is reset. */
 int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logits, size_t *reused, k3_err *err);
 /* Appends n tokens (decoding: the sampled id) and writes the logits of the
  * last to logits[V] (NULL: none). Grid snapshots are taken on the way. */

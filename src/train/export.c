@@ -8,6 +8,7 @@
  *  - vectors and ShortConv taps (norm gains, A_log, dt_bias, conv, router
  *    biases): always F32, as the released checkpoint keeps its small fp32
  *    parameters (and they are a rounding error in size). */
+#include "formats/names.h"
 #include "train/export.h"
 #include "formats/safetensors.h"
 
@@ -245,7 +246,7 @@ static int path_join(char *buf, size_t n, const char *dir, const char *file, k3_
 }
 
 static bool is_routed_expert(const char *name) {
-    const char *s = strstr(name, ".block_sparse_moe.experts.");
+    const char *s = strstr(name, "." K3N_EXPERTS);
     size_t n = strlen(name);
     return s && n > 7 && !strcmp(name + n - 7, ".weight");
 }
@@ -320,9 +321,9 @@ int texport_write(const tmodel *m, const char *config_json, const char *out_dir,
                 memcpy(base, p->name, bl);
                 base[bl] = 0;
                 int64_t ps[2] = {rows, cols / 2}, ss[2] = {rows, cols / MXFP4_GROUP};
-                snprintf(nm, sizeof nm, "%s.weight_packed", base);
+                snprintf(nm, sizeof nm, "%s" K3N_PACKED, base);
                 add(&l, nm, "U8", 2, ps, packed, pb);
-                snprintf(nm, sizeof nm, "%s.weight_scale", base);
+                snprintf(nm, sizeof nm, "%s" K3N_SCALE, base);
                 add(&l, nm, "U8", 2, ss, scales, sb);
             } else if (o->experts == TEX_BF16) add_bf16(&l, p->name, 2, sh, x, p->numel);
             else add_f32(&l, p->name, 2, sh, x, p->numel);

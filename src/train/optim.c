@@ -1,5 +1,5 @@
 /* optim.c: AdamW, Muon and Per-Head Muon, the learning-rate schedule and
- * gradient clipping (issue 5 item 3; report section 2.5).
+ * gradient clipping (report section 2.5).
  *
  * Muon (Moonlight form): momentum buffer m = mu m + g, Nesterov update
  * g + mu m, orthogonalised by 5 Newton-Schulz quintic iterations with

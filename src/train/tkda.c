@@ -35,8 +35,8 @@ enum { KCK = 16 };
 static int ck_len(const tmodel *m) {
     if (m->kda_chunk <= 0) return KCK;
     float lb = fabsf(m->cfg.gate_lower_bound);
-    int cmax = lb > 0.0f ? (int)(80.0f / lb) : 64;
-    if (cmax > 64) cmax = 64;
+    int cmax = lb > 0.0f ? (int)(80.0f / lb) : TM_MAX_KDA_CHUNK;
+    if (cmax > TM_MAX_KDA_CHUNK) cmax = TM_MAX_KDA_CHUNK;
     if (cmax < 1) cmax = 1;
     return m->kda_chunk < cmax ? m->kda_chunk : cmax;
 }
@@ -402,7 +402,7 @@ K3_HOT void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float 
     /* head-wise RMSNorm (shared gain), sigmoid gate, o_proj */
     t_linear(a->gate, x, w + kw->g_proj, N, E, P);
     for (size_t i = 0; i < (size_t)N * P; i++) a->gate[i] = t_sigmoid(a->gate[i]);
-    t_rmsnorm(a->y, a->ro, a->o, w + kw->o_norm, N * H, D, c->rms_eps);
+    k3_rmsnorm_rows(a->y, a->ro, a->o, w + kw->o_norm, N * H, D, c->rms_eps);
     for (size_t i = 0; i < (size_t)N * P; i++) a->y[i] *= a->gate[i];
     t_linear(out, a->y, w + kw->o_proj, N, P, E);
 }

@@ -134,12 +134,12 @@ K3_HOT void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float 
     const float *w = m->w;
     const mla_w *mw = &ly->mla;
     t_linear(a->cq_pre, x, w + mw->q_a, N, E, rq);
-    t_rmsnorm(a->cq, a->rcq, a->cq_pre, w + mw->q_a_norm, N, rq, c->mla_latent_eps);
+    k3_rmsnorm_rows(a->cq, a->rcq, a->cq_pre, w + mw->q_a_norm, N, rq, c->mla_latent_eps);
     t_linear(a->q, a->cq, w + mw->q_b, N, rq, H * dq);
     t_linear(a->ckv, x, w + mw->kv_a, N, E, rkv + dr);
     for (int n = 0; n < N; n++)
         memcpy(a->clat + (size_t)n * rkv, a->ckv + (size_t)n * (rkv + dr), sizeof(float) * rkv);
-    t_rmsnorm(a->ckvn, a->rkv, a->clat, w + mw->kv_a_norm, N, rkv, c->mla_latent_eps);
+    k3_rmsnorm_rows(a->ckvn, a->rkv, a->clat, w + mw->kv_a_norm, N, rkv, c->mla_latent_eps);
     t_linear(a->kv, a->ckvn, w + mw->kv_b, N, rkv, H * dkv);
     const float scale = 1.0f / sqrtf((float)dq);
     if (m->bf16) {

@@ -16,21 +16,12 @@
 
 /* ---- dense SiTU-GLU MLP (also the fused shared experts) ----------------------- */
 
-K3_HOT static void situ_run_row(float *restrict h, const float *restrict a, const float *restrict u, int W, float b1,
-                         float b2) {
-    for (int i = 0; i < W; i++) {
-        float ga = b1 * t_tanh(a[i] / b1) * t_sigmoid(a[i]);
-        float gu = b2 * t_tanh(u[i] / b2);
-        h[i] = ga * gu;
-    }
-}
-
-K3_HOT static void situ_rows(float *h, const float *gu, int N, int W, float b1, float b2) {
+/* The forward is the kernels' SiTU-GLU (the model's), row by row. */
+static void situ_rows(float *h, const float *gu, int N, int W, float b1, float b2) {
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *a = gu + (size_t)n * 2 * W, *u = a + W;
-        float *hr = h + (size_t)n * W;
-        situ_run_row(hr, a, u, W, b1, b2);
+        k_situ_glu(h + (size_t)n * W, a, u, W, b1, b2);
     }
 }
 
@@ -151,9 +142,9 @@ K3_HOT void moe_forward(tmodel *m, const tm_layer *ly, moe_acts *a, const float 
         float *s = a->s + (size_t)n * Ne;
         for (int e = 0; e < Ne; e++) s[e] = t_sigmoid(s[e]);
         int *id = a->idx + (size_t)n * k;
-        int sel[65];
+        int sel[TM_MAX_TOPK + 1]; /* the k chosen and the first one left out */
         int kk = k < Ne ? k + 1 : k;
-        unsigned char used[1024];
+        unsigned char used[TM_MAX_EXPERTS];
         float cut = 0.0f;
         memset(used, 0, sizeof used);
         for (int j = 0; j < kk; j++) {
@@ -231,7 +222,7 @@ K3_HOT void moe_forward(tmodel *m, const tm_layer *ly, moe_acts *a, const float 
             for (int i = 0; i < lat; i++) u[i] = fmaf(pj, ev[i], u[i]);
         }
     }
-    t_rmsnorm(a->un, a->ru, a->u, w + q->lat_norm, N, lat, c->rms_eps);
+    k3_rmsnorm_rows(a->un, a->ru, a->u, w + q->lat_norm, N, lat, c->rms_eps);
     t_linear(out, a->un, w + q->lat_up, N, lat, E);
     mlp_forward(m, &q->shared, &a->sh, W, x, a->tmp, N);
     for (size_t i = 0; i < (size_t)N * E; i++) out[i] += a->tmp[i];

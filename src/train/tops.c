@@ -4,6 +4,8 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
+#include "model/model.h" /* the blocks' forward */
+#include "train/train.h" /* TM_MAX_ATTNRES_SOURCES */
 #include "util/common.h"
 
 /* The three products of a linear layer are one strided GEMM each
@@ -26,17 +28,6 @@ void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int 
 void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out) {
     tg_view dyt = {dY, 1, out}, x = {X, in, 1}; /* A(o, t) = dY[t][o] */
     tg_gemm(dW, in, out, in, n, dyt, x, true, g_mode);
-}
-
-void t_rmsnorm(float *y, float *r, const float *x, const float *g, int n, int dim, float eps) {
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < n; t++) {
-        const float *xr = x + (size_t)t * dim;
-        float *yr = y + (size_t)t * dim;
-        float inv = 1.0f / sqrtf(k_sumsq(xr, dim) / (float)dim + eps);
-        if (r) r[t] = inv;
-        for (int d = 0; d < dim; d++) yr[d] = g ? g[d] * (xr[d] * inv) : xr[d] * inv;
-    }
 }
 
 K3_HOT void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const float *r,
@@ -77,16 +68,6 @@ K3_HOT void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x,
     }
 }
 
-/* One row's worth (or any run) of SiTU-GLU; the loops vectorise (kmath). */
-static void situ_run(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1,
-                     float b2) {
-    for (size_t i = 0; i < m; i++) {
-        float ga = b1 * t_tanh(a[i] / b1) * t_sigmoid(a[i]);
-        float gu = b2 * t_tanh(u[i] / b2);
-        h[i] = ga * gu;
-    }
-}
-
 K3_HOT static void situ_bwd_run(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
                          const float *restrict u, size_t m, float b1, float b2) {
     for (size_t i = 0; i < m; i++) {
@@ -101,12 +82,14 @@ K3_HOT static void situ_bwd_run(float *restrict da, float *restrict du, const fl
 
 enum { SITU_BLK = 4096 };
 
-K3_HOT void t_situ(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1, float b2) {
+/* The forward is the kernels' SiTU-GLU (the one the model runs), in blocks
+ * over threads. */
+void t_situ(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1, float b2) {
     size_t nb = (m + SITU_BLK - 1) / SITU_BLK;
 #pragma omp parallel for schedule(static) if (nb > 1)
     for (size_t b = 0; b < nb; b++) {
         size_t i0 = b * SITU_BLK, n = m - i0 < SITU_BLK ? m - i0 : SITU_BLK;
-        situ_run(h + i0, a + i0, u + i0, n, b1, b2);
+        k_situ_glu(h + i0, a + i0, u + i0, (int)n, b1, b2);
     }
 }
 
@@ -120,33 +103,14 @@ K3_HOT void t_situ_bwd(float *restrict da, float *restrict du, const float *rest
     }
 }
 
-K3_HOT void t_attnres(float *out, float *alpha, float *r, const float *const *src, int m,
+/* The forward is the model graph's AttnRes (model.c) with the key-norm gain
+ * folded into the pseudo-query as the model binds it (gamma * w), recording
+ * alpha and the inverse rms for the backward. */
+void t_attnres(float *out, float *alpha, float *r, const float *const *src, int m,
                const float *gn, const float *w, int n, int dim, float eps) {
     float *gw = xmalloc_array((size_t)dim, sizeof(float));
-    for (int d = 0; d < dim; d++) gw[d] = gn[d] * w[d];
-#pragma omp parallel for schedule(static)
-    for (int t = 0; t < n; t++) {
-        float *al = alpha + (size_t)t * m, *rr = r + (size_t)t * m;
-        float mx = -INFINITY;
-        for (int i = 0; i < m; i++) {
-            const float *v = src[i] + (size_t)t * dim;
-            rr[i] = 1.0f / sqrtf(k_sumsq(v, dim) / (float)dim + eps);
-            al[i] = rr[i] * k_dot(gw, v, dim);
-            if (al[i] > mx) mx = al[i];
-        }
-        float s = 0.0f;
-        for (int i = 0; i < m; i++) { al[i] = t_exp(al[i] - mx); s += al[i]; }
-        for (int i = 0; i < m; i++) al[i] /= s;
-        /* o[d] = one fma chain over i per d; run with d innermost (vectorises,
-         * contiguous rows) in the same i order, so the bits are the chain's */
-        float *o = out + (size_t)t * dim;
-        for (int d = 0; d < dim; d++) o[d] = 0.0f;
-        for (int i = 0; i < m; i++) {
-            const float *v = src[i] + (size_t)t * dim;
-            const float ai = al[i];
-            for (int d = 0; d < dim; d++) o[d] = fmaf(ai, v[d], o[d]);
-        }
-    }
+    for (int d = 0; d < dim; d++) gw[d] = w[d] * gn[d];
+    k3_attnres_rows(gw, src, m, n, dim, eps, out, alpha, r);
     free(gw);
 }
 
@@ -161,7 +125,7 @@ K3_HOT void t_attnres_bwd(float *const *dsrc, float *dgn, float *dw, const float
     for (int t = 0; t < n; t++) {
         const float *al = alpha + (size_t)t * m, *rr = r + (size_t)t * m;
         const float *dy = dout + (size_t)t * dim;
-        float dal[64], ds[64];
+        float dal[TM_MAX_ATTNRES_SOURCES], ds[TM_MAX_ATTNRES_SOURCES];
         float mix = 0.0f;
         for (int i = 0; i < m; i++) {
             dal[i] = k_dot(dy, src[i] + (size_t)t * dim, dim);

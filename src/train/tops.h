@@ -30,15 +30,14 @@ void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int 
  * increasing order). */
 void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out);
 
-/* RMSNorm rows: y = g * x * r, r = 1/sqrt(mean(x^2)+eps); r[n] saved (may be NULL).
- * g may be NULL (no gain). */
-void t_rmsnorm(float *y, float *r, const float *x, const float *g, int n, int dim, float eps);
+/* RMSNorm rows forward: model.h's k3_rmsnorm_rows (y, r recorded). */
 /* Backward: given x, r, g, dy -> dx (+)= ..., dg += ... (dg may be NULL). */
 void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const float *r,
                    const float *g, int n, int dim, bool accumulate);
 
-/* SiTU-GLU h = [b1 tanh(a/b1) sig(a)] * [b2 tanh(u/b2)] over m elements, and its
- * backward (da, du overwritten). */
+/* SiTU-GLU h = [b1 tanh(a/b1) sig(a)] * [b2 tanh(u/b2)] over m elements (the
+ * kernels' k_situ_glu, as the model runs it), and its backward (da, du
+ * overwritten). */
 void t_situ(float *restrict h, const float *restrict a, const float *restrict u, size_t m, float b1, float b2);
 void t_situ_bwd(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
                 const float *restrict u, size_t m, float b1, float b2);
@@ -52,7 +51,8 @@ static inline float t_sigmoid(float x) { return km_sigmoid(x); }
 
 /* Block AttnRes over m sources (each [n][dim]): per row, k_i = rmsnorm(v_i; gn),
  * s_i = <k_i, w>, a = softmax(s), out = sum_i a_i v_i. Saves alpha[n][m] and the
- * per-source inverse rms r[n][m] for the backward. */
+ * per-source inverse rms r[n][m] for the backward. The forward is the model
+ * graph's (model.h k3_attnres_rows). */
 void t_attnres(float *out, float *alpha, float *r, const float *const *src, int m,
                const float *gn, const float *w, int n, int dim, float eps);
 /* Backward: dsrc[i] += ..., dgn += ..., dw += ... */

@@ -2,6 +2,7 @@
  * layer-level forward/backward (embedding, Block AttnRes, norms, head,
  * cross-entropy). The attention and MLP sublayers live in tkda.c, tmla.c and
  * tmoe.c. Spec: ../shared/docs/k3-checkpoint-format.md sections 5-12. */
+#include "formats/names.h"
 #include "train/tinternal.h"
 
 #include <math.h>
@@ -43,7 +44,7 @@ static void set_blocks(tmodel *m, int n, const int *rows) {
     memcpy(p->blocks, rows, sizeof(int) * (size_t)n);
 }
 
-#define PFX "language_model.model."
+#define PFX K3N_PREFIX
 
 static size_t addf(tmodel *m, int *cap, int layer, const char *suffix, int rank, int d0, int d1,
                    int d2, tgroup g, const char *comp) {
@@ -58,7 +59,7 @@ static size_t addf(tmodel *m, int *cap, int layer, const char *suffix, int rank,
 }
 
 void tm_bias_name(int layer, char *buf, size_t n) {
-    int r = snprintf(buf, n, PFX "layers.%d.block_sparse_moe.gate.e_score_correction_bias", layer);
+    int r = snprintf(buf, n, PFX "layers.%d." K3N_ROUTER_BIAS, layer);
     if (r < 0 || (size_t)r >= n) buf[0] = 0;
 }
 
@@ -68,122 +69,122 @@ int tm_build(tmodel *m, const k3_config *c, k3_err *err) {
     const int E = c->hidden_size, L = c->num_layers;
     if (c->attn_res_block_size <= 0)
         return k3_fail(err, K3_EXIT_USAGE, "config: the trainer needs attn_res_block_size > 0");
-    if ((L + c->attn_res_block_size - 1) / c->attn_res_block_size + 1 > 64)
-        return k3_fail(err, K3_EXIT_USAGE, "config: more than 64 AttnRes sources");
+    if ((L + c->attn_res_block_size - 1) / c->attn_res_block_size + 1 > TM_MAX_ATTNRES_SOURCES)
+        return k3_fail(err, K3_EXIT_USAGE, "config: more than %d AttnRes sources", TM_MAX_ATTNRES_SOURCES);
     if (!c->latent_moe_use_norm || !c->mla_output_gate)
         return k3_fail(err, K3_EXIT_USAGE,
                        "config: the trainer supports latent_moe_use_norm and mla_use_output_gate true only");
-    if (c->experts_per_token < 1 || c->experts_per_token > c->num_experts || c->experts_per_token > 64 ||
-        c->num_experts > 1024)
+    if (c->experts_per_token < 1 || c->experts_per_token > c->num_experts || c->experts_per_token > TM_MAX_TOPK ||
+        c->num_experts > TM_MAX_EXPERTS)
         return k3_fail(err, K3_EXIT_USAGE,
-                       "config: the trainer needs 1 <= num_experts_per_token <= min(num_experts, 64) and "
-                       "num_experts <= 1024");
+                       "config: the trainer needs 1 <= num_experts_per_token <= min(num_experts, %d) and "
+                       "num_experts <= %d", TM_MAX_TOPK, TM_MAX_EXPERTS);
     int cap = 0;
     m->layers = xcalloc((size_t)L, sizeof(tm_layer));
     m->moe_layer = xcalloc((size_t)L, sizeof(int));
-    m->embed = addf(m, &cap, -1, PFX "embed_tokens.weight", 2, c->vocab_size, E, 0, TG_ADAMW, "embedding");
+    m->embed = addf(m, &cap, -1, PFX K3N_EMBED, 2, c->vocab_size, E, 0, TG_ADAMW, "embedding");
     for (int l = 0; l < L; l++) {
         tm_layer *y = &m->layers[l];
         y->kind = c->layer_kind[l];
         y->dense = c->layer_dense[l];
         y->moe = -1;
         const char *nc = "norms+attnres";
-        y->in_norm = addf(m, &cap, l, "input_layernorm.weight", 1, E, 0, 0, TG_ADAMW_ND, nc);
-        y->post_norm = addf(m, &cap, l, "post_attention_layernorm.weight", 1, E, 0, 0, TG_ADAMW_ND, nc);
-        y->attn_res_norm = addf(m, &cap, l, "self_attention_res_norm.weight", 1, E, 0, 0, TG_ADAMW_ND, nc);
-        y->mlp_res_norm = addf(m, &cap, l, "mlp_res_norm.weight", 1, E, 0, 0, TG_ADAMW_ND, nc);
-        y->attn_res_proj = addf(m, &cap, l, "self_attention_res_proj.weight", 2, 1, E, 0, TG_ADAMW, nc);
-        y->mlp_res_proj = addf(m, &cap, l, "mlp_res_proj.weight", 2, 1, E, 0, TG_ADAMW, nc);
+        y->in_norm = addf(m, &cap, l, K3N_IN_NORM, 1, E, 0, 0, TG_ADAMW_ND, nc);
+        y->post_norm = addf(m, &cap, l, K3N_POST_NORM, 1, E, 0, 0, TG_ADAMW_ND, nc);
+        y->attn_res_norm = addf(m, &cap, l, K3N_ATTN_RES_NORM, 1, E, 0, 0, TG_ADAMW_ND, nc);
+        y->mlp_res_norm = addf(m, &cap, l, K3N_MLP_RES_NORM, 1, E, 0, 0, TG_ADAMW_ND, nc);
+        y->attn_res_proj = addf(m, &cap, l, K3N_ATTN_RES_PROJ, 2, 1, E, 0, TG_ADAMW, nc);
+        y->mlp_res_proj = addf(m, &cap, l, K3N_MLP_RES_PROJ, 2, 1, E, 0, TG_ADAMW, nc);
         if (y->kind == 'K') {
             const int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
             int rows[TM_MAX_BLOCKS];
             if (H > TM_MAX_BLOCKS) return k3_fail(err, K3_EXIT_USAGE, "config: too many KDA heads");
             for (int h = 0; h < H; h++) rows[h] = D;
             const char *kc = "kda";
-            y->kda.qkv = addf(m, &cap, l, "self_attn.q_proj.weight", 2, P, E, 0, TG_MUON_HEADS, kc);
+            y->kda.qkv = addf(m, &cap, l, K3N_Q_PROJ, 2, P, E, 0, TG_MUON_HEADS, kc);
             set_blocks(m, H, rows);
-            addf(m, &cap, l, "self_attn.k_proj.weight", 2, P, E, 0, TG_MUON_HEADS, kc);
+            addf(m, &cap, l, K3N_K_PROJ, 2, P, E, 0, TG_MUON_HEADS, kc);
             set_blocks(m, H, rows);
-            addf(m, &cap, l, "self_attn.v_proj.weight", 2, P, E, 0, TG_MUON_HEADS, kc);
+            addf(m, &cap, l, K3N_V_PROJ, 2, P, E, 0, TG_MUON_HEADS, kc);
             set_blocks(m, H, rows);
-            y->kda.conv = addf(m, &cap, l, "self_attn.q_conv1d.weight", 3, P, 1, K, TG_ADAMW, kc);
-            addf(m, &cap, l, "self_attn.k_conv1d.weight", 3, P, 1, K, TG_ADAMW, kc);
-            addf(m, &cap, l, "self_attn.v_conv1d.weight", 3, P, 1, K, TG_ADAMW, kc);
-            y->kda.f_a = addf(m, &cap, l, "self_attn.f_a_proj.weight", 2, D, E, 0, TG_MUON, kc);
-            y->kda.f_b = addf(m, &cap, l, "self_attn.f_b_proj.weight", 2, P, D, 0, TG_MUON, kc);
-            y->kda.A_log = addf(m, &cap, l, "self_attn.A_log", 1, H, 0, 0, TG_ADAMW_ND, kc);
-            y->kda.dt_bias = addf(m, &cap, l, "self_attn.dt_bias", 1, P, 0, 0, TG_ADAMW_ND, kc);
-            y->kda.b_proj = addf(m, &cap, l, "self_attn.b_proj.weight", 2, H, E, 0, TG_MUON, kc);
-            y->kda.g_proj = addf(m, &cap, l, "self_attn.g_proj.weight", 2, P, E, 0, TG_MUON, kc);
-            y->kda.o_norm = addf(m, &cap, l, "self_attn.o_norm.weight", 1, D, 0, 0, TG_ADAMW_ND, kc);
-            y->kda.o_proj = addf(m, &cap, l, "self_attn.o_proj.weight", 2, E, P, 0, TG_MUON, kc);
+            y->kda.conv = addf(m, &cap, l, K3N_Q_CONV, 3, P, 1, K, TG_ADAMW, kc);
+            addf(m, &cap, l, K3N_K_CONV, 3, P, 1, K, TG_ADAMW, kc);
+            addf(m, &cap, l, K3N_V_CONV, 3, P, 1, K, TG_ADAMW, kc);
+            y->kda.f_a = addf(m, &cap, l, K3N_F_A, 2, D, E, 0, TG_MUON, kc);
+            y->kda.f_b = addf(m, &cap, l, K3N_F_B, 2, P, D, 0, TG_MUON, kc);
+            y->kda.A_log = addf(m, &cap, l, K3N_A_LOG, 1, H, 0, 0, TG_ADAMW_ND, kc);
+            y->kda.dt_bias = addf(m, &cap, l, K3N_DT_BIAS, 1, P, 0, 0, TG_ADAMW_ND, kc);
+            y->kda.b_proj = addf(m, &cap, l, K3N_B_PROJ, 2, H, E, 0, TG_MUON, kc);
+            y->kda.g_proj = addf(m, &cap, l, K3N_G_PROJ, 2, P, E, 0, TG_MUON, kc);
+            y->kda.o_norm = addf(m, &cap, l, K3N_O_NORM, 1, D, 0, 0, TG_ADAMW_ND, kc);
+            y->kda.o_proj = addf(m, &cap, l, K3N_O_PROJ, 2, E, P, 0, TG_MUON, kc);
         } else {
             const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
             int rows[TM_MAX_BLOCKS];
             if (2 * H > TM_MAX_BLOCKS) return k3_fail(err, K3_EXIT_USAGE, "config: too many MLA heads");
             const char *mc = "mla";
-            y->mla.q_a = addf(m, &cap, l, "self_attn.q_a_proj.weight", 2, c->q_lora_rank, E, 0, TG_MUON, mc);
-            y->mla.q_a_norm = addf(m, &cap, l, "self_attn.q_a_layernorm.weight", 1, c->q_lora_rank, 0, 0,
+            y->mla.q_a = addf(m, &cap, l, K3N_Q_A, 2, c->q_lora_rank, E, 0, TG_MUON, mc);
+            y->mla.q_a_norm = addf(m, &cap, l, K3N_Q_A_NORM, 1, c->q_lora_rank, 0, 0,
                                    TG_ADAMW_ND, mc);
-            y->mla.q_b = addf(m, &cap, l, "self_attn.q_b_proj.weight", 2, H * (dn + dr), c->q_lora_rank, 0,
+            y->mla.q_b = addf(m, &cap, l, K3N_Q_B, 2, H * (dn + dr), c->q_lora_rank, 0,
                               TG_MUON_HEADS, mc);
             for (int h = 0; h < H; h++) rows[h] = dn + dr;
             set_blocks(m, H, rows);
-            y->mla.kv_a = addf(m, &cap, l, "self_attn.kv_a_proj_with_mqa.weight", 2, c->kv_lora_rank + dr, E,
+            y->mla.kv_a = addf(m, &cap, l, K3N_KV_A, 2, c->kv_lora_rank + dr, E,
                                0, TG_MUON, mc);
-            y->mla.kv_a_norm = addf(m, &cap, l, "self_attn.kv_a_layernorm.weight", 1, c->kv_lora_rank, 0, 0,
+            y->mla.kv_a_norm = addf(m, &cap, l, K3N_KV_A_NORM, 1, c->kv_lora_rank, 0, 0,
                                     TG_ADAMW_ND, mc);
-            y->mla.kv_b = addf(m, &cap, l, "self_attn.kv_b_proj.weight", 2, H * (dn + dv), c->kv_lora_rank,
+            y->mla.kv_b = addf(m, &cap, l, K3N_KV_B, 2, H * (dn + dv), c->kv_lora_rank,
                                0, TG_MUON_HEADS, mc);
             for (int h = 0; h < H; h++) { rows[2 * h] = dn; rows[2 * h + 1] = dv; }
             set_blocks(m, 2 * H, rows);
-            y->mla.o_proj = addf(m, &cap, l, "self_attn.o_proj.weight", 2, E, H * dv, 0, TG_MUON, mc);
-            y->mla.g_proj = addf(m, &cap, l, "self_attn.g_proj.weight", 2, H * dv, E, 0, TG_MUON, mc);
+            y->mla.o_proj = addf(m, &cap, l, K3N_O_PROJ, 2, E, H * dv, 0, TG_MUON, mc);
+            y->mla.g_proj = addf(m, &cap, l, K3N_G_PROJ, 2, H * dv, E, 0, TG_MUON, mc);
         }
         if (y->dense) {
             const int I = c->dense_inter;
             const char *dc = "dense mlp";
-            y->mlp.gate_up = addf(m, &cap, l, "mlp.gate_proj.weight", 2, I, E, 0, TG_MUON, dc);
-            addf(m, &cap, l, "mlp.up_proj.weight", 2, I, E, 0, TG_MUON, dc);
-            y->mlp.down = addf(m, &cap, l, "mlp.down_proj.weight", 2, E, I, 0, TG_MUON, dc);
+            y->mlp.gate_up = addf(m, &cap, l, K3N_MLP K3N_GATE_PROJ, 2, I, E, 0, TG_MUON, dc);
+            addf(m, &cap, l, K3N_MLP K3N_UP_PROJ, 2, I, E, 0, TG_MUON, dc);
+            y->mlp.down = addf(m, &cap, l, K3N_MLP K3N_DOWN_PROJ, 2, E, I, 0, TG_MUON, dc);
         } else {
             const int Ne = c->num_experts, lat = c->latent_dim, I = c->moe_inter;
             const int W = c->num_shared_experts * I;
             y->moe = m->n_moe;
             m->moe_layer[m->n_moe++] = l;
             moe_w *q = &y->moe_w;
-            q->router = addf(m, &cap, l, "block_sparse_moe.gate.weight", 2, Ne, E, 0, TG_MUON, "router");
-            q->lat_down = addf(m, &cap, l, "block_sparse_moe.routed_expert_down_proj.weight", 2, lat, E, 0,
+            q->router = addf(m, &cap, l, K3N_ROUTER, 2, Ne, E, 0, TG_MUON, "router");
+            q->lat_down = addf(m, &cap, l, K3N_LAT_DOWN, 2, lat, E, 0,
                                TG_MUON, "latent proj");
-            q->lat_norm = addf(m, &cap, l, "block_sparse_moe.routed_expert_norm.weight", 1, lat, 0, 0,
+            q->lat_norm = addf(m, &cap, l, K3N_LAT_NORM, 1, lat, 0, 0,
                                TG_ADAMW_ND, "latent proj");
-            q->lat_up = addf(m, &cap, l, "block_sparse_moe.routed_expert_up_proj.weight", 2, E, lat, 0,
+            q->lat_up = addf(m, &cap, l, K3N_LAT_UP, 2, E, lat, 0,
                              TG_MUON, "latent proj");
             const char *sc = "shared experts";
-            q->shared.gate_up = addf(m, &cap, l, "block_sparse_moe.shared_experts.gate_proj.weight", 2, W, E,
+            q->shared.gate_up = addf(m, &cap, l, K3N_SHARED K3N_GATE_PROJ, 2, W, E,
                                      0, TG_MUON, sc);
-            addf(m, &cap, l, "block_sparse_moe.shared_experts.up_proj.weight", 2, W, E, 0, TG_MUON, sc);
-            q->shared.down = addf(m, &cap, l, "block_sparse_moe.shared_experts.down_proj.weight", 2, E, W, 0,
+            addf(m, &cap, l, K3N_SHARED K3N_UP_PROJ, 2, W, E, 0, TG_MUON, sc);
+            q->shared.down = addf(m, &cap, l, K3N_SHARED K3N_DOWN_PROJ, 2, E, W, 0,
                                   TG_MUON, sc);
             q->w13 = xmalloc_array((size_t)Ne, sizeof(size_t));
             q->w2 = xmalloc_array((size_t)Ne, sizeof(size_t));
             for (int e = 0; e < Ne; e++) {
                 char s[96];
                 const char *rc = "routed experts";
-                snprintf(s, sizeof s, "block_sparse_moe.experts.%d.w1.weight", e);
+                snprintf(s, sizeof s, K3N_EXPERT_FMT K3N_WEIGHT, e, 1);
                 q->w13[e] = addf(m, &cap, l, s, 2, I, lat, 0, TG_MUON, rc);
-                snprintf(s, sizeof s, "block_sparse_moe.experts.%d.w3.weight", e);
+                snprintf(s, sizeof s, K3N_EXPERT_FMT K3N_WEIGHT, e, 3);
                 addf(m, &cap, l, s, 2, I, lat, 0, TG_MUON, rc);
-                snprintf(s, sizeof s, "block_sparse_moe.experts.%d.w2.weight", e);
+                snprintf(s, sizeof s, K3N_EXPERT_FMT K3N_WEIGHT, e, 2);
                 q->w2[e] = addf(m, &cap, l, s, 2, lat, I, 0, TG_MUON, rc);
             }
         }
     }
     const char *fc = "final norm+attnres";
-    m->norm = addf(m, &cap, -1, PFX "norm.weight", 1, E, 0, 0, TG_ADAMW_ND, fc);
-    m->out_res_norm = addf(m, &cap, -1, PFX "output_attn_res_norm.weight", 1, E, 0, 0, TG_ADAMW_ND, fc);
-    m->out_res_proj = addf(m, &cap, -1, PFX "output_attn_res_proj.weight", 2, 1, E, 0, TG_ADAMW, fc);
-    m->head = addf(m, &cap, -1, "language_model.lm_head.weight", 2, c->vocab_size, E, 0, TG_ADAMW, "lm_head");
+    m->norm = addf(m, &cap, -1, PFX K3N_NORM, 1, E, 0, 0, TG_ADAMW_ND, fc);
+    m->out_res_norm = addf(m, &cap, -1, PFX K3N_OUT_RES_NORM, 1, E, 0, 0, TG_ADAMW_ND, fc);
+    m->out_res_proj = addf(m, &cap, -1, PFX K3N_OUT_RES_PROJ, 2, 1, E, 0, TG_ADAMW, fc);
+    m->head = addf(m, &cap, -1, K3N_HEAD_FULL, 2, c->vocab_size, E, 0, TG_ADAMW, "lm_head");
     m->w = xcalloc(m->nw, sizeof(float));
     m->g = xcalloc(m->nw, sizeof(float));
     m->bias = xcalloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)c->num_experts, sizeof(float));
@@ -273,7 +274,7 @@ int tm_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err)
     const tmodel *m = ctx;
     static _Thread_local char full[192];
     int k = layer >= 0 ? snprintf(full, sizeof full, PFX "layers.%d.%s", layer, name)
-            : !strcmp(name, "lm_head.weight") ? snprintf(full, sizeof full, "language_model.%s", name)
+            : !strcmp(name, K3N_HEAD) ? snprintf(full, sizeof full, K3N_HEAD_PARENT "%s", name)
                                                : snprintf(full, sizeof full, PFX "%s", name);
     if (k < 0 || (size_t)k >= sizeof full) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long: %s", name);
     t->where = full;
@@ -286,7 +287,7 @@ int tm_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err)
         t->data = m->w + p->off;
         return K3_OK;
     }
-    if (layer >= 0 && !strcmp(name, "block_sparse_moe.gate.e_score_correction_bias")) {
+    if (layer >= 0 && !strcmp(name, K3N_ROUTER_BIAS)) {
         for (int q = 0; q < m->n_moe; q++)
             if (m->moe_layer[q] == layer) {
                 t->rank = 1;
@@ -330,7 +331,7 @@ void tm_init(tmodel *m, uint64_t seed) {
         tparam *p = &m->params[i];
         float *w = m->w + p->off;
         uint64_t s = seed ^ (0xD1B54A32D192ED03ull * (uint64_t)(i + 1));
-        if (ends_with(p->name, "norm.weight") || ends_with(p->name, "layernorm.weight")) {
+        if (ends_with(p->name, "norm.weight")) { /* every norm gain */
             for (size_t j = 0; j < p->numel; j++) w[j] = 1.0f;
         } else if (ends_with(p->name, "res_proj.weight") || ends_with(p->name, "A_log")) {
             memset(w, 0, sizeof(float) * p->numel);
@@ -480,7 +481,7 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
         m->qb_marg = xrealloc_array(m->qb_marg, (size_t)m->qb_cap * (size_t)(m->n_moe ? m->n_moe : 1),
                                     sizeof(float) * (size_t)c->num_experts);
     }
-    const float *srcs[66];
+    const float *srcs[TM_MAX_ATTNRES_SOURCES];
     const float *p_in = a->h0;
     for (int l = 0; l < L; l++) {
         const tm_layer *y = &m->layers[l];
@@ -495,7 +496,7 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
             ain = x->a;
         }
         bool boundary = l % S == 0;
-        t_rmsnorm(x->xin, x->rin, ain, m->w + y->in_norm, N, E, c->rms_eps);
+        k3_rmsnorm_rows(x->xin, x->rin, ain, m->w + y->in_norm, N, E, c->rms_eps);
         if (y->kind == 'K')
             kda_forward(m, y, &x->kda, x->xin, x->p_mid, B, T);
         else
@@ -507,7 +508,7 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
         srcs[nba] = x->p_mid;
         t_attnres(x->mm, x->al_m, x->r_m, srcs, x->m_m, m->w + y->mlp_res_norm, m->w + y->mlp_res_proj, N, E,
                   c->rms_eps);
-        t_rmsnorm(x->xm, x->rm, x->mm, m->w + y->post_norm, N, E, c->rms_eps);
+        k3_rmsnorm_rows(x->xm, x->rm, x->mm, m->w + y->post_norm, N, E, c->rms_eps);
         if (y->dense)
             mlp_forward(m, &y->mlp, &x->mlp, c->dense_inter, x->xm, x->p_out, N);
         else
@@ -520,7 +521,7 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
     srcs[nb] = p_in;
     t_attnres(a->xf, a->al_f, a->r_f, srcs, a->m_f, m->w + m->out_res_norm, m->w + m->out_res_proj, N, E,
               c->rms_eps);
-    t_rmsnorm(a->xn, a->rn, a->xf, m->w + m->norm, N, E, c->rms_eps);
+    k3_rmsnorm_rows(a->xn, a->rn, a->xf, m->w + m->norm, N, E, c->rms_eps);
     t_linear(m->logits, a->xn, m->w + m->head, N, E, V);
     double loss;
     t_cross_entropy(m->logits, a->tgt, N, V, &loss, NULL, 0.0f);
@@ -552,8 +553,8 @@ void tm_backward(tmodel *m, float scale) {
     t_linear_dx(dx, m->logits, m->w + m->head, N, E, V, false);
     t_rmsnorm_bwd(dn, g + m->norm, dx, a->xf, a->rn, m->w + m->norm, N, E, false);
     /* final AttnRes: sources blocks + last partial */
-    const float *srcs[66];
-    float *dsrc[66];
+    const float *srcs[TM_MAX_ATTNRES_SOURCES];
+    float *dsrc[TM_MAX_ATTNRES_SOURCES];
     memset(dp, 0, sizeof(float) * NE);
     for (int i = 0; i < nb; i++) { srcs[i] = blk(m, i); dsrc[i] = a->dblk + (size_t)i * NE; }
     srcs[nb] = a->l[L - 1].p_out;

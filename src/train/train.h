@@ -28,6 +28,13 @@ typedef enum {
 
 #define TM_MAX_BLOCKS 256
 
+/* Bounds of the trainer's fixed-size per-row scratch; tm_build refuses a
+ * config beyond them (K3_EXIT_USAGE), so no array is ever overrun. */
+#define TM_MAX_ATTNRES_SOURCES 64 /* AttnRes inputs of one layer: blocks + the partial */
+#define TM_MAX_TOPK 64            /* num_experts_per_token */
+#define TM_MAX_EXPERTS 1024       /* routed experts per MoE layer */
+#define TM_MAX_KDA_CHUNK 64       /* --kda-chunk, positions per chunk */
+
 typedef struct {
     char name[112];
     int rank;
@@ -177,5 +184,11 @@ typedef struct {
 } ttrain_opts;
 
 int k3_train_run(const ttrain_opts *o, k3_err *err);
+
+/* loss.svg (lossplot.c): the train losses (hs[i], hl[i]) and the validation
+ * losses (he[i], hv[i]) against the step, written atomically to path;
+ * non-finite values are skipped. */
+int tplot_loss_svg(const char *path, const int64_t *hs, const double *hl, size_t nh, const int64_t *he,
+                   const double *hv, size_t ne, k3_err *err);
 
 #endif

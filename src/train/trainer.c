@@ -14,7 +14,6 @@
 #include <math.h>
 #include <omp.h>
 #include <signal.h>
-#include <stdarg.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -163,73 +162,10 @@ static int write_state(run *r, const char *status, const char *error, k3_err *er
     return rc;
 }
 
-/* ---- loss.svg --------------------------------------------------------------------- */
-
-typedef struct { char *b; size_t n, cap; } sbuf;
-static void __attribute__((format(printf, 2, 3))) sb_printf(sbuf *s, const char *fmt, ...) {
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int k = vsnprintf(s->b + s->n, s->cap - s->n, fmt, ap);
-        va_end(ap);
-        if (k < 0) return;
-        if ((size_t)k < s->cap - s->n) { s->n += (size_t)k; return; }
-        s->cap = (s->cap + (size_t)k + 1) * 2;
-        s->b = xrealloc(s->b, s->cap);
-    }
-}
-
 static int write_svg(run *r, k3_err *err) {
-    const double W = 720, H = 400, L = 60, R = 20, Tp = 30, Bt = 40;
-    double lo = INFINITY, hi = -INFINITY;
-    int64_t smax = 1;
-    for (size_t i = 0; i < r->nh; i++) {
-        if (isfinite(r->hl[i])) { lo = fmin(lo, r->hl[i]); hi = fmax(hi, r->hl[i]); }
-        if (r->hs[i] > smax) smax = r->hs[i];
-    }
-    for (size_t i = 0; i < r->ne; i++) {
-        if (isfinite(r->hv[i])) { lo = fmin(lo, r->hv[i]); hi = fmax(hi, r->hv[i]); }
-        if (r->he[i] > smax) smax = r->he[i];
-    }
-    if (!isfinite(lo)) { lo = 0; hi = 1; }
-    if (hi - lo < 1e-6) hi = lo + 1;
-    sbuf sb = {xmalloc(4096), 0, 4096};
-#define PR(...) sb_printf(&sb, __VA_ARGS__)
-    PR("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" viewBox=\"0 0 %g %g\">\n", W, H, W, H);
-    PR("<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
-    PR("<text x=\"%g\" y=\"20\" font-family=\"sans-serif\" font-size=\"14\">loss (nats/token) vs step: "
-       "<tspan fill=\"#1f77b4\">train</tspan> <tspan fill=\"#d62728\">validation</tspan></text>\n", L);
-    PR("<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" stroke=\"#888\"/>\n", L, Tp, W - L - R,
-       H - Tp - Bt);
-    for (int k = 0; k <= 4; k++) {
-        double v = lo + (hi - lo) * k / 4, y = H - Bt - (H - Tp - Bt) * k / 4;
-        PR("<text x=\"%g\" y=\"%g\" font-family=\"sans-serif\" font-size=\"11\" text-anchor=\"end\">%.3f</text>\n",
-           L - 4, y + 4, v);
-        double s = (double)smax * k / 4, x = L + (W - L - R) * k / 4;
-        PR("<text x=\"%g\" y=\"%g\" font-family=\"sans-serif\" font-size=\"11\" text-anchor=\"middle\">%.0f</text>\n",
-           x, H - Bt + 16, s);
-    }
-    for (int pass = 0; pass < 2; pass++) {
-        size_t cnt = pass ? r->ne : r->nh;
-        if (!cnt) continue;
-        PR("<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%s\" points=\"", pass ? "#d62728" : "#1f77b4",
-           pass ? "2" : "1");
-        for (size_t i = 0; i < cnt; i++) {
-            double v = pass ? r->hv[i] : r->hl[i];
-            int64_t st = pass ? r->he[i] : r->hs[i];
-            if (!isfinite(v)) continue;
-            double x = L + (W - L - R) * (double)st / (double)smax;
-            double y = H - Bt - (H - Tp - Bt) * (v - lo) / (hi - lo);
-            PR("%.1f,%.1f ", x, y);
-        }
-        PR("\"/>\n");
-    }
-    PR("</svg>\n");
-#undef PR
     char *p = path_in(r, "loss.svg");
-    int rc = k3_write_file_atomic(p, sb.b, sb.n, err);
+    int rc = tplot_loss_svg(p, r->hs, r->hl, r->nh, r->he, r->hv, r->ne, err);
     free(p);
-    free(sb.b);
     return rc;
 }
 
@@ -539,6 +475,12 @@ static int train_step(run *r, int32_t *tok, k3_err *err) {
 
 /* ---- setup ------------------------------------------------------------------------------ */
 
+/* The BF16 products have fast tiles only where tg_gemm picks them: vdpbf16ps
+ * or AMX, both on the AVX-512 path with AVX512_BF16. Elsewhere the bit-exact
+ * scalar emulation would run (one smol-50m step of batch 4x256 took over
+ * 5 minutes on a Zen 3 core), so the mode is refused up front instead. */
+static bool bf16_runs_fast(void) { return k_isa_active() == K_ISA_AVX512 && tg_bf16_available(); }
+
 static int parse_train_json(run *r, const char *text) {
     json_t *j = json_loads(text, 0, NULL);
     if (!j) return -1;
@@ -608,6 +550,7 @@ static int setup(run *r, k3_err *err) {
     int rc;
     tckpt ck = {0};
     bool have_ck = false;
+    const int bf16_flag = o->bf16; /* before the checkpoint's setting fills it in */
     topt_cfg oc;
     topt_defaults(&oc);
     r->B = o->batch;
@@ -652,6 +595,14 @@ static int setup(run *r, k3_err *err) {
     }
     if ((rc = tm_build(&r->m, &r->cfg, err))) { if (have_ck) tckpt_close(&ck); return rc; }
     r->m.bf16 = r->o.bf16 == 1;
+    if (r->m.bf16 && !bf16_runs_fast()) {
+        if (have_ck) tckpt_close(&ck);
+        return k3_fail(err, K3_EXIT_USAGE,
+                       "%s: BF16 products need AVX512_BF16 on the AVX-512 kernel path (here: %s) and would run "
+                       "as a scalar emulation ~100x slower than F32; %s",
+                       bf16_flag == 1 ? "--bf16" : o->resume, k_path_name(),
+                       bf16_flag == 1 ? "train without --bf16" : "the run used --bf16: resume with --no-bf16");
+    }
     if (r->o.kda_chunk) r->m.kda_chunk = r->o.kda_chunk < 0 ? 0 : r->o.kda_chunk;
     if (have_ck && o->config_path) {
         /* a config given with --resume must describe the checkpoint's model */

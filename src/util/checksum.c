@@ -1,6 +1,6 @@
 /* checksum.c: CRC-32C for packed-trunk integrity and FNV-1a for identities.
  * The SSE4.2 crc32 instruction computes CRC-32C directly; the table path
- * gives the same values on CPUs without it. */
+ * gives the same values on CPUs without it (and on other architectures). */
 #include "util/common.h"
 
 #include <pthread.h>
@@ -22,6 +22,7 @@ static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n) {
     return crc;
 }
 
+#if defined(__x86_64__)
 __attribute__((target("sse4.2"))) static uint32_t crc_hw1(uint32_t crc, const uint8_t *p, size_t n) {
     uint64_t c = crc;
     while (n >= 8) {
@@ -105,6 +106,9 @@ uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n) {
     crc = hw ? crc_hw(crc, data, n) : crc_sw(crc, data, n);
     return ~crc;
 }
+#else
+uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n) { return ~crc_sw(~crc, data, n); }
+#endif
 
 uint64_t k3_fnv1a64(uint64_t h, const void *data, size_t n) {
     const uint8_t *p = data;

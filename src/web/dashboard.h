@@ -6,7 +6,7 @@
  * run caches below need no locks.
  *
  * Endpoints (all GET or HEAD; RUN is a name from /api/runs, default the first):
- *   /                      the page (embedded in the binary, see assets.c)
+ *   /                      the page (embedded in the binary, see assets.h)
  *   /app.js, /style.css    its assets
  *   /api/runs              [{"name","status","step","total_steps",...}, ...]
  *   /api/state?run=        state.json plus a "dashboard" object (age, stale, ETA)

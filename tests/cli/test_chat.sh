@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# asan
 # `k3 chat`: a piped three-turn conversation on a small random model with the
 # full Kimi vocabulary (163,840 ids; generated at test time by
 # tools/gen_checkpoint.py with the Kimi tokenizer, cached under tests/out).
@@ -138,6 +139,7 @@ printf '/load %s\nHi\n' "$OUT/corrupt.k3session" >"$OUT/loadbad.txt"
 expect_exit corrupt_cmd 4 $CHAT <"$OUT/loadbad.txt"
 expect_exit other_model 4 $K3 chat $M2 --load "$S" </dev/null
 expect_err_contains other_model "another model"
+expect_exit no_tokenizer 2 $K3 chat tests/fixtures/gen/k3_like </dev/null
 expect_exit no_xtml 2 $K3 chat models/default </dev/null
 expect_err_contains no_xtml "XTML"
 expect_exit bad_flag 2 $K3 chat $M --state-cache-gb lots </dev/null

@@ -23,6 +23,9 @@ expect_out_contains replica "always-active parameters: 56,743,648,000"
 expect_out_contains replica "tensors: 497,220"
 expect_out_contains replica "layers: 93 (69 KDA, 24 MLA; 1 dense, 92 MoE)"
 expect_out_contains replica "layer map: KKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMKKKMM"
+# one state-cache snapshot, by hand: 69 KDA layers x (96 x 128 x 128 + 3 x 12,288 x 3)
+# floats; 24 MLA layers x (512 + 64) floats per position
+expect_out_contains replica "decode-state snapshot: 464,633,856 bytes of KDA state + 55,296 bytes per position"
 expect_exit replica_json 0 "$K3" inspect "$R" --json
 expect_out_contains replica_json '"file_bytes": 1560936091448'
 expect_out_contains replica_json '"always_active_params": 56743648000'

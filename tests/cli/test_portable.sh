@@ -38,7 +38,7 @@ expect_exit isa-default 0 env -u K3_ISA "$K3" doctor
 avail=$(sed -n 's/^kernels .*available: \([a-z0-9 ]*\);.*/\1/p' "$OUT/isa-default.out")
 best=${avail##* }
 expect_out_contains isa-default "kernels    $best (the best available"
-for isa in avx2 avx512; do
+for isa in avx2 avx512 neon; do
   case " $avail " in
     *" $isa "*) expect_exit "isa-$isa" 0 env K3_ISA=$isa "$K3" doctor
                 expect_out_contains "isa-$isa" "kernels    $isa (set by K3_ISA" ;;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue-4 acceptance run, release build only (no "# asan" line): a
+# The larger-than-memory acceptance run, release build only (no "# asan" line): a
 # generated checkpoint of more than 2 GB with MXFP4 experts (built at test time
 # by tools/gen_checkpoint.py, cached under tests/out), the same output ids and
 # logits bytes at every budget from everything resident to the smallest that

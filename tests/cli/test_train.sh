@@ -80,4 +80,19 @@ for key in step optimizer_step data_position seed; do
   expect_err_contains "corrupt_$key" "$key is not a valid number"
 done
 expect_exit stop_past_steps 2 $K3 train $COMMON --output-dir "$E/r6" --steps 5 --stop-at 9
+# --bf16 without fast BF16 products (the scalar path never has them) is refused
+# before anything is written, never run as a slow emulation
+expect_exit bf16_refused 2 env K3_ISA=scalar $K3 train $COMMON --output-dir "$E/r9" --steps 5 --bf16
+expect_err_contains bf16_refused "AVX512_BF16"
+[ ! -e "$E/r9" ] && pass bf16_refused_writes_nothing || fail bf16_refused_writes_nothing
+# a --bf16 run's checkpoint (its setting flipped in place, same length) resumes only with --no-bf16
+LC_ALL=C sed 's/\\"bf16\\":false/\\"bf16\\":true /' "$A/latest.safetensors" > "$E/bf16.safetensors"
+if cmp -s "$A/latest.safetensors" "$E/bf16.safetensors"; then fail bf16_resume "sed did not change the file"
+else
+  expect_exit bf16_resume_refused 2 env K3_ISA=scalar $K3 train --data-dir "$D" --output-dir "$E/r10" --steps 30 \
+    --resume "$E/bf16.safetensors" --quiet
+  expect_err_contains bf16_resume_refused "--no-bf16"
+  expect_exit bf16_resume_no_bf16 0 $K3 train --data-dir "$D" --output-dir "$E/r10" --steps 21 \
+    --resume "$E/bf16.safetensors" --quiet --no-bf16
+fi
 finish

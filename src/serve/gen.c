@@ -1,0 +1,304 @@
+/* gen.c: one job on the worker thread: prefill (reusing what the backend
+ * kept), sample token by token exactly as `k3 run` does (same sampler, same
+ * seed, same stop at the end-of-sequence id), and write the response in
+ * OpenAI's shape into the job: a JSON body at the end, or one server-sent
+ * event per piece of text as it is decoded.
+ *
+ * Text leaves through two filters, in order: the tokenizer's incremental
+ * decoder (only complete UTF-8 characters) and the stop-string matcher (text
+ * that may still turn into a stop string is held back). So a streamed reply
+ * concatenates to exactly the non-streamed one. */
+#include "serve/serve_impl.h"
+#include "model/model.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))
+
+typedef struct {
+    k3_serve *s;
+    k3_job *j;
+    bool chat, stream;
+    k3_stopper stop;
+    k3_sbuf text;          /* completion text / chat content, after the stop filter */
+    k3_sbuf reasoning;     /* chat reasoning */
+    json_t *tool_calls;    /* chat: array of completed calls */
+    size_t ngen, reused;
+    bool started;          /* chat stream: the role chunk went out */
+} gen_ctx;
+
+/* Valid UTF-8 for JSON: invalid bytes become U+FFFD (only at a flush of
+ * bytes that never formed a character). */
+static json_t *json_text(const char *p, size_t n) {
+    json_t *t = json_stringn(p, n);
+    if (t) return t;
+    k3_sbuf b = {0};
+    while (n) {
+        size_t ok = tok_utf8_check((const uint8_t *)p, n);
+        k3_sb_put(&b, p, ok);
+        if (ok == n) break;
+        k3_sb_put(&b, "\xEF\xBF\xBD", 3);
+        p += ok + 1;
+        n -= ok + 1;
+    }
+    t = json_stringn(b.p ? b.p : "", b.n);
+    k3_sb_free(&b);
+    return t ? t : json_string("");
+}
+
+static json_t *usage(const gen_ctx *g) {
+    return json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", (json_int_t)g->j->n, "completion_tokens",
+                     (json_int_t)g->ngen, "total_tokens", (json_int_t)(g->j->n + g->ngen), "prompt_tokens_details",
+                     "cached_tokens", (json_int_t)g->reused);
+}
+
+static json_t *envelope(const gen_ctx *g, bool chunk) {
+    const char *obj = g->chat ? (chunk ? "chat.completion.chunk" : "chat.completion") : "text_completion";
+    return json_pack("{s:s, s:s, s:I, s:s}", "id", g->j->id, "object", obj, "created", (json_int_t)g->j->created,
+                     "model", g->s->model_id);
+}
+
+static void emit_event(gen_ctx *g, json_t *o) {
+    char *p = json_dumps(o, JSON_FLAGS);
+    json_decref(o);
+    if (!p) return;
+    size_t n = strlen(p);
+    char *ev = xmalloc(n + 9);
+    memcpy(ev, "data: ", 6);
+    memcpy(ev + 6, p, n);
+    memcpy(ev + 6 + n, "\n\n", 3);
+    k3_job_emit(g->s, g->j, ev, n + 8);
+    free(ev);
+    free(p);
+}
+
+/* A streamed chunk with one choice: delta (chat) or text (completion). */
+static void emit_choice(gen_ctx *g, json_t *delta_or_text, const char *finish) {
+    json_t *o = envelope(g, true);
+    json_t *ch = json_object();
+    json_object_set_new(ch, "index", json_integer(0));
+    json_object_set_new(ch, g->chat ? "delta" : "text", delta_or_text);
+    json_object_set_new(ch, "logprobs", json_null());
+    json_object_set_new(ch, "finish_reason", finish ? json_string(finish) : json_null());
+    json_object_set_new(o, "choices", json_pack("[o]", ch));
+    emit_event(g, o);
+}
+
+static void content(gen_ctx *g, const char *p, size_t n);
+
+static void chat_start(gen_ctx *g) {
+    if (g->started || !g->stream) return;
+    g->started = true;
+    emit_choice(g, json_pack("{s:s, s:s}", "role", "assistant", "content", ""), NULL);
+}
+
+/* Released text of the content channel (completion text or chat content). */
+static void put_text(gen_ctx *g, const char *p, size_t n) {
+    if (!n) return;
+    k3_sb_put(&g->text, p, n);
+    if (!g->stream) return;
+    if (g->chat) {
+        chat_start(g);
+        emit_choice(g, json_pack("{s:o}", "content", json_text(p, n)), NULL);
+    } else {
+        emit_choice(g, json_text(p, n), NULL);
+    }
+}
+
+static void reasoning(gen_ctx *g, const char *p, size_t n) {
+    if (!n) return;
+    k3_sb_put(&g->reasoning, p, n);
+    if (!g->stream) return;
+    chat_start(g);
+    emit_choice(g, json_pack("{s:o}", "reasoning_content", json_text(p, n)), NULL);
+}
+
+static void tool_call(gen_ctx *g, json_t *call) {
+    if (!g->tool_calls) g->tool_calls = json_array();
+    size_t index = json_array_size(g->tool_calls);
+    json_array_append(g->tool_calls, call);
+    if (!g->stream) return;
+    chat_start(g);
+    json_t *c = json_deep_copy(call);
+    json_object_set_new(c, "index", json_integer((json_int_t)index));
+    emit_choice(g, json_pack("{s:[o]}", "tool_calls", c), NULL);
+}
+
+/* A parser delta: reasoning as it is, content through the stop strings, calls. */
+static void chat_delta(gen_ctx *g, const k3_chat_delta *d) {
+    reasoning(g, d->reasoning, d->reasoning_len);
+    if (!g->stop.hit) content(g, d->content, d->content_len);
+    if (d->tool_call && !g->stop.hit) tool_call(g, d->tool_call);
+}
+
+static void content(gen_ctx *g, const char *p, size_t n) {
+    const char *out;
+    size_t nout;
+    k3_stopper_feed(&g->stop, p, n, &out, &nout);
+    put_text(g, out, nout);
+}
+
+static void flush_text(gen_ctx *g) {
+    const char *out;
+    size_t nout;
+    k3_stopper_flush(&g->stop, &out, &nout);
+    put_text(g, out, nout);
+}
+
+/* The end of a job that produced a response (finish: stop, length, tool_calls). */
+static void finish_ok(gen_ctx *g, const char *finish) {
+    k3_serve *s = g->s;
+    k3_job *j = g->j;
+    if (g->stream) {
+        if (g->chat) {
+            chat_start(g);
+            emit_choice(g, json_object(), finish);
+        } else {
+            emit_choice(g, json_string(""), finish);
+        }
+        if (j->req.include_usage) {
+            json_t *o = envelope(g, true);
+            json_object_set_new(o, "choices", json_array());
+            json_object_set_new(o, "usage", usage(g));
+            emit_event(g, o);
+        }
+        k3_job_emit(s, j, "data: [DONE]\n\n", 14);
+        k3_job_finish(s, j, 200);
+        return;
+    }
+    json_t *o = envelope(g, false);
+    json_t *ch = json_object();
+    json_object_set_new(ch, "index", json_integer(0));
+    if (g->chat) {
+        json_t *msg = json_object();
+        json_object_set_new(msg, "role", json_string("assistant"));
+        bool calls = g->tool_calls && json_array_size(g->tool_calls) > 0;
+        json_object_set_new(msg, "content", g->text.n || !calls ? json_text(g->text.p ? g->text.p : "", g->text.n)
+                                                                : json_null());
+        if (g->reasoning.n) json_object_set_new(msg, "reasoning_content", json_text(g->reasoning.p, g->reasoning.n));
+        if (calls) json_object_set(msg, "tool_calls", g->tool_calls);
+        json_object_set_new(ch, "message", msg);
+    } else {
+        json_object_set_new(ch, "text", json_text(g->text.p ? g->text.p : "", g->text.n));
+    }
+    json_object_set_new(ch, "logprobs", json_null());
+    json_object_set_new(ch, "finish_reason", json_string(finish));
+    json_object_set_new(o, "choices", json_pack("[o]", ch));
+    json_object_set_new(o, "usage", usage(g));
+    char *p = json_dumps(o, JSON_FLAGS);
+    json_decref(o);
+    if (!p) p = xstrdup("{}");
+    k3_job_emit(s, j, p, strlen(p));
+    free(p);
+    k3_job_finish(s, j, 200);
+}
+
+static void finish_error(gen_ctx *g, int status, const char *code, const char *msg) {
+    k3_serve_error e = {.status = status, .type = status >= 500 ? "server_error" : "invalid_request_error",
+                        .code = code};
+    snprintf(e.message, sizeof e.message, "%s", msg);
+    char *body = k3_serve_error_json(&e);
+    fprintf(stderr, "k3 serve: %s failed: %s\n", g->j->id, msg);
+    if (g->stream) {
+        /* the 200 and earlier events are gone: the error travels as an event */
+        k3_sbuf b = {0};
+        k3_sb_put(&b, "data: ", 6);
+        k3_sb_put(&b, body, strlen(body));
+        k3_sb_put(&b, "\n\ndata: [DONE]\n\n", 16);
+        k3_job_emit(g->s, g->j, b.p, b.n);
+        k3_sb_free(&b);
+    } else {
+        k3_job_emit(g->s, g->j, body, strlen(body));
+    }
+    free(body);
+    k3_job_finish(g->s, g->j, status);
+}
+
+void k3_gen_run(k3_serve *s, k3_job *j) {
+    const k3_serve_model *m = &s->m;
+    gen_ctx g = {.s = s, .j = j, .chat = j->req.kind == K3_REQ_CHAT, .stream = j->req.stream};
+    k3_stopper_init(&g.stop, j->req.stop, j->req.nstop);
+    k3_err err = {0};
+    float *logits = xmalloc_array((size_t)m->vocab, sizeof(float));
+    size_t tcap = tok_max_token_bytes(m->tok) + 16;
+    uint8_t *tbuf = xmalloc(tcap);
+    tok_stream ts;
+    tok_stream_init(&ts, m->tok);
+    k3_sampler sp;
+    k3_sampler_init(&sp, m->vocab, j->req.temperature, j->req.top_k, j->req.top_p, j->req.min_p, j->req.seed);
+    k3_chat_parser *cp = g.chat ? k3_chat_parser_new(m->chat, j->req.thinking) : NULL;
+    k3_chat_delta d;
+    const char *finish = "length";
+    bool cancelled = false, failed = false, stopped = false;
+    int last = -1;
+    double t0 = k3_now(), t1 = t0;
+
+    int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &g.reused, &j->cancel, &err);
+    if (rc || atomic_load(&j->cancel)) {
+        cancelled = atomic_load(&j->cancel);
+        failed = !cancelled;
+    }
+    t1 = k3_now();
+    for (int64_t k = 0; !failed && !cancelled && k < j->max_tokens; k++) {
+        int id = k3_sample(&sp, logits);
+        last = id;
+        g.ngen++;
+        if (g.chat) {
+            if (k3_chat_parser_feed(cp, id, &d, &err)) { failed = true; break; }
+            chat_delta(&g, &d);
+            if (d.stop) { stopped = true; break; }
+        } else {
+            if (id == m->eos) { stopped = true; break; }
+            size_t nb = tok_stream_feed(&ts, id, tbuf, tcap);
+            content(&g, (const char *)tbuf, nb);
+        }
+        if (g.stop.hit) break;
+        if (k + 1 < j->max_tokens) {
+            if (atomic_load(&j->cancel)) { cancelled = true; break; }
+            if (m->step(m->ctx, id, logits, &err)) { failed = true; break; }
+        }
+    }
+    double t2 = k3_now();
+    if (!failed && !cancelled) {
+        /* the text held back for an incomplete character, then by the stop strings */
+        if (g.chat) {
+            k3_chat_parser_flush(cp, &d);
+            chat_delta(&g, &d);
+        } else if (!g.stop.hit) {
+            size_t nb = tok_stream_flush(&ts, tbuf, tcap);
+            content(&g, (const char *)tbuf, nb);
+        }
+        flush_text(&g);
+        if (g.stop.hit || (stopped && !(g.tool_calls && json_array_size(g.tool_calls)))) finish = "stop";
+        else if (stopped) finish = "tool_calls";
+        if (m->end) m->end(m->ctx, last, stopped && !g.stop.hit);
+    }
+    pthread_mutex_lock(&s->mu);
+    s->n_tokens += g.ngen;
+    if (cancelled) s->n_cancelled++;
+    else if (failed) s->n_failed++;
+    else s->n_ok++;
+    pthread_mutex_unlock(&s->mu);
+    if (cancelled) {
+        fprintf(stderr, "k3 serve: %s cancelled: client disconnected after %zu generated tokens\n", j->id, g.ngen);
+        k3_job_finish(s, j, 499);
+    } else if (failed) {
+        finish_error(&g, 500, "internal_error", err.msg[0] ? err.msg : "generation failed");
+    } else {
+        finish_ok(&g, finish);
+        if (s->o.verbose)
+            fprintf(stderr, "k3 serve: %s: %zu prompt tokens (%zu reused) in %.3f s, %zu generated in %.3f s "
+                    "(%.1f tok/s), finish %s\n", j->id, j->n, g.reused, t1 - t0, g.ngen, t2 - t1,
+                    t2 > t1 && g.ngen > 1 ? (double)(g.ngen - 1) / (t2 - t1) : 0.0, finish);
+    }
+    if (cp) k3_chat_parser_free(cp);
+    k3_sampler_free(&sp);
+    k3_stopper_free(&g.stop);
+    k3_sb_free(&g.text);
+    k3_sb_free(&g.reasoning);
+    json_decref(g.tool_calls);
+    free(tbuf);
+    free(logits);
+}

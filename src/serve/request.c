@@ -1,0 +1,495 @@
+/* request.c: the request bodies of /v1/completions and /v1/chat/completions,
+ * validated field by field.
+ *
+ * Policy on fields (docs/serve.md): every field is checked for its type and
+ * range, and a wrong one is a 400 naming it. A field we do not know is a 400
+ * too, as OpenAI answers: silently ignoring it could change what the client
+ * gets without telling it. Known OpenAI fields that k3 does not implement are
+ * accepted only at the value that means "off" (n = 1, logprobs false,
+ * presence_penalty 0, ...); fields with no effect on the output (user,
+ * metadata, store, service_tier) are accepted and ignored. The chat template
+ * validates the messages and tools themselves (naming the field). */
+#include "serve/serve.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int bad(k3_serve_error *e, int status, const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static int bad(k3_serve_error *e, int status, const char *param, const char *code, const char *fmt, ...) {
+    e->status = status;
+    e->type = status == 429 ? "rate_limit_error" : status >= 500 ? "server_error" : "invalid_request_error";
+    e->code = code;
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+static const char *jtype(const json_t *v) {
+    switch (json_typeof(v)) {
+    case JSON_OBJECT: return "an object";
+    case JSON_ARRAY: return "an array";
+    case JSON_STRING: return "a string";
+    case JSON_INTEGER: return "an integer";
+    case JSON_REAL: return "a number";
+    case JSON_TRUE: case JSON_FALSE: return "a boolean";
+    default: return "null";
+    }
+}
+
+static bool get_num(const json_t *v, double *out) {
+    if (!json_is_number(v)) return false;
+    *out = json_number_value(v);
+    return isfinite(*out);
+}
+
+/* number in [lo, hi] */
+static int want_num(k3_serve_error *e, const char *k, const json_t *v, double lo, double hi, bool lo_open, double *out) {
+    if (!get_num(v, out))
+        return bad(e, 400, k, "invalid_type", "%s: expected a number, got %s", k, jtype(v));
+    if (*out > hi || *out < lo || (lo_open && *out == lo))
+        return bad(e, 400, k, "invalid_value", "%s: %g is outside %s%g, %g]", k, *out, lo_open ? "(" : "[", lo, hi);
+    return 0;
+}
+
+static int want_int(k3_serve_error *e, const char *k, const json_t *v, json_int_t lo, json_int_t hi, json_int_t *out) {
+    if (!json_is_integer(v)) {
+        /* 5.0 is an integer to JSON's mind and to most clients' */
+        double d;
+        if (get_num(v, &d) && d == floor(d) && fabs(d) < 9.0e15) {
+            *out = (json_int_t)d;
+        } else {
+            return bad(e, 400, k, "invalid_type", "%s: expected an integer, got %s", k, jtype(v));
+        }
+    } else {
+        *out = json_integer_value(v);
+    }
+    if (*out < lo || *out > hi)
+        return bad(e, 400, k, "invalid_value", "%s: %lld is outside [%lld, %lld]", k, (long long)*out, (long long)lo,
+                   (long long)hi);
+    return 0;
+}
+
+static int want_bool(k3_serve_error *e, const char *k, const json_t *v, bool *out) {
+    if (!json_is_boolean(v)) return bad(e, 400, k, "invalid_type", "%s: expected a boolean, got %s", k, jtype(v));
+    *out = json_is_true(v);
+    return 0;
+}
+
+static int parse_stop(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
+    if (json_is_null(v)) return 0;
+    const json_t *one = v;
+    size_t n = 1;
+    if (json_is_array(v)) {
+        n = json_array_size(v);
+        if (n > K3_SERVE_MAX_STOP)
+            return bad(e, 400, "stop", "invalid_value", "stop: at most %d stop strings, got %zu", K3_SERVE_MAX_STOP, n);
+    } else if (!json_is_string(v)) {
+        return bad(e, 400, "stop", "invalid_type", "stop: expected a string or an array of strings, got %s", jtype(v));
+    }
+    for (size_t i = 0; i < n; i++) {
+        const json_t *s = json_is_array(v) ? json_array_get(v, i) : one;
+        char where[32];
+        snprintf(where, sizeof where, json_is_array(v) ? "stop[%zu]" : "stop", i);
+        if (!json_is_string(s))
+            return bad(e, 400, where, "invalid_type", "%s: expected a string, got %s", where, jtype(s));
+        size_t len = json_string_length(s);
+        if (len == 0) return bad(e, 400, where, "invalid_value", "%s: a stop string must not be empty", where);
+        if (len > 256) return bad(e, 400, where, "invalid_value", "%s: a stop string is at most 256 bytes", where);
+        if (memchr(json_string_value(s), 0, len))
+            return bad(e, 400, where, "invalid_value", "%s: a stop string must not contain U+0000", where);
+        r->stop[r->nstop++] = xstrdup(json_string_value(s));
+    }
+    return 0;
+}
+
+/* Fields accepted only at the value that leaves the output unchanged. */
+static int only_off(k3_serve_error *e, const char *k, const json_t *v) {
+    if (json_is_null(v)) return 0;
+    bool off = false;
+    double d;
+    if (!strcmp(k, "logprobs")) off = json_is_false(v) || (json_is_integer(v) && json_integer_value(v) == 0);
+    else if (!strcmp(k, "top_logprobs")) off = json_is_integer(v) && json_integer_value(v) == 0;
+    else if (!strcmp(k, "echo")) off = json_is_false(v);
+    else if (!strcmp(k, "best_of")) off = json_is_integer(v) && json_integer_value(v) == 1;
+    else if (!strcmp(k, "presence_penalty") || !strcmp(k, "frequency_penalty")) off = get_num(v, &d) && d == 0;
+    else if (!strcmp(k, "repetition_penalty")) off = get_num(v, &d) && d == 1;
+    else if (!strcmp(k, "logit_bias")) off = json_is_object(v) && json_object_size(v) == 0;
+    else if (!strcmp(k, "parallel_tool_calls")) off = json_is_true(v);
+    else if (!strcmp(k, "suffix")) off = json_is_string(v) && json_string_length(v) == 0;
+    if (off) return 0;
+    char *s = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+    int rc = bad(e, 400, k, "unsupported_value", "%s: %.60s is not supported by k3 serve (docs/serve.md)", k,
+                 s ? s : "this value");
+    free(s);
+    return rc;
+}
+
+static bool is_one_of(const char *k, const char *const *list) {
+    for (; *list; list++)
+        if (!strcmp(k, *list)) return true;
+    return false;
+}
+
+static const char *const IGNORED[] = {"user", "metadata", "store", "service_tier", NULL};
+static const char *const OFF_ONLY[] = {"logprobs", "top_logprobs", "echo", "best_of", "presence_penalty",
+                                       "frequency_penalty", "repetition_penalty", "logit_bias",
+                                       "parallel_tool_calls", "suffix", NULL};
+static const char *const COMPLETION_ONLY[] = {"prompt", "echo", "best_of", "suffix", NULL};
+static const char *const CHAT_ONLY[] = {"messages", "tools", "tool_choice", "response_format", "reasoning_effort",
+                                        "chat_template_kwargs", "enable_thinking", "max_completion_tokens",
+                                        "parallel_tool_calls", "top_logprobs", NULL};
+
+static int parse_prompt(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
+    if (json_is_string(v)) {
+        r->prompt_len = json_string_length(v);
+        r->prompt = xmalloc(r->prompt_len + 1);
+        memcpy(r->prompt, json_string_value(v), r->prompt_len + 1);
+        return 0;
+    }
+    if (json_is_array(v) && json_array_size(v) == 1 && json_is_string(json_array_get(v, 0)))
+        return parse_prompt(e, json_array_get(v, 0), r);
+    if (json_is_array(v) && json_array_size(v) > 0 && json_is_number(json_array_get(v, 0))) {
+        size_t n = json_array_size(v);
+        r->prompt_ids = xmalloc_array(n, sizeof *r->prompt_ids);
+        for (size_t i = 0; i < n; i++) {
+            json_int_t id;
+            char where[40];
+            snprintf(where, sizeof where, "prompt[%zu]", i);
+            int rc = want_int(e, where, json_array_get(v, i), 0, INT32_MAX, &id);
+            if (rc) return rc;
+            r->prompt_ids[i] = (int32_t)id;
+        }
+        r->nprompt_ids = n;
+        return 0;
+    }
+    if (json_is_array(v) && json_array_size(v) > 1)
+        return bad(e, 400, "prompt", "unsupported_value",
+                   "prompt: one prompt per request (a string or an array of token ids); batches are not supported");
+    return bad(e, 400, "prompt", "invalid_type", "prompt: expected a string or an array of token ids, got %s%s",
+               jtype(v), json_is_array(v) ? " (empty)" : "");
+}
+
+/* The shapes OpenAI documents for tools, tool_choice and response_format;
+ * the template reads them (and their contents) from there. */
+static int check_tools(k3_serve_error *e, const json_t *tools, const json_t *choice, const json_t *rfmt) {
+    if (tools && !json_is_null(tools)) {
+        if (!json_is_array(tools))
+            return bad(e, 400, "tools", "invalid_type", "tools: expected an array, got %s", jtype(tools));
+        for (size_t i = 0; i < json_array_size(tools); i++) {
+            const json_t *t = json_array_get(tools, i);
+            char where[64];
+            snprintf(where, sizeof where, "tools[%zu]", i);
+            if (!json_is_object(t))
+                return bad(e, 400, where, "invalid_type", "%s: expected an object, got %s", where, jtype(t));
+            const json_t *ty = json_object_get(t, "type"), *fn = json_object_get(t, "function");
+            if (!json_is_string(ty) || strcmp(json_string_value(ty), "function"))
+                return bad(e, 400, where, "invalid_value", "%s.type: want \"function\"", where);
+            if (!json_is_object(fn))
+                return bad(e, 400, where, "invalid_type", "%s.function: expected an object", where);
+            const json_t *name = json_object_get(fn, "name"), *params = json_object_get(fn, "parameters"),
+                         *desc = json_object_get(fn, "description");
+            if (!json_is_string(name) || json_string_length(name) == 0)
+                return bad(e, 400, where, "invalid_value", "%s.function.name: expected a non-empty string", where);
+            if (params && !json_is_null(params) && !json_is_object(params))
+                return bad(e, 400, where, "invalid_type", "%s.function.parameters: expected an object, got %s", where,
+                           jtype(params));
+            if (desc && !json_is_null(desc) && !json_is_string(desc))
+                return bad(e, 400, where, "invalid_type", "%s.function.description: expected a string, got %s",
+                           where, jtype(desc));
+        }
+    }
+    if (choice && !json_is_null(choice)) {
+        if (json_is_string(choice)) {
+            const char *c = json_string_value(choice);
+            if (strcmp(c, "auto") && strcmp(c, "none") && strcmp(c, "required"))
+                return bad(e, 400, "tool_choice", "invalid_value",
+                           "tool_choice: want \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}} (got '%.60s')", c);
+        } else if (json_is_object(choice)) {
+            const json_t *ty = json_object_get(choice, "type"), *fn = json_object_get(choice, "function");
+            const json_t *name = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
+            if (!json_is_string(ty) || strcmp(json_string_value(ty), "function") || !json_is_string(name))
+                return bad(e, 400, "tool_choice", "invalid_value",
+                           "tool_choice: an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}");
+        } else {
+            return bad(e, 400, "tool_choice", "invalid_type", "tool_choice: expected a string or an object, got %s",
+                       jtype(choice));
+        }
+    }
+    if (rfmt && !json_is_null(rfmt)) {
+        if (!json_is_object(rfmt))
+            return bad(e, 400, "response_format", "invalid_type", "response_format: expected an object, got %s",
+                       jtype(rfmt));
+        const json_t *ty = json_object_get(rfmt, "type");
+        const char *t = json_string_value(ty);
+        if (!t || (strcmp(t, "text") && strcmp(t, "json_object") && strcmp(t, "json_schema")))
+            return bad(e, 400, "response_format", "invalid_value",
+                       "response_format.type: want one of text, json_object, json_schema");
+        if (!strcmp(t, "json_schema") && !json_is_object(json_object_get(rfmt, "json_schema")))
+            return bad(e, 400, "response_format", "invalid_value",
+                       "response_format.json_schema: expected an object with the schema");
+    }
+    return 0;
+}
+
+static int parse_kwargs(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
+    if (json_is_null(v)) return 0;
+    if (!json_is_object(v))
+        return bad(e, 400, "chat_template_kwargs", "invalid_type", "chat_template_kwargs: expected an object, got %s",
+                   jtype(v));
+    const char *k;
+    const json_t *x;
+    json_object_foreach((json_t *)v, k, x) {
+        char where[160];
+        snprintf(where, sizeof where, "chat_template_kwargs.%.100s", k);
+        if (!strcmp(k, "thinking") || !strcmp(k, "enable_thinking")) {
+            int rc = want_bool(e, where, x, &r->thinking);
+            if (rc) return rc;
+        } else {
+            return bad(e, 400, where, "unknown_parameter",
+                       "%s: unknown template argument (known: thinking, enable_thinking)", where);
+        }
+    }
+    return 0;
+}
+
+int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_serve_error *e) {
+    memset(r, 0, sizeof *r);
+    memset(e, 0, sizeof *e);
+    r->kind = kind;
+    r->temperature = 1.0f; /* OpenAI's default */
+    r->top_p = 1.0f;
+    r->max_tokens = -1;
+    r->thinking = true;
+    json_error_t jerr;
+    json_t *o = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!o)
+        return bad(e, 400, NULL, "invalid_json", "request body is not valid JSON: %s (line %d, column %d)", jerr.text,
+                   jerr.line, jerr.column);
+    int rc = 0;
+    if (!json_is_object(o)) {
+        rc = bad(e, 400, NULL, "invalid_json", "request body: expected a JSON object, got %s", jtype(o));
+        goto out;
+    }
+    json_t *msgs = NULL, *tools = NULL, *tool_choice = NULL, *rfmt = NULL, *effort = NULL, *stream_opts = NULL;
+    bool have_prompt = false;
+    json_int_t mt = -1, mct = -1;
+    const char *k;
+    json_t *v;
+    json_object_foreach(o, k, v) {
+        if ((kind == K3_REQ_CHAT && is_one_of(k, COMPLETION_ONLY) && !is_one_of(k, CHAT_ONLY)) ||
+            (kind == K3_REQ_COMPLETION && is_one_of(k, CHAT_ONLY) && !is_one_of(k, COMPLETION_ONLY))) {
+            rc = bad(e, 400, k, "unknown_parameter", "%s: not a field of %s (see docs/serve.md)", k,
+                     kind == K3_REQ_CHAT ? "/v1/chat/completions" : "/v1/completions");
+            goto out;
+        }
+        double d;
+        json_int_t n;
+        if (!strcmp(k, "model")) {
+            if (!json_is_string(v)) { rc = bad(e, 400, k, "invalid_type", "model: expected a string, got %s", jtype(v)); goto out; }
+            r->model = xstrdup(json_string_value(v));
+        } else if (!strcmp(k, "stream")) {
+            if (!json_is_null(v) && (rc = want_bool(e, k, v, &r->stream))) goto out;
+        } else if (!strcmp(k, "stream_options")) {
+            stream_opts = v;
+        } else if (!strcmp(k, "temperature")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_num(e, k, v, 0, 2, false, &d))) goto out;
+            r->temperature = (float)d;
+        } else if (!strcmp(k, "top_p")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_num(e, k, v, 0, 1, true, &d))) goto out;
+            r->top_p = (float)d;
+        } else if (!strcmp(k, "min_p")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_num(e, k, v, 0, 1, false, &d))) goto out;
+            r->min_p = (float)d;
+        } else if (!strcmp(k, "top_k")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_int(e, k, v, -1, INT32_MAX, &n))) goto out;
+            r->top_k = n < 0 ? 0 : (int)n; /* -1: off, as vLLM spells it */
+        } else if (!strcmp(k, "seed")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_int(e, k, v, INT64_MIN, INT64_MAX, &n))) goto out;
+            r->seed = (uint64_t)n;
+        } else if (!strcmp(k, "max_tokens")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_int(e, k, v, 1, INT64_MAX / 4, &mt))) goto out;
+        } else if (!strcmp(k, "max_completion_tokens")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_int(e, k, v, 1, INT64_MAX / 4, &mct))) goto out;
+        } else if (!strcmp(k, "stop")) {
+            if ((rc = parse_stop(e, v, r))) goto out;
+        } else if (!strcmp(k, "n")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_int(e, k, v, 1, INT32_MAX, &n))) goto out;
+            if (n != 1) {
+                rc = bad(e, 400, k, "unsupported_value", "n: only n = 1 is supported (one choice per request; send "
+                         "%lld requests instead)", (long long)n);
+                goto out;
+            }
+        } else if (!strcmp(k, "prompt")) {
+            have_prompt = true;
+            if ((rc = parse_prompt(e, v, r))) goto out;
+        } else if (!strcmp(k, "messages")) {
+            msgs = v;
+        } else if (!strcmp(k, "tools")) {
+            tools = v;
+        } else if (!strcmp(k, "tool_choice")) {
+            tool_choice = v;
+        } else if (!strcmp(k, "response_format")) {
+            rfmt = v;
+        } else if (!strcmp(k, "reasoning_effort")) {
+            effort = v;
+        } else if (!strcmp(k, "chat_template_kwargs")) {
+            if ((rc = parse_kwargs(e, v, r))) goto out;
+        } else if (!strcmp(k, "enable_thinking")) {
+            if (!json_is_null(v) && (rc = want_bool(e, k, v, &r->thinking))) goto out;
+        } else if (is_one_of(k, OFF_ONLY)) {
+            if ((rc = only_off(e, k, v))) goto out;
+        } else if (is_one_of(k, IGNORED)) {
+            /* no effect on the output */
+        } else {
+            rc = bad(e, 400, k, "unknown_parameter", "%.100s: unrecognized request field (see docs/serve.md)", k);
+            goto out;
+        }
+    }
+    if (mt >= 0 && mct >= 0 && mt != mct) {
+        rc = bad(e, 400, "max_completion_tokens", "invalid_value",
+                 "max_tokens (%lld) and max_completion_tokens (%lld) disagree: give one", (long long)mt, (long long)mct);
+        goto out;
+    }
+    r->max_tokens = mct >= 0 ? mct : mt;
+    if (stream_opts && !json_is_null(stream_opts)) {
+        if (!r->stream) {
+            rc = bad(e, 400, "stream_options", "invalid_value", "stream_options: only allowed when stream is true");
+            goto out;
+        }
+        if (!json_is_object(stream_opts)) {
+            rc = bad(e, 400, "stream_options", "invalid_type", "stream_options: expected an object, got %s",
+                     jtype(stream_opts));
+            goto out;
+        }
+        json_object_foreach(stream_opts, k, v) {
+            char where[160];
+            snprintf(where, sizeof where, "stream_options.%.100s", k);
+            if (!strcmp(k, "include_usage")) {
+                if ((rc = want_bool(e, where, v, &r->include_usage))) goto out;
+            } else if (!strcmp(k, "continuous_usage_stats") && json_is_false(v)) {
+            } else {
+                rc = bad(e, 400, where, "unknown_parameter", "%s: unknown stream option (known: include_usage)", where);
+                goto out;
+            }
+        }
+    }
+    if (kind == K3_REQ_COMPLETION) {
+        if (!have_prompt) { rc = bad(e, 400, "prompt", "missing_required_parameter", "prompt: required"); goto out; }
+        goto out;
+    }
+    /* chat: the template's request */
+    if (!msgs) { rc = bad(e, 400, "messages", "missing_required_parameter", "messages: required"); goto out; }
+    if (!json_is_array(msgs) || json_array_size(msgs) == 0) {
+        rc = bad(e, 400, "messages", json_is_array(msgs) ? "invalid_value" : "invalid_type",
+                 "messages: expected a non-empty array, got %s%s", jtype(msgs), json_is_array(msgs) ? " (empty)" : "");
+        goto out;
+    }
+    if ((rc = check_tools(e, tools, tool_choice, rfmt))) goto out;
+    if (effort && !json_is_null(effort) && !json_is_string(effort)) {
+        rc = bad(e, 400, "reasoning_effort", "invalid_type", "reasoning_effort: expected a string, got %s", jtype(effort));
+        goto out;
+    }
+    r->chat = json_object();
+    json_object_set(r->chat, "messages", msgs);
+    if (tools && !json_is_null(tools)) json_object_set(r->chat, "tools", tools);
+    if (tool_choice && !json_is_null(tool_choice)) json_object_set(r->chat, "tool_choice", tool_choice);
+    if (rfmt && !json_is_null(rfmt)) json_object_set(r->chat, "response_format", rfmt);
+    if (effort && !json_is_null(effort)) json_object_set(r->chat, "thinking_effort", effort);
+    json_object_set_new(r->chat, "thinking", json_boolean(r->thinking));
+out:
+    json_decref(o);
+    if (rc) k3_serve_req_free(r);
+    return rc;
+}
+
+void k3_serve_req_free(k3_serve_req *r) {
+    free(r->model);
+    for (size_t i = 0; i < r->nstop; i++) free(r->stop[i]);
+    free(r->prompt);
+    free(r->prompt_ids);
+    json_decref(r->chat);
+    int kind = r->kind;
+    memset(r, 0, sizeof *r);
+    r->kind = kind;
+}
+
+/* ---- stop strings ---- */
+
+void k3_stopper_init(k3_stopper *s, char *const *stop, size_t nstop) {
+    memset(s, 0, sizeof *s);
+    s->stop = stop;
+    s->nstop = nstop;
+}
+
+static void held_reserve(k3_stopper *s, size_t n) {
+    if (n <= s->cap) return;
+    size_t cap = s->cap ? s->cap : 256;
+    while (cap < n) cap *= 2;
+    /* two halves: the held text, and the text released by the last call */
+    s->held = xrealloc(s->held, 2 * cap);
+    s->cap = cap;
+}
+
+void k3_stopper_feed(k3_stopper *s, const char *text, size_t n, const char **out, size_t *nout) {
+    *out = "";
+    *nout = 0;
+    if (s->hit || n == 0) return;
+    held_reserve(s, s->nheld + n);
+    memcpy(s->held + s->nheld, text, n);
+    s->nheld += n;
+    char *rel = s->held + s->cap;
+    /* the earliest stop string wins */
+    size_t cut = s->nheld;
+    for (size_t i = 0; i < s->nstop; i++) {
+        const char *p = memmem(s->held, s->nheld, s->stop[i], strlen(s->stop[i]));
+        if (p && (size_t)(p - s->held) < cut) cut = (size_t)(p - s->held);
+    }
+    if (cut < s->nheld) {
+        s->hit = true;
+        memcpy(rel, s->held, cut);
+        s->nheld = 0;
+        *out = rel;
+        *nout = cut;
+        return;
+    }
+    /* keep the longest suffix that begins some stop string */
+    size_t keep = 0;
+    for (size_t i = 0; i < s->nstop; i++) {
+        size_t L = strlen(s->stop[i]);
+        for (size_t k = L - 1 < s->nheld ? L - 1 : s->nheld; k > keep; k--)
+            if (!memcmp(s->held + s->nheld - k, s->stop[i], k)) { keep = k; break; }
+    }
+    size_t r = s->nheld - keep;
+    memcpy(rel, s->held, r);
+    memmove(s->held, s->held + r, keep);
+    s->nheld = keep;
+    *out = rel;
+    *nout = r;
+}
+
+void k3_stopper_flush(k3_stopper *s, const char **out, size_t *nout) {
+    *out = s->held ? s->held : "";
+    *nout = s->hit ? 0 : s->nheld;
+    s->nheld = 0;
+}
+
+void k3_stopper_free(k3_stopper *s) {
+    free(s->held);
+    memset(s, 0, sizeof *s);
+}

@@ -1,0 +1,135 @@
+/* serve.h: `k3 serve`, an OpenAI-compatible HTTP server for one model.
+ *
+ * Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions,
+ * GET /health, and the chat page at / (docs/serve.md has the API surface).
+ *
+ * Threads. libmicrohttpd runs one thread per connection; those threads parse
+ * and validate a request, tokenize its prompt (the tokenizer and the chat
+ * template are read-only and safe to share) and put a job on a bounded queue
+ * (full: 429). One worker thread owns the model and computes every job in
+ * turn; it writes the response bytes (a JSON body, or server-sent events) into
+ * the job, and the connection's thread copies them to the socket. Every wait
+ * is a timed wait that also watches the client's socket and the server's stop
+ * flag: a client that goes away cancels its job (queued: dropped; running: the
+ * worker stops at the next token or prefill chunk), and no thread waits on a
+ * job that can no longer finish.
+ *
+ * Invariants: a request is refused with its error (400/404/405/413/429) before
+ * it reaches the worker whenever that can be known from the request alone
+ * (shape, types, prompt length against the context); the model is only touched
+ * by the worker thread; a job's output is append-only and the connection sends
+ * it in order, so a stream is exactly the events the worker produced. */
+#ifndef K3_SERVE_SERVE_H
+#define K3_SERVE_SERVE_H
+
+#include "chat/chat.h"
+#include "tokenizer/tokenizer.h"
+#include "util/common.h"
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <jansson.h>
+
+/* ---- the model side, called on the worker thread only ---- */
+
+typedef struct {
+    void *ctx;
+    int vocab;                 /* the model's vocabulary (ids < vocab) */
+    int eos;                   /* /v1/completions stops here (config eos_token_id, else the tokenizer's); -1 none */
+    int64_t ctx_len;           /* positions one conversation may hold (prompt + generated) */
+    const k3_tokenizer *tok;   /* required */
+    const k3_chat *chat;       /* NULL: no XTML ids, /v1/chat/completions answers 400 */
+    int threads;               /* OpenMP threads the worker computes with (0: default) */
+    /* Makes the state hold exactly ids[0..n) and puts the logits of the last
+     * one in logits[vocab]; *reused: how many leading ids were not recomputed
+     * (taken from a saved state). *cancel is polled between prefill chunks
+     * (then K3_EXIT_RUNTIME with "cancelled"). */
+    int (*prefill)(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused,
+                   const atomic_int *cancel, k3_err *err);
+    /* Feeds one more id (the state then holds one more) and fills logits. */
+    int (*step)(void *ctx, int32_t id, float *logits, k3_err *err);
+    /* Called when a reply ends (not after an error or a cancel): last is the
+     * last sampled id, which was not fed; stopped: it is a stop id (end of
+     * message / sequence), which the next prompt's history will hold. NULL: none. */
+    void (*end)(void *ctx, int32_t last, bool stopped);
+} k3_serve_model;
+
+typedef struct {
+    const char *host;          /* numeric address or "localhost"; NULL = 127.0.0.1 */
+    int port;                  /* 0 = any free port (see k3_serve_port) */
+    const char *model_id;      /* the name /v1/models lists and requests may give */
+    size_t max_body;           /* request body bytes; larger: 413 */
+    int queue;                 /* jobs that may wait while one computes; more: 429 */
+    int64_t max_tokens;        /* the largest max_tokens a request may ask for */
+    double keepalive_s;        /* a stream silent this long gets an SSE comment line; 0: never */
+    bool verbose;              /* log every request */
+} k3_serve_opts;
+
+typedef struct k3_serve k3_serve;
+
+/* Binds, starts the worker and the HTTP server. The model must outlive the server. */
+int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **out, k3_err *err);
+int k3_serve_port(const k3_serve *s);
+/* Cancels what runs and waits, refuses what waits (503), stops, frees. */
+void k3_serve_stop(k3_serve *s);
+
+/* ---- requests (exposed for the unit tests) ---- */
+
+enum { K3_REQ_COMPLETION = 1, K3_REQ_CHAT = 2 };
+#define K3_SERVE_MAX_STOP 4
+
+/* An OpenAI error: HTTP status, type, the offending parameter (or ""), code, message. */
+typedef struct {
+    int status;
+    const char *type;          /* invalid_request_error, rate_limit_error, server_error, ... */
+    const char *code;          /* NULL: JSON null */
+    char param[128];           /* "" : JSON null */
+    char message[1280];
+} k3_serve_error;
+
+typedef struct {
+    int kind;
+    char *model;               /* as given, or NULL */
+    bool stream, include_usage;
+    float temperature, top_p, min_p;
+    int top_k;
+    uint64_t seed;
+    int64_t max_tokens;        /* -1: not given */
+    char *stop[K3_SERVE_MAX_STOP];
+    size_t nstop;
+    /* completions */
+    char *prompt;              /* text prompt, or NULL when ids were given */
+    size_t prompt_len;
+    int32_t *prompt_ids;       /* token-id prompt (the legacy endpoint's array form) */
+    size_t nprompt_ids;
+    /* chat */
+    bool thinking;             /* default true */
+    json_t *chat;              /* the template's request: messages, tools, tool_choice,
+                                  response_format, thinking, thinking_effort */
+} k3_serve_req;
+
+/* Parses and validates a request body for kind. Returns 0, or the HTTP status
+ * with e filled (every wrong field named in e->param). */
+int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_serve_error *e);
+void k3_serve_req_free(k3_serve_req *r);
+
+/* Stop strings over a stream of text: text is held back while it could still
+ * become a stop string, the text before a stop string is released and the rest
+ * is dropped. */
+typedef struct {
+    char *const *stop;
+    size_t nstop;
+    char *held;
+    size_t nheld, cap;
+    bool hit;                  /* a stop string was found: everything after is dropped */
+} k3_stopper;
+void k3_stopper_init(k3_stopper *s, char *const *stop, size_t nstop);
+/* Appends text; *out, *nout: the text that may be released now (valid until the next call). */
+void k3_stopper_feed(k3_stopper *s, const char *text, size_t n, const char **out, size_t *nout);
+/* At the end: what is still held (no stop string can complete any more). */
+void k3_stopper_flush(k3_stopper *s, const char **out, size_t *nout);
+void k3_stopper_free(k3_stopper *s);
+
+#endif

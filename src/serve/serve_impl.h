@@ -1,0 +1,71 @@
+/* serve_impl.h: what server.c (HTTP, queue) and gen.c (the worker's jobs)
+ * share. Not a public header. */
+#ifndef K3_SERVE_IMPL_H
+#define K3_SERVE_IMPL_H
+
+#include "serve/serve.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+typedef struct {
+    char *p;
+    size_t n, cap;
+} k3_sbuf;
+void k3_sb_put(k3_sbuf *b, const char *s, size_t n);
+void k3_sb_free(k3_sbuf *b);
+
+typedef struct k3_job k3_job;
+struct k3_job {
+    /* set by the connection thread before the job is queued, then read-only */
+    k3_serve_req req;
+    int32_t *ids;              /* the prompt */
+    size_t n;
+    int64_t max_tokens;        /* resolved */
+    char id[48];               /* chatcmpl-... / cmpl-... */
+    int64_t created;
+    int fd;                    /* the client's socket, watched for a hang-up */
+    /* shared, under k3_serve.mu */
+    int refs;                  /* the connection and, while queued or running, the worker */
+    k3_sbuf out;               /* response bytes the worker produced (append only) */
+    size_t sent;               /* bytes of out the connection has taken */
+    int status;                /* HTTP status of a non-streamed response (set when done) */
+    bool done;
+    pthread_cond_t cv;         /* signalled when out grows or done is set */
+    k3_job *next;              /* queue link */
+    /* set by anyone, polled by the worker */
+    atomic_int cancel;         /* 1: the client went away (or the server stops) */
+};
+
+struct k3_serve {
+    k3_serve_opts o;
+    k3_serve_model m;
+    char model_id[128];
+    struct MHD_Daemon *mhd;
+    int listen_fd, port;
+    bool loopback;
+    int64_t started;
+    pthread_t worker;
+    bool worker_started;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv;    /* the worker waits here for a job */
+    k3_job *head, *tail;       /* waiting jobs */
+    int nwaiting;
+    k3_job *running;
+    bool stopping;
+    /* counters for /health (under mu) */
+    uint64_t n_ok, n_cancelled, n_refused, n_failed, n_tokens;
+    double busy_s;
+};
+
+/* gen.c: computes one job on the worker thread, writing its response into
+ * job->out (under s->mu) and setting done. */
+void k3_gen_run(k3_serve *s, k3_job *j);
+/* An OpenAI error object as a compact JSON string (malloc'd). */
+char *k3_serve_error_json(const k3_serve_error *e);
+/* Appends bytes to a job's output and wakes its connection. */
+void k3_job_emit(k3_serve *s, k3_job *j, const char *p, size_t n);
+/* Ends a job with a complete body / final bytes. */
+void k3_job_finish(k3_serve *s, k3_job *j, int status);
+
+#endif

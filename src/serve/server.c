@@ -1,0 +1,719 @@
+/* server.c: the HTTP side of `k3 serve`: routes, request bodies, the bounded
+ * job queue, the worker thread, and the hand-over of a job's bytes to its
+ * connection (a whole body, or server-sent events as they are produced).
+ *
+ * libmicrohttpd runs a thread per connection, so a connection's thread may
+ * block while its job waits or computes; each wait is timed (WAIT_MS) and on
+ * every wake-up also checks whether the client hung up (poll POLLRDHUP on its
+ * socket), so a vanished client cancels its job within WAIT_MS even while the
+ * job is still queued or prefilling. */
+#include "serve/serve_impl.h"
+#include "web/dashboard.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <omp.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <microhttpd.h>
+
+#include "web/assets.h"
+
+#define WAIT_MS 100
+#define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))
+
+
+/* ---- small helpers ---- */
+
+void k3_sb_put(k3_sbuf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 1024;
+        while (cap < b->n + n + 1) cap *= 2;
+        b->p = xrealloc(b->p, cap);
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+
+void k3_sb_free(k3_sbuf *b) {
+    free(b->p);
+    memset(b, 0, sizeof *b);
+}
+
+char *k3_serve_error_json(const k3_serve_error *e) {
+    json_t *err = json_object();
+    json_object_set_new(err, "message", json_string(e->message[0] ? e->message : "error"));
+    json_object_set_new(err, "type", json_string(e->type ? e->type : "server_error"));
+    json_object_set_new(err, "param", e->param[0] ? json_string(e->param) : json_null());
+    json_object_set_new(err, "code", e->code ? json_string(e->code) : json_null());
+    json_t *o = json_object();
+    json_object_set_new(o, "error", err);
+    char *s = json_dumps(o, JSON_FLAGS);
+    json_decref(o);
+    if (!s) s = xstrdup("{\"error\":{\"message\":\"error\",\"type\":\"server_error\",\"param\":null,\"code\":null}}");
+    return s;
+}
+
+static void set_err(k3_serve_error *e, int status, const char *code, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static void set_err(k3_serve_error *e, int status, const char *code, const char *param, const char *fmt, ...) {
+    memset(e, 0, sizeof *e);
+    e->status = status;
+    e->type = status == 429 ? "rate_limit_error" : status >= 500 ? "server_error" : "invalid_request_error";
+    e->code = code;
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+}
+
+static bool client_gone(int fd) {
+    if (fd < 0) return false;
+    struct pollfd p = {.fd = fd, .events = POLLRDHUP};
+    if (poll(&p, 1, 0) <= 0) return false;
+    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) != 0;
+}
+
+static void timed_wait(pthread_cond_t *cv, pthread_mutex_t *mu) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_nsec += WAIT_MS * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    pthread_cond_timedwait(cv, mu, &ts);
+}
+
+static void cond_init_mono(pthread_cond_t *cv) {
+    pthread_condattr_t a;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    pthread_cond_init(cv, &a);
+    pthread_condattr_destroy(&a);
+}
+
+/* ---- jobs (all under s->mu) ---- */
+
+static k3_job *job_new(void) {
+    k3_job *j = xcalloc(1, sizeof *j);
+    j->refs = 1;
+    j->fd = -1;
+    cond_init_mono(&j->cv);
+    atomic_init(&j->cancel, 0);
+    return j;
+}
+
+static void job_unref(k3_job *j) {
+    if (--j->refs > 0) return;
+    k3_serve_req_free(&j->req);
+    free(j->ids);
+    k3_sb_free(&j->out);
+    pthread_cond_destroy(&j->cv);
+    free(j);
+}
+
+void k3_job_emit(k3_serve *s, k3_job *j, const char *p, size_t n) {
+    pthread_mutex_lock(&s->mu);
+    k3_sb_put(&j->out, p, n);
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+void k3_job_finish(k3_serve *s, k3_job *j, int status) {
+    pthread_mutex_lock(&s->mu);
+    j->status = status;
+    j->done = true;
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* Removes a waiting job from the queue; false when it is not waiting. */
+static bool dequeue(k3_serve *s, k3_job *j) {
+    k3_job **pp = &s->head, *prev = NULL;
+    while (*pp && *pp != j) prev = *pp, pp = &(*pp)->next;
+    if (!*pp) return false;
+    *pp = j->next;
+    if (s->tail == j) s->tail = prev;
+    j->next = NULL;
+    s->nwaiting--;
+    return true;
+}
+
+/* The client went away: a waiting job is dropped here, a running one is told
+ * to stop (the worker then finishes it). Under s->mu. */
+static void cancel_locked(k3_serve *s, k3_job *j) {
+    if (j->done || atomic_load(&j->cancel)) return;
+    atomic_store(&j->cancel, 1);
+    if (dequeue(s, j)) {
+        j->done = true;
+        s->n_cancelled++;
+        fprintf(stderr, "k3 serve: %s cancelled while queued: client disconnected\n", j->id);
+        job_unref(j); /* the worker's reference */
+    }
+}
+
+/* ---- the worker ---- */
+
+static void *worker_main(void *arg) {
+    k3_serve *s = arg;
+    if (s->m.threads > 0) omp_set_num_threads(s->m.threads);
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!s->head && !s->stopping) pthread_cond_wait(&s->work_cv, &s->mu);
+        if (!s->head) break;
+        k3_job *j = s->head;
+        s->head = j->next;
+        if (!s->head) s->tail = NULL;
+        j->next = NULL;
+        s->nwaiting--;
+        s->running = j;
+        pthread_mutex_unlock(&s->mu);
+        double t0 = k3_now();
+        k3_gen_run(s, j);
+        double dt = k3_now() - t0;
+        pthread_mutex_lock(&s->mu);
+        s->busy_s += dt;
+        s->running = NULL;
+        job_unref(j);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* ---- responses ---- */
+
+typedef struct {
+    int route;
+    k3_sbuf body;
+    bool too_big;
+} req_ctx;
+
+enum { R_NONE, R_ASSET, R_HEALTH, R_MODELS, R_MODEL, R_CHAT, R_COMPLETIONS };
+
+static void add_common_headers(struct MHD_Response *resp, const char *type) {
+    MHD_add_response_header(resp, "Content-Type", type);
+    MHD_add_response_header(resp, "Cache-Control", "no-store");
+    MHD_add_response_header(resp, "X-Content-Type-Options", "nosniff");
+    MHD_add_response_header(resp, "Referrer-Policy", "no-referrer");
+    if (!strncmp(type, "text/html", 9)) {
+        MHD_add_response_header(resp, "X-Frame-Options", "DENY");
+        MHD_add_response_header(resp, "Content-Security-Policy",
+                                "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'");
+    }
+}
+
+static enum MHD_Result respond(k3_serve *s, struct MHD_Connection *c, const char *method, const char *url,
+                               unsigned code, const char *type, void *body, size_t len,
+                               enum MHD_ResponseMemoryMode mode) {
+    struct MHD_Response *resp = MHD_create_response_from_buffer(len, body, mode);
+    if (!resp) {
+        if (mode == MHD_RESPMEM_MUST_FREE) free(body);
+        return MHD_NO;
+    }
+    add_common_headers(resp, type);
+    if (code == MHD_HTTP_METHOD_NOT_ALLOWED) {
+        bool post = strstr(url, "completions") != NULL;
+        MHD_add_response_header(resp, "Allow", post ? "POST" : "GET, HEAD");
+    }
+    if (code == 429 || code == 503) MHD_add_response_header(resp, "Retry-After", "1");
+    enum MHD_Result ret = MHD_queue_response(c, code, resp);
+    MHD_destroy_response(resp);
+    if (s->o.verbose) fprintf(stderr, "k3 serve: %u %s %s\n", code, method, url);
+    return ret;
+}
+
+static enum MHD_Result respond_error(k3_serve *s, struct MHD_Connection *c, const char *method, const char *url,
+                                     const k3_serve_error *e) {
+    char *j = k3_serve_error_json(e);
+    if (!s->o.verbose && e->status >= 500) fprintf(stderr, "k3 serve: %d %s %s: %s\n", e->status, method, url, e->message);
+    return respond(s, c, method, url, (unsigned)e->status, "application/json; charset=utf-8", j, strlen(j),
+                   MHD_RESPMEM_MUST_FREE);
+}
+
+static enum MHD_Result respond_json(k3_serve *s, struct MHD_Connection *c, const char *method, const char *url,
+                                    json_t *o) {
+    char *j = json_dumps(o, JSON_FLAGS);
+    json_decref(o);
+    if (!j) {
+        k3_serve_error e;
+        set_err(&e, 500, "internal_error", NULL, "cannot serialise the response");
+        return respond_error(s, c, method, url, &e);
+    }
+    return respond(s, c, method, url, 200, "application/json; charset=utf-8", j, strlen(j), MHD_RESPMEM_MUST_FREE);
+}
+
+static json_t *model_object(k3_serve *s) {
+    return json_pack("{s:s, s:s, s:I, s:s, s:I}", "id", s->model_id, "object", "model", "created",
+                     (json_int_t)s->started, "owned_by", "k3", "context_length", (json_int_t)s->m.ctx_len);
+}
+
+static json_t *health(k3_serve *s) {
+    pthread_mutex_lock(&s->mu);
+    json_t *o = json_pack("{s:s, s:s, s:b, s:{s:i, s:i}, s:b, s:{s:I, s:I, s:I, s:I}, s:I, s:f}", "status",
+                          s->stopping ? "stopping" : "ok", "model", s->model_id, "chat", s->m.chat != NULL, "queue",
+                          "waiting", s->nwaiting, "capacity", s->o.queue, "running", s->running && !s->running->done, "requests",
+                          "completed", (json_int_t)s->n_ok, "cancelled", (json_int_t)s->n_cancelled, "refused",
+                          (json_int_t)s->n_refused, "failed", (json_int_t)s->n_failed, "generated_tokens",
+                          (json_int_t)s->n_tokens, "busy_s", s->busy_s);
+    pthread_mutex_unlock(&s->mu);
+    return o;
+}
+
+/* ---- streaming: the job's bytes as they come ---- */
+
+typedef struct {
+    k3_serve *s;
+    k3_job *j;
+} stream_ctx;
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    (void)pos;
+    stream_ctx *x = cls;
+    k3_serve *s = x->s;
+    k3_job *j = x->j;
+    double since = k3_now();
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        /* An SSE comment line after keepalive_s without an event (a long
+         * prefill on a big model, a wait in the queue), so that clients and
+         * proxies with read timeouts keep the stream open; clients ignore
+         * comments. The worker appends whole events, so sent == out.n is an
+         * event boundary. */
+        if (j->sent == j->out.n && !j->done && s->o.keepalive_s > 0 && k3_now() - since >= s->o.keepalive_s &&
+            max >= 14) {
+            pthread_mutex_unlock(&s->mu);
+            memcpy(buf, ": keep-alive\n\n", 14);
+            return 14;
+        }
+        if (j->sent < j->out.n) {
+            size_t k = j->out.n - j->sent;
+            if (k > max) k = max;
+            memcpy(buf, j->out.p + j->sent, k);
+            j->sent += k;
+            pthread_mutex_unlock(&s->mu);
+            return (ssize_t)k;
+        }
+        if (j->done) {
+            bool cancelled = atomic_load(&j->cancel);
+            pthread_mutex_unlock(&s->mu);
+            return cancelled ? MHD_CONTENT_READER_END_WITH_ERROR : MHD_CONTENT_READER_END_OF_STREAM;
+        }
+        timed_wait(&j->cv, &s->mu);
+        if (!j->done && j->sent == j->out.n && client_gone(j->fd)) cancel_locked(s, j);
+    }
+}
+
+static void stream_free(void *cls) {
+    stream_ctx *x = cls;
+    pthread_mutex_lock(&x->s->mu);
+    if (!x->j->done) cancel_locked(x->s, x->j); /* the connection ended before the job */
+    job_unref(x->j);
+    pthread_mutex_unlock(&x->s->mu);
+    free(x);
+}
+
+/* ---- the completion endpoints ---- */
+
+static void err_from_k3(k3_serve_error *e, const k3_err *err, const char *fallback_param) {
+    /* the template names the field first: "messages[2].role: want ..." */
+    char param[128] = "";
+    const char *colon = strstr(err->msg, ": ");
+    if (colon && (size_t)(colon - err->msg) < sizeof param && !memchr(err->msg, ' ', (size_t)(colon - err->msg)))
+        snprintf(param, sizeof param, "%.*s", (int)(colon - err->msg), err->msg);
+    else if (fallback_param)
+        snprintf(param, sizeof param, "%s", fallback_param);
+    set_err(e, 400, "invalid_value", param, "%s", err->msg);
+}
+
+/* Builds the job's prompt ids; 0 or an HTTP status with e set. */
+static int prompt_of(k3_serve *s, k3_job *j, k3_serve_error *e) {
+    const k3_serve_req *r = &j->req;
+    k3_err err = {0};
+    if (r->kind == K3_REQ_CHAT) {
+        if (!s->m.chat) {
+            set_err(e, 400, "model_not_chat", "messages",
+                    "model '%s' has no chat template: its tokenizer lacks the XTML ids (<|open|>, <|close|>, "
+                    "<|sep|>, <|end_of_msg|>); use /v1/completions with a text prompt",
+                    s->model_id);
+            return 400;
+        }
+        if (k3_chat_encode(s->m.chat, r->chat, &j->ids, &j->n, &err)) {
+            err_from_k3(e, &err, "messages");
+            /* the template calls the request's reasoning_effort thinking_effort */
+            if (!strcmp(e->param, "thinking_effort")) {
+                snprintf(e->param, sizeof e->param, "reasoning_effort");
+                char msg[sizeof e->message];
+                snprintf(msg, sizeof msg, "reasoning_effort%s", e->message + strlen("thinking_effort"));
+                snprintf(e->message, sizeof e->message, "%s", msg);
+            }
+            return 400;
+        }
+    } else if (r->prompt_ids) {
+        j->n = r->nprompt_ids;
+        j->ids = xmalloc_array(j->n, sizeof *j->ids);
+        memcpy(j->ids, r->prompt_ids, j->n * sizeof *j->ids);
+    } else {
+        /* as `k3 run --prompt`: the prompt is the model's raw input, named specials included */
+        if (r->prompt_len == 0) {
+            set_err(e, 400, "invalid_value", "prompt", "prompt: empty");
+            return 400;
+        }
+        if (tok_encode(s->m.tok, r->prompt, r->prompt_len, true, &j->ids, &j->n, &err)) {
+            set_err(e, 400, "invalid_value", "prompt", "prompt: %s", err.msg);
+            return 400;
+        }
+    }
+    const char *param = r->kind == K3_REQ_CHAT ? "messages" : "prompt";
+    if (j->n == 0) {
+        set_err(e, 400, "invalid_value", param, "%s: encodes to no tokens", param);
+        return 400;
+    }
+    for (size_t i = 0; i < j->n; i++)
+        if (j->ids[i] < 0 || j->ids[i] >= s->m.vocab) {
+            set_err(e, 400, "invalid_value", param, "%s: token id %d is outside the model's vocabulary [0, %d)", param,
+                    j->ids[i], s->m.vocab);
+            return 400;
+        }
+    int64_t room = s->m.ctx_len - (int64_t)j->n;
+    if (room < 1) {
+        set_err(e, 400, "context_length_exceeded", param,
+                "%s: the prompt is %zu tokens, which leaves no room in the context of %lld tokens (k3 serve --ctx)",
+                param, j->n, (long long)s->m.ctx_len);
+        return 400;
+    }
+    if (r->max_tokens > s->o.max_tokens) {
+        set_err(e, 400, "invalid_value", "max_tokens", "max_tokens: %lld is over this server's limit of %lld "
+                "(k3 serve --max-tokens)", (long long)r->max_tokens, (long long)s->o.max_tokens);
+        return 400;
+    }
+    if (r->max_tokens > room) {
+        set_err(e, 400, "context_length_exceeded", "max_tokens",
+                "the prompt (%zu tokens) plus max_tokens (%lld) is over the context of %lld tokens (k3 serve --ctx)",
+                j->n, (long long)r->max_tokens, (long long)s->m.ctx_len);
+        return 400;
+    }
+    j->max_tokens = r->max_tokens > 0 ? r->max_tokens : (s->o.max_tokens < room ? s->o.max_tokens : room);
+    return 0;
+}
+
+static unsigned long long next_id(void) {
+    static atomic_ullong counter;
+    return atomic_fetch_add(&counter, 1) + 1;
+}
+
+static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const char *method, const char *url,
+                                  req_ctx *rc) {
+    k3_serve_error e;
+    k3_job *j = job_new();
+    int st = k3_serve_parse(rc->body.p ? rc->body.p : "", rc->body.n, rc->route == R_CHAT ? K3_REQ_CHAT
+                                                                                           : K3_REQ_COMPLETION,
+                            &j->req, &e);
+    if (!st && j->req.model && strcmp(j->req.model, s->model_id)) {
+        set_err(&e, 404, "model_not_found", "model", "model '%.200s' does not exist: this server serves '%s'",
+                j->req.model, s->model_id);
+        st = 404;
+    }
+    if (!st) st = prompt_of(s, j, &e);
+    if (st) {
+        pthread_mutex_lock(&s->mu);
+        job_unref(j);
+        pthread_mutex_unlock(&s->mu);
+        return respond_error(s, c, method, url, &e);
+    }
+    snprintf(j->id, sizeof j->id, "%s-%llx%06llx", rc->route == R_CHAT ? "chatcmpl" : "cmpl",
+             (unsigned long long)s->started, next_id());
+    j->created = (int64_t)time(NULL);
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    j->fd = ci ? ci->connect_fd : -1;
+
+    pthread_mutex_lock(&s->mu);
+    if (s->stopping) {
+        job_unref(j);
+        pthread_mutex_unlock(&s->mu);
+        set_err(&e, 503, "server_stopping", NULL, "the server is stopping");
+        return respond_error(s, c, method, url, &e);
+    }
+    if (s->nwaiting >= s->o.queue) {
+        s->n_refused++;
+        int q = s->o.queue;
+        job_unref(j);
+        pthread_mutex_unlock(&s->mu);
+        set_err(&e, 429, "queue_full", NULL,
+                "the server is busy: %d request%s already waiting (k3 serve --queue); retry later", q,
+                q == 1 ? " is" : "s are");
+        return respond_error(s, c, method, url, &e);
+    }
+    j->refs++; /* the worker's */
+    if (s->tail) s->tail->next = j;
+    else s->head = j;
+    s->tail = j;
+    s->nwaiting++;
+    pthread_cond_signal(&s->work_cv);
+
+    if (j->req.stream) {
+        pthread_mutex_unlock(&s->mu);
+        stream_ctx *x = xmalloc(sizeof *x);
+        x->s = s;
+        x->j = j; /* takes the connection's reference */
+        struct MHD_Response *resp =
+            MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16384, stream_read, x, stream_free);
+        if (!resp) {
+            stream_free(x);
+            return MHD_NO;
+        }
+        add_common_headers(resp, "text/event-stream; charset=utf-8");
+        MHD_add_response_header(resp, "X-Accel-Buffering", "no");
+        enum MHD_Result ret = MHD_queue_response(c, 200, resp);
+        MHD_destroy_response(resp);
+        if (s->o.verbose) fprintf(stderr, "k3 serve: 200 %s %s (stream %s)\n", method, url, j->id);
+        return ret;
+    }
+    while (!j->done) {
+        timed_wait(&j->cv, &s->mu);
+        if (!j->done && client_gone(j->fd)) cancel_locked(s, j);
+    }
+    bool cancelled = atomic_load(&j->cancel);
+    int status = j->status;
+    char *body = NULL;
+    size_t len = j->out.n;
+    if (!cancelled) {
+        body = xmalloc(len + 1);
+        memcpy(body, j->out.p ? j->out.p : "", len);
+    }
+    job_unref(j);
+    pthread_mutex_unlock(&s->mu);
+    if (cancelled) return MHD_NO; /* nobody to answer */
+    return respond(s, c, method, url, (unsigned)status, "application/json; charset=utf-8", body, len,
+                   MHD_RESPMEM_MUST_FREE);
+}
+
+/* ---- routing ---- */
+
+static bool host_allowed(const char *host) {
+    if (!host) return true; /* HTTP/1.0 without Host */
+    char h[256];
+    size_t n = strlen(host);
+    if (n == 0 || n >= sizeof h) return false;
+    if (host[0] == '[') {
+        const char *end = strchr(host, ']');
+        if (!end) return false;
+        snprintf(h, sizeof h, "%.*s", (int)(end - host - 1), host + 1);
+    } else {
+        const char *colon = strchr(host, ':');
+        snprintf(h, sizeof h, "%.*s", (int)(colon ? (size_t)(colon - host) : n), host);
+    }
+    return k3_dashboard_is_loopback(h);
+}
+
+static int route_of(k3_serve *s, const char *url, size_t *asset) {
+    for (size_t i = 0; i < k3_serve_nassets; i++)
+        if (!strcmp(url, k3_serve_assets[i].path)) {
+            *asset = i;
+            return R_ASSET;
+        }
+    if (!strcmp(url, "/health")) return R_HEALTH;
+    if (!strcmp(url, "/v1/models")) return R_MODELS;
+    if (!strncmp(url, "/v1/models/", 11) && !strcmp(url + 11, s->model_id)) return R_MODEL;
+    if (!strcmp(url, "/v1/chat/completions")) return R_CHAT;
+    if (!strcmp(url, "/v1/completions")) return R_COMPLETIONS;
+    return R_NONE;
+}
+
+static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                              const char *version, const char *upload_data, size_t *upload_data_size,
+                              void **con_cls) {
+    (void)version;
+    k3_serve *s = cls;
+    req_ctx *rc = *con_cls;
+    k3_serve_error e;
+    if (!rc) {
+        size_t asset = 0;
+        int route = route_of(s, url, &asset);
+        if (s->loopback && !host_allowed(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host"))) {
+            set_err(&e, 403, "forbidden_host", NULL, "the Host header names no loopback address");
+            return respond_error(s, c, method, url, &e);
+        }
+        if (route == R_NONE) {
+            set_err(&e, 404, "not_found", NULL, "no route %.200s %.300s (see docs/serve.md)", method, url);
+            return respond_error(s, c, method, url, &e);
+        }
+        bool post = route == R_CHAT || route == R_COMPLETIONS;
+        bool ok = post ? !strcmp(method, "POST") : (!strcmp(method, "GET") || !strcmp(method, "HEAD"));
+        if (!ok) {
+            set_err(&e, 405, "method_not_allowed", NULL, "%.300s accepts %s, not %.100s", url, post ? "POST" : "GET",
+                    method);
+            return respond_error(s, c, method, url, &e);
+        }
+        const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
+        if (post && cl) {
+            char *end;
+            unsigned long long v = strtoull(cl, &end, 10);
+            if (*end == 0 && v > s->o.max_body) {
+                set_err(&e, 413, "request_too_large", NULL, "the request body is %llu bytes, over the limit of %zu "
+                        "(k3 serve --max-body)", v, s->o.max_body);
+                return respond_error(s, c, method, url, &e);
+            }
+        }
+        rc = xcalloc(1, sizeof *rc);
+        rc->route = route;
+        *con_cls = rc;
+        return MHD_YES;
+    }
+    if (*upload_data_size) {
+        if (rc->body.n + *upload_data_size > s->o.max_body) rc->too_big = true;
+        if (!rc->too_big) k3_sb_put(&rc->body, upload_data, *upload_data_size);
+        *upload_data_size = 0;
+        return MHD_YES;
+    }
+    if (rc->too_big) {
+        set_err(&e, 413, "request_too_large", NULL, "the request body is over the limit of %zu bytes "
+                "(k3 serve --max-body)", s->o.max_body);
+        return respond_error(s, c, method, url, &e);
+    }
+    size_t asset = 0;
+    switch (rc->route) {
+    case R_ASSET:
+        route_of(s, url, &asset);
+        return respond(s, c, method, url, 200, k3_serve_assets[asset].type, (void *)k3_serve_assets[asset].data,
+                       k3_serve_assets[asset].len, MHD_RESPMEM_PERSISTENT);
+    case R_HEALTH: return respond_json(s, c, method, url, health(s));
+    case R_MODELS: {
+        json_t *o = json_pack("{s:s, s:[o]}", "object", "list", "data", model_object(s));
+        return respond_json(s, c, method, url, o);
+    }
+    case R_MODEL: return respond_json(s, c, method, url, model_object(s));
+    default: return completion(s, c, method, url, rc);
+    }
+}
+
+static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    (void)cls; (void)c; (void)toe;
+    req_ctx *rc = *con_cls;
+    if (!rc) return;
+    k3_sb_free(&rc->body);
+    free(rc);
+    *con_cls = NULL;
+}
+
+static void mhd_log(void *cls, const char *fmt, va_list ap) {
+    k3_serve *s = cls;
+    if (!s->o.verbose) return;
+    fputs("k3 serve: libmicrohttpd: ", stderr);
+    vfprintf(stderr, fmt, ap);
+}
+
+/* ---- start / stop ---- */
+
+static int open_listener(k3_serve *s, const char *host, int port, k3_err *err) {
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
+    struct addrinfo *res = NULL;
+    char portstr[16];
+    snprintf(portstr, sizeof portstr, "%d", port);
+    int g = getaddrinfo(host, portstr, &hints, &res);
+    if (g != 0) return k3_fail(err, K3_EXIT_USAGE, "--host %s: %s", host, gai_strerror(g));
+    int fd = -1, e = 0;
+    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) { e = errno; continue; }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 64) == 0) break;
+        e = errno;
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    if (fd < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s:%d: cannot listen: %s", host, port, strerror(e));
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    if (getsockname(fd, (struct sockaddr *)&ss, &sl) != 0) {
+        close(fd);
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: getsockname: %s", host, strerror(errno));
+    }
+    s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                              : ((struct sockaddr_in *)&ss)->sin_port);
+    s->listen_fd = fd;
+    return K3_OK;
+}
+
+int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **out, k3_err *err) {
+    *out = NULL;
+    k3_serve *s = xcalloc(1, sizeof *s);
+    s->o = *o;
+    s->m = *m;
+    s->listen_fd = -1;
+    if (s->o.max_body == 0) s->o.max_body = (size_t)8 << 20;
+    if (s->o.queue < 0) s->o.queue = 0;
+    if (s->o.max_tokens <= 0) s->o.max_tokens = m->ctx_len;
+    snprintf(s->model_id, sizeof s->model_id, "%s", o->model_id && *o->model_id ? o->model_id : "k3");
+    s->started = (int64_t)time(NULL);
+    const char *host = o->host ? o->host : "127.0.0.1";
+    s->loopback = k3_dashboard_is_loopback(host);
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->work_cv, NULL);
+    int rc = open_listener(s, host, o->port, err);
+    if (rc) {
+        pthread_mutex_destroy(&s->mu);
+        pthread_cond_destroy(&s->work_cv);
+        free(s);
+        return rc;
+    }
+    if (pthread_create(&s->worker, NULL, worker_main, s) != 0) {
+        close(s->listen_fd);
+        free(s);
+        return k3_fail(err, K3_EXIT_RUNTIME, "cannot start the worker thread");
+    }
+    s->worker_started = true;
+    s->mhd = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0,
+                              NULL, NULL, handle, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,
+                              MHD_OPTION_NOTIFY_COMPLETED, completed, s, MHD_OPTION_LISTEN_SOCKET, s->listen_fd,
+                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)256, MHD_OPTION_CONNECTION_TIMEOUT,
+                              (unsigned)60, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)65536, MHD_OPTION_END);
+    if (!s->mhd) {
+        k3_serve_stop(s);
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s:%d: the HTTP server did not start", host, o->port);
+    }
+    *out = s;
+    return K3_OK;
+}
+
+int k3_serve_port(const k3_serve *s) { return s->port; }
+
+void k3_serve_stop(k3_serve *s) {
+    if (!s) return;
+    pthread_mutex_lock(&s->mu);
+    s->stopping = true;
+    if (s->running) atomic_store(&s->running->cancel, 1);
+    while (s->head) {
+        k3_job *j = s->head;
+        dequeue(s, j);
+        k3_serve_error e;
+        set_err(&e, 503, "server_stopping", NULL, "the server is stopping");
+        char *body = k3_serve_error_json(&e);
+        k3_sb_put(&j->out, body, strlen(body));
+        free(body);
+        j->status = 503;
+        j->done = true;
+        pthread_cond_broadcast(&j->cv);
+        job_unref(j);
+    }
+    pthread_cond_broadcast(&s->work_cv);
+    pthread_mutex_unlock(&s->mu);
+    if (s->worker_started) pthread_join(s->worker, NULL);
+    if (s->mhd) MHD_stop_daemon(s->mhd); /* closes the listening socket */
+    else if (s->listen_fd >= 0) close(s->listen_fd);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->work_cv);
+    free(s);
+}

@@ -1,0 +1,77 @@
+/* lossplot.c: loss.svg, the run directory's static picture of the training
+ * and validation loss against the step (docs/run-dir.md), drawn without any
+ * library: a few lines of SVG text. The trainer calls it after each
+ * evaluation; the dashboard draws its own live chart. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdlib.h>
+
+#include "train/train.h"
+
+typedef struct { char *b; size_t n, cap; } sbuf;
+static void __attribute__((format(printf, 2, 3))) sb_printf(sbuf *s, const char *fmt, ...) {
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int k = vsnprintf(s->b + s->n, s->cap - s->n, fmt, ap);
+        va_end(ap);
+        if (k < 0) return;
+        if ((size_t)k < s->cap - s->n) { s->n += (size_t)k; return; }
+        s->cap = (s->cap + (size_t)k + 1) * 2;
+        s->b = xrealloc(s->b, s->cap);
+    }
+}
+
+int tplot_loss_svg(const char *path, const int64_t *hs, const double *hl, size_t nh, const int64_t *he,
+                   const double *hv, size_t ne, k3_err *err) {
+    const double W = 720, H = 400, L = 60, R = 20, Tp = 30, Bt = 40;
+    double lo = INFINITY, hi = -INFINITY;
+    int64_t smax = 1;
+    for (size_t i = 0; i < nh; i++) {
+        if (isfinite(hl[i])) { lo = fmin(lo, hl[i]); hi = fmax(hi, hl[i]); }
+        if (hs[i] > smax) smax = hs[i];
+    }
+    for (size_t i = 0; i < ne; i++) {
+        if (isfinite(hv[i])) { lo = fmin(lo, hv[i]); hi = fmax(hi, hv[i]); }
+        if (he[i] > smax) smax = he[i];
+    }
+    if (!isfinite(lo)) { lo = 0; hi = 1; }
+    if (hi - lo < 1e-6) hi = lo + 1;
+    sbuf sb = {xmalloc(4096), 0, 4096};
+#define PR(...) sb_printf(&sb, __VA_ARGS__)
+    PR("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" viewBox=\"0 0 %g %g\">\n", W, H, W, H);
+    PR("<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
+    PR("<text x=\"%g\" y=\"20\" font-family=\"sans-serif\" font-size=\"14\">loss (nats/token) vs step: "
+       "<tspan fill=\"#1f77b4\">train</tspan> <tspan fill=\"#d62728\">validation</tspan></text>\n", L);
+    PR("<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" stroke=\"#888\"/>\n", L, Tp, W - L - R,
+       H - Tp - Bt);
+    for (int k = 0; k <= 4; k++) {
+        double v = lo + (hi - lo) * k / 4, y = H - Bt - (H - Tp - Bt) * k / 4;
+        PR("<text x=\"%g\" y=\"%g\" font-family=\"sans-serif\" font-size=\"11\" text-anchor=\"end\">%.3f</text>\n",
+           L - 4, y + 4, v);
+        double s = (double)smax * k / 4, x = L + (W - L - R) * k / 4;
+        PR("<text x=\"%g\" y=\"%g\" font-family=\"sans-serif\" font-size=\"11\" text-anchor=\"middle\">%.0f</text>\n",
+           x, H - Bt + 16, s);
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        size_t cnt = pass ? ne : nh;
+        if (!cnt) continue;
+        PR("<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%s\" points=\"", pass ? "#d62728" : "#1f77b4",
+           pass ? "2" : "1");
+        for (size_t i = 0; i < cnt; i++) {
+            double v = pass ? hv[i] : hl[i];
+            int64_t st = pass ? he[i] : hs[i];
+            if (!isfinite(v)) continue;
+            double x = L + (W - L - R) * (double)st / (double)smax;
+            double y = H - Bt - (H - Tp - Bt) * (v - lo) / (hi - lo);
+            PR("%.1f,%.1f ", x, y);
+        }
+        PR("\"/>\n");
+    }
+    PR("</svg>\n");
+#undef PR
+    int rc = k3_write_file_atomic(path, sb.b, sb.n, err);
+    free(sb.b);
+    return rc;
+}
+

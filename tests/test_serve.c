@@ -1,0 +1,195 @@
+/* test_serve.c: k3 serve's request validation and its stop-string filter.
+ * (The HTTP side is tested against the real binary in tests/cli/test_serve*.sh.) */
+#include "harness.h"
+#include "serve/serve.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int parse(const char *body, int kind, k3_serve_req *r, k3_serve_error *e) {
+    return k3_serve_parse(body, strlen(body), kind, r, e);
+}
+
+TEST(serve_parse_defaults) {
+    k3_serve_req r;
+    k3_serve_error e;
+    CHECK(parse("{\"prompt\":\"hi\"}", K3_REQ_COMPLETION, &r, &e) == 0);
+    /* OpenAI's defaults: temperature 1, top_p 1, no max_tokens, not streamed */
+    CHECK(r.temperature == 1.0f && r.top_p == 1.0f && r.top_k == 0 && r.min_p == 0.0f);
+    CHECK(r.max_tokens == -1 && !r.stream && !r.include_usage && r.nstop == 0);
+    CHECK(r.prompt && !strcmp(r.prompt, "hi") && r.prompt_len == 2 && !r.prompt_ids);
+    k3_serve_req_free(&r);
+}
+
+TEST(serve_parse_fields) {
+    k3_serve_req r;
+    k3_serve_error e;
+    const char *b = "{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"temperature\":0.5,"
+                    "\"top_p\":0.9,\"top_k\":-1,\"min_p\":0.1,\"seed\":-3,\"max_completion_tokens\":7,"
+                    "\"stop\":\"END\",\"stream\":true,\"stream_options\":{\"include_usage\":true},"
+                    "\"tools\":[],\"reasoning_effort\":\"high\",\"chat_template_kwargs\":{\"thinking\":false},"
+                    "\"n\":1,\"user\":\"u\"}";
+    CHECKF(parse(b, K3_REQ_CHAT, &r, &e) == 0, "%s", e.message);
+    CHECK(r.temperature == 0.5f && r.top_p == 0.9f && r.top_k == 0 && r.min_p == 0.1f);
+    CHECK(r.seed == (uint64_t)-3 && r.max_tokens == 7 && r.stream && r.include_usage);
+    CHECK(r.nstop == 1 && !strcmp(r.stop[0], "END") && !strcmp(r.model, "m"));
+    CHECK(!r.thinking);
+    /* the template's request: messages, tools, thinking, thinking_effort */
+    CHECK(json_is_array(json_object_get(r.chat, "messages")));
+    CHECK(json_is_false(json_object_get(r.chat, "thinking")));
+    CHECK(!strcmp(json_string_value(json_object_get(r.chat, "thinking_effort")), "high"));
+    CHECK(json_object_get(r.chat, "tools") != NULL);
+    k3_serve_req_free(&r);
+    /* the shapes OpenAI documents pass */
+    b = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\",\"function\":"
+        "{\"name\":\"f\",\"description\":\"d\",\"parameters\":{\"type\":\"object\"},\"strict\":true}}],"
+        "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}},"
+        "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"s\",\"schema\":{}}}}";
+    CHECKF(parse(b, K3_REQ_CHAT, &r, &e) == 0, "%s", e.message);
+    CHECK(json_object_get(r.chat, "tool_choice") && json_object_get(r.chat, "response_format"));
+    CHECK(json_object_get(r.chat, "model") == NULL && json_object_get(r.chat, "temperature") == NULL);
+    k3_serve_req_free(&r);
+    /* enable_thinking is the other spelling */
+    CHECK(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"chat_template_kwargs\":{\"enable_thinking\":false}}",
+                K3_REQ_CHAT, &r, &e) == 0);
+    CHECK(!r.thinking);
+    k3_serve_req_free(&r);
+    CHECK(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}]}", K3_REQ_CHAT, &r, &e) == 0);
+    CHECK(r.thinking && json_is_true(json_object_get(r.chat, "thinking")));
+    k3_serve_req_free(&r);
+    /* a token-id prompt */
+    CHECK(parse("{\"prompt\":[5,6,7]}", K3_REQ_COMPLETION, &r, &e) == 0);
+    CHECK(r.nprompt_ids == 3 && r.prompt_ids[2] == 7 && !r.prompt);
+    k3_serve_req_free(&r);
+}
+
+/* every refusal: status, code and the parameter it names */
+TEST(serve_parse_errors) {
+    static const struct {
+        int kind;
+        const char *body, *code, *param;
+    } cases[] = {
+        {K3_REQ_COMPLETION, "{\"prompt\":", "invalid_json", ""},
+        {K3_REQ_COMPLETION, "\"text\"", "invalid_json", ""},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"prompt\":\"b\"}", "invalid_json", ""},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"temperature\":\"hot\"}", "invalid_type", "temperature"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"temperature\":2.5}", "invalid_value", "temperature"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"top_p\":0}", "invalid_value", "top_p"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"min_p\":-0.1}", "invalid_value", "min_p"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"top_k\":1.5}", "invalid_type", "top_k"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"max_tokens\":0}", "invalid_value", "max_tokens"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"max_tokens\":\"5\"}", "invalid_type", "max_tokens"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"max_tokens\":5,\"max_completion_tokens\":6}", "invalid_value",
+         "max_completion_tokens"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"stop\":\"\"}", "invalid_value", "stop"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"stop\":[\"x\",\"\"]}", "invalid_value", "stop[1]"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"stop\":5}", "invalid_type", "stop"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"n\":3}", "unsupported_value", "n"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":5}", "unsupported_value", "logprobs"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"echo\":true}", "unsupported_value", "echo"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"frequency_penalty\":1}", "unsupported_value", "frequency_penalty"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":{\"5\":10}}", "unsupported_value", "logit_bias"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"wat\":1}", "unknown_parameter", "wat"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"tools\":[]}", "unknown_parameter", "tools"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"prompt\":\"a\"}", "unknown_parameter", "prompt"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"parallel_tool_calls\":false}", "unsupported_value", "parallel_tool_calls"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", "invalid_value",
+         "stream_options"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"stream\":true,\"stream_options\":{\"x\":1}}", "unknown_parameter",
+         "stream_options.x"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"model\":5}", "invalid_type", "model"},
+        {K3_REQ_COMPLETION, "{}", "missing_required_parameter", "prompt"},
+        {K3_REQ_COMPLETION, "{\"prompt\":[]}", "invalid_type", "prompt"},
+        {K3_REQ_COMPLETION, "{\"prompt\":[1,-2]}", "invalid_value", "prompt[1]"},
+        {K3_REQ_COMPLETION, "{\"prompt\":[\"a\",\"b\"]}", "unsupported_value", "prompt"},
+        {K3_REQ_CHAT, "{}", "missing_required_parameter", "messages"},
+        {K3_REQ_CHAT, "{\"messages\":[]}", "invalid_value", "messages"},
+        {K3_REQ_CHAT, "{\"messages\":{}}", "invalid_type", "messages"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"reasoning_effort\":3}", "invalid_type", "reasoning_effort"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"chat_template_kwargs\":{\"thinking\":1}}", "invalid_type",
+         "chat_template_kwargs.thinking"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"chat_template_kwargs\":{\"foo\":true}}", "unknown_parameter",
+         "chat_template_kwargs.foo"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"enable_thinking\":\"no\"}", "invalid_type", "enable_thinking"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":{}}", "invalid_type", "tools"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"function\"}]}", "invalid_type", "tools[0]"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"code\",\"function\":{\"name\":\"f\"}}]}",
+         "invalid_value", "tools[0]"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"\"}}]}",
+         "invalid_value", "tools[0]"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":[]}}]}",
+         "invalid_type", "tools[0]"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":\"banana\"}", "invalid_value", "tool_choice"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":{\"type\":\"function\"}}", "invalid_value", "tool_choice"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":3}", "invalid_type", "tool_choice"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"response_format\":{\"type\":\"yaml\"}}", "invalid_value", "response_format"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"response_format\":{\"type\":\"json_schema\"}}", "invalid_value",
+         "response_format"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"response_format\":\"json\"}", "invalid_type", "response_format"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        k3_serve_req r;
+        k3_serve_error e;
+        int st = parse(cases[i].body, cases[i].kind, &r, &e);
+        CHECKF(st == 400, "case %zu (%s): status %d", i, cases[i].body, st);
+        CHECKF(e.status == 400 && !strcmp(e.type, "invalid_request_error"), "case %zu", i);
+        CHECKF(e.code && !strcmp(e.code, cases[i].code), "case %zu (%s): code %s", i, cases[i].body, e.code);
+        CHECKF(!strcmp(e.param, cases[i].param), "case %zu (%s): param '%s'", i, cases[i].body, e.param);
+        CHECKF(strlen(e.message) > 0, "case %zu", i);
+        /* nothing is left allocated after a refusal */
+        CHECK(!r.prompt && !r.prompt_ids && !r.chat && r.nstop == 0 && !r.model);
+    }
+}
+
+/* the released text of a whole feed, in pieces of `step` bytes */
+static void run_stopper(char *const *stop, size_t nstop, const char *text, size_t step, char *out, size_t cap,
+                        bool *hit) {
+    k3_stopper s;
+    k3_stopper_init(&s, stop, nstop);
+    size_t n = strlen(text), len = 0;
+    out[0] = 0;
+    for (size_t i = 0; i < n; i += step) {
+        const char *o;
+        size_t no;
+        k3_stopper_feed(&s, text + i, n - i < step ? n - i : step, &o, &no);
+        if (len + no < cap) memcpy(out + len, o, no), len += no;
+    }
+    const char *o;
+    size_t no;
+    k3_stopper_flush(&s, &o, &no);
+    if (len + no < cap) memcpy(out + len, o, no), len += no;
+    out[len] = 0;
+    *hit = s.hit;
+    k3_stopper_free(&s);
+}
+
+TEST(serve_stop_strings) {
+    char *stop[] = {"\n\n", "THE END", "ab"};
+    char out[256];
+    bool hit;
+    static const struct { const char *text, *want; bool hit; } cases[] = {
+        {"once upon a time", "once upon a time", false},
+        {"once\n\nupon", "once", true},
+        {"it was THE END. more", "it was ", true},
+        {"THE EN", "THE EN", false},       /* a prefix at the end is released at the flush */
+        {"xaab", "xa", true},
+        {"a\nb\nTHE ENDab", "a\nb\n", true},
+        {"THE ENab", "THE EN", true},      /* the earliest complete stop string wins */
+        {"", "", false},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        for (size_t step = 1; step <= 5; step++) {
+            run_stopper(stop, 3, cases[i].text, step, out, sizeof out, &hit);
+            CHECKF(!strcmp(out, cases[i].want) && hit == cases[i].hit, "case %zu step %zu: '%s' (hit %d)", i, step,
+                   out, hit);
+        }
+    /* no stop strings: everything passes through at once */
+    k3_stopper s;
+    k3_stopper_init(&s, NULL, 0);
+    const char *o;
+    size_t no;
+    k3_stopper_feed(&s, "abc", 3, &o, &no);
+    CHECK(no == 3 && !memcmp(o, "abc", 3));
+    k3_stopper_free(&s);
+}
