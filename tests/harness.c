@@ -194,6 +194,7 @@ int main(int argc, char **argv) {
         printf("%s %s (%.2fs)\n", verdict, tests[i].name, s);
         fflush(stdout);
     }
+    if (list) return 0;
     printf("%d passed, %d failed, %d skipped\n", pass, fail, skip);
     return fail ? 1 : 0;
 }

@@ -32,9 +32,10 @@ static struct {
     FILE *err_out;          /* the job's error lines (stderr, kept when silenced) */
 } G = {.size = 1, .timeout = 600};
 
-static FILE *errf(void) { return G.err_out ? G.err_out : stderr; }
+/* errf, now_s and fault_check serve the MPI build only (K3_NO_MPI leaves them unused) */
+__attribute__((unused)) static FILE *errf(void) { return G.err_out ? G.err_out : stderr; }
 
-static double now_s(void) {
+__attribute__((unused)) static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
@@ -81,7 +82,7 @@ bool k3_dist_fault_error(void) {
     return G.fault_kind == 'e' && G.rank == G.fault_rank && G.nexch + 1 == G.fault_at;
 }
 
-static void fault_check(void) {
+__attribute__((unused)) static void fault_check(void) {
     if (!G.fault_kind || G.rank != G.fault_rank || G.nexch != G.fault_at) return;
     if (G.fault_kind == 'd') raise(SIGKILL);
     if (G.fault_kind == 'h')

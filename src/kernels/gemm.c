@@ -42,9 +42,10 @@ void k3_train_gemm_describe(char *buf, size_t n) {
     static const char *const f32[] = {"the scalar reference", "AVX2+FMA tiles (the scalar reference's bits)",
                                       "AVX-512 tiles (the scalar reference's bits)"};
     k_isa a = tile_isa(TG_F32), b = tile_isa(TG_BF16);
-    const char *bf = b == K_ISA_SCALAR ? "refused by k3 train (no AVX512_BF16 on this path; the scalar emulation is for tests)"
-                     : tg_amx_available() ? "AMX-BF16 tiles" : "AVX512_BF16 (vdpbf16ps) tiles";
-    snprintf(buf, n, "F32 on %s, --bf16 on %s", f32[a < 3 ? a : 0], bf);
+    const char *bf = tg_amx_available() ? "AMX-BF16 tiles" : "AVX512_BF16 (vdpbf16ps) tiles";
+    if (b == K_ISA_SCALAR) /* only the scalar emulation could run it: k3 train refuses */
+        snprintf(buf, n, "F32 on %s; --bf16 refused (no AVX512_BF16 on this path)", f32[a < 3 ? a : 0]);
+    else snprintf(buf, n, "F32 on %s, --bf16 on %s", f32[a < 3 ? a : 0], bf);
 }
 
 static inline float at(tg_view v, ptrdiff_t i, ptrdiff_t j) { return v.p[i * v.rs + j * v.cs]; }
