@@ -53,6 +53,9 @@ struct k3_serve {
     int nwaiting;
     k3_job *running;
     bool stopping;
+    /* requests whose answer has not been sent yet: a stop waits (bounded)
+     * for the 503s it hands to queued jobs to reach their clients */
+    atomic_int n_open;
     /* counters for /health (under mu) */
     uint64_t n_ok, n_cancelled, n_refused, n_failed, n_tokens;
     double busy_s;

@@ -29,6 +29,7 @@
 #include "web/assets.h"
 
 #define WAIT_MS 100
+#define STOP_DRAIN_MS 2000
 #define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))
 
 
@@ -568,6 +569,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         rc = xcalloc(1, sizeof *rc);
         rc->route = route;
         *con_cls = rc;
+        atomic_fetch_add(&s->n_open, 1);
         return MHD_YES;
     }
     if (*upload_data_size) {
@@ -598,9 +600,11 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
 }
 
 static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
-    (void)cls; (void)c; (void)toe;
+    (void)c; (void)toe;
+    k3_serve *s = cls;
     req_ctx *rc = *con_cls;
     if (!rc) return;
+    atomic_fetch_sub(&s->n_open, 1);
     k3_sb_free(&rc->body);
     free(rc);
     *con_cls = NULL;
@@ -653,6 +657,7 @@ int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **o
     s->o = *o;
     s->m = *m;
     s->listen_fd = -1;
+    atomic_init(&s->n_open, 0);
     if (s->o.max_body == 0) s->o.max_body = (size_t)8 << 20;
     if (s->o.queue < 0) s->o.queue = 0;
     if (s->o.max_tokens <= 0) s->o.max_tokens = m->ctx_len;
@@ -711,6 +716,11 @@ void k3_serve_stop(k3_serve *s) {
     pthread_cond_broadcast(&s->work_cv);
     pthread_mutex_unlock(&s->mu);
     if (s->worker_started) pthread_join(s->worker, NULL);
+    /* MHD_stop_daemon closes every connection at once: give the connection
+     * threads that were just handed a 503 (and the cut streams) up to
+     * STOP_DRAIN_MS to send it, so a queued client reads "stopping", not a
+     * reset */
+    for (int t = 0; s->mhd && t < STOP_DRAIN_MS && atomic_load(&s->n_open) > 0; t += 10) usleep(10000);
     if (s->mhd) MHD_stop_daemon(s->mhd); /* closes the listening socket */
     else if (s->listen_fd >= 0) close(s->listen_fd);
     pthread_mutex_destroy(&s->mu);

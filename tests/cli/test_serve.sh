@@ -249,9 +249,15 @@ for seed in 1 2 3 4 5 6 7 8; do
   if grep -q '"stop": "length"' "$OUT/long.json"; then LONG="\"prompt\":\"$PROMPT\",\"max_tokens\":400,\"temperature\":1.5,\"seed\":$seed"; break; fi
 done
 [ -n "$LONG" ] && pass "long-request ($LONG)" || fail long-request "no seed in 1..8 runs 400 tokens"
-cancelled() { curl -s --max-time 10 "$URL/health" | python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["requests"]["cancelled"], j["running"], j["queue"]["waiting"])'; }
+# "CANCELLED RUNNING WAITING" from /health (sed, not python: the polls below
+# must be quick to see a request while it runs)
+cancelled() {
+  curl -s --max-time 10 "$URL/health" |
+    sed -nE 's/.*"waiting": *([0-9]+).*"running": *(true|false).*"cancelled": *([0-9]+).*/\3 \2 \1/p' |
+    sed 's/true/True/; s/false/False/'
+}
 wait_state() { # WANT: polls /health up to 10 s
-  for _ in $(seq 100); do state=$(cancelled); [ "$state" = "$1" ] && return; sleep 0.1; done
+  for _ in $(seq 500); do state=$(cancelled); [ "$state" = "$1" ] && return; sleep 0.02; done
 }
 c0=$(cancelled | cut -d' ' -f1)
 curl -s -N --max-time 60 --data-binary "{$LONG,\"stream\":true}" "$URL/v1/completions" >"$OUT/cut.sse" &
@@ -264,14 +270,22 @@ if grep -q 'cancelled: client disconnected after' "$OUT/server.log.err"; then pa
 n_cut=$(sed -nE 's/.*cancelled: client disconnected after ([0-9]+) generated.*/\1/p' "$OUT/server.log.err" | tail -n 1)
 if [ -n "$n_cut" ] && [ "$n_cut" -lt 400 ]; then pass "disconnect-early ($n_cut of 400 tokens)"; else fail disconnect-early "$n_cut"; fi
 # a non-streamed request whose client gives up while it computes
-curl -s --max-time 0.5 --data-binary "{$LONG}" "$URL/v1/completions" >/dev/null 2>&1
+# (killed once the server runs it: a fixed client timeout lost the race on a
+# loaded machine, the request never reaching the server)
+curl -s --max-time 60 --data-binary "{$LONG}" "$URL/v1/completions" >/dev/null 2>&1 &
+CURL=$!
+wait_state "$((c0 + 1)) True 0"
+kill -9 "$CURL" 2>/dev/null; wait "$CURL" 2>/dev/null
 wait_state "$((c0 + 2)) False 0"
 check disconnect-nonstream "$state" "$((c0 + 2)) False 0"
 # one that gives up while it waits in the queue behind another
 curl -s -N --max-time 60 --data-binary "{$LONG,\"stream\":true}" "$URL/v1/completions" >"$OUT/first.sse" &
 CURL=$!
 for _ in $(seq 200); do [ -s "$OUT/first.sse" ] && break; sleep 0.05; done
-curl -s --max-time 0.3 --data-binary "{$LONG}" "$URL/v1/completions" >/dev/null 2>&1
+curl -s --max-time 60 --data-binary "{$LONG}" "$URL/v1/completions" >/dev/null 2>&1 &
+CURL2=$!
+wait_state "$((c0 + 2)) True 1"
+kill -9 "$CURL2" 2>/dev/null; wait "$CURL2" 2>/dev/null
 for _ in $(seq 100); do grep -q 'cancelled while queued' "$OUT/server.log.err" && break; sleep 0.1; done
 if grep -q 'cancelled while queued: client disconnected' "$OUT/server.log.err"; then pass disconnect-queued; else fail disconnect-queued "$(tail -c 300 "$OUT/server.log.err")"; fi
 kill -9 "$CURL" 2>/dev/null; wait "$CURL" 2>/dev/null
@@ -323,7 +337,9 @@ CURL=$!
 for _ in $(seq 200); do [ -s "$OUT/atstop.sse" ] && break; sleep 0.05; done
 curl -s --max-time 60 -o "$OUT/atstop2.out" -w '%{http_code}' --data-binary "{$LONG}" "$URL/v1/completions" >"$OUT/atstop2.code" &
 CURL2=$!
-sleep 0.3
+# stop only once the second request is in the queue (a fixed sleep lost the
+# race on a loaded machine: the stop came before curl had connected)
+for _ in $(seq 400); do curl -s --max-time 5 "$URL/health" | grep -q '"waiting": *[1-9]' && break; sleep 0.05; done
 stop_wait "$SPID"
 check stop-exit "$RC" 0
 wait "$CURL" 2>/dev/null; wait "$CURL2" 2>/dev/null
