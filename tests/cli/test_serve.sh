@@ -9,7 +9,7 @@
 # Every wait is bounded (curl --max-time, counted polling loops).
 set -u
 source tests/cli/lib.sh
-MODEL=models/default
+MODEL=tests/fixtures/trained-5m
 ASAN=0
 case "$K3" in *asan*) ASAN=1 ;; esac
 PIDS=()
@@ -95,9 +95,9 @@ error_is() {
 req GET /health ""
 check health "$CODE $(jget 'j["status"], j["chat"]')" "200 ('ok', False)"
 req GET /v1/models ""
-check models "$CODE $(jget 'j["object"], j["data"][0]["id"], j["data"][0]["object"]')" "200 ('list', 'default', 'model')"
-req GET /v1/models/default ""
-check model-one "$CODE $(jget 'j["id"]')" "200 default"
+check models "$CODE $(jget 'j["object"], j["data"][0]["id"], j["data"][0]["object"]')" "200 ('list', 'trained-5m', 'model')"
+req GET /v1/models/trained-5m ""
+check model-one "$CODE $(jget 'j["id"]')" "200 trained-5m"
 req GET / ""
 if [ "$CODE" = 200 ] && grep -q 'chat.js' "$OUT/body"; then pass page; else fail page "$CODE"; fi
 # the page the binary serves is the one in src/web/assets/chat/, byte for byte
@@ -138,7 +138,7 @@ cached=$(jget 'j["usage"]["prompt_tokens_details"]["cached_tokens"]')
 if [ "$cached" -ge "$n1" ] 2>/dev/null; then pass "reuse-cached ($cached of $(jget 'j["usage"]["prompt_tokens"]') prompt tokens)"; else fail reuse-cached "cached_tokens $cached, wanted >= $n1"; fi
 
 # a response in OpenAI's shape, with usage
-req POST /v1/completions '{"model":"default","prompt":"The cat","max_tokens":5,"temperature":0}'
+req POST /v1/completions '{"model":"trained-5m","prompt":"The cat","max_tokens":5,"temperature":0}'
 check completion-shape "$CODE $(jget 'j["object"], j["choices"][0]["finish_reason"], j["usage"]["prompt_tokens"] > 0, j["usage"]["completion_tokens"], j["usage"]["total_tokens"] == j["usage"]["prompt_tokens"] + 5, j["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0')" \
   "200 ('text_completion', 'length', True, 5, True, True)"
 # a stop string: the text ends before it, finish_reason stop; streamed the same
