@@ -509,14 +509,12 @@ static int chat(const chat_args *a, k3_err *err) {
     c.tty_out = isatty(1);
     reset_conversation(&c);
     if (c.tty_in) { /* a script gets only the per-turn lines, so an error stays one line */
-        char b1[32], b2[32], b3[32];
         k3_state_cache_stats cs = k3_state_cache_get_stats(c.cache);
         fprintf(stderr,
                 "k3 chat: %s, %d layers, threads %d; context %lld; state cache %s (a snapshot: %s + %s per position, "
                 "grid %d); thinking %s\n",
                 a->model_dir, cfg->num_layers, c.e->threads, (long long)a->max_ctx,
-                k3_engine_size_str(budget, b1, sizeof b1), k3_engine_size_str(cs.kda_bytes, b2, sizeof b2),
-                k3_engine_size_str(cs.row_bytes, b3, sizeof b3), cs.grid, c.thinking ? "on" : "off");
+                k3_size_str(budget), k3_size_str(cs.kda_bytes), k3_size_str(cs.row_bytes), cs.grid, c.thinking ? "on" : "off");
     }
     if (a->load) rc = load(&c, a->load, err);
     if ((rc = k3_engine_ready(c.e, rc, err))) goto done; /* every rank of a job, or none */

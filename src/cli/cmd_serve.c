@@ -66,30 +66,6 @@ typedef struct {
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } serve_args;
 
-static bool parse_size(const char *s, uint64_t *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || v < 0 || !isfinite(v)) return false;
-    double mul = 1;
-    if (*end) {
-        switch (*end) {
-        case 'k': case 'K': mul = 1024.0; break;
-        case 'm': case 'M': mul = 1024.0 * 1024; break;
-        case 'g': case 'G': mul = 1024.0 * 1024 * 1024; break;
-        default: return false;
-        }
-        end++;
-        if (*end == 'B' || *end == 'b') end++;
-        if (*end) return false;
-    }
-    double b = v * mul;
-    if (b >= 1.8e19) return false;
-    *out = (uint64_t)b;
-    return true;
-}
-
 static int parse_args(int argc, char **argv, serve_args *a) {
     memset(a, 0, sizeof *a);
     k3_engine_opts_init(&a->eo);
@@ -136,7 +112,7 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             a->queue = (int)n;
         } else if (!strcmp(o, "--max-body")) {
             NEED_VALUE();
-            if (!parse_size(v, &a->max_body) || a->max_body < 1024 || a->max_body > ((uint64_t)1 << 32))
+            if (!k3_parse_size(v, &a->max_body) || a->max_body < 1024 || a->max_body > ((uint64_t)1 << 32))
                 return k3_usage_error("serve", "--max-body: '%s' is not a size between 1K and 4G", v);
         } else if (!strcmp(o, "--state-cache-gb")) {
             NEED_VALUE();

@@ -19,32 +19,6 @@ void k3_engine_opts_init(k3_engine_opts *o) {
     k3_runmem_args_init(&o->mem);
 }
 
-/* "512M", "8G", "1.5T", "4096" (bytes); an optional trailing B. */
-static bool parse_size(const char *s, uint64_t *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || v < 0 || !isfinite(v)) return false;
-    double mul = 1;
-    if (*end) {
-        switch (*end) {
-        case 'k': case 'K': mul = 1024.0; break;
-        case 'm': case 'M': mul = 1024.0 * 1024; break;
-        case 'g': case 'G': mul = 1024.0 * 1024 * 1024; break;
-        case 't': case 'T': mul = 1024.0 * 1024 * 1024 * 1024; break;
-        default: return false;
-        }
-        end++;
-        if (*end == 'B' || *end == 'b') end++;
-        if (*end) return false;
-    }
-    double b = v * mul;
-    if (b >= 1.8e19) return false;
-    *out = (uint64_t)b;
-    return true;
-}
-
 int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **argv, int *i, bool *used,
                          k3_err *err) {
     const char *f = argv[*i];
@@ -79,22 +53,13 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
         o->expert_placement = v;
     } else if (!strcmp(f, "--max-memory")) {
         VALUE();
-        if (!parse_size(v, &o->max_memory) || !o->max_memory)
+        if (!k3_parse_size(v, &o->max_memory) || !o->max_memory)
             return k3_fail(err, K3_EXIT_USAGE, "%s: --max-memory: '%s' is not a size like 512M or 8G", cmd, v);
     } else {
         return k3_runmem_parse(&o->mem, argc, argv, i, used, err);
     }
 #undef VALUE
     return K3_OK;
-}
-
-const char *k3_engine_size_str(uint64_t b, char *buf, size_t n) {
-    const double k = 1024.0;
-    if (b < 1024) snprintf(buf, n, "%llu B", (unsigned long long)b);
-    else if (b < 1024 * 1024) snprintf(buf, n, "%.1f KiB", (double)b / k);
-    else if (b < 1024ull * 1024 * 1024) snprintf(buf, n, "%.1f MiB", (double)b / (k * k));
-    else snprintf(buf, n, "%.3f GiB", (double)b / (k * k * k));
-    return buf;
 }
 
 static bool is_file(const char *path) {
@@ -259,15 +224,12 @@ int k3_engine_state_new(k3_engine *e, int64_t max_pos, uint64_t extra_bytes, k3_
     uint64_t budget = e->opts.max_memory ? e->opts.max_memory : k3_mem_available_bytes();
     const char *bname = e->opts.max_memory ? "--max-memory" : "MemAvailable";
     if ((budget && need > budget) || max_pos > INT_MAX - 1) {
-        char s[7][32];
         return k3_fail(err, K3_EXIT_BUDGET,
                        "%s: %lld positions need %s (weights %s, KDA state %s, MLA cache %s, scratch %s, other %s) "
                        "but %s is %s",
-                       e->opts.model_dir, (long long)max_pos, k3_engine_size_str(need, s[0], 32),
-                       k3_engine_size_str(wbytes, s[1], 32), k3_engine_size_str(plan.kda_bytes, s[2], 32),
-                       k3_engine_size_str(plan.mla_bytes, s[3], 32), k3_engine_size_str(plan.scratch_bytes, s[4], 32),
-                       k3_engine_size_str(e->states_bytes + extra_bytes, s[5], 32), bname,
-                       k3_engine_size_str(budget, s[6], 32));
+                       e->opts.model_dir, (long long)max_pos, k3_size_str(need), k3_size_str(wbytes),
+                       k3_size_str(plan.kda_bytes), k3_size_str(plan.mla_bytes), k3_size_str(plan.scratch_bytes),
+                       k3_size_str(e->states_bytes + extra_bytes), bname, k3_size_str(budget));
     }
     int rc = k3_state_new(e->model, (int)max_pos, out, err);
     if (rc) return rc;

@@ -65,9 +65,6 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
     "                       default: contiguous, balanced (docs/mpi.md)\n" \
     "\n" K3_RUNMEM_HELP
 
-/* Sizes with the unit that fits ("512 B", "3.4 MiB", "1.250 GiB"), for messages. */
-const char *k3_engine_size_str(uint64_t bytes, char *buf, size_t n);
-
 typedef struct k3_engine {
     k3_engine_opts opts;
     k3_model *model;

@@ -137,6 +137,31 @@ bool k3_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
     return true;
 }
 
+bool k3_parse_size(const char *s, uint64_t *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || v < 0 || !isfinite(v)) return false;
+    double mul = 1;
+    if (*end) {
+        switch (*end) {
+        case 'k': case 'K': mul = 1024.0; break;
+        case 'm': case 'M': mul = 1024.0 * 1024; break;
+        case 'g': case 'G': mul = 1024.0 * 1024 * 1024; break;
+        case 't': case 'T': mul = 1024.0 * 1024 * 1024 * 1024; break;
+        default: return false;
+        }
+        end++;
+        if (*end == 'B' || *end == 'b') end++;
+        if (*end) return false;
+    }
+    double b = v * mul;
+    if (b >= 1.8e19) return false;
+    *out = (uint64_t)b;
+    return true;
+}
+
 int k3_read_file(const char *path, char **data, size_t *len, k3_err *err) {
     bool std_in = strcmp(path, "-") == 0;
     FILE *f = std_in ? stdin : fopen(path, "rb");
