@@ -138,3 +138,15 @@ TEST(parse_size_binary_units) {
     CHECK(!k3_parse_size("nan", &v));
     CHECK(!k3_parse_size("20000000T", &v)); /* past 2^64 bytes */
 }
+
+TEST(parse_f64_whole_finite) {
+    double v = 0;
+    CHECK(k3_parse_f64("0.9", &v) && v == 0.9);
+    CHECK(k3_parse_f64("-2", &v) && v == -2.0);
+    CHECK(k3_parse_f64("1e-3", &v) && v == 1e-3);
+    CHECK(!k3_parse_f64("", &v));
+    CHECK(!k3_parse_f64("0.9x", &v));
+    CHECK(!k3_parse_f64("inf", &v));
+    CHECK(!k3_parse_f64("nan", &v));
+    CHECK(!k3_parse_f64("1e999", &v));
+}

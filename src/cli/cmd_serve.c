@@ -62,7 +62,8 @@ typedef struct {
     bool verbose;
     int64_t ctx, max_tokens;
     uint64_t max_body;
-    double state_cache_gb, keepalive_s;
+    uint64_t state_cache_bytes;  /* --state-cache-gb */
+    double keepalive_s;
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } serve_args;
 
@@ -74,7 +75,7 @@ static int parse_args(int argc, char **argv, serve_args *a) {
     a->ctx = 4096;
     a->queue = 16;
     a->max_body = (uint64_t)8 << 20;
-    a->state_cache_gb = K3_STATE_CACHE_GB_DEFAULT;
+    a->state_cache_bytes = K3_STATE_CACHE_BYTES_DEFAULT;
     a->keepalive_s = 5;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
@@ -116,18 +117,12 @@ static int parse_args(int argc, char **argv, serve_args *a) {
                 return k3_usage_error("serve", "--max-body: '%s' is not a size between 1K and 4G", v);
         } else if (!strcmp(o, "--state-cache-gb")) {
             NEED_VALUE();
-            char *end;
-            errno = 0;
-            double d = strtod(v, &end);
-            if (errno || *end || !*v || !(d >= 0 && d < 1e6))
-                return k3_usage_error("serve", "--state-cache-gb: '%s' is not a size in GB >= 0", v);
-            a->state_cache_gb = d;
+            k3_err e = {0};
+            if (k3_state_cache_parse_gb("serve", v, &a->state_cache_bytes, &e)) return k3_report(&e);
         } else if (!strcmp(o, "--sse-keepalive")) {
             NEED_VALUE();
-            char *end;
-            errno = 0;
-            double d = strtod(v, &end);
-            if (errno || *end || !*v || !(d == 0 || (d >= 0.05 && d <= 3600)))
+            double d;
+            if (!k3_parse_f64(v, &d) || !(d == 0 || (d >= 0.05 && d <= 3600)))
                 return k3_usage_error("serve", "--sse-keepalive: '%s' is not 0 or a number of seconds in [0.05, 3600]", v);
             a->keepalive_s = d;
         } else if (!strcmp(o, "--verbose")) {
@@ -189,7 +184,7 @@ static int open_backend(const serve_args *a, backend *b, k3_serve_model *sm, k3_
     eo.need_tokenizer = true;
     eo.max_pos = a->ctx;
     if ((rc = k3_engine_open(&eo, &b->e, err))) return rc;
-    uint64_t cache_bytes = (uint64_t)(a->state_cache_gb * 1073741824.0);
+    uint64_t cache_bytes = a->state_cache_bytes;
     uint64_t logit_bytes = (uint64_t)b->e->vocab * sizeof(float);
     if ((rc = k3_engine_state_new(b->e, a->ctx, cache_bytes + logit_bytes, &b->st, err))) return rc;
     b->cache = k3_state_cache_new(b->e->cfg, cache_bytes, 0);

@@ -62,6 +62,56 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
     return K3_OK;
 }
 
+void k3_sample_opts_init(k3_sample_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->top_p = 1.0f;
+}
+
+int k3_sample_parse_flag(k3_sample_opts *o, const char *cmd, int argc, char **argv, int *i, bool *used,
+                         k3_err *err) {
+    const char *f = argv[*i];
+    *used = strcmp(f, "--temperature") == 0 || strcmp(f, "--top-k") == 0 || strcmp(f, "--top-p") == 0 ||
+            strcmp(f, "--min-p") == 0 || strcmp(f, "--seed") == 0;
+    if (!*used) return K3_OK;
+    if (*i + 1 >= argc)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: %s needs a value (see 'k3 help %s')", cmd, f, cmd);
+    const char *v = argv[++*i];
+    double d;
+    int64_t n;
+    const char *bad = NULL;
+    if (!strcmp(f, "--temperature")) {
+        if (!k3_parse_f64(v, &d) || d < 0) bad = "not a number >= 0";
+        else o->temperature = (float)d;
+    } else if (!strcmp(f, "--top-k")) {
+        if (!k3_parse_i64(v, 0, INT_MAX, &n)) bad = "not a count >= 0";
+        else o->top_k = (int)n;
+    } else if (!strcmp(f, "--top-p")) {
+        if (!k3_parse_f64(v, &d) || !((float)d > 0) || d > 1) bad = "not in (0, 1]";
+        else o->top_p = (float)d;
+    } else if (!strcmp(f, "--min-p")) {
+        if (!k3_parse_f64(v, &d) || d < 0 || d > 1) bad = "not in [0, 1]";
+        else o->min_p = (float)d;
+    } else {
+        if (!k3_parse_i64(v, 0, INT64_MAX, &n)) bad = "not an integer >= 0";
+        else o->seed = (uint64_t)n;
+    }
+    /* worded as the commands' own usage errors (k3_usage_error) */
+    if (bad) return k3_fail(err, K3_EXIT_USAGE, "%s: %s: '%s' is %s (see 'k3 help %s')", cmd, f, v, bad, cmd);
+    if (strcmp(f, "--temperature") && strcmp(f, "--seed")) o->filtered = true;
+    return K3_OK;
+}
+
+int k3_sample_opts_check(const k3_sample_opts *o, const char *cmd, k3_err *err) {
+    if (o->filtered && o->temperature <= 0)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: --top-k/--top-p/--min-p need --temperature > 0 (see 'k3 help %s')",
+                       cmd, cmd);
+    return K3_OK;
+}
+
+void k3_sample_opts_sampler(const k3_sample_opts *o, int vocab, uint64_t seed_offset, k3_sampler *sp) {
+    k3_sampler_init(sp, vocab, o->temperature, o->top_k, o->top_p, o->min_p, o->seed + seed_offset);
+}
+
 static bool is_file(const char *path) {
     struct stat st;
     return stat(path, &st) == 0 && S_ISREG(st.st_mode);

@@ -86,6 +86,15 @@ static bool chain_matches(const seg *g, const int32_t *ids, int pos) {
     return want == 0;
 }
 
+int k3_state_cache_parse_gb(const char *cmd, const char *v, uint64_t *bytes, k3_err *err) {
+    double gb;
+    if (!k3_parse_f64(v, &gb) || gb < 0 || gb > 1e6)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: --state-cache-gb: '%s' is not a size in GB >= 0 (see 'k3 help %s')",
+                       cmd, v, cmd);
+    *bytes = (uint64_t)(gb * 1e9);
+    return K3_OK;
+}
+
 k3_state_cache *k3_state_cache_new(const k3_config *cfg, uint64_t budget_bytes, int grid) {
     k3_state_cache *c = xcalloc(1, sizeof *c);
     pthread_mutex_init(&c->mu, NULL);

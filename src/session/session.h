@@ -74,8 +74,12 @@
  * snapshot's fixed part is ~465 MB (k3 chat prints it), so the grid is coarse;
  * small models can afford a finer one (k3_state_cache_new's grid). */
 #define K3_STATE_CACHE_GRID 1024
-/* Default budget of the state cache of k3 chat / k3 serve (--state-cache-gb). */
-#define K3_STATE_CACHE_GB_DEFAULT 2.0
+/* Default budget of the state cache of k3 chat / k3 serve (--state-cache-gb 2). */
+#define K3_STATE_CACHE_BYTES_DEFAULT 2000000000ull
+/* The value of k3 chat's and k3 serve's --state-cache-gb G: GB of 10^9
+ * bytes, as the other --*-gb flags count them; 0 keeps no snapshots. A value
+ * that is not a number in [0, 10^6] is a usage error naming cmd. */
+int k3_state_cache_parse_gb(const char *cmd, const char *v, uint64_t *bytes, k3_err *err);
 
 typedef struct k3_state_cache k3_state_cache;
 typedef struct k3_session k3_session;

@@ -137,6 +137,16 @@ bool k3_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
     return true;
 }
 
+bool k3_parse_f64(const char *s, double *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || *end || !isfinite(v)) return false;
+    *out = v;
+    return true;
+}
+
 bool k3_parse_size(const char *s, uint64_t *out) {
     if (!s || !*s) return false;
     char *end;

@@ -129,6 +129,10 @@ static inline double k3_rng_unit(uint64_t *state) { return (double)(k3_rng_next(
  * (empty, trailing characters, overflow, out of range). */
 bool k3_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
 
+/* Parses a whole finite decimal number ("0.9", "1e-3"); false on anything
+ * else (empty, trailing characters, overflow, inf, nan). */
+bool k3_parse_f64(const char *s, double *out);
+
 /* Parses a size with an optional binary unit, "4096", "512K", "8G", "1.5T"
  * (K = 1024 bytes), and an optional trailing B; false on anything else. */
 bool k3_parse_size(const char *s, uint64_t *out);
