@@ -34,23 +34,6 @@
 
 /* ---- small helpers ---- */
 
-void k3_sb_put(k3_sbuf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < b->n + n + 1) cap *= 2;
-        b->p = xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-
-void k3_sb_free(k3_sbuf *b) {
-    free(b->p);
-    memset(b, 0, sizeof *b);
-}
-
 char *k3_serve_error_json(const k3_serve_error *e) {
     json_t *err = json_object();
     json_object_set_new(err, "message", json_string(e->message[0] ? e->message : "error"));

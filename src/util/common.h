@@ -43,6 +43,18 @@ char *xstrdup(const char *s);
 /* 64-byte aligned (for SIMD); free with free(). */
 void *xmalloc_aligned(size_t size);
 
+/* A growable byte string, always NUL-terminated (it may hold NULs): start
+ * from {0}, append, free with k3_sb_free (which leaves it empty again). */
+typedef struct {
+    char *p;
+    size_t n, cap;
+} k3_sbuf;
+void k3_sb_put(k3_sbuf *b, const void *s, size_t n);
+void k3_sb_puts(k3_sbuf *b, const char *s);
+void k3_sb_putc(k3_sbuf *b, char c);
+void k3_sb_printf(k3_sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void k3_sb_free(k3_sbuf *b);
+
 /* a*b with overflow detection: returns false on overflow. */
 bool k3_mul_ok(uint64_t a, uint64_t b, uint64_t *out);
 

@@ -69,25 +69,6 @@ static double wall_now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* ---- growable output buffer ---- */
-
-typedef struct {
-    char *p;
-    size_t n, cap;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->n + n + 1) cap *= 2;
-        b->p = xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-
 /* ---- runs ---- */
 
 static bool has_file(int dfd, const char *name) {
@@ -481,8 +462,8 @@ static enum MHD_Result serve_records(k3_dashboard *d, struct MHD_Connection *c, 
         size_t skip = matched > (size_t)limit ? matched - (size_t)limit : 0;
         for (first = 0; first < j->n && skip; first++) skip -= j->recs[first].step > since;
     }
-    sbuf b = {0};
-    sb_put(&b, "[", 1);
+    k3_sbuf b = {0};
+    k3_sb_put(&b, "[", 1);
     long long count = 0;
     int64_t last = -1;
     bool any = false;
@@ -490,13 +471,13 @@ static enum MHD_Result serve_records(k3_dashboard *d, struct MHD_Connection *c, 
         const k3_jrec *rec = &j->recs[i];
         if (rec->step <= since) continue;
         if (!newest && count >= limit && rec->step != last) break;
-        if (any) sb_put(&b, ",\n", 2);
-        sb_put(&b, rec->json, rec->len);
+        if (any) k3_sb_put(&b, ",\n", 2);
+        k3_sb_put(&b, rec->json, rec->len);
         any = true;
         count++;
         last = rec->step;
     }
-    sb_put(&b, "]\n", 2);
+    k3_sb_put(&b, "]\n", 2);
     return respond(d, c, url, 200, "application/json; charset=utf-8", b.p, b.n, MHD_RESPMEM_MUST_FREE);
 }
 
