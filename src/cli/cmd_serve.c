@@ -8,7 +8,7 @@
 #include "engine/engine.h"
 #include "serve/serve.h"
 #include "session/session.h"
-#include "web/dashboard.h"
+#include "web/http.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -230,15 +230,9 @@ int cmd_serve(int argc, char **argv) {
         k3_presets_print(stdout);
         return K3_OK;
     }
-    /* The stop signals are blocked before any thread exists, so every thread
-     * inherits the mask and they reach this thread's sigwait only. */
+    /* before any thread exists (http.h) */
     sigset_t stop;
-    sigemptyset(&stop);
-    sigaddset(&stop, SIGINT);
-    sigaddset(&stop, SIGTERM);
-    sigaddset(&stop, SIGHUP);
-    pthread_sigmask(SIG_BLOCK, &stop, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    k3_http_block_stop_signals(&stop);
 
     k3_err err = {0};
     backend b;
@@ -258,7 +252,7 @@ int cmd_serve(int argc, char **argv) {
         close_backend(&b);
         return k3_report(&err);
     }
-    if (!k3_dashboard_is_loopback(a.host))
+    if (!k3_http_is_loopback(a.host))
         fprintf(stderr, "k3 serve: warning: listening on %s, not loopback: anyone who can reach this machine can "
                 "use the model (there is no authentication)\n", a.host);
     bool v6 = strchr(a.host, ':') != NULL;
@@ -266,8 +260,7 @@ int cmd_serve(int argc, char **argv) {
            sm.chat ? "chat and completions" : "completions only: the tokenizer has no XTML ids", v6 ? "[" : "", a.host,
            v6 ? "]" : "", k3_serve_port(s));
     fflush(stdout);
-    int sig = 0;
-    while (sigwait(&stop, &sig) != 0) {}
+    int sig = k3_http_wait_stop(&stop);
     k3_serve_stop(s);
     close_backend(&b);
     printf("k3 serve: stopped (%s)\n", strsignal(sig));

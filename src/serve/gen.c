@@ -196,9 +196,8 @@ static void finish_ok(gen_ctx *g, const char *finish) {
 }
 
 static void finish_error(gen_ctx *g, int status, const char *code, const char *msg) {
-    k3_serve_error e = {.status = status, .type = status >= 500 ? "server_error" : "invalid_request_error",
-                        .code = code};
-    snprintf(e.message, sizeof e.message, "%s", msg);
+    k3_serve_error e;
+    k3_serve_error_set(&e, status, code, NULL, "%s", msg);
     char *body = k3_serve_error_json(&e);
     fprintf(stderr, "k3 serve: %s failed: %s\n", g->j->id, msg);
     if (g->stream) {

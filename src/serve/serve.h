@@ -88,6 +88,10 @@ typedef struct {
     char param[128];           /* "" : JSON null */
     char message[1280];
 } k3_serve_error;
+/* Fills e (its type follows from the status: 429 rate_limit_error, 5xx
+ * server_error, else invalid_request_error; param NULL: none); returns status. */
+int k3_serve_error_set(k3_serve_error *e, int status, const char *code, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
 
 typedef struct {
     int kind;
