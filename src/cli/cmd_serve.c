@@ -153,11 +153,15 @@ typedef struct {
     int64_t ctx;
 } backend;
 
+static bool is_cancelled(const void *flag) { return atomic_load((const atomic_int *)flag) != 0; }
+
 static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
                       k3_err *err) {
     backend *b = ctx;
-    if (atomic_load(cancel)) return k3_fail(err, K3_EXIT_RUNTIME, "cancelled");
-    return k3_session_prefill(b->sess, ids, n, logits, reused, err);
+    k3_session_set_cancel(b->sess, is_cancelled, cancel); /* asked between the prefill's chunks */
+    int rc = k3_session_prefill(b->sess, ids, n, logits, reused, err);
+    k3_session_set_cancel(b->sess, NULL, NULL);
+    return rc;
 }
 
 static int be_step(void *ctx, int32_t id, float *logits, k3_err *err) {

@@ -235,6 +235,8 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     double t0 = k3_now(), t1 = t0;
 
     int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &g.reused, &j->cancel, &err);
+    /* the backend's message says how far a cancelled prefill got */
+    bool prefill_cut = rc > 0 && atomic_load(&j->cancel);
     if (rc || atomic_load(&j->cancel)) {
         cancelled = atomic_load(&j->cancel);
         failed = !cancelled;
@@ -280,7 +282,10 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     else if (failed) s->n_failed++;
     else s->n_ok++;
     pthread_mutex_unlock(&s->mu);
-    if (cancelled) {
+    if (cancelled && prefill_cut) {
+        fprintf(stderr, "k3 serve: %s cancelled: client disconnected during the prefill: %s\n", j->id, err.msg);
+        k3_job_finish(s, j, 499);
+    } else if (cancelled) {
         fprintf(stderr, "k3 serve: %s cancelled: client disconnected after %zu generated tokens\n", j->id, g.ngen);
         k3_job_finish(s, j, 499);
     } else if (failed) {

@@ -45,7 +45,8 @@ typedef struct {
     /* Makes the state hold exactly ids[0..n) and puts the logits of the last
      * one in logits[vocab]; *reused: how many leading ids were not recomputed
      * (taken from a saved state). *cancel is polled between prefill chunks
-     * (then K3_EXIT_RUNTIME with "cancelled"). */
+     * (then K3_EXIT_RUNTIME, err saying how far the prefill got, which the
+     * log repeats). */
     int (*prefill)(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused,
                    const atomic_int *cancel, k3_err *err);
     /* Feeds one more id (the state then holds one more) and fills logits. */

@@ -123,6 +123,15 @@ void k3_session_reset(k3_session *s);
  * (K3_EXIT_USAGE, session unchanged); those of the forward pass, after which
  * the session is reset. */
 int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logits, size_t *reused, k3_err *err);
+/* A hook k3_session_prefill asks before each forward call of its feeding
+ * (each at most the engine's prefill chunk); NULL: none. Once cancelled(ctx)
+ * is true the prefill stops with K3_EXIT_RUNTIME ("cancelled after K of N
+ * prompt tokens (R reused)"), and the session then holds exactly the ids it
+ * consumed: a shorter but true state, which the next prefill of the same
+ * prompt continues (its logits still equal a cold prefill's). The prompt's end
+ * is not snapshotted; grid snapshots taken on the way are of positions fed in
+ * full. k3 serve's hook reads the flag a vanished client sets. */
+void k3_session_set_cancel(k3_session *s, bool (*cancelled)(const void *ctx), const void *ctx);
 /* Appends n tokens (decoding: the sampled id) and writes the logits of the
  * last to logits[V] (NULL: none). Grid snapshots are taken on the way. */
 int k3_session_feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_err *err);
