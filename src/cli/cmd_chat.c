@@ -281,6 +281,7 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     c->in_reasoning = c->shown_reasoning = false;
     interrupted = 0;
     for (int64_t g = 0; g < gen && !rc && !interrupted; g++) {
+        if ((rc = k3_logits_check(c->logits, c->e->vocab, a->model_dir, k3_session_len(c->s), err))) break;
         int32_t id = k3_sample(&sp, c->logits);
         if (g == 0) t_first = k3_now();
         gids[ng++] = id;

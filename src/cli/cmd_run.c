@@ -232,18 +232,6 @@ static int prefill(run_ctx *r, k3_err *err) {
     return K3_OK;
 }
 
-/* Non-finite logits (NaN or Inf weights) would make greedy decoding pick
- * token 0 forever: the run stops instead. */
-static int check_logits(const run_ctx *r, k3_err *err) {
-    size_t V = (size_t)k3_model_config(r->m)->vocab_size;
-    for (size_t i = 0; i < V; i++)
-        if (!isfinite(r->logits[i]))
-            return k3_fail(err, K3_EXIT_DATA,
-                           "%s: logit %zu is not finite (%g) after %zu tokens: the checkpoint holds non-finite weights",
-                           r->a->model_dir, i, (double)r->logits[i], r->nseq);
-    return K3_OK;
-}
-
 /* One decode step: the logits after feeding seq[nseq-1]. */
 static int step(run_ctx *r, k3_err *err) {
     size_t V = (size_t)k3_model_config(r->m)->vocab_size;
@@ -378,7 +366,7 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
     double t1 = k3_now(), t2 = t1;
     ds1 = k3_dist_get_stats();
     for (int64_t g = 0; !rc && g < a->gen; g++) {
-        if ((rc = check_logits(&r, err))) break;
+        if ((rc = k3_logits_check(r.logits, (int)V, a->model_dir, r.nseq, err))) break;
         int id = k3_sample(&sp, r.logits);
         r.seq[r.nseq++] = id;
         /* the end-of-sequence token ends the text; its name is not part of it

@@ -242,7 +242,13 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
         failed = !cancelled;
     }
     t1 = k3_now();
+    const char *fail_code = "internal_error";
     for (int64_t k = 0; !failed && !cancelled && k < j->max_tokens; k++) {
+        if (k3_logits_check(logits, m->vocab, s->model_id, j->n + g.ngen, &err)) {
+            fail_code = "non_finite_logits";
+            failed = true;
+            break;
+        }
         int id = k3_sample(&sp, logits);
         last = id;
         g.ngen++;
@@ -289,7 +295,7 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
         fprintf(stderr, "k3 serve: %s cancelled: client disconnected after %zu generated tokens\n", j->id, g.ngen);
         k3_job_finish(s, j, 499);
     } else if (failed) {
-        finish_error(&g, 500, "internal_error", err.msg[0] ? err.msg : "generation failed");
+        finish_error(&g, 500, fail_code, err.msg[0] ? err.msg : "generation failed");
     } else {
         finish_ok(&g, finish);
         if (s->o.verbose)
