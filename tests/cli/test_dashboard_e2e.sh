@@ -47,9 +47,9 @@ else
   SAMPLE="Once upon a time"
 fi
 
-e2e_start "$OUT/server.log" "$K3" dashboard --run-dir "$RUN" --port 0 ||
+start_server "$OUT/server.log" "$K3" dashboard --run-dir "$RUN" --port 0 ||
   { fail "e2e-server" "$(cat "$OUT/server.log.err")"; finish; exit 1; }
-URL=$E2E_URL; DPID=$E2E_PID
+URL=$SERVER_URL; DPID=$SERVER_PID
 echo "dashboard at $URL (trainer pid $TPID)"
 
 DASH_URL=$URL E2E_OUT=$OUT E2E_SAMPLE=$SAMPLE CHROMIUM=$CHROMIUM e2e_node "e2e[$trainer]" "$OUT/e2e.log" "$E2E/dashboard.test.mjs"

@@ -62,15 +62,9 @@ else
 fi
 
 # ---- k3 serve ----
-"$K3" serve "$NAN" --port 0 >"$OUT/server.log" 2>"$OUT/server.err" &
-SPID=$!; PIDS+=($SPID); PORT=
-for _ in $(seq 300); do
-  PORT=$(sed -nE 's#.*http://[^ ]*:([0-9]+)/.*#\1#p' "$OUT/server.log")
-  [ -n "$PORT" ] && break
-  kill -0 "$SPID" 2>/dev/null || break
-  sleep 0.1
-done
-if [ -z "$PORT" ]; then fail serve-start "$(head -c 600 "$OUT/server.err")"; finish; exit 1; fi
+start_server "$OUT/server.log" "$K3" serve "$NAN" --port 0
+SPID=$SERVER_PID; PORT=$SERVER_PORT
+if [ -z "$PORT" ]; then fail serve-start "$(head -c 600 "$OUT/server.log.err")"; finish; exit 1; fi
 URL=http://127.0.0.1:$PORT
 code=$(curl -s --max-time 60 -o "$OUT/body.json" -w '%{http_code}' --data-binary '{"prompt":"Once upon a time","max_tokens":8}' "$URL/v1/completions")
 got=$($PY -c 'import json,sys; e=json.load(open(sys.argv[1]))["error"]; print(e["type"], e["code"], "logit 5 is not finite" in e["message"])' "$OUT/body.json" 2>&1)
@@ -82,7 +76,7 @@ else fail serve-nan-stream "$(head -c 300 "$OUT/nan.sse")"; fi
 code=$(curl -s --max-time 10 -o "$OUT/health.json" -w '%{http_code}' "$URL/health")
 failed=$($PY -c 'import json,sys; print(json.load(open(sys.argv[1]))["requests"]["failed"])' "$OUT/health.json" 2>&1)
 if [ "$code|$failed" = "200|2" ]; then pass serve-alive; else fail serve-alive "HTTP $code, failed $failed"; fi
-if grep -q 'failed: .*logit 5 is not finite' "$OUT/server.err"; then pass serve-logged; else fail serve-logged "$(tail -c 300 "$OUT/server.err")"; fi
+if grep -q 'failed: .*logit 5 is not finite' "$OUT/server.log.err"; then pass serve-logged; else fail serve-logged "$(tail -c 300 "$OUT/server.log.err")"; fi
 kill -TERM "$SPID"
 for _ in $(seq 200); do kill -0 "$SPID" 2>/dev/null || break; sleep 0.1; done
 wait "$SPID" 2>/dev/null; rc=$?

@@ -26,15 +26,9 @@ for name, extra in (("stream", {"stream": True}), ("plain", {})):
     json.dump(dict(prompt=p, max_tokens=16, temperature=0, **extra), open(f"{sys.argv[2]}/{name}.json", "w"))
 PY
 
-"$K3" serve "$MODEL" --port 0 --ctx 16384 --threads 1 --chunk 4 --max-body 1M >"$OUT/server.log" 2>"$OUT/server.err" &
-SPID=$!; PIDS+=($SPID); PORT=
-for _ in $(seq 300); do
-  PORT=$(sed -nE 's#.*http://[^ ]*:([0-9]+)/.*#\1#p' "$OUT/server.log")
-  [ -n "$PORT" ] && break
-  kill -0 "$SPID" 2>/dev/null || break
-  sleep 0.1
-done
-if [ -z "$PORT" ]; then fail start "$(head -c 600 "$OUT/server.err")"; finish; exit 1; fi
+start_server "$OUT/server.log" "$K3" serve "$MODEL" --port 0 --ctx 16384 --threads 1 --chunk 4 --max-body 1M
+SPID=$SERVER_PID; PORT=$SERVER_PORT
+if [ -z "$PORT" ]; then fail start "$(head -c 600 "$OUT/server.log.err")"; finish; exit 1; fi
 pass "start (port $PORT, prompt $N tokens)"
 URL=http://127.0.0.1:$PORT
 health() { curl -s --max-time 10 "$URL/health" | python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["requests"]["cancelled"], j["running"])' 2>/dev/null; }
@@ -49,11 +43,11 @@ for _ in $(seq 200); do [ "$(health)" = "1 False" ] && break; sleep 0.05; done
 state=$(health)
 if [ "$state" = "1 False" ]; then pass "cut-counted"; else fail cut-counted "health: $state"; fi
 if grep -q '^data: ' "$OUT/cut.sse"; then fail cut-before-first-token "the client got an event: $(head -c 200 "$OUT/cut.sse")"; else pass cut-before-first-token; fi
-line=$(grep 'cancelled: client disconnected during the prefill' "$OUT/server.err" | tail -n 1)
+line=$(grep 'cancelled: client disconnected during the prefill' "$OUT/server.log.err" | tail -n 1)
 K=$(echo "$line" | sed -nE 's/.*cancelled after ([0-9]+) of ([0-9]+) prompt tokens.*/\1/p')
 NN=$(echo "$line" | sed -nE 's/.*cancelled after ([0-9]+) of ([0-9]+) prompt tokens.*/\2/p')
 if [ -n "$K" ] && [ "$NN" = "$N" ] && [ "$K" -lt "$N" ]; then pass "cut-during-prefill ($K of $N prompt tokens)"
-else fail cut-during-prefill "log: $(tail -c 300 "$OUT/server.err")"; fi
+else fail cut-during-prefill "log: $(tail -c 300 "$OUT/server.log.err")"; fi
 
 # ---- the server still answers, and the same request continues from the cut ----
 code=$(curl -s --max-time 10 -o "$OUT/health.json" -w '%{http_code}' "$URL/health")

@@ -65,12 +65,12 @@ case "$called" in
   *) fail "template: the call's message extends the generation prefix" "$prefix | $called"; finish; exit 1 ;;
 esac
 
-e2e_start "$OUT/warm.log" "$K3" serve "$CK" --port 0 || { fail start-warm "$(cat "$OUT/warm.log.err")"; finish; exit 1; }
-WARM=$E2E_URL; WPID=$E2E_PID
-e2e_start "$OUT/cold.log" "$K3" serve "$CK" --port 0 || { fail start-cold "$(cat "$OUT/cold.log.err")"; finish; exit 1; }
-COLD=$E2E_URL
-e2e_start "$OUT/scripted.log" "$SCRIPTED" "$KIMI" "$REPLY" || { fail start-scripted "$(cat "$OUT/scripted.log.err")"; finish; exit 1; }
-SCRIPT=$E2E_URL
+start_server "$OUT/warm.log" "$K3" serve "$CK" --port 0 || { fail start-warm "$(cat "$OUT/warm.log.err")"; finish; exit 1; }
+WARM=$SERVER_URL; WPID=$SERVER_PID
+start_server "$OUT/cold.log" "$K3" serve "$CK" --port 0 || { fail start-cold "$(cat "$OUT/cold.log.err")"; finish; exit 1; }
+COLD=$SERVER_URL
+start_server "$OUT/scripted.log" "$SCRIPTED" "$KIMI" "$REPLY" || { fail start-scripted "$(cat "$OUT/scripted.log.err")"; finish; exit 1; }
+SCRIPT=$SERVER_URL
 pass "servers: $WARM $COLD $SCRIPT"
 MODEL=$(basename "$CK")
 

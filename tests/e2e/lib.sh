@@ -1,6 +1,7 @@
 # lib.sh (tests/e2e): what the scripts that drive node tests share
 # (tests/cli/test_dashboard_e2e.sh, tests/cli/test_serve_e2e.sh). Source it
-# after tests/cli/lib.sh; it uses $OUT, pass, fail and the caller's PIDS array.
+# after tests/cli/lib.sh (whose start_server starts the servers); it uses
+# $OUT, pass and fail.
 E2E=tests/e2e
 CHROMIUM=${CHROMIUM:-/usr/bin/chromium}
 
@@ -19,22 +20,6 @@ e2e_prerequisites() {
       fail "e2e-npm-ci" "$(tail -n 5 "$OUT/npm.log")"; return 1
     fi
   fi
-}
-
-# e2e_start LOG CMD...: starts a server that prints its http://.../ address on
-# stdout (stderr to LOG.err); waits up to 60 s for it. Sets E2E_URL and
-# E2E_PID (also added to PIDS); returns 1 if it exits or prints none.
-e2e_start() {
-  local log=$1; shift
-  "$@" >"$log" 2>"$log.err" &
-  E2E_PID=$!; PIDS+=("$E2E_PID"); E2E_URL=
-  for _ in $(seq 600); do
-    E2E_URL=$(grep -o 'http://[^ ]*/' "$log" | head -n 1)
-    [ -n "$E2E_URL" ] && return 0
-    kill -0 "$E2E_PID" 2>/dev/null || return 1
-    sleep 0.1
-  done
-  return 1
 }
 
 # e2e_node LABEL LOG SCRIPT: runs a node test (at most 300 s; the caller puts
