@@ -121,3 +121,32 @@ TEST(size_str_picks_the_unit) {
     const char *a = k3_size_str(1), *b = k3_size_str(2000);
     CHECK(strcmp(a, "1 B") == 0 && strcmp(b, "2.00 kB") == 0);
 }
+
+TEST(parse_size_binary_units) {
+    uint64_t v = 0;
+    CHECK(k3_parse_size("4096", &v) && v == 4096);
+    CHECK(k3_parse_size("64K", &v) && v == 65536);
+    CHECK(k3_parse_size("8M", &v) && v == 8388608);
+    CHECK(k3_parse_size("1.5G", &v) && v == 1610612736);
+    CHECK(k3_parse_size("2tb", &v) && v == 2199023255552ull);
+    CHECK(k3_parse_size("512MB", &v) && v == 536870912);
+    CHECK(!k3_parse_size("", &v));
+    CHECK(!k3_parse_size("K", &v));
+    CHECK(!k3_parse_size("12Q", &v));
+    CHECK(!k3_parse_size("8GiB", &v));
+    CHECK(!k3_parse_size("-1", &v));
+    CHECK(!k3_parse_size("nan", &v));
+    CHECK(!k3_parse_size("20000000T", &v)); /* past 2^64 bytes */
+}
+
+TEST(parse_f64_whole_finite) {
+    double v = 0;
+    CHECK(k3_parse_f64("0.9", &v) && v == 0.9);
+    CHECK(k3_parse_f64("-2", &v) && v == -2.0);
+    CHECK(k3_parse_f64("1e-3", &v) && v == 1e-3);
+    CHECK(!k3_parse_f64("", &v));
+    CHECK(!k3_parse_f64("0.9x", &v));
+    CHECK(!k3_parse_f64("inf", &v));
+    CHECK(!k3_parse_f64("nan", &v));
+    CHECK(!k3_parse_f64("1e999", &v));
+}

@@ -2,6 +2,7 @@
  * (The HTTP side is tested against the real binary in tests/cli/test_dashboard.sh.) */
 #include "harness.h"
 #include "web/dashboard.h"
+#include "web/http.h"
 
 #include <fcntl.h>
 #include <stdio.h>
@@ -145,14 +146,14 @@ TEST(dashboard_file_names) {
 }
 
 TEST(dashboard_loopback) {
-    CHECK(k3_dashboard_is_loopback("127.0.0.1"));
-    CHECK(k3_dashboard_is_loopback("127.1.2.3"));
-    CHECK(k3_dashboard_is_loopback("::1"));
-    CHECK(k3_dashboard_is_loopback("localhost"));
-    CHECK(k3_dashboard_is_loopback("LOCALHOST"));
-    CHECK(!k3_dashboard_is_loopback("0.0.0.0"));
-    CHECK(!k3_dashboard_is_loopback("::"));
-    CHECK(!k3_dashboard_is_loopback("10.0.0.1"));
-    CHECK(!k3_dashboard_is_loopback("example.com"));
-    CHECK(!k3_dashboard_is_loopback("128.0.0.1"));
+    CHECK(k3_http_is_loopback("127.0.0.1"));
+    CHECK(k3_http_is_loopback("127.1.2.3"));
+    CHECK(k3_http_is_loopback("::1"));
+    CHECK(k3_http_is_loopback("localhost"));
+    CHECK(k3_http_is_loopback("LOCALHOST"));
+    CHECK(!k3_http_is_loopback("0.0.0.0"));
+    CHECK(!k3_http_is_loopback("::"));
+    CHECK(!k3_http_is_loopback("10.0.0.1"));
+    CHECK(!k3_http_is_loopback("example.com"));
+    CHECK(!k3_http_is_loopback("128.0.0.1"));
 }

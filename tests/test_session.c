@@ -458,3 +458,82 @@ TEST(session_engine_streamed_budget_matches_cold) {
     k3_engine_free(e);
     k3_model_free(m);
 }
+
+/* A hook that cancels at its n-th question. */
+typedef struct { int asked, at; } cancel_at;
+static bool cancel_now(const void *ctx) {
+    cancel_at *c = (cancel_at *)ctx;
+    return ++c->asked >= c->at;
+}
+
+/* A prefill cancelled between its chunks (--chunk 3, grid 8): from the
+ * session's 20 tokens it feeds 20..23, 23..24 (the grid), 24..27 and stops at
+ * the fourth question. The session then holds exactly a[0..27), the grid
+ * snapshot at 24 is kept, the same prompt again continues from 27 with the
+ * logits of a cold prefill, and no snapshot stands at 27 as if a prompt had
+ * ended there. */
+TEST(session_prefill_cancel_keeps_a_true_state) {
+    k3_model *m = open_model();
+    CHECK(m);
+    int V = k3_model_config(m)->vocab_size;
+    k3_engine_opts o;
+    k3_engine_opts_init(&o);
+    char *argv[] = {"test", "--chunk", "3", NULL};
+    k3_err err = {0};
+    int i = 1;
+    bool used = false;
+    CHECKF(k3_engine_parse_flag(&o, "test", 3, argv, &i, &used, &err) == 0 && used, "%s", err.msg);
+    o.model_dir = model_dir();
+    o.max_pos = 128;
+    k3_engine *e;
+    CHECKF(k3_engine_open(&o, &e, &err) == 0, "%s", err.msg);
+    k3_state *st, *st2;
+    CHECKF(k3_engine_state_new(e, 128, 0, &st, &err) == 0, "%s", err.msg);
+    CHECKF(k3_engine_state_new(e, 128, 0, &st2, &err) == 0, "%s", err.msg);
+    k3_state_cache *sc = k3_state_cache_new(e->cfg, 64 << 20, G);
+    k3_session *s = k3_session_open(e, st, sc);
+    int32_t a[60];
+    fill_ids(a, 60, 33);
+    float *lg = xmalloc_array((size_t)V, sizeof *lg);
+    size_t reused = 99;
+    CHECK(k3_session_prefill(s, a, 20, lg, &reused, &err) == 0);
+    cancel_at ca = {.at = 4};
+    k3_session_set_cancel(s, cancel_now, &ca);
+    int rc = k3_session_prefill(s, a, 60, lg, &reused, &err);
+    CHECKF(rc == K3_EXIT_RUNTIME && strstr(err.msg, "cancelled after 27 of 60 prompt tokens (20 reused)"), "rc %d: %s",
+           rc, err.msg);
+    CHECK(ca.asked == 4);
+    CHECKF(k3_session_len(s) == 27, "len %zu", k3_session_len(s));
+    CHECK(memcmp(k3_session_ids(s), a, 27 * sizeof *a) == 0);
+    /* the hook gone, the same prompt continues from the cancelled session's 27 */
+    k3_session_set_cancel(s, NULL, NULL);
+    CHECK(k3_session_prefill(s, a, 60, lg, &reused, &err) == 0);
+    CHECKF(reused == 27 && k3_session_last_source(s) == 1, "reused %zu", reused);
+    float *w = cold(m, a, 60);
+    CHECK(same(lg, w, V));
+    free(w);
+    /* another session on the cache: the deepest snapshot a[0..28) can resume from is
+     * the grid one at 24 (none at 27; the continued prefill's are deeper) */
+    k3_session *s2 = k3_session_open(e, st2, sc);
+    CHECK(k3_session_prefill(s2, a, 28, lg, &reused, &err) == 0);
+    CHECKF(reused == 24, "reused %zu, want the grid's 24", reused);
+    w = cold(m, a, 28);
+    CHECK(same(lg, w, V));
+    free(w);
+    k3_session_free(s2);
+    /* a hook that cancels at once: the session resumes from the grid snapshot
+     * at 56 (a[0..59) departs from its 60 ids) and feeds nothing */
+    cancel_at now = {.at = 1};
+    k3_session_set_cancel(s, cancel_now, &now);
+    rc = k3_session_prefill(s, a, 59, lg, &reused, &err);
+    CHECKF(rc == K3_EXIT_RUNTIME && strstr(err.msg, "cancelled after 56 of 59 prompt tokens (56 reused)"), "%s",
+           err.msg);
+    CHECK(k3_session_len(s) == 56 && reused == 56);
+    free(lg);
+    k3_session_free(s);
+    k3_state_cache_free(sc);
+    k3_engine_state_free(e, st);
+    k3_engine_state_free(e, st2);
+    k3_engine_free(e);
+    k3_model_free(m);
+}

@@ -20,9 +20,9 @@
 #define MAX_HEADER 4096 /* a header longer than this is not markup: dropped */
 
 typedef struct {
-    chat_buf pend;  /* raw bytes of an incomplete character */
-    chat_buf all;   /* the whole channel text so far (valid UTF-8) */
-    chat_buf delta; /* new text of this feed */
+    k3_sbuf pend;  /* raw bytes of an incomplete character */
+    k3_sbuf all;   /* the whole channel text so far (valid UTF-8) */
+    k3_sbuf delta; /* new text of this feed */
 } channel_t;
 
 struct k3_chat_parser {
@@ -31,11 +31,11 @@ struct k3_chat_parser {
     char stack[MAX_DEPTH][16];
     int depth, overflow; /* overflow: elements opened past MAX_DEPTH */
     bool in_header, header_close, header_long;
-    chat_buf header;
+    k3_sbuf header;
     channel_t reasoning, content;
     /* the tool call being read */
     bool in_call, in_arg, in_json;
-    chat_buf call_name, args, arg_key, arg_type, arg_val, json_block;
+    k3_sbuf call_name, args, arg_key, arg_type, arg_val, json_block;
     int nargs;
     json_t *calls;     /* completed calls */
     json_t *new_call;  /* the call completed by the last feed (borrowed from calls) */
@@ -57,22 +57,22 @@ k3_chat_parser *k3_chat_parser_new(const k3_chat *c, bool thinking) {
 }
 
 static void channel_free(channel_t *ch) {
-    cb_free(&ch->pend);
-    cb_free(&ch->all);
-    cb_free(&ch->delta);
+    k3_sb_free(&ch->pend);
+    k3_sb_free(&ch->all);
+    k3_sb_free(&ch->delta);
 }
 
 void k3_chat_parser_free(k3_chat_parser *p) {
     if (!p) return;
-    cb_free(&p->header);
+    k3_sb_free(&p->header);
     channel_free(&p->reasoning);
     channel_free(&p->content);
-    cb_free(&p->call_name);
-    cb_free(&p->args);
-    cb_free(&p->arg_key);
-    cb_free(&p->arg_type);
-    cb_free(&p->arg_val);
-    cb_free(&p->json_block);
+    k3_sb_free(&p->call_name);
+    k3_sb_free(&p->args);
+    k3_sb_free(&p->arg_key);
+    k3_sb_free(&p->arg_type);
+    k3_sb_free(&p->arg_val);
+    k3_sb_free(&p->json_block);
     json_decref(p->calls);
     free(p);
 }
@@ -80,26 +80,26 @@ void k3_chat_parser_free(k3_chat_parser *p) {
 /* Appends bytes to a channel; whole characters move to its delta. */
 static void channel_put(channel_t *ch, const void *s, size_t n, bool final) {
     if (!n && !ch->pend.n) return;
-    cb_put(&ch->pend, s, n);
+    k3_sb_put(&ch->pend, s, n);
     size_t before = ch->delta.n;
     size_t used = chat_utf8_take((const uint8_t *)ch->pend.p, ch->pend.n, final, &ch->delta);
-    cb_put(&ch->all, ch->delta.p + before, ch->delta.n - before);
+    k3_sb_put(&ch->all, ch->delta.p + before, ch->delta.n - before);
     memmove(ch->pend.p, ch->pend.p + used, ch->pend.n - used);
     ch->pend.n -= used;
 }
 
 /* Valid UTF-8 copy of raw bytes (an invalid byte becomes U+FFFD). */
-static void sane(chat_buf *out, const chat_buf *raw) {
+static void sane(k3_sbuf *out, const k3_sbuf *raw) {
     out->n = 0;
-    cb_put(out, "", 0);
+    k3_sb_put(out, "", 0);
     chat_utf8_take((const uint8_t *)raw->p, raw->n, true, out);
 }
 
-static json_t *jstr(const chat_buf *raw) {
-    chat_buf s = {0};
+static json_t *jstr(const k3_sbuf *raw) {
+    k3_sbuf s = {0};
     sane(&s, raw);
     json_t *v = json_stringn(s.p, s.n);
-    cb_free(&s);
+    k3_sb_free(&s);
     if (!v) {
         fprintf(stderr, "k3: out of memory (json string)\n");
         exit(K3_EXIT_RUNTIME);
@@ -107,7 +107,7 @@ static json_t *jstr(const chat_buf *raw) {
     return v;
 }
 
-static bool blank(const chat_buf *b) {
+static bool blank(const k3_sbuf *b) {
     for (size_t i = 0; i < b->n; i++)
         if (!strchr(" \t\r\n", b->p[i])) return false;
     return true;
@@ -116,12 +116,12 @@ static bool blank(const chat_buf *b) {
 static void end_arg(k3_chat_parser *p) {
     if (!p->in_arg) return;
     p->in_arg = false;
-    chat_buf key = {0}, val = {0};
+    k3_sbuf key = {0}, val = {0};
     sane(&key, &p->arg_key);
     sane(&val, &p->arg_val);
-    cb_puts(&p->args, p->nargs++ ? ", " : "{");
+    k3_sb_puts(&p->args, p->nargs++ ? ", " : "{");
     chat_pyjson_string(&p->args, key.p, key.n);
-    cb_puts(&p->args, ": ");
+    k3_sb_puts(&p->args, ": ");
     /* a typed value is JSON text; one that does not parse stays a string */
     json_t *v = NULL;
     if (!(p->arg_type.n == 6 && memcmp(p->arg_type.p, "string", 6) == 0) && !blank(&val))
@@ -130,33 +130,33 @@ static void end_arg(k3_chat_parser *p) {
         size_t a = 0, b = val.n;
         while (a < b && strchr(" \t\r\n", val.p[a])) a++;
         while (b > a && strchr(" \t\r\n", val.p[b - 1])) b--;
-        cb_put(&p->args, val.p + a, b - a);
+        k3_sb_put(&p->args, val.p + a, b - a);
         json_decref(v);
     } else {
         chat_pyjson_string(&p->args, val.p, val.n);
     }
-    cb_free(&key);
-    cb_free(&val);
+    k3_sb_free(&key);
+    k3_sb_free(&val);
 }
 
 static void end_call(k3_chat_parser *p) {
     if (!p->in_call) return;
     end_arg(p);
     p->in_call = p->in_json = false;
-    chat_buf args = {0};
+    k3_sbuf args = {0};
     if (p->nargs) {
-        cb_put(&args, p->args.p, p->args.n);
-        cb_putc(&args, '}');
+        k3_sb_put(&args, p->args.p, p->args.n);
+        k3_sb_putc(&args, '}');
     } else if (p->json_block.n) {
         sane(&args, &p->json_block);
     } else {
-        cb_puts(&args, "{}");
+        k3_sb_puts(&args, "{}");
     }
     char id[32];
     snprintf(id, sizeof id, "call_%zu", json_array_size(p->calls) + 1);
     json_t *call = json_pack("{s:s, s:s, s:{s:o, s:s%}}", "id", id, "type", "function", "function", "name",
                              jstr(&p->call_name), "arguments", args.p, args.n);
-    cb_free(&args);
+    k3_sb_free(&args);
     if (!call || json_array_append_new(p->calls, call)) {
         fprintf(stderr, "k3: out of memory (tool call)\n");
         exit(K3_EXIT_RUNTIME);
@@ -165,9 +165,9 @@ static void end_call(k3_chat_parser *p) {
 }
 
 /* The value of attribute key in a header's attribute text, unescaped. */
-static void get_attr(const chat_buf *h, size_t from, const char *key, chat_buf *out) {
+static void get_attr(const k3_sbuf *h, size_t from, const char *key, k3_sbuf *out) {
     out->n = 0;
-    cb_put(out, "", 0);
+    k3_sb_put(out, "", 0);
     size_t kl = strlen(key);
     for (size_t i = from; i < h->n;) {
         while (i < h->n && h->p[i] == ' ') i++;
@@ -184,13 +184,13 @@ static void get_attr(const chat_buf *h, size_t from, const char *key, chat_buf *
         if (k1 - k0 == kl && memcmp(h->p + k0, key, kl) == 0) {
             for (size_t j = v0; j < i; j++) {
                 if (h->p[j] == '&' && i - j >= 5 && memcmp(h->p + j, "&amp;", 5) == 0) {
-                    cb_putc(out, '&');
+                    k3_sb_putc(out, '&');
                     j += 4;
                 } else if (h->p[j] == '&' && i - j >= 6 && memcmp(h->p + j, "&quot;", 6) == 0) {
-                    cb_putc(out, '"');
+                    k3_sb_putc(out, '"');
                     j += 5;
                 } else {
-                    cb_putc(out, h->p[j]);
+                    k3_sb_putc(out, h->p[j]);
                 }
             }
             return;
@@ -263,11 +263,11 @@ static void put_text(k3_chat_parser *p, const uint8_t *b, size_t n) {
         if (is(t, "think")) return channel_put(&p->reasoning, b, n, false);
         if (is(t, "response") || is(t, "message")) return channel_put(&p->content, b, n, false);
         if (is(t, "argument")) {
-            if (p->in_arg) cb_put(&p->arg_val, b, n);
+            if (p->in_arg) k3_sb_put(&p->arg_val, b, n);
             return;
         }
         if (is(t, "json")) {
-            if (p->in_json) cb_put(&p->json_block, b, n);
+            if (p->in_json) k3_sb_put(&p->json_block, b, n);
             return;
         }
         if (is(t, "tools") || is(t, "call")) return;
@@ -306,7 +306,7 @@ int k3_chat_parser_feed(k3_chat_parser *p, int32_t id, k3_chat_delta *d, k3_err 
         const uint8_t *b = tok_token_bytes(tok, id, &n);
         if (!p->in_header) put_text(p, b, n);
         else if (p->header.n + n > MAX_HEADER) p->header_long = true;
-        else cb_put(&p->header, b, n);
+        else k3_sb_put(&p->header, b, n);
     }
     fill_delta(p, d);
     return K3_OK;

@@ -1,4 +1,4 @@
-/* pyjson.c: byte buffers, CPython-compatible JSON serialization and the
+/* pyjson.c: CPython-compatible JSON serialization and the
  * UTF-8 helpers of the chat module.
  *
  * The release encoder writes tool schemas and argument values with Python's
@@ -11,27 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-void cb_put(chat_buf *b, const void *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 64;
-        while (cap < b->n + n + 1) cap *= 2;
-        b->p = xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    if (n) memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-void cb_puts(chat_buf *b, const char *s) { cb_put(b, s, strlen(s)); }
-void cb_putc(chat_buf *b, char c) { cb_put(b, &c, 1); }
-void cb_free(chat_buf *b) {
-    free(b->p);
-    b->p = NULL;
-    b->n = b->cap = 0;
-}
-
-void chat_pyjson_string(chat_buf *b, const char *s, size_t n) {
-    cb_putc(b, '"');
+void chat_pyjson_string(k3_sbuf *b, const char *s, size_t n) {
+    k3_sb_putc(b, '"');
     size_t run = 0; /* bytes copied as they are, flushed before each escape */
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
@@ -52,27 +33,27 @@ void chat_pyjson_string(chat_buf *b, const char *s, size_t n) {
             }
         }
         if (!esc) continue;
-        cb_put(b, s + run, i - run);
-        cb_puts(b, esc);
+        k3_sb_put(b, s + run, i - run);
+        k3_sb_puts(b, esc);
         run = i + 1;
     }
-    cb_put(b, s + run, n - run);
-    cb_putc(b, '"');
+    k3_sb_put(b, s + run, n - run);
+    k3_sb_putc(b, '"');
 }
 
 /* repr(float): the shortest digits that read back to x, fixed notation when
  * the decimal exponent is in [-4, 16), else d.ddde+XX. */
-static void py_float(chat_buf *b, double x) {
-    if (isnan(x)) { cb_puts(b, "NaN"); return; }
-    if (isinf(x)) { cb_puts(b, x < 0 ? "-Infinity" : "Infinity"); return; }
-    if (x == 0) { cb_puts(b, signbit(x) ? "-0.0" : "0.0"); return; }
+static void py_float(k3_sbuf *b, double x) {
+    if (isnan(x)) { k3_sb_puts(b, "NaN"); return; }
+    if (isinf(x)) { k3_sb_puts(b, x < 0 ? "-Infinity" : "Infinity"); return; }
+    if (x == 0) { k3_sb_puts(b, signbit(x) ? "-0.0" : "0.0"); return; }
     char e[40];
     for (int p = 1; p <= 17; p++) {
         snprintf(e, sizeof e, "%.*e", p - 1, x);
         if (strtod(e, NULL) == x) break;
     }
     const char *s = e;
-    if (*s == '-') { cb_putc(b, '-'); s++; }
+    if (*s == '-') { k3_sb_putc(b, '-'); s++; }
     char dig[24];
     int nd = 0;
     dig[nd++] = *s++;
@@ -83,27 +64,27 @@ static void py_float(chat_buf *b, double x) {
     int decpt = ex + 1; /* value = 0.d1d2... * 10^decpt */
     if (decpt > -4 && decpt <= 16) {
         if (decpt <= 0) {
-            cb_puts(b, "0.");
-            for (int i = 0; i < -decpt; i++) cb_putc(b, '0');
-            cb_put(b, dig, (size_t)nd);
+            k3_sb_puts(b, "0.");
+            for (int i = 0; i < -decpt; i++) k3_sb_putc(b, '0');
+            k3_sb_put(b, dig, (size_t)nd);
         } else if (decpt >= nd) {
-            cb_put(b, dig, (size_t)nd);
-            for (int i = nd; i < decpt; i++) cb_putc(b, '0');
-            cb_puts(b, ".0");
+            k3_sb_put(b, dig, (size_t)nd);
+            for (int i = nd; i < decpt; i++) k3_sb_putc(b, '0');
+            k3_sb_puts(b, ".0");
         } else {
-            cb_put(b, dig, (size_t)decpt);
-            cb_putc(b, '.');
-            cb_put(b, dig + decpt, (size_t)(nd - decpt));
+            k3_sb_put(b, dig, (size_t)decpt);
+            k3_sb_putc(b, '.');
+            k3_sb_put(b, dig + decpt, (size_t)(nd - decpt));
         }
     } else {
-        cb_putc(b, dig[0]);
+        k3_sb_putc(b, dig[0]);
         if (nd > 1) {
-            cb_putc(b, '.');
-            cb_put(b, dig + 1, (size_t)(nd - 1));
+            k3_sb_putc(b, '.');
+            k3_sb_put(b, dig + 1, (size_t)(nd - 1));
         }
         char t[16];
         snprintf(t, sizeof t, "e%c%02d", ex < 0 ? '-' : '+', ex < 0 ? -ex : ex);
-        cb_puts(b, t);
+        k3_sb_puts(b, t);
     }
 }
 
@@ -111,7 +92,7 @@ static int cmp_key(const void *a, const void *b) {
     return strcmp(*(const char *const *)a, *(const char *const *)b);
 }
 
-void chat_pyjson(chat_buf *b, const json_t *v, bool compact, bool sort_keys) {
+void chat_pyjson(k3_sbuf *b, const json_t *v, bool compact, bool sort_keys) {
     const char *item_sep = compact ? "," : ", ", *key_sep = compact ? ":" : ": ";
     switch (json_typeof(v)) {
     case JSON_OBJECT: {
@@ -121,24 +102,24 @@ void chat_pyjson(chat_buf *b, const json_t *v, bool compact, bool sort_keys) {
         json_t *x;
         json_object_foreach((json_t *)v, k, x) keys[i++] = k;
         if (sort_keys) qsort(keys, n, sizeof *keys, cmp_key);
-        cb_putc(b, '{');
+        k3_sb_putc(b, '{');
         for (i = 0; i < n; i++) {
-            if (i) cb_puts(b, item_sep);
+            if (i) k3_sb_puts(b, item_sep);
             chat_pyjson_string(b, keys[i], strlen(keys[i]));
-            cb_puts(b, key_sep);
+            k3_sb_puts(b, key_sep);
             chat_pyjson(b, json_object_get(v, keys[i]), compact, sort_keys);
         }
-        cb_putc(b, '}');
+        k3_sb_putc(b, '}');
         free(keys);
         break;
     }
     case JSON_ARRAY:
-        cb_putc(b, '[');
+        k3_sb_putc(b, '[');
         for (size_t i = 0; i < json_array_size(v); i++) {
-            if (i) cb_puts(b, item_sep);
+            if (i) k3_sb_puts(b, item_sep);
             chat_pyjson(b, json_array_get(v, i), compact, sort_keys);
         }
-        cb_putc(b, ']');
+        k3_sb_putc(b, ']');
         break;
     case JSON_STRING:
         chat_pyjson_string(b, json_string_value(v), json_string_length(v));
@@ -146,13 +127,13 @@ void chat_pyjson(chat_buf *b, const json_t *v, bool compact, bool sort_keys) {
     case JSON_INTEGER: {
         char t[32];
         snprintf(t, sizeof t, "%" JSON_INTEGER_FORMAT, json_integer_value(v));
-        cb_puts(b, t);
+        k3_sb_puts(b, t);
         break;
     }
     case JSON_REAL: py_float(b, json_real_value(v)); break;
-    case JSON_TRUE: cb_puts(b, "true"); break;
-    case JSON_FALSE: cb_puts(b, "false"); break;
-    case JSON_NULL: cb_puts(b, "null"); break;
+    case JSON_TRUE: k3_sb_puts(b, "true"); break;
+    case JSON_FALSE: k3_sb_puts(b, "false"); break;
+    case JSON_NULL: k3_sb_puts(b, "null"); break;
     }
 }
 
@@ -180,19 +161,19 @@ static int utf8_char(const uint8_t *in, size_t n) {
     return len;
 }
 
-size_t chat_utf8_take(const uint8_t *in, size_t n, bool final, chat_buf *out) {
+size_t chat_utf8_take(const uint8_t *in, size_t n, bool final, k3_sbuf *out) {
     static const char repl[] = "\xef\xbf\xbd";
     if (!n) return 0;
     size_t i = 0, run = 0;
     while (i < n) {
         int l = utf8_char(in + i, n - i);
         if (l > 0) { i += (size_t)l; continue; }
-        cb_put(out, in + run, i - run);
+        k3_sb_put(out, in + run, i - run);
         if (l < 0 && !final) return i; /* hold the incomplete tail back */
-        cb_put(out, repl, 3);
+        k3_sb_put(out, repl, 3);
         i = l < 0 ? n : i + 1;
         run = i;
     }
-    cb_put(out, in + run, n - run);
+    k3_sb_put(out, in + run, n - run);
     return n;
 }

@@ -142,7 +142,7 @@ static bool scan_hex4(scan_t *c, uint32_t *v) {
     c->i += 4;
     return true;
 }
-static void put_cp(chat_buf *o, uint32_t cp) {
+static void put_cp(k3_sbuf *o, uint32_t cp) {
     char b[4];
     size_t n;
     if (cp < 0x80) { b[0] = (char)cp; n = 1; }
@@ -155,18 +155,18 @@ static void put_cp(chat_buf *o, uint32_t cp) {
         b[2] = (char)(0x80 | (cp >> 6 & 63)); b[3] = (char)(0x80 | (cp & 63));
         n = 4;
     }
-    cb_put(o, b, n);
+    k3_sb_put(o, b, n);
 }
 /* A string at c->i (which is '"'); decoded into out when out is set. A lone
  * surrogate escape is refused (it has no UTF-8 form to tokenize). */
-static bool scan_string(scan_t *c, chat_buf *out) {
+static bool scan_string(scan_t *c, k3_sbuf *out) {
     c->i++;
     while (c->i < c->n) {
         unsigned char ch = (unsigned char)c->s[c->i++];
         if (ch == '"') return true;
         if (ch < 0x20) return false;
         if (ch != '\\') {
-            if (out) cb_putc(out, (char)ch);
+            if (out) k3_sb_putc(out, (char)ch);
             continue;
         }
         if (c->i >= c->n) return false;
@@ -174,7 +174,7 @@ static bool scan_string(scan_t *c, chat_buf *out) {
         const char *from = "\"\\/bfnrt", *to = "\"\\/\b\f\n\r\t";
         const char *hit = e ? strchr(from, e) : NULL;
         if (hit) {
-            if (out) cb_putc(out, to[hit - from]);
+            if (out) k3_sb_putc(out, to[hit - from]);
             continue;
         }
         uint32_t cp, lo;
@@ -214,7 +214,7 @@ static bool scan_number(scan_t *c) {
     return true;
 }
 /* One value at c->i; *type is its XTML type. */
-static bool scan_value(scan_t *c, int depth, const char **type, chat_buf *str) {
+static bool scan_value(scan_t *c, int depth, const char **type, k3_sbuf *str) {
     if (c->i >= c->n || depth > 1000) return false;
     char ch = c->s[c->i];
     if (ch == '"') {
@@ -260,7 +260,7 @@ static bool scan_value(scan_t *c, int depth, const char **type, chat_buf *str) {
 }
 
 typedef struct {
-    chat_buf key, text; /* text: the decoded string, or the value's JSON text */
+    k3_sbuf key, text; /* text: the decoded string, or the value's JSON text */
     const char *type;
 } arg_t;
 typedef struct {
@@ -270,8 +270,8 @@ typedef struct {
 
 static void args_free(args_t *a) {
     for (size_t i = 0; i < a->n; i++) {
-        cb_free(&a->v[i].key);
-        cb_free(&a->v[i].text);
+        k3_sb_free(&a->v[i].key);
+        k3_sb_free(&a->v[i].text);
     }
     free(a->v);
     a->v = NULL;
@@ -291,8 +291,8 @@ static bool parse_args_object(const char *s, size_t n, args_t *out) {
         scan_ws(&c);
         arg_t a = {.type = NULL};
         const char *kt;
-        cb_put(&a.key, "", 0);
-        cb_put(&a.text, "", 0);
+        k3_sb_put(&a.key, "", 0);
+        k3_sb_put(&a.text, "", 0);
         out->v = xrealloc_array(out->v, out->n + 1, sizeof *out->v);
         out->v[out->n++] = a;
         arg_t *cur = &out->v[out->n - 1];
@@ -302,7 +302,7 @@ static bool parse_args_object(const char *s, size_t n, args_t *out) {
         scan_ws(&c);
         size_t v0 = c.i;
         if (!scan_value(&c, 0, &cur->type, &cur->text)) return false;
-        if (strcmp(cur->type, "string")) cb_put(&cur->text, s + v0, c.i - v0);
+        if (strcmp(cur->type, "string")) k3_sb_put(&cur->text, s + v0, c.i - v0);
         scan_ws(&c);
         char t = c.i < n ? s[c.i++] : 0;
         scan_ws(&c);
@@ -583,18 +583,18 @@ static int user_json_text(enc_t *e, const json_t *s) {
 }
 
 static int attr(enc_t *e, const char *key, const char *val, size_t n) {
-    chat_buf k = {0}, v = {0};
-    cb_putc(&k, ' ');
-    cb_puts(&k, key);
+    k3_sbuf k = {0}, v = {0};
+    k3_sb_putc(&k, ' ');
+    k3_sb_puts(&k, key);
     for (size_t i = 0; i < n; i++) {
-        if (val[i] == '&') cb_puts(&v, "&amp;");
-        else if (val[i] == '"') cb_puts(&v, "&quot;");
-        else cb_putc(&v, val[i]);
+        if (val[i] == '&') k3_sb_puts(&v, "&amp;");
+        else if (val[i] == '"') k3_sb_puts(&v, "&quot;");
+        else k3_sb_putc(&v, val[i]);
     }
     int rc = segment(e, k.p, k.n, false) || text(e, "=\"") || segment(e, v.p, v.n, false) ||
              text(e, "\"");
-    cb_free(&k);
-    cb_free(&v);
+    k3_sb_free(&k);
+    k3_sb_free(&v);
     return rc ? e->err->code : K3_OK;
 }
 static int attr_s(enc_t *e, const char *key, const char *val) { return attr(e, key, val, strlen(val)); }
@@ -619,17 +619,17 @@ static int internal_system(enc_t *e, const char *type, const char *body) {
 }
 
 static int tool_declare(enc_t *e, const json_t *tools, bool dynamic) {
-    chat_buf b = {0};
-    cb_puts(&b, dynamic ? "## New Tools Available\n"
+    k3_sbuf b = {0};
+    k3_sb_puts(&b, dynamic ? "## New Tools Available\n"
                           "The system dynamically extends the toolset via lazy-loading.\n"
                           "You have access to all existing and extended tools.\n"
                           "Here are the specs for the extended tools.\n\n```json\n"
                         : "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n");
     chat_pyjson(&b, tools, true, true);
-    cb_puts(&b, "\n```");
+    k3_sb_puts(&b, "\n```");
     int rc = open_tag(e, "message") || attr_s(e, "role", "system") || attr_s(e, "type", "tool-declare") ||
              sep(e) || segment(e, b.p, b.n, false) || end_message(e);
-    cb_free(&b);
+    k3_sb_free(&b);
     return rc ? e->err->code : K3_OK;
 }
 
@@ -693,12 +693,12 @@ static int tool_call(enc_t *e, const json_t *call, size_t index, const char *whe
         const char *k;
         json_t *v;
         json_object_foreach((json_t *)a, k, v) {
-            chat_buf b = {0};
-            if (json_is_string(v)) cb_put(&b, json_string_value(v), json_string_length(v));
+            k3_sbuf b = {0};
+            if (json_is_string(v)) k3_sb_put(&b, json_string_value(v), json_string_length(v));
             else chat_pyjson(&b, v, false, false);
             rc = open_tag(e, "argument") || attr_s(e, "key", k) || attr_s(e, "type", xtml_type(v)) ||
                  sep(e) || user_text(e, b.p, b.n) || close_tag(e, "argument");
-            cb_free(&b);
+            k3_sb_free(&b);
             if (rc) break;
         }
     }
@@ -747,11 +747,11 @@ static int response_format(enc_t *e, const json_t *rf) {
         "Your response must be raw JSON data without markdown code blocks (```json) or any "
         "additional formatting.";
     if (strcmp(t, "json_object") == 0) {
-        chat_buf b = {0};
-        cb_puts(&b, "The system is invoked with `response_format=json_object`.\n");
-        cb_puts(&b, raw_json);
+        k3_sbuf b = {0};
+        k3_sb_puts(&b, "The system is invoked with `response_format=json_object`.\n");
+        k3_sb_puts(&b, raw_json);
         int rc = internal_system(e, "response-format", b.p);
-        cb_free(&b);
+        k3_sb_free(&b);
         return rc;
     }
     if (strcmp(t, "json_schema")) return K3_OK;
@@ -762,15 +762,15 @@ static int response_format(enc_t *e, const json_t *rf) {
         if (json_object_get(js, "schema")) schema = json_object_get(js, "schema");
         else if (json_object_get(js, "json_schema")) schema = json_object_get(js, "json_schema");
     }
-    chat_buf b = {0};
-    cb_puts(&b, "The system is invoked with `response_format=json_schema`.\n");
-    cb_puts(&b, raw_json);
-    cb_puts(&b, "\nThe JSON data must match the following schema:\n```json\n");
+    k3_sbuf b = {0};
+    k3_sb_puts(&b, "The system is invoked with `response_format=json_schema`.\n");
+    k3_sb_puts(&b, raw_json);
+    k3_sb_puts(&b, "\nThe JSON data must match the following schema:\n```json\n");
     if (schema) chat_pyjson(&b, schema, true, true);
-    else cb_puts(&b, "null");
-    cb_puts(&b, "\n```");
+    else k3_sb_puts(&b, "null");
+    k3_sb_puts(&b, "\n```");
     int rc = internal_system(e, "response-format", b.p);
-    cb_free(&b);
+    k3_sb_free(&b);
     return rc;
 }
 

@@ -40,10 +40,9 @@ const char *const cmd_chat_help =
     "  --think, --no-think  thinking on (default) or off\n"
     "  --gen N              at most N tokens per reply (default 1024)\n"
     "  --max-context N      positions the conversation may reach (default 4096)\n"
-    "  --temperature T      sample at temperature T (default 0: greedy)\n"
-    "  --top-k K, --top-p P, --min-p P   sampling filters (need --temperature > 0)\n"
-    "  --seed S             sampling seed (default 0); turn t (from 0) samples with\n"
-    "                       seed S + t, as `k3 run --seed S+t` would\n"
+    K3_SAMPLE_HELP
+    "                       (turn t, from 0, samples with seed S + t, as\n"
+    "                       `k3 run --seed S+t` would)\n"
     "  --state-cache-gb G   budget of the state cache (default 2; 0: none). It\n"
     "                       keeps decode-state snapshots at turn ends and every\n"
     "                       --state-grid positions, so a history that re-renders\n"
@@ -67,23 +66,10 @@ typedef struct {
     const char *model_dir, *system, *load, *out;
     bool thinking, cold;
     int64_t gen, max_ctx, grid;
-    float temperature, top_p, min_p;
-    int top_k;
-    uint64_t seed;
-    bool sampling_flag;
-    double cache_gb;
+    k3_sample_opts so;     /* sampling flags (engine/engine.h) */
+    uint64_t cache_bytes;  /* --state-cache-gb */
     k3_engine_opts eo;
 } chat_args;
-
-static bool parse_f(const char *s, double *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || *end || !isfinite(v)) return false;
-    *out = v;
-    return true;
-}
 
 static int parse_args(int argc, char **argv, chat_args *a) {
     memset(a, 0, sizeof *a);
@@ -91,14 +77,13 @@ static int parse_args(int argc, char **argv, chat_args *a) {
     a->thinking = true;
     a->gen = 1024;
     a->max_ctx = 4096;
-    a->top_p = 1.0f;
-    a->cache_gb = K3_STATE_CACHE_GB_DEFAULT;
+    k3_sample_opts_init(&a->so);
+    a->cache_bytes = K3_STATE_CACHE_BYTES_DEFAULT;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define NEED_VALUE() \
     do { if (!v) return k3_usage_error("chat", "%s needs a value", o); i++; } while (0)
         int64_t n;
-        double d;
         if (!strcmp(o, "--help") || !strcmp(o, "-h")) {
             fputs(cmd_chat_help, stdout);
             return -1;
@@ -128,45 +113,21 @@ static int parse_args(int argc, char **argv, chat_args *a) {
             a->grid = n;
         } else if (!strcmp(o, "--state-cache-gb")) {
             NEED_VALUE();
-            if (!parse_f(v, &d) || d < 0 || d > 1e6)
-                return k3_usage_error("chat", "--state-cache-gb: '%s' is not a size in GB >= 0", v);
-            a->cache_gb = d;
-        } else if (!strcmp(o, "--temperature")) {
-            NEED_VALUE();
-            if (!parse_f(v, &d) || d < 0) return k3_usage_error("chat", "--temperature: '%s' is not a number >= 0", v);
-            a->temperature = (float)d;
-        } else if (!strcmp(o, "--top-k")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 0, INT_MAX, &n)) return k3_usage_error("chat", "--top-k: '%s' is not a count >= 0", v);
-            a->top_k = (int)n;
-            a->sampling_flag = true;
-        } else if (!strcmp(o, "--top-p")) {
-            NEED_VALUE();
-            if (!parse_f(v, &d) || d <= 0 || d > 1) return k3_usage_error("chat", "--top-p: '%s' is not in (0, 1]", v);
-            a->top_p = (float)d;
-            a->sampling_flag = true;
-        } else if (!strcmp(o, "--min-p")) {
-            NEED_VALUE();
-            if (!parse_f(v, &d) || d < 0 || d > 1) return k3_usage_error("chat", "--min-p: '%s' is not in [0, 1]", v);
-            a->min_p = (float)d;
-            a->sampling_flag = true;
-        } else if (!strcmp(o, "--seed")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 0, INT64_MAX / 2, &n))
-                return k3_usage_error("chat", "--seed: '%s' is not an integer >= 0", v);
-            a->seed = (uint64_t)n;
+            k3_err e = {0};
+            if (k3_state_cache_parse_gb("chat", v, &a->cache_bytes, &e)) return k3_report(&e);
         } else {
             bool used;
             k3_err e = {0};
-            if (k3_engine_parse_flag(&a->eo, "chat", argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (k3_sample_parse_flag(&a->so, "chat", argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (!used && k3_engine_parse_flag(&a->eo, "chat", argc, argv, &i, &used, &e)) return k3_report(&e);
             if (!used) return k3_usage_error("chat", "unknown option '%s'", o);
         }
 #undef NEED_VALUE
     }
     if (a->eo.mem.list_presets) return K3_OK;
     if (!a->model_dir) return k3_usage_error("chat", "no MODEL_DIR given");
-    if (a->sampling_flag && a->temperature <= 0)
-        return k3_usage_error("chat", "--top-k/--top-p/--min-p need --temperature > 0");
+    k3_err e = {0};
+    if (k3_sample_opts_check(&a->so, "chat", &e)) return k3_report(&e);
     return K3_OK;
 }
 
@@ -310,7 +271,7 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     }
     int source = k3_session_last_source(c->s);
     k3_sampler sp;
-    k3_sampler_init(&sp, c->e->vocab, a->temperature, a->top_k, a->top_p, a->min_p, a->seed + (uint64_t)c->turn);
+    k3_sample_opts_sampler(&a->so, c->e->vocab, (uint64_t)c->turn, &sp);
     k3_chat_parser *p = k3_chat_parser_new(c->chat, c->thinking);
     int32_t *gids = xmalloc_array((size_t)gen, sizeof *gids);
     size_t ng = 0;
@@ -320,6 +281,7 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     c->in_reasoning = c->shown_reasoning = false;
     interrupted = 0;
     for (int64_t g = 0; g < gen && !rc && !interrupted; g++) {
+        if ((rc = k3_logits_check(c->logits, c->e->vocab, a->model_dir, k3_session_len(c->s), err))) break;
         int32_t id = k3_sample(&sp, c->logits);
         if (g == 0) t_first = k3_now();
         gids[ng++] = id;
@@ -497,7 +459,7 @@ static int chat(const chat_args *a, k3_err *err) {
         goto done;
     }
     const k3_config *cfg = c.e->cfg;
-    uint64_t budget = a->cold ? 0 : (uint64_t)(a->cache_gb * 1e9);
+    uint64_t budget = a->cold ? 0 : a->cache_bytes;
     uint64_t V = (uint64_t)c.e->vocab;
     if ((rc = k3_engine_state_new(c.e, a->max_ctx, budget + V * sizeof(float), &c.st, err))) goto done;
     if ((rc = k3_engine_identity(c.e, &c.model_id, err))) goto done;
@@ -509,14 +471,12 @@ static int chat(const chat_args *a, k3_err *err) {
     c.tty_out = isatty(1);
     reset_conversation(&c);
     if (c.tty_in) { /* a script gets only the per-turn lines, so an error stays one line */
-        char b1[32], b2[32], b3[32];
         k3_state_cache_stats cs = k3_state_cache_get_stats(c.cache);
         fprintf(stderr,
                 "k3 chat: %s, %d layers, threads %d; context %lld; state cache %s (a snapshot: %s + %s per position, "
                 "grid %d); thinking %s\n",
                 a->model_dir, cfg->num_layers, c.e->threads, (long long)a->max_ctx,
-                k3_engine_size_str(budget, b1, sizeof b1), k3_engine_size_str(cs.kda_bytes, b2, sizeof b2),
-                k3_engine_size_str(cs.row_bytes, b3, sizeof b3), cs.grid, c.thinking ? "on" : "off");
+                k3_size_str(budget), k3_size_str(cs.kda_bytes), k3_size_str(cs.row_bytes), cs.grid, c.thinking ? "on" : "off");
     }
     if (a->load) rc = load(&c, a->load, err);
     if ((rc = k3_engine_ready(c.e, rc, err))) goto done; /* every rank of a job, or none */

@@ -1,6 +1,7 @@
 /* cmd_dashboard.c: `k3 dashboard`, serve a live page for training runs. */
 #include "cli/commands.h"
 #include "web/dashboard.h"
+#include "web/http.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -72,20 +73,14 @@ int cmd_dashboard(int argc, char **argv) {
     }
     if (o.ndirs == 0) return k3_usage_error("dashboard", "--run-dir is required");
 
-    /* Block the stop signals before the server thread exists, so it inherits
-     * the mask and they reach this thread's sigwait, never the server's. */
+    /* before the server thread exists (http.h) */
     sigset_t stop;
-    sigemptyset(&stop);
-    sigaddset(&stop, SIGINT);
-    sigaddset(&stop, SIGTERM);
-    sigaddset(&stop, SIGHUP);
-    pthread_sigmask(SIG_BLOCK, &stop, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    k3_http_block_stop_signals(&stop);
 
     k3_err err = {0};
     k3_dashboard *d;
     if (k3_dashboard_start(&o, &d, &err) != K3_OK) return k3_report(&err);
-    if (!k3_dashboard_is_loopback(o.host))
+    if (!k3_http_is_loopback(o.host))
         fprintf(stderr,
                 "k3 dashboard: warning: listening on %s, not loopback: anyone who can reach this "
                 "machine can read these runs (the page has no authentication)\n", o.host);
@@ -95,8 +90,7 @@ int cmd_dashboard(int argc, char **argv) {
            v6 ? "[" : "", o.host, v6 ? "]" : "", k3_dashboard_port(d));
     fflush(stdout);
 
-    int sig = 0;
-    while (sigwait(&stop, &sig) != 0) {}
+    int sig = k3_http_wait_stop(&stop);
     k3_dashboard_stop(d);
     printf("k3 dashboard: stopped (%s)\n", strsignal(sig));
     return K3_OK;

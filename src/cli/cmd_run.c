@@ -33,9 +33,7 @@ const char *const cmd_run_help =
     "  --incremental        prefill once, then feed one token per step (default)\n"
     "  --full               recompute the whole prefix every step (a check: the\n"
     "                       logits are bit-identical to --incremental)\n"
-    "  --temperature T      sample at temperature T (default 0: greedy argmax)\n"
-    "  --top-k K, --top-p P, --min-p P   sampling filters (need --temperature > 0)\n"
-    "  --seed S             sampling seed (default 0); same seed, same tokens\n"
+    K3_SAMPLE_HELP
     "  --out FILE.json      write prompt_ids, generated_ids, text, prefill_s,\n"
     "                       decode_s, tokens_per_s, peak_rss_bytes, threads, ...\n"
     "  --dump-logits FILE   little-endian f32 rows of vocab_size logits, one per\n"
@@ -55,31 +53,18 @@ typedef struct {
     const char *model_dir, *prompt, *prompt_file, *ids, *out, *dump;
     int64_t gen;
     bool full, incremental, quiet, verbose;
-    float temperature, top_p, min_p;
-    int top_k;
-    uint64_t seed;
-    bool sampling_flag;
+    k3_sample_opts so;     /* sampling flags (engine/engine.h) */
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } run_args;
 
 /* ---- argument parsing ---------------------------------------------------- */
 
 
-static bool parse_f(const char *s, float *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || *end || !isfinite(v)) return false;
-    *out = (float)v;
-    return true;
-}
-
 static int parse_args(int argc, char **argv, run_args *a) {
     memset(a, 0, sizeof *a);
     k3_engine_opts_init(&a->eo);
+    k3_sample_opts_init(&a->so);
     a->gen = 32;
-    a->top_p = 1.0f;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -107,33 +92,11 @@ static int parse_args(int argc, char **argv, run_args *a) {
         else if (!strcmp(o, "--verbose")) a->verbose = true;
         else if (!strcmp(o, "--out")) { NEED_VALUE(); a->out = v; }
         else if (!strcmp(o, "--dump-logits")) { NEED_VALUE(); a->dump = v; }
-        else if (!strcmp(o, "--temperature")) {
-            NEED_VALUE();
-            if (!parse_f(v, &a->temperature) || a->temperature < 0)
-                return k3_usage_error("run", "--temperature: '%s' is not a number >= 0", v);
-        } else if (!strcmp(o, "--top-k")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 0, INT_MAX, &n)) return k3_usage_error("run", "--top-k: '%s' is not a count >= 0", v);
-            a->top_k = (int)n;
-            a->sampling_flag = true;
-        } else if (!strcmp(o, "--top-p")) {
-            NEED_VALUE();
-            if (!parse_f(v, &a->top_p) || a->top_p <= 0 || a->top_p > 1)
-                return k3_usage_error("run", "--top-p: '%s' is not in (0, 1]", v);
-            a->sampling_flag = true;
-        } else if (!strcmp(o, "--min-p")) {
-            NEED_VALUE();
-            if (!parse_f(v, &a->min_p) || a->min_p < 0 || a->min_p > 1)
-                return k3_usage_error("run", "--min-p: '%s' is not in [0, 1]", v);
-            a->sampling_flag = true;
-        } else if (!strcmp(o, "--seed")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 0, INT64_MAX, &n)) return k3_usage_error("run", "--seed: '%s' is not an integer >= 0", v);
-            a->seed = (uint64_t)n;
-        } else {
+        else {
             bool used;
             k3_err e = {0};
-            if (k3_engine_parse_flag(&a->eo, "run", argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (k3_sample_parse_flag(&a->so, "run", argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (!used && k3_engine_parse_flag(&a->eo, "run", argc, argv, &i, &used, &e)) return k3_report(&e);
             if (!used) return k3_usage_error("run", "unknown option '%s'", o);
         }
 #undef NEED_VALUE
@@ -145,8 +108,8 @@ static int parse_args(int argc, char **argv, run_args *a) {
         return k3_usage_error("run", np ? "give only one of --prompt, --prompt-file, --ids"
                                         : "give a prompt: --prompt TEXT, --prompt-file FILE or --ids 1,2,3");
     if (a->full && a->incremental) return k3_usage_error("run", "--full and --incremental exclude each other");
-    if (a->sampling_flag && a->temperature <= 0)
-        return k3_usage_error("run", "--top-k/--top-p/--min-p need --temperature > 0");
+    k3_err e = {0};
+    if (k3_sample_opts_check(&a->so, "run", &e)) return k3_report(&e);
     return K3_OK;
 }
 
@@ -266,18 +229,6 @@ static int prefill(run_ctx *r, k3_err *err) {
         k3_runmem_step(r->rm, true, (int)n, r->e->step_log);
     }
     k3_progress_finish(&pb);
-    return K3_OK;
-}
-
-/* Non-finite logits (NaN or Inf weights) would make greedy decoding pick
- * token 0 forever: the run stops instead. */
-static int check_logits(const run_ctx *r, k3_err *err) {
-    size_t V = (size_t)k3_model_config(r->m)->vocab_size;
-    for (size_t i = 0; i < V; i++)
-        if (!isfinite(r->logits[i]))
-            return k3_fail(err, K3_EXIT_DATA,
-                           "%s: logit %zu is not finite (%g) after %zu tokens: the checkpoint holds non-finite weights",
-                           r->a->model_dir, i, (double)r->logits[i], r->nseq);
     return K3_OK;
 }
 
@@ -407,7 +358,7 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
 
     if (!a->quiet) k3_runmem_print_plan(r.rm, stderr);
     k3_sampler sp;
-    k3_sampler_init(&sp, (int)V, a->temperature, a->top_k, a->top_p, a->min_p, a->seed);
+    k3_sample_opts_sampler(&a->so, (int)V, 0, &sp);
     double t0 = k3_now();
     const char *stop = "length";
     k3_dist_stats ds0 = k3_dist_get_stats(), ds1;
@@ -415,7 +366,7 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
     double t1 = k3_now(), t2 = t1;
     ds1 = k3_dist_get_stats();
     for (int64_t g = 0; !rc && g < a->gen; g++) {
-        if ((rc = check_logits(&r, err))) break;
+        if ((rc = k3_logits_check(r.logits, (int)V, a->model_dir, r.nseq, err))) break;
         int id = k3_sample(&sp, r.logits);
         r.seq[r.nseq++] = id;
         /* the end-of-sequence token ends the text; its name is not part of it

@@ -8,7 +8,7 @@
 #include "engine/engine.h"
 #include "serve/serve.h"
 #include "session/session.h"
-#include "web/dashboard.h"
+#include "web/http.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -62,33 +62,10 @@ typedef struct {
     bool verbose;
     int64_t ctx, max_tokens;
     uint64_t max_body;
-    double state_cache_gb, keepalive_s;
+    uint64_t state_cache_bytes;  /* --state-cache-gb */
+    double keepalive_s;
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } serve_args;
-
-static bool parse_size(const char *s, uint64_t *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || v < 0 || !isfinite(v)) return false;
-    double mul = 1;
-    if (*end) {
-        switch (*end) {
-        case 'k': case 'K': mul = 1024.0; break;
-        case 'm': case 'M': mul = 1024.0 * 1024; break;
-        case 'g': case 'G': mul = 1024.0 * 1024 * 1024; break;
-        default: return false;
-        }
-        end++;
-        if (*end == 'B' || *end == 'b') end++;
-        if (*end) return false;
-    }
-    double b = v * mul;
-    if (b >= 1.8e19) return false;
-    *out = (uint64_t)b;
-    return true;
-}
 
 static int parse_args(int argc, char **argv, serve_args *a) {
     memset(a, 0, sizeof *a);
@@ -98,7 +75,7 @@ static int parse_args(int argc, char **argv, serve_args *a) {
     a->ctx = 4096;
     a->queue = 16;
     a->max_body = (uint64_t)8 << 20;
-    a->state_cache_gb = K3_STATE_CACHE_GB_DEFAULT;
+    a->state_cache_bytes = K3_STATE_CACHE_BYTES_DEFAULT;
     a->keepalive_s = 5;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
@@ -136,22 +113,16 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             a->queue = (int)n;
         } else if (!strcmp(o, "--max-body")) {
             NEED_VALUE();
-            if (!parse_size(v, &a->max_body) || a->max_body < 1024 || a->max_body > ((uint64_t)1 << 32))
+            if (!k3_parse_size(v, &a->max_body) || a->max_body < 1024 || a->max_body > ((uint64_t)1 << 32))
                 return k3_usage_error("serve", "--max-body: '%s' is not a size between 1K and 4G", v);
         } else if (!strcmp(o, "--state-cache-gb")) {
             NEED_VALUE();
-            char *end;
-            errno = 0;
-            double d = strtod(v, &end);
-            if (errno || *end || !*v || !(d >= 0 && d < 1e6))
-                return k3_usage_error("serve", "--state-cache-gb: '%s' is not a size in GB >= 0", v);
-            a->state_cache_gb = d;
+            k3_err e = {0};
+            if (k3_state_cache_parse_gb("serve", v, &a->state_cache_bytes, &e)) return k3_report(&e);
         } else if (!strcmp(o, "--sse-keepalive")) {
             NEED_VALUE();
-            char *end;
-            errno = 0;
-            double d = strtod(v, &end);
-            if (errno || *end || !*v || !(d == 0 || (d >= 0.05 && d <= 3600)))
+            double d;
+            if (!k3_parse_f64(v, &d) || !(d == 0 || (d >= 0.05 && d <= 3600)))
                 return k3_usage_error("serve", "--sse-keepalive: '%s' is not 0 or a number of seconds in [0.05, 3600]", v);
             a->keepalive_s = d;
         } else if (!strcmp(o, "--verbose")) {
@@ -182,11 +153,15 @@ typedef struct {
     int64_t ctx;
 } backend;
 
+static bool is_cancelled(const void *flag) { return atomic_load((const atomic_int *)flag) != 0; }
+
 static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
                       k3_err *err) {
     backend *b = ctx;
-    if (atomic_load(cancel)) return k3_fail(err, K3_EXIT_RUNTIME, "cancelled");
-    return k3_session_prefill(b->sess, ids, n, logits, reused, err);
+    k3_session_set_cancel(b->sess, is_cancelled, cancel); /* asked between the prefill's chunks */
+    int rc = k3_session_prefill(b->sess, ids, n, logits, reused, err);
+    k3_session_set_cancel(b->sess, NULL, NULL);
+    return rc;
 }
 
 static int be_step(void *ctx, int32_t id, float *logits, k3_err *err) {
@@ -213,7 +188,7 @@ static int open_backend(const serve_args *a, backend *b, k3_serve_model *sm, k3_
     eo.need_tokenizer = true;
     eo.max_pos = a->ctx;
     if ((rc = k3_engine_open(&eo, &b->e, err))) return rc;
-    uint64_t cache_bytes = (uint64_t)(a->state_cache_gb * 1073741824.0);
+    uint64_t cache_bytes = a->state_cache_bytes;
     uint64_t logit_bytes = (uint64_t)b->e->vocab * sizeof(float);
     if ((rc = k3_engine_state_new(b->e, a->ctx, cache_bytes + logit_bytes, &b->st, err))) return rc;
     b->cache = k3_state_cache_new(b->e->cfg, cache_bytes, 0);
@@ -259,15 +234,9 @@ int cmd_serve(int argc, char **argv) {
         k3_presets_print(stdout);
         return K3_OK;
     }
-    /* The stop signals are blocked before any thread exists, so every thread
-     * inherits the mask and they reach this thread's sigwait only. */
+    /* before any thread exists (http.h) */
     sigset_t stop;
-    sigemptyset(&stop);
-    sigaddset(&stop, SIGINT);
-    sigaddset(&stop, SIGTERM);
-    sigaddset(&stop, SIGHUP);
-    pthread_sigmask(SIG_BLOCK, &stop, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    k3_http_block_stop_signals(&stop);
 
     k3_err err = {0};
     backend b;
@@ -287,7 +256,7 @@ int cmd_serve(int argc, char **argv) {
         close_backend(&b);
         return k3_report(&err);
     }
-    if (!k3_dashboard_is_loopback(a.host))
+    if (!k3_http_is_loopback(a.host))
         fprintf(stderr, "k3 serve: warning: listening on %s, not loopback: anyone who can reach this machine can "
                 "use the model (there is no authentication)\n", a.host);
     bool v6 = strchr(a.host, ':') != NULL;
@@ -295,8 +264,7 @@ int cmd_serve(int argc, char **argv) {
            sm.chat ? "chat and completions" : "completions only: the tokenizer has no XTML ids", v6 ? "[" : "", a.host,
            v6 ? "]" : "", k3_serve_port(s));
     fflush(stdout);
-    int sig = 0;
-    while (sigwait(&stop, &sig) != 0) {}
+    int sig = k3_http_wait_stop(&stop);
     k3_serve_stop(s);
     close_backend(&b);
     printf("k3 serve: stopped (%s)\n", strsignal(sig));

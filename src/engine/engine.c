@@ -19,32 +19,6 @@ void k3_engine_opts_init(k3_engine_opts *o) {
     k3_runmem_args_init(&o->mem);
 }
 
-/* "512M", "8G", "1.5T", "4096" (bytes); an optional trailing B. */
-static bool parse_size(const char *s, uint64_t *out) {
-    if (!s || !*s) return false;
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || v < 0 || !isfinite(v)) return false;
-    double mul = 1;
-    if (*end) {
-        switch (*end) {
-        case 'k': case 'K': mul = 1024.0; break;
-        case 'm': case 'M': mul = 1024.0 * 1024; break;
-        case 'g': case 'G': mul = 1024.0 * 1024 * 1024; break;
-        case 't': case 'T': mul = 1024.0 * 1024 * 1024 * 1024; break;
-        default: return false;
-        }
-        end++;
-        if (*end == 'B' || *end == 'b') end++;
-        if (*end) return false;
-    }
-    double b = v * mul;
-    if (b >= 1.8e19) return false;
-    *out = (uint64_t)b;
-    return true;
-}
-
 int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **argv, int *i, bool *used,
                          k3_err *err) {
     const char *f = argv[*i];
@@ -79,7 +53,7 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
         o->expert_placement = v;
     } else if (!strcmp(f, "--max-memory")) {
         VALUE();
-        if (!parse_size(v, &o->max_memory) || !o->max_memory)
+        if (!k3_parse_size(v, &o->max_memory) || !o->max_memory)
             return k3_fail(err, K3_EXIT_USAGE, "%s: --max-memory: '%s' is not a size like 512M or 8G", cmd, v);
     } else {
         return k3_runmem_parse(&o->mem, argc, argv, i, used, err);
@@ -88,13 +62,54 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
     return K3_OK;
 }
 
-const char *k3_engine_size_str(uint64_t b, char *buf, size_t n) {
-    const double k = 1024.0;
-    if (b < 1024) snprintf(buf, n, "%llu B", (unsigned long long)b);
-    else if (b < 1024 * 1024) snprintf(buf, n, "%.1f KiB", (double)b / k);
-    else if (b < 1024ull * 1024 * 1024) snprintf(buf, n, "%.1f MiB", (double)b / (k * k));
-    else snprintf(buf, n, "%.3f GiB", (double)b / (k * k * k));
-    return buf;
+void k3_sample_opts_init(k3_sample_opts *o) {
+    memset(o, 0, sizeof *o);
+    o->top_p = 1.0f;
+}
+
+int k3_sample_parse_flag(k3_sample_opts *o, const char *cmd, int argc, char **argv, int *i, bool *used,
+                         k3_err *err) {
+    const char *f = argv[*i];
+    *used = strcmp(f, "--temperature") == 0 || strcmp(f, "--top-k") == 0 || strcmp(f, "--top-p") == 0 ||
+            strcmp(f, "--min-p") == 0 || strcmp(f, "--seed") == 0;
+    if (!*used) return K3_OK;
+    if (*i + 1 >= argc)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: %s needs a value (see 'k3 help %s')", cmd, f, cmd);
+    const char *v = argv[++*i];
+    double d;
+    int64_t n;
+    const char *bad = NULL;
+    if (!strcmp(f, "--temperature")) {
+        if (!k3_parse_f64(v, &d) || d < 0) bad = "not a number >= 0";
+        else o->temperature = (float)d;
+    } else if (!strcmp(f, "--top-k")) {
+        if (!k3_parse_i64(v, 0, INT_MAX, &n)) bad = "not a count >= 0";
+        else o->top_k = (int)n;
+    } else if (!strcmp(f, "--top-p")) {
+        if (!k3_parse_f64(v, &d) || !((float)d > 0) || d > 1) bad = "not in (0, 1]";
+        else o->top_p = (float)d;
+    } else if (!strcmp(f, "--min-p")) {
+        if (!k3_parse_f64(v, &d) || d < 0 || d > 1) bad = "not in [0, 1]";
+        else o->min_p = (float)d;
+    } else {
+        if (!k3_parse_i64(v, 0, INT64_MAX, &n)) bad = "not an integer >= 0";
+        else o->seed = (uint64_t)n;
+    }
+    /* worded as the commands' own usage errors (k3_usage_error) */
+    if (bad) return k3_fail(err, K3_EXIT_USAGE, "%s: %s: '%s' is %s (see 'k3 help %s')", cmd, f, v, bad, cmd);
+    if (strcmp(f, "--temperature") && strcmp(f, "--seed")) o->filtered = true;
+    return K3_OK;
+}
+
+int k3_sample_opts_check(const k3_sample_opts *o, const char *cmd, k3_err *err) {
+    if (o->filtered && o->temperature <= 0)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: --top-k/--top-p/--min-p need --temperature > 0 (see 'k3 help %s')",
+                       cmd, cmd);
+    return K3_OK;
+}
+
+void k3_sample_opts_sampler(const k3_sample_opts *o, int vocab, uint64_t seed_offset, k3_sampler *sp) {
+    k3_sampler_init(sp, vocab, o->temperature, o->top_k, o->top_p, o->min_p, o->seed + seed_offset);
 }
 
 static bool is_file(const char *path) {
@@ -259,15 +274,12 @@ int k3_engine_state_new(k3_engine *e, int64_t max_pos, uint64_t extra_bytes, k3_
     uint64_t budget = e->opts.max_memory ? e->opts.max_memory : k3_mem_available_bytes();
     const char *bname = e->opts.max_memory ? "--max-memory" : "MemAvailable";
     if ((budget && need > budget) || max_pos > INT_MAX - 1) {
-        char s[7][32];
         return k3_fail(err, K3_EXIT_BUDGET,
                        "%s: %lld positions need %s (weights %s, KDA state %s, MLA cache %s, scratch %s, other %s) "
                        "but %s is %s",
-                       e->opts.model_dir, (long long)max_pos, k3_engine_size_str(need, s[0], 32),
-                       k3_engine_size_str(wbytes, s[1], 32), k3_engine_size_str(plan.kda_bytes, s[2], 32),
-                       k3_engine_size_str(plan.mla_bytes, s[3], 32), k3_engine_size_str(plan.scratch_bytes, s[4], 32),
-                       k3_engine_size_str(e->states_bytes + extra_bytes, s[5], 32), bname,
-                       k3_engine_size_str(budget, s[6], 32));
+                       e->opts.model_dir, (long long)max_pos, k3_size_str(need), k3_size_str(wbytes),
+                       k3_size_str(plan.kda_bytes), k3_size_str(plan.mla_bytes), k3_size_str(plan.scratch_bytes),
+                       k3_size_str(e->states_bytes + extra_bytes), bname, k3_size_str(budget));
     }
     int rc = k3_state_new(e->model, (int)max_pos, out, err);
     if (rc) return rc;

@@ -65,8 +65,31 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
     "                       default: contiguous, balanced (docs/mpi.md)\n" \
     "\n" K3_RUNMEM_HELP
 
-/* Sizes with the unit that fits ("512 B", "3.4 MiB", "1.250 GiB"), for messages. */
-const char *k3_engine_size_str(uint64_t bytes, char *buf, size_t n);
+/* The sampling flags of the commands that generate from the command line
+ * (k3 run, k3 chat; k3 serve takes the same settings per request), parsed
+ * like the model flags: k3_sample_opts_init, then k3_sample_parse_flag for
+ * each argument, then k3_sample_opts_check once. */
+typedef struct {
+    float temperature;      /* --temperature (0: greedy argmax) */
+    int top_k;              /* --top-k (0: off) */
+    float top_p, min_p;     /* --top-p (1: off), --min-p (0: off) */
+    uint64_t seed;          /* --seed */
+    bool filtered;          /* --top-k, --top-p or --min-p given: they need a temperature */
+} k3_sample_opts;
+
+void k3_sample_opts_init(k3_sample_opts *o);
+/* As k3_engine_parse_flag, for the flags of K3_SAMPLE_HELP. */
+int k3_sample_parse_flag(k3_sample_opts *o, const char *cmd, int argc, char **argv, int *i, bool *used,
+                         k3_err *err);
+/* After every flag: filters without --temperature > 0 are a usage error. */
+int k3_sample_opts_check(const k3_sample_opts *o, const char *cmd, k3_err *err);
+/* k3_sampler_init with these settings and seed + seed_offset. */
+void k3_sample_opts_sampler(const k3_sample_opts *o, int vocab, uint64_t seed_offset, k3_sampler *sp);
+
+#define K3_SAMPLE_HELP \
+    "  --temperature T      sample at temperature T (default 0: greedy argmax)\n" \
+    "  --top-k K, --top-p P, --min-p P   sampling filters (need --temperature > 0)\n" \
+    "  --seed S             sampling seed (default 0); same seed, same tokens\n"
 
 typedef struct k3_engine {
     k3_engine_opts opts;

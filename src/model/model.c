@@ -985,6 +985,15 @@ static int by_prob_desc(const void *a, const void *b) {
     return i - j; /* lower id first among equals: a total order, so qsort is deterministic */
 }
 
+int k3_logits_check(const float *logits, int vocab, const char *what, size_t fed, k3_err *err) {
+    for (int i = 0; i < vocab; i++)
+        if (!isfinite(logits[i]))
+            return k3_fail(err, K3_EXIT_DATA,
+                           "%s: logit %d is not finite (%g) after %zu tokens: the checkpoint holds non-finite weights",
+                           what, i, (double)logits[i], fed);
+    return K3_OK;
+}
+
 int k3_sample(k3_sampler *sp, const float *logits) {
     int V = sp->n;
     if (sp->temperature <= 0) return k3_argmax(logits, V);

@@ -163,6 +163,11 @@ void k3_sampler_free(k3_sampler *sp);
 /* Draws the next id. Reproducible for a seed: the same logits sequence gives the
  * same ids on every machine (own PRNG, f64 cumulative sums in a fixed order). */
 int k3_sample(k3_sampler *sp, const float *logits);
+/* What every generator checks before it samples: a non-finite logit (NaN or
+ * Inf weights) would make greedy decoding pick token 0 forever and sampling
+ * pick garbage. K3_EXIT_DATA naming what (the model), the first such logit
+ * and how many tokens were fed. */
+int k3_logits_check(const float *logits, int vocab, const char *what, size_t fed, k3_err *err);
 
 /* =============================================================== * Lower level: bound weights and per-module functions. Used by model.c, the
  * unit tests (peer module fixtures) and weight sources that stream layers or

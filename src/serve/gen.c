@@ -196,9 +196,8 @@ static void finish_ok(gen_ctx *g, const char *finish) {
 }
 
 static void finish_error(gen_ctx *g, int status, const char *code, const char *msg) {
-    k3_serve_error e = {.status = status, .type = status >= 500 ? "server_error" : "invalid_request_error",
-                        .code = code};
-    snprintf(e.message, sizeof e.message, "%s", msg);
+    k3_serve_error e;
+    k3_serve_error_set(&e, status, code, NULL, "%s", msg);
     char *body = k3_serve_error_json(&e);
     fprintf(stderr, "k3 serve: %s failed: %s\n", g->j->id, msg);
     if (g->stream) {
@@ -236,12 +235,20 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     double t0 = k3_now(), t1 = t0;
 
     int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &g.reused, &j->cancel, &err);
+    /* the backend's message says how far a cancelled prefill got */
+    bool prefill_cut = rc > 0 && atomic_load(&j->cancel);
     if (rc || atomic_load(&j->cancel)) {
         cancelled = atomic_load(&j->cancel);
         failed = !cancelled;
     }
     t1 = k3_now();
+    const char *fail_code = "internal_error";
     for (int64_t k = 0; !failed && !cancelled && k < j->max_tokens; k++) {
+        if (k3_logits_check(logits, m->vocab, s->model_id, j->n + g.ngen, &err)) {
+            fail_code = "non_finite_logits";
+            failed = true;
+            break;
+        }
         int id = k3_sample(&sp, logits);
         last = id;
         g.ngen++;
@@ -281,11 +288,14 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     else if (failed) s->n_failed++;
     else s->n_ok++;
     pthread_mutex_unlock(&s->mu);
-    if (cancelled) {
+    if (cancelled && prefill_cut) {
+        fprintf(stderr, "k3 serve: %s cancelled: client disconnected during the prefill: %s\n", j->id, err.msg);
+        k3_job_finish(s, j, 499);
+    } else if (cancelled) {
         fprintf(stderr, "k3 serve: %s cancelled: client disconnected after %zu generated tokens\n", j->id, g.ngen);
         k3_job_finish(s, j, 499);
     } else if (failed) {
-        finish_error(&g, 500, "internal_error", err.msg[0] ? err.msg : "generation failed");
+        finish_error(&g, 500, fail_code, err.msg[0] ? err.msg : "generation failed");
     } else {
         finish_ok(&g, finish);
         if (s->o.verbose)

@@ -12,24 +12,9 @@
 #include "serve/serve.h"
 
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int bad(k3_serve_error *e, int status, const char *param, const char *code, const char *fmt, ...)
-    __attribute__((format(printf, 5, 6)));
-static int bad(k3_serve_error *e, int status, const char *param, const char *code, const char *fmt, ...) {
-    e->status = status;
-    e->type = status == 429 ? "rate_limit_error" : status >= 500 ? "server_error" : "invalid_request_error";
-    e->code = code;
-    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(e->message, sizeof e->message, fmt, ap);
-    va_end(ap);
-    return status;
-}
 
 static const char *jtype(const json_t *v) {
     switch (json_typeof(v)) {
@@ -52,9 +37,9 @@ static bool get_num(const json_t *v, double *out) {
 /* number in [lo, hi] */
 static int want_num(k3_serve_error *e, const char *k, const json_t *v, double lo, double hi, bool lo_open, double *out) {
     if (!get_num(v, out))
-        return bad(e, 400, k, "invalid_type", "%s: expected a number, got %s", k, jtype(v));
+        return k3_serve_error_set(e, 400, "invalid_type", k, "%s: expected a number, got %s", k, jtype(v));
     if (*out > hi || *out < lo || (lo_open && *out == lo))
-        return bad(e, 400, k, "invalid_value", "%s: %g is outside %s%g, %g]", k, *out, lo_open ? "(" : "[", lo, hi);
+        return k3_serve_error_set(e, 400, "invalid_value", k, "%s: %g is outside %s%g, %g]", k, *out, lo_open ? "(" : "[", lo, hi);
     return 0;
 }
 
@@ -65,19 +50,19 @@ static int want_int(k3_serve_error *e, const char *k, const json_t *v, json_int_
         if (get_num(v, &d) && d == floor(d) && fabs(d) < 9.0e15) {
             *out = (json_int_t)d;
         } else {
-            return bad(e, 400, k, "invalid_type", "%s: expected an integer, got %s", k, jtype(v));
+            return k3_serve_error_set(e, 400, "invalid_type", k, "%s: expected an integer, got %s", k, jtype(v));
         }
     } else {
         *out = json_integer_value(v);
     }
     if (*out < lo || *out > hi)
-        return bad(e, 400, k, "invalid_value", "%s: %lld is outside [%lld, %lld]", k, (long long)*out, (long long)lo,
+        return k3_serve_error_set(e, 400, "invalid_value", k, "%s: %lld is outside [%lld, %lld]", k, (long long)*out, (long long)lo,
                    (long long)hi);
     return 0;
 }
 
 static int want_bool(k3_serve_error *e, const char *k, const json_t *v, bool *out) {
-    if (!json_is_boolean(v)) return bad(e, 400, k, "invalid_type", "%s: expected a boolean, got %s", k, jtype(v));
+    if (!json_is_boolean(v)) return k3_serve_error_set(e, 400, "invalid_type", k, "%s: expected a boolean, got %s", k, jtype(v));
     *out = json_is_true(v);
     return 0;
 }
@@ -89,21 +74,21 @@ static int parse_stop(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
     if (json_is_array(v)) {
         n = json_array_size(v);
         if (n > K3_SERVE_MAX_STOP)
-            return bad(e, 400, "stop", "invalid_value", "stop: at most %d stop strings, got %zu", K3_SERVE_MAX_STOP, n);
+            return k3_serve_error_set(e, 400, "invalid_value", "stop", "stop: at most %d stop strings, got %zu", K3_SERVE_MAX_STOP, n);
     } else if (!json_is_string(v)) {
-        return bad(e, 400, "stop", "invalid_type", "stop: expected a string or an array of strings, got %s", jtype(v));
+        return k3_serve_error_set(e, 400, "invalid_type", "stop", "stop: expected a string or an array of strings, got %s", jtype(v));
     }
     for (size_t i = 0; i < n; i++) {
         const json_t *s = json_is_array(v) ? json_array_get(v, i) : one;
         char where[32];
         snprintf(where, sizeof where, json_is_array(v) ? "stop[%zu]" : "stop", i);
         if (!json_is_string(s))
-            return bad(e, 400, where, "invalid_type", "%s: expected a string, got %s", where, jtype(s));
+            return k3_serve_error_set(e, 400, "invalid_type", where, "%s: expected a string, got %s", where, jtype(s));
         size_t len = json_string_length(s);
-        if (len == 0) return bad(e, 400, where, "invalid_value", "%s: a stop string must not be empty", where);
-        if (len > 256) return bad(e, 400, where, "invalid_value", "%s: a stop string is at most 256 bytes", where);
+        if (len == 0) return k3_serve_error_set(e, 400, "invalid_value", where, "%s: a stop string must not be empty", where);
+        if (len > 256) return k3_serve_error_set(e, 400, "invalid_value", where, "%s: a stop string is at most 256 bytes", where);
         if (memchr(json_string_value(s), 0, len))
-            return bad(e, 400, where, "invalid_value", "%s: a stop string must not contain U+0000", where);
+            return k3_serve_error_set(e, 400, "invalid_value", where, "%s: a stop string must not contain U+0000", where);
         r->stop[r->nstop++] = xstrdup(json_string_value(s));
     }
     return 0;
@@ -125,7 +110,7 @@ static int only_off(k3_serve_error *e, const char *k, const json_t *v) {
     else if (!strcmp(k, "suffix")) off = json_is_string(v) && json_string_length(v) == 0;
     if (off) return 0;
     char *s = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
-    int rc = bad(e, 400, k, "unsupported_value", "%s: %.60s is not supported by k3 serve (docs/serve.md)", k,
+    int rc = k3_serve_error_set(e, 400, "unsupported_value", k, "%s: %.60s is not supported by k3 serve (docs/serve.md)", k,
                  s ? s : "this value");
     free(s);
     return rc;
@@ -170,9 +155,9 @@ static int parse_prompt(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
         return 0;
     }
     if (json_is_array(v) && json_array_size(v) > 1)
-        return bad(e, 400, "prompt", "unsupported_value",
+        return k3_serve_error_set(e, 400, "unsupported_value", "prompt",
                    "prompt: one prompt per request (a string or an array of token ids); batches are not supported");
-    return bad(e, 400, "prompt", "invalid_type", "prompt: expected a string or an array of token ids, got %s%s",
+    return k3_serve_error_set(e, 400, "invalid_type", "prompt", "prompt: expected a string or an array of token ids, got %s%s",
                jtype(v), json_is_array(v) ? " (empty)" : "");
 }
 
@@ -181,27 +166,27 @@ static int parse_prompt(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
 static int check_tools(k3_serve_error *e, const json_t *tools, const json_t *choice, const json_t *rfmt) {
     if (tools && !json_is_null(tools)) {
         if (!json_is_array(tools))
-            return bad(e, 400, "tools", "invalid_type", "tools: expected an array, got %s", jtype(tools));
+            return k3_serve_error_set(e, 400, "invalid_type", "tools", "tools: expected an array, got %s", jtype(tools));
         for (size_t i = 0; i < json_array_size(tools); i++) {
             const json_t *t = json_array_get(tools, i);
             char where[64];
             snprintf(where, sizeof where, "tools[%zu]", i);
             if (!json_is_object(t))
-                return bad(e, 400, where, "invalid_type", "%s: expected an object, got %s", where, jtype(t));
+                return k3_serve_error_set(e, 400, "invalid_type", where, "%s: expected an object, got %s", where, jtype(t));
             const json_t *ty = json_object_get(t, "type"), *fn = json_object_get(t, "function");
             if (!json_is_string(ty) || strcmp(json_string_value(ty), "function"))
-                return bad(e, 400, where, "invalid_value", "%s.type: want \"function\"", where);
+                return k3_serve_error_set(e, 400, "invalid_value", where, "%s.type: want \"function\"", where);
             if (!json_is_object(fn))
-                return bad(e, 400, where, "invalid_type", "%s.function: expected an object", where);
+                return k3_serve_error_set(e, 400, "invalid_type", where, "%s.function: expected an object", where);
             const json_t *name = json_object_get(fn, "name"), *params = json_object_get(fn, "parameters"),
                          *desc = json_object_get(fn, "description");
             if (!json_is_string(name) || json_string_length(name) == 0)
-                return bad(e, 400, where, "invalid_value", "%s.function.name: expected a non-empty string", where);
+                return k3_serve_error_set(e, 400, "invalid_value", where, "%s.function.name: expected a non-empty string", where);
             if (params && !json_is_null(params) && !json_is_object(params))
-                return bad(e, 400, where, "invalid_type", "%s.function.parameters: expected an object, got %s", where,
+                return k3_serve_error_set(e, 400, "invalid_type", where, "%s.function.parameters: expected an object, got %s", where,
                            jtype(params));
             if (desc && !json_is_null(desc) && !json_is_string(desc))
-                return bad(e, 400, where, "invalid_type", "%s.function.description: expected a string, got %s",
+                return k3_serve_error_set(e, 400, "invalid_type", where, "%s.function.description: expected a string, got %s",
                            where, jtype(desc));
         }
     }
@@ -209,31 +194,31 @@ static int check_tools(k3_serve_error *e, const json_t *tools, const json_t *cho
         if (json_is_string(choice)) {
             const char *c = json_string_value(choice);
             if (strcmp(c, "auto") && strcmp(c, "none") && strcmp(c, "required"))
-                return bad(e, 400, "tool_choice", "invalid_value",
+                return k3_serve_error_set(e, 400, "invalid_value", "tool_choice",
                            "tool_choice: want \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
                            "\"function\": {\"name\": ...}} (got '%.60s')", c);
         } else if (json_is_object(choice)) {
             const json_t *ty = json_object_get(choice, "type"), *fn = json_object_get(choice, "function");
             const json_t *name = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
             if (!json_is_string(ty) || strcmp(json_string_value(ty), "function") || !json_is_string(name))
-                return bad(e, 400, "tool_choice", "invalid_value",
+                return k3_serve_error_set(e, 400, "invalid_value", "tool_choice",
                            "tool_choice: an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}");
         } else {
-            return bad(e, 400, "tool_choice", "invalid_type", "tool_choice: expected a string or an object, got %s",
+            return k3_serve_error_set(e, 400, "invalid_type", "tool_choice", "tool_choice: expected a string or an object, got %s",
                        jtype(choice));
         }
     }
     if (rfmt && !json_is_null(rfmt)) {
         if (!json_is_object(rfmt))
-            return bad(e, 400, "response_format", "invalid_type", "response_format: expected an object, got %s",
+            return k3_serve_error_set(e, 400, "invalid_type", "response_format", "response_format: expected an object, got %s",
                        jtype(rfmt));
         const json_t *ty = json_object_get(rfmt, "type");
         const char *t = json_string_value(ty);
         if (!t || (strcmp(t, "text") && strcmp(t, "json_object") && strcmp(t, "json_schema")))
-            return bad(e, 400, "response_format", "invalid_value",
+            return k3_serve_error_set(e, 400, "invalid_value", "response_format",
                        "response_format.type: want one of text, json_object, json_schema");
         if (!strcmp(t, "json_schema") && !json_is_object(json_object_get(rfmt, "json_schema")))
-            return bad(e, 400, "response_format", "invalid_value",
+            return k3_serve_error_set(e, 400, "invalid_value", "response_format",
                        "response_format.json_schema: expected an object with the schema");
     }
     return 0;
@@ -242,7 +227,7 @@ static int check_tools(k3_serve_error *e, const json_t *tools, const json_t *cho
 static int parse_kwargs(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
     if (json_is_null(v)) return 0;
     if (!json_is_object(v))
-        return bad(e, 400, "chat_template_kwargs", "invalid_type", "chat_template_kwargs: expected an object, got %s",
+        return k3_serve_error_set(e, 400, "invalid_type", "chat_template_kwargs", "chat_template_kwargs: expected an object, got %s",
                    jtype(v));
     const char *k;
     const json_t *x;
@@ -253,7 +238,7 @@ static int parse_kwargs(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
             int rc = want_bool(e, where, x, &r->thinking);
             if (rc) return rc;
         } else {
-            return bad(e, 400, where, "unknown_parameter",
+            return k3_serve_error_set(e, 400, "unknown_parameter", where,
                        "%s: unknown template argument (known: thinking, enable_thinking)", where);
         }
     }
@@ -271,11 +256,11 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
     json_error_t jerr;
     json_t *o = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
     if (!o)
-        return bad(e, 400, NULL, "invalid_json", "request body is not valid JSON: %s (line %d, column %d)", jerr.text,
+        return k3_serve_error_set(e, 400, "invalid_json", NULL, "request body is not valid JSON: %s (line %d, column %d)", jerr.text,
                    jerr.line, jerr.column);
     int rc = 0;
     if (!json_is_object(o)) {
-        rc = bad(e, 400, NULL, "invalid_json", "request body: expected a JSON object, got %s", jtype(o));
+        rc = k3_serve_error_set(e, 400, "invalid_json", NULL, "request body: expected a JSON object, got %s", jtype(o));
         goto out;
     }
     json_t *msgs = NULL, *tools = NULL, *tool_choice = NULL, *rfmt = NULL, *effort = NULL, *stream_opts = NULL;
@@ -286,14 +271,14 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
     json_object_foreach(o, k, v) {
         if ((kind == K3_REQ_CHAT && is_one_of(k, COMPLETION_ONLY) && !is_one_of(k, CHAT_ONLY)) ||
             (kind == K3_REQ_COMPLETION && is_one_of(k, CHAT_ONLY) && !is_one_of(k, COMPLETION_ONLY))) {
-            rc = bad(e, 400, k, "unknown_parameter", "%s: not a field of %s (see docs/serve.md)", k,
+            rc = k3_serve_error_set(e, 400, "unknown_parameter", k, "%s: not a field of %s (see docs/serve.md)", k,
                      kind == K3_REQ_CHAT ? "/v1/chat/completions" : "/v1/completions");
             goto out;
         }
         double d;
         json_int_t n;
         if (!strcmp(k, "model")) {
-            if (!json_is_string(v)) { rc = bad(e, 400, k, "invalid_type", "model: expected a string, got %s", jtype(v)); goto out; }
+            if (!json_is_string(v)) { rc = k3_serve_error_set(e, 400, "invalid_type", k, "model: expected a string, got %s", jtype(v)); goto out; }
             r->model = xstrdup(json_string_value(v));
         } else if (!strcmp(k, "stream")) {
             if (!json_is_null(v) && (rc = want_bool(e, k, v, &r->stream))) goto out;
@@ -331,7 +316,7 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
             if (json_is_null(v)) continue;
             if ((rc = want_int(e, k, v, 1, INT32_MAX, &n))) goto out;
             if (n != 1) {
-                rc = bad(e, 400, k, "unsupported_value", "n: only n = 1 is supported (one choice per request; send "
+                rc = k3_serve_error_set(e, 400, "unsupported_value", k, "n: only n = 1 is supported (one choice per request; send "
                          "%lld requests instead)", (long long)n);
                 goto out;
             }
@@ -357,23 +342,23 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
         } else if (is_one_of(k, IGNORED)) {
             /* no effect on the output */
         } else {
-            rc = bad(e, 400, k, "unknown_parameter", "%.100s: unrecognized request field (see docs/serve.md)", k);
+            rc = k3_serve_error_set(e, 400, "unknown_parameter", k, "%.100s: unrecognized request field (see docs/serve.md)", k);
             goto out;
         }
     }
     if (mt >= 0 && mct >= 0 && mt != mct) {
-        rc = bad(e, 400, "max_completion_tokens", "invalid_value",
+        rc = k3_serve_error_set(e, 400, "invalid_value", "max_completion_tokens",
                  "max_tokens (%lld) and max_completion_tokens (%lld) disagree: give one", (long long)mt, (long long)mct);
         goto out;
     }
     r->max_tokens = mct >= 0 ? mct : mt;
     if (stream_opts && !json_is_null(stream_opts)) {
         if (!r->stream) {
-            rc = bad(e, 400, "stream_options", "invalid_value", "stream_options: only allowed when stream is true");
+            rc = k3_serve_error_set(e, 400, "invalid_value", "stream_options", "stream_options: only allowed when stream is true");
             goto out;
         }
         if (!json_is_object(stream_opts)) {
-            rc = bad(e, 400, "stream_options", "invalid_type", "stream_options: expected an object, got %s",
+            rc = k3_serve_error_set(e, 400, "invalid_type", "stream_options", "stream_options: expected an object, got %s",
                      jtype(stream_opts));
             goto out;
         }
@@ -384,25 +369,25 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
                 if ((rc = want_bool(e, where, v, &r->include_usage))) goto out;
             } else if (!strcmp(k, "continuous_usage_stats") && json_is_false(v)) {
             } else {
-                rc = bad(e, 400, where, "unknown_parameter", "%s: unknown stream option (known: include_usage)", where);
+                rc = k3_serve_error_set(e, 400, "unknown_parameter", where, "%s: unknown stream option (known: include_usage)", where);
                 goto out;
             }
         }
     }
     if (kind == K3_REQ_COMPLETION) {
-        if (!have_prompt) { rc = bad(e, 400, "prompt", "missing_required_parameter", "prompt: required"); goto out; }
+        if (!have_prompt) { rc = k3_serve_error_set(e, 400, "missing_required_parameter", "prompt", "prompt: required"); goto out; }
         goto out;
     }
     /* chat: the template's request */
-    if (!msgs) { rc = bad(e, 400, "messages", "missing_required_parameter", "messages: required"); goto out; }
+    if (!msgs) { rc = k3_serve_error_set(e, 400, "missing_required_parameter", "messages", "messages: required"); goto out; }
     if (!json_is_array(msgs) || json_array_size(msgs) == 0) {
-        rc = bad(e, 400, "messages", json_is_array(msgs) ? "invalid_value" : "invalid_type",
+        rc = k3_serve_error_set(e, 400, json_is_array(msgs) ? "invalid_value" : "invalid_type", "messages",
                  "messages: expected a non-empty array, got %s%s", jtype(msgs), json_is_array(msgs) ? " (empty)" : "");
         goto out;
     }
     if ((rc = check_tools(e, tools, tool_choice, rfmt))) goto out;
     if (effort && !json_is_null(effort) && !json_is_string(effort)) {
-        rc = bad(e, 400, "reasoning_effort", "invalid_type", "reasoning_effort: expected a string, got %s", jtype(effort));
+        rc = k3_serve_error_set(e, 400, "invalid_type", "reasoning_effort", "reasoning_effort: expected a string, got %s", jtype(effort));
         goto out;
     }
     r->chat = json_object();

@@ -45,7 +45,8 @@ typedef struct {
     /* Makes the state hold exactly ids[0..n) and puts the logits of the last
      * one in logits[vocab]; *reused: how many leading ids were not recomputed
      * (taken from a saved state). *cancel is polled between prefill chunks
-     * (then K3_EXIT_RUNTIME with "cancelled"). */
+     * (then K3_EXIT_RUNTIME, err saying how far the prefill got, which the
+     * log repeats). */
     int (*prefill)(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused,
                    const atomic_int *cancel, k3_err *err);
     /* Feeds one more id (the state then holds one more) and fills logits. */
@@ -88,6 +89,10 @@ typedef struct {
     char param[128];           /* "" : JSON null */
     char message[1280];
 } k3_serve_error;
+/* Fills e (its type follows from the status: 429 rate_limit_error, 5xx
+ * server_error, else invalid_request_error; param NULL: none); returns status. */
+int k3_serve_error_set(k3_serve_error *e, int status, const char *code, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
 
 typedef struct {
     int kind;

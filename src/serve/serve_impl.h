@@ -8,13 +8,6 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
-typedef struct {
-    char *p;
-    size_t n, cap;
-} k3_sbuf;
-void k3_sb_put(k3_sbuf *b, const char *s, size_t n);
-void k3_sb_free(k3_sbuf *b);
-
 typedef struct k3_job k3_job;
 struct k3_job {
     /* set by the connection thread before the job is queued, then read-only */

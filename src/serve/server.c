@@ -8,19 +8,15 @@
  * socket), so a vanished client cancels its job within WAIT_MS even while the
  * job is still queued or prefilling. */
 #include "serve/serve_impl.h"
-#include "web/dashboard.h"
+#include "web/http.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
-#include <netdb.h>
 #include <omp.h>
 #include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
-#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -34,23 +30,6 @@
 
 
 /* ---- small helpers ---- */
-
-void k3_sb_put(k3_sbuf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < b->n + n + 1) cap *= 2;
-        b->p = xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-
-void k3_sb_free(k3_sbuf *b) {
-    free(b->p);
-    memset(b, 0, sizeof *b);
-}
 
 char *k3_serve_error_json(const k3_serve_error *e) {
     json_t *err = json_object();
@@ -66,9 +45,7 @@ char *k3_serve_error_json(const k3_serve_error *e) {
     return s;
 }
 
-static void set_err(k3_serve_error *e, int status, const char *code, const char *param, const char *fmt, ...)
-    __attribute__((format(printf, 5, 6)));
-static void set_err(k3_serve_error *e, int status, const char *code, const char *param, const char *fmt, ...) {
+int k3_serve_error_set(k3_serve_error *e, int status, const char *code, const char *param, const char *fmt, ...) {
     memset(e, 0, sizeof *e);
     e->status = status;
     e->type = status == 429 ? "rate_limit_error" : status >= 500 ? "server_error" : "invalid_request_error";
@@ -78,6 +55,7 @@ static void set_err(k3_serve_error *e, int status, const char *code, const char 
     va_start(ap, fmt);
     vsnprintf(e->message, sizeof e->message, fmt, ap);
     va_end(ap);
+    return status;
 }
 
 static bool client_gone(int fd) {
@@ -201,35 +179,16 @@ typedef struct {
 
 enum { R_NONE, R_ASSET, R_HEALTH, R_MODELS, R_MODEL, R_CHAT, R_COMPLETIONS };
 
-static void add_common_headers(struct MHD_Response *resp, const char *type) {
-    MHD_add_response_header(resp, "Content-Type", type);
-    MHD_add_response_header(resp, "Cache-Control", "no-store");
-    MHD_add_response_header(resp, "X-Content-Type-Options", "nosniff");
-    MHD_add_response_header(resp, "Referrer-Policy", "no-referrer");
-    if (!strncmp(type, "text/html", 9)) {
-        MHD_add_response_header(resp, "X-Frame-Options", "DENY");
-        MHD_add_response_header(resp, "Content-Security-Policy",
-                                "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'");
-    }
-}
-
 static enum MHD_Result respond(k3_serve *s, struct MHD_Connection *c, const char *method, const char *url,
                                unsigned code, const char *type, void *body, size_t len,
                                enum MHD_ResponseMemoryMode mode) {
-    struct MHD_Response *resp = MHD_create_response_from_buffer(len, body, mode);
-    if (!resp) {
-        if (mode == MHD_RESPMEM_MUST_FREE) free(body);
-        return MHD_NO;
-    }
-    add_common_headers(resp, type);
-    if (code == MHD_HTTP_METHOD_NOT_ALLOWED) {
+    struct MHD_Response *resp = k3_http_buffer(type, body, len, mode);
+    if (resp && code == MHD_HTTP_METHOD_NOT_ALLOWED) {
         bool post = strstr(url, "completions") != NULL;
         MHD_add_response_header(resp, "Allow", post ? "POST" : "GET, HEAD");
     }
-    if (code == 429 || code == 503) MHD_add_response_header(resp, "Retry-After", "1");
-    enum MHD_Result ret = MHD_queue_response(c, code, resp);
-    MHD_destroy_response(resp);
+    if (resp && (code == 429 || code == 503)) MHD_add_response_header(resp, "Retry-After", "1");
+    enum MHD_Result ret = k3_http_queue(c, code, resp);
     if (s->o.verbose) fprintf(stderr, "k3 serve: %u %s %s\n", code, method, url);
     return ret;
 }
@@ -248,7 +207,7 @@ static enum MHD_Result respond_json(k3_serve *s, struct MHD_Connection *c, const
     json_decref(o);
     if (!j) {
         k3_serve_error e;
-        set_err(&e, 500, "internal_error", NULL, "cannot serialise the response");
+        k3_serve_error_set(&e, 500, "internal_error", NULL, "cannot serialise the response");
         return respond_error(s, c, method, url, &e);
     }
     return respond(s, c, method, url, 200, "application/json; charset=utf-8", j, strlen(j), MHD_RESPMEM_MUST_FREE);
@@ -334,7 +293,7 @@ static void err_from_k3(k3_serve_error *e, const k3_err *err, const char *fallba
         snprintf(param, sizeof param, "%.*s", (int)(colon - err->msg), err->msg);
     else if (fallback_param)
         snprintf(param, sizeof param, "%s", fallback_param);
-    set_err(e, 400, "invalid_value", param, "%s", err->msg);
+    k3_serve_error_set(e, 400, "invalid_value", param, "%s", err->msg);
 }
 
 /* Builds the job's prompt ids; 0 or an HTTP status with e set. */
@@ -343,7 +302,7 @@ static int prompt_of(k3_serve *s, k3_job *j, k3_serve_error *e) {
     k3_err err = {0};
     if (r->kind == K3_REQ_CHAT) {
         if (!s->m.chat) {
-            set_err(e, 400, "model_not_chat", "messages",
+            k3_serve_error_set(e, 400, "model_not_chat", "messages",
                     "model '%s' has no chat template: its tokenizer lacks the XTML ids (<|open|>, <|close|>, "
                     "<|sep|>, <|end_of_msg|>); use /v1/completions with a text prompt",
                     s->model_id);
@@ -367,39 +326,39 @@ static int prompt_of(k3_serve *s, k3_job *j, k3_serve_error *e) {
     } else {
         /* as `k3 run --prompt`: the prompt is the model's raw input, named specials included */
         if (r->prompt_len == 0) {
-            set_err(e, 400, "invalid_value", "prompt", "prompt: empty");
+            k3_serve_error_set(e, 400, "invalid_value", "prompt", "prompt: empty");
             return 400;
         }
         if (tok_encode(s->m.tok, r->prompt, r->prompt_len, true, &j->ids, &j->n, &err)) {
-            set_err(e, 400, "invalid_value", "prompt", "prompt: %s", err.msg);
+            k3_serve_error_set(e, 400, "invalid_value", "prompt", "prompt: %s", err.msg);
             return 400;
         }
     }
     const char *param = r->kind == K3_REQ_CHAT ? "messages" : "prompt";
     if (j->n == 0) {
-        set_err(e, 400, "invalid_value", param, "%s: encodes to no tokens", param);
+        k3_serve_error_set(e, 400, "invalid_value", param, "%s: encodes to no tokens", param);
         return 400;
     }
     for (size_t i = 0; i < j->n; i++)
         if (j->ids[i] < 0 || j->ids[i] >= s->m.vocab) {
-            set_err(e, 400, "invalid_value", param, "%s: token id %d is outside the model's vocabulary [0, %d)", param,
+            k3_serve_error_set(e, 400, "invalid_value", param, "%s: token id %d is outside the model's vocabulary [0, %d)", param,
                     j->ids[i], s->m.vocab);
             return 400;
         }
     int64_t room = s->m.ctx_len - (int64_t)j->n;
     if (room < 1) {
-        set_err(e, 400, "context_length_exceeded", param,
+        k3_serve_error_set(e, 400, "context_length_exceeded", param,
                 "%s: the prompt is %zu tokens, which leaves no room in the context of %lld tokens (k3 serve --ctx)",
                 param, j->n, (long long)s->m.ctx_len);
         return 400;
     }
     if (r->max_tokens > s->o.max_tokens) {
-        set_err(e, 400, "invalid_value", "max_tokens", "max_tokens: %lld is over this server's limit of %lld "
+        k3_serve_error_set(e, 400, "invalid_value", "max_tokens", "max_tokens: %lld is over this server's limit of %lld "
                 "(k3 serve --max-tokens)", (long long)r->max_tokens, (long long)s->o.max_tokens);
         return 400;
     }
     if (r->max_tokens > room) {
-        set_err(e, 400, "context_length_exceeded", "max_tokens",
+        k3_serve_error_set(e, 400, "context_length_exceeded", "max_tokens",
                 "the prompt (%zu tokens) plus max_tokens (%lld) is over the context of %lld tokens (k3 serve --ctx)",
                 j->n, (long long)r->max_tokens, (long long)s->m.ctx_len);
         return 400;
@@ -421,7 +380,7 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
                                                                                            : K3_REQ_COMPLETION,
                             &j->req, &e);
     if (!st && j->req.model && strcmp(j->req.model, s->model_id)) {
-        set_err(&e, 404, "model_not_found", "model", "model '%.200s' does not exist: this server serves '%s'",
+        k3_serve_error_set(&e, 404, "model_not_found", "model", "model '%.200s' does not exist: this server serves '%s'",
                 j->req.model, s->model_id);
         st = 404;
     }
@@ -442,7 +401,7 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
     if (s->stopping) {
         job_unref(j);
         pthread_mutex_unlock(&s->mu);
-        set_err(&e, 503, "server_stopping", NULL, "the server is stopping");
+        k3_serve_error_set(&e, 503, "server_stopping", NULL, "the server is stopping");
         return respond_error(s, c, method, url, &e);
     }
     if (s->nwaiting >= s->o.queue) {
@@ -450,7 +409,7 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
         int q = s->o.queue;
         job_unref(j);
         pthread_mutex_unlock(&s->mu);
-        set_err(&e, 429, "queue_full", NULL,
+        k3_serve_error_set(&e, 429, "queue_full", NULL,
                 "the server is busy: %d request%s already waiting (k3 serve --queue); retry later", q,
                 q == 1 ? " is" : "s are");
         return respond_error(s, c, method, url, &e);
@@ -473,10 +432,9 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
             stream_free(x);
             return MHD_NO;
         }
-        add_common_headers(resp, "text/event-stream; charset=utf-8");
+        k3_http_headers(resp, "text/event-stream; charset=utf-8");
         MHD_add_response_header(resp, "X-Accel-Buffering", "no");
-        enum MHD_Result ret = MHD_queue_response(c, 200, resp);
-        MHD_destroy_response(resp);
+        enum MHD_Result ret = k3_http_queue(c, 200, resp);
         if (s->o.verbose) fprintf(stderr, "k3 serve: 200 %s %s (stream %s)\n", method, url, j->id);
         return ret;
     }
@@ -500,22 +458,6 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
 }
 
 /* ---- routing ---- */
-
-static bool host_allowed(const char *host) {
-    if (!host) return true; /* HTTP/1.0 without Host */
-    char h[256];
-    size_t n = strlen(host);
-    if (n == 0 || n >= sizeof h) return false;
-    if (host[0] == '[') {
-        const char *end = strchr(host, ']');
-        if (!end) return false;
-        snprintf(h, sizeof h, "%.*s", (int)(end - host - 1), host + 1);
-    } else {
-        const char *colon = strchr(host, ':');
-        snprintf(h, sizeof h, "%.*s", (int)(colon ? (size_t)(colon - host) : n), host);
-    }
-    return k3_dashboard_is_loopback(h);
-}
 
 static int route_of(k3_serve *s, const char *url, size_t *asset) {
     for (size_t i = 0; i < k3_serve_nassets; i++)
@@ -541,18 +483,18 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     if (!rc) {
         size_t asset = 0;
         int route = route_of(s, url, &asset);
-        if (s->loopback && !host_allowed(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host"))) {
-            set_err(&e, 403, "forbidden_host", NULL, "the Host header names no loopback address");
+        if (s->loopback && !k3_http_host_allowed(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host"))) {
+            k3_serve_error_set(&e, 403, "forbidden_host", NULL, "the Host header names no loopback address");
             return respond_error(s, c, method, url, &e);
         }
         if (route == R_NONE) {
-            set_err(&e, 404, "not_found", NULL, "no route %.200s %.300s (see docs/serve.md)", method, url);
+            k3_serve_error_set(&e, 404, "not_found", NULL, "no route %.200s %.300s (see docs/serve.md)", method, url);
             return respond_error(s, c, method, url, &e);
         }
         bool post = route == R_CHAT || route == R_COMPLETIONS;
         bool ok = post ? !strcmp(method, "POST") : (!strcmp(method, "GET") || !strcmp(method, "HEAD"));
         if (!ok) {
-            set_err(&e, 405, "method_not_allowed", NULL, "%.300s accepts %s, not %.100s", url, post ? "POST" : "GET",
+            k3_serve_error_set(&e, 405, "method_not_allowed", NULL, "%.300s accepts %s, not %.100s", url, post ? "POST" : "GET",
                     method);
             return respond_error(s, c, method, url, &e);
         }
@@ -561,7 +503,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
             char *end;
             unsigned long long v = strtoull(cl, &end, 10);
             if (*end == 0 && v > s->o.max_body) {
-                set_err(&e, 413, "request_too_large", NULL, "the request body is %llu bytes, over the limit of %zu "
+                k3_serve_error_set(&e, 413, "request_too_large", NULL, "the request body is %llu bytes, over the limit of %zu "
                         "(k3 serve --max-body)", v, s->o.max_body);
                 return respond_error(s, c, method, url, &e);
             }
@@ -579,7 +521,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         return MHD_YES;
     }
     if (rc->too_big) {
-        set_err(&e, 413, "request_too_large", NULL, "the request body is over the limit of %zu bytes "
+        k3_serve_error_set(&e, 413, "request_too_large", NULL, "the request body is over the limit of %zu bytes "
                 "(k3 serve --max-body)", s->o.max_body);
         return respond_error(s, c, method, url, &e);
     }
@@ -619,38 +561,6 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
 
 /* ---- start / stop ---- */
 
-static int open_listener(k3_serve *s, const char *host, int port, k3_err *err) {
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
-    struct addrinfo *res = NULL;
-    char portstr[16];
-    snprintf(portstr, sizeof portstr, "%d", port);
-    int g = getaddrinfo(host, portstr, &hints, &res);
-    if (g != 0) return k3_fail(err, K3_EXIT_USAGE, "--host %s: %s", host, gai_strerror(g));
-    int fd = -1, e = 0;
-    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
-        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-        if (fd < 0) { e = errno; continue; }
-        int one = 1;
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 64) == 0) break;
-        e = errno;
-        close(fd);
-        fd = -1;
-    }
-    freeaddrinfo(res);
-    if (fd < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s:%d: cannot listen: %s", host, port, strerror(e));
-    struct sockaddr_storage ss;
-    socklen_t sl = sizeof ss;
-    if (getsockname(fd, (struct sockaddr *)&ss, &sl) != 0) {
-        close(fd);
-        return k3_fail(err, K3_EXIT_RUNTIME, "%s: getsockname: %s", host, strerror(errno));
-    }
-    s->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
-                                              : ((struct sockaddr_in *)&ss)->sin_port);
-    s->listen_fd = fd;
-    return K3_OK;
-}
-
 int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **out, k3_err *err) {
     *out = NULL;
     k3_serve *s = xcalloc(1, sizeof *s);
@@ -664,10 +574,10 @@ int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **o
     snprintf(s->model_id, sizeof s->model_id, "%s", o->model_id && *o->model_id ? o->model_id : "k3");
     s->started = (int64_t)time(NULL);
     const char *host = o->host ? o->host : "127.0.0.1";
-    s->loopback = k3_dashboard_is_loopback(host);
+    s->loopback = k3_http_is_loopback(host);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->work_cv, NULL);
-    int rc = open_listener(s, host, o->port, err);
+    int rc = k3_http_listen(host, o->port, &s->listen_fd, &s->port, err);
     if (rc) {
         pthread_mutex_destroy(&s->mu);
         pthread_cond_destroy(&s->work_cv);
@@ -704,7 +614,7 @@ void k3_serve_stop(k3_serve *s) {
         k3_job *j = s->head;
         dequeue(s, j);
         k3_serve_error e;
-        set_err(&e, 503, "server_stopping", NULL, "the server is stopping");
+        k3_serve_error_set(&e, 503, "server_stopping", NULL, "the server is stopping");
         char *body = k3_serve_error_json(&e);
         k3_sb_put(&j->out, body, strlen(body));
         free(body);

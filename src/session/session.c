@@ -86,6 +86,15 @@ static bool chain_matches(const seg *g, const int32_t *ids, int pos) {
     return want == 0;
 }
 
+int k3_state_cache_parse_gb(const char *cmd, const char *v, uint64_t *bytes, k3_err *err) {
+    double gb;
+    if (!k3_parse_f64(v, &gb) || gb < 0 || gb > 1e6)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: --state-cache-gb: '%s' is not a size in GB >= 0 (see 'k3 help %s')",
+                       cmd, v, cmd);
+    *bytes = (uint64_t)(gb * 1e9);
+    return K3_OK;
+}
+
 k3_state_cache *k3_state_cache_new(const k3_config *cfg, uint64_t budget_bytes, int grid) {
     k3_state_cache *c = xcalloc(1, sizeof *c);
     pthread_mutex_init(&c->mu, NULL);
@@ -152,6 +161,8 @@ struct k3_session {
     bool have_logits;
     seg *chain;        /* a cache chain holding ids[0..chain->end) of this session (end <= n) */
     int source;
+    bool (*cancelled)(const void *ctx); /* k3_session_set_cancel, or NULL */
+    const void *cancel_ctx;
 };
 
 k3_session *k3_session_new(k3_model *m, k3_state *st, k3_state_cache *cache) {
@@ -284,16 +295,25 @@ void k3_session_snapshot(k3_session *s) {
 }
 
 /* Feeds ids[0..n) at the session's position, stopping at every grid position
- * to snapshot; logits of the last token into logits (and the session's copy). */
+ * to snapshot; logits of the last token into logits (and the session's copy).
+ * A prefill with a cancel hook goes one engine chunk at a time and asks the
+ * hook before each (the same forward calls as one k3_engine_feed makes, so
+ * the same bits); cancelled, the session keeps what it consumed. */
 static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool prefill, k3_err *err) {
     int G = s->c && s->c->budget > 0 ? s->c->grid : 0;
+    bool polled = prefill && s->cancelled;
+    size_t from = s->n;
     s->have_logits = false;
     while (n > 0) {
+        if (polled && s->cancelled(s->cancel_ctx))
+            return k3_fail(err, K3_EXIT_RUNTIME, "cancelled after %zu of %zu prompt tokens (%zu reused)", s->n,
+                           s->n + n, from);
         size_t t = n;
         if (G > 0) {
             size_t to_grid = (size_t)G - s->n % (size_t)G;
             if (t > to_grid) t = to_grid;
         }
+        if (polled && s->e && t > (size_t)s->e->chunk) t = (size_t)s->e->chunk;
         if (t > INT_MAX / 2) t = INT_MAX / 2;
         bool last = t == n;
         float *lg = last && logits ? s->logits : NULL;
@@ -392,10 +412,17 @@ int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logit
      * positions the session held), but a cold start drops it */
     size_t from = s->n;
     if (reused) *reused = from;
+    /* cancelled, the session holds ids[0..k) for some k < n, a true state of
+     * that prefix; the prompt's end is not snapshotted */
     int rc = feed(s, ids + from, n - from, logits, true, err);
     if (rc) return rc;
     k3_session_snapshot(s);
     return K3_OK;
+}
+
+void k3_session_set_cancel(k3_session *s, bool (*cancelled)(const void *ctx), const void *ctx) {
+    s->cancelled = cancelled;
+    s->cancel_ctx = ctx;
 }
 
 /* ---- session files --------------------------------------------------------------------------- */

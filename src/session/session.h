@@ -74,8 +74,12 @@
  * snapshot's fixed part is ~465 MB (k3 chat prints it), so the grid is coarse;
  * small models can afford a finer one (k3_state_cache_new's grid). */
 #define K3_STATE_CACHE_GRID 1024
-/* Default budget of the state cache of k3 chat / k3 serve (--state-cache-gb). */
-#define K3_STATE_CACHE_GB_DEFAULT 2.0
+/* Default budget of the state cache of k3 chat / k3 serve (--state-cache-gb 2). */
+#define K3_STATE_CACHE_BYTES_DEFAULT 2000000000ull
+/* The value of k3 chat's and k3 serve's --state-cache-gb G: GB of 10^9
+ * bytes, as the other --*-gb flags count them; 0 keeps no snapshots. A value
+ * that is not a number in [0, 10^6] is a usage error naming cmd. */
+int k3_state_cache_parse_gb(const char *cmd, const char *v, uint64_t *bytes, k3_err *err);
 
 typedef struct k3_state_cache k3_state_cache;
 typedef struct k3_session k3_session;
@@ -119,6 +123,15 @@ void k3_session_reset(k3_session *s);
  * (K3_EXIT_USAGE, session unchanged); those of the forward pass, after which
  * the session is reset. */
 int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logits, size_t *reused, k3_err *err);
+/* A hook k3_session_prefill asks before each forward call of its feeding
+ * (each at most the engine's prefill chunk); NULL: none. Once cancelled(ctx)
+ * is true the prefill stops with K3_EXIT_RUNTIME ("cancelled after K of N
+ * prompt tokens (R reused)"), and the session then holds exactly the ids it
+ * consumed: a shorter but true state, which the next prefill of the same
+ * prompt continues (its logits still equal a cold prefill's). The prompt's end
+ * is not snapshotted; grid snapshots taken on the way are of positions fed in
+ * full. k3 serve's hook reads the flag a vanished client sets. */
+void k3_session_set_cancel(k3_session *s, bool (*cancelled)(const void *ctx), const void *ctx);
 /* Appends n tokens (decoding: the sampled id) and writes the logits of the
  * last to logits[V] (NULL: none). Grid snapshots are taken on the way. */
 int k3_session_feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_err *err);

@@ -3,24 +3,9 @@
  * library: a few lines of SVG text. The trainer calls it after each
  * evaluation; the dashboard draws its own live chart. */
 #include <math.h>
-#include <stdarg.h>
 #include <stdlib.h>
 
 #include "train/train.h"
-
-typedef struct { char *b; size_t n, cap; } sbuf;
-static void __attribute__((format(printf, 2, 3))) sb_printf(sbuf *s, const char *fmt, ...) {
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int k = vsnprintf(s->b + s->n, s->cap - s->n, fmt, ap);
-        va_end(ap);
-        if (k < 0) return;
-        if ((size_t)k < s->cap - s->n) { s->n += (size_t)k; return; }
-        s->cap = (s->cap + (size_t)k + 1) * 2;
-        s->b = xrealloc(s->b, s->cap);
-    }
-}
 
 int tplot_loss_svg(const char *path, const int64_t *hs, const double *hl, size_t nh, const int64_t *he,
                    const double *hv, size_t ne, k3_err *err) {
@@ -37,8 +22,8 @@ int tplot_loss_svg(const char *path, const int64_t *hs, const double *hl, size_t
     }
     if (!isfinite(lo)) { lo = 0; hi = 1; }
     if (hi - lo < 1e-6) hi = lo + 1;
-    sbuf sb = {xmalloc(4096), 0, 4096};
-#define PR(...) sb_printf(&sb, __VA_ARGS__)
+    k3_sbuf sb = {0};
+#define PR(...) k3_sb_printf(&sb, __VA_ARGS__)
     PR("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" viewBox=\"0 0 %g %g\">\n", W, H, W, H);
     PR("<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n");
     PR("<text x=\"%g\" y=\"20\" font-family=\"sans-serif\" font-size=\"14\">loss (nats/token) vs step: "
@@ -70,8 +55,8 @@ int tplot_loss_svg(const char *path, const int64_t *hs, const double *hl, size_t
     }
     PR("</svg>\n");
 #undef PR
-    int rc = k3_write_file_atomic(path, sb.b, sb.n, err);
-    free(sb.b);
+    int rc = k3_write_file_atomic(path, sb.p ? sb.p : "", sb.n, err);
+    k3_sb_free(&sb);
     return rc;
 }
 

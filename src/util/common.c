@@ -46,6 +46,43 @@ void *xcalloc(size_t n, size_t size) {
     return p;
 }
 
+void k3_sb_put(k3_sbuf *b, const void *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        b->p = xrealloc(b->p, cap);
+        b->cap = cap;
+    }
+    if (n) memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+void k3_sb_puts(k3_sbuf *b, const char *s) { k3_sb_put(b, s, strlen(s)); }
+void k3_sb_putc(k3_sbuf *b, char c) { k3_sb_put(b, &c, 1); }
+void k3_sb_printf(k3_sbuf *b, const char *fmt, ...) {
+    char small[256];
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(small, sizeof small, fmt, ap);
+    va_end(ap);
+    if (k < 0) return;
+    if ((size_t)k < sizeof small) {
+        k3_sb_put(b, small, (size_t)k);
+        return;
+    }
+    char *big = xmalloc((size_t)k + 1);
+    va_start(ap, fmt);
+    vsnprintf(big, (size_t)k + 1, fmt, ap);
+    va_end(ap);
+    k3_sb_put(b, big, (size_t)k);
+    free(big);
+}
+void k3_sb_free(k3_sbuf *b) {
+    free(b->p);
+    b->p = NULL;
+    b->n = b->cap = 0;
+}
+
 bool k3_mul_ok(uint64_t a, uint64_t b, uint64_t *out) {
     uint64_t r;
     if (__builtin_mul_overflow(a, b, &r)) return false;
@@ -134,6 +171,41 @@ bool k3_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out) {
     long long v = strtoll(s, &end, 10);
     if (errno || *end || v < lo || v > hi) return false;
     *out = v;
+    return true;
+}
+
+bool k3_parse_f64(const char *s, double *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || *end || !isfinite(v)) return false;
+    *out = v;
+    return true;
+}
+
+bool k3_parse_size(const char *s, uint64_t *out) {
+    if (!s || !*s) return false;
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || v < 0 || !isfinite(v)) return false;
+    double mul = 1;
+    if (*end) {
+        switch (*end) {
+        case 'k': case 'K': mul = 1024.0; break;
+        case 'm': case 'M': mul = 1024.0 * 1024; break;
+        case 'g': case 'G': mul = 1024.0 * 1024 * 1024; break;
+        case 't': case 'T': mul = 1024.0 * 1024 * 1024 * 1024; break;
+        default: return false;
+        }
+        end++;
+        if (*end == 'B' || *end == 'b') end++;
+        if (*end) return false;
+    }
+    double b = v * mul;
+    if (b >= 1.8e19) return false;
+    *out = (uint64_t)b;
     return true;
 }
 

@@ -43,6 +43,18 @@ char *xstrdup(const char *s);
 /* 64-byte aligned (for SIMD); free with free(). */
 void *xmalloc_aligned(size_t size);
 
+/* A growable byte string, always NUL-terminated (it may hold NULs): start
+ * from {0}, append, free with k3_sb_free (which leaves it empty again). */
+typedef struct {
+    char *p;
+    size_t n, cap;
+} k3_sbuf;
+void k3_sb_put(k3_sbuf *b, const void *s, size_t n);
+void k3_sb_puts(k3_sbuf *b, const char *s);
+void k3_sb_putc(k3_sbuf *b, char c);
+void k3_sb_printf(k3_sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void k3_sb_free(k3_sbuf *b);
+
 /* a*b with overflow detection: returns false on overflow. */
 bool k3_mul_ok(uint64_t a, uint64_t b, uint64_t *out);
 
@@ -128,6 +140,14 @@ static inline double k3_rng_unit(uint64_t *state) { return (double)(k3_rng_next(
 /* Parses a whole decimal integer in [lo, hi]; false on anything else
  * (empty, trailing characters, overflow, out of range). */
 bool k3_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
+
+/* Parses a whole finite decimal number ("0.9", "1e-3"); false on anything
+ * else (empty, trailing characters, overflow, inf, nan). */
+bool k3_parse_f64(const char *s, double *out);
+
+/* Parses a size with an optional binary unit, "4096", "512K", "8G", "1.5T"
+ * (K = 1024 bytes), and an optional trailing B; false on anything else. */
+bool k3_parse_size(const char *s, uint64_t *out);
 
 /* Parses "1,2,3" into ids; rejects anything but decimal integers in [0, max). */
 int k3_parse_ids(const char *s, int64_t max, int32_t **ids, size_t *n, k3_err *err);

@@ -8,19 +8,16 @@
  * relative to the run directory with O_NOFOLLOW and served only if regular. */
 #include "web/dashboard.h"
 #include "web/assets.h"
+#include "web/http.h"
 
-#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
-#include <netdb.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -67,25 +64,6 @@ static double wall_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
-/* ---- growable output buffer ---- */
-
-typedef struct {
-    char *p;
-    size_t n, cap;
-} sbuf;
-
-static void sb_put(sbuf *b, const char *s, size_t n) {
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 4096;
-        while (cap < b->n + n + 1) cap *= 2;
-        b->p = xrealloc(b->p, cap);
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
 }
 
 /* ---- runs ---- */
@@ -387,23 +365,9 @@ static json_t *derive(k3_dashboard *d, run_t *r, const char *ioerr) {
 
 static enum MHD_Result respond(k3_dashboard *d, struct MHD_Connection *c, const char *url, unsigned code,
                                const char *type, void *body, size_t len, enum MHD_ResponseMemoryMode mode) {
-    struct MHD_Response *resp = MHD_create_response_from_buffer(len, body, mode);
-    if (!resp) {
-        if (mode == MHD_RESPMEM_MUST_FREE) free(body);
-        return MHD_NO;
-    }
-    MHD_add_response_header(resp, "Content-Type", type);
-    MHD_add_response_header(resp, "Cache-Control", "no-store");
-    MHD_add_response_header(resp, "X-Content-Type-Options", "nosniff");
-    MHD_add_response_header(resp, "Referrer-Policy", "no-referrer");
-    MHD_add_response_header(resp, "X-Frame-Options", "DENY");
-    if (!strncmp(type, "text/html", 9))
-        MHD_add_response_header(resp, "Content-Security-Policy",
-                                "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'");
-    if (code == MHD_HTTP_METHOD_NOT_ALLOWED) MHD_add_response_header(resp, "Allow", "GET, HEAD");
-    enum MHD_Result ret = MHD_queue_response(c, code, resp);
-    MHD_destroy_response(resp);
+    struct MHD_Response *resp = k3_http_buffer(type, body, len, mode);
+    if (resp && code == MHD_HTTP_METHOD_NOT_ALLOWED) MHD_add_response_header(resp, "Allow", "GET, HEAD");
+    enum MHD_Result ret = k3_http_queue(c, code, resp);
     if (d->verbose) fprintf(stderr, "k3 dashboard: %u %s\n", code, url);
     return ret;
 }
@@ -425,22 +389,6 @@ static enum MHD_Result respond_json(k3_dashboard *d, struct MHD_Connection *c, c
 }
 
 
-static bool host_allowed(const char *host) {
-    if (!host) return true; /* HTTP/1.0 without Host */
-    char h[256];
-    size_t n = strlen(host);
-    if (n == 0 || n >= sizeof h) return false;
-    if (host[0] == '[') {
-        const char *end = strchr(host, ']');
-        if (!end) return false;
-        snprintf(h, sizeof h, "%.*s", (int)(end - host - 1), host + 1);
-    } else {
-        const char *colon = strchr(host, ':');
-        snprintf(h, sizeof h, "%.*s", (int)(colon ? (size_t)(colon - host) : n), host);
-    }
-    return k3_dashboard_is_loopback(h);
-}
-
 static enum MHD_Result serve_file(k3_dashboard *d, struct MHD_Connection *c, const char *url, run_t *r,
                                   const char *name) {
     const char *type = k3_dashboard_file_type(name);
@@ -459,13 +407,10 @@ static enum MHD_Result serve_file(k3_dashboard *d, struct MHD_Connection *c, con
         close(fd);
         return MHD_NO;
     }
-    MHD_add_response_header(resp, "Content-Type", type);
-    MHD_add_response_header(resp, "Cache-Control", "no-store");
-    MHD_add_response_header(resp, "X-Content-Type-Options", "nosniff");
+    k3_http_headers(resp, type); /* never text/html: k3_dashboard_file_type serves no page */
     /* A run file is data, never an active document (an SVG may hold script). */
     MHD_add_response_header(resp, "Content-Security-Policy", "default-src 'none'; style-src 'unsafe-inline'; sandbox");
-    enum MHD_Result ret = MHD_queue_response(c, 200, resp);
-    MHD_destroy_response(resp);
+    enum MHD_Result ret = k3_http_queue(c, 200, resp);
     if (d->verbose) fprintf(stderr, "k3 dashboard: 200 %s\n", url);
     return ret;
 }
@@ -481,8 +426,8 @@ static enum MHD_Result serve_records(k3_dashboard *d, struct MHD_Connection *c, 
         size_t skip = matched > (size_t)limit ? matched - (size_t)limit : 0;
         for (first = 0; first < j->n && skip; first++) skip -= j->recs[first].step > since;
     }
-    sbuf b = {0};
-    sb_put(&b, "[", 1);
+    k3_sbuf b = {0};
+    k3_sb_put(&b, "[", 1);
     long long count = 0;
     int64_t last = -1;
     bool any = false;
@@ -490,13 +435,13 @@ static enum MHD_Result serve_records(k3_dashboard *d, struct MHD_Connection *c, 
         const k3_jrec *rec = &j->recs[i];
         if (rec->step <= since) continue;
         if (!newest && count >= limit && rec->step != last) break;
-        if (any) sb_put(&b, ",\n", 2);
-        sb_put(&b, rec->json, rec->len);
+        if (any) k3_sb_put(&b, ",\n", 2);
+        k3_sb_put(&b, rec->json, rec->len);
         any = true;
         count++;
         last = rec->step;
     }
-    sb_put(&b, "]\n", 2);
+    k3_sb_put(&b, "]\n", 2);
     return respond(d, c, url, 200, "application/json; charset=utf-8", b.p, b.n, MHD_RESPMEM_MUST_FREE);
 }
 
@@ -541,7 +486,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         *upload_data_size = 0;
         return MHD_YES;
     }
-    if (d->loopback && !host_allowed(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host")))
+    if (d->loopback && !k3_http_host_allowed(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host")))
         return respond_error(d, c, url, 403, "Host header names no loopback address");
 
     for (size_t i = 0; i < k3_web_nassets; i++)
@@ -605,16 +550,6 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
 
 /* ---- start / stop ---- */
 
-bool k3_dashboard_is_loopback(const char *host) {
-    if (!host) return true;
-    if (!strcasecmp(host, "localhost")) return true;
-    struct in_addr a4;
-    struct in6_addr a6;
-    if (inet_pton(AF_INET, host, &a4) == 1) return (ntohl(a4.s_addr) >> 24) == 127;
-    if (inet_pton(AF_INET6, host, &a6) == 1) return IN6_IS_ADDR_LOOPBACK(&a6);
-    return false;
-}
-
 static int resolve_dirs(k3_dashboard *d, const k3_dashboard_opts *o, k3_err *err) {
     for (size_t i = 0; i < o->ndirs; i++) {
         const char *dir = o->dirs[i];
@@ -649,38 +584,6 @@ static int resolve_dirs(k3_dashboard *d, const k3_dashboard_opts *o, k3_err *err
     return K3_OK;
 }
 
-static int open_listener(k3_dashboard *d, const char *host, int port, k3_err *err) {
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
-    struct addrinfo *res = NULL;
-    char portstr[16];
-    snprintf(portstr, sizeof portstr, "%d", port);
-    int g = getaddrinfo(host, portstr, &hints, &res);
-    if (g != 0) return k3_fail(err, K3_EXIT_USAGE, "--host %s: %s", host, gai_strerror(g));
-    int fd = -1, e = 0;
-    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
-        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-        if (fd < 0) { e = errno; continue; }
-        int one = 1;
-        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 64) == 0) break;
-        e = errno;
-        close(fd);
-        fd = -1;
-    }
-    freeaddrinfo(res);
-    if (fd < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s:%d: cannot listen: %s", host, port, strerror(e));
-    struct sockaddr_storage ss;
-    socklen_t sl = sizeof ss;
-    if (getsockname(fd, (struct sockaddr *)&ss, &sl) != 0) {
-        close(fd);
-        return k3_fail(err, K3_EXIT_RUNTIME, "%s: getsockname: %s", host, strerror(errno));
-    }
-    d->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
-                                              : ((struct sockaddr_in *)&ss)->sin_port);
-    d->listen_fd = fd;
-    return K3_OK;
-}
-
 int k3_dashboard_start(const k3_dashboard_opts *o, k3_dashboard **out, k3_err *err) {
     *out = NULL;
     k3_dashboard *d = xcalloc(1, sizeof *d);
@@ -688,10 +591,10 @@ int k3_dashboard_start(const k3_dashboard_opts *o, k3_dashboard **out, k3_err *e
     d->verbose = o->verbose;
     d->stale_after = o->stale_after_s > 0 ? o->stale_after_s : 120;
     const char *host = o->host ? o->host : "127.0.0.1";
-    d->loopback = k3_dashboard_is_loopback(host);
+    d->loopback = k3_http_is_loopback(host);
     if (gethostname(d->hostname, sizeof d->hostname - 1) != 0) d->hostname[0] = 0;
     int rc = resolve_dirs(d, o, err);
-    if (rc == K3_OK) rc = open_listener(d, host, o->port, err);
+    if (rc == K3_OK) rc = k3_http_listen(host, o->port, &d->listen_fd, &d->port, err);
     if (rc != K3_OK) {
         k3_dashboard_stop(d);
         return rc;

@@ -44,9 +44,6 @@ size_t k3_dashboard_nruns(const k3_dashboard *d);
 /* Stops the server (waits for its thread) and frees everything. */
 void k3_dashboard_stop(k3_dashboard *d);
 
-/* True for 127.0.0.0/8, ::1 and "localhost". */
-bool k3_dashboard_is_loopback(const char *host);
-
 /* ---- Reading a run directory (exposed for the unit tests) ---- */
 
 /* One record of a .jsonl file, re-serialised compactly. */

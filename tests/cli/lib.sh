@@ -57,4 +57,21 @@ expect_out_contains() {
   if grep -qF -- "$2" "$OUT/$1.out"; then pass "$1:out"; else fail "$1:out" "stdout lacks '$2'"; fi
 }
 
+# start_server LOG CMD...: starts a server that prints its http://HOST:PORT/
+# address on stdout (stderr to LOG.err) and waits up to 60 s for it. Sets
+# SERVER_URL, SERVER_PORT and SERVER_PID (also added to the caller's PIDS
+# array, for its cleanup); returns 1 if the server exits or prints none.
+start_server() {
+  local log=$1; shift
+  "$@" >"$log" 2>"$log.err" &
+  SERVER_PID=$!; PIDS+=("$SERVER_PID"); SERVER_URL=; SERVER_PORT=
+  for _ in $(seq 600); do
+    SERVER_URL=$(grep -o 'http://[^ ]*/' "$log" | head -n 1)
+    if [ -n "$SERVER_URL" ]; then SERVER_PORT=$(echo "$SERVER_URL" | sed -nE 's#.*:([0-9]+)/$#\1#p'); return 0; fi
+    kill -0 "$SERVER_PID" 2>/dev/null || return 1
+    sleep 0.1
+  done
+  return 1
+}
+
 finish() { echo "$_pass passed, $_fail failed, $_skip skipped"; [ "$_fail" -eq 0 ]; }

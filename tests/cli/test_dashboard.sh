@@ -86,15 +86,9 @@ sleep 0.5
 
 start_dash() { # LOG ARGS...: starts k3 dashboard on a free port; sets DPID and PORT
   local log=$1; shift
-  "$K3" dashboard --port 0 "$@" >"$log" 2>"$log.err" &
-  DPID=$!; PIDS+=($DPID); PORT=
-  for _ in $(seq 150); do
-    PORT=$(sed -nE 's#.*http://[^ ]*:([0-9]+)/.*#\1#p' "$log")
-    [ -n "$PORT" ] && return 0
-    kill -0 "$DPID" 2>/dev/null || return 1
-    sleep 0.1
-  done
-  return 1
+  start_server "$log" "$K3" dashboard --port 0 "$@"; local rc=$?
+  DPID=$SERVER_PID; PORT=$SERVER_PORT
+  return $rc
 }
 if ! start_dash "$OUT/server.log" --run-dir "$OUT/runs" --stale-after 30; then
   fail "start" "$(cat "$OUT/server.log" "$OUT/server.log.err")"; finish; exit 1

@@ -10,22 +10,12 @@
 # tests/dashboard/fake-trainer.sh. K3_E2E_TRAINER=train|fake forces one.
 set -u
 source tests/cli/lib.sh
-E2E=tests/e2e
-CHROMIUM=${CHROMIUM:-/usr/bin/chromium}
+source tests/e2e/lib.sh
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; }
 trap cleanup EXIT
 
-if ! command -v node >/dev/null || ! command -v npm >/dev/null || [ ! -x "$CHROMIUM" ]; then
-  fail "e2e-prerequisites" "needs node, npm and $CHROMIUM: run scripts/setup.sh --test"
-  finish; exit 1
-fi
-if [ ! -d "$E2E/node_modules/playwright-core" ]; then
-  echo "installing $E2E/node_modules (npm ci)"
-  if ! (cd "$E2E" && npm ci --no-audit --no-fund) >"$OUT/npm.log" 2>&1; then
-    fail "e2e-npm-ci" "$(tail -n 5 "$OUT/npm.log")"; finish; exit 1
-  fi
-fi
+e2e_prerequisites || { finish; exit 1; }
 
 RUN=$OUT/run
 rm -rf "$RUN" "$OUT/data" "$OUT"/*.png
@@ -57,26 +47,12 @@ else
   SAMPLE="Once upon a time"
 fi
 
-"$K3" dashboard --run-dir "$RUN" --port 0 >"$OUT/server.log" 2>"$OUT/server.err" &
-DPID=$!; PIDS+=($DPID)
-URL=
-for _ in $(seq 100); do
-  URL=$(grep -o 'http://[^ ]*/' "$OUT/server.log" | head -n 1)
-  [ -n "$URL" ] && break
-  sleep 0.1
-done
-if [ -z "$URL" ]; then fail "e2e-server" "$(cat "$OUT/server.err")"; finish; exit 1; fi
+start_server "$OUT/server.log" "$K3" dashboard --run-dir "$RUN" --port 0 ||
+  { fail "e2e-server" "$(cat "$OUT/server.log.err")"; finish; exit 1; }
+URL=$SERVER_URL; DPID=$SERVER_PID
 echo "dashboard at $URL (trainer pid $TPID)"
 
-DASH_URL=$URL E2E_OUT=$OUT E2E_SAMPLE=$SAMPLE CHROMIUM=$CHROMIUM timeout 300 node "$E2E/dashboard.test.mjs" >"$OUT/e2e.log" 2>&1
-cat "$OUT/e2e.log"
-while read -r line; do
-  case "$line" in
-    PASS\ *) pass "e2e[$trainer]: ${line#PASS }" ;;
-    FAIL\ *) fail "e2e[$trainer]: ${line#FAIL }" ;;
-  esac
-done <"$OUT/e2e.log"
-grep -qE '^[0-9]+ passed, [0-9]+ failed' "$OUT/e2e.log" || fail "e2e-summary" "the browser test ended early"
+DASH_URL=$URL E2E_OUT=$OUT E2E_SAMPLE=$SAMPLE CHROMIUM=$CHROMIUM e2e_node "e2e[$trainer]" "$OUT/e2e.log" "$E2E/dashboard.test.mjs"
 if kill -0 "$TPID" 2>/dev/null; then pass "trainer still running at the end"; else fail "trainer" "exited early: $(tail -n 3 "$OUT/train.log" 2>/dev/null)"; fi
 
 kill -TERM "$TPID" 2>/dev/null; wait "$TPID" 2>/dev/null

@@ -16,8 +16,7 @@
 # wait is bounded.
 set -u
 source tests/cli/lib.sh
-E2E=tests/e2e
-CHROMIUM=${CHROMIUM:-/usr/bin/chromium}
+source tests/e2e/lib.sh
 PY=/usr/bin/python3
 CC=${CC:-cc}
 KIMI=tests/fixtures/tokenizer/kimi
@@ -25,16 +24,10 @@ PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
 trap cleanup EXIT
 
-if ! command -v node >/dev/null || ! command -v npm >/dev/null || [ ! -x "$CHROMIUM" ] || ! $PY -c 'import numpy' 2>/dev/null; then
-  fail "e2e-prerequisites" "needs node, npm, $CHROMIUM and python3 with numpy: run scripts/setup.sh --test"
-  finish; exit 1
+if ! $PY -c 'import numpy' 2>/dev/null; then
+  fail "e2e-prerequisites" "needs python3 with numpy: run scripts/setup.sh --test"; finish; exit 1
 fi
-if [ ! -d "$E2E/node_modules/playwright-core" ] || [ ! -d "$E2E/node_modules/openai" ]; then
-  echo "installing $E2E/node_modules (npm ci)"
-  if ! (cd "$E2E" && npm ci --no-audit --no-fund) >"$OUT/npm.log" 2>&1; then
-    fail "e2e-npm-ci" "$(tail -n 5 "$OUT/npm.log")"; finish; exit 1
-  fi
-fi
+e2e_prerequisites openai || { finish; exit 1; }
 
 # ---- the model: random weights, the Kimi vocabulary ----
 CK=tests/out/serve-kimi-model
@@ -72,37 +65,17 @@ case "$called" in
   *) fail "template: the call's message extends the generation prefix" "$prefix | $called"; finish; exit 1 ;;
 esac
 
-start() { # LOG CMD...: a server on a free port; sets SURL
-  local log=$1; shift
-  "$@" >"$log" 2>"$log.err" &
-  PIDS+=($!); SURL=
-  for _ in $(seq 600); do
-    SURL=$(grep -o 'http://[^ ]*/' "$log" | head -n 1)
-    [ -n "$SURL" ] && return 0
-    kill -0 "$!" 2>/dev/null || return 1
-    sleep 0.1
-  done
-  return 1
-}
-start "$OUT/warm.log" "$K3" serve "$CK" --port 0 || { fail start-warm "$(cat "$OUT/warm.log.err")"; finish; exit 1; }
-WARM=$SURL; WPID=${PIDS[-1]}
-start "$OUT/cold.log" "$K3" serve "$CK" --port 0 || { fail start-cold "$(cat "$OUT/cold.log.err")"; finish; exit 1; }
-COLD=$SURL
-start "$OUT/scripted.log" "$SCRIPTED" "$KIMI" "$REPLY" || { fail start-scripted "$(cat "$OUT/scripted.log.err")"; finish; exit 1; }
-SCRIPT=$SURL
+start_server "$OUT/warm.log" "$K3" serve "$CK" --port 0 || { fail start-warm "$(cat "$OUT/warm.log.err")"; finish; exit 1; }
+WARM=$SERVER_URL; WPID=$SERVER_PID
+start_server "$OUT/cold.log" "$K3" serve "$CK" --port 0 || { fail start-cold "$(cat "$OUT/cold.log.err")"; finish; exit 1; }
+COLD=$SERVER_URL
+start_server "$OUT/scripted.log" "$SCRIPTED" "$KIMI" "$REPLY" || { fail start-scripted "$(cat "$OUT/scripted.log.err")"; finish; exit 1; }
+SCRIPT=$SERVER_URL
 pass "servers: $WARM $COLD $SCRIPT"
 MODEL=$(basename "$CK")
 
 # ---- the openai client ----
-SERVE_URL=$WARM COLD_URL=$COLD SCRIPT_URL=$SCRIPT MODEL=$MODEL timeout 300 node "$E2E/serve.test.mjs" >"$OUT/openai.log" 2>&1
-cat "$OUT/openai.log"
-while read -r line; do
-  case "$line" in
-    PASS\ *) pass "openai: ${line#PASS }" ;;
-    FAIL\ *) fail "openai: ${line#FAIL }" ;;
-  esac
-done <"$OUT/openai.log"
-grep -qE '^[0-9]+ passed, [0-9]+ failed' "$OUT/openai.log" || fail "openai-summary" "the client test ended early"
+SERVE_URL=$WARM COLD_URL=$COLD SCRIPT_URL=$SCRIPT MODEL=$MODEL e2e_node openai "$OUT/openai.log" "$E2E/serve.test.mjs"
 
 # ---- curl: specials typed in user text are plain text ----
 # The prompt's ids are not in the response, but its length is: with the text
@@ -144,15 +117,7 @@ curl -s --max-time 60 -o "$OUT/effort2.out" -w '%{http_code}' --data-binary '{"m
 [ "$(cat "$OUT/effort2.code")" = 200 ] && pass "reasoning_effort: high" || fail "reasoning_effort: high" "$(head -c 300 "$OUT/effort2.out")"
 
 # ---- the chat page in Chromium ----
-SERVE_URL=$WARM E2E_OUT=$OUT CHROMIUM=$CHROMIUM timeout 300 node "$E2E/serve_page.test.mjs" >"$OUT/page.log" 2>&1
-cat "$OUT/page.log"
-while read -r line; do
-  case "$line" in
-    PASS\ *) pass "page: ${line#PASS }" ;;
-    FAIL\ *) fail "page: ${line#FAIL }" ;;
-  esac
-done <"$OUT/page.log"
-grep -qE '^[0-9]+ passed, [0-9]+ failed' "$OUT/page.log" || fail "page-summary" "the browser test ended early"
+SERVE_URL=$WARM E2E_OUT=$OUT CHROMIUM=$CHROMIUM e2e_node page "$OUT/page.log" "$E2E/serve_page.test.mjs"
 
 kill -TERM "$WPID"; for _ in $(seq 200); do kill -0 "$WPID" 2>/dev/null || break; sleep 0.1; done
 wait "$WPID" 2>/dev/null; rc=$?

@@ -5,38 +5,14 @@
 //   E2E_OUT      where screenshots go
 //   E2E_SAMPLE   text the latest sample must contain ("" = any non-empty text)
 // Prints PASS/FAIL lines and "N passed, N failed".
-import { chromium } from 'playwright-core';
+import { check, out, runPage } from './page.mjs';
 import fs from 'node:fs';
-import os from 'node:os';
 import path from 'node:path';
 
 const url = process.env.DASH_URL;
-const out = process.env.E2E_OUT || 'tests/out';
 const wantSample = process.env.E2E_SAMPLE || '';
-const chromiumPath = process.env.CHROMIUM || '/usr/bin/chromium';
-let passed = 0, failed = 0;
-const check = (name, cond, detail = '') => {
-  if (cond) { passed++; console.log(`PASS ${name}`); }
-  else { failed++; console.log(`FAIL ${name}${detail ? ': ' + detail : ''}`); }
-};
 
-fs.mkdirSync(out, { recursive: true });
-const profile = fs.mkdtempSync(path.join(os.tmpdir(), 'k3-e2e-chromium-'));
-let ctx;
-try {
-  // A persistent context on a fresh, throw-away profile: the equivalent of
-  // --user-data-dir, which playwright manages itself.
-  ctx = await chromium.launchPersistentContext(profile, {
-    executablePath: chromiumPath,
-    headless: true,
-    viewport: { width: 1280, height: 900 },
-    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-  });
-  const page = ctx.pages()[0] || await ctx.newPage();
-  const problems = [];
-  page.on('console', (m) => { if (m.type() === 'error' || m.type() === 'warning') problems.push(`${m.type()}: ${m.text()}`); });
-  page.on('pageerror', (e) => problems.push(`pageerror: ${e.message}`));
+await runPage({ viewport: { width: 1280, height: 900 } }, async (page, problems) => {
   page.on('requestfailed', (r) => problems.push(`request failed: ${r.url()} ${r.failure()?.errorText}`));
   const foreign = [];
   page.on('request', (r) => { if (!r.url().startsWith(new URL(url).origin)) foreign.push(r.url()); });
@@ -112,11 +88,4 @@ try {
 
   check('no console errors, CSP violations or failed requests', problems.length === 0, problems.slice(0, 5).join(' | '));
   check('no request leaves the dashboard server', foreign.length === 0, foreign.slice(0, 3).join(' '));
-} catch (e) {
-  check('e2e run', false, e && e.stack ? e.stack.split('\n').slice(0, 3).join(' ') : String(e));
-} finally {
-  if (ctx) await ctx.close().catch(() => {});
-  fs.rmSync(profile, { recursive: true, force: true });
-}
-console.log(`${passed} passed, ${failed} failed`);
-process.exit(failed ? 1 : 0);
+});

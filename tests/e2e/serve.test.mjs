@@ -7,17 +7,13 @@
 //   MODEL        the model id of SERVE_URL / COLD_URL
 // Prints PASS/FAIL lines and "N passed, N failed".
 import OpenAI from 'openai';
+import { check, finish } from './check.mjs';
 
 const model = process.env.MODEL;
 const client = (url) => new OpenAI({ baseURL: url + 'v1', apiKey: 'none', timeout: 120000, maxRetries: 0 });
 const warm = client(process.env.SERVE_URL);
 const cold = client(process.env.COLD_URL);
 const scripted = client(process.env.SCRIPT_URL);
-let passed = 0, failed = 0;
-const check = (name, cond, detail = '') => {
-  if (cond) { passed++; console.log(`PASS ${name}`); }
-  else { failed++; console.log(`FAIL ${name}${detail ? ': ' + detail : ''}`); }
-};
 const same = (name, got, want) => check(name, JSON.stringify(got) === JSON.stringify(want),
   `got ${JSON.stringify(got).slice(0, 300)}, wanted ${JSON.stringify(want).slice(0, 300)}`);
 
@@ -144,8 +140,6 @@ try {
   same('error: bad role', await status(warm.chat.completions.create({ model, messages: [{ role: 'wizard', content: 'x' }] })),
     [400, 'invalid_value']);
 } catch (e) {
-  failed++;
-  console.log(`FAIL exception: ${e.stack || e}`);
+  check('exception', false, String(e.stack || e));
 }
-console.log(`${passed} passed, ${failed} failed`);
-process.exit(failed ? 1 : 0);
+finish();

@@ -5,35 +5,12 @@
 // Type a message, send it, watch the reply stream in with its reasoning
 // folded apart in a <details>; turn thinking off and see no reasoning.
 // Prints PASS/FAIL lines and "N passed, N failed".
-import { chromium } from 'playwright-core';
-import fs from 'node:fs';
-import os from 'node:os';
+import { check, out, runPage } from './page.mjs';
 import path from 'node:path';
 
 const url = process.env.SERVE_URL;
-const out = process.env.E2E_OUT || 'tests/out';
-const chromiumPath = process.env.CHROMIUM || '/usr/bin/chromium';
-let passed = 0, failed = 0;
-const check = (name, cond, detail = '') => {
-  if (cond) { passed++; console.log(`PASS ${name}`); }
-  else { failed++; console.log(`FAIL ${name}${detail ? ': ' + detail : ''}`); }
-};
 
-fs.mkdirSync(out, { recursive: true });
-const profile = fs.mkdtempSync(path.join(os.tmpdir(), 'k3-e2e-chromium-'));
-let ctx;
-try {
-  ctx = await chromium.launchPersistentContext(profile, {
-    executablePath: chromiumPath,
-    headless: true,
-    viewport: { width: 1100, height: 900 },
-    args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
-      '--disable-background-networking', '--disable-component-update', '--disable-sync'],
-  });
-  const page = ctx.pages()[0] || await ctx.newPage();
-  const problems = [];
-  page.on('console', (m) => { if (m.type() === 'error' || m.type() === 'warning') problems.push(`${m.type()}: ${m.text()}`); });
-  page.on('pageerror', (e) => problems.push(`pageerror: ${e.message}`));
+await runPage({ viewport: { width: 1100, height: 900 } }, async (page, problems) => {
   const streams = [];
   page.on('response', (r) => { if (r.url().endsWith('/v1/chat/completions')) streams.push(r.headers()['content-type'] || ''); });
 
@@ -100,12 +77,4 @@ try {
   check('thinking off: no reasoning block', third.hidden && !third.error, JSON.stringify(third).slice(0, 300));
   await page.screenshot({ path: path.join(out, 'chat-3.png'), fullPage: true });
   check('no console errors', problems.length === 0, problems.join(' | '));
-} catch (e) {
-  failed++;
-  console.log(`FAIL exception: ${e.stack || e}`);
-} finally {
-  if (ctx) await ctx.close();
-  fs.rmSync(profile, { recursive: true, force: true });
-}
-console.log(`${passed} passed, ${failed} failed`);
-process.exit(failed ? 1 : 0);
+});

@@ -11,6 +11,7 @@
  * Prints "http://127.0.0.1:PORT/" and serves until SIGTERM. */
 #include "chat/chat.h"
 #include "serve/serve.h"
+#include "web/http.h"
 
 #include <pthread.h>
 #include <signal.h>
@@ -54,11 +55,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     sigset_t stop;
-    sigemptyset(&stop);
-    sigaddset(&stop, SIGINT);
-    sigaddset(&stop, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &stop, NULL);
-    signal(SIGPIPE, SIG_IGN);
+    k3_http_block_stop_signals(&stop);
     k3_err err = {0};
     k3_tokenizer *tok;
     k3_chat *chat;
@@ -81,8 +78,7 @@ int main(int argc, char **argv) {
     }
     printf("scripted server: http://127.0.0.1:%d/\n", k3_serve_port(srv));
     fflush(stdout);
-    int sig;
-    while (sigwait(&stop, &sig) != 0) {}
+    k3_http_wait_stop(&stop);
     k3_serve_stop(srv);
     k3_chat_free(chat);
     tok_free(tok);

@@ -1,0 +1,50 @@
+/* http.h: what k3's two HTTP servers (k3 serve, src/serve/; k3 dashboard,
+ * src/web/dashboard.c) share: the listening socket, the Host check against
+ * DNS rebinding, the security headers every response carries, and the stop
+ * signals of a server's main thread. Each server keeps its own routes, its
+ * own error bodies (OpenAI's error object, the dashboard's {"error": msg})
+ * and its own threading. */
+#ifndef K3_WEB_HTTP_H
+#define K3_WEB_HTTP_H
+
+#include "util/common.h"
+
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+
+#include <microhttpd.h>
+
+/* True for 127.0.0.0/8, ::1 and "localhost" (NULL: true). */
+bool k3_http_is_loopback(const char *host);
+
+/* A server listening on loopback answers only requests whose Host header
+ * (NULL: none, as HTTP/1.0 may send) names a loopback address, with or
+ * without a port, so that a web page on another origin cannot reach it
+ * through a DNS name rebound to 127.0.0.1. */
+bool k3_http_host_allowed(const char *host_header);
+
+/* Binds and listens on host:port (port 0: a free one); *fd, *bound_port.
+ * Errors: an unknown host (K3_EXIT_USAGE, naming --host), cannot bind or
+ * listen (K3_EXIT_RUNTIME). */
+int k3_http_listen(const char *host, int port, int *fd, int *bound_port, k3_err *err);
+
+/* Content-Type, no caching, no MIME sniffing, no referrer, no framing; an
+ * HTML page also gets a Content-Security-Policy that allows only its own
+ * scripts, styles and connections. */
+void k3_http_headers(struct MHD_Response *r, const char *type);
+/* A response holding body[0..len) with k3_http_headers, or NULL (a
+ * MHD_RESPMEM_MUST_FREE body is then freed). */
+struct MHD_Response *k3_http_buffer(const char *type, void *body, size_t len, enum MHD_ResponseMemoryMode mode);
+/* Queues r (NULL: MHD_NO, the connection is closed) and releases it. */
+enum MHD_Result k3_http_queue(struct MHD_Connection *c, unsigned code, struct MHD_Response *r);
+
+/* A server's main thread, before any other thread exists: blocks SIGINT,
+ * SIGTERM and SIGHUP (every thread inherits the mask, so they reach only
+ * k3_http_wait_stop) and ignores SIGPIPE (a client that hangs up must not
+ * kill the server). */
+void k3_http_block_stop_signals(sigset_t *stop);
+/* Waits for one of them; returns it. */
+int k3_http_wait_stop(const sigset_t *stop);
+
+#endif
