@@ -57,6 +57,15 @@ expect_out_contains() {
   if grep -qF -- "$2" "$OUT/$1.out"; then pass "$1:out"; else fail "$1:out" "stdout lacks '$2'"; fi
 }
 
+# k3 serve's /health at URL as "CANCELLED RUNNING WAITING" (RUNNING True or
+# False). sed, not python: tests poll it to catch a request while it runs, so
+# each poll must be quick also on a loaded machine.
+serve_state() {
+  curl -s --max-time 10 "$1/health" |
+    sed -nE 's/.*"waiting": *([0-9]+).*"running": *(true|false).*"cancelled": *([0-9]+).*/\3 \2 \1/p' |
+    sed 's/true/True/; s/false/False/'
+}
+
 # start_server LOG CMD...: starts a server that prints its http://HOST:PORT/
 # address on stdout (stderr to LOG.err) and waits up to 60 s for it. Sets
 # SERVER_URL, SERVER_PORT and SERVER_PID (also added to the caller's PIDS

@@ -249,13 +249,7 @@ for seed in 1 2 3 4 5 6 7 8; do
   if grep -q '"stop": "length"' "$OUT/long.json"; then LONG="\"prompt\":\"$PROMPT\",\"max_tokens\":400,\"temperature\":1.5,\"seed\":$seed"; break; fi
 done
 [ -n "$LONG" ] && pass "long-request ($LONG)" || fail long-request "no seed in 1..8 runs 400 tokens"
-# "CANCELLED RUNNING WAITING" from /health (sed, not python: the polls below
-# must be quick to see a request while it runs)
-cancelled() {
-  curl -s --max-time 10 "$URL/health" |
-    sed -nE 's/.*"waiting": *([0-9]+).*"running": *(true|false).*"cancelled": *([0-9]+).*/\3 \2 \1/p' |
-    sed 's/true/True/; s/false/False/'
-}
+cancelled() { serve_state "$URL"; }
 wait_state() { # WANT: polls /health up to 10 s
   for _ in $(seq 500); do state=$(cancelled); [ "$state" = "$1" ] && return; sleep 0.02; done
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # k3 serve: a client that disconnects during a long prefill stops it. The
-# shipped smol model is served with a one-thread, 4-token prefill chunk, so a
+# small fixture model is served with a one-thread, 4-token prefill chunk, so a
 # 15,000-token prompt prefills for seconds; the client streams it and is killed
 # once the worker runs it. The server log says the prefill was cancelled before
 # its end (K of N prompt tokens), the server still answers, and the same request
@@ -11,7 +11,7 @@
 # for minutes. Every wait is bounded.
 set -u
 source tests/cli/lib.sh
-MODEL=models/default
+MODEL=tests/fixtures/trained-5m
 PIDS=()
 cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
 trap cleanup EXIT
@@ -31,12 +31,12 @@ SPID=$SERVER_PID; PORT=$SERVER_PORT
 if [ -z "$PORT" ]; then fail start "$(head -c 600 "$OUT/server.log.err")"; finish; exit 1; fi
 pass "start (port $PORT, prompt $N tokens)"
 URL=http://127.0.0.1:$PORT
-health() { curl -s --max-time 10 "$URL/health" | python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["requests"]["cancelled"], j["running"])' 2>/dev/null; }
+health() { serve_state "$URL" | cut -d' ' -f1,2; }
 
 # ---- the cut ----
 curl -s -N --max-time 120 --data-binary "@$OUT/stream.json" "$URL/v1/completions" >"$OUT/cut.sse" &
 CURL=$!
-for _ in $(seq 200); do [ "$(health)" = "0 True" ] && break; sleep 0.05; done
+for _ in $(seq 500); do [ "$(health)" = "0 True" ] && break; sleep 0.02; done
 sleep 0.3
 kill -9 "$CURL" 2>/dev/null; wait "$CURL" 2>/dev/null
 for _ in $(seq 200); do [ "$(health)" = "1 False" ] && break; sleep 0.05; done
