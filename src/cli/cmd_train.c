@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cli/commands.h"
+#include "dist/dist.h"
 #include "train/train.h"
 
 const char *const cmd_train_help =
@@ -64,6 +65,7 @@ static int parse_i64(const char *flag, const char *s, int64_t lo, int64_t hi, in
 }
 
 int cmd_train(int argc, char **argv) {
+    k3_dist_silence_others(); /* under mpirun rank 0 alone prints */
     ttrain_opts o;
     memset(&o, 0, sizeof o);
     bool inventory = false;
