@@ -782,8 +782,14 @@ static int setup(run *r, k3_err *err) {
         r->m.qb_marg = xrealloc_array(r->m.qb_marg, rows * row, sizeof(float));
         r->qb_all = xmalloc_array(rows * row, sizeof(float));
     }
-    /* run directory: rank 0's alone */
-    if (!r->writer) return K3_OK;
+    return K3_OK;
+}
+
+/* The run directory: rank 0's alone, once every rank is known to run the
+ * same job (a refused job leaves it as it was). */
+static int setup_run_dir(run *r, k3_err *err) {
+    const ttrain_opts *o = &r->o;
+    int rc;
     if (mkdir(o->output_dir, 0755) != 0 && errno != EEXIST)
         return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", o->output_dir, strerror(errno));
     if (!r->resumed) {
@@ -904,7 +910,11 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
     r.k = 1;
     int rc = setup(&r, err);
     rc = sync_ranks(&r, rc, false, "start-up", err);
-    if (!rc) rc = check_same_job(&r, err);
+    if (!rc) rc = check_same_job(&r, err); /* the same verdict on every rank */
+    if (!rc) {
+        if (r.writer) rc = setup_run_dir(&r, err);
+        rc = sync_ranks(&r, rc, false, "start-up (the run directory)", err);
+    }
     if (rc) {
         if (r.metrics_fd > 0) write_state(&r, "failed", err->msg, &(k3_err){0});
         teardown(&r);
