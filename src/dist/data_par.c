@@ -2,6 +2,7 @@
  * (data_par.h). */
 #include "dist/data_par.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -9,19 +10,20 @@
 
 /* Floats of one vector per piece of the fold (bounds the buffers and keeps
  * every message far below MPI's int count) and bytes per message of
- * k3_dp_allgather. The test hook K3_DIST_PIECE=N sets both to N, so that a
- * small model crosses piece boundaries too. */
-static size_t piece_env(void) {
-    static size_t v = (size_t)-1;
-    if (v == (size_t)-1) {
+ * k3_dp_allgather. The test hook K3_DIST_PIECE=F,G sets them to F and G, so
+ * that a small model crosses piece boundaries too. */
+static size_t piece_env(int which) {
+    static long long v[2] = {-1, -1};
+    if (v[0] < 0) {
         const char *e = getenv("K3_DIST_PIECE");
-        long long n = e ? atoll(e) : 0;
-        v = n > 0 ? (size_t)n : 0;
+        v[0] = v[1] = 0;
+        if (e && sscanf(e, "%lld,%lld", &v[0], &v[1]) != 2) v[0] = v[1] = 0;
+        if (v[0] < 0 || v[1] < 0) v[0] = v[1] = 0;
     }
-    return v;
+    return (size_t)v[which];
 }
-#define FOLD_PIECE (piece_env() ? piece_env() : (size_t)1 << 22)
-#define GATHER_PIECE (piece_env() ? piece_env() : (size_t)1 << 26)
+#define FOLD_PIECE (piece_env(0) ? piece_env(0) : (size_t)1 << 22)
+#define GATHER_PIECE (piece_env(1) ? piece_env(1) : (size_t)1 << 26)
 
 void k3_dp_add(float *acc, const float *v, size_t n) {
     const size_t blk = 1 << 14;

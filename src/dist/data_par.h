@@ -11,7 +11,8 @@
  * first units are the start of the fold), so `counts` says how many vectors
  * each rank contributes.
  *
- * K3_DIST_PIECE=N (a test hook) exchanges in pieces of N floats / bytes.
+ * K3_DIST_PIECE=F,G (a test hook): pieces of F floats (the fold) and G bytes
+ * (the all-gather).
  *
  * Invariant: every rank gets the same bits, whatever the rank count, thread
  * count or arrival order. One process (not under mpirun) is a job of one rank:

@@ -60,7 +60,7 @@ same() {
 if [ $ASAN = 1 ]; then
   ARUN="$RUN --config $CFG --gradient-accumulation 4 --stop-at 4"
   expect_exit asan-single 0 $K3 train $ARUN --output-dir "$OUT/asan1"
-  expect_exit asan-np2 0 env K3_DIST_PIECE=3001 $MPI -np 2 $K3 train $ARUN --output-dir "$OUT/asan2"
+  expect_exit asan-np2 0 env K3_DIST_PIECE=100003,3001 $MPI -np 2 $K3 train $ARUN --output-dir "$OUT/asan2"
   same asan-np2 "$OUT/asan1" "$OUT/asan2"
   finish; exit
 fi
@@ -74,8 +74,9 @@ for R in 1 2; do
   same np$R "$OUT/single" "$OUT/np$R"
 done
 grep -q '"ranks": 2' "$OUT/np2/state.json" && pass np2:state-ranks || fail np2:state-ranks
-# pieces of 3001 floats / bytes: the fold and the gathers cross piece boundaries
-expect_exit pieces 0 env K3_DIST_PIECE=3001 $MPI -np 2 $K3 train $RUN --config $CFG --gradient-accumulation 2 \
+# pieces of 100003 floats (the fold: 5 pieces) and 3001 bytes (the gathers: the
+# margins in 4): both cross piece boundaries
+expect_exit pieces 0 env K3_DIST_PIECE=100003,3001 $MPI -np 2 $K3 train $RUN --config $CFG --gradient-accumulation 2 \
   --output-dir "$OUT/pieces"
 same pieces "$OUT/single" "$OUT/pieces"
 # 4 micro-batches: 2 a rank (rank 0 folds its own as it goes, rank 1 keeps them apart), 1 a rank
