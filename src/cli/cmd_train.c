@@ -60,8 +60,9 @@ const char *const cmd_train_help =
     "bits differ from k3 builds before data-parallel training (docs/training.md).\n"
     "\n"
     "Weight decay 0.1 (none on norm gains, A_log, dt_bias), gradient clipping 1.0,\n"
-    "AdamW betas (0.9, 0.95), Muon momentum 0.95 (Nesterov). Ctrl-C ends the run\n"
-    "after the current step with a checkpoint. Exit codes: 0 done, 1 runtime error\n"
+    "AdamW betas (0.9, 0.95), Muon momentum 0.95 (Nesterov). Ctrl-C (SIGINT,\n"
+    "SIGTERM, SIGUSR1; under mpirun: SIGUSR1 to mpirun) ends the run after the\n"
+    "current step with a checkpoint. Exit codes: 0 done, 1 runtime error\n"
     "(including a non-finite loss), 2 bad flags, config or data, 4 bad checkpoint.\n";
 
 /* Every integer flag has explicit bounds, checked on the 64-bit value before

@@ -74,6 +74,7 @@ typedef struct {
     int ngunit;
     double *uloss;
     float *qb_all;
+    bool stop;     /* the stop request as agreed after the last step (g_stop may change any time) */
 } run;
 
 static char *path_in(const run *r, const char *name) {
@@ -860,13 +861,15 @@ static int check_same_job(run *r, k3_err *err) {
  * run directory alone, so it can fail alone) and, with share_stop, a stop
  * request (a signal reaches the ranks at different times) are agreed on. */
 static int sync_ranks(run *r, int rc, bool share_stop, const char *what, k3_err *err) {
+    int32_t mine = g_stop ? 1 : 0; /* read once: a signal may come in between */
+    if (share_stop) r->stop = mine;
     if (r->ranks == 1) return rc;
     rc = k3_dist_agree(rc, err, what);
     if (rc || !share_stop) return rc;
-    int32_t mine = g_stop ? 1 : 0, *all = xmalloc_array((size_t)r->ranks, sizeof *all);
+    int32_t *all = xmalloc_array((size_t)r->ranks, sizeof *all);
     k3_dp_allgather(&mine, sizeof mine, all, what);
     for (int q = 0; q < r->ranks; q++)
-        if (all[q]) g_stop = 1;
+        if (all[q]) r->stop = true;
     free(all);
     return K3_OK;
 }
@@ -921,10 +924,13 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
         return rc;
     }
     g_stop = 0;
-    struct sigaction sa = {0}, old_int, old_term;
+    /* SIGUSR1 too: mpirun forwards it to every rank as it is, while on
+     * SIGINT / SIGTERM it gives the ranks one second before SIGKILL */
+    struct sigaction sa = {0}, old_int, old_term, old_usr1;
     sa.sa_handler = on_signal;
     sigaction(SIGINT, &sa, &old_int);
     sigaction(SIGTERM, &sa, &old_term);
+    sigaction(SIGUSR1, &sa, &old_usr1);
     if (!r.o.quiet) {
         printf("k3 train: %s, %lld parameters (router biases not counted)\n",
                r.o.config_path ? r.o.config_path : r.o.resume, (long long)r.m.nw);
@@ -951,7 +957,7 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
         if (rc) break;
         int64_t s = r.start;
         bool last = s == r.end;
-        if (g_stop) { stopped = true; last = true; }
+        if (r.stop) { stopped = true; last = true; }
         if (s % r.o.eval_interval == 0 || (last && s == r.total)) rc = evaluate(&r, s, err);
         if (!rc && !r.o.skip_samples && r.o.sample_interval > 0 && s % r.o.sample_interval == 0)
             rc = sample(&r, s, err);
@@ -969,6 +975,7 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
     }
     sigaction(SIGINT, &old_int, NULL);
     sigaction(SIGTERM, &old_term, NULL);
+    sigaction(SIGUSR1, &old_usr1, NULL);
     teardown(&r);
     return rc;
 }

@@ -6,8 +6,10 @@
 # norms, expert loads, validation losses) and samples in one process, at
 # mpirun -np 1, at 2 ranks (also exchanging in small pieces) and with 4
 # micro-batches at 2 and 4 ranks; a run stopped at step 5 and resumed at
-# another rank count (1 -> 2, 2 -> 1) equals the uninterrupted one; only rank
-# 0 writes (its ranks run in separate directories); and the one-line errors:
+# another rank count (1 -> 2, 2 -> 1) equals the uninterrupted one; SIGUSR1
+# to mpirun ends every rank after the same step with the checkpoint
+# of a run stopped there on purpose; only rank 0 writes (its ranks run in
+# separate directories); and the one-line errors:
 # a rank count that does not divide the micro-batches, ranks whose config or
 # data differ, a run directory only rank 0 refuses, a rank that hangs.
 # Every run is bounded by `timeout` and takes about a second. Under the
@@ -96,6 +98,31 @@ expect_exit stop2 0 $MPI -np 2 $K3 train $RUN --config $CFG --gradient-accumulat
 grep -q '"status": "stopped"' "$OUT/r21/state.json" && pass stop2:stopped || fail stop2:stopped
 expect_exit resume1 0 $K3 train $RUN --output-dir "$OUT/r21" --resume "$OUT/r21/latest.safetensors"
 same resume-2to1 "$OUT/single" "$OUT/r21"
+
+# ---- a stop request: every rank ends after the same step, rank 0 checkpoints it ------------------------
+LONG="--data-dir $D --batch-size 2 --seq-len 32 --steps 100000 --eval-interval 100000 --eval-tokens 256 --skip-samples \
+  --quiet --config $CFG --gradient-accumulation 2"
+$MPI -np 2 $K3 train $LONG --output-dir "$OUT/int" >"$OUT/int.out" 2>"$OUT/int.err" &
+job=$!
+for _ in $(seq 600); do # until 3 steps are done (at most 60 s)
+  [ "$(grep -c '"kind":"train"' "$OUT/int/metrics.jsonl" 2>/dev/null)" -ge 3 ] 2>/dev/null && break
+  sleep 0.1
+done
+# to mpirun itself (the child of `timeout`, which would die of SIGUSR1), which
+# forwards it to the ranks
+mpirun_pid=$(pgrep -P $job mpirun)
+[ -n "$mpirun_pid" ] && kill -USR1 "$mpirun_pid"
+wait $job; rc=$?
+S=$(sed -nE 's/^ "step": ([0-9]+),$/\1/p' "$OUT/int/state.json")
+if [ $rc = 0 ] && grep -q '"status": "stopped"' "$OUT/int/state.json" && grep -q "\"checkpoint_step\": $S\$" "$OUT/int/state.json"; then
+  pass sigusr1:stopped
+  # the checkpoint is the one of a run stopped at that step on purpose, in one process
+  expect_exit sigusr1-ref 0 $K3 train $LONG --output-dir "$OUT/int-ref" --stop-at "$S"
+  cmp -s "$OUT/int/latest.safetensors" "$OUT/int-ref/latest.safetensors" && pass sigusr1:same-checkpoint \
+    || fail sigusr1:same-checkpoint "step $S"
+else
+  fail sigusr1:stopped "exit $rc, step ${S:-?}: $(head -c 300 "$OUT/int.err")"
+fi
 
 # ---- only rank 0 writes and prints --------------------------------------------------------------
 # each rank in a directory of its own, the same relative paths (the same command line)
