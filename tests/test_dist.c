@@ -149,3 +149,43 @@ TEST(dist_one_process_job) {
     CHECK(!k3_dist_defer_error(1, "not deferred outside mpirun"));
     CHECK(k3_dist_finish(3) == 3);
 }
+
+/* The one-process form of the data-parallel fold is the left fold in vector
+ * order, element by element ((a + b) + c, never a + (b + c)): the values are
+ * chosen so the two associations give other floats. counts[0] vectors, the
+ * output in place of the first (as the trainer calls it). */
+#include "dist/data_par.h"
+TEST(dist_fold_is_the_left_fold_in_unit_order) {
+    enum { N = 70001, V = 3 }; /* past k3_dp_add's parallel threshold, not a multiple of its blocks */
+    float *u[V];
+    for (int j = 0; j < V; j++) u[j] = xmalloc_array(N, sizeof(float));
+    for (int i = 0; i < N; i++) {
+        u[0][i] = i & 1 ? 1.0f : 0.5f;
+        u[1][i] = 16777216.0f; /* 2^24: 1 + 2^24 and 0.5 + 2^24 round to 2^24 */
+        u[2][i] = -16777216.0f;
+    }
+    float *want = xmalloc_array(N, sizeof(float));
+    for (int i = 0; i < N; i++) {
+        volatile float a = u[0][i] + u[1][i]; /* by hand: 2^24, then 0 */
+        want[i] = a + u[2][i];
+    }
+    CHECK(want[0] == 0.0f && want[1] == 0.0f); /* a + (b + c) would be a */
+    const float *mine[V] = {u[0], u[1], u[2]};
+    int counts[1] = {V};
+    k3_dp_fold(u[0], mine, counts, N, "test");
+    int bad = 0;
+    for (int i = 0; i < N; i++) bad += memcmp(&u[0][i], &want[i], sizeof(float)) != 0;
+    CHECKF(bad == 0, "%d of %d elements differ from the left fold", bad, N);
+    /* one vector: the output is that vector */
+    float one[3] = {1.5f, -2.0f, 0.25f}, out[3] = {0};
+    const float *m1[1] = {one};
+    int c1[1] = {1};
+    k3_dp_fold(out, m1, c1, 3, "test");
+    CHECK(!memcmp(out, one, sizeof one));
+    /* the gather of one rank is its block */
+    char all[5] = {0};
+    k3_dp_allgather("abcd", 5, all, "test");
+    CHECK(!strcmp(all, "abcd"));
+    for (int j = 0; j < V; j++) free(u[j]);
+    free(want);
+}

@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "cli/commands.h"
+#include "dist/dist.h"
 #include "train/train.h"
 
 const char *const cmd_train_help =
@@ -49,9 +50,19 @@ const char *const cmd_train_help =
     "  --quiet                    no per-step lines on stdout\n"
     "  --inventory                print the parameter inventory of --config and exit\n"
     "\n"
+    "Several ranks (data parallel, docs/mpi.md): mpirun -np R k3 train ... with\n"
+    "the same flags; each rank computes A/R of the micro-batches (R must divide\n"
+    "--gradient-accumulation A, else exit 2), the gradients are added in\n"
+    "micro-batch order, so the weights and metrics are bit-identical to one\n"
+    "process at the same flags, and a checkpoint resumes at any rank count.\n"
+    "Rank 0 alone prints and writes the run directory. Each micro-batch's\n"
+    "gradient is computed on its own and added to the step's: with A > 1 the\n"
+    "bits differ from k3 builds before data-parallel training (docs/training.md).\n"
+    "\n"
     "Weight decay 0.1 (none on norm gains, A_log, dt_bias), gradient clipping 1.0,\n"
-    "AdamW betas (0.9, 0.95), Muon momentum 0.95 (Nesterov). Ctrl-C ends the run\n"
-    "after the current step with a checkpoint. Exit codes: 0 done, 1 runtime error\n"
+    "AdamW betas (0.9, 0.95), Muon momentum 0.95 (Nesterov). Ctrl-C (SIGINT,\n"
+    "SIGTERM, SIGUSR1; under mpirun: SIGUSR1 to mpirun) ends the run after the\n"
+    "current step with a checkpoint. Exit codes: 0 done, 1 runtime error\n"
     "(including a non-finite loss), 2 bad flags, config or data, 4 bad checkpoint.\n";
 
 /* Every integer flag has explicit bounds, checked on the 64-bit value before
@@ -64,6 +75,7 @@ static int parse_i64(const char *flag, const char *s, int64_t lo, int64_t hi, in
 }
 
 int cmd_train(int argc, char **argv) {
+    k3_dist_silence_others(); /* under mpirun rank 0 alone prints */
     ttrain_opts o;
     memset(&o, 0, sizeof o);
     bool inventory = false;

@@ -122,6 +122,11 @@ void k3_dist_exchange(const void *mine, size_t mine_bytes, void *const *theirs, 
     (void)mine, (void)mine_bytes, (void)theirs, (void)their_bytes, (void)what;
     G.nexch++;
 }
+void k3_dist_alltoall(const void *const *to, const size_t *to_bytes, void *const *theirs, const size_t *their_bytes,
+                      const char *what) {
+    (void)to, (void)to_bytes, (void)theirs, (void)their_bytes, (void)what;
+    G.nexch++;
+}
 _Noreturn void k3_dist_abort(const k3_err *err) {
     fprintf(stderr, "k3: %s\n", err->msg[0] ? err->msg : "unknown error");
     exit(err->code ? err->code : K3_EXIT_RUNTIME);
@@ -206,14 +211,20 @@ static void wait_all(int n, MPI_Request *rq, const int *recv, const char *what, 
 
 /* Every rank sends `mine` to every other and receives rank r's block into
  * theirs[r]. The common core of agree, allgather and exchange. */
-static void all_to_all(int tag, const void *mine, size_t mine_bytes, void *const *theirs, const size_t *their_bytes,
-                       const char *what) {
+static void all_to_all(int tag, const void *mine, size_t mine_bytes, const void *const *to, const size_t *to_bytes,
+                       void *const *theirs, const size_t *their_bytes, const char *what) {
     int R = G.size;
     if (R == 1) return;
-    if (mine_bytes > INT_MAX) {
-        k3_err e = {.code = K3_EXIT_RUNTIME};
-        snprintf(e.msg, sizeof e.msg, "%s: a block of %zu bytes is too large to send", what, mine_bytes);
-        k3_dist_abort(&e);
+    uint64_t sent = 0;
+    for (int r = 0; r < R; r++) {
+        if (r == G.rank) continue;
+        size_t nb = to ? to_bytes[r] : mine_bytes;
+        if (nb > INT_MAX) {
+            k3_err e = {.code = K3_EXIT_RUNTIME};
+            snprintf(e.msg, sizeof e.msg, "%s: a block of %zu bytes is too large to send", what, nb);
+            k3_dist_abort(&e);
+        }
+        sent += nb;
     }
     double t0 = now_s();
     MPI_Request *rq = xmalloc_array(2 * (size_t)R, sizeof *rq);
@@ -229,13 +240,15 @@ static void all_to_all(int tag, const void *mine, size_t mine_bytes, void *const
     for (int d = 1; d < R; d++) {
         int r = (G.rank + d) % R;
         recv[n] = -1;
-        if ((mrc = MPI_Isend(mine, (int)mine_bytes, MPI_BYTE, r, tag, MPI_COMM_WORLD, &rq[n++]))) fail_mpi(mrc, what);
+        const void *b = to ? to[r] : mine;
+        int nb = (int)(to ? to_bytes[r] : mine_bytes);
+        if ((mrc = MPI_Isend(b, nb, MPI_BYTE, r, tag, MPI_COMM_WORLD, &rq[n++]))) fail_mpi(mrc, what);
     }
     wait_all(n, rq, recv, what, true);
     free(rq);
     free(recv);
     G.st.collectives++;
-    G.st.bytes_sent += (uint64_t)mine_bytes * (uint64_t)(R - 1);
+    G.st.bytes_sent += sent;
     G.st.wait_s += now_s() - t0;
 }
 
@@ -249,7 +262,7 @@ void k3_dist_allgather(const void *mine, size_t n, void *all, const char *what) 
         to[r] = (char *)all + (size_t)r * n;
         sz[r] = n;
     }
-    all_to_all(TAG_GATHER, mine, n, to, sz, what);
+    all_to_all(TAG_GATHER, mine, n, NULL, NULL, to, sz, what);
     free(to);
     free(sz);
 }
@@ -258,7 +271,14 @@ void k3_dist_exchange(const void *mine, size_t mine_bytes, void *const *theirs, 
                       const char *what) {
     G.nexch++;
     fault_check();
-    all_to_all(TAG_EXCHANGE, mine, mine_bytes, theirs, their_bytes, what);
+    all_to_all(TAG_EXCHANGE, mine, mine_bytes, NULL, NULL, theirs, their_bytes, what);
+}
+
+void k3_dist_alltoall(const void *const *to, const size_t *to_bytes, void *const *theirs, const size_t *their_bytes,
+                      const char *what) {
+    G.nexch++;
+    fault_check();
+    all_to_all(TAG_EXCHANGE, NULL, 0, to, to_bytes, theirs, their_bytes, what);
 }
 
 /* rank 0's block to every other rank (the others receive into buf) */

@@ -12,6 +12,7 @@
  *   k3_dist_allgather fixed-size records, in rank order
  *   k3_dist_exchange  each rank's block to every other rank, the sizes known
  *                     to all beforehand; the blocks land in rank order
+ *   k3_dist_alltoall  the same with a block of its own for each peer
  *   k3_dist_abort     one line naming this rank, then the whole job ends
  *   k3_dist_finish    from main, last: the job's exit code and its one line
  * A process that is not under mpirun (or a build without MPI) is a job of one
@@ -63,6 +64,12 @@ void k3_dist_allgather(const void *mine, size_t n, void *all, const char *what);
  * (their_bytes[r] bytes, known in advance) into theirs[r]; theirs[rank] and
  * their_bytes[rank] are ignored. what: names the step in a timeout message. */
 void k3_dist_exchange(const void *mine, size_t mine_bytes, void *const *theirs, const size_t *their_bytes,
+                      const char *what);
+
+/* Like k3_dist_exchange, but a block of its own for each rank: to[r]
+ * (to_bytes[r] bytes) goes to rank r; to[rank] and theirs[rank] are ignored.
+ * Counts as an exchange for K3_DIST_FAULT. */
+void k3_dist_alltoall(const void *const *to, const size_t *to_bytes, void *const *theirs, const size_t *their_bytes,
                       const char *what);
 
 /* A line read by rank 0 from f (getline's contract: the length without a

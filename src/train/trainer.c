@@ -19,6 +19,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "dist/data_par.h"
+#include "dist/dist.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
 #include "train/data.h"
@@ -61,6 +63,18 @@ typedef struct {
     int64_t resumed_from;
     int64_t *step_load;
     int64_t val_windows;
+    /* data parallel (several ranks under mpirun): this rank computes units
+     * (micro-batches) [u0, u0 + k) of every step; only the writer (rank 0)
+     * writes the run directory. gunit: the units' gradients after the first
+     * (rank 0: one scratch for its running fold); qb_all: every rank's
+     * Quantile Balancing margins of a step, in unit order. */
+    int ranks, me, k, u0;
+    bool writer;
+    float **gunit;
+    int ngunit;
+    double *uloss;
+    float *qb_all;
+    bool stop;     /* the stop request as agreed after the last step (g_stop may change any time) */
 } run;
 
 static char *path_in(const run *r, const char *name) {
@@ -124,6 +138,7 @@ static char *utf8_clean(const uint8_t *s, size_t n) {
 }
 
 static int write_state(run *r, const char *status, const char *error, k3_err *err) {
+    if (!r->writer) return K3_OK;
     json_t *s = json_object();
     json_object_set_new(s, "format", json_string("k3-run"));
     json_object_set_new(s, "version", json_integer(1));
@@ -142,6 +157,7 @@ static int write_state(run *r, const char *status, const char *error, k3_err *er
         json_object_set_new(s, "hostname", json_string(host));
     }
     json_object_set_new(s, "params", json_integer((json_int_t)r->m.nw));
+    json_object_set_new(s, "ranks", json_integer(r->ranks));
     json_t *cfg = json_loads(r->config_text, 0, NULL);
     json_object_set_new(s, "config", cfg ? cfg : json_null());
     if (r->o.config_path) json_object_set_new(s, "config_path", json_string(r->o.config_path));
@@ -163,6 +179,7 @@ static int write_state(run *r, const char *status, const char *error, k3_err *er
 }
 
 static int write_svg(run *r, k3_err *err) {
+    if (!r->writer) return K3_OK;
     char *p = path_in(r, "loss.svg");
     int rc = tplot_loss_svg(p, r->hs, r->hl, r->nh, r->he, r->hv, r->ne, err);
     free(p);
@@ -253,9 +270,14 @@ static int evaluate(run *r, int64_t step, k3_err *err) {
     write_state(r, "running", NULL, err);
     const int B = r->B, T = r->T;
     int32_t *tok = xmalloc_array((size_t)B * (T + 1), sizeof(int32_t));
-    double loss = 0;
-    int64_t ntok = 0, nbytes = 0;
-    for (int64_t w0 = 0; w0 < r->val_windows; w0 += B) {
+    /* Batch i of B windows is computed by rank i % R; the per-batch sums are
+     * gathered and added in batch order, as one process adds them. */
+    const int64_t nbat = (r->val_windows + B - 1) / B;
+    typedef struct { double loss; int64_t bytes; } batch_sum;
+    batch_sum *bs = xcalloc((size_t)nbat, sizeof *bs);
+    for (int64_t i = r->me; i < nbat; i += r->ranks) {
+        const int64_t w0 = i * B;
+        int64_t nbytes = 0;
         for (int b = 0; b < B; b++) {
             int64_t w = w0 + b < r->val_windows ? w0 + b : w0; /* pad the last batch; padded rows not counted */
             shard_read(&r->val, (uint64_t)w * T, (size_t)T + 1, tok + (size_t)b * (T + 1));
@@ -273,10 +295,24 @@ static int evaluate(run *r, int64_t step, k3_err *err) {
             }
         t_cross_entropy(r->m.logits, tg, rows * T, r->cfg.vocab_size, &s, NULL, 0.0f);
         free(tg);
-        loss += s;
-        ntok += (int64_t)rows * T;
+        bs[i] = (batch_sum){s, nbytes};
     }
     free(tok);
+    if (r->ranks > 1) {
+        batch_sum *all = xmalloc_array((size_t)r->ranks * (size_t)nbat, sizeof *all);
+        k3_dp_allgather(bs, (size_t)nbat * sizeof *bs, all, "the validation losses");
+        for (int64_t i = 0; i < nbat; i++) bs[i] = all[(size_t)(i % r->ranks) * (size_t)nbat + (size_t)i];
+        free(all);
+    }
+    double loss = 0;
+    int64_t ntok = 0, nbytes = 0;
+    for (int64_t i = 0; i < nbat; i++) {
+        int64_t rows = r->val_windows - i * B < B ? r->val_windows - i * B : B;
+        loss += bs[i].loss;
+        nbytes += bs[i].bytes;
+        ntok += rows * T;
+    }
+    free(bs);
     double vl = loss / (double)ntok;
     double bpb = nbytes ? loss / ((double)nbytes * log(2.0)) : NAN;
     json_t *rec = json_object();
@@ -286,7 +322,7 @@ static int evaluate(run *r, int64_t step, k3_err *err) {
     json_object_set_new(rec, "val_loss", jnum(vl));
     json_object_set_new(rec, "val_bpb", jnum(bpb));
     json_object_set_new(rec, "val_tokens", json_integer(ntok));
-    int rc = append_line(r->metrics_fd, rec, "metrics.jsonl", err);
+    int rc = r->writer ? append_line(r->metrics_fd, rec, "metrics.jsonl", err) : K3_OK;
     json_decref(r->latest_eval);
     r->latest_eval = rec;
     hist_eval(r, step, vl);
@@ -297,6 +333,7 @@ static int evaluate(run *r, int64_t step, k3_err *err) {
     if (!rc && isfinite(vl) && (r->best_step < 0 || vl < r->best_loss)) {
         r->best_loss = vl;
         r->best_step = step;
+        if (!r->writer) { r->phase = "train"; return K3_OK; }
         r->phase = "checkpoint";
         tckpt_meta meta = {step, r->total, step * (int64_t)r->A * r->B * r->T, r->best_step, r->best_loss,
                            r->seed, r->config_text, r->train_json, r->o.data_dir};
@@ -348,6 +385,7 @@ static void remove_stale_samples(const char *tdir) {
  * resume stays bit-identical. */
 #define SAMPLE_TEMPERATURE 0.8f /* the dashboard's samples: varied but on topic */
 static int sample(run *r, int64_t step, k3_err *err) {
+    if (!r->writer) return K3_OK; /* the other ranks neither decode nor write */
     r->phase = "sample";
     write_state(r, "running", NULL, err);
     const int n = r->o.sample_tokens, V = r->cfg.vocab_size;
@@ -394,6 +432,7 @@ static int sample(run *r, int64_t step, k3_err *err) {
 }
 
 static int checkpoint(run *r, int64_t step, k3_err *err) {
+    if (!r->writer) { r->ckpt_step = step; return K3_OK; }
     r->phase = "checkpoint";
     write_state(r, "running", NULL, err);
     tckpt_meta meta = {step, r->total, step * (int64_t)r->A * r->B * r->T, r->best_step, r->best_loss,
@@ -408,22 +447,82 @@ static int checkpoint(run *r, int64_t step, k3_err *err) {
 
 /* ---- one optimiser step ----------------------------------------------------------------- */
 
+/* The gradient of a step is the left fold, in unit order, of the units'
+ * gradients, each computed from zero: g = ((G_0 + G_1) + G_2) + ... (the
+ * training GEMM's dW chain runs over one micro-batch's rows). A process that
+ * holds the first units folds them as it goes (one scratch buffer); the
+ * others keep theirs apart, and k3_dp_fold completes the fold across ranks,
+ * so the bits are the same at every rank count. The losses (a double sum in
+ * unit order), the expert loads (integers) and the Quantile Balancing margins
+ * (rows in unit order) are gathered whole, so every rank then takes the same
+ * optimiser step and bias update as one process. */
 static int train_step(run *r, int32_t *tok, k3_err *err) {
     tmodel *m = &r->m;
     const int Ne = r->cfg.num_experts;
+    const size_t nload = (size_t)(m->n_moe ? m->n_moe : 1) * (size_t)Ne;
     double t0 = k3_now();
-    memset(m->g, 0, m->nw * sizeof(float));
-    memset(r->step_load, 0, sizeof(int64_t) * (size_t)(m->n_moe ? m->n_moe : 1) * Ne);
+    memset(r->step_load, 0, sizeof(int64_t) * nload);
     m->qb_record = true;
-    double loss = 0;
     const float scale = 1.0f / (float)((int64_t)r->A * r->B * r->T);
-    for (int a = 0; a < r->A; a++) {
-        make_batch(r, r->start, a, tok);
-        loss += tm_forward(m, tok, r->B, r->T);
+    float *g = m->g;
+    for (int j = 0; j < r->k; j++) {
+        /* rank 0 folds into g as it goes; another rank keeps each unit apart */
+        float *dst = j == 0 ? g : r->gunit[r->me == 0 ? 0 : j - 1];
+        memset(dst, 0, m->nw * sizeof(float));
+        make_batch(r, r->start, r->u0 + j, tok);
+        r->uloss[j] = tm_forward(m, tok, r->B, r->T);
         for (size_t i = 0; i < (size_t)m->n_moe * Ne; i++) r->step_load[i] += m->load[i];
+        m->g = dst;
         tm_backward(m, scale);
+        m->g = g;
+        if (r->me == 0 && j > 0) k3_dp_add(g, dst, m->nw);
     }
     m->qb_record = false;
+    double loss = 0;
+    if (r->ranks > 1) {
+        const float **mine = xmalloc_array((size_t)r->k, sizeof *mine);
+        int *counts = xmalloc_array((size_t)r->ranks, sizeof *counts);
+        int nv = r->me == 0 ? 1 : r->k;
+        mine[0] = g;
+        for (int j = 1; j < nv; j++) mine[j] = r->gunit[j - 1];
+        for (int q = 0; q < r->ranks; q++) counts[q] = q == 0 ? 1 : r->k;
+        k3_dp_fold(g, mine, counts, m->nw, "the gradients");
+        free(mine);
+        free(counts);
+        /* unit losses and expert loads, in rank (= unit) order */
+        size_t rec = (size_t)r->k * sizeof(double) + nload * sizeof(int64_t);
+        char *b = xmalloc(rec), *all = xmalloc_array((size_t)r->ranks, rec);
+        memcpy(b, r->uloss, (size_t)r->k * sizeof(double));
+        memcpy(b + (size_t)r->k * sizeof(double), r->step_load, nload * sizeof(int64_t));
+        k3_dp_allgather(b, rec, all, "the losses and expert loads");
+        memset(r->step_load, 0, sizeof(int64_t) * nload);
+        for (int q = 0; q < r->ranks; q++) {
+            const char *p = all + (size_t)q * rec;
+            for (int j = 0; j < r->k; j++) {
+                double l;
+                memcpy(&l, p + (size_t)j * sizeof(double), sizeof l);
+                loss += l;
+            }
+            for (size_t i = 0; i < nload; i++) {
+                int64_t v;
+                memcpy(&v, p + (size_t)r->k * sizeof(double) + i * sizeof(int64_t), sizeof v);
+                r->step_load[i] += v;
+            }
+        }
+        free(b);
+        free(all);
+        if (r->qb_all) { /* the margins of every unit, in unit order, replace this rank's */
+            const size_t row = (size_t)m->n_moe * (size_t)Ne * sizeof(float);
+            const size_t mine_n = (size_t)m->qb_n;
+            k3_dp_allgather(m->qb_marg, mine_n * row, r->qb_all, "the Quantile Balancing margins");
+            float *t = m->qb_marg;
+            m->qb_marg = r->qb_all;
+            r->qb_all = t;
+            m->qb_n = (int)(mine_n * (size_t)r->ranks);
+        }
+    } else {
+        for (int j = 0; j < r->k; j++) loss += r->uloss[j];
+    }
     loss *= scale;
     double lr;
     double gn = topt_step(&r->opt, m, &lr);
@@ -459,7 +558,7 @@ static int train_step(run *r, int32_t *tok, k3_err *err) {
         }
         json_object_set_new(rec, "expert_load", el);
     }
-    int rc = append_line(r->metrics_fd, rec, "metrics.jsonl", err);
+    int rc = r->writer ? append_line(r->metrics_fd, rec, "metrics.jsonl", err) : K3_OK;
     json_decref(r->latest);
     r->latest = rec;
     hist_train(r, r->start, loss);
@@ -582,6 +681,20 @@ static int setup(run *r, k3_err *err) {
     if (!r->B) r->B = 16;
     if (!r->T) r->T = 256;
     if (!r->A) r->A = 2;
+    if (r->A % r->ranks) {
+        if (have_ck) tckpt_close(&ck);
+        char ok[160] = "";
+        size_t at = 0;
+        for (int d = 1; d <= r->A && at < sizeof ok - 16; d++)
+            if (r->A % d == 0) at += (size_t)snprintf(ok + at, sizeof ok - at, "%s%d", at ? ", " : "", d);
+        return k3_fail(err, K3_EXIT_USAGE,
+                       "%d ranks cannot share %d micro-batches a step (%s %d): each rank computes whole "
+                       "micro-batches, so the rank count must divide %d (-np %s), or change --gradient-accumulation",
+                       r->ranks, r->A, o->accum ? "--gradient-accumulation" : "the checkpoint's gradient accumulation",
+                       r->A, r->A, ok);
+    }
+    r->k = r->A / r->ranks;
+    r->u0 = r->me * r->k;
     if (r->opt.c.lr == 0) r->opt.c.lr = 3e-3;
     oc.lr = r->opt.c.lr;
     oc.muon = r->o.optimizer != 2;
@@ -658,7 +771,26 @@ static int setup(run *r, k3_err *err) {
     if (r->eot < 0) r->eot = tok_eos_id(r->tok);
     r->train_json = make_train_json(r);
     r->step_load = xcalloc((size_t)(r->m.n_moe ? r->m.n_moe : 1) * (size_t)r->cfg.num_experts, sizeof(int64_t));
-    /* run directory */
+    r->uloss = xcalloc((size_t)r->k, sizeof(double));
+    r->ngunit = r->me == 0 ? (r->k > 1) : r->k - 1;
+    r->gunit = xcalloc((size_t)(r->ngunit ? r->ngunit : 1), sizeof *r->gunit);
+    for (int j = 0; j < r->ngunit; j++) r->gunit[j] = xmalloc_array(r->m.nw, sizeof(float));
+    if (r->ranks > 1 && r->m.n_moe && r->cfg.experts_per_token < r->cfg.num_experts) {
+        /* room for the whole step's margins, so the gathered rows can take the place of this rank's */
+        size_t rows = (size_t)r->A * (size_t)r->B * (size_t)r->T;
+        size_t row = (size_t)r->m.n_moe * (size_t)r->cfg.num_experts;
+        r->m.qb_cap = (int)rows;
+        r->m.qb_marg = xrealloc_array(r->m.qb_marg, rows * row, sizeof(float));
+        r->qb_all = xmalloc_array(rows * row, sizeof(float));
+    }
+    return K3_OK;
+}
+
+/* The run directory: rank 0's alone, once every rank is known to run the
+ * same job (a refused job leaves it as it was). */
+static int setup_run_dir(run *r, k3_err *err) {
+    const ttrain_opts *o = &r->o;
+    int rc;
     if (mkdir(o->output_dir, 0755) != 0 && errno != EEXIST)
         return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", o->output_dir, strerror(errno));
     if (!r->resumed) {
@@ -687,6 +819,61 @@ static int setup(run *r, k3_err *err) {
     return K3_OK;
 }
 
+/* ---- several ranks ------------------------------------------------------------------------ */
+
+/* The ranks must run the same job: the command lines are compared at start
+ * (dist.h), and here what the files gave each rank: the model config and
+ * settings, the token shards (every byte) and the starting state (weights,
+ * router biases, optimiser moments: a fresh initialisation or the checkpoint
+ * read). The first that differs is named. */
+static int check_same_job(run *r, k3_err *err) {
+    if (r->ranks == 1) return K3_OK;
+    uint64_t h[3];
+    h[0] = k3_fnv1a64(1469598103934665603ull, r->config_text, strlen(r->config_text));
+    const int64_t nums[] = {r->B, r->T, r->A, r->start, r->end, r->total, (int64_t)r->seed, r->opt.c.muon,
+                            r->m.bf16, r->m.kda_chunk, r->val_windows, r->best_step, r->opt.step};
+    h[0] = k3_fnv1a64(h[0], nums, sizeof nums);
+    h[0] = k3_fnv1a64(h[0], &r->opt.c.lr, sizeof r->opt.c.lr);
+    uint32_t c = k3_crc32c(0, r->train.map, r->train.map_len);
+    h[1] = ((uint64_t)k3_crc32c(c, r->val.map, r->val.map_len) << 32) | (uint32_t)r->train.info.n_tokens;
+    c = k3_crc32c(0, r->m.w, r->m.nw * sizeof(float));
+    c = k3_crc32c(c, r->m.bias, (size_t)r->m.n_moe * (size_t)r->cfg.num_experts * sizeof(float));
+    c = k3_crc32c(c, r->opt.m1, r->m.nw * sizeof(float));
+    c = k3_crc32c(c, r->opt.m2, r->m.nw * sizeof(float));
+    h[2] = c;
+    uint64_t *all = xmalloc_array((size_t)r->ranks * 3, sizeof *all);
+    k3_dp_allgather(h, sizeof h, all, "start-up (the training job's identity)");
+    int bad = -1, what = 0;
+    for (int q = 1; q < r->ranks && bad < 0; q++)
+        for (int i = 0; i < 3 && bad < 0; i++)
+            if (all[3 * q + i] != all[i]) { bad = q; what = i; }
+    free(all);
+    if (bad < 0) return K3_OK;
+    static const char *const part[3] = {"model config or training settings (from --config / --resume)",
+                                        "token shards in --data-dir", "starting weights and optimiser state"};
+    return k3_fail(err, K3_EXIT_USAGE,
+                   "rank %d of %d (%s): its %s differ from rank 0's (%s): every rank must see identical files "
+                   "(the same paths on every host)",
+                   bad, r->ranks, k3_dist_host(bad), part[what], k3_dist_host(0));
+}
+
+/* Every rank leaves the loop at the same step: a status (rank 0 writes the
+ * run directory alone, so it can fail alone) and, with share_stop, a stop
+ * request (a signal reaches the ranks at different times) are agreed on. */
+static int sync_ranks(run *r, int rc, bool share_stop, const char *what, k3_err *err) {
+    int32_t mine = g_stop ? 1 : 0; /* read once: a signal may come in between */
+    if (share_stop) r->stop = mine;
+    if (r->ranks == 1) return rc;
+    rc = k3_dist_agree(rc, err, what);
+    if (rc || !share_stop) return rc;
+    int32_t *all = xmalloc_array((size_t)r->ranks, sizeof *all);
+    k3_dp_allgather(&mine, sizeof mine, all, what);
+    for (int q = 0; q < r->ranks; q++)
+        if (all[q]) r->stop = true;
+    free(all);
+    return K3_OK;
+}
+
 static void teardown(run *r) {
     if (r->metrics_fd > 0) close(r->metrics_fd);
     if (r->samples_fd > 0) close(r->samples_fd);
@@ -704,6 +891,10 @@ static void teardown(run *r) {
     free(r->he);
     free(r->hv);
     free(r->step_load);
+    free(r->uloss);
+    for (int j = 0; j < r->ngunit; j++) free(r->gunit[j]);
+    free(r->gunit);
+    free(r->qb_all);
 }
 
 int k3_train_run(const ttrain_opts *opts, k3_err *err) {
@@ -716,17 +907,30 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
     if (!r.o.checkpoint_interval) r.o.checkpoint_interval = r.o.eval_interval;
     r.started = wall();
     r.phase = "init";
+    r.ranks = k3_dist_size();
+    r.me = k3_dist_rank();
+    r.writer = r.me == 0;
+    r.k = 1;
     int rc = setup(&r, err);
+    rc = sync_ranks(&r, rc, false, "start-up", err);
+    if (!rc) rc = check_same_job(&r, err); /* the same verdict on every rank */
+    if (!rc) {
+        if (r.writer) rc = setup_run_dir(&r, err);
+        rc = sync_ranks(&r, rc, false, "start-up (the run directory)", err);
+    }
     if (rc) {
         if (r.metrics_fd > 0) write_state(&r, "failed", err->msg, &(k3_err){0});
         teardown(&r);
         return rc;
     }
     g_stop = 0;
-    struct sigaction sa = {0}, old_int, old_term;
+    /* SIGUSR1 too: mpirun forwards it to every rank as it is, while on
+     * SIGINT / SIGTERM it gives the ranks one second before SIGKILL */
+    struct sigaction sa = {0}, old_int, old_term, old_usr1;
     sa.sa_handler = on_signal;
     sigaction(SIGINT, &sa, &old_int);
     sigaction(SIGTERM, &sa, &old_term);
+    sigaction(SIGUSR1, &sa, &old_usr1);
     if (!r.o.quiet) {
         printf("k3 train: %s, %lld parameters (router biases not counted)\n",
                r.o.config_path ? r.o.config_path : r.o.resume, (long long)r.m.nw);
@@ -734,6 +938,8 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
         printf("batch %d x %d tokens x accumulation %d = %d tokens/step, %lld steps, lr %g (%s), seed %llu%s\n", r.B,
                r.T, r.A, r.A * r.B * r.T, (long long)r.total, r.opt.c.lr, r.opt.c.muon ? "Muon + AdamW" : "AdamW",
                (unsigned long long)r.seed, r.resumed ? ", resumed" : "");
+        if (r.ranks > 1)
+            printf("data parallel: %d ranks, %d micro-batch%s a step each\n", r.ranks, r.k, r.k > 1 ? "es" : "");
         fflush(stdout);
     }
     write_state(&r, "running", NULL, err);
@@ -741,19 +947,22 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
     if (!r.resumed) {
         rc = evaluate(&r, 0, err);
         if (!rc && !r.o.skip_samples && r.o.sample_interval > 0) rc = sample(&r, 0, err);
+        rc = sync_ranks(&r, rc, false, "the first evaluation", err);
     }
     int32_t *tok = xmalloc_array((size_t)r.B * (r.T + 1), sizeof(int32_t));
     bool stopped = false;
     while (!rc && r.start < r.end) {
         rc = train_step(&r, tok, err);
+        rc = sync_ranks(&r, rc, true, "a training step", err);
         if (rc) break;
         int64_t s = r.start;
         bool last = s == r.end;
-        if (g_stop) { stopped = true; last = true; }
+        if (r.stop) { stopped = true; last = true; }
         if (s % r.o.eval_interval == 0 || (last && s == r.total)) rc = evaluate(&r, s, err);
         if (!rc && !r.o.skip_samples && r.o.sample_interval > 0 && s % r.o.sample_interval == 0)
             rc = sample(&r, s, err);
         if (!rc && (s % r.o.checkpoint_interval == 0 || last)) rc = checkpoint(&r, s, err);
+        rc = sync_ranks(&r, rc, false, "an evaluation, sample or checkpoint", err);
         if (stopped) break;
     }
     free(tok);
@@ -766,6 +975,7 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
     }
     sigaction(SIGINT, &old_int, NULL);
     sigaction(SIGTERM, &old_term, NULL);
+    sigaction(SIGUSR1, &old_usr1, NULL);
     teardown(&r);
     return rc;
 }
