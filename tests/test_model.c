@@ -141,9 +141,31 @@ static void kda_fixture(const char *rel) {
     float *conv = k3_own(&f.own, xcalloc(3 * (size_t)P * (K - 1), 4), 0);
     float *y = k3_own(&f.own, xmalloc_array((size_t)T * E, 4), 0);
     k3_kda_state st = {.S = S, .conv = conv};
-    k3_kda(&c, &w, &st, fx_floats(&f, "in", NULL), T, y);
-    bool ok = close_rows("kda out", y, fx_floats(&f, "out", NULL), (size_t)T * E, (size_t)E) &&
+    const float *in = fx_floats(&f, "in", NULL), *want = fx_floats(&f, "out", NULL);
+    k3_kda(&c, &w, &st, in, T, y);
+    bool ok = close_rows("kda out", y, want, (size_t)T * E, (size_t)E) &&
               close_rows("kda state", S, fx_floats(&f, "state_out", NULL), (size_t)H * D * D, (size_t)D * D);
+    /* training's entry (the same block on two sequences at once, with the
+     * record): inference's products and rounding give inference's bits, for
+     * each sequence; the chunkwise form stays within the fixture's tolerance */
+    size_t N = 2 * (size_t)T, NP = N * P;
+    float *x2 = k3_own(&f.own, xmalloc_array(N * E, 4), 0), *y2 = k3_own(&f.own, xmalloc_array(N * E, 4), 0);
+    memcpy(x2, in, (size_t)T * E * 4);
+    memcpy(x2 + (size_t)T * E, in, (size_t)T * E * 4);
+    float *buf = k3_own(&f.own, xmalloc_array(14 * NP + 4 * N * H + N * D + 2 * (size_t)H * T * D * D, 4), 0);
+    k3_kda_rec r = {.pre = buf, .cv = buf + 3 * NP, .q = buf + 6 * NP, .k = buf + 7 * NP, .v = buf + 8 * NP,
+                    .zb = buf + 9 * NP, .gl = buf + 10 * NP, .o = buf + 11 * NP, .gate = buf + 12 * NP,
+                    .y = buf + 13 * NP, .rq = buf + 14 * NP, .rk = buf + 14 * NP + N * H,
+                    .beta = buf + 14 * NP + 2 * N * H, .ro = buf + 14 * NP + 3 * N * H,
+                    .fa = buf + 14 * NP + 4 * N * H, .Ssave = buf + 14 * NP + 4 * N * H + N * D};
+    for (int chunk = 0; chunk <= 4; chunk += 4) {
+        k3_kda_rec_forward(&c, &w, &k3_infer_ops, chunk, x2, 2, T, y2, &r);
+        for (int s = 0; s < 2; s++) {
+            const float *ys = y2 + (size_t)s * T * E;
+            if (chunk == 0) CHECKF(!memcmp(ys, y, (size_t)T * E * 4), "record path, sequence %d: other bits", s);
+            else ok = ok && close_rows("kda out, chunkwise", ys, want, (size_t)T * E, (size_t)E);
+        }
+    }
     fx_close(&f);
     CHECK(ok);
 }

@@ -1,8 +1,9 @@
 /* model.c: the K3 layer graph (k3-checkpoint-format.md sections 6-12).
  *
- * Read top to bottom: the workspace, then one function per equation block of
- * the spec (AttnRes, KDA, MLA, LatentMoE, dense MLP), then the decoder layer
- * and the model forward, then the decode state and the sampler.
+ * Read top to bottom: one function per equation block of the spec (AttnRes,
+ * MLA, LatentMoE, dense MLP; KDA is kda.c's; the workspace model_impl.h's),
+ * then the decoder layer and the model forward, then the decode state and
+ * the sampler.
  *
  * Activations are [T][width] row-major f32 for a chunk of T consecutive
  * positions. Every per-position quantity is computed with arithmetic that does
@@ -15,62 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- workspace ------------------------------------------------------------
- * A bump allocator for the temporaries of one forward chunk. The state sizes
- * it from ws_need() so a forward never allocates; should the estimate ever
- * fall short, the overflow is served by the heap (and kept until the next
- * reset), never by a crash. */
-typedef struct {
-    char *base;
-    size_t cap, used, high;
-    void **extra;
-    size_t nextra, cextra;
-    uint64_t overflow;   /* bytes ever served by the heap fallback */
-} k3_ws;
-
-#define WS_ALIGN 64
-
-static void *ws_get(k3_ws *w, size_t bytes) {
-    size_t n = (bytes + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;
-    if (w->used + n <= w->cap) {
-        void *p = w->base + w->used;
-        w->used += n;
-        if (w->used > w->high) w->high = w->used;
-        return p;
-    }
-    if (w->nextra == w->cextra) {
-        w->cextra = w->cextra ? 2 * w->cextra : 8;
-        w->extra = xrealloc_array(w->extra, w->cextra, sizeof *w->extra);
-    }
-    void *p = xmalloc_aligned(n);
-    w->extra[w->nextra++] = p;
-    w->overflow += n;
-    w->high += n;
-    return p;
-}
-static float *ws_f(k3_ws *w, size_t n) { return ws_get(w, n * sizeof(float)); }
-static int *ws_i(k3_ws *w, size_t n) { return ws_get(w, n * sizeof(int)); }
-
-static void ws_reset(k3_ws *w) {
-    for (size_t i = 0; i < w->nextra; i++) free(w->extra[i]);
-    w->nextra = 0;
-    w->used = 0;
-}
-static void ws_init(k3_ws *w, size_t cap) {
-    memset(w, 0, sizeof *w);
-    w->cap = cap;
-    w->base = cap ? xmalloc_aligned(cap) : NULL;
-}
-static void ws_free(k3_ws *w) {
-    ws_reset(w);
-    free(w->extra);
-    free(w->base);
-    memset(w, 0, sizeof *w);
-}
-
-/* Bytes ws_get rounds n floats to. */
-static size_t wsz(size_t nfloats) { return (nfloats * 4 + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
-
 /* ---- helpers ----------------------------------------------------------------- */
 
 /* A view of rows [r0, r0+n) of a float matrix (never MXFP4 here). */
@@ -82,10 +27,6 @@ static k3_mat mat_rows(const k3_mat *W, int r0, int n) {
     return v;
 }
 
-/* Per-position work of a prefill chunk is split over threads only when the
- * chunk is long enough to pay for a thread team (rows are independent, so
- * the bits do not change). */
-#define PAR_ROWS(T, n) ((double)(T) * (double)(n) > 131072.0)
 
 static void rmsnorm_rows(float *y, const float *x, const float *g, int T, int n, float eps) {
 #pragma omp parallel for schedule(static) if (PAR_ROWS(T, n))
@@ -115,6 +56,14 @@ static void situ_par(const k3_config *c, float *out, const float *gate, const fl
         k_situ_glu(out + o, gate + o, up + o, (int)len, c->situ_beta, c->situ_linear_beta);
     }
 }
+
+/* Inference's products: one matrix on its own runs k_matmul, several share
+ * one thread team (k_products: the same bits). */
+static void products_canonical(const k_prod *jobs, int njobs) {
+    if (njobs == 1) k_matmul(jobs[0].W, jobs[0].X, jobs[0].n, jobs[0].Y);
+    else k_products(jobs, njobs);
+}
+const k3_fwd_ops k3_infer_ops = {.products = products_canonical, .train_rounding = false};
 
 static void add_rows(float *y, const float *x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] += x[i];
@@ -179,57 +128,6 @@ void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float 
     k3_ws ws;
     ws_init(&ws, 0);
     mlp(c, w, x, T, y, &ws);
-    ws_free(&ws);
-}
-
-/* ---- Kimi Delta Attention (section 8) -------------------------------------------
- *   q,k,v = SiLU(ShortConv(W x))      carried history: last K-1 pre-conv inputs
- *   q,k   = L2-normalised per head    (q's 1/sqrt(D) is applied in the kernel)
- *   beta  = sigmoid(b_proj x)         one scalar per head
- *   g     = g_min * sigmoid(exp(A_log[h]) * (f_b(f_a x) + dt_bias))
- *   o     = recurrent delta rule with per-channel decay exp(g)
- *   y     = o_proj(RMSNorm_head(o; o_norm) * sigmoid(g_proj x)) */
-static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y,
-                int chunk, k3_ws *ws) {
-    int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
-    size_t TP = (size_t)T * P;
-    float *pre = ws_f(ws, 3 * TP), *qkv = ws_f(ws, 3 * TP), *gate = ws_f(ws, TP);
-    float *beta = ws_f(ws, (size_t)T * H), *fa = ws_f(ws, (size_t)T * D);
-    /* every projection of x at once: one thread team, x read while hot */
-    k_prod jobs[6] = {{&w->q, x, T, pre},       {&w->k, x, T, pre + TP}, {&w->v, x, T, pre + 2 * TP},
-                      {&w->g, x, T, gate},      {&w->b, x, T, beta},     {&w->f_a, x, T, fa}};
-    k_products(jobs, 6);
-#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
-    for (int j = 0; j < 3; j++)
-        k_shortconv_silu(qkv + j * TP, pre + j * TP, T, P, w->conv[j], K, st->conv + (size_t)j * P * (K - 1));
-    float *q = qkv, *k = qkv + TP, *v = qkv + 2 * TP;
-#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
-    for (size_t i = 0; i < (size_t)T * H; i++) {
-        k_l2norm(q + i * D, D, 1e-6f);
-        k_l2norm(k + i * D, D, 1e-6f);
-    }
-    for (int i = 0; i < T * H; i++) beta[i] = k_sigmoid(beta[i]);
-    float *z = pre; /* pre-conv inputs are consumed */
-    k_matmul(&w->f_b, fa, T, z);
-    float *g = pre + TP;
-#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
-    for (int t = 0; t < T; t++)
-        k_kda_gate(g + (size_t)t * P, z + (size_t)t * P, w->A_log, w->dt_bias, H, D, c->gate_lower_bound);
-    float *o = pre + 2 * TP;
-    if (chunk > 0 && T > 1) k_kda_chunked(o, st->S, q, k, v, g, beta, T, H, D, chunk);
-    else k_kda_recurrent(o, st->S, q, k, v, g, beta, T, H, D);
-    float *normed = k; /* k is consumed */
-#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
-    for (int t = 0; t < T; t++)
-        k_kda_out_norm_gate(normed + (size_t)t * P, o + (size_t)t * P, w->o_norm, gate + (size_t)t * P, H, D,
-                            c->rms_eps);
-    k_matmul(&w->o, normed, T, y);
-}
-
-void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y) {
-    k3_ws ws;
-    ws_init(&ws, 0);
-    kda(c, w, st, x, T, y, 0, &ws);
     ws_free(&ws);
 }
 
@@ -854,7 +752,8 @@ static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const
         empty = true;
     }
     rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
-    if (w->kind == 'K') kda(c, &w->kda, ks, xn, T, sub, kda_chunk, ws);
+    if (w->kind == 'K')
+        kda_block(c, &w->kda, &k3_infer_ops, ks->S, ks->conv, xn, 1, T, sub, T > 1 ? kda_chunk : 0, NULL, ws);
     else mla(c, mla_eps, &w->mla, mc, pos0, xn, T, sub, ws);
     ws->used = inner;
     float *p = buf[*nb];

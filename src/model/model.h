@@ -337,6 +337,49 @@ void k3_attnres_rows(const float *q, const float *const *src, int nsrc, int T, i
  * records 1 / rms(x) for training's backward. y may alias x. */
 void k3_rmsnorm_rows(float *y, float *rinv, const float *x, const float *g, int T, int n, float eps);
 void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y);
+
+/* ---- the blocks as training runs them -------------------------------------
+ * A block's forward math is written once, here in the model graph; `k3 train`
+ * runs it on B sequences at once with a weight view onto its parameter arena
+ * (k3_mat KW_F32 views) and a record of what its backward reads. What the two
+ * callers fix differently is only how some steps are rounded, named here: */
+typedef struct {
+    /* Y = X W^T for each job (independent jobs): the canonical dots of
+     * k_products (inference) or the training GEMM's one fma chain per element
+     * (src/train/tops.c t_products) */
+    void (*products)(const k_prod *jobs, int njobs);
+    /* training's rounding of two elementwise steps: SiLU as x * sigmoid(x)
+     * (inference: x / (1 + e^-x)) and the KDA q/k L2 norm as a times-1/norm
+     * on a plain sum of squares (inference: a division by the norm of a
+     * dot). The same functions; the bits each side's contract fixed. */
+    bool train_rounding;
+} k3_fwd_ops;
+extern const k3_fwd_ops k3_infer_ops; /* what k3 run uses */
+
+/* What the KDA block's backward reads, for N = nseq*T rows (H heads of D, P =
+ * H*D). The q, k, v projections and their conv outputs are three planes of
+ * [N][P] (q, then k, then v). */
+typedef struct {
+    float *pre;    /* [3][N][P] projections before the ShortConv */
+    float *cv;     /* [3][N][P] ShortConv outputs before SiLU */
+    float *q, *k;  /* [N][P] after SiLU and the per-head L2 norm (q not yet scaled) */
+    float *rq, *rk;/* [N][H] the L2 norms' inverses */
+    float *v;      /* [N][P] after SiLU */
+    float *beta;   /* [N][H] */
+    float *fa;     /* [N][D] f_a x */
+    float *zb;     /* [N][P] f_b(f_a x) + dt_bias */
+    float *gl;     /* [N][P] log-decay */
+    float *o;      /* [N][P] the recurrence's output */
+    float *ro;     /* [N*H] the head norm's inverse rms */
+    float *gate;   /* [N][P] sigmoid(g_proj x) */
+    float *y;      /* [N][P] o_proj's input */
+    float *Ssave;  /* [nseq][H][nblk][D][D]: the state entering every block of
+                      k_kda_block_len(chunk, gate_lower_bound) positions */
+} k3_kda_rec;
+/* The KDA block on nseq sequences of T positions, each from a zero state
+ * (x, y: [nseq*T][E]); chunk 0 the recurrent form, > 0 the chunkwise one. */
+void k3_kda_rec_forward(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, int chunk, const float *x,
+                        int nseq, int T, float *y, k3_kda_rec *rec);
 void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
             const float *x, int T, float *y);
 /* experts: [N_e] bound experts (any selection may be used). */

@@ -33,10 +33,11 @@ struct tm_layer {
     moe_w moe_w;
 };
 
-/* Saved activations. N = B*T rows. */
+/* Saved activations. N = B*T rows. The KDA forward is the model graph's
+ * (model.h k3_kda_rec names the same arrays). */
 typedef struct {
-    float *pre;   /* [N][3P] q|k|v projections before the conv */
-    float *cv;    /* [N][3P] conv outputs before SiLU */
+    float *pre;   /* [3][N][P] q, k, v projections before the conv */
+    float *cv;    /* [3][N][P] conv outputs before SiLU */
     float *q, *k; /* [N][P] after SiLU and the per-head L2 norm (q unscaled) */
     float *rq, *rk; /* [N][H] L2 inverse norms */
     float *v;     /* [N][P] after SiLU */
@@ -140,11 +141,5 @@ void moe_free(moe_acts *a);
 void moe_forward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, float *out, int N);
 void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, const float *dout,
                   float *dx, int N, float *scratch);
-
-/* KDA recurrence over one sequence and one head, exposed for tests.
- * q, k, v, gl: strided rows (stride st) of D floats; beta: stride sb.
- * S: [D][D] state (in/out); o: output rows (stride st). */
-void kda_recur_fwd(float *o, float *S, const float *q, const float *k, const float *v,
-                   const float *gl, const float *beta, int T, int D, size_t st, size_t sb);
 
 #endif
