@@ -217,6 +217,31 @@ TEST(model_mla_matches_peer_and_caches_the_latent) {
     for (int t = 0; t < T; t++)
         k3_mla(&c, (float)tj_num(f.root, "rms_eps"), &w, &cache, t, in + (size_t)t * E, 1, y1 + (size_t)t * E);
     ok = ok && memcmp(y, y1, (size_t)T * E * 4) == 0;
+    /* training's entry: the same block with the expanded core on two
+     * sequences at once, each within the fixture's tolerance, the second
+     * with the first's bits (sequences do not see each other) and its
+     * probabilities causal rows that sum to one */
+    {
+        int H = c.mla_heads, dq = c.qk_nope_dim + c.qk_rope_dim, dkv = c.qk_nope_dim + c.v_head_dim,
+            HV = H * c.v_head_dim, rq = c.q_lora_rank, rkv = c.kv_lora_rank;
+        size_t N = 2 * (size_t)T;
+        float *x2 = k3_own(&f.own, xmalloc_array(N * E, 4), 0), *y2 = k3_own(&f.own, xmalloc_array(N * E, 4), 0);
+        memcpy(x2, in, (size_t)T * E * 4);
+        memcpy(x2 + (size_t)T * E, in, (size_t)T * E * 4);
+#define A(n) k3_own(&f.own, xmalloc_array((size_t)(n) + 1, 4), 0)
+        k3_mla_rec r = {.cq_pre = A(N * rq), .rcq = A(N), .cq = A(N * rq), .q = A(N * H * dq), .ckv = A(N * W),
+                        .clat = A(N * rkv), .rkv = A(N), .ckvn = A(N * rkv), .kv = A(N * H * dkv),
+                        .pr = A(2 * (size_t)H * T * T), .o = A(N * HV), .gate = A(N * HV), .y = A(N * HV)};
+#undef A
+        k3_mla_rec_forward(&c, (float)tj_num(f.root, "rms_eps"), &w, &k3_infer_ops, x2, 2, T, y2, &r);
+        ok = ok && close_rows("mla out, expanded", y2, fx_floats(&f, "out", NULL), (size_t)T * E, (size_t)E);
+        CHECKF(!memcmp(y2, y2 + (size_t)T * E, (size_t)T * E * 4), "expanded core: the two sequences differ");
+        for (int t = 0; t < T; t++) {
+            double sum = 0;
+            for (int s = 0; s < T; s++) sum += r.pr[(size_t)t * T + s];
+            CHECKF(fabs(sum - 1) < 1e-5 && (t + 1 == T || r.pr[(size_t)t * T + t + 1] == 0.0f), "row %d", t);
+        }
+    }
     fx_close(&f);
     CHECK(ok);
 }

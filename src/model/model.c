@@ -1,9 +1,9 @@
 /* model.c: the K3 layer graph (k3-checkpoint-format.md sections 6-12).
  *
  * Read top to bottom: one function per equation block of the spec (AttnRes,
- * MLA, LatentMoE, dense MLP; KDA is kda.c's; the workspace model_impl.h's),
- * then the decoder layer and the model forward, then the decode state and
- * the sampler.
+ * LatentMoE, dense MLP; KDA and MLA are kda.c's and mla.c's, the workspace
+ * model_impl.h's), then the decoder layer and the model forward, then the
+ * decode state and the sampler.
  *
  * Activations are [T][width] row-major f32 for a chunk of T consecutive
  * positions. Every per-position quantity is computed with arithmetic that does
@@ -17,15 +17,6 @@
 #include <string.h>
 
 /* ---- helpers ----------------------------------------------------------------- */
-
-/* A view of rows [r0, r0+n) of a float matrix (never MXFP4 here). */
-static k3_mat mat_rows(const k3_mat *W, int r0, int n) {
-    k3_mat v = *W;
-    size_t es = W->type == KW_BF16 ? 2 : 4;
-    v.data = (const char *)W->data + (size_t)r0 * (size_t)W->cols * es;
-    v.rows = n;
-    return v;
-}
 
 
 static void rmsnorm_rows(float *y, const float *x, const float *g, int T, int n, float eps) {
@@ -134,123 +125,7 @@ void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float 
 /* ---- Gated MLA with NoPE (section 9) ---------------------------------------------
  *   c_q  = RMSNorm(q_a x; eps_lat)        q_h = [q_nope_h ; q_rope_h] = (q_b c_q)_h
  *   c    = kv_a x:  c_kv = RMSNorm(c[0:r_kv]; eps_lat), k_rope = c[r_kv:]  (one key for all heads)
- *   the cache holds [c_kv ; k_rope] per position: the LATENT, never expanded keys
- *   score_h(s) = (q_nope_h . Wk_h c_kv(s) + q_rope_h . k_rope(s)) / sqrt(d_n + d_r)
- *   a_h        = Wv_h sum_s softmax(score_h)_s c_kv(s)
- *   y          = o_proj(sigmoid(g_proj x) * a)
- * Wk_h / Wv_h are head h's key / value rows of kv_b_proj; they are absorbed into
- * the query (Wk_h^T q_nope_h) and applied once to the attended latent, which is
- * the same function as expanding every cached position. No rotary anywhere. */
-/* Softmax over positions 0..n-1 of one head's scores at one position:
- * (q_abs . c_kv(p) + q_rope . k_rope(p)) * scale, two canonical dots. */
-static void mla_scores(float *sc, float *sr, const float *qa, const float *qrope, const float *latent, int W, int rkv,
-                       int dr, int n, float scale) {
-    k_dots(sc, qa, latent, (size_t)W, n, rkv);
-    k_dots(sr, qrope, latent + rkv, (size_t)W, n, dr);
-    for (int p = 0; p < n; p++) sc[p] = (sc[p] + sr[p]) * scale;
-    k_softmax(sc, n);
-}
-
-static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
-                const float *x, int T, float *y, k3_ws *ws) {
-    int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
-    int rq = c->q_lora_rank, rkv = c->kv_lora_rank, dq = dn + dr, W = rkv + dr, hkv = dn + dv;
-    size_t Ts = (size_t)T;
-    float *q = ws_f(ws, Ts * H * dq), *cq = rq > 0 ? ws_f(ws, Ts * rq) : NULL, *cc = ws_f(ws, Ts * W);
-    float *gate = w->g.rows ? ws_f(ws, Ts * H * dv) : NULL;
-    /* the projections of x in one pass (one thread team) */
-    k_prod jobs[3];
-    int nj = 0;
-    jobs[nj++] = rq > 0 ? (k_prod){&w->q_a, x, T, cq} : (k_prod){&w->q_b, x, T, q};
-    jobs[nj++] = (k_prod){&w->kv_a, x, T, cc};
-    if (gate) jobs[nj++] = (k_prod){&w->g, x, T, gate};
-    k_products(jobs, nj);
-    if (rq > 0) {
-        rmsnorm_rows(cq, cq, w->q_a_norm, T, rq, eps_lat);
-        k_matmul(&w->q_b, cq, T, q);
-    }
-    for (int t = 0; t < T; t++) {
-        float *lat = cache->latent + (size_t)(pos0 + t) * W;
-        k_rmsnorm(lat, cc + (size_t)t * W, w->kv_a_norm, rkv, eps_lat);
-        memcpy(lat + rkv, cc + (size_t)t * W + rkv, (size_t)dr * sizeof(float));
-    }
-    int nmax = pos0 + T;
-    /* head-major: qabs[h][t][rkv], ctx[h][t][rkv], vout[h][t][dv] */
-    float *qabs = ws_f(ws, (size_t)H * Ts * rkv), *ctx = ws_f(ws, (size_t)H * Ts * rkv);
-    /* scores: [2][H][nmax] per thread (the rope part is summed in after) */
-    float *score = ws_f(ws, (size_t)omp_get_max_threads() * 2 * H * nmax), *vout = ws_f(ws, (size_t)H * Ts * dv);
-    float *att = ws_f(ws, Ts * H * dv);
-    float scale = 1.0f / sqrtf((float)dq);
-    /* absorbed queries Wk_h^T q_nope_h for every position at once: each element
-     * gets its fmas over i in increasing order (as a loop of axpy) */
-    memset(qabs, 0, (size_t)H * Ts * rkv * sizeof *qabs);
-    memset(ctx, 0, (size_t)H * Ts * rkv * sizeof *ctx);
-    int nthr = omp_get_max_threads();
-    float *wk = ws_f(ws, (size_t)nthr * dn * rkv); /* head h's key rows widened, per thread */
-#pragma omp parallel for schedule(static) num_threads(nthr) if ((double)T * H * dn * rkv > 262144.0)
-    for (int h = 0; h < H; h++) {
-        float *b = wk + (size_t)omp_get_thread_num() * dn * rkv;
-        for (int i = 0; i < dn; i++) k_mat_row(&w->kv_b, h * hkv + i, b + (size_t)i * rkv);
-        k3_mat bm = {.type = KW_F32, .rows = dn, .cols = rkv, .data = b};
-        k_gemm_acc(qabs + (size_t)h * Ts * rkv, rkv, T, rkv, q + (size_t)h * dq, H * dq, dn, &bm, 0);
-    }
-    k3_mat lat_m = {.type = KW_F32, .rows = nmax, .cols = W, .data = cache->latent};
-    if (T == 1) { /* decoding: the heads in parallel */
-        int ngrp = (H + 3) / 4, n = pos0 + 1;
-#pragma omp parallel if ((double)H * n * (W + rkv) > 262144.0)
-        {
-#pragma omp for schedule(static)
-            for (int h = 0; h < H; h++)
-                mla_scores(score + (size_t)h * nmax, score + (size_t)(H + h) * nmax, qabs + (size_t)h * rkv,
-                           q + (size_t)h * dq + dn, cache->latent, W, rkv, dr, n, scale);
-            /* ctx_h = sum_p s_h[p] c_kv(p): all heads share the latent rows, so
-             * they run as one product (each element: fmas over p in order) */
-#pragma omp for schedule(static)
-            for (int g = 0; g < ngrp; g++) {
-                int h0 = 4 * g, hn = H - h0 < 4 ? H - h0 : 4;
-                k_gemm_acc(ctx + (size_t)h0 * rkv, rkv, hn, rkv, score + (size_t)h0 * nmax, nmax, n, &lat_m, 0);
-            }
-        }
-    } else { /* prefill: the positions in parallel (one thread team), all heads of a position together */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if ((double)H * T * nmax * (W + rkv) > 524288.0)
-        for (int t = 0; t < T; t++) {
-            int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
-            float *sb = score + (size_t)omp_get_thread_num() * 2 * H * nmax;
-            for (int h = 0; h < H; h++)
-                mla_scores(sb + (size_t)h * nmax, sb + (size_t)(H + h) * nmax, qabs + ((size_t)h * Ts + t) * rkv,
-                           q + ((size_t)t * H + h) * dq + dn, cache->latent, W, rkv, dr, n, scale);
-            k_gemm_acc(ctx + (size_t)t * rkv, (int)(Ts * rkv), H, rkv, sb, nmax, n, &lat_m, 0);
-        }
-    }
-    /* values: head h's value rows of kv_b on its attended latents, all heads in one batch */
-    k3_mat *wv = ws_get(ws, (size_t)H * sizeof *wv);
-    k_prod *vj = ws_get(ws, (size_t)H * sizeof *vj);
-    for (int h = 0; h < H; h++) {
-        wv[h] = mat_rows(&w->kv_b, h * hkv + dn, dv);
-        vj[h] = (k_prod){&wv[h], ctx + (size_t)h * Ts * rkv, T, vout + (size_t)h * Ts * dv};
-    }
-    k_products(vj, H);
-    for (int t = 0; t < T; t++)
-        for (int h = 0; h < H; h++)
-            memcpy(att + ((size_t)t * H + h) * dv, vout + ((size_t)h * Ts + t) * dv, (size_t)dv * sizeof *att);
-    if (gate)
-        for (size_t i = 0; i < Ts * H * dv; i++) att[i] *= k_sigmoid(gate[i]);
-    k_matmul(&w->o, att, T, y);
-}
-
-void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
-            const float *x, int T, float *y) {
-    k3_ws ws;
-    ws_init(&ws, 0);
-    mla(c, latent_eps, w, cache, pos0, x, T, y, &ws);
-    ws_free(&ws);
-}
-
-/* ---- Stable LatentMoE (section 10) -------------------------------------------------
- *   s = sigmoid(router x); T = top-k of s + bias (bias selects only)
- *   p = s_T / sum(s_T) * routed_scaling_factor
- *   z = W_down x                          [l]
- *   u = sum_j p_j * w2_j SiTU(w1_j z, w3_j z)   summed in slot order
+ *   the cache holds [c_j z)   summed in slot order
  *   r = W_up RMSNorm(u; routed_expert_norm)
  *   y = r + shared(x)                     shared experts unweighted
  * The chunk's selected experts are fetched once (ascending ids) and each runs
@@ -499,12 +374,12 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
     size_t E = (size_t)c->hidden_size, t = (size_t)T, need = 0, m;
     size_t nsrc = (size_t)n_boundaries(c) + 1;
     size_t base = 3 * wsz(t * E) + wsz((size_t)omp_get_max_threads() * nsrc) + 2 * WS_ALIGN;
-    if (c->n_kda_layers) { /* kda() */
+    if (c->n_kda_layers) { /* kda.c's kda_block() */
         size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, P = H * D;
         m = 2 * wsz(3 * t * P) + wsz(t * P) + wsz(t * H) + wsz(t * D);
         if (m > need) need = m;
     }
-    if (c->n_mla_layers) { /* mla() */
+    if (c->n_mla_layers) { /* mla.c's mla_block() */
         size_t H = (size_t)c->mla_heads, dq = (size_t)(c->qk_nope_dim + c->qk_rope_dim),
                dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim;
         m = wsz(t * H * dq) + wsz(t * (size_t)c->q_lora_rank) + wsz(t * W) + 2 * wsz(t * H * dv) +
@@ -754,7 +629,7 @@ static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const
     rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
     if (w->kind == 'K')
         kda_block(c, &w->kda, &k3_infer_ops, ks->S, ks->conv, xn, 1, T, sub, T > 1 ? kda_chunk : 0, NULL, ws);
-    else mla(c, mla_eps, &w->mla, mc, pos0, xn, T, sub, ws);
+    else mla_block(c, mla_eps, &w->mla, &k3_infer_ops, mc, pos0, xn, 1, T, sub, NULL, ws);
     ws->used = inner;
     float *p = buf[*nb];
     if (empty) memcpy(p, sub, TE * sizeof(float));

@@ -338,6 +338,8 @@ void k3_attnres_rows(const float *q, const float *const *src, int nsrc, int T, i
 void k3_rmsnorm_rows(float *y, float *rinv, const float *x, const float *g, int T, int n, float eps);
 void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y);
 
+typedef struct k3_mla_rec k3_mla_rec;
+
 /* ---- the blocks as training runs them -------------------------------------
  * A block's forward math is written once, here in the model graph; `k3 train`
  * runs it on B sequences at once with a weight view onto its parameter arena
@@ -353,6 +355,9 @@ typedef struct {
      * on a plain sum of squares (inference: a division by the norm of a
      * dot). The same functions; the bits each side's contract fixed. */
     bool train_rounding;
+    /* MLA's expanded attention core on a record (training's BF16 mode runs it
+     * as GEMMs); NULL: k3_mla_attend_expanded */
+    void (*mla_attend)(const k3_config *c, k3_mla_rec *r, int nseq, int T);
 } k3_fwd_ops;
 extern const k3_fwd_ops k3_infer_ops; /* what k3 run uses */
 
@@ -376,6 +381,25 @@ typedef struct {
     float *Ssave;  /* [nseq][H][nblk][D][D]: the state entering every block of
                       k_kda_block_len(chunk, gate_lower_bound) positions */
 } k3_kda_rec;
+/* What the MLA block's backward reads (N = nseq*T rows, dq = d_n + d_r,
+ * dkv = d_n + d_v). */
+struct k3_mla_rec {
+    float *cq_pre, *rcq, *cq;   /* [N][r_q] q_a x, [N] 1/rms, [N][r_q] normed */
+    float *q;                   /* [N][H dq] */
+    float *ckv;                 /* [N][r_kv + d_r] kv_a x */
+    float *clat, *rkv, *ckvn;   /* [N][r_kv] its latent part, [N] 1/rms, [N][r_kv] normed */
+    float *kv;                  /* [N][H dkv] expanded keys and values */
+    float *pr;                  /* [nseq][H][T][T] softmax probabilities (0 above the diagonal) */
+    float *o, *gate, *y;        /* [N][H d_v] attention output, sigmoid(g_proj x), o_proj's input */
+};
+/* The MLA block on nseq sequences of T positions with the expanded core
+ * (x, y: [nseq*T][E]; latent_eps: the latent norms' epsilon). */
+void k3_mla_rec_forward(const k3_config *c, float latent_eps, const k3_mla_w *w, const k3_fwd_ops *fo,
+                        const float *x, int nseq, int T, float *y, k3_mla_rec *rec);
+/* The expanded core on r's q, kv and ckv: r->pr and r->o (canonical dots for
+ * the scores, one fma chain per output over the positions). */
+void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, int T);
+
 /* The KDA block on nseq sequences of T positions, each from a zero state
  * (x, y: [nseq*T][E]); chunk 0 the recurrent form, > 0 the chunkwise one. */
 void k3_kda_rec_forward(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, int chunk, const float *x,

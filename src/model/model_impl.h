@@ -1,7 +1,7 @@
 /* model_impl.h: what the model's files share (not a public header: use
  * model.h): the model struct (weights.c binds it, model.c runs it), the
  * workspace of one forward chunk, and the blocks that live in their own
- * files (kda.c). */
+ * files (kda.c, mla.c). */
 #ifndef K3_MODEL_IMPL_H
 #define K3_MODEL_IMPL_H
 
@@ -97,5 +97,11 @@ static inline size_t wsz(size_t nfloats) { return (nfloats * 4 + WS_ALIGN - 1) /
  * from ws. */
 void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, float *S, float *conv, const float *x,
                int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws);
+
+/* The MLA block (mla.c) on nseq sequences of T positions: without a record,
+ * one sequence (nseq 1) whose latents go to cache rows pos0.. and the
+ * absorbed core; with one, the expanded core and no cache. */
+void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, const k3_fwd_ops *fo, k3_mla_cache *cache,
+               int pos0, const float *x, int nseq, int T, float *y, k3_mla_rec *rec, k3_ws *ws);
 
 #endif

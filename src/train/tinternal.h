@@ -53,15 +53,7 @@ typedef struct {
     size_t Sck_cap; /* floats allocated for Sck */
 } kda_acts;
 
-typedef struct {
-    float *cq_pre, *rcq, *cq;   /* [N][rq], [N], [N][rq] */
-    float *q;                   /* [N][H(dn+dr)] */
-    float *ckv;                 /* [N][rkv+dr] */
-    float *clat, *rkv, *ckvn;   /* [N][rkv], [N], [N][rkv] */
-    float *kv;                  /* [N][H(dn+dv)] */
-    float *pr;                  /* [B][H][T][T] softmax probabilities */
-    float *o, *gate, *y;        /* [N][H dv] */
-} mla_acts;
+typedef k3_mla_rec mla_acts; /* the model graph's MLA record (model.h) */
 
 typedef struct {
     float *gu, *h;              /* [N][2W], [N][W] */

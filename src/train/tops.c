@@ -32,7 +32,7 @@ void t_products(const k_prod *jobs, int njobs) {
     }
 }
 
-const k3_fwd_ops t_fwd_ops = {.products = t_products, .train_rounding = true};
+const k3_fwd_ops t_fwd_ops = {.products = t_products, .train_rounding = true, .mla_attend = t_mla_attend};
 
 void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate) {
     tg_view dy = {dY, out, 1}, w = {W, in, 1};

@@ -30,6 +30,8 @@ void t_linear(float *Y, const float *X, const float *W, int n, int in, int out);
  * training's rounding of SiLU and the KDA q/k norm. */
 void t_products(const k_prod *jobs, int njobs);
 extern const k3_fwd_ops t_fwd_ops;
+/* MLA's expanded core as the model graph's (F32) or as BF16 GEMMs (tmla.c). */
+void t_mla_attend(const k3_config *c, k3_mla_rec *r, int nseq, int T);
 /* dX[n][in] (+)= dY[n][out] W. accumulate=false overwrites dX. */
 void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate);
 /* dW[out][in] += dY^T X (one chain per element continuing from dW, rows in
