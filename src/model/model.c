@@ -106,13 +106,26 @@ void k3_attnres(const k3_config *c, const float *q, const float *const *src, int
 }
 
 /* ---- SiTU-GLU MLP (sections 5, 11; also the shared experts) ------------------ */
-static void mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y, k3_ws *ws) {
+/* rec (may be NULL): the gate and up projections and the SiTU-GLU output,
+ * what training's backward reads; without it g holds the output. */
+static void mlp_block(const k3_config *c, const k3_mlp_w *w, const k3_fwd_ops *fo, const float *x, int T, float *y,
+                      k3_mlp_rec *rec, k3_ws *ws) {
     int I = w->gate.rows;
-    float *g = ws_f(ws, (size_t)T * I), *u = ws_f(ws, (size_t)T * I);
+    float *g = rec ? rec->g : ws_f(ws, (size_t)T * I), *u = rec ? rec->u : ws_f(ws, (size_t)T * I);
+    float *h = rec ? rec->h : g;
     k_prod jobs[2] = {{&w->gate, x, T, g}, {&w->up, x, T, u}}; /* one pass over x, one thread team */
-    k_products(jobs, 2);
-    situ_par(c, g, g, u, (size_t)T * I);
-    k_matmul(&w->down, g, T, y);
+    fo->products(jobs, 2);
+    situ_par(c, h, g, u, (size_t)T * I);
+    k_prod down = {&w->down, h, T, y};
+    fo->products(&down, 1);
+}
+static void mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y, k3_ws *ws) {
+    mlp_block(c, w, &k3_infer_ops, x, T, y, NULL, ws);
+}
+
+void k3_mlp_rec_forward(const k3_config *c, const k3_mlp_w *w, const k3_fwd_ops *fo, const float *x, int N, float *y,
+                        k3_mlp_rec *rec) {
+    mlp_block(c, w, fo, x, N, y, rec, NULL);
 }
 
 void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y) {

@@ -381,6 +381,15 @@ typedef struct {
     float *Ssave;  /* [nseq][H][nblk][D][D]: the state entering every block of
                       k_kda_block_len(chunk, gate_lower_bound) positions */
 } k3_kda_rec;
+/* What a SiTU-GLU MLP's backward reads (dense layers, the shared experts):
+ * N rows of I = gate.rows. */
+typedef struct {
+    float *g, *u;  /* [N][I] gate and up projections */
+    float *h;      /* [N][I] SiTU-GLU(g, u), down's input */
+} k3_mlp_rec;
+void k3_mlp_rec_forward(const k3_config *c, const k3_mlp_w *w, const k3_fwd_ops *fo, const float *x, int N, float *y,
+                        k3_mlp_rec *rec);
+
 /* What the MLA block's backward reads (N = nseq*T rows, dq = d_n + d_r,
  * dkv = d_n + d_v). */
 struct k3_mla_rec {

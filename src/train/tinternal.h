@@ -55,9 +55,7 @@ typedef struct {
 
 typedef k3_mla_rec mla_acts; /* the model graph's MLA record (model.h) */
 
-typedef struct {
-    float *gu, *h;              /* [N][2W], [N][W] */
-} mlp_acts;
+typedef k3_mlp_rec mlp_acts; /* the model graph's MLP record (model.h) */
 
 typedef struct {
     float *s;                   /* [N][Ne] router sigmoid scores */

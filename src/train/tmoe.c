@@ -32,40 +32,64 @@ static void situ_rows_bwd(float *dgu, const float *dh, const float *gu, int N, i
                    gu + (size_t)n * 2 * W, gu + (size_t)n * 2 * W + W, (size_t)W, b1, b2);
 }
 
+/* The same on [N][W] planes: dg, du from dh and the gate and up planes. */
+static void situ_planes_bwd(float *dg, float *du, const float *dh, const float *g, const float *u, int N, int W,
+                            float b1, float b2) {
+#pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        size_t r = (size_t)n * W;
+        t_situ_bwd(dg + r, du + r, dh + r, g + r, u + r, (size_t)W, b1, b2);
+    }
+}
+
 size_t mlp_scratch(const tmodel *m, int N, int width) {
     (void)m;
     return (size_t)N * 3 * (size_t)width;
 }
 
 void mlp_alloc(mlp_acts *a, int cap, int width) {
-    a->gu = xmalloc_array((size_t)cap * 2 * width, sizeof(float));
+    a->g = xmalloc_array((size_t)cap * width, sizeof(float));
+    a->u = xmalloc_array((size_t)cap * width, sizeof(float));
     a->h = xmalloc_array((size_t)cap * width, sizeof(float));
 }
 
 void mlp_free(mlp_acts *a) {
-    free(a->gu);
+    free(a->g);
+    free(a->u);
     free(a->h);
     memset(a, 0, sizeof *a);
 }
 
+/* The model graph's weight view: the fused gate|up rows as two matrices. */
+static k3_mlp_w mlp_view(const tmodel *m, const mlp_w *w, int width) {
+    const int E = m->cfg.hidden_size;
+    const float *p = m->w;
+    return (k3_mlp_w){
+        .gate = {.type = KW_F32, .rows = width, .cols = E, .data = p + w->gate_up},
+        .up = {.type = KW_F32, .rows = width, .cols = E, .data = p + w->gate_up + (size_t)width * E},
+        .down = {.type = KW_F32, .rows = E, .cols = width, .data = p + w->down},
+    };
+}
+
 void mlp_forward(tmodel *m, const mlp_w *w, mlp_acts *a, int width, const float *x, float *out, int N) {
-    const k3_config *c = &m->cfg;
-    const int E = c->hidden_size;
-    t_linear(a->gu, x, m->w + w->gate_up, N, E, 2 * width);
-    situ_rows(a->h, a->gu, N, width, c->situ_beta, c->situ_linear_beta);
-    t_linear(out, a->h, m->w + w->down, N, width, E);
+    k3_mlp_w v = mlp_view(m, w, width);
+    k3_mlp_rec_forward(&m->cfg, &v, &t_fwd_ops, x, N, out, a);
 }
 
 void mlp_backward(tmodel *m, const mlp_w *w, mlp_acts *a, int width, const float *x, const float *dout,
                   float *dx, int N, float *scratch, bool accumulate) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size;
-    float *dh = scratch, *dgu = scratch + (size_t)N * width;
+    float *dh = scratch, *dg = scratch + (size_t)N * width, *du = dg + (size_t)N * width;
+    const size_t up = (size_t)width * E; /* the up rows of the fused gate|up */
     t_linear_dw(m->g + w->down, dout, a->h, N, width, E);
     t_linear_dx(dh, dout, m->w + w->down, N, width, E, false);
-    situ_rows_bwd(dgu, dh, a->gu, N, width, c->situ_beta, c->situ_linear_beta);
-    t_linear_dw(m->g + w->gate_up, dgu, x, N, E, 2 * width);
-    t_linear_dx(dx, dgu, m->w + w->gate_up, N, E, 2 * width, accumulate);
+    situ_planes_bwd(dg, du, dh, a->g, a->u, N, width, c->situ_beta, c->situ_linear_beta);
+    t_linear_dw(m->g + w->gate_up, dg, x, N, E, width);
+    t_linear_dw(m->g + w->gate_up + up, du, x, N, E, width);
+    /* dx: one chain over the gate rows then the up rows, as over the fused 2W */
+    t_linear_dx(dx, dg, m->w + w->gate_up, N, E, width, accumulate);
+    t_linear_dx(dx, du, m->w + w->gate_up + up, N, E, width, true);
 }
 
 /* ---- LatentMoE ------------------------------------------------------------------- */
