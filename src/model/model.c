@@ -135,10 +135,11 @@ void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float 
     ws_free(&ws);
 }
 
-/* ---- Gated MLA with NoPE (section 9) ---------------------------------------------
- *   c_q  = RMSNorm(q_a x; eps_lat)        q_h = [q_nope_h ; q_rope_h] = (q_b c_q)_h
- *   c    = kv_a x:  c_kv = RMSNorm(c[0:r_kv]; eps_lat), k_rope = c[r_kv:]  (one key for all heads)
- *   the cache holds [c_j z)   summed in slot order
+/* ---- Stable LatentMoE (section 10) -------------------------------------------------
+ *   s = sigmoid(router x); T = top-k of s + bias (bias selects only)
+ *   p = s_T / sum(s_T) * routed_scaling_factor
+ *   z = W_down x                          [l]
+ *   u = sum_j p_j * w2_j SiTU(w1_j z, w3_j z)   summed in slot order
  *   r = W_up RMSNorm(u; routed_expert_norm)
  *   y = r + shared(x)                     shared experts unweighted
  * The chunk's selected experts are fetched once (ascending ids) and each runs
