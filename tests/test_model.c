@@ -287,6 +287,31 @@ TEST(model_moe_matches_peer) {
     float *y1 = k3_own(&f.own, xmalloc_array((size_t)T * E, 4), 0);
     for (int t = 0; t < T; t++) k3_moe(&c, &w, ex, in + (size_t)t * E, 1, y1 + (size_t)t * E);
     ok = ok && memcmp(y, y1, (size_t)T * E * 4) == 0;
+    /* training's entry, with the record and inference's products: the same
+     * bits; the record agrees with itself (each slot's row holds what the
+     * token chose, the threshold is below every chosen selection score) */
+    {
+        int k = c.experts_per_token, l = c.latent_dim, I = c.moe_inter, S = c.num_shared_experts * I;
+        size_t Tk = (size_t)T * k;
+#define A(n) k3_own(&f.own, xmalloc_array((size_t)(n) + 1, 4), 0)
+        k3_moe_rec r = {.s = A((size_t)T * N), .cut = A(T), .idx = A(Tk), .p = A(Tk), .z = A((size_t)T * l),
+                        .g1 = A(Tk * I), .g3 = A(Tk * I), .h = A(Tk * I), .e = A(Tk * l), .row = A(Tk),
+                        .u = A((size_t)T * l), .ru = A(T), .un = A((size_t)T * l),
+                        .sh = {.g = A((size_t)T * S), .u = A((size_t)T * S), .h = A((size_t)T * S)}};
+#undef A
+        k3_moe_w wr = w;
+        wr.experts = ex;
+        float *y2 = k3_own(&f.own, xmalloc_array((size_t)T * E, 4), 0);
+        k3_moe_rec_forward(&c, &wr, &k3_infer_ops, in, T, y2, &r);
+        CHECKF(!memcmp(y, y2, (size_t)T * E * 4), "record path: other bits");
+        const float *bias = w.router_bias;
+        for (int t = 0; t < T && k < N; t++)
+            for (int j = 0; j < k; j++) {
+                int e = r.idx[(size_t)t * k + j];
+                CHECK(e >= 0 && e < N && r.row[(size_t)t * k + j] >= 0 && r.row[(size_t)t * k + j] < (int)Tk);
+                CHECKF(r.s[(size_t)t * N + e] + (bias ? bias[e] : 0) >= r.cut[t], "token %d slot %d", t, j);
+            }
+    }
     fx_close(&f);
     CHECK(ok);
 }

@@ -220,6 +220,12 @@ void k_kda_out_norm_gate(float *out, const float *o, const float *gain, const fl
  * sum + 1e-20), then multiplied by scale. */
 void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale,
                    int *idx, float *w);
+/* The same selection, also giving what training records (either may be
+ * NULL): s_out[n] the sigmoid scores, *cut the selection score (s + bias) of
+ * the best expert left out (written only when k < n), Quantile Balancing's
+ * per-token threshold. */
+void k_router_select(const float *logits, const float *bias, int n, int k, bool renorm, float scale, int *idx,
+                     float *w, float *s_out, float *cut);
 
 /* ---- the training GEMM (gemm.c, gemm_amx.c) ---------------------------------
  *

@@ -358,6 +358,9 @@ typedef struct {
     /* MLA's expanded attention core on a record (training's BF16 mode runs it
      * as GEMMs); NULL: k3_mla_attend_expanded */
     void (*mla_attend)(const k3_config *c, k3_mla_rec *r, int nseq, int T);
+    /* LatentMoE's routed-expert products (many similar jobs): NULL runs them
+     * with products; training's run side by side, one thread each */
+    void (*expert_products)(const k_prod *jobs, int njobs);
 } k3_fwd_ops;
 extern const k3_fwd_ops k3_infer_ops; /* what k3 run uses */
 
@@ -389,6 +392,26 @@ typedef struct {
 } k3_mlp_rec;
 void k3_mlp_rec_forward(const k3_config *c, const k3_mlp_w *w, const k3_fwd_ops *fo, const float *x, int N, float *y,
                         k3_mlp_rec *rec);
+
+/* What the LatentMoE block's backward reads, for N tokens and k slots each
+ * (slot n*k + j: token n's j-th choice). The experts' rows are grouped by
+ * expert (ascending id; within an expert, in slot order): row[slot] is the
+ * slot's row there. */
+typedef struct {
+    float *s;           /* [N][N_e] router sigmoid scores */
+    float *cut;         /* [N] selection score of the best expert left out (k < N_e) */
+    int *idx;           /* [N][k] chosen experts, in descending selection score */
+    float *p;           /* [N][k] routing weights */
+    float *z;           /* [N][l] W_down x */
+    float *g1, *g3, *h; /* [N k][I] grouped: w1 z, w3 z, SiTU-GLU of the two (w2's input) */
+    float *e;           /* [N k][l] grouped: the experts' outputs */
+    int *row;           /* [N k] */
+    float *u, *ru, *un; /* [N][l] sum_j p_j e_j, [N] 1/rms, [N][l] normed (W_up's input) */
+    k3_mlp_rec sh;      /* the shared experts, width N_s I */
+} k3_moe_rec;
+/* The LatentMoE block on N rows with resident experts (w->experts). */
+void k3_moe_rec_forward(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo, const float *x, int N,
+                        float *y, k3_moe_rec *rec);
 
 /* What the MLA block's backward reads (N = nseq*T rows, dq = d_n + d_r,
  * dkv = d_n + d_v). */

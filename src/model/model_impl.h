@@ -1,7 +1,7 @@
 /* model_impl.h: what the model's files share (not a public header: use
  * model.h): the model struct (weights.c binds it, model.c runs it), the
  * workspace of one forward chunk, and the blocks that live in their own
- * files (kda.c, mla.c). */
+ * files (kda.c, mla.c, moe.c). */
 #ifndef K3_MODEL_IMPL_H
 #define K3_MODEL_IMPL_H
 
@@ -90,6 +90,21 @@ static inline size_t wsz(size_t nfloats) { return (nfloats * 4 + WS_ALIGN - 1) /
  * the bits do not change). */
 #define PAR_ROWS(T, n) ((double)(T) * (double)(n) > 131072.0)
 
+/* SiTU-GLU over n elements (elementwise), in blocks over threads when long. */
+static inline void situ_par(const k3_config *c, float *out, const float *gate, const float *up, size_t n) {
+    const size_t B = 16384;
+    long nb = (long)((n + B - 1) / B);
+#pragma omp parallel for schedule(static) if (n > 4 * B)
+    for (long b = 0; b < nb; b++) {
+        size_t o = (size_t)b * B, len = n - o < B ? n - o : B;
+        k_situ_glu(out + o, gate + o, up + o, (int)len, c->situ_beta, c->situ_linear_beta);
+    }
+}
+
+static inline void add_rows(float *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] += x[i];
+}
+
 /* The KDA block (kda.c) on nseq sequences of T positions (rows s*T + t of x
  * and y, each [.][E]): S [nseq][H][D][D] and conv [nseq][3][P][K-1] are the
  * sequences' states, updated; chunk > 0 runs the chunkwise form. rec (may be
@@ -103,5 +118,15 @@ void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, floa
  * absorbed core; with one, the expanded core and no cache. */
 void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, const k3_fwd_ops *fo, k3_mla_cache *cache,
                int pos0, const float *x, int nseq, int T, float *y, k3_mla_rec *rec, k3_ws *ws);
+
+/* The LatentMoE block (moe.c) on T rows: experts from xa (resident, or a
+ * weight source); rec (may be NULL) gets what training's backward reads. */
+typedef struct {
+    const k3_weight_source *src;   /* NULL: experts[] holds every expert */
+    const k3_expert_w *experts;
+    int layer;
+} expert_access;
+int moe_block(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo, const expert_access *xa, const float *x,
+              int T, float *y, k3_moe_rec *rec, k3_ws *ws, k3_err *err);
 
 #endif

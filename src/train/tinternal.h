@@ -57,16 +57,7 @@ typedef k3_mla_rec mla_acts; /* the model graph's MLA record (model.h) */
 
 typedef k3_mlp_rec mlp_acts; /* the model graph's MLP record (model.h) */
 
-typedef struct {
-    float *s;                   /* [N][Ne] router sigmoid scores */
-    int *idx;                   /* [N][k] selected experts (descending selection score) */
-    float *p;                   /* [N][k] routing weights */
-    float *z;                   /* [N][lat] */
-    float *au, *h, *e;          /* per slot n*k+j: [.][2I], [.][I], [.][lat] */
-    float *u, *ru, *un;         /* [N][lat], [N], [N][lat] */
-    float *tmp;                 /* [N][E] shared-expert output */
-    mlp_acts sh;
-} moe_acts;
+typedef k3_moe_rec moe_acts; /* the model graph's LatentMoE record (model.h) */
 
 typedef struct {
     float *a;            /* [N][E] pre-attention AttnRes output (layer 0: NULL, a = p_in) */

@@ -32,7 +32,15 @@ void t_products(const k_prod *jobs, int njobs) {
     }
 }
 
-const k3_fwd_ops t_fwd_ops = {.products = t_products, .train_rounding = true, .mla_attend = t_mla_attend};
+/* Many similar products (the experts): one thread each, dynamic (each
+ * product's GEMM then runs on its thread; its bits do not depend on that). */
+static void t_products_each(const k_prod *jobs, int njobs) {
+#pragma omp parallel for schedule(dynamic)
+    for (int i = 0; i < njobs; i++) t_products(jobs + i, 1);
+}
+
+const k3_fwd_ops t_fwd_ops = {.products = t_products, .train_rounding = true, .mla_attend = t_mla_attend,
+                              .expert_products = t_products_each};
 
 void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate) {
     tg_view dy = {dY, out, 1}, w = {W, in, 1};
