@@ -17,11 +17,13 @@
 
 #include <math.h>
 
+#include "kernels/kmath.h" /* km_sigmoid inlined in the elementwise loops (k_sigmoid's bits) */
+
 /* SiLU of n values from x into y (y may be x). */
 K3_HOT static void silu_into(const k3_fwd_ops *fo, float *y, const float *x, size_t n) {
     if (fo->train_rounding) {
 #pragma omp parallel for schedule(static) if (n > 131072)
-        for (size_t i = 0; i < n; i++) y[i] = x[i] * k_sigmoid(x[i]);
+        for (size_t i = 0; i < n; i++) y[i] = x[i] * km_sigmoid(x[i]);
         return;
     }
     if (y != x) memcpy(y, x, n * sizeof *y);
@@ -76,7 +78,7 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
         l2_head(fo, q + i * D, D, rec ? rec->rq + i : NULL);
         l2_head(fo, k + i * D, D, rec ? rec->rk + i : NULL);
     }
-    for (int i = 0; i < N * H; i++) beta[i] = k_sigmoid(beta[i]);
+    for (int i = 0; i < N * H; i++) beta[i] = km_sigmoid(beta[i]);
     float *z = rec ? rec->zb : pre; /* the pre-conv inputs are consumed */
     k_prod fb = {&w->f_b, fa, N, z};
     fo->products(&fb, 1);
@@ -90,7 +92,7 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
     float *normed = rec ? rec->y : k; /* k is consumed */
     if (rec) {
         /* the same head norm and gate, with the record: sigmoid(gate) kept */
-        for (size_t i = 0; i < NP; i++) gate[i] = k_sigmoid(gate[i]);
+        for (size_t i = 0; i < NP; i++) gate[i] = km_sigmoid(gate[i]);
         k3_rmsnorm_rows(normed, rec->ro, o, w->o_norm, N * H, D, c->rms_eps);
         for (size_t i = 0; i < NP; i++) normed[i] *= gate[i];
     } else {

@@ -24,7 +24,7 @@
 #include <math.h>
 #include <omp.h>
 
-#include "kernels/kmath.h" /* km_exp inlined in the expanded core's softmax */
+#include "kernels/kmath.h" /* km_exp, km_sigmoid inlined in the loops (k_sigmoid's bits) */
 
 /* A view of rows [r0, r0+n) of a float matrix (never MXFP4 here). */
 static k3_mat mat_rows(const k3_mat *W, int r0, int n) {
@@ -192,7 +192,7 @@ K3_HOT void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, cons
     float *ya = rec ? rec->y : att; /* o_proj's input */
     if (gate)
         for (size_t i = 0; i < NHV; i++) {
-            float s = k_sigmoid(gate[i]);
+            float s = km_sigmoid(gate[i]);
             if (rec) gate[i] = s;
             ya[i] = s * att[i];
         }
