@@ -111,6 +111,13 @@ static void core_absorbed(const k3_config *c, const k3_mla_w *w, k3_mla_cache *c
             memcpy(att + ((size_t)t * H + h) * dv, vout + ((size_t)h * Ts + t) * dv, (size_t)dv * sizeof *att);
 }
 
+K3_HOT void k3_causal_softmax_row(float *pr, int t, int T, float mx) {
+    float sum = 0.0f;
+    for (int s = 0; s <= t; s++) { pr[s] = km_exp(pr[s] - mx); sum += pr[s]; }
+    for (int s = 0; s <= t; s++) pr[s] /= sum;
+    for (int s = t + 1; s < T; s++) pr[s] = 0.0f;
+}
+
 K3_HOT void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, int T) {
     const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim,
               rkv = c->kv_lora_rank;
@@ -134,10 +141,7 @@ K3_HOT void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, 
                 pr[s] = sc * scale;
                 if (pr[s] > mx) mx = pr[s];
             }
-            float sum = 0.0f;
-            for (int s = 0; s <= t; s++) { pr[s] = km_exp(pr[s] - mx); sum += pr[s]; }
-            for (int s = 0; s <= t; s++) pr[s] /= sum;
-            for (int s = t + 1; s < T; s++) pr[s] = 0.0f;
+            k3_causal_softmax_row(pr, t, T, mx);
             float *o = r->o + nt * HV + (size_t)h * dv;
             for (int j = 0; j < dv; j++) o[j] = 0.0f;
             for (int s = 0; s <= t; s++) {

@@ -73,10 +73,7 @@ static void attn_fwd_bf16(const k3_config *c, mla_acts *a, int B, int T) {
                 pr[s] *= scale;
                 if (pr[s] > mx) mx = pr[s];
             }
-            float sum = 0.0f;
-            for (int s = 0; s <= t; s++) { pr[s] = t_exp(pr[s] - mx); sum += pr[s]; }
-            for (int s = 0; s <= t; s++) pr[s] /= sum;
-            for (int s = t + 1; s < T; s++) pr[s] = 0.0f;
+            k3_causal_softmax_row(pr, t, T, mx);
         }
         tg_gemm(a->o + (size_t)b * T * HV + (size_t)h * dv, HV, T, dv, T, (tg_view){P, T, 1},
                 (tg_view){kv0 + dn, H * dkv, 1}, false, TG_BF16);
