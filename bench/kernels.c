@@ -153,7 +153,7 @@ static double kda_tps(int T, int H, int D, int C, int threads, bool scalar) {
     for (int rep = 0; rep < 2; rep++) {
         memset(S, 0, (size_t)H * D * D * sizeof *S);
         double t0 = k3_now();
-        if (C > 0) k_kda_chunked(o, S, q, k, v, g, beta, T, H, D, C);
+        if (C > 0) k_kda_chunked(o, S, q, k, v, g, beta, T, H, D, C, -2.0f); /* g in [-2, 0] */
         else k_kda_recurrent(o, S, q, k, v, g, beta, T, H, D);
         double dt = k3_now() - t0;
         if (dt < best) best = dt;

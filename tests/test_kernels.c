@@ -202,7 +202,7 @@ TEST(peer_kda_decay_gate) {
     for (int pass = 0; pass < K_ISA_COUNT; pass++) {
         if (!k_set_isa((k_isa)pass)) continue;
         float *g = fzero(ng), *a = fzero(ng);
-        for (int t = 0; t < T; t++) k_kda_gate(g + t * H * D, z + t * H * D, A, dtb, H, D, lower);
+        for (int t = 0; t < T; t++) k_kda_gate(g + t * H * D, NULL, z + t * H * D, A, dtb, H, D, lower);
         CLOSE(g, want, ng, (size_t)D);
         for (size_t i = 0; i < ng; i++) {
             a[i] = km_exp(g[i]);
@@ -212,6 +212,13 @@ TEST(peer_kda_decay_gate) {
     }
     json_decref(j);
     pool_free();
+}
+
+/* The bound a chunkwise call is promised: the smallest log-decay given. */
+static float min_of(const float *x, size_t n) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) m = x[i] < m ? x[i] : m;
+    return m;
 }
 
 static void kda_recur_fixture(const char *name) {
@@ -235,7 +242,7 @@ static void kda_recur_fixture(const char *name) {
         CLOSE(S, swant, ns, (size_t)D);
         for (int C = 1; C <= T + 1; C *= 2) {
             float *o2 = fzero(n), *S2 = fzero(ns);
-            k_kda_chunked(o2, S2, q, k, v, g, beta, T, H, D, C);
+            k_kda_chunked(o2, S2, q, k, v, g, beta, T, H, D, C, min_of(g, n));
             CLOSE(o2, want, n, (size_t)D);
             CLOSE(S2, swant, ns, (size_t)D);
         }
@@ -392,7 +399,7 @@ static void chunk_vs_recur(int T, int H, int D, int C, float lower) {
     float *S0 = frand(ns, -0.5f, 0.5f); /* a carried state, as after a prefix */
     float *o1 = fzero(n), *o2 = fzero(n), *S1 = fcopy(S0, ns), *S2 = fcopy(S0, ns);
     k_kda_recurrent(o1, S1, q, k, v, g, beta, T, H, D);
-    k_kda_chunked(o2, S2, q, k, v, g, beta, T, H, D, C);
+    k_kda_chunked(o2, S2, q, k, v, g, beta, T, H, D, C, lower);
     for (size_t i = 0; i < n; i++) CHECKF(isfinite(o2[i]), "T %d C %d: o[%zu] = %g", T, C, i, o2[i]);
     for (size_t i = 0; i < ns; i++) CHECKF(isfinite(S2[i]), "T %d C %d: S[%zu] = %g", T, C, i, S2[i]);
     double w1, w2;
@@ -418,9 +425,51 @@ TEST(kda_chunked_matches_recurrent) {
     pool_free();
 }
 
+/* Training's call: several sequences at once, the states saved at every
+ * block. The outputs have the bits of one call per sequence, and each saved
+ * state is the state a call over the positions before it ends in. */
+TEST(kda_forward_sequences_and_saved_states) {
+    const int T = 37, H = 2, D = 16, nseq = 2;
+    const size_t P = (size_t)H * D, n = (size_t)T * P, ns = (size_t)H * D * D;
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
+        for (int C = 0; C <= 64; C += 16) { /* 0: recurrent; 64: clamped to 16 by the bound */
+            float *q[2], *k[2], *v[2], *g[2], *beta[2];
+            for (int s = 0; s < nseq; s++) kda_inputs(T, H, D, -5.0f, &q[s], &k[s], &v[s], &g[s], &beta[s]);
+            float *Q = fzero(2 * n), *K = fzero(2 * n), *V = fzero(2 * n), *G = fzero(2 * n), *B = fzero(2 * (size_t)T * H);
+            for (int s = 0; s < nseq; s++) {
+                memcpy(Q + s * n, q[s], n * 4);
+                memcpy(K + s * n, k[s], n * 4);
+                memcpy(V + s * n, v[s], n * 4);
+                memcpy(G + s * n, g[s], n * 4);
+                memcpy(B + (size_t)s * T * H, beta[s], (size_t)T * H * 4);
+            }
+            const int L = k_kda_block_len(C, -5.0f), nb = (T + L - 1) / L;
+            CHECK(L == (C ? 16 : K_KDA_RECUR_BLOCK));
+            float *O = fzero(2 * n), *S = fzero(2 * ns), *save = fzero(2 * nb * ns);
+            k_kda_forward(O, S, Q, K, V, G, B, nseq, T, H, D, C, -5.0f, save);
+            for (int s = 0; s < nseq; s++) {
+                float *o1 = fzero(n), *S1 = fzero(ns);
+                k_kda_forward(o1, S1, q[s], k[s], v[s], g[s], beta[s], 1, T, H, D, C, -5.0f, NULL);
+                CHECKF(!memcmp(o1, O + s * n, n * 4) && !memcmp(S1, S + s * ns, ns * 4), "C %d seq %d", C, s);
+                for (int b = 0; b < nb; b++) {
+                    float *o2 = fzero(n), *S2 = fzero(ns);
+                    if (b > 0) k_kda_forward(o2, S2, q[s], k[s], v[s], g[s], beta[s], 1, b * L, H, D, C, -5.0f, NULL);
+                    for (int h = 0; h < H; h++)
+                        CHECKF(!memcmp(S2 + (size_t)h * D * D, save + (((size_t)s * H + h) * nb + b) * D * D,
+                                       (size_t)D * D * 4),
+                               "C %d seq %d head %d block %d: saved state", C, s, h, b);
+                }
+            }
+        }
+    }
+    pool_free();
+}
+
 TEST(kda_chunked_extreme_decay_no_nan) {
-    /* every decay at the bound: in-chunk decays span e^{-5*63}, which would
-     * overflow as e^{G}*e^{-G}; the exp-difference form stays finite. */
+    /* every decay at the bound with a requested chunk of 64: e^{G} e^{-G}
+     * over 64 positions would span e^{+-320} and overflow; the chunk is
+     * clamped to 80/5 = 16 positions, and everything stays finite. */
     int T = 130, H = 1, D = 16, C = 64;
     float *q, *k, *v, *g, *beta;
     kda_inputs(T, H, D, -5.0f, &q, &k, &v, &g, &beta);
@@ -428,7 +477,7 @@ TEST(kda_chunked_extreme_decay_no_nan) {
     float *o1 = fzero((size_t)T * D), *o2 = fzero((size_t)T * D), *S1 = fzero((size_t)D * D),
           *S2 = fzero((size_t)D * D);
     k_kda_recurrent(o1, S1, q, k, v, g, beta, T, H, D);
-    k_kda_chunked(o2, S2, q, k, v, g, beta, T, H, D, C);
+    k_kda_chunked(o2, S2, q, k, v, g, beta, T, H, D, C, -5.0f);
     for (size_t i = 0; i < (size_t)T * D; i++) CHECK(isfinite(o2[i]));
     CLOSE(o2, o1, (size_t)T * D, (size_t)D);
     CLOSE(S2, S1, (size_t)D * D, (size_t)D);
@@ -788,9 +837,9 @@ TEST(kda_scalar_equals_simd_and_threads) {
             k_kda_recurrent(res[run][0], res[run][1], q, k, v, g, beta, T, H, D);
             res[run][2] = fzero(n);
             res[run][3] = fcopy(S0, ns);
-            k_kda_chunked(res[run][2], res[run][3], q, k, v, g, beta, T, H, D, C);
+            k_kda_chunked(res[run][2], res[run][3], q, k, v, g, beta, T, H, D, C, -5.0f);
             res[run][4] = fzero(n);
-            for (int t = 0; t < T; t++) k_kda_gate(res[run][4] + (size_t)t * H * D, z + (size_t)t * H * D, A, dtb, H, D, -5.0f);
+            for (int t = 0; t < T; t++) k_kda_gate(res[run][4] + (size_t)t * H * D, NULL, z + (size_t)t * H * D, A, dtb, H, D, -5.0f);
             res[run][5] = fzero(n + (size_t)H * D * (K - 1) + n);
             float *st = fcopy(cs0, (size_t)H * D * (K - 1));
             k_shortconv_silu(res[run][5], v, T, H * D, cw, K, st);
@@ -860,7 +909,7 @@ static void own_kda(const char *file) {
         static const int Cs[] = {1, 3, 8, 16, 64};
         for (size_t c = 0; c < sizeof Cs / sizeof Cs[0]; c++) {
             float *o2 = fzero(n), *S2 = fcopy(S0, ns);
-            k_kda_chunked(o2, S2, q, k, v, g, beta, T, H, D, Cs[c]);
+            k_kda_chunked(o2, S2, q, k, v, g, beta, T, H, D, Cs[c], min_of(g, n));
             CLOSE(o2, want, n, (size_t)D);
             CLOSE(S2, swant, ns, (size_t)D);
         }
@@ -889,7 +938,7 @@ TEST(own_kda_gate_other_shape_and_bound) {
     for (int pass = 0; pass < K_ISA_COUNT; pass++) {
         if (!k_set_isa((k_isa)pass)) continue;
         float *g = fzero(n);
-        for (int t = 0; t < T; t++) k_kda_gate(g + (size_t)t * H * D, z + (size_t)t * H * D, A, dtb, H, D, lower);
+        for (int t = 0; t < T; t++) k_kda_gate(g + (size_t)t * H * D, NULL, z + (size_t)t * H * D, A, dtb, H, D, lower);
         CLOSE(g, want, n, (size_t)D);
     }
     json_decref(j);

@@ -141,9 +141,31 @@ static void kda_fixture(const char *rel) {
     float *conv = k3_own(&f.own, xcalloc(3 * (size_t)P * (K - 1), 4), 0);
     float *y = k3_own(&f.own, xmalloc_array((size_t)T * E, 4), 0);
     k3_kda_state st = {.S = S, .conv = conv};
-    k3_kda(&c, &w, &st, fx_floats(&f, "in", NULL), T, y);
-    bool ok = close_rows("kda out", y, fx_floats(&f, "out", NULL), (size_t)T * E, (size_t)E) &&
+    const float *in = fx_floats(&f, "in", NULL), *want = fx_floats(&f, "out", NULL);
+    k3_kda(&c, &w, &st, in, T, y);
+    bool ok = close_rows("kda out", y, want, (size_t)T * E, (size_t)E) &&
               close_rows("kda state", S, fx_floats(&f, "state_out", NULL), (size_t)H * D * D, (size_t)D * D);
+    /* training's entry (the same block on two sequences at once, with the
+     * record): inference's products and rounding give inference's bits, for
+     * each sequence; the chunkwise form stays within the fixture's tolerance */
+    size_t N = 2 * (size_t)T, NP = N * P;
+    float *x2 = k3_own(&f.own, xmalloc_array(N * E, 4), 0), *y2 = k3_own(&f.own, xmalloc_array(N * E, 4), 0);
+    memcpy(x2, in, (size_t)T * E * 4);
+    memcpy(x2 + (size_t)T * E, in, (size_t)T * E * 4);
+    float *buf = k3_own(&f.own, xmalloc_array(14 * NP + 4 * N * H + N * D + 2 * (size_t)H * T * D * D, 4), 0);
+    k3_kda_rec r = {.pre = buf, .cv = buf + 3 * NP, .q = buf + 6 * NP, .k = buf + 7 * NP, .v = buf + 8 * NP,
+                    .zb = buf + 9 * NP, .gl = buf + 10 * NP, .o = buf + 11 * NP, .gate = buf + 12 * NP,
+                    .y = buf + 13 * NP, .rq = buf + 14 * NP, .rk = buf + 14 * NP + N * H,
+                    .beta = buf + 14 * NP + 2 * N * H, .ro = buf + 14 * NP + 3 * N * H,
+                    .fa = buf + 14 * NP + 4 * N * H, .Ssave = buf + 14 * NP + 4 * N * H + N * D};
+    for (int chunk = 0; chunk <= 4; chunk += 4) {
+        k3_kda_rec_forward(&c, &w, &k3_infer_ops, chunk, x2, 2, T, y2, &r);
+        for (int s = 0; s < 2; s++) {
+            const float *ys = y2 + (size_t)s * T * E;
+            if (chunk == 0) CHECKF(!memcmp(ys, y, (size_t)T * E * 4), "record path, sequence %d: other bits", s);
+            else ok = ok && close_rows("kda out, chunkwise", ys, want, (size_t)T * E, (size_t)E);
+        }
+    }
     fx_close(&f);
     CHECK(ok);
 }
@@ -195,6 +217,31 @@ TEST(model_mla_matches_peer_and_caches_the_latent) {
     for (int t = 0; t < T; t++)
         k3_mla(&c, (float)tj_num(f.root, "rms_eps"), &w, &cache, t, in + (size_t)t * E, 1, y1 + (size_t)t * E);
     ok = ok && memcmp(y, y1, (size_t)T * E * 4) == 0;
+    /* training's entry: the same block with the expanded core on two
+     * sequences at once, each within the fixture's tolerance, the second
+     * with the first's bits (sequences do not see each other) and its
+     * probabilities causal rows that sum to one */
+    {
+        int H = c.mla_heads, dq = c.qk_nope_dim + c.qk_rope_dim, dkv = c.qk_nope_dim + c.v_head_dim,
+            HV = H * c.v_head_dim, rq = c.q_lora_rank, rkv = c.kv_lora_rank;
+        size_t N = 2 * (size_t)T;
+        float *x2 = k3_own(&f.own, xmalloc_array(N * E, 4), 0), *y2 = k3_own(&f.own, xmalloc_array(N * E, 4), 0);
+        memcpy(x2, in, (size_t)T * E * 4);
+        memcpy(x2 + (size_t)T * E, in, (size_t)T * E * 4);
+#define A(n) k3_own(&f.own, xmalloc_array((size_t)(n) + 1, 4), 0)
+        k3_mla_rec r = {.cq_pre = A(N * rq), .rcq = A(N), .cq = A(N * rq), .q = A(N * H * dq), .ckv = A(N * W),
+                        .clat = A(N * rkv), .rkv = A(N), .ckvn = A(N * rkv), .kv = A(N * H * dkv),
+                        .pr = A(2 * (size_t)H * T * T), .o = A(N * HV), .gate = A(N * HV), .y = A(N * HV)};
+#undef A
+        k3_mla_rec_forward(&c, (float)tj_num(f.root, "rms_eps"), &w, &k3_infer_ops, x2, 2, T, y2, &r);
+        ok = ok && close_rows("mla out, expanded", y2, fx_floats(&f, "out", NULL), (size_t)T * E, (size_t)E);
+        CHECKF(!memcmp(y2, y2 + (size_t)T * E, (size_t)T * E * 4), "expanded core: the two sequences differ");
+        for (int t = 0; t < T; t++) {
+            double sum = 0;
+            for (int s = 0; s < T; s++) sum += r.pr[(size_t)t * T + s];
+            CHECKF(fabs(sum - 1) < 1e-5 && (t + 1 == T || r.pr[(size_t)t * T + t + 1] == 0.0f), "row %d", t);
+        }
+    }
     fx_close(&f);
     CHECK(ok);
 }
@@ -240,6 +287,31 @@ TEST(model_moe_matches_peer) {
     float *y1 = k3_own(&f.own, xmalloc_array((size_t)T * E, 4), 0);
     for (int t = 0; t < T; t++) k3_moe(&c, &w, ex, in + (size_t)t * E, 1, y1 + (size_t)t * E);
     ok = ok && memcmp(y, y1, (size_t)T * E * 4) == 0;
+    /* training's entry, with the record and inference's products: the same
+     * bits; the record agrees with itself (each slot's row holds what the
+     * token chose, the threshold is below every chosen selection score) */
+    {
+        int k = c.experts_per_token, l = c.latent_dim, I = c.moe_inter, S = c.num_shared_experts * I;
+        size_t Tk = (size_t)T * k;
+#define A(n) k3_own(&f.own, xmalloc_array((size_t)(n) + 1, 4), 0)
+        k3_moe_rec r = {.s = A((size_t)T * N), .cut = A(T), .idx = A(Tk), .p = A(Tk), .z = A((size_t)T * l),
+                        .g1 = A(Tk * I), .g3 = A(Tk * I), .h = A(Tk * I), .e = A(Tk * l), .row = A(Tk),
+                        .u = A((size_t)T * l), .ru = A(T), .un = A((size_t)T * l),
+                        .sh = {.g = A((size_t)T * S), .u = A((size_t)T * S), .h = A((size_t)T * S)}};
+#undef A
+        k3_moe_w wr = w;
+        wr.experts = ex;
+        float *y2 = k3_own(&f.own, xmalloc_array((size_t)T * E, 4), 0);
+        k3_moe_rec_forward(&c, &wr, &k3_infer_ops, in, T, y2, &r);
+        CHECKF(!memcmp(y, y2, (size_t)T * E * 4), "record path: other bits");
+        const float *bias = w.router_bias;
+        for (int t = 0; t < T && k < N; t++)
+            for (int j = 0; j < k; j++) {
+                int e = r.idx[(size_t)t * k + j];
+                CHECK(e >= 0 && e < N && r.row[(size_t)t * k + j] >= 0 && r.row[(size_t)t * k + j] < (int)Tk);
+                CHECKF(r.s[(size_t)t * N + e] + (bias ? bias[e] : 0) >= r.cut[t], "token %d slot %d", t, j);
+            }
+    }
     fx_close(&f);
     CHECK(ok);
 }

@@ -1,6 +1,6 @@
 /* kda.c: the Kimi Delta Attention kernels (spec section 8): depthwise causal
  * ShortConv with SiLU, the decay gate, the recurrent delta rule, its chunkwise
- * UT/WY form for prefill, and the head-wise output norm + gate.
+ * UT/WY form (prefill and training), and the head-wise output norm + gate.
  *
  * Each kernel is written once over the primitive table (internal.h), so the
  * scalar and AVX-512 paths give the same bits. Heads are independent; threads
@@ -15,7 +15,7 @@
 
 /* ---- ShortConv ----------------------------------------------------------- */
 
-void k_shortconv_silu(float *y, const float *x, int T, int C, const float *w, int K, float *state) {
+void k_shortconv(float *y, const float *x, int T, int C, const float *w, int K, float *state) {
     const k_vops *ops = k_ops();
     if (T <= 0 || C <= 0) return;
     int P = K - 1;
@@ -35,22 +35,27 @@ void k_shortconv_silu(float *y, const float *x, int T, int C, const float *w, in
         for (int j = 0; j < K; j++)
             ops->vfma(yt, wt + (size_t)j * C, win + (size_t)(t + j) * C, C);
     }
-    ops->silu(y, T * C);
     for (int c = 0; c < C; c++)
         for (int j = 0; j < P; j++) state[(size_t)c * P + j] = win[(size_t)(T + j) * C + c];
     free(win);
     free(wt);
 }
 
+void k_shortconv_silu(float *y, const float *x, int T, int C, const float *w, int K, float *state) {
+    k_shortconv(y, x, T, C, w, K, state);
+    if (T > 0 && C > 0) k_ops()->silu(y, T * C);
+}
+
 /* ---- decay gate ---------------------------------------------------------------- */
 
-K3_HOT void k_kda_gate(float *g, const float *z, const float *A_log, const float *dt_bias, int H, int D,
-                float lower) {
+K3_HOT void k_kda_gate(float *g, float *zb, const float *z, const float *A_log, const float *dt_bias, int H,
+                       int D, float lower) {
     const k_vops *ops = k_ops();
     for (int h = 0; h < H; h++) {
         float a = km_exp(A_log[h]);
         float *gh = g + (size_t)h * D;
         ops->vadd(gh, z + (size_t)h * D, dt_bias + (size_t)h * D, D);
+        if (zb) memcpy(zb + (size_t)h * D, gh, (size_t)D * sizeof *gh);
         ops->scale(gh, gh, a, D);
         /* lower * sigmoid(t): sigmoid_mul of a vector of `lower` values */
         for (int d = 0; d < D; d++) gh[d] = lower * km_sigmoid(gh[d]);
@@ -99,121 +104,156 @@ static void recur_head(const k_vops *ops, float *o, float *S, const float *q, co
 
 void k_kda_recurrent(float *o, float *S, const float *q, const float *k, const float *v,
                      const float *g, const float *beta, int T, int H, int D) {
-    const k_vops *ops = k_ops();
-    float qscale = 1.0f / sqrtf((float)D);
-#pragma omp parallel for schedule(static) if ((double)T * H * D * D > 32768.0)
-    for (int h = 0; h < H; h++) {
-        float *tmp = xmalloc_array(5 * (size_t)D, sizeof *tmp);
-        size_t hd = (size_t)h * D;
-        recur_head(ops, o + hd, S + hd * D, q + hd, k + hd, v + hd, g + hd, beta + h, T, H, D, qscale, tmp);
-        free(tmp);
-    }
+    k_kda_forward(o, S, q, k, v, g, beta, 1, T, H, D, 0, 0.0f, NULL);
 }
 
 /* ---- chunkwise (UT / WY) form ------------------------------------------------------
- * For a chunk of L positions starting from state S0, with in-chunk partial
- * log-decay sums, the delta rule unrolls to
- *   S_t = Diag(e^{G_t}) S0 + sum_{s<=t} (e^{G_t - G_s} o k_s) w_s^T,
- * where the written values w_t solve the unit lower-triangular system
- *   w_t + beta_t sum_{s<t} A[t][s] w_s = beta_t (v_t - S0^T (e^{G_t} o k_t)),
- *   A[t][s] = sum_i k_t[i] k_s[i] e^{G_t[i] - G_s[i]}          (s < t)
- * (the UT transform: W = (I + Diag(beta) A)^{-1} Diag(beta) (V - Kd S0)),
- * and the outputs are
- *   o_t = S0^T (e^{G_t} o qs_t) + sum_{s<=t} B[t][s] w_s,
- *   B[t][s] = sum_i qs_t[i] k_s[i] e^{G_t[i] - G_s[i]}          (s <= t).
- * G_t - G_s is formed as the running sum g_{s+1} + ... + g_t, never as a
- * difference of two long cumulative sums (which would lose digits when the
- * decays are strong) and never as e^{G_t} * e^{-G_s} (which overflows): every
- * exponent is <= 0. */
+ * Within a chunk of L positions, with G_t = g_1 + ... + g_t (per key channel)
+ * and the state S0 entering it:
+ *     KG = K e^G, KN = K e^-G, QG = (Q/sqrt(D)) e^G          (row-wise)
+ *     A = strict_tril(KG KN^T), Bm = tril(QG KN^T)  (A[t][s] = sum_i k_t k_s e^(G_t-G_s))
+ *     W = diag(beta) (V - KG S0 - A W)               (forward substitution: the UT transform)
+ *     O = QG S0 + Bm W
+ *     S = diag(e^G_L) S0 + (K e^(G_L - G))^T W
+ * Factoring e^(G_t - G_s) = e^G_t e^-G_s makes every step a matrix product
+ * (O(L D) exponentials per chunk, not O(L^2 D)), and training's backward is
+ * the reverse of these same products. It is safe because the decay is bounded
+ * below (g >= lower), so |G| <= |lower| L: k_kda_block_len clamps the chunk to
+ * |lower| L <= 80, and e^80 is far from the f32 limit. */
 
-typedef struct {
-    float *Q, *A, *B, *W, *KS, *EG, *KD, *QD, *dsum, *e, *ke;
-} chunk_buf;
+int k_kda_block_len(int C, float lower) {
+    if (C <= 0) return K_KDA_RECUR_BLOCK;
+    float lb = fabsf(lower);
+    if (lb > 0.0f && (float)C * lb > 80.0f) C = (int)(80.0f / lb);
+    return C < 1 ? 1 : C;
+}
 
-static void chunk_head(const k_vops *ops, chunk_buf *bf, float *o, float *S, const float *q,
-                       const float *k, const float *v, const float *g, const float *beta, int L,
-                       int H, int D, float qscale) {
-    size_t P = (size_t)H * (size_t)D;
-#define ROW(p, t) ((p) + (size_t)(t) * P)
-    float *Q = bf->Q, *A = bf->A, *B = bf->B, *W = bf->W, *KS = bf->KS, *EG = bf->EG;
+void k_kda_cws_init(k_kda_cws *w, int C, int D) {
+    size_t cd = (size_t)C * D, cc = (size_t)C * C, dd = (size_t)D * D;
+    w->C = C;
+    w->D = D;
+    w->buf = xmalloc_aligned(sizeof(float) * (20 * cd + 4 * cc + 3 * dd + (size_t)C));
+    float *p = w->buf;
+    float **cdv[] = {&w->G, &w->eG, &w->eN, &w->KG, &w->KN, &w->QG, &w->KC, &w->Z, &w->W, &w->O,
+                     &w->dQG, &w->dKG, &w->dKN, &w->dKC, &w->dW, &w->E, &w->nZ, &w->dG, &w->KNT, &w->WT};
+    for (size_t i = 0; i < sizeof cdv / sizeof cdv[0]; i++) { *cdv[i] = p; p += cd; }
+    float **ccv[] = {&w->Am, &w->Bm, &w->dA, &w->dBm};
+    for (size_t i = 0; i < 4; i++) { *ccv[i] = p; p += cc; }
+    w->S0T = p; p += dd;
+    w->dST = p; p += dd;
+    w->dS0 = p; p += dd;
+    w->bd = p;
+}
+
+void k_kda_cws_free(k_kda_cws *w) { free(w->buf); }
+
+static void transpose(float *dst, const float *src, int rows, int cols, size_t lds) {
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) dst[(size_t)c * rows + r] = src[(size_t)r * lds + c];
+}
+
+/* C[M][N] (ldc) = 0 then += A B through gemm_acc (one fma chain per element
+ * over k in order). */
+static void mm0(const k_vops *ops, float *Cm, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+                const float *Bm, int ldb) {
+    for (int m = 0; m < M; m++) memset(Cm + (size_t)m * ldc, 0, sizeof(float) * (size_t)N);
+    if (K > 0) ops->gemm_acc(Cm, ldc, M, N, A, sam, sak, K, Bm, ldb);
+}
+
+void k_kda_chunk_prep(k_kda_cws *w, const float *q, const float *k, const float *v, const float *gl,
+                      const float *beta, int L, size_t st, size_t sb, const float *S0) {
+    const k_vops *ops = k_ops();
+    const int D = w->D, C = w->C;
+    const float qs = 1.0f / sqrtf((float)D);
     for (int t = 0; t < L; t++) {
-        ops->scale(Q + (size_t)t * D, ROW(q, t), qscale, D);
-        if (t == 0) memcpy(EG, ROW(g, 0), (size_t)D * sizeof *EG);
-        else ops->vadd(EG + (size_t)t * D, EG + (size_t)(t - 1) * D, ROW(g, t), D);
+        float *G = w->G + (size_t)t * D;
+        const float *g = gl + t * st;
+        if (t == 0) memcpy(G, g, sizeof(float) * (size_t)D);
+        else ops->vadd(G, G - D, g, D);
     }
-    ops->vexp(EG, EG, L * D); /* EG[t] = e^{G_t}, G_t = g_0 + ... + g_t */
-    for (int s = 0; s < L; s++) {
-        const float *ks = ROW(k, s);
-        B[(size_t)s * L + s] = ops->dot(Q + (size_t)s * D, ks, D);
-        memset(bf->dsum, 0, (size_t)D * sizeof *bf->dsum);
-        for (int t = s + 1; t < L; t++) {
-            ops->vadd(bf->dsum, bf->dsum, ROW(g, t), D);
-            ops->vexp(bf->e, bf->dsum, D);
-            ops->vmul(bf->ke, ks, bf->e, D);
-            A[(size_t)t * L + s] = ops->dot(ROW(k, t), bf->ke, D);
-            B[(size_t)t * L + s] = ops->dot(Q + (size_t)t * D, bf->ke, D);
-        }
-        /* key decayed to the chunk end, for the state update */
-        ops->vexp(bf->e, bf->dsum, D);
-        ops->vmul(KS + (size_t)s * D, ks, bf->e, D);
-    }
-    /* The three products with S0 run as C += A S0 panels (gemm_acc keeps
-     * each element's FMA sequence: increasing i, exactly as a per-row loop). */
-    float *KD = bf->KD, *QD = bf->QD;
+    ops->vexp(w->eG, w->G, L * D);
+    for (int i = 0; i < L * D; i++) w->eN[i] = -w->G[i];
+    ops->vexp(w->eN, w->eN, L * D);
     for (int t = 0; t < L; t++) {
-        ops->vmul(KD + (size_t)t * D, ROW(k, t), EG + (size_t)t * D, D);
-        ops->scale(KD + (size_t)t * D, KD + (size_t)t * D, -1.0f, D); /* exact negation */
-        ops->vmul(QD + (size_t)t * D, Q + (size_t)t * D, EG + (size_t)t * D, D);
-        memcpy(W + (size_t)t * D, ROW(v, t), (size_t)D * sizeof *W);
-        memset(ROW(o, t), 0, (size_t)D * sizeof *o);
+        size_t r = (size_t)t * D;
+        ops->vmul(w->KG + r, k + t * st, w->eG + r, D);
+        ops->vmul(w->KN + r, k + t * st, w->eN + r, D);
+        ops->scale(w->QG + r, q + t * st, qs, D);
+        ops->vmul(w->QG + r, w->QG + r, w->eG + r, D);
     }
-    ops->gemm_acc(W, D, L, D, KD, D, 1, D, S, D);      /* W_t = v_t - S0^T kd_t */
-    ops->gemm_acc(o, (int)P, L, D, QD, D, 1, D, S, D); /* o_t = S0^T qd_t */
-    for (int t = 0; t < L; t++) { /* forward substitution: the UT transform */
-        float *c = W + (size_t)t * D;
-        for (int s = 0; s < t; s++) ops->axpy(c, -A[(size_t)t * L + s], W + (size_t)s * D, D);
-        ops->scale(c, c, beta[(size_t)t * H], D);
+    transpose(w->KNT, w->KN, L, D, (size_t)D); /* [D][L] */
+    mm0(ops, w->Am, C, L, L, w->KG, D, 1, D, w->KNT, L);
+    mm0(ops, w->Bm, C, L, L, w->QG, D, 1, D, w->KNT, L);
+    /* Both strictly lower; the diagonal of Bm (e^0 = 1) is the plain dot
+     * q_t.k_t / sqrt(D): kept out of the e^G factors, its G-gradient would be
+     * two large terms cancelling (bad when the decay is strong). */
+    for (int t = 0; t < L; t++) {
+        for (int u = t; u < L; u++) w->Am[(size_t)t * C + u] = w->Bm[(size_t)t * C + u] = 0.0f;
+        w->bd[t] = ops->dot(q + t * st, k + t * st, D) * qs;
     }
-    for (int t = 0; t < L; t++)
-        for (int s = 0; s <= t; s++) ops->axpy(ROW(o, t), B[(size_t)t * L + s], W + (size_t)s * D, D);
-    const float *EL = EG + (size_t)(L - 1) * D; /* state to the chunk end */
-    for (int i = 0; i < D; i++) ops->scale(S + (size_t)i * D, S + (size_t)i * D, EL[i], D);
-    ops->gemm_acc(S, D, D, D, KS, 1, D, L, W, D); /* S += KS^T W */
-#undef ROW
+    /* Z = V - KG S0 - A W, W = beta Z, row by row */
+    mm0(ops, w->Z, D, L, D, w->KG, D, 1, D, S0, D);
+    for (int t = 0; t < L; t++) {
+        float *z = w->Z + (size_t)t * D;
+        ops->subscale(z, v + t * st, z, 1.0f, D);
+        for (int u = 0; u < t; u++) ops->axpy(z, -w->Am[(size_t)t * C + u], w->W + (size_t)u * D, D);
+        ops->scale(w->W + (size_t)t * D, z, beta[t * sb], D);
+    }
+    /* KC = K e^(G_L - G) */
+    const float *eGl = w->eG + (size_t)(L - 1) * D;
+    for (int t = 0; t < L; t++) ops->vmul(w->KC + (size_t)t * D, w->KN + (size_t)t * D, eGl, D);
+}
+
+/* One chunk: o rows (stride st) and S (S0 in, the state after the chunk out). */
+static void chunk_fwd(const k_vops *ops, k_kda_cws *w, float *o, float *S, const float *q, const float *k,
+                      const float *v, const float *gl, const float *beta, int L, size_t st, size_t sb) {
+    const int D = w->D, C = w->C;
+    k_kda_chunk_prep(w, q, k, v, gl, beta, L, st, sb, S);
+    mm0(ops, w->O, D, L, D, w->QG, D, 1, D, S, D);
+    ops->gemm_acc(w->O, D, L, D, w->Bm, C, 1, L, w->W, D);
+    for (int t = 0; t < L; t++) ops->axpy(w->O + (size_t)t * D, w->bd[t], w->W + (size_t)t * D, D);
+    for (int t = 0; t < L; t++) memcpy(o + t * st, w->O + (size_t)t * D, sizeof(float) * (size_t)D);
+    const float *eGl = w->eG + (size_t)(L - 1) * D;
+    for (int i = 0; i < D; i++) ops->scale(S + (size_t)i * D, S + (size_t)i * D, eGl[i], D);
+    ops->gemm_acc(S, D, D, D, w->KC, 1, D, L, w->W, D);
 }
 
 void k_kda_chunked(float *o, float *S, const float *q, const float *k, const float *v,
-                   const float *g, const float *beta, int T, int H, int D, int C) {
+                   const float *g, const float *beta, int T, int H, int D, int C, float lower) {
+    k_kda_forward(o, S, q, k, v, g, beta, 1, T, H, D, C < 1 ? 1 : C, lower, NULL);
+}
+
+/* ---- both forms over sequences and heads ------------------------------------------- */
+
+void k_kda_forward(float *o, float *S, const float *q, const float *k, const float *v, const float *g,
+                   const float *beta, int nseq, int T, int H, int D, int C, float lower, float *Ssave) {
     const k_vops *ops = k_ops();
-    if (C < 1) C = 1;
-    float qscale = 1.0f / sqrtf((float)D);
-    size_t P = (size_t)H * (size_t)D;
-    size_t Cs = (size_t)C, Ds = (size_t)D;
-#pragma omp parallel for schedule(static) if ((double)T * H * D * D > 32768.0)
-    for (int h = 0; h < H; h++) {
-        chunk_buf bf;
-        size_t tot = 6 * Cs * Ds + 2 * Cs * Cs + 3 * Ds;
-        float *mem = xmalloc_array(tot, sizeof *mem);
-        float *p = mem;
-        bf.Q = p; p += Cs * Ds;
-        bf.W = p; p += Cs * Ds;
-        bf.KS = p; p += Cs * Ds;
-        bf.A = p; p += Cs * Cs;
-        bf.B = p; p += Cs * Cs;
-        bf.EG = p; p += Cs * Ds;
-        bf.dsum = p; p += Ds;
-        bf.e = p; p += Ds;
-        bf.ke = p; p += Ds;
-        bf.KD = p; p += Cs * Ds;
-        bf.QD = p;
-        float *Sh = S + (size_t)h * Ds * Ds;
-        for (int t0 = 0; t0 < T; t0 += C) {
-            int L = T - t0 < C ? T - t0 : C;
-            size_t off = (size_t)t0 * P + (size_t)h * Ds;
-            chunk_head(ops, &bf, o + off, Sh, q + off, k + off, v + off, g + off,
-                       beta + (size_t)t0 * H + h, L, H, D, qscale);
+    if (T < 1 || nseq < 1) return;
+    const bool chunked = C > 0;
+    /* the recurrent form runs a head in one sweep unless the states are saved */
+    const int CK = !chunked && !Ssave ? T : k_kda_block_len(C, lower), nc = (T + CK - 1) / CK;
+    const float qscale = 1.0f / sqrtf((float)D);
+    const size_t P = (size_t)H * (size_t)D, DD = (size_t)D * D;
+#pragma omp parallel for schedule(static) if ((double)nseq * T * H * D * D > 32768.0)
+    for (int sh = 0; sh < nseq * H; sh++) {
+        const int s = sh / H, h = sh % H;
+        k_kda_cws ws;
+        float *tmp = NULL;
+        if (chunked) k_kda_cws_init(&ws, CK, D);
+        else tmp = xmalloc_array(5 * (size_t)D, sizeof *tmp);
+        float *Sh = S + ((size_t)s * H + h) * DD;
+        for (int ck = 0; ck < nc; ck++) {
+            const int t0 = ck * CK, L = T - t0 < CK ? T - t0 : CK;
+            if (Ssave) memcpy(Ssave + (((size_t)s * H + h) * nc + ck) * DD, Sh, sizeof(float) * DD);
+            const size_t r0 = ((size_t)s * T + t0) * P + (size_t)h * D;
+            const float *bt = beta + ((size_t)s * T + t0) * H + h;
+            if (chunked)
+                chunk_fwd(ops, &ws, o + r0, Sh, q + r0, k + r0, v + r0, g + r0, bt, L, P, (size_t)H);
+            else
+                recur_head(ops, o + r0, Sh, q + r0, k + r0, v + r0, g + r0, bt, L, H, D, qscale, tmp);
         }
-        free(mem);
+        if (chunked) k_kda_cws_free(&ws);
+        free(tmp);
     }
 }
 

@@ -501,8 +501,13 @@ void k_softmax(float *x, int n) {
 
 /* ---- router ------------------------------------------------------------------ */
 
-K3_HOT void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale,
-                   int *idx, float *w) {
+void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale, int *idx,
+                   float *w) {
+    k_router_select(logits, bias, n, k, renorm, scale, idx, w, NULL, NULL);
+}
+
+K3_HOT void k_router_select(const float *logits, const float *bias, int n, int k, bool renorm, float scale, int *idx,
+                            float *w, float *s_out, float *cut) {
     if (k > n) k = n;
     float *s = xmalloc_array((size_t)(n > 0 ? n : 1), sizeof *s);
     float *sel = xmalloc_array((size_t)(n > 0 ? n : 1), sizeof *sel);
@@ -521,6 +526,13 @@ K3_HOT void k_router_topk(const float *logits, const float *bias, int n, int k, 
         idx[i] = best;
         w[i] = s[best];
     }
+    if (cut && k < n) { /* the best one left out */
+        int best = -1;
+        for (int j = 0; j < n; j++)
+            if (!taken[j] && (best < 0 || sel[j] > sel[best])) best = j;
+        *cut = sel[best];
+    }
+    if (s_out) memcpy(s_out, s, (size_t)n * sizeof *s);
     if (renorm && k > 1) {
         float tot = 0;
         for (int i = 0; i < k; i++) tot += w[i];

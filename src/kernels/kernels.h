@@ -149,10 +149,13 @@ void k_softmax(float *x, int n);
  * state: [C][K-1] the previous K-1 inputs per channel, oldest first (zeros at
  * sequence start); updated to the last K-1 inputs on return. y: [T][C]. */
 void k_shortconv_silu(float *y, const float *x, int T, int C, const float *w, int K, float *state);
+/* The same conv without the SiLU (y: the conv outputs). */
+void k_shortconv(float *y, const float *x, int T, int C, const float *w, int K, float *state);
 
 /* Log-decay g[h][d] = lower * sigmoid(exp(A_log[h]) * (z[h*D+d] + dt_bias[h*D+d]))
- * for one position; z, g: [H*D]. */
-void k_kda_gate(float *g, const float *z, const float *A_log, const float *dt_bias, int H, int D,
+ * for one position; z, g: [H*D]. zb (may be NULL, may alias z) gets
+ * z + dt_bias, what training's backward reads. */
+void k_kda_gate(float *g, float *zb, const float *z, const float *A_log, const float *dt_bias, int H, int D,
                 float lower);
 
 /* Recurrent KDA over T positions, H heads, head dim D, state S [H][D][D]
@@ -163,11 +166,46 @@ void k_kda_gate(float *g, const float *z, const float *A_log, const float *dt_bi
  * o: [T][H*D]. */
 void k_kda_recurrent(float *o, float *S, const float *q, const float *k, const float *v,
                      const float *g, const float *beta, int T, int H, int D);
-/* Chunkwise (UT/WY) form of the same function, chunk length C (e.g. 16..64);
- * within-chunk decays as exp(G_i - G_j) differences, never exp(G)*exp(-G).
- * Agrees with k_kda_recurrent to fp32 rounding (not bitwise). */
+/* Chunkwise (UT/WY) form of the same function, requested chunk length C; the
+ * caller promises every log-decay g >= lower (< 0), and the chunk is clamped
+ * to k_kda_block_len(C, lower) so that the factored decays e^G, e^-G stay in
+ * f32 range. Agrees with k_kda_recurrent to fp32 rounding (not bitwise). */
 void k_kda_chunked(float *o, float *S, const float *q, const float *k, const float *v,
-                   const float *g, const float *beta, int T, int H, int D, int C);
+                   const float *g, const float *beta, int T, int H, int D, int C, float lower);
+
+/* Both forms over nseq independent sequences of T positions each (rows
+ * s*T + t of q, k, v, g, o; beta [nseq*T][H]; S [nseq][H][D][D]). C <= 0: the
+ * recurrent form; C > 0: the chunkwise form. Threads split (sequence, head)
+ * pairs. Ssave (may be NULL) gets the state entering every block of
+ * k_kda_block_len(C, lower) positions, [nseq][H][nblocks][D][D]: what
+ * training's backward restarts from. Bits do not depend on Ssave. */
+void k_kda_forward(float *o, float *S, const float *q, const float *k, const float *v, const float *g,
+                   const float *beta, int nseq, int T, int H, int D, int C, float lower, float *Ssave);
+/* Positions per saved state: the clamped chunk (C > 0) or K_KDA_RECUR_BLOCK. */
+#define K_KDA_RECUR_BLOCK 16
+int k_kda_block_len(int C, float lower);
+
+/* The chunkwise form's workspace and its first half (everything up to W and
+ * Z = V - KG S0 - A W), shared with training's backward, which recomputes a
+ * chunk from its saved entering state and walks these products in reverse.
+ * Layout of one chunk of L <= C rows: [C][D] row blocks, [D][C] transposes,
+ * [C][C] lower-triangular matrices (names as in kda.c's comment); the d*
+ * fields are the backward's, in the same allocation. */
+typedef struct {
+    int C, D;
+    float *G, *eG, *eN, *KG, *KN, *QG, *KC, *Z, *W, *O; /* [C][D] */
+    float *KNT, *WT;                                   /* [D][C] */
+    float *Am, *Bm, *dA, *dBm;                         /* [C][C] */
+    float *S0T, *dST, *dS0;                            /* [D][D] */
+    float *bd;                                         /* [C] diagonal of Bm: q_t.k_t / sqrt(D) */
+    float *dQG, *dKG, *dKN, *dKC, *dW, *E, *nZ, *dG;   /* [C][D] */
+    float *buf;
+} k_kda_cws;
+void k_kda_cws_init(k_kda_cws *w, int C, int D);
+void k_kda_cws_free(k_kda_cws *w);
+/* q, k, v, gl: L rows of stride st; beta stride sb; S0 [D][D]. */
+void k_kda_chunk_prep(k_kda_cws *w, const float *q, const float *k, const float *v, const float *gl,
+                      const float *beta, int L, size_t st, size_t sb, const float *S0);
 
 /* Head-wise output: out[h] = rmsnorm(o[h]; gain[D], eps) * sigmoid(gate[h]) for
  * one position, o/gate/out: [H*D]. */
@@ -182,6 +220,12 @@ void k_kda_out_norm_gate(float *out, const float *o, const float *gain, const fl
  * sum + 1e-20), then multiplied by scale. */
 void k_router_topk(const float *logits, const float *bias, int n, int k, bool renorm, float scale,
                    int *idx, float *w);
+/* The same selection, also giving what training records (either may be
+ * NULL): s_out[n] the sigmoid scores, *cut the selection score (s + bias) of
+ * the best expert left out (written only when k < n), Quantile Balancing's
+ * per-token threshold. */
+void k_router_select(const float *logits, const float *bias, int n, int k, bool renorm, float scale, int *idx,
+                     float *w, float *s_out, float *cut);
 
 /* ---- the training GEMM (gemm.c, gemm_amx.c) ---------------------------------
  *

@@ -1,8 +1,9 @@
 /* model.c: the K3 layer graph (k3-checkpoint-format.md sections 6-12).
  *
- * Read top to bottom: the workspace, then one function per equation block of
- * the spec (AttnRes, KDA, MLA, LatentMoE, dense MLP), then the decoder layer
- * and the model forward, then the decode state and the sampler.
+ * Read top to bottom: one function per equation block of the spec (AttnRes,
+ * dense MLP; KDA, MLA and LatentMoE are kda.c's, mla.c's and moe.c's, the
+ * workspace model_impl.h's), then the decoder layer and the model forward, then the
+ * decode state and the sampler.
  *
  * Activations are [T][width] row-major f32 for a chunk of T consecutive
  * positions. Every per-position quantity is computed with arithmetic that does
@@ -15,77 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* ---- workspace ------------------------------------------------------------
- * A bump allocator for the temporaries of one forward chunk. The state sizes
- * it from ws_need() so a forward never allocates; should the estimate ever
- * fall short, the overflow is served by the heap (and kept until the next
- * reset), never by a crash. */
-typedef struct {
-    char *base;
-    size_t cap, used, high;
-    void **extra;
-    size_t nextra, cextra;
-    uint64_t overflow;   /* bytes ever served by the heap fallback */
-} k3_ws;
-
-#define WS_ALIGN 64
-
-static void *ws_get(k3_ws *w, size_t bytes) {
-    size_t n = (bytes + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;
-    if (w->used + n <= w->cap) {
-        void *p = w->base + w->used;
-        w->used += n;
-        if (w->used > w->high) w->high = w->used;
-        return p;
-    }
-    if (w->nextra == w->cextra) {
-        w->cextra = w->cextra ? 2 * w->cextra : 8;
-        w->extra = xrealloc_array(w->extra, w->cextra, sizeof *w->extra);
-    }
-    void *p = xmalloc_aligned(n);
-    w->extra[w->nextra++] = p;
-    w->overflow += n;
-    w->high += n;
-    return p;
-}
-static float *ws_f(k3_ws *w, size_t n) { return ws_get(w, n * sizeof(float)); }
-static int *ws_i(k3_ws *w, size_t n) { return ws_get(w, n * sizeof(int)); }
-
-static void ws_reset(k3_ws *w) {
-    for (size_t i = 0; i < w->nextra; i++) free(w->extra[i]);
-    w->nextra = 0;
-    w->used = 0;
-}
-static void ws_init(k3_ws *w, size_t cap) {
-    memset(w, 0, sizeof *w);
-    w->cap = cap;
-    w->base = cap ? xmalloc_aligned(cap) : NULL;
-}
-static void ws_free(k3_ws *w) {
-    ws_reset(w);
-    free(w->extra);
-    free(w->base);
-    memset(w, 0, sizeof *w);
-}
-
-/* Bytes ws_get rounds n floats to. */
-static size_t wsz(size_t nfloats) { return (nfloats * 4 + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
-
 /* ---- helpers ----------------------------------------------------------------- */
 
-/* A view of rows [r0, r0+n) of a float matrix (never MXFP4 here). */
-static k3_mat mat_rows(const k3_mat *W, int r0, int n) {
-    k3_mat v = *W;
-    size_t es = W->type == KW_BF16 ? 2 : 4;
-    v.data = (const char *)W->data + (size_t)r0 * (size_t)W->cols * es;
-    v.rows = n;
-    return v;
-}
-
-/* Per-position work of a prefill chunk is split over threads only when the
- * chunk is long enough to pay for a thread team (rows are independent, so
- * the bits do not change). */
-#define PAR_ROWS(T, n) ((double)(T) * (double)(n) > 131072.0)
 
 static void rmsnorm_rows(float *y, const float *x, const float *g, int T, int n, float eps) {
 #pragma omp parallel for schedule(static) if (PAR_ROWS(T, n))
@@ -105,20 +37,14 @@ void k3_rmsnorm_rows(float *y, float *rinv, const float *x, const float *g, int 
     }
 }
 
-/* SiTU-GLU over n elements (elementwise), in blocks over threads when long. */
-static void situ_par(const k3_config *c, float *out, const float *gate, const float *up, size_t n) {
-    const size_t B = 16384;
-    long nb = (long)((n + B - 1) / B);
-#pragma omp parallel for schedule(static) if (n > 4 * B)
-    for (long b = 0; b < nb; b++) {
-        size_t o = (size_t)b * B, len = n - o < B ? n - o : B;
-        k_situ_glu(out + o, gate + o, up + o, (int)len, c->situ_beta, c->situ_linear_beta);
-    }
+/* Inference's products: one matrix on its own runs k_matmul, several share
+ * one thread team (k_products: the same bits). */
+static void products_canonical(const k_prod *jobs, int njobs) {
+    if (njobs == 1) k_matmul(jobs[0].W, jobs[0].X, jobs[0].n, jobs[0].Y);
+    else k_products(jobs, njobs);
 }
+const k3_fwd_ops k3_infer_ops = {.products = products_canonical, .train_rounding = false};
 
-static void add_rows(float *y, const float *x, size_t n) {
-    for (size_t i = 0; i < n; i++) y[i] += x[i];
-}
 
 /* ---- AttnRes (section 7) -------------------------------------------------------
  * Keys are the RMSNormed sources (gain folded into q at load time), values the
@@ -166,411 +92,32 @@ void k3_attnres(const k3_config *c, const float *q, const float *const *src, int
 }
 
 /* ---- SiTU-GLU MLP (sections 5, 11; also the shared experts) ------------------ */
-static void mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y, k3_ws *ws) {
+/* rec (may be NULL): the gate and up projections and the SiTU-GLU output,
+ * what training's backward reads; without it g holds the output. */
+static void mlp_block(const k3_config *c, const k3_mlp_w *w, const k3_fwd_ops *fo, const float *x, int T, float *y,
+                      k3_mlp_rec *rec, k3_ws *ws) {
     int I = w->gate.rows;
-    float *g = ws_f(ws, (size_t)T * I), *u = ws_f(ws, (size_t)T * I);
+    float *g = rec ? rec->g : ws_f(ws, (size_t)T * I), *u = rec ? rec->u : ws_f(ws, (size_t)T * I);
+    float *h = rec ? rec->h : g;
     k_prod jobs[2] = {{&w->gate, x, T, g}, {&w->up, x, T, u}}; /* one pass over x, one thread team */
-    k_products(jobs, 2);
-    situ_par(c, g, g, u, (size_t)T * I);
-    k_matmul(&w->down, g, T, y);
+    fo->products(jobs, 2);
+    situ_par(c, h, g, u, (size_t)T * I);
+    k_prod down = {&w->down, h, T, y};
+    fo->products(&down, 1);
+}
+static void mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y, k3_ws *ws) {
+    mlp_block(c, w, &k3_infer_ops, x, T, y, NULL, ws);
+}
+
+void k3_mlp_rec_forward(const k3_config *c, const k3_mlp_w *w, const k3_fwd_ops *fo, const float *x, int N, float *y,
+                        k3_mlp_rec *rec) {
+    mlp_block(c, w, fo, x, N, y, rec, NULL);
 }
 
 void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y) {
     k3_ws ws;
     ws_init(&ws, 0);
     mlp(c, w, x, T, y, &ws);
-    ws_free(&ws);
-}
-
-/* ---- Kimi Delta Attention (section 8) -------------------------------------------
- *   q,k,v = SiLU(ShortConv(W x))      carried history: last K-1 pre-conv inputs
- *   q,k   = L2-normalised per head    (q's 1/sqrt(D) is applied in the kernel)
- *   beta  = sigmoid(b_proj x)         one scalar per head
- *   g     = g_min * sigmoid(exp(A_log[h]) * (f_b(f_a x) + dt_bias))
- *   o     = recurrent delta rule with per-channel decay exp(g)
- *   y     = o_proj(RMSNorm_head(o; o_norm) * sigmoid(g_proj x)) */
-static void kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y,
-                int chunk, k3_ws *ws) {
-    int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
-    size_t TP = (size_t)T * P;
-    float *pre = ws_f(ws, 3 * TP), *qkv = ws_f(ws, 3 * TP), *gate = ws_f(ws, TP);
-    float *beta = ws_f(ws, (size_t)T * H), *fa = ws_f(ws, (size_t)T * D);
-    /* every projection of x at once: one thread team, x read while hot */
-    k_prod jobs[6] = {{&w->q, x, T, pre},       {&w->k, x, T, pre + TP}, {&w->v, x, T, pre + 2 * TP},
-                      {&w->g, x, T, gate},      {&w->b, x, T, beta},     {&w->f_a, x, T, fa}};
-    k_products(jobs, 6);
-#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
-    for (int j = 0; j < 3; j++)
-        k_shortconv_silu(qkv + j * TP, pre + j * TP, T, P, w->conv[j], K, st->conv + (size_t)j * P * (K - 1));
-    float *q = qkv, *k = qkv + TP, *v = qkv + 2 * TP;
-#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
-    for (size_t i = 0; i < (size_t)T * H; i++) {
-        k_l2norm(q + i * D, D, 1e-6f);
-        k_l2norm(k + i * D, D, 1e-6f);
-    }
-    for (int i = 0; i < T * H; i++) beta[i] = k_sigmoid(beta[i]);
-    float *z = pre; /* pre-conv inputs are consumed */
-    k_matmul(&w->f_b, fa, T, z);
-    float *g = pre + TP;
-#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
-    for (int t = 0; t < T; t++)
-        k_kda_gate(g + (size_t)t * P, z + (size_t)t * P, w->A_log, w->dt_bias, H, D, c->gate_lower_bound);
-    float *o = pre + 2 * TP;
-    if (chunk > 0 && T > 1) k_kda_chunked(o, st->S, q, k, v, g, beta, T, H, D, chunk);
-    else k_kda_recurrent(o, st->S, q, k, v, g, beta, T, H, D);
-    float *normed = k; /* k is consumed */
-#pragma omp parallel for schedule(static) if (PAR_ROWS(T, P))
-    for (int t = 0; t < T; t++)
-        k_kda_out_norm_gate(normed + (size_t)t * P, o + (size_t)t * P, w->o_norm, gate + (size_t)t * P, H, D,
-                            c->rms_eps);
-    k_matmul(&w->o, normed, T, y);
-}
-
-void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y) {
-    k3_ws ws;
-    ws_init(&ws, 0);
-    kda(c, w, st, x, T, y, 0, &ws);
-    ws_free(&ws);
-}
-
-/* ---- Gated MLA with NoPE (section 9) ---------------------------------------------
- *   c_q  = RMSNorm(q_a x; eps_lat)        q_h = [q_nope_h ; q_rope_h] = (q_b c_q)_h
- *   c    = kv_a x:  c_kv = RMSNorm(c[0:r_kv]; eps_lat), k_rope = c[r_kv:]  (one key for all heads)
- *   the cache holds [c_kv ; k_rope] per position: the LATENT, never expanded keys
- *   score_h(s) = (q_nope_h . Wk_h c_kv(s) + q_rope_h . k_rope(s)) / sqrt(d_n + d_r)
- *   a_h        = Wv_h sum_s softmax(score_h)_s c_kv(s)
- *   y          = o_proj(sigmoid(g_proj x) * a)
- * Wk_h / Wv_h are head h's key / value rows of kv_b_proj; they are absorbed into
- * the query (Wk_h^T q_nope_h) and applied once to the attended latent, which is
- * the same function as expanding every cached position. No rotary anywhere. */
-/* Softmax over positions 0..n-1 of one head's scores at one position:
- * (q_abs . c_kv(p) + q_rope . k_rope(p)) * scale, two canonical dots. */
-static void mla_scores(float *sc, float *sr, const float *qa, const float *qrope, const float *latent, int W, int rkv,
-                       int dr, int n, float scale) {
-    k_dots(sc, qa, latent, (size_t)W, n, rkv);
-    k_dots(sr, qrope, latent + rkv, (size_t)W, n, dr);
-    for (int p = 0; p < n; p++) sc[p] = (sc[p] + sr[p]) * scale;
-    k_softmax(sc, n);
-}
-
-static void mla(const k3_config *c, float eps_lat, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
-                const float *x, int T, float *y, k3_ws *ws) {
-    int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
-    int rq = c->q_lora_rank, rkv = c->kv_lora_rank, dq = dn + dr, W = rkv + dr, hkv = dn + dv;
-    size_t Ts = (size_t)T;
-    float *q = ws_f(ws, Ts * H * dq), *cq = rq > 0 ? ws_f(ws, Ts * rq) : NULL, *cc = ws_f(ws, Ts * W);
-    float *gate = w->g.rows ? ws_f(ws, Ts * H * dv) : NULL;
-    /* the projections of x in one pass (one thread team) */
-    k_prod jobs[3];
-    int nj = 0;
-    jobs[nj++] = rq > 0 ? (k_prod){&w->q_a, x, T, cq} : (k_prod){&w->q_b, x, T, q};
-    jobs[nj++] = (k_prod){&w->kv_a, x, T, cc};
-    if (gate) jobs[nj++] = (k_prod){&w->g, x, T, gate};
-    k_products(jobs, nj);
-    if (rq > 0) {
-        rmsnorm_rows(cq, cq, w->q_a_norm, T, rq, eps_lat);
-        k_matmul(&w->q_b, cq, T, q);
-    }
-    for (int t = 0; t < T; t++) {
-        float *lat = cache->latent + (size_t)(pos0 + t) * W;
-        k_rmsnorm(lat, cc + (size_t)t * W, w->kv_a_norm, rkv, eps_lat);
-        memcpy(lat + rkv, cc + (size_t)t * W + rkv, (size_t)dr * sizeof(float));
-    }
-    int nmax = pos0 + T;
-    /* head-major: qabs[h][t][rkv], ctx[h][t][rkv], vout[h][t][dv] */
-    float *qabs = ws_f(ws, (size_t)H * Ts * rkv), *ctx = ws_f(ws, (size_t)H * Ts * rkv);
-    /* scores: [2][H][nmax] per thread (the rope part is summed in after) */
-    float *score = ws_f(ws, (size_t)omp_get_max_threads() * 2 * H * nmax), *vout = ws_f(ws, (size_t)H * Ts * dv);
-    float *att = ws_f(ws, Ts * H * dv);
-    float scale = 1.0f / sqrtf((float)dq);
-    /* absorbed queries Wk_h^T q_nope_h for every position at once: each element
-     * gets its fmas over i in increasing order (as a loop of axpy) */
-    memset(qabs, 0, (size_t)H * Ts * rkv * sizeof *qabs);
-    memset(ctx, 0, (size_t)H * Ts * rkv * sizeof *ctx);
-    int nthr = omp_get_max_threads();
-    float *wk = ws_f(ws, (size_t)nthr * dn * rkv); /* head h's key rows widened, per thread */
-#pragma omp parallel for schedule(static) num_threads(nthr) if ((double)T * H * dn * rkv > 262144.0)
-    for (int h = 0; h < H; h++) {
-        float *b = wk + (size_t)omp_get_thread_num() * dn * rkv;
-        for (int i = 0; i < dn; i++) k_mat_row(&w->kv_b, h * hkv + i, b + (size_t)i * rkv);
-        k3_mat bm = {.type = KW_F32, .rows = dn, .cols = rkv, .data = b};
-        k_gemm_acc(qabs + (size_t)h * Ts * rkv, rkv, T, rkv, q + (size_t)h * dq, H * dq, dn, &bm, 0);
-    }
-    k3_mat lat_m = {.type = KW_F32, .rows = nmax, .cols = W, .data = cache->latent};
-    if (T == 1) { /* decoding: the heads in parallel */
-        int ngrp = (H + 3) / 4, n = pos0 + 1;
-#pragma omp parallel if ((double)H * n * (W + rkv) > 262144.0)
-        {
-#pragma omp for schedule(static)
-            for (int h = 0; h < H; h++)
-                mla_scores(score + (size_t)h * nmax, score + (size_t)(H + h) * nmax, qabs + (size_t)h * rkv,
-                           q + (size_t)h * dq + dn, cache->latent, W, rkv, dr, n, scale);
-            /* ctx_h = sum_p s_h[p] c_kv(p): all heads share the latent rows, so
-             * they run as one product (each element: fmas over p in order) */
-#pragma omp for schedule(static)
-            for (int g = 0; g < ngrp; g++) {
-                int h0 = 4 * g, hn = H - h0 < 4 ? H - h0 : 4;
-                k_gemm_acc(ctx + (size_t)h0 * rkv, rkv, hn, rkv, score + (size_t)h0 * nmax, nmax, n, &lat_m, 0);
-            }
-        }
-    } else { /* prefill: the positions in parallel (one thread team), all heads of a position together */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if ((double)H * T * nmax * (W + rkv) > 524288.0)
-        for (int t = 0; t < T; t++) {
-            int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
-            float *sb = score + (size_t)omp_get_thread_num() * 2 * H * nmax;
-            for (int h = 0; h < H; h++)
-                mla_scores(sb + (size_t)h * nmax, sb + (size_t)(H + h) * nmax, qabs + ((size_t)h * Ts + t) * rkv,
-                           q + ((size_t)t * H + h) * dq + dn, cache->latent, W, rkv, dr, n, scale);
-            k_gemm_acc(ctx + (size_t)t * rkv, (int)(Ts * rkv), H, rkv, sb, nmax, n, &lat_m, 0);
-        }
-    }
-    /* values: head h's value rows of kv_b on its attended latents, all heads in one batch */
-    k3_mat *wv = ws_get(ws, (size_t)H * sizeof *wv);
-    k_prod *vj = ws_get(ws, (size_t)H * sizeof *vj);
-    for (int h = 0; h < H; h++) {
-        wv[h] = mat_rows(&w->kv_b, h * hkv + dn, dv);
-        vj[h] = (k_prod){&wv[h], ctx + (size_t)h * Ts * rkv, T, vout + (size_t)h * Ts * dv};
-    }
-    k_products(vj, H);
-    for (int t = 0; t < T; t++)
-        for (int h = 0; h < H; h++)
-            memcpy(att + ((size_t)t * H + h) * dv, vout + ((size_t)h * Ts + t) * dv, (size_t)dv * sizeof *att);
-    if (gate)
-        for (size_t i = 0; i < Ts * H * dv; i++) att[i] *= k_sigmoid(gate[i]);
-    k_matmul(&w->o, att, T, y);
-}
-
-void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
-            const float *x, int T, float *y) {
-    k3_ws ws;
-    ws_init(&ws, 0);
-    mla(c, latent_eps, w, cache, pos0, x, T, y, &ws);
-    ws_free(&ws);
-}
-
-/* ---- Stable LatentMoE (section 10) -------------------------------------------------
- *   s = sigmoid(router x); T = top-k of s + bias (bias selects only)
- *   p = s_T / sum(s_T) * routed_scaling_factor
- *   z = W_down x                          [l]
- *   u = sum_j p_j * w2_j SiTU(w1_j z, w3_j z)   summed in slot order
- *   r = W_up RMSNorm(u; routed_expert_norm)
- *   y = r + shared(x)                     shared experts unweighted
- * The chunk's selected experts are fetched once (ascending ids) and each runs
- * on all the rows that chose it (all experts' products in one thread team);
- * each token then sums its slots in the router's order whatever the chunk. */
-typedef struct {
-    const k3_weight_source *src;   /* NULL: experts[] holds every expert */
-    const k3_expert_w *experts;
-    int layer;
-} expert_access;
-
-/* Decode (one position) from a source that reads experts asynchronously
- * (experts_start/next): the same products as moe() below, reordered so the reads overlap
- * compute. The router alone runs first and the batch is issued the moment it
- * has chosen; W_down and the whole shared-expert MLP run while the bytes are
- * in flight; then each routed expert is computed as its bytes arrive, in
- * completion order, into its own slot of out[]; the weighted sum runs
- * afterwards in the router's slot order, exactly as moe() does. Every product
- * is the same per-row kernel call as in moe() (k_products gives the bits of
- * k_matvec whatever the grouping), so the bits equal moe()'s and do not
- * depend on the order of arrival (test: stream_expert_arrival_order). */
-K3_HOT static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x,
-                                 float *y, k3_ws *ws, k3_err *err) {
-    int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
-    int S = w->shared.gate.rows;
-    const k3_weight_source *src = xa->src;
-    float *rl = ws_f(ws, (size_t)N), *wt = ws_f(ws, (size_t)k);
-    int *idx = ws_i(ws, (size_t)k), *ids = ws_i(ws, (size_t)k), *slot = ws_i(ws, (size_t)k);
-    k_matvec(&w->router, x, rl);
-    k_router_topk(rl, w->router_bias, N, k, c->moe_renormalize, c->routed_scaling_factor, idx, wt);
-    /* the union, ascending: top-k picks k distinct experts */
-    for (int s = 0; s < k; s++) ids[s] = idx[s];
-    for (int a = 1; a < k; a++)
-        for (int b = a; b > 0 && ids[b - 1] > ids[b]; b--) {
-            int t = ids[b];
-            ids[b] = ids[b - 1];
-            ids[b - 1] = t;
-        }
-    for (int s = 0; s < k; s++)
-        for (int u = 0; u < k; u++)
-            if (ids[u] == idx[s]) slot[s] = u;
-    /* the ones this process computes (all but under expert parallelism) */
-    bool ep = src->expert_owned && src->experts_combine;
-    int *sel = ws_i(ws, (size_t)k), *sid = ws_i(ws, (size_t)k), ns = 0;
-    for (int u = 0; u < k; u++)
-        if (!ep || src->expert_owned(src->ctx, xa->layer, ids[u])) {
-            sel[ns] = u;
-            sid[ns++] = ids[u];
-        }
-    k3_expert_w *ex = ws_get(ws, (size_t)k * sizeof *ex);
-    int rc = src->experts_start(src->ctx, xa->layer, sid, ns, ex, err);
-    if (rc) return rc;
-
-    /* while the experts are read: W_down and the shared experts */
-    float *z = ws_f(ws, (size_t)l), *sg = S ? ws_f(ws, (size_t)S) : NULL, *su = S ? ws_f(ws, (size_t)S) : NULL;
-    float *sh = S ? ws_f(ws, (size_t)E) : NULL;
-    k_prod j1[3] = {{&w->down, x, 1, z}};
-    int nj = 1;
-    if (S) {
-        j1[nj++] = (k_prod){&w->shared.gate, x, 1, sg};
-        j1[nj++] = (k_prod){&w->shared.up, x, 1, su};
-    }
-    k_products(j1, nj);
-    if (S) {
-        situ_par(c, sg, sg, su, (size_t)S);
-        k_matvec(&w->shared.down, sg, sh);
-    }
-
-    /* each expert as it arrives, into its own slot */
-    float *h1 = ws_f(ws, (size_t)k * I), *h3 = ws_f(ws, (size_t)k * I), *out = ws_f(ws, (size_t)k * l);
-    for (int got = 0; got < ns; got++) {
-        int i = -1;
-        if ((rc = src->experts_next(src->ctx, xa->layer, &i, err))) return rc;
-        if (i < 0 || i >= ns)
-            return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: the weight source returned expert %d of %d", xa->layer,
-                           i, ns);
-        int u = sel[i];
-        float *a1 = h1 + (size_t)u * I, *a3 = h3 + (size_t)u * I;
-        k_prod jg[2] = {{&ex[i].w1, z, 1, a1}, {&ex[i].w3, z, 1, a3}};
-        k_products(jg, 2);
-        situ_par(c, a1, a1, a3, (size_t)I);
-        k_matvec(&ex[i].w2, a1, out + (size_t)u * l);
-    }
-    if (src->experts_put) src->experts_put(src->ctx, xa->layer, sid, ns);
-    if (ep) { /* the other ranks' experts: one output row each */
-        int *rows = ws_i(ws, (size_t)k + 1);
-        for (int u = 0; u <= k; u++) rows[u] = u;
-        if ((rc = src->experts_combine(src->ctx, xa->layer, ids, rows, k, out, l, err))) return rc;
-    }
-
-    /* sum_j p_j e_j in the router's slot order (as moe()) */
-    float *a = ws_f(ws, (size_t)l);
-    memset(a, 0, (size_t)l * sizeof *a);
-    for (int s = 0; s < k; s++) {
-        float p = wt[s];
-        const float *e = out + (size_t)slot[s] * l;
-        for (int j = 0; j < l; j++) a[j] = fmaf(p, e[j], a[j]);
-    }
-    if (w->norm) k_rmsnorm(a, a, w->norm, l, c->rms_eps);
-    k_matmul(&w->up, a, 1, y);
-    if (S) add_rows(y, sh, (size_t)E);
-    return K3_OK;
-}
-
-K3_HOT static int moe(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x, int T,
-               float *y, k3_ws *ws, k3_err *err) {
-    if (T == 1 && xa->src && xa->src->experts_start && xa->src->experts_next)
-        return moe_decode_overlapped(c, w, xa, x, y, ws, err);
-    int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
-    size_t Ts = (size_t)T, Tk = Ts * (size_t)k;
-    int S = w->shared.gate.rows;
-    float *rl = ws_f(ws, Ts * N), *wt = ws_f(ws, Tk);
-    int *idx = ws_i(ws, Tk);
-    float *z = ws_f(ws, Ts * l);
-    float *sg = S ? ws_f(ws, Ts * S) : NULL, *su = S ? ws_f(ws, Ts * S) : NULL;
-    /* everything that reads x, in one pass: router, W_down, shared gate/up */
-    k_prod j1[4] = {{&w->router, x, T, rl}, {&w->down, x, T, z}};
-    int nj = 2;
-    if (S) {
-        j1[nj++] = (k_prod){&w->shared.gate, x, T, sg};
-        j1[nj++] = (k_prod){&w->shared.up, x, T, su};
-    }
-    k_products(j1, nj);
-    for (int t = 0; t < T; t++)
-        k_router_topk(rl + (size_t)t * N, w->router_bias, N, k, c->moe_renormalize, c->routed_scaling_factor,
-                      idx + (size_t)t * k, wt + (size_t)t * k);
-
-    /* union of the selections, ascending */
-    int *cnt = ws_i(ws, (size_t)N), *ids = ws_i(ws, (size_t)N), *at = ws_i(ws, (size_t)N + 1);
-    memset(cnt, 0, (size_t)N * sizeof *cnt);
-    for (size_t i = 0; i < Tk; i++) cnt[idx[i]]++;
-    int nu = 0;
-    at[0] = 0;
-    for (int e = 0; e < N; e++)
-        if (cnt[e]) {
-            ids[nu] = e;
-            at[nu + 1] = at[nu] + cnt[e];
-            nu++;
-        }
-    /* the ones this process computes (all but under expert parallelism) */
-    const k3_weight_source *src = xa->src;
-    bool ep = src && src->expert_owned && src->experts_combine;
-    int *sel = ws_i(ws, (size_t)N), *sid = ws_i(ws, (size_t)N), ns = 0;
-    for (int u = 0; u < nu; u++)
-        if (!ep || src->expert_owned(src->ctx, xa->layer, ids[u])) {
-            sel[ns] = u;
-            sid[ns++] = ids[u];
-        }
-    k3_expert_w *ex = ws_get(ws, (size_t)nu * sizeof *ex);
-    if (src) {
-        int rc = src->experts_get(src->ctx, xa->layer, sid, ns, ex, err);
-        if (rc) return rc;
-    } else {
-        for (int i = 0; i < ns; i++) ex[i] = xa->experts[sid[i]];
-    }
-
-    /* rows grouped by expert (ascending id; within an expert, slot order):
-     * zin[at[u] ..] are expert u's inputs, slot[] where each row's result goes */
-    float *zin = ws_f(ws, Tk * l), *h1 = ws_f(ws, Tk * I), *h3 = ws_f(ws, Tk * I), *out = ws_f(ws, Tk * l);
-    int *rowat = ws_i(ws, Tk), *fill = ws_i(ws, (size_t)N);
-    for (int u = 0; u < nu; u++) fill[ids[u]] = at[u];
-    for (size_t i = 0; i < Tk; i++) {
-        int r = fill[idx[i]]++;
-        memcpy(zin + (size_t)r * l, z + (i / (size_t)k) * l, (size_t)l * sizeof(float));
-        rowat[i] = r;
-    }
-    /* every selected expert's gate and up in one thread team, then every down
-     * (with the shared experts' down): the experts are read once per chunk */
-    k_prod *jb = ws_get(ws, (2 * (size_t)nu + 1) * sizeof *jb);
-    for (int i = 0; i < ns; i++) {
-        int u = sel[i], n = at[u + 1] - at[u];
-        jb[2 * i] = (k_prod){&ex[i].w1, zin + (size_t)at[u] * l, n, h1 + (size_t)at[u] * I};
-        jb[2 * i + 1] = (k_prod){&ex[i].w3, zin + (size_t)at[u] * l, n, h3 + (size_t)at[u] * I};
-    }
-    k_products(jb, 2 * ns);
-    situ_par(c, h1, h1, h3, Tk * I);
-    float *sh = NULL;
-    nj = ns;
-    for (int i = 0; i < ns; i++) {
-        int u = sel[i];
-        jb[i] = (k_prod){&ex[i].w2, h1 + (size_t)at[u] * I, at[u + 1] - at[u], out + (size_t)at[u] * l};
-    }
-    if (S) {
-        situ_par(c, sg, sg, su, Ts * S);
-        sh = ws_f(ws, Ts * E);
-        jb[nj++] = (k_prod){&w->shared.down, sg, T, sh};
-    }
-    k_products(jb, nj);
-    if (src && src->experts_put) src->experts_put(src->ctx, xa->layer, sid, ns);
-    if (ep) { /* the other ranks' experts' output rows */
-        int rc = src->experts_combine(src->ctx, xa->layer, ids, at, nu, out, l, err);
-        if (rc) return rc;
-    }
-
-    /* per token: sum_j p_j e_j in the router's slot order */
-    float *agg = zin; /* gathered inputs are consumed */
-    for (int t = 0; t < T; t++) {
-        float *a = agg + (size_t)t * l;
-        memset(a, 0, (size_t)l * sizeof *a);
-        for (int s = 0; s < k; s++) {
-            size_t i = (size_t)t * k + s;
-            float p = wt[i];
-            const float *e = out + (size_t)rowat[i] * l;
-            for (int j = 0; j < l; j++) a[j] = fmaf(p, e[j], a[j]);
-        }
-        if (w->norm) k_rmsnorm(a, a, w->norm, l, c->rms_eps);
-    }
-    k_matmul(&w->up, agg, T, y);
-    if (S) add_rows(y, sh, Ts * E);
-    return K3_OK;
-}
-
-void k3_moe(const k3_config *c, const k3_moe_w *w, const k3_expert_w *experts, const float *x, int T,
-            float *y) {
-    k3_ws ws;
-    ws_init(&ws, 0);
-    expert_access xa = {.experts = experts};
-    moe(c, w, &xa, x, T, y, &ws, NULL);
     ws_free(&ws);
 }
 
@@ -601,12 +148,12 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
     size_t E = (size_t)c->hidden_size, t = (size_t)T, need = 0, m;
     size_t nsrc = (size_t)n_boundaries(c) + 1;
     size_t base = 3 * wsz(t * E) + wsz((size_t)omp_get_max_threads() * nsrc) + 2 * WS_ALIGN;
-    if (c->n_kda_layers) { /* kda() */
+    if (c->n_kda_layers) { /* kda.c's kda_block() */
         size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, P = H * D;
         m = 2 * wsz(3 * t * P) + wsz(t * P) + wsz(t * H) + wsz(t * D);
         if (m > need) need = m;
     }
-    if (c->n_mla_layers) { /* mla() */
+    if (c->n_mla_layers) { /* mla.c's mla_block() */
         size_t H = (size_t)c->mla_heads, dq = (size_t)(c->qk_nope_dim + c->qk_rope_dim),
                dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim;
         m = wsz(t * H * dq) + wsz(t * (size_t)c->q_lora_rank) + wsz(t * W) + 2 * wsz(t * H * dv) +
@@ -618,7 +165,7 @@ static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
         m = 2 * wsz(t * (size_t)c->dense_inter);
         if (m > need) need = m;
     }
-    if (c->num_experts > 0) { /* moe(), including its shared-expert mlp() */
+    if (c->num_experts > 0) { /* moe.c's moe_block(), with its shared experts */
         size_t N = (size_t)c->num_experts, k = (size_t)c->experts_per_token, l = (size_t)c->latent_dim,
                I = (size_t)c->moe_inter, S = (size_t)c->num_shared_experts * I;
         m = wsz(t * N) + 2 * wsz(t * k) + wsz(t * l) + 2 * wsz(t * S) + 6 * wsz(N + 1) +
@@ -854,8 +401,9 @@ static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const
         empty = true;
     }
     rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
-    if (w->kind == 'K') kda(c, &w->kda, ks, xn, T, sub, kda_chunk, ws);
-    else mla(c, mla_eps, &w->mla, mc, pos0, xn, T, sub, ws);
+    if (w->kind == 'K')
+        kda_block(c, &w->kda, &k3_infer_ops, ks->S, ks->conv, xn, 1, T, sub, T > 1 ? kda_chunk : 0, NULL, ws);
+    else mla_block(c, mla_eps, &w->mla, &k3_infer_ops, mc, pos0, xn, 1, T, sub, NULL, ws);
     ws->used = inner;
     float *p = buf[*nb];
     if (empty) memcpy(p, sub, TE * sizeof(float));
@@ -870,7 +418,7 @@ static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const
         if (src && src->experts_get) xa.src = src;
         else if (!w->moe.experts)
             return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: the weight source serves no experts", L);
-        int rc = moe(c, &w->moe, &xa, xn, T, sub, ws, err);
+        int rc = moe_block(c, &w->moe, &k3_infer_ops, &xa, xn, T, sub, NULL, ws, err);
         if (rc) return rc;
     }
     add_rows(p, sub, TE);

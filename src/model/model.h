@@ -342,6 +342,108 @@ void k3_attnres_rows(const float *q, const float *const *src, int nsrc, int T, i
  * records 1 / rms(x) for training's backward. y may alias x. */
 void k3_rmsnorm_rows(float *y, float *rinv, const float *x, const float *g, int T, int n, float eps);
 void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y);
+
+typedef struct k3_mla_rec k3_mla_rec;
+
+/* ---- the blocks as training runs them -------------------------------------
+ * A block's forward math is written once, here in the model graph; `k3 train`
+ * runs it on B sequences at once with a weight view onto its parameter arena
+ * (k3_mat KW_F32 views) and a record of what its backward reads. What the two
+ * callers fix differently is only how some steps are rounded, named here: */
+typedef struct {
+    /* Y = X W^T for each job (independent jobs): the canonical dots of
+     * k_products (inference) or the training GEMM's one fma chain per element
+     * (src/train/tops.c t_products) */
+    void (*products)(const k_prod *jobs, int njobs);
+    /* training's rounding of two elementwise steps: SiLU as x * sigmoid(x)
+     * (inference: x / (1 + e^-x)) and the KDA q/k L2 norm as a times-1/norm
+     * on a plain sum of squares (inference: a division by the norm of a
+     * dot). The same functions; the bits each side's contract fixed. */
+    bool train_rounding;
+    /* MLA's expanded attention core on a record (training's BF16 mode runs it
+     * as GEMMs); NULL: k3_mla_attend_expanded */
+    void (*mla_attend)(const k3_config *c, k3_mla_rec *r, int nseq, int T);
+    /* LatentMoE's routed-expert products (many similar jobs): NULL runs them
+     * with products; training's run side by side, one thread each */
+    void (*expert_products)(const k_prod *jobs, int njobs);
+} k3_fwd_ops;
+extern const k3_fwd_ops k3_infer_ops; /* what k3 run uses */
+
+/* What the KDA block's backward reads, for N = nseq*T rows (H heads of D, P =
+ * H*D). The q, k, v projections and their conv outputs are three planes of
+ * [N][P] (q, then k, then v). */
+typedef struct {
+    float *pre;    /* [3][N][P] projections before the ShortConv */
+    float *cv;     /* [3][N][P] ShortConv outputs before SiLU */
+    float *q, *k;  /* [N][P] after SiLU and the per-head L2 norm (q not yet scaled) */
+    float *rq, *rk;/* [N][H] the L2 norms' inverses */
+    float *v;      /* [N][P] after SiLU */
+    float *beta;   /* [N][H] */
+    float *fa;     /* [N][D] f_a x */
+    float *zb;     /* [N][P] f_b(f_a x) + dt_bias */
+    float *gl;     /* [N][P] log-decay */
+    float *o;      /* [N][P] the recurrence's output */
+    float *ro;     /* [N*H] the head norm's inverse rms */
+    float *gate;   /* [N][P] sigmoid(g_proj x) */
+    float *y;      /* [N][P] o_proj's input */
+    float *Ssave;  /* [nseq][H][nblk][D][D]: the state entering every block of
+                      k_kda_block_len(chunk, gate_lower_bound) positions */
+} k3_kda_rec;
+/* What a SiTU-GLU MLP's backward reads (dense layers, the shared experts):
+ * N rows of I = gate.rows. */
+typedef struct {
+    float *g, *u;  /* [N][I] gate and up projections */
+    float *h;      /* [N][I] SiTU-GLU(g, u), down's input */
+} k3_mlp_rec;
+void k3_mlp_rec_forward(const k3_config *c, const k3_mlp_w *w, const k3_fwd_ops *fo, const float *x, int N, float *y,
+                        k3_mlp_rec *rec);
+
+/* What the LatentMoE block's backward reads, for N tokens and k slots each
+ * (slot n*k + j: token n's j-th choice). The experts' rows are grouped by
+ * expert (ascending id; within an expert, in slot order): row[slot] is the
+ * slot's row there. */
+typedef struct {
+    float *s;           /* [N][N_e] router sigmoid scores */
+    float *cut;         /* [N] selection score of the best expert left out (k < N_e) */
+    int *idx;           /* [N][k] chosen experts, in descending selection score */
+    float *p;           /* [N][k] routing weights */
+    float *z;           /* [N][l] W_down x */
+    float *g1, *g3, *h; /* [N k][I] grouped: w1 z, w3 z, SiTU-GLU of the two (w2's input) */
+    float *e;           /* [N k][l] grouped: the experts' outputs */
+    int *row;           /* [N k] */
+    float *u, *ru, *un; /* [N][l] sum_j p_j e_j, [N] 1/rms, [N][l] normed (W_up's input) */
+    k3_mlp_rec sh;      /* the shared experts, width N_s I */
+} k3_moe_rec;
+/* The LatentMoE block on N rows with resident experts (w->experts). */
+void k3_moe_rec_forward(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo, const float *x, int N,
+                        float *y, k3_moe_rec *rec);
+
+/* What the MLA block's backward reads (N = nseq*T rows, dq = d_n + d_r,
+ * dkv = d_n + d_v). */
+struct k3_mla_rec {
+    float *cq_pre, *rcq, *cq;   /* [N][r_q] q_a x, [N] 1/rms, [N][r_q] normed */
+    float *q;                   /* [N][H dq] */
+    float *ckv;                 /* [N][r_kv + d_r] kv_a x */
+    float *clat, *rkv, *ckvn;   /* [N][r_kv] its latent part, [N] 1/rms, [N][r_kv] normed */
+    float *kv;                  /* [N][H dkv] expanded keys and values */
+    float *pr;                  /* [nseq][H][T][T] softmax probabilities (0 above the diagonal) */
+    float *o, *gate, *y;        /* [N][H d_v] attention output, sigmoid(g_proj x), o_proj's input */
+};
+/* The MLA block on nseq sequences of T positions with the expanded core
+ * (x, y: [nseq*T][E]; latent_eps: the latent norms' epsilon). */
+void k3_mla_rec_forward(const k3_config *c, float latent_eps, const k3_mla_w *w, const k3_fwd_ops *fo,
+                        const float *x, int nseq, int T, float *y, k3_mla_rec *rec);
+/* The expanded core on r's q, kv and ckv: r->pr and r->o (canonical dots for
+ * the scores, one fma chain per output over the positions). */
+void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, int T);
+/* The expanded core's causal softmax of one row of T scores (already scaled,
+ * mx their maximum over 0..t): positions 0..t normalised, the rest zero. */
+void k3_causal_softmax_row(float *pr, int t, int T, float mx);
+
+/* The KDA block on nseq sequences of T positions, each from a zero state
+ * (x, y: [nseq*T][E]); chunk 0 the recurrent form, > 0 the chunkwise one. */
+void k3_kda_rec_forward(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, int chunk, const float *x,
+                        int nseq, int T, float *y, k3_kda_rec *rec);
 void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
             const float *x, int T, float *y);
 /* experts: [N_e] bound experts (any selection may be used). */

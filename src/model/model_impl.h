@@ -1,10 +1,16 @@
-/* model_impl.h: the model struct shared by weights.c (binding) and model.c
- * (the forward pass). Not a public header: use model.h. */
+/* model_impl.h: what the model's files share (not a public header: use
+ * model.h): the model struct (weights.c binds it, model.c runs it), the
+ * workspace of one forward chunk, and the blocks that live in their own
+ * files (kda.c, mla.c, moe.c). */
 #ifndef K3_MODEL_IMPL_H
 #define K3_MODEL_IMPL_H
 
 #include "model/model.h"
 #include "formats/safetensors.h"
+#include "util/common.h"
+
+#include <stdlib.h>
+#include <string.h>
 
 struct k3_model {
     k3_config cfg;            /* num_layers cut to opts.layers */
@@ -22,5 +28,105 @@ struct k3_model {
     float *blob;              /* the peer blob, NULL for safetensors */
     k3_weight_source src;     /* where layers and experts come from now */
 };
+
+/* ---- workspace ------------------------------------------------------------
+ * A bump allocator for the temporaries of one forward chunk. The state sizes
+ * it from ws_need() so a forward never allocates; should the estimate ever
+ * fall short, the overflow is served by the heap (and kept until the next
+ * reset), never by a crash. */
+typedef struct {
+    char *base;
+    size_t cap, used, high;
+    void **extra;
+    size_t nextra, cextra;
+    uint64_t overflow;   /* bytes ever served by the heap fallback */
+} k3_ws;
+
+#define WS_ALIGN 64
+
+static inline void *ws_get(k3_ws *w, size_t bytes) {
+    size_t n = (bytes + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN;
+    if (w->used + n <= w->cap) {
+        void *p = w->base + w->used;
+        w->used += n;
+        if (w->used > w->high) w->high = w->used;
+        return p;
+    }
+    if (w->nextra == w->cextra) {
+        w->cextra = w->cextra ? 2 * w->cextra : 8;
+        w->extra = xrealloc_array(w->extra, w->cextra, sizeof *w->extra);
+    }
+    void *p = xmalloc_aligned(n);
+    w->extra[w->nextra++] = p;
+    w->overflow += n;
+    w->high += n;
+    return p;
+}
+static inline float *ws_f(k3_ws *w, size_t n) { return ws_get(w, n * sizeof(float)); }
+static inline int *ws_i(k3_ws *w, size_t n) { return ws_get(w, n * sizeof(int)); }
+
+static inline void ws_reset(k3_ws *w) {
+    for (size_t i = 0; i < w->nextra; i++) free(w->extra[i]);
+    w->nextra = 0;
+    w->used = 0;
+}
+static inline void ws_init(k3_ws *w, size_t cap) {
+    memset(w, 0, sizeof *w);
+    w->cap = cap;
+    w->base = cap ? xmalloc_aligned(cap) : NULL;
+}
+static inline void ws_free(k3_ws *w) {
+    ws_reset(w);
+    free(w->extra);
+    free(w->base);
+    memset(w, 0, sizeof *w);
+}
+
+/* Bytes ws_get rounds n floats to. */
+static inline size_t wsz(size_t nfloats) { return (nfloats * 4 + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
+
+/* Per-position work of a prefill chunk is split over threads only when the
+ * chunk is long enough to pay for a thread team (rows are independent, so
+ * the bits do not change). */
+#define PAR_ROWS(T, n) ((double)(T) * (double)(n) > 131072.0)
+
+/* SiTU-GLU over n elements (elementwise), in blocks over threads when long. */
+static inline void situ_par(const k3_config *c, float *out, const float *gate, const float *up, size_t n) {
+    const size_t B = 16384;
+    long nb = (long)((n + B - 1) / B);
+#pragma omp parallel for schedule(static) if (n > 4 * B)
+    for (long b = 0; b < nb; b++) {
+        size_t o = (size_t)b * B, len = n - o < B ? n - o : B;
+        k_situ_glu(out + o, gate + o, up + o, (int)len, c->situ_beta, c->situ_linear_beta);
+    }
+}
+
+static inline void add_rows(float *y, const float *x, size_t n) {
+    for (size_t i = 0; i < n; i++) y[i] += x[i];
+}
+
+/* The KDA block (kda.c) on nseq sequences of T positions (rows s*T + t of x
+ * and y, each [.][E]): S [nseq][H][D][D] and conv [nseq][3][P][K-1] are the
+ * sequences' states, updated; chunk > 0 runs the chunkwise form. rec (may be
+ * NULL) gets what training's backward reads; without it the temporaries come
+ * from ws. */
+void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, float *S, float *conv, const float *x,
+               int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws);
+
+/* The MLA block (mla.c) on nseq sequences of T positions: without a record,
+ * one sequence (nseq 1) whose latents go to cache rows pos0.. and the
+ * absorbed core; with one, the expanded core and no cache. */
+void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, const k3_fwd_ops *fo, k3_mla_cache *cache,
+               int pos0, const float *x, int nseq, int T, float *y, k3_mla_rec *rec, k3_ws *ws);
+
+/* The LatentMoE block (moe.c) on T rows: experts from xa (resident, or a
+ * weight source); rec (may be NULL) gets what training's backward reads. */
+typedef struct {
+    const k3_weight_source *src;   /* NULL: experts[] holds every expert */
+    const k3_expert_w *experts;
+    int layer;
+} expert_access;
+int moe_block(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo, const expert_access *xa, const float *x,
+              int T, float *y, k3_moe_rec *rec, k3_ws *ws, k3_err *err);
 
 #endif

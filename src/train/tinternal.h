@@ -33,10 +33,11 @@ struct tm_layer {
     moe_w moe_w;
 };
 
-/* Saved activations. N = B*T rows. */
+/* Saved activations. N = B*T rows. The KDA forward is the model graph's
+ * (model.h k3_kda_rec names the same arrays). */
 typedef struct {
-    float *pre;   /* [N][3P] q|k|v projections before the conv */
-    float *cv;    /* [N][3P] conv outputs before SiLU */
+    float *pre;   /* [3][N][P] q, k, v projections before the conv */
+    float *cv;    /* [3][N][P] conv outputs before SiLU */
     float *q, *k; /* [N][P] after SiLU and the per-head L2 norm (q unscaled) */
     float *rq, *rk; /* [N][H] L2 inverse norms */
     float *v;     /* [N][P] after SiLU */
@@ -52,30 +53,11 @@ typedef struct {
     size_t Sck_cap; /* floats allocated for Sck */
 } kda_acts;
 
-typedef struct {
-    float *cq_pre, *rcq, *cq;   /* [N][rq], [N], [N][rq] */
-    float *q;                   /* [N][H(dn+dr)] */
-    float *ckv;                 /* [N][rkv+dr] */
-    float *clat, *rkv, *ckvn;   /* [N][rkv], [N], [N][rkv] */
-    float *kv;                  /* [N][H(dn+dv)] */
-    float *pr;                  /* [B][H][T][T] softmax probabilities */
-    float *o, *gate, *y;        /* [N][H dv] */
-} mla_acts;
+typedef k3_mla_rec mla_acts; /* the model graph's MLA record (model.h) */
 
-typedef struct {
-    float *gu, *h;              /* [N][2W], [N][W] */
-} mlp_acts;
+typedef k3_mlp_rec mlp_acts; /* the model graph's MLP record (model.h) */
 
-typedef struct {
-    float *s;                   /* [N][Ne] router sigmoid scores */
-    int *idx;                   /* [N][k] selected experts (descending selection score) */
-    float *p;                   /* [N][k] routing weights */
-    float *z;                   /* [N][lat] */
-    float *au, *h, *e;          /* per slot n*k+j: [.][2I], [.][I], [.][lat] */
-    float *u, *ru, *un;         /* [N][lat], [N], [N][lat] */
-    float *tmp;                 /* [N][E] shared-expert output */
-    mlp_acts sh;
-} moe_acts;
+typedef k3_moe_rec moe_acts; /* the model graph's LatentMoE record (model.h) */
 
 typedef struct {
     float *a;            /* [N][E] pre-attention AttnRes output (layer 0: NULL, a = p_in) */
@@ -140,11 +122,5 @@ void moe_free(moe_acts *a);
 void moe_forward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, float *out, int N);
 void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, const float *dout,
                   float *dx, int N, float *scratch);
-
-/* KDA recurrence over one sequence and one head, exposed for tests.
- * q, k, v, gl: strided rows (stride st) of D floats; beta: stride sb.
- * S: [D][D] state (in/out); o: output rows (stride st). */
-void kda_recur_fwd(float *o, float *S, const float *q, const float *k, const float *v,
-                   const float *gl, const float *beta, int T, int D, size_t st, size_t sb);
 
 #endif

@@ -1,25 +1,18 @@
-/* tkda.c: Kimi Delta Attention, forward and backward for training
- * (k3-checkpoint-format.md section 8; report eq. 1-6).
+/* tkda.c: Kimi Delta Attention for training: the record, the call of the
+ * model graph's forward (src/model/kda.c, which runs the kernels' recurrent
+ * or chunkwise form) and the backward (k3-checkpoint-format.md section 8;
+ * report eq. 1-6).
  *
- * Two forms of the same function, chosen by tmodel.kda_chunk:
+ * Two forms of the recurrence, chosen by tmodel.kda_chunk:
  *  - 0: the exact recurrent form, backward by backpropagation through time
- *    (the reference). The forward keeps the state every KCK positions; the
- *    backward recomputes the states inside one KCK block from that checkpoint
- *    (same code, same bits) and walks it in reverse.
- *  - C > 0: the chunkwise (UT / WY) form, chunks of C positions. Within a chunk,
- *    with G_t = g_1 + ... + g_t (per key channel) and the state S0 entering it:
- *        KG = K e^G, KN = K e^-G, QG = (Q/sqrt(D)) e^G          (row-wise)
- *        A = strict_tril(KG KN^T), Bm = tril(QG KN^T)  (A[t][s] = sum_i k_t k_s e^(G_t-G_s))
- *        W = diag(beta) (V - KG S0 - A W)               (forward substitution: the UT transform)
- *        O = QG S0 + Bm W
- *        S = diag(e^G_C) S0 + (K e^(G_C - G))^T W
- *    and the backward is the reverse of these products (recomputed per chunk
- *    from the saved S0). Factoring e^(G_t - G_s) = e^G_t e^-G_s keeps every
- *    product a matrix product; it is safe because the decay is bounded below
- *    (g >= gate_lower_bound), so |G| <= |bound| C: the chunk is clamped to
- *    |bound| C <= 80 (C = 16 for the K3 bound -5), and e^80 is far from the
- *    f32 limit. The two forms agree to f32 rounding (test
- *    train_kda_chunked_matches_recurrent).
+ *    (the reference). The forward keeps the state every K_KDA_RECUR_BLOCK
+ *    positions; the backward recomputes the states inside one block from that
+ *    checkpoint (the kernel's step, same bits) and walks it in reverse.
+ *  - C > 0: the chunkwise (UT / WY) form of kernels/kda.c, chunks of C
+ *    positions clamped so |gate_lower_bound| C <= 80 (C = 16 for the K3
+ *    bound -5); the backward recomputes a chunk's products from its saved
+ *    entering state (k_kda_chunk_prep) and walks them in reverse. The two
+ *    forms agree to f32 rounding (test train_kda_chunked_matches_recurrent).
  * Memory for the saved states: B*H*(T/C)*D*D floats per layer. */
 #include "train/tinternal.h"
 
@@ -29,17 +22,14 @@
 #include "kernels/internal.h"
 #include "kernels/kernels.h"
 
-enum { KCK = 16 };
-
-/* Positions per saved state: the chunk length (chunkwise) or KCK (recurrent). */
-static int ck_len(const tmodel *m) {
-    if (m->kda_chunk <= 0) return KCK;
-    float lb = fabsf(m->cfg.gate_lower_bound);
-    int cmax = lb > 0.0f ? (int)(80.0f / lb) : TM_MAX_KDA_CHUNK;
-    if (cmax > TM_MAX_KDA_CHUNK) cmax = TM_MAX_KDA_CHUNK;
-    if (cmax < 1) cmax = 1;
-    return m->kda_chunk < cmax ? m->kda_chunk : cmax;
+/* The chunk the kernels are asked for: 0 (recurrent) or the flag's,
+ * at most TM_MAX_KDA_CHUNK; k_kda_block_len clamps it to the decay bound. */
+static int chunk_arg(const tmodel *m) {
+    if (m->kda_chunk <= 0) return 0;
+    return m->kda_chunk < TM_MAX_KDA_CHUNK ? m->kda_chunk : TM_MAX_KDA_CHUNK;
 }
+/* Positions per saved state. */
+static int ck_len(const tmodel *m) { return k_kda_block_len(chunk_arg(m), m->cfg.gate_lower_bound); }
 static int nck_of(int T, int C) { return (T + C - 1) / C; }
 
 size_t kda_scratch(const tmodel *m, int N) {
@@ -80,76 +70,7 @@ void kda_free(kda_acts *a) {
     memset(a, 0, sizeof *a);
 }
 
-/* One recurrence step for one head: S <- diag(exp g) S; u = S^T k;
- * S += k (beta (v - u))^T; o = S^T q / sqrt(D). u, d are D-float scratch. */
-K3_HOT static void step_fwd(float *o, float *S, const float *q, const float *k, const float *v,
-                     const float *gl, float beta, int D, float qscale, float *u) {
-    for (int i = 0; i < D; i++) {
-        float a = t_exp(gl[i]);
-        float *s = S + (size_t)i * D;
-        for (int j = 0; j < D; j++) s[j] *= a;
-    }
-    for (int j = 0; j < D; j++) u[j] = 0.0f;
-    for (int i = 0; i < D; i++) {
-        const float *s = S + (size_t)i * D;
-        for (int j = 0; j < D; j++) u[j] = fmaf(s[j], k[i], u[j]);
-    }
-    for (int j = 0; j < D; j++) u[j] = beta * (v[j] - u[j]); /* u becomes delta */
-    for (int i = 0; i < D; i++) {
-        float *s = S + (size_t)i * D;
-        for (int j = 0; j < D; j++) s[j] = fmaf(k[i], u[j], s[j]);
-    }
-    if (o) {
-        for (int j = 0; j < D; j++) o[j] = 0.0f;
-        for (int i = 0; i < D; i++) {
-            const float *s = S + (size_t)i * D;
-            float qi = q[i] * qscale;
-            for (int j = 0; j < D; j++) o[j] = fmaf(s[j], qi, o[j]);
-        }
-    }
-}
-
-K3_HOT void kda_recur_fwd(float *o, float *S, const float *q, const float *k, const float *v,
-                   const float *gl, const float *beta, int T, int D, size_t st, size_t sb) {
-    float *u = xmalloc_array((size_t)D, sizeof(float));
-    float qs = 1.0f / sqrtf((float)D);
-    for (int t = 0; t < T; t++)
-        step_fwd(o + t * st, S, q + t * st, k + t * st, v + t * st, gl + t * st, beta[t * sb], D, qs, u);
-    free(u);
-}
-
-/* ---- chunkwise form ------------------------------------------------------------------ */
-
-/* Per-task workspace of the chunkwise form (C = chunk length). */
-typedef struct {
-    int C, D;
-    float *G, *eG, *eN, *KG, *KN, *QG, *KC, *Z, *W, *O; /* [C][D] */
-    float *KNT, *WT;                                   /* [D][C] */
-    float *Am, *Bm, *dA, *dBm;                         /* [C][C] */
-    float *S0T, *dST, *dS0;                            /* [D][D] */
-    float *bd;                                         /* [C] diagonal of Bm: q_t.k_t / sqrt(D) */
-    float *dQG, *dKG, *dKN, *dKC, *dW, *E, *nZ, *dG;   /* [C][D] */
-    float *buf;
-} cws;
-
-static void cws_init(cws *w, int C, int D) {
-    size_t cd = (size_t)C * D, cc = (size_t)C * C, dd = (size_t)D * D;
-    w->C = C;
-    w->D = D;
-    w->buf = xmalloc_aligned(sizeof(float) * (20 * cd + 4 * cc + 3 * dd + (size_t)C));
-    float *p = w->buf;
-    float **cdv[] = {&w->G, &w->eG, &w->eN, &w->KG, &w->KN, &w->QG, &w->KC, &w->Z, &w->W, &w->O,
-                     &w->dQG, &w->dKG, &w->dKN, &w->dKC, &w->dW, &w->E, &w->nZ, &w->dG, &w->KNT, &w->WT};
-    for (size_t i = 0; i < sizeof cdv / sizeof cdv[0]; i++) { *cdv[i] = p; p += cd; }
-    float **ccv[] = {&w->Am, &w->Bm, &w->dA, &w->dBm};
-    for (size_t i = 0; i < 4; i++) { *ccv[i] = p; p += cc; }
-    w->S0T = p; p += dd;
-    w->dST = p; p += dd;
-    w->dS0 = p; p += dd;
-    w->bd = p;
-}
-
-static void cws_free(cws *w) { free(w->buf); }
+/* ---- chunkwise backward ---------------------------------------------------------------- */
 
 static void transpose(float *dst, const float *src, int rows, int cols, size_t lds) {
     for (int r = 0; r < rows; r++)
@@ -164,75 +85,16 @@ static void mm0(const k_vops *ops, float *Cm, int ldc, int M, int N, const float
     if (K > 0) ops->gemm_acc(Cm, ldc, M, N, A, sam, sak, K, Bm, ldb);
 }
 
-/* The chunk's forward up to W (and Z = V - KG S0 - A W), from q, k, v, gl,
- * beta rows (stride st, sb) and S0. */
-static void chunk_prep(const k_vops *ops, cws *w, const float *q, const float *k, const float *v,
-                       const float *gl, const float *beta, int L, size_t st, size_t sb, const float *S0) {
-    const int D = w->D, C = w->C;
-    const float qs = 1.0f / sqrtf((float)D);
-    for (int t = 0; t < L; t++) {
-        float *G = w->G + (size_t)t * D;
-        const float *g = gl + t * st;
-        if (t == 0) memcpy(G, g, sizeof(float) * (size_t)D);
-        else ops->vadd(G, G - D, g, D);
-    }
-    ops->vexp(w->eG, w->G, L * D);
-    for (int i = 0; i < L * D; i++) w->eN[i] = -w->G[i];
-    ops->vexp(w->eN, w->eN, L * D);
-    for (int t = 0; t < L; t++) {
-        size_t r = (size_t)t * D;
-        ops->vmul(w->KG + r, k + t * st, w->eG + r, D);
-        ops->vmul(w->KN + r, k + t * st, w->eN + r, D);
-        ops->scale(w->QG + r, q + t * st, qs, D);
-        ops->vmul(w->QG + r, w->QG + r, w->eG + r, D);
-    }
-    transpose(w->KNT, w->KN, L, D, (size_t)D); /* [D][L] */
-    mm0(ops, w->Am, C, L, L, w->KG, D, 1, D, w->KNT, L);
-    mm0(ops, w->Bm, C, L, L, w->QG, D, 1, D, w->KNT, L);
-    /* Both strictly lower; the diagonal of Bm (e^0 = 1) is the plain dot
-     * q_t.k_t / sqrt(D): kept out of the e^G factors, its G-gradient would be
-     * two large terms cancelling (bad when the decay is strong). */
-    for (int t = 0; t < L; t++) {
-        for (int u = t; u < L; u++) w->Am[(size_t)t * C + u] = w->Bm[(size_t)t * C + u] = 0.0f;
-        w->bd[t] = ops->dot(q + t * st, k + t * st, D) * qs;
-    }
-    /* Z = V - KG S0 - A W, W = beta Z, row by row */
-    mm0(ops, w->Z, D, L, D, w->KG, D, 1, D, S0, D);
-    for (int t = 0; t < L; t++) {
-        float *z = w->Z + (size_t)t * D;
-        ops->subscale(z, v + t * st, z, 1.0f, D);
-        for (int u = 0; u < t; u++) ops->axpy(z, -w->Am[(size_t)t * C + u], w->W + (size_t)u * D, D);
-        ops->scale(w->W + (size_t)t * D, z, beta[t * sb], D);
-    }
-    /* KC = K e^(G_L - G) */
-    const float *eGl = w->eG + (size_t)(L - 1) * D;
-    for (int t = 0; t < L; t++) ops->vmul(w->KC + (size_t)t * D, w->KN + (size_t)t * D, eGl, D);
-}
-
-/* Forward of one chunk: o rows (stride st) and S (S0 in, the state after out). */
-static void chunk_fwd(const k_vops *ops, cws *w, float *o, float *S, const float *q, const float *k,
-                      const float *v, const float *gl, const float *beta, int L, size_t st, size_t sb) {
-    const int D = w->D, C = w->C;
-    chunk_prep(ops, w, q, k, v, gl, beta, L, st, sb, S);
-    mm0(ops, w->O, D, L, D, w->QG, D, 1, D, S, D);
-    ops->gemm_acc(w->O, D, L, D, w->Bm, C, 1, L, w->W, D);
-    for (int t = 0; t < L; t++) ops->axpy(w->O + (size_t)t * D, w->bd[t], w->W + (size_t)t * D, D);
-    for (int t = 0; t < L; t++) memcpy(o + t * st, w->O + (size_t)t * D, sizeof(float) * (size_t)D);
-    const float *eGl = w->eG + (size_t)(L - 1) * D;
-    for (int i = 0; i < D; i++) ops->scale(S + (size_t)i * D, S + (size_t)i * D, eGl[i], D);
-    ops->gemm_acc(S, D, D, D, w->KC, 1, D, L, w->W, D);
-}
-
 /* Backward of one chunk: dS is d(loss)/d(state after the chunk) on entry and
  * d/d(S0) on return; dout rows (stride st) are d/d(o). Writes dq, dk, dv, dgl
  * (stride st) and dbeta (stride sb). */
-K3_HOT static void chunk_bwd_cw(const k_vops *ops, cws *w, float *dS, const float *S0, const float *q,
+K3_HOT static void chunk_bwd_cw(const k_vops *ops, k_kda_cws *w, float *dS, const float *S0, const float *q,
                          const float *k, const float *v, const float *gl, const float *beta,
                          const float *dout, float *dq, float *dk, float *dv, float *dgl, float *dbeta, int L,
                          size_t st, size_t sb) {
     const int D = w->D, C = w->C;
     const float qs = 1.0f / sqrtf((float)D);
-    chunk_prep(ops, w, q, k, v, gl, beta, L, st, sb, S0);
+    k_kda_chunk_prep(w, q, k, v, gl, beta, L, st, sb, S0);
     const float *eGl = w->eG + (size_t)(L - 1) * D;
     /* S = diag(e^G_L) S0 + KC^T W */
     transpose(w->dST, dS, D, D, (size_t)D);
@@ -316,95 +178,46 @@ static float *conv_taps_t(const float *cw, int nch, int K) {
     return t;
 }
 
-K3_HOT void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, float *out, int B, int T) {
+/* The model graph's weight view of a layer: F32 matrices onto the arena (the
+ * fused q|k|v projection and taps as three row ranges). */
+static k3_kda_w kda_view(const tmodel *m, const kda_w *kw) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
-    const int N = B * T, P3 = 3 * P;
     const float *w = m->w;
-    const kda_w *kw = &ly->kda;
-    t_linear(a->pre, x, w + kw->qkv, N, E, P3);
-    /* ShortConv (depthwise causal, w[c][K-1] on the current input) + SiLU */
-    /* per channel one fma chain over the taps j in increasing order; run tap by
-     * tap over whole rows (contiguous, vectorises: the same bits) with the
-     * taps transposed to [j][ch] */
-    float *cwT = conv_taps_t(w + kw->conv, P3, K);
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
-        int t = n % T;
-        float *cv = a->cv + (size_t)n * P3;
-        for (int ch = 0; ch < P3; ch++) cv[ch] = 0.0f;
-        for (int j = 0; j < K; j++) {
-            if (t - (K - 1) + j < 0) continue;
-            const float *wj = cwT + (size_t)j * P3, *pr = a->pre + (size_t)(n - (K - 1) + j) * P3;
-            for (int ch = 0; ch < P3; ch++) cv[ch] = fmaf(wj[ch], pr[ch], cv[ch]);
-        }
-        float *qr = a->q + (size_t)n * P, *kr = a->k + (size_t)n * P, *vr = a->v + (size_t)n * P;
-        for (int i = 0; i < P; i++) {
-            qr[i] = cv[i] * t_sigmoid(cv[i]);
-            kr[i] = cv[P + i] * t_sigmoid(cv[P + i]);
-            vr[i] = cv[2 * P + i] * t_sigmoid(cv[2 * P + i]);
-        }
-        for (int h = 0; h < H; h++) {
-            float rq = 1.0f / sqrtf(k_sumsq(qr + h * D, D) + 1e-6f);
-            float rk = 1.0f / sqrtf(k_sumsq(kr + h * D, D) + 1e-6f);
-            a->rq[(size_t)n * H + h] = rq;
-            a->rk[(size_t)n * H + h] = rk;
-            for (int d = 0; d < D; d++) { qr[h * D + d] *= rq; kr[h * D + d] *= rk; }
-        }
-    }
-    free(cwT);
-    /* beta, decay */
-    t_linear(a->beta, x, w + kw->b_proj, N, E, H);
-    for (size_t i = 0; i < (size_t)N * H; i++) a->beta[i] = t_sigmoid(a->beta[i]);
-    t_linear(a->fa, x, w + kw->f_a, N, E, D);
-    t_linear(a->zb, a->fa, w + kw->f_b, N, D, P);
-    const float *dtb = w + kw->dt_bias, *Al = w + kw->A_log;
-    const float gmin = c->gate_lower_bound;
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++)
-        for (int i = 0; i < P; i++) {
-            size_t ix = (size_t)n * P + i;
-            a->zb[ix] += dtb[i];
-            a->gl[ix] = gmin * t_sigmoid(t_exp(Al[i / D]) * a->zb[ix]);
-        }
-    /* the recurrence, one (sequence, head) per task; the state entering every
-     * chunk of CK positions is saved for the backward */
-    const int CK = ck_len(m), nc = nck_of(T, CK);
-    const bool chunked = m->kda_chunk > 0;
+#define MAT(off, r, cl) ((k3_mat){.type = KW_F32, .rows = (r), .cols = (cl), .data = w + (off)})
+    k3_kda_w v = {
+        .q = MAT(kw->qkv, P, E),
+        .k = MAT(kw->qkv + (size_t)P * E, P, E),
+        .v = MAT(kw->qkv + 2 * (size_t)P * E, P, E),
+        .f_a = MAT(kw->f_a, D, E),
+        .f_b = MAT(kw->f_b, P, D),
+        .A_log = (float *)(w + kw->A_log),
+        .dt_bias = (float *)(w + kw->dt_bias),
+        .b = MAT(kw->b_proj, H, E),
+        .g = MAT(kw->g_proj, P, E),
+        .o_norm = (float *)(w + kw->o_norm),
+        .o = MAT(kw->o_proj, E, P),
+    };
+#undef MAT
+    for (int j = 0; j < 3; j++) v.conv[j] = (float *)(w + kw->conv + (size_t)j * P * K);
+    return v;
+}
+
+void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, float *out, int B, int T) {
+    const k3_config *c = &m->cfg;
+    const int H = c->kda_heads, D = c->kda_head_dim;
+    const int nc = nck_of(T, ck_len(m));
     size_t need = (size_t)B * H * (size_t)nc * D * D;
     if (need > a->Sck_cap) {
         free(a->Sck);
         a->Sck = xmalloc_array(need, sizeof(float));
         a->Sck_cap = need;
     }
-    const k_vops *ops = k_ops();
-#pragma omp parallel for schedule(static)
-    for (int bh = 0; bh < B * H; bh++) {
-        int b = bh / H, h = bh % H;
-        float *S = xcalloc((size_t)D * D, sizeof(float));
-        cws ws;
-        if (chunked) cws_init(&ws, CK, D);
-        for (int ck = 0; ck < nc; ck++) {
-            int t0 = ck * CK, len = T - t0 < CK ? T - t0 : CK;
-            memcpy(a->Sck + (((size_t)b * H + h) * nc + ck) * D * D, S, sizeof(float) * (size_t)D * D);
-            size_t r0 = ((size_t)b * T + t0) * P + (size_t)h * D;
-            const float *bt = a->beta + ((size_t)b * T + t0) * H + h;
-            if (chunked)
-                chunk_fwd(ops, &ws, a->o + r0, S, a->q + r0, a->k + r0, a->v + r0, a->gl + r0, bt, len,
-                          (size_t)P, (size_t)H);
-            else
-                kda_recur_fwd(a->o + r0, S, a->q + r0, a->k + r0, a->v + r0, a->gl + r0, bt, len, D, (size_t)P,
-                              (size_t)H);
-        }
-        if (chunked) cws_free(&ws);
-        free(S);
-    }
-    /* head-wise RMSNorm (shared gain), sigmoid gate, o_proj */
-    t_linear(a->gate, x, w + kw->g_proj, N, E, P);
-    for (size_t i = 0; i < (size_t)N * P; i++) a->gate[i] = t_sigmoid(a->gate[i]);
-    k3_rmsnorm_rows(a->y, a->ro, a->o, w + kw->o_norm, N * H, D, c->rms_eps);
-    for (size_t i = 0; i < (size_t)N * P; i++) a->y[i] *= a->gate[i];
-    t_linear(out, a->y, w + kw->o_proj, N, P, E);
+    k3_kda_w v = kda_view(m, &ly->kda);
+    k3_kda_rec r = {.pre = a->pre, .cv = a->cv, .q = a->q, .k = a->k, .rq = a->rq, .rk = a->rk, .v = a->v,
+                    .beta = a->beta, .fa = a->fa, .zb = a->zb, .gl = a->gl, .o = a->o, .ro = a->ro,
+                    .gate = a->gate, .y = a->y, .Ssave = a->Sck};
+    k3_kda_rec_forward(c, &v, &t_fwd_ops, chunk_arg(m), x, B, T, out, &r);
 }
 
 /* Backward of one chunk [t0, t0+len) of one head, walking positions in
@@ -522,15 +335,14 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
         int b = bh / H, h = bh % H;
         float *dS = xcalloc((size_t)D * D, sizeof(float));
         float *Sprev = NULL, *S = NULL, *wk = NULL;
-        cws ws;
+        k_kda_cws ws;
         if (chunked) {
-            cws_init(&ws, CK, D);
+            k_kda_cws_init(&ws, CK, D);
         } else {
-            Sprev = xmalloc_array((size_t)KCK * D * D, sizeof(float));
+            Sprev = xmalloc_array((size_t)CK * D * D, sizeof(float));
             S = xmalloc_array((size_t)D * D, sizeof(float));
             wk = xmalloc_array(2 * (size_t)D * D + 5 * (size_t)D, sizeof(float));
         }
-        float qs = 1.0f / sqrtf((float)D);
         for (int ck = nc - 1; ck >= 0; ck--) {
             int t0 = ck * CK, len = T - t0 < CK ? T - t0 : CK;
             size_t r0 = ((size_t)b * T + t0) * P + (size_t)h * D;
@@ -546,13 +358,14 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
             for (int t = 0; t < len; t++) {
                 memcpy(Sprev + (size_t)t * D * D, S, sizeof(float) * (size_t)D * D);
                 size_t rt = r0 + (size_t)t * P;
-                step_fwd(NULL, S, a->q + rt, a->k + rt, a->v + rt, a->gl + rt, a->beta[b0 + (size_t)t * H], D,
-                         qs, wk);
+                /* the forward's step (one head: H = 1, row stride unused) */
+                k_kda_recurrent(wk, S, a->q + rt, a->k + rt, a->v + rt, a->gl + rt, a->beta + b0 + (size_t)t * H, 1,
+                                1, D);
             }
             chunk_bwd(dS, Sprev, a->q + r0, a->k + r0, a->v + r0, a->gl + r0, a->beta + b0, dof + r0, dq + r0,
                       dk + r0, dv + r0, dgl + r0, dbeta + b0, len, D, (size_t)P, (size_t)H, wk);
         }
-        if (chunked) cws_free(&ws);
+        if (chunked) k_kda_cws_free(&ws);
         free(dS);
         free(Sprev);
         free(S);
@@ -600,11 +413,11 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
     for (size_t i = 0; i < (size_t)N * H; i++) dbeta[i] *= a->beta[i] * (1.0f - a->beta[i]);
     t_linear_dw(g + kw->b_proj, dbeta, x, N, E, H);
     t_linear_dx(dx, dbeta, w + kw->b_proj, N, E, H, true);
-    /* L2 norms of q, k, then SiLU: into dcv [N][3P] */
+    /* L2 norms of q, k, then SiLU: into dcv [N][3P] (the record's cv and pre
+     * are three [N][P] planes, q, k, v) */
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         float *dc = dcv + (size_t)n * P3;
-        const float *cvr = a->cv + (size_t)n * P3;
         for (int h = 0; h < H; h++) {
             size_t o0 = (size_t)n * P + (size_t)h * D;
             float sq = 0.0f, sk = 0.0f;
@@ -619,9 +432,13 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
                 dc[2 * P + h * D + d] = dv[o0 + d];
             }
         }
-        for (int i = 0; i < P3; i++) {
-            float s = t_sigmoid(cvr[i]);
-            dc[i] *= s * (1.0f + cvr[i] * (1.0f - s));
+        for (int pl = 0; pl < 3; pl++) {
+            const float *cvr = a->cv + (size_t)pl * NP + (size_t)n * P;
+            float *dcp = dc + (size_t)pl * P;
+            for (int i = 0; i < P; i++) {
+                float s = t_sigmoid(cvr[i]);
+                dcp[i] *= s * (1.0f + cvr[i] * (1.0f - s));
+            }
         }
     }
     /* ShortConv: dpre[n] = sum_j w[j] dcv[n + K-1-j] within the sequence */
@@ -642,17 +459,18 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
      * order; blocks of channels so the rows are read contiguously */
     float *gcw = g + kw->conv;
     enum { CB = 64 };
-    const int ncb = (P3 + CB - 1) / CB;
+    const int ncbp = (P + CB - 1) / CB, ncb = 3 * ncbp; /* blocks within each plane */
 #pragma omp parallel for schedule(static)
     for (int cb = 0; cb < ncb; cb++) {
-        int c0 = cb * CB, nch = P3 - c0 < CB ? P3 - c0 : CB;
+        int pl = cb / ncbp, p0 = (cb % ncbp) * CB, c0 = pl * P + p0, nch = P - p0 < CB ? P - p0 : CB;
+        const float *plane = a->pre + (size_t)pl * NP + p0;
         float *acc = xcalloc((size_t)CB * K, sizeof(float)); /* [j][c] */
         for (int n = 0; n < N; n++) {
             int t = n % T;
             const float *d = dcv + (size_t)n * P3 + c0;
             for (int j = 0; j < K; j++) {
                 if (t - (K - 1) + j < 0) continue;
-                const float *src = a->pre + (size_t)(n - (K - 1) + j) * P3 + c0;
+                const float *src = plane + (size_t)(n - (K - 1) + j) * P;
                 float *ac = acc + (size_t)j * CB;
                 for (int c = 0; c < nch; c++) ac[c] = fmaf(d[c], src[c], ac[c]);
             }

@@ -1,4 +1,5 @@
-/* tmla.c: Gated MLA with NoPE, forward and backward for training
+/* tmla.c: Gated MLA with NoPE for training: the record, the call of the
+ * model graph's forward (src/model/mla.c, expanded core) and the backward
  * (k3-checkpoint-format.md section 9; report eq. 7). The rope slot
  * (qk_rope_head_dim) is projected and scored but never rotated; the single
  * shared k_rope receives the sum of every head's gradient. Latent norms use
@@ -51,8 +52,7 @@ void mla_free(mla_acts *a) {
  * GEMM in the BF16 mode (AMX where present), the full T x T square (the
  * masked half multiplies zeros of P); the heads run side by side, each
  * product on one thread, so the bits do not depend on the thread count. */
-static void attn_fwd_bf16(const tmodel *m, mla_acts *a, int B, int T) {
-    const k3_config *c = &m->cfg;
+static void attn_fwd_bf16(const k3_config *c, mla_acts *a, int B, int T) {
     const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim,
               rkv = c->kv_lora_rank;
     const int dq = dn + dr, dkv = dn + dv, HV = H * dv;
@@ -73,10 +73,7 @@ static void attn_fwd_bf16(const tmodel *m, mla_acts *a, int B, int T) {
                 pr[s] *= scale;
                 if (pr[s] > mx) mx = pr[s];
             }
-            float sum = 0.0f;
-            for (int s = 0; s <= t; s++) { pr[s] = t_exp(pr[s] - mx); sum += pr[s]; }
-            for (int s = 0; s <= t; s++) pr[s] /= sum;
-            for (int s = t + 1; s < T; s++) pr[s] = 0.0f;
+            k3_causal_softmax_row(pr, t, T, mx);
         }
         tg_gemm(a->o + (size_t)b * T * HV + (size_t)h * dv, HV, T, dv, T, (tg_view){P, T, 1},
                 (tg_view){kv0 + dn, H * dkv, 1}, false, TG_BF16);
@@ -126,62 +123,36 @@ static void attn_bwd_bf16(const tmodel *m, const mla_acts *a, const float *dO, f
     }
 }
 
-K3_HOT void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, float *out, int B, int T) {
+void t_mla_attend(const k3_config *c, k3_mla_rec *r, int nseq, int T) {
+    if (t_bf16()) attn_fwd_bf16(c, r, nseq, T);
+    else k3_mla_attend_expanded(c, r, nseq, T);
+}
+
+/* The model graph's weight view of a layer: F32 matrices onto the arena. */
+static k3_mla_w mla_view(const tmodel *m, const mla_w *mw) {
     const k3_config *c = &m->cfg;
-    const int E = c->hidden_size, H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim,
-              dv = c->v_head_dim, rq = c->q_lora_rank, rkv = c->kv_lora_rank;
-    const int N = B * T, dq = dn + dr, dkv = dn + dv, HV = H * dv;
+    const int E = c->hidden_size, H = c->mla_heads, dq = c->qk_nope_dim + c->qk_rope_dim,
+              dkv = c->qk_nope_dim + c->v_head_dim, HV = H * c->v_head_dim, rq = c->q_lora_rank,
+              rkv = c->kv_lora_rank, W = rkv + c->qk_rope_dim;
     const float *w = m->w;
-    const mla_w *mw = &ly->mla;
-    t_linear(a->cq_pre, x, w + mw->q_a, N, E, rq);
-    k3_rmsnorm_rows(a->cq, a->rcq, a->cq_pre, w + mw->q_a_norm, N, rq, c->mla_latent_eps);
-    t_linear(a->q, a->cq, w + mw->q_b, N, rq, H * dq);
-    t_linear(a->ckv, x, w + mw->kv_a, N, E, rkv + dr);
-    for (int n = 0; n < N; n++)
-        memcpy(a->clat + (size_t)n * rkv, a->ckv + (size_t)n * (rkv + dr), sizeof(float) * rkv);
-    k3_rmsnorm_rows(a->ckvn, a->rkv, a->clat, w + mw->kv_a_norm, N, rkv, c->mla_latent_eps);
-    t_linear(a->kv, a->ckvn, w + mw->kv_b, N, rkv, H * dkv);
-    const float scale = 1.0f / sqrtf((float)dq);
-    if (m->bf16) {
-        attn_fwd_bf16(m, a, B, T);
-    } else {
-#pragma omp parallel for schedule(static)
-    for (int bh = 0; bh < B * H; bh++) {
-        int b = bh / H, h = bh % H;
-        float *P = a->pr + (size_t)bh * T * T;
-        for (int t = 0; t < T; t++) {
-            size_t nt = (size_t)b * T + t;
-            const float *qt = a->q + nt * H * dq + (size_t)h * dq;
-            float *pr = P + (size_t)t * T;
-            float mx = -INFINITY;
-            for (int s = 0; s <= t; s++) {
-                size_t ns = (size_t)b * T + s;
-                const float *kn = a->kv + ns * H * dkv + (size_t)h * dkv;
-                const float *kr = a->ckv + ns * (rkv + dr) + rkv;
-                float sc = k_dot(qt, kn, dn);
-                if (dr) sc += k_dot(qt + dn, kr, dr);
-                pr[s] = sc * scale;
-                if (pr[s] > mx) mx = pr[s];
-            }
-            float sum = 0.0f;
-            for (int s = 0; s <= t; s++) { pr[s] = t_exp(pr[s] - mx); sum += pr[s]; }
-            for (int s = 0; s <= t; s++) pr[s] /= sum;
-            for (int s = t + 1; s < T; s++) pr[s] = 0.0f;
-            float *o = a->o + nt * HV + (size_t)h * dv;
-            for (int j = 0; j < dv; j++) o[j] = 0.0f;
-            for (int s = 0; s <= t; s++) {
-                const float *vs = a->kv + ((size_t)b * T + s) * H * dkv + (size_t)h * dkv + dn;
-                for (int j = 0; j < dv; j++) o[j] = fmaf(pr[s], vs[j], o[j]);
-            }
-        }
-    }
-    }
-    t_linear(a->gate, x, w + mw->g_proj, N, E, HV);
-    for (size_t i = 0; i < (size_t)N * HV; i++) {
-        a->gate[i] = t_sigmoid(a->gate[i]);
-        a->y[i] = a->gate[i] * a->o[i];
-    }
-    t_linear(out, a->y, w + mw->o_proj, N, HV, E);
+#define MAT(off, r, cl) ((k3_mat){.type = KW_F32, .rows = (r), .cols = (cl), .data = w + (off)})
+    k3_mla_w v = {
+        .q_a = MAT(mw->q_a, rq, E),
+        .q_a_norm = (float *)(w + mw->q_a_norm),
+        .q_b = MAT(mw->q_b, H * dq, rq),
+        .kv_a = MAT(mw->kv_a, W, E),
+        .kv_a_norm = (float *)(w + mw->kv_a_norm),
+        .kv_b = MAT(mw->kv_b, H * dkv, rkv),
+        .o = MAT(mw->o_proj, E, HV),
+        .g = MAT(mw->g_proj, HV, E),
+    };
+#undef MAT
+    return v;
+}
+
+void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, float *out, int B, int T) {
+    k3_mla_w v = mla_view(m, &ly->mla);
+    k3_mla_rec_forward(&m->cfg, m->cfg.mla_latent_eps, &v, &t_fwd_ops, x, B, T, out, a);
 }
 
 K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, const float *dout,

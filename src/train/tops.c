@@ -1,6 +1,7 @@
 /* tops.c: training-side operations; see tops.h. */
 #include "train/tops.h"
 
+#include <stdio.h>
 #include <string.h>
 
 #include "kernels/kernels.h"
@@ -19,6 +20,27 @@ void t_linear(float *Y, const float *X, const float *W, int n, int in, int out) 
     tg_view x = {X, in, 1}, wt = {W, 1, in}; /* B(k, o) = W[o][k] */
     tg_gemm(Y, out, n, out, in, x, wt, false, g_mode);
 }
+
+void t_products(const k_prod *jobs, int njobs) {
+    for (int i = 0; i < njobs; i++) {
+        const k3_mat *W = jobs[i].W;
+        if (W->type != KW_F32) { /* a view onto the f32 arena, always: a bug otherwise */
+            fprintf(stderr, "k3: internal error: t_products given a weight of type %d, not F32\n", (int)W->type);
+            abort();
+        }
+        t_linear(jobs[i].Y, jobs[i].X, W->data, jobs[i].n, W->cols, W->rows);
+    }
+}
+
+/* Many similar products (the experts): one thread each, dynamic (each
+ * product's GEMM then runs on its thread; its bits do not depend on that). */
+static void t_products_each(const k_prod *jobs, int njobs) {
+#pragma omp parallel for schedule(dynamic)
+    for (int i = 0; i < njobs; i++) t_products(jobs + i, 1);
+}
+
+const k3_fwd_ops t_fwd_ops = {.products = t_products, .train_rounding = true, .mla_attend = t_mla_attend,
+                              .expert_products = t_products_each};
 
 void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate) {
     tg_view dy = {dY, out, 1}, w = {W, in, 1};

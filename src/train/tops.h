@@ -17,6 +17,7 @@
 #include <stdbool.h>
 
 #include "kernels/kmath.h"
+#include "model/model.h"
 
 /* Products of the training GEMM (kernels.h); BF16 mode (t_set_bf16) rounds
  * their operands to BF16 and accumulates in F32. */
@@ -24,6 +25,13 @@ void t_set_bf16(bool on);
 bool t_bf16(void);
 /* Y[n][out] = X[n][in] W^T (W f32 [out][in]). */
 void t_linear(float *Y, const float *X, const float *W, int n, int in, int out);
+/* The model graph's blocks run with these (model.h k3_fwd_ops): each job's
+ * W an F32 view [out][in] of the arena, Y = X W^T by t_linear; and
+ * training's rounding of SiLU and the KDA q/k norm. */
+void t_products(const k_prod *jobs, int njobs);
+extern const k3_fwd_ops t_fwd_ops;
+/* MLA's expanded core as the model graph's (F32) or as BF16 GEMMs (tmla.c). */
+void t_mla_attend(const k3_config *c, k3_mla_rec *r, int nseq, int T);
 /* dX[n][in] (+)= dY[n][out] W. accumulate=false overwrites dX. */
 void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate);
 /* dW[out][in] += dY^T X (one chain per element continuing from dW, rows in

@@ -1,0 +1,123 @@
+/* kda.c: the Kimi Delta Attention block of the layer graph (spec section 8),
+ * the one forward of KDA: `k3 run` calls it on one sequence with its carried
+ * state, `k3 train` on B sequences from zero states with a record for its
+ * backward (src/train/tkda.c) and the training GEMM as its products.
+ *
+ *   q,k,v = SiLU(ShortConv(W x))      carried history: last K-1 pre-conv inputs
+ *   q,k   = L2-normalised per head    (q's 1/sqrt(D) is applied in the kernel)
+ *   beta  = sigmoid(b_proj x)         one scalar per head
+ *   g     = g_min * sigmoid(exp(A_log[h]) * (f_b(f_a x) + dt_bias))
+ *   o     = the delta rule with per-channel decay exp(g), recurrent or chunkwise
+ *   y     = o_proj(RMSNorm_head(o; o_norm) * sigmoid(g_proj x))
+ *
+ * The arithmetic lives in the kernels (kernels.h: ShortConv, gate, both
+ * forms of the recurrence, the head norm); what differs between the callers
+ * is named by k3_fwd_ops (model.h). */
+#include "model/model_impl.h"
+
+#include <math.h>
+
+#include "kernels/kmath.h" /* km_sigmoid inlined in the elementwise loops (k_sigmoid's bits) */
+
+/* SiLU of n values from x into y (y may be x). */
+K3_HOT static void silu_into(const k3_fwd_ops *fo, float *y, const float *x, size_t n) {
+    if (fo->train_rounding) {
+#pragma omp parallel for schedule(static) if (n > 131072)
+        for (size_t i = 0; i < n; i++) y[i] = x[i] * km_sigmoid(x[i]);
+        return;
+    }
+    if (y != x) memcpy(y, x, n * sizeof *y);
+    k_silu(y, (int)n);
+}
+
+/* One head's q or k to unit length; rinv (may be NULL) gets 1/norm. */
+static void l2_head(const k3_fwd_ops *fo, float *x, int D, float *rinv) {
+    if (fo->train_rounding) {
+        float r = 1.0f / sqrtf(k_sumsq(x, D) + 1e-6f);
+        for (int d = 0; d < D; d++) x[d] *= r;
+        if (rinv) *rinv = r;
+        return;
+    }
+    if (rinv) *rinv = 1.0f / sqrtf(k_dot(x, x, D) + 1e-6f);
+    k_l2norm(x, D, 1e-6f);
+}
+
+K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, float *S, float *conv,
+                      const float *x, int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws) {
+    const int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
+    const int N = nseq * T;
+    const size_t NP = (size_t)N * P, TP = (size_t)T * P;
+    /* without a record, buffers are reused once consumed: z and g in the
+     * pre-conv planes, o in the third, the normed output in k */
+    float *pre = rec ? rec->pre : ws_f(ws, 3 * NP), *cv = rec ? rec->cv : ws_f(ws, 3 * NP);
+    float *gate = rec ? rec->gate : ws_f(ws, NP);
+    float *beta = rec ? rec->beta : ws_f(ws, (size_t)N * H), *fa = rec ? rec->fa : ws_f(ws, (size_t)N * D);
+    /* every projection of x at once: one thread team, x read while hot */
+    k_prod jobs[6] = {{&w->q, x, N, pre},  {&w->k, x, N, pre + NP}, {&w->v, x, N, pre + 2 * NP},
+                      {&w->g, x, N, gate}, {&w->b, x, N, beta},     {&w->f_a, x, N, fa}};
+    fo->products(jobs, 6);
+    /* ShortConv per plane and sequence, each from its carried history; the
+     * SiLU in the same task unless the pre-SiLU values are recorded */
+    const bool fused = !rec && !fo->train_rounding;
+#pragma omp parallel for schedule(static) if (PAR_ROWS(N, P))
+    for (int js = 0; js < 3 * nseq; js++) {
+        int j = js / nseq, s = js % nseq;
+        size_t r0 = (size_t)j * NP + (size_t)s * TP;
+        float *st = conv + ((size_t)s * 3 + j) * P * (K - 1);
+        if (fused) k_shortconv_silu(cv + r0, pre + r0, T, P, w->conv[j], K, st);
+        else k_shortconv(cv + r0, pre + r0, T, P, w->conv[j], K, st);
+    }
+    float *q = rec ? rec->q : cv, *k = rec ? rec->k : cv + NP, *v = rec ? rec->v : cv + 2 * NP;
+    if (!fused) {
+        silu_into(fo, q, cv, NP);
+        silu_into(fo, k, cv + NP, NP);
+        silu_into(fo, v, cv + 2 * NP, NP);
+    }
+#pragma omp parallel for schedule(static) if (PAR_ROWS(N, P))
+    for (size_t i = 0; i < (size_t)N * H; i++) {
+        l2_head(fo, q + i * D, D, rec ? rec->rq + i : NULL);
+        l2_head(fo, k + i * D, D, rec ? rec->rk + i : NULL);
+    }
+    for (int i = 0; i < N * H; i++) beta[i] = km_sigmoid(beta[i]);
+    float *z = rec ? rec->zb : pre; /* the pre-conv inputs are consumed */
+    k_prod fb = {&w->f_b, fa, N, z};
+    fo->products(&fb, 1);
+    float *g = rec ? rec->gl : pre + NP;
+#pragma omp parallel for schedule(static) if (PAR_ROWS(N, P))
+    for (int n = 0; n < N; n++)
+        k_kda_gate(g + (size_t)n * P, rec ? z + (size_t)n * P : NULL, z + (size_t)n * P, w->A_log, w->dt_bias, H, D,
+                   c->gate_lower_bound);
+    float *o = rec ? rec->o : pre + 2 * NP;
+    k_kda_forward(o, S, q, k, v, g, beta, nseq, T, H, D, chunk, c->gate_lower_bound, rec ? rec->Ssave : NULL);
+    float *normed = rec ? rec->y : k; /* k is consumed */
+    if (rec) {
+        /* the same head norm and gate, with the record: sigmoid(gate) kept */
+        for (size_t i = 0; i < NP; i++) gate[i] = km_sigmoid(gate[i]);
+        k3_rmsnorm_rows(normed, rec->ro, o, w->o_norm, N * H, D, c->rms_eps);
+        for (size_t i = 0; i < NP; i++) normed[i] *= gate[i];
+    } else {
+#pragma omp parallel for schedule(static) if (PAR_ROWS(N, P))
+        for (int n = 0; n < N; n++)
+            k_kda_out_norm_gate(normed + (size_t)n * P, o + (size_t)n * P, w->o_norm, gate + (size_t)n * P, H, D,
+                                c->rms_eps);
+    }
+    k_prod op = {&w->o, normed, N, y};
+    fo->products(&op, 1);
+}
+
+void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y) {
+    k3_ws ws;
+    ws_init(&ws, 0);
+    kda_block(c, w, &k3_infer_ops, st->S, st->conv, x, 1, T, y, 0, NULL, &ws);
+    ws_free(&ws);
+}
+
+void k3_kda_rec_forward(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, int chunk, const float *x,
+                        int nseq, int T, float *y, k3_kda_rec *rec) {
+    const size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, P = H * D;
+    float *S = xcalloc((size_t)nseq * H * D * D, sizeof(float));
+    float *conv = xcalloc((size_t)nseq * 3 * P * (size_t)(c->conv_kernel - 1) + 1, sizeof(float));
+    kda_block(c, w, fo, S, conv, x, nseq, T, y, chunk, rec, NULL);
+    free(S);
+    free(conv);
+}

@@ -1,0 +1,220 @@
+/* mla.c: the Gated MLA with NoPE block of the layer graph (spec section 9),
+ * the one forward of MLA: `k3 run` calls it on one sequence with its latent
+ * cache, `k3 train` on B sequences with a record for its backward
+ * (src/train/tmla.c) and the training GEMM as its products.
+ *
+ *   c_q  = RMSNorm(q_a x; eps_lat)        q_h = [q_nope_h ; q_rope_h] = (q_b c_q)_h
+ *   c    = kv_a x:  c_kv = RMSNorm(c[0:r_kv]; eps_lat), k_rope = c[r_kv:]  (one key for all heads)
+ *   score_h(s) = (q_nope_h . Wk_h c_kv(s) + q_rope_h . k_rope(s)) / sqrt(d_n + d_r)
+ *   a_h        = Wv_h sum_s softmax(score_h)_s c_kv(s)
+ *   y          = o_proj(sigmoid(g_proj x) * a)
+ * Wk_h / Wv_h are head h's key / value rows of kv_b_proj. No rotary anywhere.
+ *
+ * The attention core has two forms of the same function, as KDA's recurrence
+ * has two:
+ *  - absorbed (k3 run): the cache holds [c_kv ; k_rope] per position, the
+ *    LATENT, never expanded keys; Wk_h is absorbed into the query
+ *    (Wk_h^T q_nope_h) and Wv_h applied once to the attended latent. The
+ *    decode-friendly form.
+ *  - expanded (k3 train, with a record): keys and values kv_b c_kv for every
+ *    position of the sequence, the T x T probabilities kept for the backward.
+ * The projections, norms, gate and output around the core are one code path. */
+#include "model/model_impl.h"
+
+#include <math.h>
+#include <omp.h>
+
+#include "kernels/kmath.h" /* km_exp, km_sigmoid inlined in the loops (k_sigmoid's bits) */
+
+/* A view of rows [r0, r0+n) of a float matrix (never MXFP4 here). */
+static k3_mat mat_rows(const k3_mat *W, int r0, int n) {
+    k3_mat v = *W;
+    size_t es = W->type == KW_BF16 ? 2 : 4;
+    v.data = (const char *)W->data + (size_t)r0 * (size_t)W->cols * es;
+    v.rows = n;
+    return v;
+}
+
+/* Softmax over positions 0..n-1 of one head's scores at one position:
+ * (q_abs . c_kv(p) + q_rope . k_rope(p)) * scale, two canonical dots. */
+static void mla_scores(float *sc, float *sr, const float *qa, const float *qrope, const float *latent, int W, int rkv,
+                       int dr, int n, float scale) {
+    k_dots(sc, qa, latent, (size_t)W, n, rkv);
+    k_dots(sr, qrope, latent + rkv, (size_t)W, n, dr);
+    for (int p = 0; p < n; p++) sc[p] = (sc[p] + sr[p]) * scale;
+    k_softmax(sc, n);
+}
+
+/* The absorbed core over the cache rows 0..pos0+T-1: att [T][H dv]. */
+static void core_absorbed(const k3_config *c, const k3_mla_w *w, k3_mla_cache *cache, int pos0, const float *q,
+                          int T, float *att, k3_ws *ws) {
+    int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+    int rkv = c->kv_lora_rank, dq = dn + dr, W = rkv + dr, hkv = dn + dv;
+    size_t Ts = (size_t)T;
+    int nmax = pos0 + T;
+    /* head-major: qabs[h][t][rkv], ctx[h][t][rkv], vout[h][t][dv] */
+    float *qabs = ws_f(ws, (size_t)H * Ts * rkv), *ctx = ws_f(ws, (size_t)H * Ts * rkv);
+    /* scores: [2][H][nmax] per thread (the rope part is summed in after) */
+    float *score = ws_f(ws, (size_t)omp_get_max_threads() * 2 * H * nmax), *vout = ws_f(ws, (size_t)H * Ts * dv);
+    float scale = 1.0f / sqrtf((float)dq);
+    /* absorbed queries Wk_h^T q_nope_h for every position at once: each element
+     * gets its fmas over i in increasing order (as a loop of axpy) */
+    memset(qabs, 0, (size_t)H * Ts * rkv * sizeof *qabs);
+    memset(ctx, 0, (size_t)H * Ts * rkv * sizeof *ctx);
+    int nthr = omp_get_max_threads();
+    float *wk = ws_f(ws, (size_t)nthr * dn * rkv); /* head h's key rows widened, per thread */
+#pragma omp parallel for schedule(static) num_threads(nthr) if ((double)T * H * dn * rkv > 262144.0)
+    for (int h = 0; h < H; h++) {
+        float *b = wk + (size_t)omp_get_thread_num() * dn * rkv;
+        for (int i = 0; i < dn; i++) k_mat_row(&w->kv_b, h * hkv + i, b + (size_t)i * rkv);
+        k3_mat bm = {.type = KW_F32, .rows = dn, .cols = rkv, .data = b};
+        k_gemm_acc(qabs + (size_t)h * Ts * rkv, rkv, T, rkv, q + (size_t)h * dq, H * dq, dn, &bm, 0);
+    }
+    k3_mat lat_m = {.type = KW_F32, .rows = nmax, .cols = W, .data = cache->latent};
+    if (T == 1) { /* decoding: the heads in parallel */
+        int ngrp = (H + 3) / 4, n = pos0 + 1;
+#pragma omp parallel if ((double)H * n * (W + rkv) > 262144.0)
+        {
+#pragma omp for schedule(static)
+            for (int h = 0; h < H; h++)
+                mla_scores(score + (size_t)h * nmax, score + (size_t)(H + h) * nmax, qabs + (size_t)h * rkv,
+                           q + (size_t)h * dq + dn, cache->latent, W, rkv, dr, n, scale);
+            /* ctx_h = sum_p s_h[p] c_kv(p): all heads share the latent rows, so
+             * they run as one product (each element: fmas over p in order) */
+#pragma omp for schedule(static)
+            for (int g = 0; g < ngrp; g++) {
+                int h0 = 4 * g, hn = H - h0 < 4 ? H - h0 : 4;
+                k_gemm_acc(ctx + (size_t)h0 * rkv, rkv, hn, rkv, score + (size_t)h0 * nmax, nmax, n, &lat_m, 0);
+            }
+        }
+    } else { /* prefill: the positions in parallel (one thread team), all heads of a position together */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if ((double)H * T * nmax * (W + rkv) > 524288.0)
+        for (int t = 0; t < T; t++) {
+            int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
+            float *sb = score + (size_t)omp_get_thread_num() * 2 * H * nmax;
+            for (int h = 0; h < H; h++)
+                mla_scores(sb + (size_t)h * nmax, sb + (size_t)(H + h) * nmax, qabs + ((size_t)h * Ts + t) * rkv,
+                           q + ((size_t)t * H + h) * dq + dn, cache->latent, W, rkv, dr, n, scale);
+            k_gemm_acc(ctx + (size_t)t * rkv, (int)(Ts * rkv), H, rkv, sb, nmax, n, &lat_m, 0);
+        }
+    }
+    /* values: head h's value rows of kv_b on its attended latents, all heads in one batch */
+    k3_mat *wv = ws_get(ws, (size_t)H * sizeof *wv);
+    k_prod *vj = ws_get(ws, (size_t)H * sizeof *vj);
+    for (int h = 0; h < H; h++) {
+        wv[h] = mat_rows(&w->kv_b, h * hkv + dn, dv);
+        vj[h] = (k_prod){&wv[h], ctx + (size_t)h * Ts * rkv, T, vout + (size_t)h * Ts * dv};
+    }
+    k_products(vj, H);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < H; h++)
+            memcpy(att + ((size_t)t * H + h) * dv, vout + ((size_t)h * Ts + t) * dv, (size_t)dv * sizeof *att);
+}
+
+K3_HOT void k3_causal_softmax_row(float *pr, int t, int T, float mx) {
+    float sum = 0.0f;
+    for (int s = 0; s <= t; s++) { pr[s] = km_exp(pr[s] - mx); sum += pr[s]; }
+    for (int s = 0; s <= t; s++) pr[s] /= sum;
+    for (int s = t + 1; s < T; s++) pr[s] = 0.0f;
+}
+
+K3_HOT void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, int T) {
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim,
+              rkv = c->kv_lora_rank;
+    const int dq = dn + dr, dkv = dn + dv, HV = H * dv;
+    const float scale = 1.0f / sqrtf((float)dq);
+#pragma omp parallel for schedule(static)
+    for (int bh = 0; bh < nseq * H; bh++) {
+        int b = bh / H, h = bh % H;
+        float *P = r->pr + (size_t)bh * T * T;
+        for (int t = 0; t < T; t++) {
+            size_t nt = (size_t)b * T + t;
+            const float *qt = r->q + nt * H * dq + (size_t)h * dq;
+            float *pr = P + (size_t)t * T;
+            float mx = -INFINITY;
+            for (int s = 0; s <= t; s++) {
+                size_t ns = (size_t)b * T + s;
+                const float *kn = r->kv + ns * H * dkv + (size_t)h * dkv;
+                const float *kr = r->ckv + ns * (rkv + dr) + rkv;
+                float sc = k_dot(qt, kn, dn);
+                if (dr) sc += k_dot(qt + dn, kr, dr);
+                pr[s] = sc * scale;
+                if (pr[s] > mx) mx = pr[s];
+            }
+            k3_causal_softmax_row(pr, t, T, mx);
+            float *o = r->o + nt * HV + (size_t)h * dv;
+            for (int j = 0; j < dv; j++) o[j] = 0.0f;
+            for (int s = 0; s <= t; s++) {
+                const float *vs = r->kv + ((size_t)b * T + s) * H * dkv + (size_t)h * dkv + dn;
+                for (int j = 0; j < dv; j++) o[j] = fmaf(pr[s], vs[j], o[j]);
+            }
+        }
+    }
+}
+
+K3_HOT void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, const k3_fwd_ops *fo,
+                      k3_mla_cache *cache, int pos0, const float *x, int nseq, int T, float *y, k3_mla_rec *rec,
+                      k3_ws *ws) {
+    int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
+    int rq = c->q_lora_rank, rkv = c->kv_lora_rank, dq = dn + dr, W = rkv + dr;
+    const int N = nseq * T;
+    const size_t Ns = (size_t)N, NHV = Ns * H * dv;
+    float *q = rec ? rec->q : ws_f(ws, Ns * H * dq);
+    float *cq = rq > 0 ? (rec ? rec->cq_pre : ws_f(ws, Ns * rq)) : NULL, *cc = rec ? rec->ckv : ws_f(ws, Ns * W);
+    float *gate = w->g.rows ? (rec ? rec->gate : ws_f(ws, NHV)) : NULL;
+    /* the projections of x in one pass (one thread team) */
+    k_prod jobs[3];
+    int nj = 0;
+    jobs[nj++] = rq > 0 ? (k_prod){&w->q_a, x, N, cq} : (k_prod){&w->q_b, x, N, q};
+    jobs[nj++] = (k_prod){&w->kv_a, x, N, cc};
+    if (gate) jobs[nj++] = (k_prod){&w->g, x, N, gate};
+    fo->products(jobs, nj);
+    if (rq > 0) {
+        float *cqn = rec ? rec->cq : cq; /* in place without a record */
+        k3_rmsnorm_rows(cqn, rec ? rec->rcq : NULL, cq, w->q_a_norm, N, rq, eps_lat);
+        k_prod qb = {&w->q_b, cqn, N, q};
+        fo->products(&qb, 1);
+    }
+    float *att;
+    if (rec) { /* the latent norm on a copy the backward reads; the expanded core */
+        for (int n = 0; n < N; n++) memcpy(rec->clat + (size_t)n * rkv, cc + (size_t)n * W, sizeof(float) * rkv);
+        k3_rmsnorm_rows(rec->ckvn, rec->rkv, rec->clat, w->kv_a_norm, N, rkv, eps_lat);
+        k_prod kv = {&w->kv_b, rec->ckvn, N, rec->kv};
+        fo->products(&kv, 1);
+        if (fo->mla_attend) fo->mla_attend(c, rec, nseq, T);
+        else k3_mla_attend_expanded(c, rec, nseq, T);
+        att = rec->o;
+    } else { /* the latent norm into the cache; the absorbed core (one sequence) */
+        for (int t = 0; t < T; t++) {
+            float *lat = cache->latent + (size_t)(pos0 + t) * W;
+            k_rmsnorm(lat, cc + (size_t)t * W, w->kv_a_norm, rkv, eps_lat);
+            memcpy(lat + rkv, cc + (size_t)t * W + rkv, (size_t)dr * sizeof(float));
+        }
+        att = ws_f(ws, NHV);
+        core_absorbed(c, w, cache, pos0, q, T, att, ws);
+    }
+    float *ya = rec ? rec->y : att; /* o_proj's input */
+    if (gate)
+        for (size_t i = 0; i < NHV; i++) {
+            float s = km_sigmoid(gate[i]);
+            if (rec) gate[i] = s;
+            ya[i] = s * att[i];
+        }
+    else if (ya != att)
+        memcpy(ya, att, NHV * sizeof *ya);
+    k_prod op = {&w->o, ya, N, y};
+    fo->products(&op, 1);
+}
+
+void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cache *cache, int pos0,
+            const float *x, int T, float *y) {
+    k3_ws ws;
+    ws_init(&ws, 0);
+    mla_block(c, latent_eps, w, &k3_infer_ops, cache, pos0, x, 1, T, y, NULL, &ws);
+    ws_free(&ws);
+}
+
+void k3_mla_rec_forward(const k3_config *c, float latent_eps, const k3_mla_w *w, const k3_fwd_ops *fo,
+                        const float *x, int nseq, int T, float *y, k3_mla_rec *rec) {
+    mla_block(c, latent_eps, w, fo, NULL, 0, x, nseq, T, y, rec, NULL);
+}
