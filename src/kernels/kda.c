@@ -147,14 +147,12 @@ void k_kda_cws_init(k_kda_cws *w, int C, int D) {
 
 void k_kda_cws_free(k_kda_cws *w) { free(w->buf); }
 
-static void transpose(float *dst, const float *src, int rows, int cols, size_t lds) {
+void k_kda_transpose(float *dst, const float *src, int rows, int cols, size_t lds) {
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) dst[(size_t)c * rows + r] = src[(size_t)r * lds + c];
 }
 
-/* C[M][N] (ldc) = 0 then += A B through gemm_acc (one fma chain per element
- * over k in order). */
-static void mm0(const k_vops *ops, float *Cm, int ldc, int M, int N, const float *A, int sam, int sak, int K,
+void k_kda_mm0(const k_vops *ops, float *Cm, int ldc, int M, int N, const float *A, int sam, int sak, int K,
                 const float *Bm, int ldb) {
     for (int m = 0; m < M; m++) memset(Cm + (size_t)m * ldc, 0, sizeof(float) * (size_t)N);
     if (K > 0) ops->gemm_acc(Cm, ldc, M, N, A, sam, sak, K, Bm, ldb);
@@ -181,9 +179,9 @@ void k_kda_chunk_prep(k_kda_cws *w, const float *q, const float *k, const float 
         ops->scale(w->QG + r, q + t * st, qs, D);
         ops->vmul(w->QG + r, w->QG + r, w->eG + r, D);
     }
-    transpose(w->KNT, w->KN, L, D, (size_t)D); /* [D][L] */
-    mm0(ops, w->Am, C, L, L, w->KG, D, 1, D, w->KNT, L);
-    mm0(ops, w->Bm, C, L, L, w->QG, D, 1, D, w->KNT, L);
+    k_kda_transpose(w->KNT, w->KN, L, D, (size_t)D); /* [D][L] */
+    k_kda_mm0(ops, w->Am, C, L, L, w->KG, D, 1, D, w->KNT, L);
+    k_kda_mm0(ops, w->Bm, C, L, L, w->QG, D, 1, D, w->KNT, L);
     /* Both strictly lower; the diagonal of Bm (e^0 = 1) is the plain dot
      * q_t.k_t / sqrt(D): kept out of the e^G factors, its G-gradient would be
      * two large terms cancelling (bad when the decay is strong). */
@@ -192,7 +190,7 @@ void k_kda_chunk_prep(k_kda_cws *w, const float *q, const float *k, const float 
         w->bd[t] = ops->dot(q + t * st, k + t * st, D) * qs;
     }
     /* Z = V - KG S0 - A W, W = beta Z, row by row */
-    mm0(ops, w->Z, D, L, D, w->KG, D, 1, D, S0, D);
+    k_kda_mm0(ops, w->Z, D, L, D, w->KG, D, 1, D, S0, D);
     for (int t = 0; t < L; t++) {
         float *z = w->Z + (size_t)t * D;
         ops->subscale(z, v + t * st, z, 1.0f, D);
@@ -209,7 +207,7 @@ static void chunk_fwd(const k_vops *ops, k_kda_cws *w, float *o, float *S, const
                       const float *v, const float *gl, const float *beta, int L, size_t st, size_t sb) {
     const int D = w->D, C = w->C;
     k_kda_chunk_prep(w, q, k, v, gl, beta, L, st, sb, S);
-    mm0(ops, w->O, D, L, D, w->QG, D, 1, D, S, D);
+    k_kda_mm0(ops, w->O, D, L, D, w->QG, D, 1, D, S, D);
     ops->gemm_acc(w->O, D, L, D, w->Bm, C, 1, L, w->W, D);
     for (int t = 0; t < L; t++) ops->axpy(w->O + (size_t)t * D, w->bd[t], w->W + (size_t)t * D, D);
     for (int t = 0; t < L; t++) memcpy(o + t * st, w->O + (size_t)t * D, sizeof(float) * (size_t)D);

@@ -72,19 +72,6 @@ void kda_free(kda_acts *a) {
 
 /* ---- chunkwise backward ---------------------------------------------------------------- */
 
-static void transpose(float *dst, const float *src, int rows, int cols, size_t lds) {
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) dst[(size_t)c * rows + r] = src[(size_t)r * lds + c];
-}
-
-/* C[M][N] (ldc) = 0 then += A B through the kernel table's gemm_acc (one fma
- * chain per element over k in order; scalar and AVX-512 give the same bits). */
-static void mm0(const k_vops *ops, float *Cm, int ldc, int M, int N, const float *A, int sam, int sak, int K,
-                const float *Bm, int ldb) {
-    for (int m = 0; m < M; m++) memset(Cm + (size_t)m * ldc, 0, sizeof(float) * (size_t)N);
-    if (K > 0) ops->gemm_acc(Cm, ldc, M, N, A, sam, sak, K, Bm, ldb);
-}
-
 /* Backward of one chunk: dS is d(loss)/d(state after the chunk) on entry and
  * d/d(S0) on return; dout rows (stride st) are d/d(o). Writes dq, dk, dv, dgl
  * (stride st) and dbeta (stride sb). */
@@ -97,9 +84,9 @@ K3_HOT static void chunk_bwd_cw(const k_vops *ops, k_kda_cws *w, float *dS, cons
     k_kda_chunk_prep(w, q, k, v, gl, beta, L, st, sb, S0);
     const float *eGl = w->eG + (size_t)(L - 1) * D;
     /* S = diag(e^G_L) S0 + KC^T W */
-    transpose(w->dST, dS, D, D, (size_t)D);
-    mm0(ops, w->dKC, D, L, D, w->W, D, 1, D, w->dST, D);   /* W dS^T */
-    mm0(ops, w->dW, D, L, D, w->KC, D, 1, D, dS, D);       /* KC dS */
+    k_kda_transpose(w->dST, dS, D, D, (size_t)D);
+    k_kda_mm0(ops, w->dKC, D, L, D, w->W, D, 1, D, w->dST, D);   /* W dS^T */
+    k_kda_mm0(ops, w->dW, D, L, D, w->KC, D, 1, D, dS, D);       /* KC dS */
     memset(w->dG, 0, sizeof(float) * (size_t)L * D);
     float *dGl = w->dG + (size_t)(L - 1) * D;
     for (int i = 0; i < D; i++) {
@@ -117,11 +104,11 @@ K3_HOT static void chunk_bwd_cw(const k_vops *ops, k_kda_cws *w, float *dS, cons
         }
     }
     /* O = QG S0 + Bm W */
-    transpose(w->S0T, S0, D, D, (size_t)D);
-    mm0(ops, w->dQG, D, L, D, dout, (int)st, 1, D, w->S0T, D);            /* dO S0^T */
+    k_kda_transpose(w->S0T, S0, D, D, (size_t)D);
+    k_kda_mm0(ops, w->dQG, D, L, D, dout, (int)st, 1, D, w->S0T, D);            /* dO S0^T */
     ops->gemm_acc(w->dS0, D, D, D, w->QG, 1, D, L, dout, (int)st);        /* += QG^T dO */
-    transpose(w->WT, w->W, L, D, (size_t)D);                              /* [D][L] */
-    mm0(ops, w->dBm, C, L, L, dout, (int)st, 1, D, w->WT, L);             /* dO W^T */
+    k_kda_transpose(w->WT, w->W, L, D, (size_t)D);                              /* [D][L] */
+    k_kda_mm0(ops, w->dBm, C, L, L, dout, (int)st, 1, D, w->WT, L);             /* dO W^T */
     float *dbd = w->bd; /* reused: bd is read below before being overwritten */
     for (int t = 0; t < L; t++) {
         for (int u = t; u < L; u++) w->dBm[(size_t)t * C + u] = 0.0f;
@@ -138,15 +125,15 @@ K3_HOT static void chunk_bwd_cw(const k_vops *ops, k_kda_cws *w, float *dS, cons
         ops->scale(nz, e, -bt, D);                                         /* -dZ_t */
         for (int u = 0; u < t; u++) ops->axpy(w->E + (size_t)u * D, w->Am[(size_t)t * C + u], nz, D);
     }
-    mm0(ops, w->dA, C, L, L, w->nZ, D, 1, D, w->WT, L);                   /* -dZ W^T */
+    k_kda_mm0(ops, w->dA, C, L, L, w->nZ, D, 1, D, w->WT, L);                   /* -dZ W^T */
     for (int t = 0; t < L; t++)
         for (int u = t; u < L; u++) w->dA[(size_t)t * C + u] = 0.0f;
     for (int t = 0; t < L; t++) ops->scale(dv + t * st, w->nZ + (size_t)t * D, -1.0f, D);
-    mm0(ops, w->dKG, D, L, D, w->nZ, D, 1, D, w->S0T, D);                 /* -dZ S0^T */
+    k_kda_mm0(ops, w->dKG, D, L, D, w->nZ, D, 1, D, w->S0T, D);                 /* -dZ S0^T */
     ops->gemm_acc(w->dS0, D, D, D, w->KG, 1, D, L, w->nZ, D);             /* -= KG^T dZ */
     /* A = strict_tril(KG KN^T), Bm = tril(QG KN^T) */
     ops->gemm_acc(w->dKG, D, L, D, w->dA, C, 1, L, w->KN, D);             /* += dA KN */
-    mm0(ops, w->dKN, D, L, D, w->dA, 1, C, L, w->KG, D);                  /* dA^T KG */
+    k_kda_mm0(ops, w->dKN, D, L, D, w->dA, 1, C, L, w->KG, D);                  /* dA^T KG */
     ops->gemm_acc(w->dQG, D, L, D, w->dBm, C, 1, L, w->KN, D);            /* += dBm KN */
     ops->gemm_acc(w->dKN, D, L, D, w->dBm, 1, C, L, w->QG, D);            /* += dBm^T QG */
     /* the e^(+-G) factors: dK, dQ and dG; then dg = reverse cumulative sum of dG */

@@ -57,6 +57,27 @@ expect_out_contains() {
   if grep -qF -- "$2" "$OUT/$1.out"; then pass "$1:out"; else fail "$1:out" "stdout lacks '$2'"; fi
 }
 
+# The common start of the MPI tests: one OpenMP thread a rank (ranks share
+# the cores), a FAIL and exit when Open MPI is missing, root allowed, MPI set to
+# a bounded mpirun on shared memory (-q: no banners of mpirun's own), ASAN=1
+# for the sanitizer build with the options Open MPI needs there: its own
+# start-up allocations are suppressed by library name (tests/lsan.supp),
+# which needs full stacks, and no table of the suppressions used on stderr.
+mpi_setup() {
+  export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+  export OMP_NUM_THREADS=1
+  if ! command -v mpirun >/dev/null; then
+    fail mpi:installed "no mpirun: install Open MPI (scripts/setup.sh)"; finish; exit
+  fi
+  if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
+  MPI="timeout 120 mpirun -q --oversubscribe --mca btl self,vader"
+  ASAN=0; [ "${K3#*asan}" != "$K3" ] && ASAN=1
+  if [ $ASAN = 1 ]; then
+    export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}:fast_unwind_on_malloc=0"
+    export LSAN_OPTIONS="${LSAN_OPTIONS:-suppressions=$PWD/tests/lsan.supp}:print_suppressions=0"
+  fi
+}
+
 # k3 serve's /health at URL as "CANCELLED RUNNING WAITING" (RUNNING True or
 # False). sed, not python: tests poll it to catch a request while it runs, so
 # each poll must be quick also on a loaded machine.

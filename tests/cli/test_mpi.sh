@@ -13,22 +13,7 @@
 # seconds a rank): 2 ranks resident and streamed, a rank's plan refused, a
 # rank's read error, a hang.
 . "$(dirname "$0")/lib.sh"
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-export OMP_NUM_THREADS=1
-if ! command -v mpirun >/dev/null; then
-  fail mpi:installed "no mpirun: install Open MPI (scripts/setup.sh)"; finish; exit
-fi
-if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-# shared memory between the ranks of one host; -q: no banners of mpirun's own
-MPI="timeout 120 mpirun -q --oversubscribe --mca btl self,vader"
-ASAN=0; [ "${K3#*asan}" != "$K3" ] && ASAN=1
-if [ $ASAN = 1 ]; then
-  # Open MPI's own start-up allocations are suppressed by library name
-  # (tests/lsan.supp), which needs full stacks
-  # (and no table of the suppressions used on stderr)
-  export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}:fast_unwind_on_malloc=0"
-  export LSAN_OPTIONS="${LSAN_OPTIONS:-suppressions=$PWD/tests/lsan.supp}:print_suppressions=0"
-fi
+mpi_setup
 RANKS="1 2 3"; [ $ASAN = 1 ] && RANKS=2
 K3ABS=$(realpath "$K3")
 SRC=tests/fixtures/gen/k3_like   # 9 layers, 8 routed experts top-2 in 8 MoE layers

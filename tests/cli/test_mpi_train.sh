@@ -17,21 +17,9 @@
 # seconds a rank): 4 steps of 4 micro-batches in one process and at 2 ranks,
 # exchanging in small pieces.
 . "$(dirname "$0")/lib.sh"
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-export OMP_NUM_THREADS=1
-if ! command -v mpirun >/dev/null; then
-  fail mpi:installed "no mpirun: install Open MPI (scripts/setup.sh)"; finish; exit
-fi
-if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
-MPI="timeout 120 mpirun -q --oversubscribe --mca btl self,vader"
-ASAN=0; [ "${K3#*asan}" != "$K3" ] && ASAN=1
-if [ $ASAN = 1 ]; then
-  # Open MPI's own start-up allocations are suppressed by library name
-  # (tests/lsan.supp), which needs full stacks
-  export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}:fast_unwind_on_malloc=0"
-  export LSAN_OPTIONS="${LSAN_OPTIONS:-suppressions=$PWD/tests/lsan.supp}:print_suppressions=0"
-  MPI="timeout 300 mpirun -q --oversubscribe --mca btl self,vader"
-fi
+mpi_setup
+# MPI start-up with full leak stacks is slow: longer bound under the sanitizer
+[ $ASAN = 1 ] && MPI="timeout 300 mpirun -q --oversubscribe --mca btl self,vader"
 K3ABS=$(realpath "$K3")
 rm -rf "${OUT:?}"/*
 D=$OUT/data
