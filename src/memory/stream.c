@@ -1,11 +1,11 @@
 /* stream.c: the streaming weight source of a memory plan (stream.h; the plan
  * itself is stream_plan.c).
  *
- * Read top to bottom: the source's state, binding a layer from the shards or
- * from a trunk run, the I/O thread and the ring, the expert batch, then
- * open/free. */
+ * Read top to bottom: binding a layer from the shards or from a trunk run,
+ * the I/O thread and the ring, then open/free. The source's state is
+ * stream_source.h; the routed-expert batches are stream_experts.c. */
 #include "formats/names.h"
-#include "memory/stream_internal.h"
+#include "memory/stream_source.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -15,104 +15,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-/* ---- the source's state ----------------------------------------------------------- */
-
-enum { SLOT_EMPTY = 0, SLOT_READING, SLOT_READY, SLOT_FAILED };
-enum { PIECE_UNSENT = 0, PIECE_SENT, PIECE_DONE };
-
-typedef struct {
-    int layer;                 /* layer held or being read, -1 none */
-    int state;
-    bool in_use;               /* between layer_get and layer_put */
-    uint8_t *buf;
-    k3_layer_w w;              /* bound when READY */
-    k3_owned owned;
-    bool bound;
-    k3_err err;                /* when FAILED */
-    /* the read in progress (touched by the I/O thread only while READING) */
-    const k3_trunk_run *run;
-    uint64_t base;             /* where the run starts in buf (shared ring: 0 or the far end) */
-    k3_io_req *piece;          /* [maxpiece] */
-    uint8_t *piece_st;         /* PIECE_UNSENT, PIECE_SENT or PIECE_DONE */
-    int npiece, nsent, ndone, ncrc;
-    uint32_t crc;
-    bool failed;
-} ring_slot;
-
-struct k3_stream {
-    k3_config cfg;
-    k3_mem_plan *plan;
-    k3_stream_opts o;
-    st_index *ix;
-    k3_trunk *trunk;
-    const char *prefix;
-    k3_weight_source src;
-    /* run 0 of a packed trunk: the model-level tensors */
-    const k3_trunk_run *run0;
-    uint8_t *head_buf;         /* every run-0 tensor but the embeddings, at head_pos[i] */
-    uint64_t *head_pos;        /* [run0->ntensors], UINT64_MAX for the embedding table */
-    void *emb_map;             /* trunk.bin mapped around the embedding table */
-    size_t emb_map_len;
-    const uint8_t *emb;        /* the embedding table inside emb_map */
-    char top_name[512];
-    /* resident or pinned layers */
-    k3_layer_w *lw;
-    bool *have;
-    uint8_t **pin_buf;
-    k3_owned owned;
-    /* ring and its I/O thread (the fields below mu are under it) */
-    ring_slot slot[2];
-    int nslots, maxpiece;
-    bool shared;               /* one buffer, two slot records (a one-slot plan) */
-    uint64_t piece_bytes;      /* trunk reads are cut into pieces of this size */
-    int tdepth;                /* trunk pieces in flight */
-    k3_io *tio;
-    int tfd;
-    pthread_t thr;
-    bool thr_started, quit;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int want;                  /* the next streamed layer the model will ask for */
-    int xpending;              /* an expert batch is being read: send no trunk piece (atomic) */
-    int xprio;                 /* 1: expert batches pause the trunk reads (K3_EXPERT_PRIORITY=0: 0) */
-    int active;                /* disk users now: trunk pieces in flight (1) + an expert batch (1) */
-    double active_t0, disk_busy, trunk_busy, trunk_t0;
-    uint64_t trunk_read;
-    double trunk_stall;
-    /* experts */
-    k3_io *xio;
-    int *sfd;                  /* per shard, -1 until opened */
-    bool xdirect;
-    xcache *xc;
-    uint8_t *pool;
-    int64_t npool;
-    int64_t *free_list;
-    int64_t nfree;
-    int64_t *buf_of;           /* [layer * N_e + e] -> buffer or -1 */
-    uint8_t *inuse;
-    int64_t *bb;               /* buffers of the current batch */
-    k3_io_req *reqs;
-    size_t reqcap;
-    /* the batch in flight (experts_start .. its last experts_next) */
-    k3_io_req **xq;            /* [reqcap] the requests in submission order */
-    int *req_x;                /* [reqcap] batch index of each request */
-    size_t nreq, nsent, nrecv;
-    int xn, xgiven, xlayer, xid0;
-    int *xleft;                /* [N_e] reads still to arrive per batch index */
-    int *xready;               /* [N_e] batch indices whose bytes are in, in arrival order */
-    int nready;
-    bool xbusy;                /* reads in flight: xpending set, counted in disk_use */
-    int xorder;                /* 0: arrival order; 1 reverse, 2 shuffled (K3_EXPERT_ORDER, tests) */
-    uint64_t xseed, xreordered;
-    double expert_stall;
-    xc_trace_writer trace;
-    bool tracing;
-    int32_t step;
-    uint64_t steps;
-    bool poisoned;
-    k3_err poison;
-};
 
 /* ---- binding a layer -------------------------------------------------------------- */
 
@@ -355,7 +257,7 @@ static void slot_unbind(ring_slot *sl) {
 }
 
 /* Disk-busy accounting (under mu): the union of trunk reads and expert batches. */
-static void disk_use(k3_stream *s, int d) {
+void k3s_disk_use(k3_stream *s, int d) {
     double now = k3_now();
     if (s->active == 0 && d > 0) s->active_t0 = now;
     s->active += d;
@@ -501,7 +403,7 @@ static void *io_main(void *arg) {
                 continue;
             }
             if (first) {
-                disk_use(s, 1);
+                k3s_disk_use(s, 1);
                 s->trunk_t0 = k3_now();
             }
         }
@@ -539,7 +441,7 @@ static void *io_main(void *arg) {
         pthread_mutex_lock(&s->mu);
         if (owner) s->trunk_read += k3_io_span(d->offset, d->len);
         if (k3_io_inflight(s->tio) == 0) {
-            disk_use(s, -1);
+            k3s_disk_use(s, -1);
             s->trunk_busy += k3_now() - s->trunk_t0;
         }
         if (!owner && rc) { /* cannot happen: a completion that is not ours */
@@ -555,7 +457,7 @@ static void *io_main(void *arg) {
     return NULL;
 }
 
-static int poison(k3_stream *s, const k3_err *err) {
+int k3s_poison(k3_stream *s, const k3_err *err) {
     if (!s->poisoned) {
         s->poisoned = true;
         s->poison = *err;
@@ -588,7 +490,7 @@ static int stream_layer_get(void *ctx, int L, const k3_layer_w **w, k3_err *err)
     while (!(sl = holding(s, L)) || sl->state == SLOT_READING) {
         if (s->quit) {
             pthread_mutex_unlock(&s->mu);
-            return poison(s, &(k3_err){.code = K3_EXIT_RUNTIME, .msg = "the trunk I/O thread stopped"});
+            return k3s_poison(s, &(k3_err){.code = K3_EXIT_RUNTIME, .msg = "the trunk I/O thread stopped"});
         }
         pthread_cond_wait(&s->cv, &s->mu);
     }
@@ -599,7 +501,7 @@ static int stream_layer_get(void *ctx, int L, const k3_layer_w **w, k3_err *err)
         sl->layer = -1;
         pthread_mutex_unlock(&s->mu);
         *err = e;
-        return poison(s, &e);
+        return k3s_poison(s, &e);
     }
     sl->in_use = true;
     pthread_mutex_unlock(&s->mu);
@@ -616,276 +518,6 @@ static void stream_layer_put(void *ctx, int L) {
     s->want = succ(s, L); /* frees L's slot for the layer after the next */
     pthread_cond_broadcast(&s->cv);
     pthread_mutex_unlock(&s->mu);
-}
-
-/* ---- routed experts ------------------------------------------------------------------ */
-
-static void free_push(k3_stream *s, int64_t b) { s->free_list[s->nfree++] = b; }
-
-static int shard_fd(k3_stream *s, int shard, k3_err *err) {
-    if (s->sfd[shard] < 0) {
-        bool d = false;
-        int rc = k3_io_open(s->xio, st_shard_at(s->ix, shard)->path, &s->sfd[shard], &d, err);
-        if (rc) return rc;
-        s->xdirect = d;
-    }
-    return s->sfd[shard];
-}
-
-static void make_mat(const k3_stream *s, const xlayout *x, int m, const uint8_t *buf, int rows, int cols, k3_mat *out) {
-    memset(out, 0, sizeof *out);
-    out->rows = rows;
-    out->cols = cols;
-    out->data = buf + x->pos[x->data[m]];
-    if (x->scale[m] >= 0) {
-        out->type = KW_MXFP4;
-        out->scales = buf + x->pos[x->scale[m]];
-        out->group = s->cfg.mxfp4_group > 0 ? s->cfg.mxfp4_group : 32;
-    } else {
-        out->type = x->t[x->data[m]]->dtype == ST_BF16 ? KW_BF16 : KW_F32;
-    }
-}
-
-/* A batch is issued by experts_start and handed out one expert at a time by
- * experts_next as its bytes arrive (so the model computes each expert while
- * the others are read). Hits are ready at once; every missing expert is
- * one read (or one per tensor), all sent together in offset order through
- * the expert io_uring, more as completions free depth. While the batch is in
- * flight the trunk I/O thread sends no new piece (xpending). */
-
-static int cmp_reqp(const void *x, const void *y) {
-    const k3_io_req *a = *(k3_io_req *const *)x, *b = *(k3_io_req *const *)y;
-    if (a->fd != b->fd) return a->fd < b->fd ? -1 : 1;
-    return a->offset < b->offset ? -1 : (a->offset > b->offset);
-}
-
-/* The batch's reads are all in (or abandoned): the trunk may read again. */
-static void batch_done(k3_stream *s) {
-    if (!s->xbusy) return;
-    pthread_mutex_lock(&s->mu);
-    __atomic_store_n(&s->xpending, 0, __ATOMIC_RELEASE);
-    disk_use(s, -1);
-    pthread_cond_broadcast(&s->cv);
-    pthread_mutex_unlock(&s->mu);
-    s->xbusy = false;
-}
-
-static int send_more(k3_stream *s, k3_err *err) {
-    int room = s->o.io_depth - k3_io_inflight(s->xio);
-    size_t n = s->nreq - s->nsent;
-    if (room <= 0 || n == 0) return K3_OK;
-    if (n > (size_t)room) n = (size_t)room;
-    int rc = k3_io_submit_batch(s->xio, s->xq + s->nsent, (int)n, err);
-    if (!rc) s->nsent += n;
-    return rc;
-}
-
-/* A failed batch: nothing may still write into the buffers, they go back, the
- * source is poisoned (the cache may name experts whose bytes never came). */
-static int batch_failed(k3_stream *s, int L, k3_err *err) {
-    while (k3_io_inflight(s->xio) > 0) {
-        k3_io_req *d;
-        k3_err e = {0};
-        k3_io_complete(s->xio, &d, &e);
-    }
-    batch_done(s);
-    char m[sizeof err->msg];
-    snprintf(m, sizeof m, "%s", err->msg);
-    /* name the shard that holds this layer's first expert of the batch */
-    xlayout x;
-    k3_err e2 = {0};
-    if (s->xn > 0 && !k3s_expert_layout(&s->cfg, s->ix, s->prefix, L, s->xid0, &x, &e2))
-        k3_fail(err, err->code ? err->code : K3_EXIT_RUNTIME, "%s: routed experts of layer %d: %s",
-                st_shard_at(s->ix, x.t[0]->shard)->path, L, m);
-    for (int i = 0; i < s->xn; i++)
-        if (s->bb[i] >= 0) s->inuse[s->bb[i]] = 0;
-    s->xn = s->xgiven = 0;
-    return poison(s, err);
-}
-
-static int stream_experts_start(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, k3_err *err) {
-    k3_stream *s = ctx;
-    if (s->poisoned) {
-        *err = s->poison;
-        return s->poison.code;
-    }
-    if (s->xgiven < s->xn)
-        return poison(s, &(k3_err){.code = K3_EXIT_RUNTIME,
-                                    .msg = "an expert batch was started before the last one was consumed"});
-    const k3_config *c = &s->cfg;
-    int N = c->num_experts;
-    size_t nreq = 0;
-    int rc = K3_OK;
-    s->xn = n;
-    s->xgiven = s->nready = 0;
-    s->xlayer = L;
-    s->xid0 = n > 0 ? ids[0] : 0;
-    for (int i = 0; i < n; i++) s->bb[i] = -1;
-    for (int i = 0; i < n && !rc; i++) {
-        int e = ids[i];
-        int64_t key = (int64_t)L * N + e, ev = -1;
-        bool res = false;
-        xlayout x;
-        if ((rc = k3s_expert_layout(&s->cfg, s->ix, s->prefix, L, e, &x, err))) break;
-        bool hit = xc_request_one(s->xc, L, e, &res, &ev);
-        if (s->tracing && (rc = xc_trace_write(&s->trace, s->step, L, e, err))) break;
-        s->xleft[i] = 0;
-        if (hit && s->buf_of[key] >= 0) { /* (a repeat within one step with no cache would have no buffer) */
-            s->bb[i] = s->buf_of[key];
-            s->inuse[s->bb[i]] = 1;
-        } else {
-            if (ev >= 0) { /* the evicted expert's buffer goes back once nobody uses it */
-                int64_t ek = (int64_t)(ev >> 32) * N + (int64_t)(uint32_t)ev;
-                int64_t eb = s->buf_of[ek];
-                s->buf_of[ek] = -1;
-                if (eb >= 0 && !s->inuse[eb]) free_push(s, eb);
-            }
-            if (s->nfree == 0) {
-                rc = k3_fail(err, K3_EXIT_RUNTIME,
-                             "layer %d: a forward call selected %d experts, more than the plan's batch of %d (feed at "
-                             "most --chunk tokens per call)",
-                             L, n, s->plan->batch_experts);
-                break;
-            }
-            int64_t b = s->free_list[--s->nfree];
-            if (s->plan->cache_experts > 0) s->buf_of[key] = b;
-            s->inuse[b] = 1;
-            s->bb[i] = b;
-            uint8_t *buf = s->pool + (uint64_t)b * s->plan->expert_buf;
-            if (nreq + 6 > s->reqcap) {
-                s->reqcap = 2 * s->reqcap + 6;
-                s->reqs = xrealloc_array(s->reqs, s->reqcap, sizeof *s->reqs);
-                s->xq = xrealloc_array(s->xq, s->reqcap, sizeof *s->xq);
-                s->req_x = xrealloc_array(s->req_x, s->reqcap, sizeof *s->req_x);
-            }
-            if (x.one_run) {
-                int fd = shard_fd(s, x.t[0]->shard, err);
-                if (fd < 0) { rc = err->code; break; }
-                uint64_t start = x.t[0]->offset, end = 0;
-                for (int j = 0; j < x.n; j++) {
-                    if (x.t[j]->offset < start) start = x.t[j]->offset;
-                    if (x.t[j]->offset + x.t[j]->nbytes > end) end = x.t[j]->offset + x.t[j]->nbytes;
-                }
-                s->req_x[nreq] = i;
-                s->reqs[nreq++] = (k3_io_req){.fd = fd, .offset = start, .len = end - start, .buf = buf};
-                s->xleft[i] = 1;
-            } else {
-                for (int j = 0; j < x.n; j++) {
-                    int f = shard_fd(s, x.t[j]->shard, err);
-                    if (f < 0) { rc = err->code; break; }
-                    uint64_t at = x.pos[j] - (x.t[j]->offset & (K3_IO_ALIGN - 1));
-                    s->req_x[nreq] = i;
-                    s->reqs[nreq++] =
-                        (k3_io_req){.fd = f, .offset = x.t[j]->offset, .len = x.t[j]->nbytes, .buf = buf + at};
-                    s->xleft[i]++;
-                }
-                if (rc) break;
-            }
-        }
-        /* the matrices point into the buffer now; the model reads them only
-         * once experts_next has returned i */
-        const uint8_t *buf = s->pool + (uint64_t)s->bb[i] * s->plan->expert_buf;
-        make_mat(s, &x, XW1, buf, c->moe_inter, c->latent_dim, &ex[i].w1);
-        make_mat(s, &x, XW3, buf, c->moe_inter, c->latent_dim, &ex[i].w3);
-        make_mat(s, &x, XW2, buf, c->latent_dim, c->moe_inter, &ex[i].w2);
-        if (s->xleft[i] == 0) s->xready[s->nready++] = i;
-    }
-    s->nreq = nreq;
-    s->nsent = s->nrecv = 0;
-    if (rc) {
-        for (int i = 0; i < n; i++)
-            if (s->bb[i] >= 0) s->inuse[s->bb[i]] = 0;
-        s->xn = s->xgiven = 0;
-        return poison(s, err);
-    }
-    if (nreq) {
-        for (size_t q = 0; q < nreq; q++) s->xq[q] = &s->reqs[q];
-        qsort(s->xq, nreq, sizeof *s->xq, cmp_reqp);
-        /* the trunk I/O thread sends no new piece until this batch is in */
-        pthread_mutex_lock(&s->mu);
-        __atomic_store_n(&s->xpending, s->xprio, __ATOMIC_RELEASE);
-        disk_use(s, 1);
-        pthread_mutex_unlock(&s->mu);
-        s->xbusy = true;
-        if ((rc = send_more(s, err))) return batch_failed(s, L, err);
-    }
-    return K3_OK;
-}
-
-/* Test hook (K3_EXPERT_ORDER=reverse|shuffle, read at open): hand the batch
- * out in another order than it arrived, once all of it is in. */
-static void permute_ready(k3_stream *s) {
-    int n = s->nready;
-    if (s->xorder == 1) {
-        for (int a = 0, b = n - 1; a < b; a++, b--) {
-            int t = s->xready[a];
-            s->xready[a] = s->xready[b];
-            s->xready[b] = t;
-        }
-    } else {
-        for (int a = n - 1; a > 0; a--) {
-            int b = (int)(k3_rng_next(&s->xseed) % (uint64_t)(a + 1)), t = s->xready[a];
-            s->xready[a] = s->xready[b];
-            s->xready[b] = t;
-        }
-    }
-}
-
-static int stream_experts_next(void *ctx, int L, int *out, k3_err *err) {
-    k3_stream *s = ctx;
-    *out = -1;
-    if (s->poisoned) {
-        *err = s->poison;
-        return s->poison.code;
-    }
-    if (s->xgiven >= s->xn || L != s->xlayer)
-        return poison(s, &(k3_err){.code = K3_EXIT_RUNTIME, .msg = "experts_next without a batch in flight"});
-    double t0 = k3_now();
-    while (s->xorder ? s->nready < s->xn : s->nready <= s->xgiven) {
-        k3_io_req *d = NULL;
-        int rc = k3_io_complete(s->xio, &d, err);
-        if (rc) {
-            s->expert_stall += k3_now() - t0;
-            return batch_failed(s, L, err);
-        }
-        s->nrecv++;
-        int i = s->req_x[d - s->reqs];
-        if (--s->xleft[i] == 0) s->xready[s->nready++] = i;
-        if (s->nrecv == s->nreq) batch_done(s);
-        else if ((rc = send_more(s, err))) {
-            s->expert_stall += k3_now() - t0;
-            return batch_failed(s, L, err);
-        }
-    }
-    s->expert_stall += k3_now() - t0;
-    if (s->xorder && s->xgiven == 0) permute_ready(s);
-    int i = s->xready[s->xgiven];
-    if (i != s->xgiven) s->xreordered++;
-    s->xgiven++;
-    *out = i;
-    return K3_OK;
-}
-
-/* The synchronous form: the whole batch, then back. */
-static int stream_experts_get(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, k3_err *err) {
-    int rc = stream_experts_start(ctx, L, ids, n, ex, err);
-    for (int got = 0; !rc && got < n; got++) {
-        int i;
-        rc = stream_experts_next(ctx, L, &i, err);
-    }
-    return rc;
-}
-
-static void stream_experts_put(void *ctx, int L, const int *ids, int n) {
-    k3_stream *s = ctx;
-    int N = s->cfg.num_experts;
-    for (int i = 0; i < n; i++) {
-        int64_t b = s->bb[i];
-        if (b < 0) continue;
-        s->inuse[b] = 0;
-        if (s->buf_of[(int64_t)L * N + ids[i]] != b) free_push(s, b);
-        s->bb[i] = -1;
-    }
 }
 
 /* ---- open / free --------------------------------------------------------------------- */
@@ -973,11 +605,11 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
 
     /* experts */
     if (plan->total_experts > 0) {
-        s->src.experts_get = stream_experts_get;
-        s->src.experts_put = stream_experts_put;
+        s->src.experts_get = k3s_experts_get;
+        s->src.experts_put = k3s_experts_put;
         if (o->expert_overlap) {
-            s->src.experts_start = stream_experts_start;
-            s->src.experts_next = stream_experts_next;
+            s->src.experts_start = k3s_experts_start;
+            s->src.experts_next = k3s_experts_next;
         }
         const char *eo = getenv("K3_EXPERT_ORDER");
         s->xorder = eo && !strcmp(eo, "reverse") ? 1 : eo && !strcmp(eo, "shuffle") ? 2 : 0;
@@ -992,7 +624,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         uint64_t pl = (uint64_t)s->npool * plan->expert_buf;
         k3_io_register(s->xio, &pb, &pl, 1); /* (refused above 1 GiB: plain reads) */
         s->free_list = xmalloc_array((size_t)s->npool, sizeof *s->free_list);
-        for (int64_t b = s->npool; b-- > 0;) free_push(s, b);
+        for (int64_t b = s->npool; b-- > 0;) k3s_free_push(s, b);
         s->inuse = xcalloc((size_t)s->npool, 1);
         size_t nk = (size_t)NL * (size_t)cfg->num_experts;
         s->buf_of = xmalloc_array(nk, sizeof *s->buf_of);

@@ -1,5 +1,5 @@
 /* stream_internal.h (src/memory only): what the plan (stream_plan.c) and the
- * streaming weight source (stream.c) share: where a routed expert's bytes are
+ * streaming weight source (stream.c, stream_experts.c) share: where a routed expert's bytes are
  * in the shards, and the helpers both sides use. */
 #ifndef K3_MEMORY_STREAM_INTERNAL_H
 #define K3_MEMORY_STREAM_INTERNAL_H
