@@ -2,9 +2,22 @@
  * model is opened here through the engine (the memory plan and flags of
  * `k3 run`) with one session on a shared state cache, so every request reuses
  * what an earlier one computed; the HTTP side, the queue and the worker are
- * src/serve/. */
+ * src/serve/.
+ *
+ * Under mpirun with several ranks (expert parallel, docs/mpi.md) rank 0 alone
+ * listens and runs src/serve/; the other ranks follow it. The model work of
+ * the server is three backend calls (prefill, step, end) made by its one
+ * worker thread, so before each call rank 0 broadcasts a fixed-size command
+ * (and a prefill's ids) and every other rank makes the same call on its own
+ * session and state cache. The session's choices (its own state, a snapshot
+ * to restore, a cold start, the grid snapshots, evictions) follow from the
+ * calls alone, so every rank makes the same forward calls and the exchanges
+ * inside the MoE layers line up. A cancelled prefill stops at the same chunk
+ * on every rank: the cancel hook, asked between chunks, is itself a
+ * broadcast of rank 0's flag. Sampling is rank 0's: a step carries the id. */
 #include "chat/chat.h"
 #include "cli/commands.h"
+#include "dist/dist.h"
 #include "engine/engine.h"
 #include "serve/serve.h"
 #include "session/session.h"
@@ -51,6 +64,10 @@ const char *const cmd_serve_help =
     "  --verbose            log every request and every generation on stderr\n"
     "\n"
     K3_ENGINE_HELP
+    "\n"
+    "Under mpirun (expert parallel, docs/mpi.md) rank 0 serves and the other\n"
+    "ranks compute their experts; stop the job with SIGTERM to rank 0 or SIGUSR1\n"
+    "to mpirun (also stops rank 0: every rank then exits 0).\n"
     "\n"
     "Prints the address, then serves until Ctrl-C (SIGINT) or SIGTERM.\n"
     "exit codes: 0 stopped by a signal, 1 runtime/I-O (cannot listen), 2 usage or\n"
@@ -151,14 +168,44 @@ typedef struct {
     k3_session *sess;
     k3_chat *chat;
     int64_t ctx;
+    bool lead;             /* rank 0 of several: broadcasts each call before making it */
 } backend;
 
+/* Rank 0's word to the ranks that follow it (a fixed layout; a prefill's n ids
+ * follow in a second broadcast). */
+enum { CMD_PREFILL = 1, CMD_STEP = 2, CMD_END = 3, CMD_QUIT = 4 };
+typedef struct {
+    int32_t op;
+    int32_t n;             /* CMD_PREFILL: ids that follow, 1..ctx */
+    int32_t id;            /* CMD_STEP: the id to feed; CMD_END: the last sampled id */
+    int32_t flag;          /* CMD_END: stopped; CMD_QUIT: rank 0's exit code */
+} serve_cmd;
+
+static void send_cmd(int op, int32_t n, int32_t id, int32_t flag) {
+    serve_cmd c = {.op = op, .n = n, .id = id, .flag = flag};
+    k3_dist_bcast(&c, sizeof c, true, "k3 serve's next command");
+}
+
 static bool is_cancelled(const void *flag) { return atomic_load((const atomic_int *)flag) != 0; }
+
+/* The cancel hook under several ranks: rank 0 (flag: its job's) hands its
+ * answer to the others (flag NULL), so every rank stops at the same chunk. */
+static bool is_cancelled_all(const void *flag) {
+    int32_t c = flag ? is_cancelled(flag) : 0;
+    k3_dist_bcast(&c, sizeof c, true, "k3 serve's prefill (go on or cancel)");
+    return c != 0;
+}
 
 static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
                       k3_err *err) {
     backend *b = ctx;
-    k3_session_set_cancel(b->sess, is_cancelled, cancel); /* asked between the prefill's chunks */
+    bool several = b->e->ranks > 1;
+    if (b->lead) { /* (n <= ctx: the server checked the prompt against it) */
+        send_cmd(CMD_PREFILL, (int32_t)n, 0, 0);
+        k3_dist_bcast((void *)ids, n * sizeof *ids, true, "k3 serve's prompt ids");
+    }
+    /* asked between the prefill's chunks */
+    k3_session_set_cancel(b->sess, several ? is_cancelled_all : is_cancelled, cancel);
     int rc = k3_session_prefill(b->sess, ids, n, logits, reused, err);
     k3_session_set_cancel(b->sess, NULL, NULL);
     return rc;
@@ -166,6 +213,7 @@ static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, si
 
 static int be_step(void *ctx, int32_t id, float *logits, k3_err *err) {
     backend *b = ctx;
+    if (b->lead) send_cmd(CMD_STEP, 0, id, 0);
     return k3_session_feed(b->sess, &id, 1, logits, err);
 }
 
@@ -175,6 +223,7 @@ static int be_step(void *ctx, int32_t id, float *logits, k3_err *err) {
 static void be_end(void *ctx, int32_t last, bool stopped) {
     backend *b = ctx;
     k3_err err = {0};
+    if (b->lead) send_cmd(CMD_END, 0, last, stopped);
     /* the stop id is part of the rendered history: feed it so the state ends where the turn does */
     if (stopped && (int64_t)k3_session_len(b->sess) < b->ctx && k3_session_feed(b->sess, &last, 1, NULL, &err))
         return;
@@ -226,6 +275,40 @@ static const char *base_name(const char *dir, char *buf, size_t n) {
     return *b && strcmp(b, ".") && strcmp(b, "..") ? b : "k3";
 }
 
+/* A rank after the first: makes rank 0's calls, in its order, until it quits.
+ * Its own results are dropped (rank 0's are the same bits and answer the
+ * client); a failure inside a forward call ends the job (engine.h). */
+static int follow(backend *b) {
+    k3_dist_silence_others();
+    float *logits = xmalloc_array((size_t)b->e->vocab, sizeof *logits);
+    int32_t *ids = xmalloc_array((size_t)b->ctx, sizeof *ids);
+    for (;;) {
+        serve_cmd c;
+        /* unbounded: the next command comes when a client asks */
+        k3_dist_bcast(&c, sizeof c, false, "k3 serve's next command");
+        k3_err e = {0};
+        size_t reused;
+        if (c.op == CMD_QUIT) break;
+        if (c.op == CMD_PREFILL && c.n >= 1 && c.n <= b->ctx) {
+            k3_dist_bcast(ids, (size_t)c.n * sizeof *ids, true, "k3 serve's prompt ids");
+            (void)be_prefill(b, ids, (size_t)c.n, logits, &reused, NULL, &e);
+        } else if (c.op == CMD_STEP && c.id >= 0 && c.id < b->e->vocab) {
+            (void)be_step(b, c.id, logits, &e);
+        } else if (c.op == CMD_END && c.id >= 0 && c.id < b->e->vocab) {
+            be_end(b, c.id, c.flag != 0);
+        } else {
+            k3_fail(&e, K3_EXIT_RUNTIME, "k3 serve: rank 0 sent a command this rank cannot follow (op %d, n %d, id %d): "
+                    "the ranks run different k3 builds", c.op, c.n, c.id);
+            free(ids);
+            free(logits);
+            k3_dist_abort(&e);
+        }
+    }
+    free(ids);
+    free(logits);
+    return K3_OK;
+}
+
 int cmd_serve(int argc, char **argv) {
     serve_args a;
     int rc = parse_args(argc, argv, &a);
@@ -234,17 +317,38 @@ int cmd_serve(int argc, char **argv) {
         k3_presets_print(stdout);
         return K3_OK;
     }
-    /* before any thread exists (http.h) */
+    /* before any thread exists (http.h); under mpirun the ranks after the
+     * first keep them blocked for good: they end when rank 0 says so */
     sigset_t stop;
     k3_http_block_stop_signals(&stop);
+    if (k3_dist_active()) {
+        /* mpirun forwards SIGUSR1 to every rank as it is (SIGTERM and SIGINT
+         * to mpirun end the job after a second): rank 0 stops on it, the
+         * other ranks must not die of it */
+        sigaddset(&stop, SIGUSR1);
+        pthread_sigmask(SIG_BLOCK, &stop, NULL);
+    }
 
     k3_err err = {0};
+    int ranks = k3_dist_size();
+    if (ranks > 1 && !k3_dist_any_thread())
+        return k3_report(&(k3_err){.code = K3_EXIT_USAGE,
+                                   .msg = "serve: this Open MPI does not grant MPI_THREAD_SERIALIZED, which k3 serve's "
+                                          "model worker needs under mpirun"});
     backend b;
     k3_serve_model sm;
-    if ((rc = open_backend(&a, &b, &sm, &err))) {
+    rc = open_backend(&a, &b, &sm, &err);
+    /* a rank whose state or cache cannot fit stops every rank here */
+    if ((rc = k3_engine_ready(b.e, rc, &err))) {
         close_backend(&b);
         return k3_report(&err);
     }
+    if (b.e->rank > 0) {
+        rc = follow(&b);
+        close_backend(&b);
+        return rc;
+    }
+    b.lead = ranks > 1;
     char nbuf[4096];
     k3_serve_opts o = {.host = a.host, .port = a.port,
                        .model_id = a.model_name ? a.model_name : base_name(a.eo.model_dir, nbuf, sizeof nbuf),
@@ -253,6 +357,7 @@ int cmd_serve(int argc, char **argv) {
                        .verbose = a.verbose};
     k3_serve *s;
     if ((rc = k3_serve_start(&o, &sm, &s, &err))) {
+        if (b.lead) send_cmd(CMD_QUIT, 0, 0, rc);
         close_backend(&b);
         return k3_report(&err);
     }
@@ -260,12 +365,17 @@ int cmd_serve(int argc, char **argv) {
         fprintf(stderr, "k3 serve: warning: listening on %s, not loopback: anyone who can reach this machine can "
                 "use the model (there is no authentication)\n", a.host);
     bool v6 = strchr(a.host, ':') != NULL;
-    printf("k3 serve: model '%s' (%s), http://%s%s%s:%d/ (Ctrl-C stops)\n", o.model_id,
-           sm.chat ? "chat and completions" : "completions only: the tokenizer has no XTML ids", v6 ? "[" : "", a.host,
-           v6 ? "]" : "", k3_serve_port(s));
+    char par[64] = "";
+    if (ranks > 1) snprintf(par, sizeof par, ", expert parallel over %d ranks", ranks);
+    printf("k3 serve: model '%s' (%s%s), http://%s%s%s:%d/ (Ctrl-C stops)\n", o.model_id,
+           sm.chat ? "chat and completions" : "completions only: the tokenizer has no XTML ids", par, v6 ? "[" : "",
+           a.host, v6 ? "]" : "", k3_serve_port(s));
     fflush(stdout);
     int sig = k3_http_wait_stop(&stop);
+    /* the worker stops at its next token or prefill chunk (a cancel the
+     * other ranks see too) and is joined: then the followers can be let go */
     k3_serve_stop(s);
+    if (b.lead) send_cmd(CMD_QUIT, 0, 0, 0);
     close_backend(&b);
     printf("k3 serve: stopped (%s)\n", strsignal(sig));
     return K3_OK;

@@ -72,9 +72,11 @@ static int print_help(const command *c) {
 
 /* Commands that run as one job over several ranks; the others refuse. */
 static int check_ranks(const command *c) {
-    if (k3_dist_size() <= 1 || c->fn == cmd_run || c->fn == cmd_chat || c->fn == cmd_train) return K3_OK;
+    if (k3_dist_size() <= 1 || c->fn == cmd_run || c->fn == cmd_chat || c->fn == cmd_serve || c->fn == cmd_train)
+        return K3_OK;
     char line[256];
-    snprintf(line, sizeof line, "%s: not for several ranks (mpirun -np %d): only 'k3 run', 'k3 chat' and 'k3 train' run as one job over ranks",
+    snprintf(line, sizeof line, "%s: not for several ranks (mpirun -np %d): only 'k3 run', 'k3 chat', 'k3 serve' and "
+             "'k3 train' run as one job over ranks",
              c->name, k3_dist_size());
     if (!k3_dist_defer_error(K3_EXIT_USAGE, line)) fprintf(stderr, "k3: %s\n", line);
     return K3_EXIT_USAGE;

@@ -24,6 +24,7 @@ static struct {
     double timeout;
     k3_dist_stats st;
     bool deferred;
+    bool funneled;          /* MPI granted less than MPI_THREAD_SERIALIZED */
     k3_err err;             /* the deferred line */
     /* K3_DIST_FAULT */
     char fault_kind;        /* 'd', 'h', 'e' or 0 */
@@ -42,6 +43,7 @@ __attribute__((unused)) static double now_s(void) {
 }
 
 bool k3_dist_active(void) { return G.active; }
+bool k3_dist_any_thread(void) { return !G.funneled; }
 int k3_dist_rank(void) { return G.rank; }
 int k3_dist_size(void) { return G.size; }
 const char *k3_dist_host(int r) { return G.hosts && r >= 0 && r < G.size ? G.hosts[r] : ""; }
@@ -107,6 +109,9 @@ int k3_dist_init(int *argc, char ***argv) {
 }
 int k3_dist_finish(int rc) { return rc; }
 long long k3_dist_getline(char **line, size_t *cap, FILE *f) { return getline(line, cap, f); }
+void k3_dist_bcast(void *buf, size_t n, bool bounded, const char *what) {
+    (void)buf, (void)n, (void)bounded, (void)what;
+}
 void k3_dist_silence_others(void) {}
 int k3_dist_agree(int rc, k3_err *err, const char *what) {
     (void)err;
@@ -282,7 +287,7 @@ void k3_dist_alltoall(const void *const *to, const size_t *to_bytes, void *const
 }
 
 /* rank 0's block to every other rank (the others receive into buf) */
-static void bcast0(void *buf, size_t n, const char *what) {
+static void bcast0(void *buf, size_t n, bool bounded, const char *what) {
     if (n > INT_MAX) fail_mpi(MPI_ERR_COUNT, what);
     int R = G.size, k = 0, mrc;
     MPI_Request *rq = xmalloc_array((size_t)R, sizeof *rq);
@@ -296,24 +301,28 @@ static void bcast0(void *buf, size_t n, const char *what) {
         recv[k] = 0;
         if ((mrc = MPI_Irecv(buf, (int)n, MPI_BYTE, 0, TAG_LINE, MPI_COMM_WORLD, &rq[k++]))) fail_mpi(mrc, what);
     }
-    wait_all(k, rq, recv, what, false);
+    wait_all(k, rq, recv, what, bounded);
     free(rq);
     free(recv);
     G.st.collectives++;
     if (G.rank == 0) G.st.bytes_sent += (uint64_t)n * (uint64_t)(R - 1);
 }
 
+void k3_dist_bcast(void *buf, size_t n, bool bounded, const char *what) {
+    if (G.size > 1) bcast0(buf, n, bounded, what);
+}
+
 long long k3_dist_getline(char **line, size_t *cap, FILE *f) {
     int64_t len = 0;
     if (G.rank == 0) len = getline(line, cap, f);
     if (G.size == 1) return len;
-    bcast0(&len, sizeof len, "the next input line");
+    bcast0(&len, sizeof len, false, "the next input line");
     if (len < 0) return -1;
     if (G.rank != 0 && (size_t)len + 1 > *cap) {
         *cap = (size_t)len + 1;
         *line = xrealloc(*line, *cap);
     }
-    if (len > 0) bcast0(*line, (size_t)len, "the next input line");
+    if (len > 0) bcast0(*line, (size_t)len, false, "the next input line");
     (*line)[len] = 0;
     return len;
 }
@@ -396,10 +405,13 @@ int k3_dist_init(int *argc, char ***argv) {
         G.timeout = v;
     }
     int provided = 0;
-    if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
+    /* serialized, not funneled: k3 serve's model worker (not the main thread)
+     * makes the forward calls and their exchanges (dist.h) */
+    if (MPI_Init_thread(argc, argv, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS) {
         fprintf(stderr, "k3: MPI_Init failed (is this mpirun's Open MPI?)\n");
         return K3_EXIT_RUNTIME;
     }
+    G.funneled = provided < MPI_THREAD_SERIALIZED;
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
     MPI_Comm_rank(MPI_COMM_WORLD, &G.rank);
     MPI_Comm_size(MPI_COMM_WORLD, &G.size);

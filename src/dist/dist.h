@@ -13,6 +13,8 @@
  *   k3_dist_exchange  each rank's block to every other rank, the sizes known
  *                     to all beforehand; the blocks land in rank order
  *   k3_dist_alltoall  the same with a block of its own for each peer
+ *   k3_dist_bcast     rank 0's bytes to every rank (k3 chat's lines, k3
+ *                     serve's commands to the ranks that follow rank 0)
  *   k3_dist_abort     one line naming this rank, then the whole job ends
  *   k3_dist_finish    from main, last: the job's exit code and its one line
  * A process that is not under mpirun (or a build without MPI) is a job of one
@@ -24,7 +26,10 @@
  *     never a hang; a rank that dies is reported by mpirun, which ends the job;
  *   - results never depend on arrival order: blocks are handed over in rank
  *     order, so the arithmetic that follows is the same at every rank count;
- *   - only the main thread calls these (MPI_THREAD_FUNNELED);
+ *   - one thread at a time calls these (MPI_THREAD_SERIALIZED): the main
+ *     thread, or k3 serve's model worker while the main thread waits for a
+ *     stop signal and calls none (the worker is joined before the main thread
+ *     calls them again);
  *   - errors are deferred under mpirun: k3_dist_defer_error (called by the
  *     commands' error printer) records the line and k3_dist_finish prints one
  *     line for the job on rank 0 (naming the failing rank unless all ranks
@@ -46,6 +51,9 @@ int k3_dist_rank(void);
 int k3_dist_size(void);
 const char *k3_dist_host(int rank);  /* host name of a rank ("" before init) */
 bool k3_dist_with_mpi(void);     /* this build links Open MPI */
+/* MPI may be called from another thread than the main one (one at a time):
+ * the library granted MPI_THREAD_SERIALIZED. True when not under mpirun. */
+bool k3_dist_any_thread(void);
 
 /* Records an error line to be printed by k3_dist_finish (under mpirun);
  * returns false when not under mpirun (the caller prints it itself). */
@@ -78,6 +86,13 @@ void k3_dist_alltoall(const void *const *to, const size_t *to_bytes, void *const
  * ranks do not read f. The one wait without a bound: rank 0 waits for a
  * person. */
 long long k3_dist_getline(char **line, size_t *cap, FILE *f);
+
+/* Rank 0's buf[0..n) to every other rank, which receives it into buf (n
+ * known to all). bounded: the others wait at most K3_DIST_TIMEOUT seconds
+ * (then rank 0 is named and the job ends); unbounded: the wait of a rank that
+ * follows rank 0 for its next piece of work, which comes when a person or a
+ * client asks. */
+void k3_dist_bcast(void *buf, size_t n, bool bounded, const char *what);
 
 /* Ranks after the first stop printing: their stdout and stderr go to
  * /dev/null (this module keeps its own copy of stderr for the job's error
