@@ -309,6 +309,10 @@ static int follow(backend *b) {
     return K3_OK;
 }
 
+static pthread_t main_thread;
+/* (pthread_kill is async-signal-safe) */
+static void to_main_thread(int sig) { pthread_kill(main_thread, sig); }
+
 int cmd_serve(int argc, char **argv) {
     serve_args a;
     int rc = parse_args(argc, argv, &a);
@@ -322,11 +326,21 @@ int cmd_serve(int argc, char **argv) {
     sigset_t stop;
     k3_http_block_stop_signals(&stop);
     if (k3_dist_active()) {
-        /* mpirun forwards SIGUSR1 to every rank as it is (SIGTERM and SIGINT
-         * to mpirun end the job after a second): rank 0 stops on it, the
-         * other ranks must not die of it */
+        /* mpirun forwards SIGUSR1 to every rank as it is: rank 0 stops on it
+         * too. Open MPI's own threads, started before this mask, do not block
+         * these signals: one that lands there is handed on to the main
+         * thread's wait (rank 0) or ignored (the other ranks end when rank 0
+         * tells them, so a signal mpirun forwards to every rank must not end
+         * them first) */
         sigaddset(&stop, SIGUSR1);
         pthread_sigmask(SIG_BLOCK, &stop, NULL);
+        main_thread = pthread_self();
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = k3_dist_rank() == 0 ? to_main_thread : SIG_IGN;
+        sigemptyset(&sa.sa_mask);
+        const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1};
+        for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) sigaction(sigs[i], &sa, NULL);
     }
 
     k3_err err = {0};

@@ -1,0 +1,197 @@
+#!/usr/bin/env bash
+# k3 serve under mpirun on localhost (expert parallel, 2 ranks, Open MPI
+# --oversubscribe): rank 0 answers the same requests with the same bytes as one
+# `k3 serve` process (greedy completions, a streamed one, a prompt that extends
+# the previous one, which reuses the session's state on every rank; chat turns
+# on the same conversation when the chat model can be generated); SIGTERM to
+# rank 0 and SIGUSR1 to mpirun stop every rank with exit 0 and leave no
+# process (SIGTERM to mpirun: the job ends, bounded, exit Open MPI's); a port rank 0 cannot bind ends the job with one line naming rank 0;
+# a follower killed with SIGKILL ends the job (non-zero, mpirun names the rank)
+# and one that stops answering is named by rank 0 within K3_DIST_TIMEOUT.
+# Every wait is bounded (curl --max-time, counted polling loops).
+set -u
+. "$(dirname "$0")/lib.sh"
+mpi_setup
+MODEL=tests/fixtures/trained-5m
+PY=/usr/bin/python3
+PIDS=()
+cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
+trap cleanup EXIT
+rm -rf "${OUT:?}"/*
+MPIRUN="mpirun --oversubscribe --mca btl self,vader"
+
+# rank_pid MPIRUN_PID R: the pid of rank R (mpirun's child with that rank)
+rank_pid() {
+  local p
+  for p in $(pgrep -P "$1"); do
+    tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2" && { echo "$p"; return; }
+  done
+}
+# wait_exit PID SECONDS: sets RC (124: still running after SECONDS, then killed)
+wait_exit() {
+  local i
+  for i in $(seq $(($2 * 10))); do kill -0 "$1" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$1" 2>/dev/null; then kill -9 "$1" 2>/dev/null; wait "$1" 2>/dev/null; RC=124; return; fi
+  wait "$1"; RC=$?
+}
+# no process of the job is left (the rank pids noted at the start) within 5 s:
+# the ranks that mpirun ends may outlive it by a moment
+none_left() {
+  local p i left
+  for i in $(seq 50); do
+    left=0; for p in "$@"; do kill -0 "$p" 2>/dev/null && left=1; done
+    [ $left = 0 ] && return 0; sleep 0.1
+  done
+  return 1
+}
+health_ok() { curl -s --max-time 5 "$1health" | grep -q '"status": *"ok"'; }
+
+# post URL PATH BODY OUTFILE: the response body into OUTFILE
+post() { curl -s --max-time 60 -H 'Content-Type: application/json' --data-binary "$3" "$1${2#/}" >"$4"; }
+jf() { $PY -c 'import json,sys; j=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$1" "$2" 2>&1; }
+
+# completions TAG URL: the requests, and what they answer (text, usage) in $OUT/TAG.txt
+completions() {
+  local t=$1 u=$2 a
+  post "$u" v1/completions '{"prompt":"Once upon a time","max_tokens":24,"temperature":0}' "$OUT/$t.a.json"
+  a=$(jf "$OUT/$t.a.json" 'j["choices"][0]["text"]')
+  post "$u" v1/completions "$($PY -c 'import json,sys; print(json.dumps({"prompt": "Once upon a time" + sys.argv[1] + " Then",
+    "max_tokens": 16, "temperature": 0}))' "$a")" "$OUT/$t.b.json"
+  curl -s -N --max-time 60 --data-binary '{"prompt":"The little dog","max_tokens":12,"temperature":0,"stream":true}' \
+    "${u}v1/completions" >"$OUT/$t.s.sse"
+  {
+    echo "a: $a"
+    jf "$OUT/$t.a.json" '"a usage:", j["usage"]'
+    jf "$OUT/$t.b.json" '"b:", j["choices"][0]["text"], j["usage"]'
+    $PY -c 'import json,sys
+out = []
+for l in open(sys.argv[1]):
+    if l.startswith("data: {"):
+        out += [c.get("text", "") for c in json.loads(l[6:])["choices"]]
+print("stream:", "".join(out))' "$OUT/$t.s.sse"
+  } >"$OUT/$t.txt"
+}
+
+# chat TAG URL: two turns of one conversation, the second re-sending the first reply
+chat() {
+  local t=$1 u=$2
+  post "$u" v1/chat/completions '{"messages":[{"role":"user","content":"Hello there"}],"max_tokens":10,"temperature":0}' \
+    "$OUT/$t.c1.json"
+  local body; body=$($PY -c 'import json,sys
+r = json.load(open(sys.argv[1]))["choices"][0]["message"]
+m = {"role": "assistant", "content": r.get("content") or ""}
+if r.get("reasoning_content"): m["reasoning_content"] = r["reasoning_content"]
+print(json.dumps({"messages": [{"role": "user", "content": "Hello there"}, m, {"role": "user", "content": "And again?"}],
+                  "max_tokens": 10, "temperature": 0}))' "$OUT/$t.c1.json" 2>&1)
+  post "$u" v1/chat/completions "$body" "$OUT/$t.c2.json"
+  { jf "$OUT/$t.c1.json" '"c1:", j["choices"][0]["message"], j["usage"]'
+    jf "$OUT/$t.c2.json" '"c2:", j["choices"][0]["message"], j["usage"]'; } >"$OUT/$t.chat.txt"
+}
+
+# ---- one process: the reference ---------------------------------------------------
+if ! start_server "$OUT/one.log" "$K3" serve "$MODEL" --port 0; then
+  fail one:start "$(head -c 300 "$OUT/one.log.err")"; finish; exit
+fi
+completions one "$SERVER_URL"
+kill -TERM "$SERVER_PID"; wait_exit "$SERVER_PID" 20
+[ "$RC" = 0 ] && pass one:stop || fail one:stop "exit $RC"
+# the reference must say something, or the comparison below proves nothing
+grep -q '^a: ..' "$OUT/one.txt" && grep -q "'cached_tokens': [1-9]" "$OUT/one.txt" \
+  && pass one:answers || fail one:answers "$(head -c 300 "$OUT/one.txt")"
+
+# ---- 2 ranks: the same answers; SIGTERM to rank 0 ends every rank with 0 -----------
+if ! start_server "$OUT/np2.log" $MPIRUN -q -np 2 "$K3" serve "$MODEL" --port 0; then
+  fail np2:start "$(head -c 300 "$OUT/np2.log.err")"; finish; exit
+fi
+MP=$SERVER_PID; R0=$(rank_pid "$MP" 0); R1=$(rank_pid "$MP" 1); PIDS+=($R0 $R1)
+grep -q 'expert parallel over 2 ranks' "$OUT/np2.log" && pass np2:start || fail np2:start "$(head -c 300 "$OUT/np2.log")"
+health_ok "$SERVER_URL" && pass np2:health || fail np2:health
+completions np2 "$SERVER_URL"
+cmp -s "$OUT/one.txt" "$OUT/np2.txt" && pass np2:same-answers \
+  || fail np2:same-answers "$(diff "$OUT/one.txt" "$OUT/np2.txt" | head -c 400)"
+[ -n "$R0" ] && [ -n "$R1" ] && kill -TERM "$R0"
+wait_exit "$MP" 30
+[ "$RC" = 0 ] && pass np2:sigterm-rank0-exit-0 || fail np2:sigterm-rank0-exit-0 "mpirun exit $RC: $(head -c 300 "$OUT/np2.log.err")"
+none_left "$R0" "$R1" && pass np2:no-process-left || fail np2:no-process-left
+grep -q '^k3 serve: stopped' "$OUT/np2.log" && pass np2:stopped-line || fail np2:stopped-line
+
+# SIGTERM to mpirun: Open MPI forwards it and ends the job a second later (exit 1,
+# its own), so the job ends, bounded, and leaves no process
+if start_server "$OUT/term.log" $MPIRUN -q -np 2 "$K3" serve "$MODEL" --port 0; then
+  MP=$SERVER_PID; R0=$(rank_pid "$MP" 0); R1=$(rank_pid "$MP" 1); PIDS+=($R0 $R1)
+  kill -TERM "$MP"
+  wait_exit "$MP" 20
+  [ "$RC" != 124 ] && pass sigterm-mpirun:ends || fail sigterm-mpirun:ends "still running after 20 s"
+  none_left "$R0" "$R1" && pass sigterm-mpirun:no-process-left || fail sigterm-mpirun:no-process-left
+else
+  fail sigterm-mpirun:start "$(head -c 300 "$OUT/term.log.err")"
+fi
+
+# ---- chat turns (a generated chat model), stopped with SIGUSR1 to mpirun ------------
+if $PY -c 'import numpy' 2>/dev/null; then
+  CM=tests/out/mpi-chat-model   # test_mpi.sh's: the full Kimi vocabulary, 8 experts top-2
+  gen="$PY tools/gen_checkpoint.py $CM --preset tiny --set vocab_size=163840 --set hidden_size=64"
+  gen="$gen --set num_hidden_layers=5 --tokenizer tests/fixtures/tokenizer/kimi --seed 3 --force"
+  if [ "$(cat "$CM.stamp" 2>/dev/null)" != "$gen" ] || [ ! -f "$CM/config.json" ]; then
+    rm -f "$CM.stamp"; $gen >"$OUT/chat-gen.log" 2>&1 && echo "$gen" >"$CM.stamp"
+  fi
+  if start_server "$OUT/chat1.log" "$K3" serve "$CM" --port 0; then
+    chat one "$SERVER_URL"
+    kill -TERM "$SERVER_PID"; wait_exit "$SERVER_PID" 20
+  fi
+  grep -q "^('c2:'.*'cached_tokens': [1-9]" "$OUT/one.chat.txt" 2>/dev/null && pass chat-one:answers \
+    || fail chat-one:answers "$(head -c 300 "$OUT/one.chat.txt" "$OUT/chat1.log.err" 2>&1)"
+  if start_server "$OUT/chat2.log" $MPIRUN -q -np 2 "$K3" serve "$CM" --port 0; then
+    MP=$SERVER_PID; R0=$(rank_pid "$MP" 0); R1=$(rank_pid "$MP" 1); PIDS+=($R0 $R1)
+    chat np2 "$SERVER_URL"
+    cmp -s "$OUT/one.chat.txt" "$OUT/np2.chat.txt" && pass chat-np2:same-turns \
+      || fail chat-np2:same-turns "$(diff "$OUT/one.chat.txt" "$OUT/np2.chat.txt" | head -c 400)"
+    kill -USR1 "$MP"
+    wait_exit "$MP" 30
+    [ "$RC" = 0 ] && pass chat-np2:sigusr1-mpirun-exit-0 || fail chat-np2:sigusr1-mpirun-exit-0 "mpirun exit $RC"
+    none_left "$R0" "$R1" && pass chat-np2:no-process-left || fail chat-np2:no-process-left
+  else
+    fail chat-np2:start "$(head -c 300 "$OUT/chat2.log.err")"
+  fi
+else
+  skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
+fi
+
+# ---- faults ----------------------------------------------------------------------------
+# rank 0 cannot listen (the port is taken): one line naming rank 0, every rank ends
+$PY -c 'import socket, time
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(1); print(s.getsockname()[1], flush=True); time.sleep(60)' \
+  >"$OUT/port" &
+PIDS+=($!)
+for _ in $(seq 50); do [ -s "$OUT/port" ] && break; sleep 0.1; done
+expect_exit port-taken 1 timeout 60 $MPIRUN -q -np 2 "$K3" serve "$MODEL" --port "$(cat "$OUT/port")"
+expect_err_contains port-taken "rank 0 of 2"
+
+# a follower killed (SIGKILL) while the server idles: the job ends at once, non-zero,
+# mpirun's report names the rank
+if start_server "$OUT/kill.log" $MPIRUN -np 2 "$K3" serve "$MODEL" --port 0; then
+  MP=$SERVER_PID; R0=$(rank_pid "$MP" 0); R1=$(rank_pid "$MP" 1); PIDS+=($R0 $R1)
+  kill -9 "$R1"
+  wait_exit "$MP" 20
+  [ "$RC" != 0 ] && [ "$RC" != 124 ] && pass follower-killed:exit || fail follower-killed:exit "exit $RC"
+  grep -q 'process rank 1 .* exited on signal 9' "$OUT/kill.log.err" && pass follower-killed:named \
+    || fail follower-killed:named "$(head -c 300 "$OUT/kill.log.err")"
+  none_left "$R0" "$R1" && pass follower-killed:no-process-left || fail follower-killed:no-process-left
+else
+  fail follower-killed:start "$(head -c 300 "$OUT/kill.log.err")"
+fi
+
+# a follower that stops answering mid-request: rank 0 names it within K3_DIST_TIMEOUT
+if K3_DIST_TIMEOUT=3 K3_DIST_FAULT=hang:1:20 start_server "$OUT/hang.log" $MPIRUN -q -np 2 "$K3" serve "$MODEL" --port 0
+then
+  MP=$SERVER_PID; R0=$(rank_pid "$MP" 0); R1=$(rank_pid "$MP" 1); PIDS+=($R0 $R1)
+  post "$SERVER_URL" v1/completions '{"prompt":"Once upon a time","max_tokens":24,"temperature":0}' "$OUT/hang.json"
+  wait_exit "$MP" 30
+  [ "$RC" = 1 ] && pass follower-hangs:exit || fail follower-hangs:exit "exit $RC"
+  [ "$(grep -c '' "$OUT/hang.log.err")" = 1 ] && grep -q '^k3: rank 0 of 2 .*no answer from rank 1 ' "$OUT/hang.log.err" \
+    && pass follower-hangs:one-line || fail follower-hangs:one-line "$(head -c 300 "$OUT/hang.log.err")"
+  none_left "$R0" "$R1" && pass follower-hangs:no-process-left || fail follower-hangs:no-process-left
+else
+  fail follower-hangs:start "$(head -c 300 "$OUT/hang.log.err")"
+fi
+finish
