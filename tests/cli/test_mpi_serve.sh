@@ -5,7 +5,8 @@
 # the previous one, which reuses the session's state on every rank; chat turns
 # on the same conversation when the chat model can be generated); SIGTERM to
 # rank 0 and SIGUSR1 to mpirun stop every rank with exit 0 and leave no
-# process (SIGTERM to mpirun: the job ends, bounded, exit Open MPI's); a port rank 0 cannot bind ends the job with one line naming rank 0;
+# process (SIGTERM to mpirun: the job ends, bounded, exit Open MPI's); a client
+# that goes away during a prefill stops it on every rank at the same chunk; a port rank 0 cannot bind ends the job with one line naming rank 0;
 # a follower killed with SIGKILL ends the job (non-zero, mpirun names the rank)
 # and one that stops answering is named by rank 0 within K3_DIST_TIMEOUT.
 # Every wait is bounded (curl --max-time, counted polling loops).
@@ -155,6 +156,37 @@ if $PY -c 'import numpy' 2>/dev/null; then
   fi
 else
   skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
+fi
+
+# ---- a client gone during a long prefill: every rank stops at the same chunk ----------
+# (one token a forward call, so the prefill lasts seconds); the same request again
+# continues from exactly the tokens the cut consumed and gives a cold `k3 run`'s text
+$PY -c 'print("Once upon a time there was a little dog. " * 200, end="")' >"$OUT/long.txt"
+$PY -c 'import json, sys
+p = open(sys.argv[1] + "/long.txt").read()
+for name, extra in (("long-stream", {"stream": True}), ("long-plain", {})):
+    json.dump(dict(prompt=p, max_tokens=8, temperature=0, **extra), open(f"{sys.argv[1]}/{name}.json", "w"))' "$OUT"
+"$K3" run "$MODEL" --prompt-file "$OUT/long.txt" --gen 8 --quiet --out "$OUT/long-cold.json" 2>"$OUT/long-cold.err"
+want=$(jf "$OUT/long-cold.json" 'j["text"]')
+if start_server "$OUT/cut.log" $MPIRUN -q -np 2 "$K3" serve "$MODEL" --port 0 --ctx 4096 --chunk 1 --max-body 1M; then
+  MP=$SERVER_PID; R0=$(rank_pid "$MP" 0); R1=$(rank_pid "$MP" 1); PIDS+=($R0 $R1)
+  curl -s -N --max-time 60 --data-binary "@$OUT/long-stream.json" "${SERVER_URL}v1/completions" >"$OUT/cut.sse" &
+  CURL=$!
+  for _ in $(seq 500); do [ "$(serve_state "${SERVER_URL%/}" | cut -d' ' -f1,2)" = "0 True" ] && break; sleep 0.02; done
+  sleep 0.3
+  kill -9 "$CURL" 2>/dev/null; wait "$CURL" 2>/dev/null
+  for _ in $(seq 200); do [ "$(serve_state "${SERVER_URL%/}" | cut -d' ' -f1,2)" = "1 False" ] && break; sleep 0.05; done
+  K=$(sed -nE 's/.*cancelled after ([0-9]+) of ([0-9]+) prompt tokens.*/\1/p' "$OUT/cut.log.err" | tail -n 1)
+  [ -n "$K" ] && pass "cut:during-prefill ($K tokens)" || fail cut:during-prefill "$(tail -c 300 "$OUT/cut.log.err")"
+  post "$SERVER_URL" v1/completions "@$OUT/long-plain.json" "$OUT/again.json"
+  got=$(jf "$OUT/again.json" 'j["choices"][0]["text"]')
+  cached=$(jf "$OUT/again.json" 'j["usage"]["prompt_tokens_details"]["cached_tokens"]')
+  [ -n "$want" ] && [ "$got" = "$want" ] && pass cut:again-equals-cold || fail cut:again-equals-cold "got '$got', wanted '$want'"
+  [ -n "$K" ] && [ "$cached" = "$K" ] && pass cut:continues-from-the-cut || fail cut:continues-from-the-cut "cached $cached, cut at $K"
+  kill -TERM "$R0"; wait_exit "$MP" 30
+  [ "$RC" = 0 ] && pass cut:stop-exit-0 || fail cut:stop-exit-0 "exit $RC"
+else
+  fail cut:start "$(head -c 300 "$OUT/cut.log.err")"
 fi
 
 # ---- faults ----------------------------------------------------------------------------
