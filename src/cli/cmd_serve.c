@@ -294,11 +294,12 @@ static int follow(backend *b) {
             (void)be_prefill(b, ids, (size_t)c.n, logits, &reused, NULL, &e);
         } else if (c.op == CMD_STEP && c.id >= 0 && c.id < b->e->vocab) {
             (void)be_step(b, c.id, logits, &e);
-        } else if (c.op == CMD_END && c.id >= 0 && c.id < b->e->vocab) {
+        } else if (c.op == CMD_END && (!c.flag || (c.id >= 0 && c.id < b->e->vocab))) { /* fed only if stopped */
             be_end(b, c.id, c.flag != 0);
         } else {
-            k3_fail(&e, K3_EXIT_RUNTIME, "k3 serve: rank 0 sent a command this rank cannot follow (op %d, n %d, id %d): "
-                    "the ranks run different k3 builds", c.op, c.n, c.id);
+            k3_fail(&e, K3_EXIT_RUNTIME,
+                    "serve: rank 0 sent a command this rank cannot follow (op %d, n %d, id %d): the ranks run "
+                    "different k3 builds", c.op, c.n, c.id);
             free(ids);
             free(logits);
             k3_dist_abort(&e);

@@ -83,8 +83,7 @@ void k3_dist_alltoall(const void *const *to, const size_t *to_bytes, void *const
 /* A line read by rank 0 from f (getline's contract: the length without a
  * terminator added, -1 at the end or on an error), handed to every rank, so
  * an interactive command (k3 chat) runs the same turns everywhere; the other
- * ranks do not read f. The one wait without a bound: rank 0 waits for a
- * person. */
+ * ranks do not read f. A wait without a bound: rank 0 waits for a person. */
 long long k3_dist_getline(char **line, size_t *cap, FILE *f);
 
 /* Rank 0's buf[0..n) to every other rank, which receives it into buf (n
