@@ -21,10 +21,12 @@ trap cleanup EXIT
 rm -rf "${OUT:?}"/*
 MPIRUN="mpirun --oversubscribe --mca btl self,vader"
 
-# rank_pid MPIRUN_PID R: the pid of rank R (mpirun's child with that rank)
+# rank_pid MPIRUN_PID R: the pid of rank R (the descendant of mpirun with that
+# rank: its child in Open MPI 4, a grandchild under a launcher daemon)
 rank_pid() {
-  local p
-  for p in $(pgrep -P "$1"); do
+  local p kids=$1 all=
+  for _ in 1 2 3; do kids=$(for p in $kids; do pgrep -P "$p"; done); all="$all $kids"; done
+  for p in $all; do
     tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2" && { echo "$p"; return; }
   done
 }
