@@ -68,6 +68,7 @@ struct st_index {
     size_t *first;         /* index of each shard's first tensor */
     parse_mem mem;         /* holds every tensor record, hash and name */
     st_block tp_blk, slots_blk;
+    int refs;              /* st_open's reference plus each st_retain's */
 };
 
 size_t st_count(const st_index *ix) { return ix->n; }
@@ -101,8 +102,13 @@ const char *st_metadata(const st_index *ix, int shard, const char *key) {
 
 void st_set_direct(st_index *ix, bool on) { ix->direct = on; }
 
+st_index *st_retain(st_index *ix) {
+    if (ix) __atomic_add_fetch(&ix->refs, 1, __ATOMIC_RELAXED);
+    return ix;
+}
+
 void st_close(st_index *ix) {
-    if (!ix) return;
+    if (!ix || __atomic_sub_fetch(&ix->refs, 1, __ATOMIC_ACQ_REL) > 0) return;
     for (int i = 0; i < ix->nshards; i++) {
         shard_priv *p = &ix->priv[i];
         if (p->map) {
@@ -620,6 +626,7 @@ int st_open(const char *path, st_index **out, k3_err *err) {
     }
 
     st_index *ix = xcalloc(1, sizeof *ix);
+    ix->refs = 1;
     pthread_mutex_init(&ix->lock, NULL);
     ix->nshards = nfiles;
     ix->shards = xcalloc((size_t)nfiles, sizeof *ix->shards);

@@ -46,6 +46,11 @@ size_t st_dtype_size(st_dtype d);            /* bytes per element */
  * when the path is missing or holds no shards, K3_EXIT_DATA for any malformed
  * header/index, K3_EXIT_RUNTIME for I/O. */
 int st_open(const char *path, st_index **out, k3_err *err);
+/* One more owner of ix (the engine hands one index to the memory plan, the
+ * streaming source and the model); returns ix. Every owner calls st_close:
+ * the last one frees it. The index is shared, not copied: its lazily opened
+ * descriptors and mappings serve every owner. */
+st_index *st_retain(st_index *ix);
 void st_close(st_index *ix);
 
 size_t st_count(const st_index *ix);
