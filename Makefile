@@ -107,8 +107,9 @@ FUZZ_CC    ?= clang
 FUZZ_FLAGS := -std=gnu11 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
               -Wall -Wextra -Werror -Wno-unknown-pragmas -D_GNU_SOURCE -Isrc
 FUZZ_SRC   := src/formats/safetensors.c src/formats/safetensors_header.c src/formats/config.c src/util/common.c src/util/checksum.c \
-              src/util/mapguard.c src/tokenizer/tokenizer.c src/tokenizer/pretok.c fuzz/omp_stub.c
+              src/util/mapguard.c src/util/dio.c src/tokenizer/tokenizer.c src/tokenizer/pretok.c fuzz/omp_stub.c
 FUZZ_HDR   := src/formats/safetensors.h src/formats/st_internal.h src/formats/config.h src/util/common.h src/util/mapguard.h \
+              src/util/dio.h \
               src/tokenizer/tokenizer.h src/tokenizer/unicode_delta.h
 fuzz: $(patsubst fuzz/%.c,bin/%,$(wildcard fuzz/fuzz_*.c))
 bin/fuzz_%: fuzz/fuzz_%.c $(FUZZ_SRC) $(FUZZ_HDR) | bin

@@ -309,16 +309,24 @@ TEST(st_index_json_cross_checked) {
 
 /* pread at unaligned offsets across 4096-byte blocks, O_DIRECT on and off;
  * reads past the end of the file are refused. */
-TEST(st_pread_bounds_and_unaligned) {
-    char *d = outpath("pr");
+/* A directory (under the test's outdir) of one shard holding the U8 tensor
+ * "a" of n pattern bytes, opened. */
+static st_index *one_tensor_dir(const char *name, size_t n, k3_err *err) {
+    char *d = outpath(name);
     mkdir(d, 0755);
-    /* 10000 bytes so O_DIRECT crosses several 4096 blocks at odd offsets */
-    char f[1100];
+    char f[1100], hdr[200];
     snprintf(f, sizeof f, "%s/model.safetensors", d);
-    write_st(f, "{\"a\":{\"dtype\":\"U8\",\"shape\":[10000],\"data_offsets\":[0,10000]}}", 10000, 0);
+    snprintf(hdr, sizeof hdr, "{\"a\":{\"dtype\":\"U8\",\"shape\":[%zu],\"data_offsets\":[0,%zu]}}", n, n);
+    write_st(f, hdr, n, 0);
     st_index *ix = NULL;
+    return st_open(d, &ix, err) == 0 ? ix : NULL;
+}
+
+TEST(st_pread_bounds_and_unaligned) {
     k3_err err = {0};
-    CHECKF(st_open(d, &ix, &err) == 0, "%s", err.msg);
+    /* 10000 bytes so O_DIRECT crosses several 4096 blocks at odd offsets */
+    st_index *ix = one_tensor_dir("pr", 10000, &err);
+    CHECKF(ix, "%s", err.msg);
     const st_tensor *t = st_find(ix, "a");
     unsigned char *buf = malloc(10000);
     for (int direct = 0; direct < 2; direct++) {
@@ -332,6 +340,27 @@ TEST(st_pread_bounds_and_unaligned) {
     }
     free(buf);
     st_close(ix);
+}
+
+/* One index shared by several owners (the engine's plan, streaming source
+ * and model): each st_close drops one reference, and the index, its mapping
+ * and its descriptors stay usable until the last (ASan sees a use after
+ * free otherwise). */
+TEST(st_retain_shares_until_last_close) {
+    k3_err err = {0};
+    st_index *ix = one_tensor_dir("rt", 5000, &err);
+    CHECKF(ix, "%s", err.msg);
+    CHECK(st_retain(ix) == ix && st_retain(ix) == ix);
+    const st_tensor *t = st_find(ix, "a");
+    const unsigned char *m = st_data(ix, t, &err);
+    CHECK(m && m[4999] == (unsigned char)(4999 * 7 + 1));
+    st_close(ix);
+    st_close(ix);
+    unsigned char b[3];
+    CHECK(st_find(ix, "a") == t && m[10] == (unsigned char)(10 * 7 + 1));
+    CHECK(st_pread(ix, 0, t->offset + 4095, b, 3, &err) == 0 && b[2] == (unsigned char)(4097 * 7 + 1));
+    st_close(ix);
+    CHECK(st_retain(NULL) == NULL);
 }
 
 /* Builds a one-tensor image with the given name as written in the JSON

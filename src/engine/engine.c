@@ -132,12 +132,11 @@ static int load_tokenizer(k3_engine *e, k3_err *err) {
 }
 
 /* Expert parallelism, before the plan: the placement and this rank's share
- * (which the plan then sizes). */
-static int ep_placement(k3_engine *e, k3_err *err) {
+ * (which the plan then sizes). file_cfg: config.json as read. */
+static int ep_placement(k3_engine *e, const k3_config *file_cfg, k3_err *err) {
     const k3_engine_opts *o = &e->opts;
-    k3_config c;
-    int rc = k3_config_load(o->model_dir, &c, err);
-    if (rc) return rc;
+    k3_config c = *file_cfg;
+    int rc;
     if (o->layers > 0 && o->layers < c.num_layers) c.num_layers = o->layers;
     int moe = 0;
     for (int L = 0; L < c.num_layers; L++) moe += !c.layer_dense[L];
@@ -168,16 +167,15 @@ static int ep_placement(k3_engine *e, k3_err *err) {
 }
 
 /* Every rank must open the same model with the same placement and feed the
- * same chunks: compared (and the chunk agreed) before any weight is read. */
-static int ep_check_same(k3_engine *e, k3_err *err) {
+ * same chunks: compared (and the chunk agreed) before any weight is read.
+ * cfg: the config as the run sees it (--layers applied). The identity hashes
+ * the files' bytes themselves (that is its point), not what was parsed. */
+static int ep_check_same(k3_engine *e, const k3_config *cfg, k3_err *err) {
     struct { uint64_t model, place; int32_t chunk, pad; } mine = {0}, *all;
     int rc = k3_model_identity(e->opts.model_dir, e->opts.tok_dir, 0, &mine.model, err);
     rc = k3_dist_agree(rc, err, "opening the model (identity)");
     if (rc) return rc;
-    k3_config cfg;
-    if ((rc = k3_config_load(e->opts.model_dir, &cfg, err))) return rc;
-    int layers = e->opts.layers > 0 && e->opts.layers < cfg.num_layers ? e->opts.layers : cfg.num_layers;
-    k3_placement p = {.ranks = e->ranks, .layers = layers, .experts = cfg.num_experts, .owner = e->owner};
+    k3_placement p = {.ranks = e->ranks, .layers = cfg->num_layers, .experts = cfg->num_experts, .owner = e->owner};
     mine.place = k3_placement_hash(&p);
     mine.chunk = k3_runmem_chunk(e->rm);
     all = xmalloc_array((size_t)e->ranks, sizeof *all);
@@ -212,22 +210,31 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
     if (o->threads > 0) omp_set_num_threads(o->threads);
     e->threads = omp_get_max_threads();
     int64_t max_pos = o->max_pos > 0 ? o->max_pos : 1;
-    int rc = K3_OK;
-    if (e->ranks > 1) rc = ep_placement(e, err);
+    /* config.json and the shards' headers are read once, here: the
+     * placement, the plan and the model are all made from these */
+    k3_config *file_cfg = xmalloc(sizeof *file_cfg), *run_cfg = xmalloc(sizeof *run_cfg);
+    st_index *ix = NULL;
+    int rc = k3_config_load(o->model_dir, file_cfg, err);
+    if (!rc && e->ranks > 1) rc = ep_placement(e, file_cfg, err);
+    if (!rc) {
+        *run_cfg = *file_cfg;
+        rc = k3_config_first_layers(run_cfg, o->layers, o->model_dir, err);
+    }
+    if (!rc) rc = st_open(o->model_dir, &ix, err);
     /* the plan comes first: a run that cannot fit is refused before any
      * weight is read; the model then keeps only its model-level tensors and
      * the plan's source serves the layers and the routed experts. Under
      * expert parallelism every rank plans for its own share, and a rank that
      * cannot fit refuses the job (its line names it) */
-    if (!rc) rc = k3_runmem_begin(&e->opts.mem, o->model_dir, o->layers, max_pos, o->max_memory, &e->rm, err);
+    if (!rc) rc = k3_runmem_begin(&e->opts.mem, run_cfg, ix, max_pos, o->max_memory, &e->rm, err);
     if (e->ranks > 1) {
         if ((rc = k3_dist_agree(rc, err, "opening the model (memory plan)"))) goto fail;
-        if ((rc = ep_check_same(e, err))) goto fail;
+        if ((rc = ep_check_same(e, run_cfg, err))) goto fail;
     }
     if (rc) goto fail;
     k3_model_opts mo = {.layers = o->layers, .peer_mla_eps = o->peer_mla_eps, .kda_chunk = o->kda_chunk,
                         .top_only = true, .prefill_chunk = k3_runmem_chunk(e->rm)};
-    rc = k3_model_open(o->model_dir, &mo, &e->model, err);
+    rc = k3_model_open_index(o->model_dir, file_cfg, ix, &mo, &e->model, err);
     if (!rc) rc = k3_runmem_attach(e->rm, e->model, err);
     if (!rc) rc = load_tokenizer(e, err);
     if (e->ranks > 1 && (rc = k3_dist_agree(rc, err, "loading the weights"))) goto fail;
@@ -242,9 +249,15 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
     e->vocab = e->cfg->vocab_size;
     e->chunk = k3_runmem_chunk(e->rm);
     e->eos_id = e->cfg->eos_token_id >= 0 ? e->cfg->eos_token_id : (e->tok ? tok_eos_id(e->tok) : -1);
+    st_close(ix); /* the plan's source and the model hold their own references */
+    free(file_cfg);
+    free(run_cfg);
     *out = e;
     return K3_OK;
 fail:
+    st_close(ix);
+    free(file_cfg);
+    free(run_cfg);
     k3_engine_free(e);
     return rc;
 }

@@ -501,6 +501,19 @@ out:
     return rc;
 }
 
+int k3_config_first_layers(k3_config *cfg, int layers, const char *dir, k3_err *err) {
+    if (layers > cfg->num_layers)
+        return k3_fail(err, K3_EXIT_USAGE, "--layers %d: %s has only %d layers", layers, dir, cfg->num_layers);
+    if (layers <= 0 || layers == cfg->num_layers) return K3_OK;
+    cfg->num_layers = layers;
+    cfg->n_kda_layers = cfg->n_mla_layers = 0;
+    for (int L = 0; L < layers; L++) {
+        if (cfg->layer_kind[L] == 'K') cfg->n_kda_layers++;
+        else cfg->n_mla_layers++;
+    }
+    return K3_OK;
+}
+
 int k3_config_load(const char *path, k3_config *cfg, k3_err *err) {
     struct stat st;
     char *p = NULL;

@@ -62,6 +62,11 @@ typedef struct {
 int k3_config_load(const char *path, k3_config *cfg, k3_err *err);
 /* Parse from a JSON text (name is used in messages). */
 int k3_config_parse(const char *json_text, const char *name, k3_config *cfg, k3_err *err);
+/* cfg as a run of its first `layers` layers sees it (--layers; 0 or the
+ * whole count: unchanged): num_layers and the KDA/MLA counts cut down, the
+ * layer maps kept. More layers than the model has is K3_EXIT_USAGE naming
+ * dir. */
+int k3_config_first_layers(k3_config *cfg, int layers, const char *dir, k3_err *err);
 /* "KKKMKKKM..." into buf (L+1 bytes). */
 void k3_config_layer_map(const k3_config *cfg, char *buf, size_t n);
 

@@ -43,7 +43,8 @@ typedef struct {
     st_tensor *t;          /* this shard's tensors, offset order (in ix->mem) */
     json_t *meta;
     /* lazily opened; guarded by st_index.lock */
-    int fd, fd_direct;     /* -1 until opened; fd_direct -2 when refused */
+    int fd;                /* buffered (st_data maps it); -1 until opened */
+    int fd_direct;         /* st_pread's, O_DIRECT unless refused (util/dio.h); -1 until opened */
     const unsigned char *map;
 } shard_priv;
 
@@ -62,11 +63,12 @@ struct st_index {
     const st_tensor **tp;  /* every tensor, shard then offset order */
     st_slot *slots;        /* open addressing over the names */
     size_t mask;
-    bool direct;           /* try O_DIRECT in st_pread */
+    bool direct;           /* st_pread asks for O_DIRECT */
     pthread_mutex_t lock;
     size_t *first;         /* index of each shard's first tensor */
     parse_mem mem;         /* holds every tensor record, hash and name */
     st_block tp_blk, slots_blk;
+    int refs;              /* st_open's reference plus each st_retain's */
 };
 
 size_t st_count(const st_index *ix) { return ix->n; }
@@ -100,8 +102,13 @@ const char *st_metadata(const st_index *ix, int shard, const char *key) {
 
 void st_set_direct(st_index *ix, bool on) { ix->direct = on; }
 
+st_index *st_retain(st_index *ix) {
+    if (ix) __atomic_add_fetch(&ix->refs, 1, __ATOMIC_RELAXED);
+    return ix;
+}
+
 void st_close(st_index *ix) {
-    if (!ix) return;
+    if (!ix || __atomic_sub_fetch(&ix->refs, 1, __ATOMIC_ACQ_REL) > 0) return;
     for (int i = 0; i < ix->nshards; i++) {
         shard_priv *p = &ix->priv[i];
         if (p->map) {
@@ -267,7 +274,7 @@ static int index_load(const char *ipath, index_parse *p, k3_err *err) {
         p->maplen = len;
     } else {
         p->text = xmalloc(len + 1);
-        rc = pread_full(fd, p->text, len, 0, ipath, err);
+        rc = k3_dio_pread(fd, p->text, 0, len, ipath, err);
         if (rc == K3_OK) p->text[len] = 0;
     }
     close(fd);
@@ -619,6 +626,7 @@ int st_open(const char *path, st_index **out, k3_err *err) {
     }
 
     st_index *ix = xcalloc(1, sizeof *ix);
+    ix->refs = 1;
     pthread_mutex_init(&ix->lock, NULL);
     ix->nshards = nfiles;
     ix->shards = xcalloc((size_t)nfiles, sizeof *ix->shards);
@@ -784,53 +792,21 @@ const void *st_data(st_index *ix, const st_tensor *t, k3_err *err) {
     return p->map + t->offset;
 }
 
-/* The O_DIRECT descriptor of shard s, or -1 when O_DIRECT is off or refused. */
-static int direct_fd(st_index *ix, int s) {
+/* The descriptor st_pread reads shard s through: with O_DIRECT asked for
+ * (util/dio.h: buffered where the filesystem refuses it, and from the first
+ * refused read on) when the index reads direct, else the buffered one. */
+static int read_fd(st_index *ix, int s, int *fd, k3_err *err) {
+    if (!ix->direct) {
+        int rc = shard_fd(ix, s, err);
+        *fd = ix->priv[s].fd;
+        return rc;
+    }
     shard_priv *p = &ix->priv[s];
-    if (!ix->direct) return -1;
+    int rc = K3_OK;
     pthread_mutex_lock(&ix->lock);
-    if (p->fd_direct == -1) {
-        int fd = open(ix->shards[s].path, O_RDONLY | O_CLOEXEC | O_DIRECT);
-        p->fd_direct = fd >= 0 ? fd : -2; /* tmpfs and friends say EINVAL: stay buffered */
-    }
-    int fd = p->fd_direct;
+    if (p->fd_direct < 0) rc = k3_dio_open(ix->shards[s].path, true, &p->fd_direct, NULL, err);
+    *fd = p->fd_direct;
     pthread_mutex_unlock(&ix->lock);
-    return fd >= 0 ? fd : -1;
-}
-
-/* O_DIRECT read through an aligned bounce buffer. Returns 0, or -1 when the
- * filesystem refuses (EINVAL) so the caller falls back, or an error code. */
-static int pread_direct(int fd, uint64_t off, unsigned char *dst, uint64_t len, const char *path,
-                        k3_err *err) {
-    const uint64_t A = ST_DIRECT_ALIGN;
-    uint64_t start = off & ~(A - 1), stop = (off + len + A - 1) & ~(A - 1);
-    size_t bsz = (size_t)(stop - start < ST_BOUNCE ? stop - start : ST_BOUNCE);
-    void *bounce = NULL;
-    if (posix_memalign(&bounce, A, bsz) != 0) return -1;
-    int rc = 0;
-    for (uint64_t pos = start; pos < off + len;) {
-        size_t want = (size_t)(stop - pos < bsz ? stop - pos : bsz);
-        ssize_t r = pread(fd, bounce, want, (off_t)pos);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            rc = errno == EINVAL ? -1 : k3_fail(err, K3_EXIT_RUNTIME, "%s: read error: %s", path, strerror(errno));
-            break;
-        }
-        uint64_t got_end = pos + (uint64_t)r;
-        uint64_t lo = pos > off ? pos : off, hi = got_end < off + len ? got_end : off + len;
-        if (hi > lo) memcpy(dst + (lo - off), (unsigned char *)bounce + (lo - pos), (size_t)(hi - lo));
-        if ((size_t)r < want && got_end < off + len) {
-            /* a short O_DIRECT read that is not at EOF: retry the rest aligned */
-            if (r == 0) {
-                rc = k3_fail(err, K3_EXIT_DATA, "%s: unexpected end of file", path);
-                break;
-            }
-            pos = got_end & ~(A - 1);
-            continue;
-        }
-        pos += want;
-    }
-    free(bounce);
     return rc;
 }
 
@@ -842,19 +818,8 @@ int st_pread(st_index *ix, int shard, uint64_t off, void *dst, uint64_t len, k3_
         return k3_fail(err, K3_EXIT_DATA, "%s: read of %llu bytes at %llu is past the end of the file",
                        sh->path, (unsigned long long)len, (unsigned long long)off);
     if (len == 0) return K3_OK;
-    int dfd = direct_fd(ix, shard);
-    if (dfd >= 0) {
-        int r = pread_direct(dfd, off, dst, len, sh->path, err);
-        if (r >= 0) return r;
-        /* refused mid-way: remember and fall back to buffered reads */
-        pthread_mutex_lock(&ix->lock);
-        if (ix->priv[shard].fd_direct >= 0) close(ix->priv[shard].fd_direct);
-        ix->priv[shard].fd_direct = -2;
-        pthread_mutex_unlock(&ix->lock);
-    }
-    int rc = shard_fd(ix, shard, err);
-    if (rc) return rc;
-    return pread_full(ix->priv[shard].fd, dst, (size_t)len, off, sh->path, err);
+    int fd, rc = read_fd(ix, shard, &fd, err);
+    return rc ? rc : k3_dio_pread(fd, dst, off, len, sh->path, err);
 }
 
 int st_read(st_index *ix, const st_tensor *t, void *dst, k3_err *err) {

@@ -6,7 +6,7 @@
  * vs file size, offsets in bounds and equal to dtype x shape, no overlaps, no
  * duplicate names across shards, UTF-8 names) and keeps, per tensor, its dtype,
  * shape, shard and absolute byte range. Data is reached through mmap (st_data)
- * or pread (st_read*, O_DIRECT-capable with a buffered fallback). */
+ * or pread (st_read*: util/dio.h's reader, O_DIRECT with a buffered fallback). */
 #ifndef K3_FORMATS_SAFETENSORS_H
 #define K3_FORMATS_SAFETENSORS_H
 
@@ -46,6 +46,11 @@ size_t st_dtype_size(st_dtype d);            /* bytes per element */
  * when the path is missing or holds no shards, K3_EXIT_DATA for any malformed
  * header/index, K3_EXIT_RUNTIME for I/O. */
 int st_open(const char *path, st_index **out, k3_err *err);
+/* One more owner of ix (the engine hands one index to the memory plan, the
+ * streaming source and the model); returns ix. Every owner calls st_close:
+ * the last one frees it. The index is shared, not copied: its lazily opened
+ * descriptors and mappings serve every owner. */
+st_index *st_retain(st_index *ix);
 void st_close(st_index *ix);
 
 size_t st_count(const st_index *ix);
@@ -62,8 +67,9 @@ const void *st_data(st_index *ix, const st_tensor *t, k3_err *err);
 int st_read(st_index *ix, const st_tensor *t, void *dst, k3_err *err);
 /* Read and widen any float dtype (F32/F16/BF16/F64) to f32: dst has numel floats. */
 int st_read_f32(st_index *ix, const st_tensor *t, float *dst, k3_err *err);
-/* pread [off, off+len) of shard i with O_DIRECT when aligned and allowed
- * (buffered fallback when the filesystem refuses it). */
+/* pread [off, off+len) of shard i (any offset, length and dst) through
+ * util/dio.h: O_DIRECT via an aligned bounce buffer where allowed, buffered
+ * where the filesystem refuses it; the same bytes either way. */
 int st_pread(st_index *ix, int shard, uint64_t off, void *dst, uint64_t len, k3_err *err);
 
 /* Added by the formats work (additive): */

@@ -508,22 +508,6 @@ bool force_jansson(void) {
 }
 
 /* Reads exactly len bytes at off; K3_EXIT_DATA on early end of file. */
-int pread_full(int fd, void *dst, size_t len, uint64_t off, const char *path, k3_err *err) {
-    char *p = dst;
-    while (len) {
-        ssize_t r = pread(fd, p, len, (off_t)off);
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            return k3_fail(err, K3_EXIT_RUNTIME, "%s: read error: %s", path, strerror(errno));
-        }
-        if (r == 0) return k3_fail(err, K3_EXIT_DATA, "%s: unexpected end of file", path);
-        p += r;
-        len -= (size_t)r;
-        off += (uint64_t)r;
-    }
-    return K3_OK;
-}
-
 /* buf/cap: the calling thread's reusable header buffer (fresh large
  * allocations would be page-faulted in for every shard). */
 int parse_file(const char *path, int shard, st_shard *sh, parse_mem *m, shard_parse *out, char **bufp,
@@ -544,7 +528,7 @@ int parse_file(const char *path, int shard, st_shard *sh, parse_mem *m, shard_pa
         goto out;
     }
     unsigned char lenb[8];
-    if ((rc = pread_full(fd, lenb, 8, 0, path, err))) goto out;
+    if ((rc = k3_dio_pread(fd, lenb, 0, 8, path, err))) goto out;
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | lenb[i];
     if (hlen > fsize - 8) {
@@ -569,7 +553,7 @@ int parse_file(const char *path, int shard, st_shard *sh, parse_mem *m, shard_pa
         *capp = (size_t)hlen;
     }
     char *buf = *bufp;
-    if ((rc = pread_full(fd, buf, (size_t)hlen, 8, path, err))) goto out;
+    if ((rc = k3_dio_pread(fd, buf, 8, hlen, path, err))) goto out;
     rc = parse_header(buf, (size_t)hlen, &c, force_jansson(), m, out, NULL, err);
     if (rc == K3_OK) sh->ntensors = (int)out->n;
 out:

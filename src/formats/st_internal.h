@@ -6,6 +6,7 @@
 #define K3_FORMATS_ST_INTERNAL_H
 
 #include "formats/safetensors.h"
+#include "util/dio.h"
 
 #include <jansson.h>
 #include <stdbool.h>
@@ -18,10 +19,6 @@
 /* The largest header we accept. Real K3 shards carry ~0.8 MB of header; the
  * cap only stops a corrupt length from asking for gigabytes. */
 #define ST_MAX_HEADER (256u << 20)
-/* Alignment and bounce-buffer size for O_DIRECT reads. 4096 satisfies every
- * logical block size Linux filesystems use. */
-#define ST_DIRECT_ALIGN 4096u
-#define ST_BOUNCE (8u << 20)
 
 /* Name hash, eight bytes at a time: it runs over ~35 MB of names (twice,
  * with the index file) when the release is opened. A multiply carries each
@@ -246,6 +243,5 @@ int parse_file(const char *path, int shard, st_shard *sh, parse_mem *m, shard_pa
                size_t *capp, k3_err *err);
 bool get_u64(const json_t *v, uint64_t *out);
 bool force_jansson(void);
-int pread_full(int fd, void *dst, size_t len, uint64_t off, const char *path, k3_err *err);
 
 #endif

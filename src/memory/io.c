@@ -3,7 +3,6 @@
 
 #include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <liburing.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +25,10 @@ struct k3_io {
      * the per-read pinning of user pages that O_DIRECT otherwise costs */
     struct iovec reg[K3_IO_MAXREG];
     int nreg;
+    /* the path each descriptor k3_io_open returned was opened from, by fd,
+     * for the messages of failed reads */
+    char **path;
+    int npath;
 };
 
 k3_io *k3_io_new(int depth, bool direct) {
@@ -46,6 +49,8 @@ void k3_io_free(k3_io *io) {
         io->inflight--;
     }
     if (io->have_ring) io_uring_queue_exit(&io->ring);
+    for (int i = 0; i < io->npath; i++) free(io->path[i]);
+    free(io->path);
     free(io->done);
     free(io);
 }
@@ -55,63 +60,32 @@ uint64_t k3_io_bytes(const k3_io *io) { return io->bytes; }
 double k3_io_seconds(const k3_io *io) { return io->seconds; }
 
 int k3_io_open(k3_io *io, const char *path, int *fd, bool *is_direct, k3_err *err) {
-    int f = -1;
-    bool d = false;
-    if (io->direct) {
-        f = open(path, O_RDONLY | O_DIRECT | O_CLOEXEC);
-        if (f >= 0) d = true;
+    int rc = k3_dio_open(path, io->direct, fd, is_direct, err);
+    if (rc) return rc;
+    if (*fd >= io->npath) {
+        int n = *fd + 1;
+        io->path = xrealloc_array(io->path, (size_t)n, sizeof *io->path);
+        memset(io->path + io->npath, 0, (size_t)(n - io->npath) * sizeof *io->path);
+        io->npath = n;
     }
-    if (f < 0) f = open(path, O_RDONLY | O_CLOEXEC);
-    if (f < 0) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot open: %s", path, strerror(errno));
-    *fd = f;
-    if (is_direct) *is_direct = d;
+    free(io->path[*fd]);
+    io->path[*fd] = xstrdup(path);
     return K3_OK;
 }
 
-void *k3_io_alloc(uint64_t size) {
-    void *p = NULL;
-    uint64_t r = (size + K3_IO_ALIGN - 1) & ~(uint64_t)(K3_IO_ALIGN - 1);
-    if (r < size || posix_memalign(&p, K3_IO_ALIGN, r ? r : K3_IO_ALIGN) != 0) {
-        fprintf(stderr, "k3: out of memory (%llu bytes)\n", (unsigned long long)size);
-        exit(K3_EXIT_RUNTIME);
-    }
-    return p;
-}
+/* The file behind fd for messages (NULL: not opened by k3_io_open). */
+static const char *fd_path(const k3_io *io, int fd) { return fd >= 0 && fd < io->npath ? io->path[fd] : NULL; }
 
-uint64_t k3_io_span(uint64_t offset, uint64_t len) {
-    uint64_t a = offset & ~(uint64_t)(K3_IO_ALIGN - 1);
-    uint64_t b = (offset + len + K3_IO_ALIGN - 1) & ~(uint64_t)(K3_IO_ALIGN - 1);
-    return b - a;
+/* One request read synchronously (util/dio.h: the aligned span, O_DIRECT
+ * dropped on that descriptor where the filesystem refuses the read). */
+static int read_sync(const k3_io *io, const k3_io_req *q, k3_err *err) {
+    return k3_dio_read_span(q->fd, q->buf, q->offset, q->len, fd_path(io, q->fd), err);
 }
 
 static int cmp_req(const void *x, const void *y) {
     const k3_io_req *a = *(k3_io_req *const *)x, *b = *(k3_io_req *const *)y;
     if (a->fd != b->fd) return a->fd < b->fd ? -1 : 1;
     return a->offset < b->offset ? -1 : (a->offset > b->offset);
-}
-
-/* One aligned read; if the fd is O_DIRECT and the filesystem refuses the
- * read (EINVAL), drop O_DIRECT on that descriptor and go on buffered: the
- * bytes are the same, only the page cache is involved. */
-static int read_full(int fd, void *buf, uint64_t len, uint64_t off, uint64_t need, k3_err *err) {
-    uint64_t got = 0;
-    while (got < len) {
-        ssize_t r = pread(fd, (char *)buf + got, len - got, (off_t)(off + got));
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0 && errno == EINVAL) {
-            int fl = fcntl(fd, F_GETFL);
-            if (fl >= 0 && (fl & O_DIRECT) && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0) continue;
-        }
-        if (r < 0)
-            return k3_fail(err, K3_EXIT_RUNTIME, "read of %llu bytes at offset %llu failed: %s",
-                           (unsigned long long)len, (unsigned long long)off, strerror(errno));
-        if (r == 0) break;
-        got += (uint64_t)r;
-    }
-    if (got < need)
-        return k3_fail(err, K3_EXIT_DATA, "short read at offset %llu: file ends %llu bytes early",
-                       (unsigned long long)off, (unsigned long long)(need - got));
-    return K3_OK;
 }
 
 /* Fault injection for tests: K3_IO_FAIL_AFTER=N makes every request after the
@@ -147,9 +121,9 @@ int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
     if (!io->have_ring) {
         for (size_t i = 0; i < n && rc == K3_OK; i++) {
             k3_io_req *q = order[i];
-            uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+            uint64_t a = k3_dio_floor(q->offset);
             uint64_t span = k3_io_span(q->offset, q->len);
-            rc = read_full(q->fd, q->buf, span, a, q->offset - a + q->len, err);
+            rc = read_sync(io, q, err);
             q->data = (const char *)q->buf + (q->offset - a);
             io->bytes += span;
         }
@@ -160,7 +134,7 @@ int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
                 struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
                 if (!sqe) break;
                 k3_io_req *q = order[next];
-                uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+                uint64_t a = k3_dio_floor(q->offset);
                 io_uring_prep_read(sqe, q->fd, q->buf, (unsigned)k3_io_span(q->offset, q->len), a);
                 io_uring_sqe_set_data(sqe, q);
                 next++;
@@ -175,12 +149,12 @@ int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
             io_uring_cqe_seen(&io->ring, cqe);
             inflight--;
             done++;
-            uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+            uint64_t a = k3_dio_floor(q->offset);
             uint64_t span = k3_io_span(q->offset, q->len), need = q->offset - a + q->len;
             q->data = (const char *)q->buf + (q->offset - a);
             if (res >= 0 && (uint64_t)res >= need) { io->bytes += (uint64_t)res; continue; }
             /* short or refused: finish this one synchronously (it reports EOF precisely) */
-            rc = read_full(q->fd, q->buf, span, a, need, err);
+            rc = read_sync(io, q, err);
             io->bytes += span;
         }
         /* drain anything still in flight so buffers are not written later */
@@ -218,7 +192,7 @@ bool k3_io_register(k3_io *io, void *const *bufs, const uint64_t *lens, int n) {
 
 /* Prepares q's read, from a registered buffer when q lies in one. */
 static void prep(k3_io *io, struct io_uring_sqe *sqe, k3_io_req *q) {
-    uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+    uint64_t a = k3_dio_floor(q->offset);
     unsigned len = (unsigned)k3_io_span(q->offset, q->len);
     const char *b = q->buf;
     for (int i = 0; i < io->nreg; i++) {
@@ -240,11 +214,11 @@ int k3_io_submit(k3_io *io, k3_io_req *q, k3_err *err) {
                        (unsigned long long)q->len, (unsigned long long)q->offset, strerror(EIO));
     if (k3_io_inflight(io) >= io->depth)
         return k3_fail(err, K3_EXIT_RUNTIME, "k3_io_submit: %d reads already in flight", io->depth);
-    uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+    uint64_t a = k3_dio_floor(q->offset);
     q->data = (const char *)q->buf + (q->offset - a);
     if (!io->have_ring) { /* read now; k3_io_complete hands it back */
         double t0 = k3_now();
-        int rc = read_full(q->fd, q->buf, k3_io_span(q->offset, q->len), a, q->offset - a + q->len, err);
+        int rc = read_sync(io, q, err);
         io->seconds += k3_now() - t0;
         if (rc) return rc;
         io->bytes += k3_io_span(q->offset, q->len);
@@ -278,10 +252,10 @@ int k3_io_submit_batch(k3_io *io, k3_io_req *const *qs, int n, k3_err *err) {
     if (!io->have_ring) {
         for (int i = 0; i < n; i++) {
             k3_io_req *q = qs[i];
-            uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+            uint64_t a = k3_dio_floor(q->offset);
             q->data = (const char *)q->buf + (q->offset - a);
             double t0 = k3_now();
-            int rc = read_full(q->fd, q->buf, k3_io_span(q->offset, q->len), a, q->offset - a + q->len, err);
+            int rc = read_sync(io, q, err);
             io->seconds += k3_now() - t0;
             if (rc) return rc; /* the ones read already are handed back by k3_io_complete */
             io->bytes += k3_io_span(q->offset, q->len);
@@ -292,7 +266,7 @@ int k3_io_submit_batch(k3_io *io, k3_io_req *const *qs, int n, k3_err *err) {
     }
     for (int i = 0; i < n; i++) {
         k3_io_req *q = qs[i];
-        uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+        uint64_t a = k3_dio_floor(q->offset);
         q->data = (const char *)q->buf + (q->offset - a);
         struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
         if (!sqe) { /* (not within the depth: the ring has depth entries) */
@@ -328,7 +302,7 @@ int k3_io_complete(k3_io *io, k3_io_req **done, k3_err *err) {
     io_uring_cqe_seen(&io->ring, cqe);
     io->inflight--;
     *done = q;
-    uint64_t a = q->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+    uint64_t a = k3_dio_floor(q->offset);
     uint64_t span = k3_io_span(q->offset, q->len), need = q->offset - a + q->len;
     if (res >= 0 && (uint64_t)res >= need) {
         io->bytes += (uint64_t)res;
@@ -336,7 +310,7 @@ int k3_io_complete(k3_io *io, k3_io_req **done, k3_err *err) {
     }
     /* short or refused: finish this one synchronously (it reports EOF precisely) */
     io->bytes += span;
-    return read_full(q->fd, q->buf, span, a, need, err);
+    return read_sync(io, q, err);
 }
 
 bool k3_largest_shard(const char *dir, char *buf, size_t cap, uint64_t *size) {

@@ -7,13 +7,16 @@
  * start inside it. Batches are submitted through io_uring (several reads in
  * flight, sorted by file and offset, which is what made expert reads fast on
  * NVMe); where io_uring or O_DIRECT is refused, plain pread is the fallback,
- * and the result bytes are the same either way. */
+ * and the result bytes are the same either way. Opening, alignment and the
+ * synchronous reads (with O_DIRECT given up on refusal) are util/dio.h's, the
+ * one reader the shards' index uses too. */
 #ifndef K3_MEMORY_IO_H
 #define K3_MEMORY_IO_H
 
 #include "util/common.h"
+#include "util/dio.h"
 
-#define K3_IO_ALIGN 4096u
+#define K3_IO_ALIGN K3_DIO_ALIGN
 
 typedef struct {
     int fd;                /* an fd from k3_io_open (O_DIRECT if it was allowed) */
@@ -28,12 +31,13 @@ typedef struct k3_io k3_io;
 k3_io *k3_io_new(int depth, bool direct);
 void k3_io_free(k3_io *io);
 /* Opens path read-only, with O_DIRECT when the io was created with direct and
- * the filesystem accepts it (else buffered). */
+ * the filesystem accepts it (else buffered); k3_dio_open. The io remembers
+ * the path so that a failed read names the file. */
 int k3_io_open(k3_io *io, const char *path, int *fd, bool *is_direct, k3_err *err);
 /* A K3_IO_ALIGN-aligned buffer (O_DIRECT needs block alignment); free() it. */
-void *k3_io_alloc(uint64_t size);
+static inline void *k3_io_alloc(uint64_t size) { return k3_dio_alloc(size); }
 /* Bytes of aligned buffer needed to read [offset, offset+len). */
-uint64_t k3_io_span(uint64_t offset, uint64_t len);
+static inline uint64_t k3_io_span(uint64_t offset, uint64_t len) { return k3_dio_span(offset, len); }
 /* Reads every request (any order of completion; submission sorted by fd then
  * offset). Short reads past end of file are an error naming the request. */
 int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err);

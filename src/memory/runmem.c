@@ -67,7 +67,7 @@ struct k3_runmem {
     k3_runmem_args a;
     k3_config cfg;
     k3_mem_plan *plan;
-    st_index *ix;            /* until attached */
+    st_index *ix;            /* a reference, until attached (then the stream's) */
     k3_trunk *trunk;         /* until attached */
     k3_stream *s;
     k3_stream_stats last;
@@ -78,7 +78,7 @@ struct k3_runmem {
     int nchunk;
 };
 
-int k3_runmem_begin(const k3_runmem_args *a, const char *model_dir, int layers, int64_t max_pos, uint64_t mem_limit,
+int k3_runmem_begin(const k3_runmem_args *a, const k3_config *cfg, st_index *ix, int64_t max_pos, uint64_t mem_limit,
                     k3_runmem **out, k3_err *err) {
     *out = NULL;
     k3_runmem *rm = xcalloc(1, sizeof *rm);
@@ -91,21 +91,9 @@ int k3_runmem_begin(const k3_runmem_args *a, const char *model_dir, int layers, 
     rm->a.so.cache_gb = rm->a.budget.cache_gb;
     rm->a.so.preset = rm->a.budget.preset;
     rm->a.so.mem_limit = mem_limit;
-    int rc = k3_config_load(model_dir, &rm->cfg, err);
-    if (rc) goto fail;
-    if (layers > rm->cfg.num_layers) {
-        rc = k3_fail(err, K3_EXIT_USAGE, "--layers %d: %s has only %d layers", layers, model_dir, rm->cfg.num_layers);
-        goto fail;
-    }
-    if (layers > 0 && layers < rm->cfg.num_layers) {
-        rm->cfg.num_layers = layers;
-        rm->cfg.n_kda_layers = rm->cfg.n_mla_layers = 0;
-        for (int L = 0; L < layers; L++) {
-            if (rm->cfg.layer_kind[L] == 'K') rm->cfg.n_kda_layers++;
-            else rm->cfg.n_mla_layers++;
-        }
-    }
-    if ((rc = st_open(model_dir, &rm->ix, err))) goto fail;
+    rm->cfg = *cfg;
+    rm->ix = st_retain(ix);
+    int rc = K3_OK;
     if (rm->a.so.trunk_dir && (rc = k3_trunk_open(rm->a.so.trunk_dir, NULL, &rm->trunk, err))) goto fail;
     rm->plan = xmalloc(sizeof *rm->plan);
     if ((rc = k3_plan_make(&rm->cfg, rm->ix, rm->trunk, &rm->a.so, max_pos, rm->plan, err))) goto fail;

@@ -5,9 +5,9 @@
  *   k3_runmem_parse    the budget flags (--trunk, --preset, --trunk-gb,
  *                      --cache-gb, --chunk, --cache-policy, --dump-cache-trace,
  *                      --list-presets; a later budget flag wins)
- *   k3_runmem_begin    config + shard headers -> memory plan; a plan that
- *                      cannot fit is refused (exit 3, one line) before any
- *                      weight byte is read
+ *   k3_runmem_begin    config + shard index (as the engine read them, once)
+ *                      -> memory plan; a plan that cannot fit is refused
+ *                      (exit 3, one line) before any weight byte is read
  *   k3_runmem_attach   after k3_model_open(top_only): the streaming source
  *   k3_runmem_print_plan  before the first forward call (printed late so that
  *                      an error while opening stays a single line)
@@ -56,9 +56,11 @@ int k3_runmem_parse(k3_runmem_args *a, int argc, char **argv, int *i, bool *used
     "                       (step, layer, expert), for 'k3 cache-sim'\n"
 
 typedef struct k3_runmem k3_runmem;
-/* layers: --layers (0 all); max_pos: positions the run may hold (an upper
+/* cfg: the config as the run sees it (k3_config_first_layers applied for
+ * --layers; copied); ix: the shards' index (a reference is taken, st_retain;
+ * the caller keeps its own); max_pos: positions the run may hold (an upper
  * bound is fine); mem_limit: refuse plans above it (0: MemAvailable). */
-int k3_runmem_begin(const k3_runmem_args *a, const char *model_dir, int layers, int64_t max_pos, uint64_t mem_limit,
+int k3_runmem_begin(const k3_runmem_args *a, const k3_config *cfg, st_index *ix, int64_t max_pos, uint64_t mem_limit,
                     k3_runmem **out, k3_err *err);
 void k3_runmem_print_plan(const k3_runmem *rm, FILE *f);
 /* Model opened with k3_model_opts.top_only. */

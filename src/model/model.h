@@ -62,6 +62,12 @@ typedef struct {
  * directory or an invalid config, K3_EXIT_DATA for a missing tensor or a wrong
  * shape/dtype (one line naming the tensor), K3_EXIT_RUNTIME for I/O. */
 int k3_model_open(const char *dir, const k3_model_opts *opts, k3_model **out, k3_err *err);
+/* The same from what was already read of dir: cfg as k3_config_load gave it
+ * (before --layers; opts->layers applies here) and ix as st_open gave it (the
+ * model takes its own reference, st_retain; the caller keeps and closes
+ * its). The engine opens both once for the plan and the model. */
+int k3_model_open_index(const char *dir, const k3_config *cfg, st_index *ix, const k3_model_opts *opts,
+                        k3_model **out, k3_err *err);
 /* Opens the peer oracle's flat f32 blob (tiny_k3.json + tiny_k3.bin: tensor
  * name -> element offset and shape, names with '.' -> '_'); for tests. */
 int k3_model_open_blob(const char *json_path, const char *bin_path, const k3_model_opts *opts,

@@ -428,14 +428,9 @@ static void apply_opts(k3_model *m, const k3_model_opts *opts) {
     if (opts && opts->peer_mla_eps) m->mla_eps = m->cfg.rms_eps;
     if (opts && opts->kda_chunk > 0) m->kda_chunk = opts->kda_chunk;
     m->chunk = opts && opts->prefill_chunk > 0 ? opts->prefill_chunk : K3_PREFILL_CHUNK;
-    if (opts && opts->layers > 0 && opts->layers < m->cfg.num_layers) {
-        m->cfg.num_layers = opts->layers;
-        m->cfg.n_kda_layers = m->cfg.n_mla_layers = 0;
-        for (int L = 0; L < m->cfg.num_layers; L++) {
-            if (m->cfg.layer_kind[L] == 'K') m->cfg.n_kda_layers++;
-            else m->cfg.n_mla_layers++;
-        }
-    }
+    /* (fewer layers only: the openers that can have too many refuse it first) */
+    if (opts && opts->layers > 0 && opts->layers < m->cfg.num_layers)
+        k3_config_first_layers(&m->cfg, opts->layers, NULL, NULL);
 }
 
 void k3_model_free(k3_model *m) {
@@ -487,15 +482,26 @@ static int st_lookup(void *vctx, int layer, const char *name, k3_tensor *t, k3_e
 }
 
 int k3_model_open(const char *dir, const k3_model_opts *opts, k3_model **out, k3_err *err) {
+    k3_config cfg, view;
+    int rc = k3_config_load(dir, &cfg, err);
+    if (rc) return rc;
+    view = cfg; /* a bad --layers is refused before the shards are read */
+    if ((rc = k3_config_first_layers(&view, opts ? opts->layers : 0, dir, err))) return rc;
+    st_index *ix;
+    if ((rc = st_open(dir, &ix, err))) return rc;
+    rc = k3_model_open_index(dir, &cfg, ix, opts, out, err);
+    st_close(ix);
+    return rc;
+}
+
+int k3_model_open_index(const char *dir, const k3_config *cfg, st_index *ix, const k3_model_opts *opts,
+                        k3_model **out, k3_err *err) {
     k3_model *m = xcalloc(1, sizeof *m);
-    int rc = k3_config_load(dir, &m->cfg, err);
+    m->cfg = *cfg;
+    int rc = k3_config_first_layers(&m->cfg, opts ? opts->layers : 0, dir, err);
     if (rc) goto fail;
-    if (opts && opts->layers > m->cfg.num_layers) {
-        rc = k3_fail(err, K3_EXIT_USAGE, "--layers %d: %s has only %d layers", opts->layers, dir, m->cfg.num_layers);
-        goto fail;
-    }
     apply_opts(m, opts);
-    if ((rc = st_open(dir, &m->ix, err))) goto fail;
+    m->ix = st_retain(ix);
     st_ctx c = {.ix = m->ix, .prefix = K3N_PREFIX, .head = K3N_HEAD_FULL};
     if (!st_find(m->ix, "language_model.model.embed_tokens.weight") && st_find(m->ix, "model.embed_tokens.weight")) {
         c.prefix = K3N_PREFIX_PLAIN;
