@@ -111,6 +111,60 @@ TEST(tgemm_f32_scalar_simd_threads_agree) {
     if (!paths) SKIP("no SIMD path on this CPU (the scalar reference is the only path)");
 }
 
+/* tg_gemm_sym (the upper triangle, copied down) against the full scalar
+ * chain, on every path and at 1 and 2 threads, for X X^T and for S S with S
+ * symmetric: the same bits, every element (a skipped tile that was needed, or
+ * a copy in the wrong direction, shows as a mismatch). */
+static bool sym_case(int M, int K, bool *same) {
+    float *x = xmalloc_array((size_t)M * K, sizeof(float)), *s = xmalloc_array((size_t)M * M, sizeof(float));
+    float *ref = xmalloc_array((size_t)M * M, sizeof(float)), *got = xmalloc_array((size_t)M * M, sizeof(float));
+    for (size_t i = 0; i < (size_t)M * K; i++) x[i] = rnd();
+    for (int form = 0; form < 2; form++) {
+        tg_view A = {x, K, 1}, B = {x, 1, K};
+        int k = K;
+        if (form == 1) { /* S = X X^T from the scalar chain: symmetric exactly */
+            tg_set_scalar(true);
+            tg_gemm(s, M, M, M, K, A, B, false, TG_F32);
+            tg_set_scalar(false);
+            A = (tg_view){s, M, 1};
+            B = (tg_view){s, M, 1};
+            k = M;
+        }
+        tg_set_scalar(true);
+        tg_gemm(ref, M, M, M, k, A, B, false, TG_F32);
+        tg_set_scalar(false);
+        for (int th = 1; th <= 2; th++) {
+            omp_set_num_threads(th);
+            for (size_t i = 0; i < (size_t)M * M; i++) got[i] = NAN;
+            tg_gemm_sym(got, M, M, k, A, B, TG_F32);
+            if (memcmp(got, ref, (size_t)M * M * sizeof(float))) *same = false;
+        }
+    }
+    free(x);
+    free(s);
+    free(ref);
+    free(got);
+    return true;
+}
+
+TEST(tgemm_sym_equals_full_product) {
+    static const int ms[] = {1, 12, 13, 50, 130}, ks[] = {1, 7, 257};
+    const k_isa was = k_isa_active();
+    const int threads = omp_get_max_threads();
+    for (k_isa isa = K_ISA_SCALAR; isa < K_ISA_COUNT; isa++) {
+        if (!k_isa_available(isa)) continue;
+        CHECK(k_set_isa(isa));
+        for (size_t a = 0; a < sizeof ms / sizeof ms[0]; a++)
+            for (size_t b = 0; b < sizeof ks / sizeof ks[0]; b++) {
+                bool same = true;
+                CHECK(sym_case(ms[a], ks[b], &same));
+                CHECKF(same, "M %d K %d on %s", ms[a], ks[b], k_isa_name(isa));
+            }
+    }
+    k_set_isa(was);
+    omp_set_num_threads(threads);
+}
+
 TEST(tgemm_bf16_scalar_equals_simd) {
     if (!tg_bf16_available()) SKIP("no AVX512_BF16 (the emulation is the only path)");
     bool same = true;

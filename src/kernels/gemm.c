@@ -64,10 +64,10 @@ static inline float bf(uint16_t h) { return k3_bf16_to_f32(h); }
 /* ---- scalar reference ------------------------------------------------------------ */
 
 static void gemm_scalar(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc,
-                        tg_mode mode) {
+                        tg_mode mode, bool upper) {
 #pragma omp parallel for schedule(static) if ((double)M * N * K > 1e5)
     for (int m = 0; m < M; m++)
-        for (int n = 0; n < N; n++) {
+        for (int n = upper ? m : 0; n < N; n++) {
             float c = acc ? C[m * ldc + n] : 0.0f;
             if (mode == TG_F32) {
                 for (int k = 0; k < K; k++) c = fmaf(at(A, m, k), at(B, k, n), c);
@@ -322,36 +322,68 @@ TGTBF static void tile_bf16(float *C, ptrdiff_t ldc, int h, int w, const uint32_
 }
 
 /* ---- AVX2 + FMA tile (F32) -------------------------------------------------------------
- * The same MR x NR tile over the same packed panels, as NR/8 column groups of
- * 8: 12 ymm accumulators + one B vector + one broadcast fit the 16 registers.
- * Each C element still sees its FMAs in k order from C (or zero). */
+ * The same MR x NR tile over the same packed panels, in blocks of 6 rows x
+ * 16 columns: 12 ymm accumulators, two B vectors and one broadcast fit the 16
+ * registers, and each k costs 8 loads for 12 FMAs (a 12 x 8 block needs 13),
+ * reading each B row's 64 bytes at once. Each C element still sees its FMAs
+ * in k order from C (or zero). */
 
 #define TGT2 __attribute__((target("avx2,fma")))
 
-TGT2 static void tile_f32_avx2(float *C, ptrdiff_t ldc, int h, int w, const float *Ap, const float *Bp, int kc,
-                               bool first) {
-    for (int g = 0; g * 8 < w; g++) {
-        int left = w - 8 * g;
-        __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        __m256 c[MR];
-        UNROLL for (int r = 0; r < MR; r++)
-            c[r] = (first || r >= h) ? _mm256_setzero_ps() : _mm256_maskload_ps(C + r * ldc + 8 * g, m);
+TGT2 static inline __m256i avx2_mask(int left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* rows [r0, r0 + 6) x columns [c0, c0 + 8 * nv) of the tile, nv = 1 or 2 */
+TGT2 static inline void block_f32_avx2(float *C, ptrdiff_t ldc, int hr, int w, const float *Ap, const float *Bp,
+                                       int kc, bool first, int r0, int c0, const int nv) {
+    __m256i m0 = avx2_mask(w - c0), m1 = avx2_mask(w - c0 - 8);
+    __m256 x[6], y[6];
+    UNROLL for (int r = 0; r < 6; r++) {
+        bool z = first || r >= hr;
+        x[r] = z ? _mm256_setzero_ps() : _mm256_maskload_ps(C + (r0 + r) * ldc + c0, m0);
+        y[r] = (z || nv < 2) ? _mm256_setzero_ps() : _mm256_maskload_ps(C + (r0 + r) * ldc + c0 + 8, m1);
+    }
+    if (nv == 2) {
         for (int k = 0; k < kc; k++) {
-            __m256 b = _mm256_loadu_ps(Bp + (size_t)k * NR + 8 * g);
-            const float *a = Ap + (size_t)k * MR;
-            UNROLL for (int r = 0; r < MR; r++) c[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r), b, c[r]);
+            __m256 b0 = _mm256_loadu_ps(Bp + (size_t)k * NR + c0), b1 = _mm256_loadu_ps(Bp + (size_t)k * NR + c0 + 8);
+            const float *a = Ap + (size_t)k * MR + r0;
+            UNROLL for (int r = 0; r < 6; r++) {
+                __m256 av = _mm256_broadcast_ss(a + r);
+                x[r] = _mm256_fmadd_ps(av, b0, x[r]);
+                y[r] = _mm256_fmadd_ps(av, b1, y[r]);
+            }
         }
-        UNROLL for (int r = 0; r < MR; r++) {
-            if (r >= h) break;
-            _mm256_maskstore_ps(C + r * ldc + 8 * g, m, c[r]);
+    } else {
+        for (int k = 0; k < kc; k++) {
+            __m256 b0 = _mm256_loadu_ps(Bp + (size_t)k * NR + c0);
+            const float *a = Ap + (size_t)k * MR + r0;
+            UNROLL for (int r = 0; r < 6; r++) x[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(a + r), b0, x[r]);
         }
     }
+    UNROLL for (int r = 0; r < 6; r++) {
+        if (r >= hr) break;
+        _mm256_maskstore_ps(C + (r0 + r) * ldc + c0, m0, x[r]);
+        if (nv == 2) _mm256_maskstore_ps(C + (r0 + r) * ldc + c0 + 8, m1, y[r]);
+    }
+}
+
+TGT2 static void tile_f32_avx2(float *C, ptrdiff_t ldc, int h, int w, const float *Ap, const float *Bp, int kc,
+                               bool first) {
+    for (int r0 = 0; r0 < h; r0 += 6)
+        for (int c0 = 0; c0 < w; c0 += 16) {
+            if (w - c0 > 8) block_f32_avx2(C, ldc, h - r0, w, Ap, Bp, kc, first, r0, c0, 2);
+            else block_f32_avx2(C, ldc, h - r0, w, Ap, Bp, kc, first, r0, c0, 1);
+        }
 }
 #endif
 
 /* ---- driver --------------------------------------------------------------------------- */
 
-void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc, tg_mode mode) {
+/* upper: only the elements on or above the diagonal are needed (tiles wholly
+ * below it are skipped; the elements computed are computed as always). */
+static void gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc, tg_mode mode,
+                 bool upper) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
         if (!acc)
@@ -369,7 +401,7 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
         return;
     }
     if (!simd) {
-        gemm_scalar(C, ldc, M, N, K, A, B, acc, mode);
+        gemm_scalar(C, ldc, M, N, K, A, B, acc, mode, upper);
         return;
     }
 #if defined(__x86_64__)
@@ -408,6 +440,7 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
                     int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
                     for (int t = 0; t < rows; t += MR) {
                         int h = rows - t < MR ? rows - t : MR;
+                        if (upper && n0 + w <= m0 + t) continue; /* wholly below the diagonal */
                         float *Ct = C + (m0 + t) * ldc + n0;
                         if (bfm)
                             tile_bf16(Ct, ldc, h, w, (const uint32_t *)Ap + (size_t)t * kc2,
@@ -426,4 +459,24 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
     }
     free(Bp);
 #endif
+}
+
+void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc, tg_mode mode) {
+    gemm(C, ldc, M, N, K, A, B, acc, mode, false);
+}
+
+/* An F32 element is one fma chain over k, and fma(a, b, c) == fma(b, a, c),
+ * so when A B is symmetric by construction (X X^T, or S S for a symmetric S)
+ * element (j, i) is the same chain as (i, j): computing the upper triangle
+ * and copying it down gives exactly the full product's bits. The BF16 modes
+ * make no such promise (AMX accumulates in its own order), so they compute
+ * every element. */
+void tg_gemm_sym(float *C, ptrdiff_t ldc, int M, int K, tg_view A, tg_view B, tg_mode mode) {
+    if (mode != TG_F32) {
+        tg_gemm(C, ldc, M, M, K, A, B, false, mode);
+        return;
+    }
+    gemm(C, ldc, M, M, K, A, B, false, mode, true);
+    for (int i = 1; i < M; i++)
+        for (int j = 0; j < i; j++) C[(ptrdiff_t)i * ldc + j] = C[(ptrdiff_t)j * ldc + i];
 }

@@ -267,6 +267,10 @@ typedef struct {
 typedef enum { TG_F32 = 0, TG_BF16 = 1 } tg_mode;
 
 void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc, tg_mode mode);
+/* C [M][M] = A [M][K] B [K][M] where the caller knows the product is
+ * symmetric (X X^T, or S S with S symmetric): the same bits as tg_gemm, for
+ * about half the work in F32 (the upper triangle, copied down). */
+void tg_gemm_sym(float *C, ptrdiff_t ldc, int M, int K, tg_view A, tg_view B, tg_mode mode);
 
 /* Force the scalar reference (tests compare it with the vector path). */
 void tg_set_scalar(bool on);

@@ -62,9 +62,10 @@ double topt_lr(const topt_cfg *c, int64_t step) {
 }
 
 /* C[r][c] = A[r][k] B[k][c] and C = A A^T (A [r][c], C [r][r]) with the
- * training GEMM (one fma chain per element; X X^T is exactly symmetric since
- * fma(a, b, c) == fma(b, a, c)). Called inside the parallel loop over Muon
- * blocks, so each runs on one thread. In the BF16 training mode (--bf16) the
+ * training GEMM (one fma chain per element; X X^T and A A are exactly
+ * symmetric since fma(a, b, c) == fma(b, a, c), so tg_gemm_sym computes
+ * half of each). Called inside the parallel loop over Muon blocks, so each
+ * runs on one thread. In the BF16 training mode (--bf16) the
  * Newton-Schulz products take BF16 operands too, as Muon's reference
  * implementation does (its iteration is made to tolerate that precision):
  * on AMX this is most of the optimiser's time saved. */
@@ -73,7 +74,12 @@ static void mm(float *C, const float *A, const float *B, int r, int k, int c) {
 }
 
 static void aat(float *C, const float *A, int r, int c) {
-    tg_gemm(C, r, r, r, c, (tg_view){A, c, 1}, (tg_view){A, 1, c}, false, t_bf16() ? TG_BF16 : TG_F32);
+    tg_gemm_sym(C, r, r, c, (tg_view){A, c, 1}, (tg_view){A, 1, c}, t_bf16() ? TG_BF16 : TG_F32);
+}
+
+/* C = S S for a symmetric S [r][r] (A = X X^T above): symmetric as well. */
+static void sq(float *C, const float *S, int r) {
+    tg_gemm_sym(C, r, r, r, (tg_view){S, r, 1}, (tg_view){S, r, 1}, t_bf16() ? TG_BF16 : TG_F32);
 }
 
 /* In place: G [rows][cols] -> its Newton-Schulz orthogonalisation. */
@@ -95,7 +101,7 @@ static void newton_schulz(float *G, int rows, int cols) {
     float *BX = xmalloc_array((size_t)r * n, sizeof(float));
     for (int it = 0; it < 5; it++) {
         aat(A, X, r, n);
-        mm(A2, A, A, r, r, r);
+        sq(A2, A, r);
         for (size_t i = 0; i < (size_t)r * r; i++) A2[i] = b * A[i] + c * A2[i]; /* B = bA + cA^2 */
         mm(BX, A2, X, r, r, n);
         for (size_t i = 0; i < (size_t)r * n; i++) X[i] = a * X[i] + BX[i];
