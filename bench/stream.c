@@ -46,15 +46,15 @@ static double disk_mbs(const char *path, uint64_t block, int depth, double secon
     k3_err err = {0};
     int fd;
     if (k3_io_open(io, path, &fd, NULL, &err)) { k3_io_free(io); return -1; }
-    uint64_t span = (uint64_t)st.st_size / K3_IO_ALIGN * K3_IO_ALIGN - block;
+    uint64_t span = (uint64_t)st.st_size / K3_DIO_ALIGN * K3_DIO_ALIGN - block;
     k3_io_req *rq = xcalloc((size_t)depth, sizeof *rq);
-    for (int i = 0; i < depth; i++) rq[i].buf = k3_io_alloc(block);
+    for (int i = 0; i < depth; i++) rq[i].buf = k3_dio_alloc(block);
     uint64_t seed = 0x2545F4914F6CDD1DULL, bytes = 0;
     double t0 = k3_now(), t = 0;
     while (t < seconds) {
         for (int i = 0; i < depth; i++) {
             seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
-            rq[i] = (k3_io_req){.fd = fd, .offset = (seed >> 20) % span / K3_IO_ALIGN * K3_IO_ALIGN, .len = block,
+            rq[i] = (k3_io_req){.fd = fd, .offset = (seed >> 20) % span / K3_DIO_ALIGN * K3_DIO_ALIGN, .len = block,
                                 .buf = rq[i].buf};
         }
         if (k3_io_read(io, rq, (size_t)depth, &err)) break;
@@ -425,7 +425,7 @@ int main(int argc, char **argv) {
     }
     st_close(ix);
     if (nx) xbytes /= nx;
-    xbytes = (xbytes + 2 * K3_IO_ALIGN - 1) / K3_IO_ALIGN * K3_IO_ALIGN;
+    xbytes = (xbytes + 2 * K3_DIO_ALIGN - 1) / K3_DIO_ALIGN * K3_DIO_ALIGN;
     char tbin[4200];
     snprintf(tbin, sizeof tbin, "%s/trunk.bin", tdir);
     double big16 = disk_mbs(shard, 4u << 20, 16, probe), tr4 = disk_mbs(tbin, 2u << 20, 4, probe),

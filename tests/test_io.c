@@ -39,7 +39,7 @@ static int check_backend(int depth, bool direct) {
         uint64_t off = (seed >> 20) % (N - 70000);
         uint64_t len = 1 + (seed >> 40) % 65536;
         reqs[i] = (k3_io_req){.fd = fd, .offset = off, .len = len};
-        reqs[i].buf = k3_io_alloc(k3_io_span(off, len));
+        reqs[i].buf = k3_dio_alloc(k3_dio_span(off, len));
     }
     int bad = k3_io_read(io, reqs, R, &err) ? 3 : 0;
     if (bad) fprintf(stderr, "  %s\n", err.msg);
@@ -48,7 +48,7 @@ static int check_backend(int depth, bool direct) {
             if (((const uint8_t *)reqs[i].data)[j] != pattern(reqs[i].offset + j)) { bad = 4; break; }
     /* past the end of the file */
     k3_io_req past = {.fd = fd, .offset = N - 10, .len = 100};
-    past.buf = k3_io_alloc(k3_io_span(past.offset, past.len));
+    past.buf = k3_dio_alloc(k3_dio_span(past.offset, past.len));
     if (!bad && k3_io_read(io, &past, 1, &err) != K3_EXIT_DATA) bad = 5;
     free(past.buf);
     for (int i = 0; i < R; i++) free(reqs[i].buf);
@@ -70,7 +70,7 @@ TEST(io_direct_refused_falls_back) {
     k3_err err = {0};
     int fd;
     CHECK(k3_io_open(io, path, &fd, NULL, &err) == 0);
-    char *raw = k3_io_alloc(3 * 4096);
+    char *raw = k3_dio_alloc(3 * 4096);
     k3_io_req q = {.fd = fd, .offset = 5000, .len = 3000, .buf = raw + 64};
     CHECK(k3_io_read(io, &q, 1, &err) == 0);
     for (uint64_t j = 0; j < q.len; j++) CHECK(((const uint8_t *)q.data)[j] == pattern(q.offset + j));
@@ -80,9 +80,9 @@ TEST(io_direct_refused_falls_back) {
 }
 
 TEST(io_span_is_aligned_superset) {
-    CHECK(k3_io_span(0, 1) == 4096);
-    CHECK(k3_io_span(4095, 2) == 8192);
-    CHECK(k3_io_span(4096, 4096) == 4096);
+    CHECK(k3_dio_span(0, 1) == 4096);
+    CHECK(k3_dio_span(4095, 2) == 8192);
+    CHECK(k3_dio_span(4096, 4096) == 4096);
 }
 
 /* Asynchronous use: requests submitted up to the depth and completed one at a
@@ -103,7 +103,7 @@ static int check_async(int depth, bool direct) {
         seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
         uint64_t off = (seed >> 20) % (N - 300000), len = 1 + (seed >> 40) % 300000;
         reqs[i] = (k3_io_req){.fd = fd, .offset = off, .len = len};
-        reqs[i].buf = k3_io_alloc(k3_io_span(off, len));
+        reqs[i].buf = k3_dio_alloc(k3_dio_span(off, len));
     }
     int bad = 0, next = 0, got = 0;
     bool seen[R] = {0};
@@ -122,7 +122,7 @@ static int check_async(int depth, bool direct) {
     }
     if (!bad && k3_io_inflight(io) != 0) bad = 7;
     k3_io_req past = {.fd = fd, .offset = N - 10, .len = 100};
-    past.buf = k3_io_alloc(k3_io_span(past.offset, past.len));
+    past.buf = k3_dio_alloc(k3_dio_span(past.offset, past.len));
     k3_io_req *d = NULL;
     if (!bad) {
         int rc = k3_io_submit(io, &past, &err);
@@ -154,7 +154,7 @@ static int check_batch(int depth, bool direct, bool reg, bool *registered) {
     if (k3_io_open(io, path, &fd, NULL, &err)) return 2;
     enum { R = 29, MAXLEN = 100000, SLOT = MAXLEN + 2 * 4096 };
     uint64_t arena_len = (uint64_t)R * ((SLOT + 4095) / 4096 * 4096);
-    uint8_t *arena = k3_io_alloc(arena_len);
+    uint8_t *arena = k3_dio_alloc(arena_len);
     if (!reg) setenv("K3_IO_REGISTER", "0", 1);
     void *b = arena;
     *registered = k3_io_register(io, &b, &arena_len, 1);
@@ -167,7 +167,7 @@ static int check_batch(int depth, bool direct, bool reg, bool *registered) {
         uint64_t off = (seed >> 20) % (N - MAXLEN), len = 1 + (seed >> 40) % MAXLEN;
         reqs[i] = (k3_io_req){.fd = fd, .offset = off, .len = len};
         /* every third request outside the arena */
-        reqs[i].buf = i % 3 == 2 ? k3_io_alloc(k3_io_span(off, len))
+        reqs[i].buf = i % 3 == 2 ? k3_dio_alloc(k3_dio_span(off, len))
                                   : arena + (uint64_t)i * ((SLOT + 4095) / 4096 * 4096);
         qs[i] = &reqs[i];
     }

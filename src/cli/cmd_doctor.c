@@ -41,7 +41,7 @@ static double measure(const char *path, uint64_t size, int depth, double seconds
     *backend = k3_io_backend(io);
     uint64_t blocks = size / BLOCK;
     k3_io_req *reqs = xcalloc((size_t)depth, sizeof *reqs);
-    for (int i = 0; i < depth; i++) reqs[i].buf = k3_io_alloc(BLOCK);
+    for (int i = 0; i < depth; i++) reqs[i].buf = k3_dio_alloc(BLOCK);
     uint64_t seed = 0, bytes = 0; /* random block offsets from the common generator */
     double t0 = k3_now(), t = 0;
     int rc = K3_OK;

@@ -82,6 +82,9 @@ static int read_sync(const k3_io *io, const k3_io_req *q, k3_err *err) {
     return k3_dio_read_span(q->fd, q->buf, q->offset, q->len, fd_path(io, q->fd), err);
 }
 
+/* Where q's bytes start inside its buffer once its aligned span is read. */
+static void set_data(k3_io_req *q) { q->data = (const char *)q->buf + (q->offset - k3_dio_floor(q->offset)); }
+
 static int cmp_req(const void *x, const void *y) {
     const k3_io_req *a = *(k3_io_req *const *)x, *b = *(k3_io_req *const *)y;
     if (a->fd != b->fd) return a->fd < b->fd ? -1 : 1;
@@ -121,11 +124,9 @@ int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
     if (!io->have_ring) {
         for (size_t i = 0; i < n && rc == K3_OK; i++) {
             k3_io_req *q = order[i];
-            uint64_t a = k3_dio_floor(q->offset);
-            uint64_t span = k3_io_span(q->offset, q->len);
             rc = read_sync(io, q, err);
-            q->data = (const char *)q->buf + (q->offset - a);
-            io->bytes += span;
+            set_data(q);
+            io->bytes += k3_dio_span(q->offset, q->len);
         }
     } else {
         size_t next = 0, done = 0, inflight = 0;
@@ -135,7 +136,7 @@ int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
                 if (!sqe) break;
                 k3_io_req *q = order[next];
                 uint64_t a = k3_dio_floor(q->offset);
-                io_uring_prep_read(sqe, q->fd, q->buf, (unsigned)k3_io_span(q->offset, q->len), a);
+                io_uring_prep_read(sqe, q->fd, q->buf, (unsigned)k3_dio_span(q->offset, q->len), a);
                 io_uring_sqe_set_data(sqe, q);
                 next++;
                 inflight++;
@@ -150,8 +151,8 @@ int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err) {
             inflight--;
             done++;
             uint64_t a = k3_dio_floor(q->offset);
-            uint64_t span = k3_io_span(q->offset, q->len), need = q->offset - a + q->len;
-            q->data = (const char *)q->buf + (q->offset - a);
+            uint64_t span = k3_dio_span(q->offset, q->len), need = q->offset - a + q->len;
+            set_data(q);
             if (res >= 0 && (uint64_t)res >= need) { io->bytes += (uint64_t)res; continue; }
             /* short or refused: finish this one synchronously (it reports EOF precisely) */
             rc = read_sync(io, q, err);
@@ -193,7 +194,7 @@ bool k3_io_register(k3_io *io, void *const *bufs, const uint64_t *lens, int n) {
 /* Prepares q's read, from a registered buffer when q lies in one. */
 static void prep(k3_io *io, struct io_uring_sqe *sqe, k3_io_req *q) {
     uint64_t a = k3_dio_floor(q->offset);
-    unsigned len = (unsigned)k3_io_span(q->offset, q->len);
+    unsigned len = (unsigned)k3_dio_span(q->offset, q->len);
     const char *b = q->buf;
     for (int i = 0; i < io->nreg; i++) {
         const char *r0 = io->reg[i].iov_base;
@@ -214,14 +215,13 @@ int k3_io_submit(k3_io *io, k3_io_req *q, k3_err *err) {
                        (unsigned long long)q->len, (unsigned long long)q->offset, strerror(EIO));
     if (k3_io_inflight(io) >= io->depth)
         return k3_fail(err, K3_EXIT_RUNTIME, "k3_io_submit: %d reads already in flight", io->depth);
-    uint64_t a = k3_dio_floor(q->offset);
-    q->data = (const char *)q->buf + (q->offset - a);
+    set_data(q);
     if (!io->have_ring) { /* read now; k3_io_complete hands it back */
         double t0 = k3_now();
         int rc = read_sync(io, q, err);
         io->seconds += k3_now() - t0;
         if (rc) return rc;
-        io->bytes += k3_io_span(q->offset, q->len);
+        io->bytes += k3_dio_span(q->offset, q->len);
         if (!io->done) io->done = xmalloc_array((size_t)io->depth, sizeof *io->done);
         io->done[io->ndone++] = q;
         return K3_OK;
@@ -252,13 +252,12 @@ int k3_io_submit_batch(k3_io *io, k3_io_req *const *qs, int n, k3_err *err) {
     if (!io->have_ring) {
         for (int i = 0; i < n; i++) {
             k3_io_req *q = qs[i];
-            uint64_t a = k3_dio_floor(q->offset);
-            q->data = (const char *)q->buf + (q->offset - a);
+            set_data(q);
             double t0 = k3_now();
             int rc = read_sync(io, q, err);
             io->seconds += k3_now() - t0;
             if (rc) return rc; /* the ones read already are handed back by k3_io_complete */
-            io->bytes += k3_io_span(q->offset, q->len);
+            io->bytes += k3_dio_span(q->offset, q->len);
             if (!io->done) io->done = xmalloc_array((size_t)io->depth, sizeof *io->done);
             io->done[io->ndone++] = q;
         }
@@ -266,8 +265,7 @@ int k3_io_submit_batch(k3_io *io, k3_io_req *const *qs, int n, k3_err *err) {
     }
     for (int i = 0; i < n; i++) {
         k3_io_req *q = qs[i];
-        uint64_t a = k3_dio_floor(q->offset);
-        q->data = (const char *)q->buf + (q->offset - a);
+        set_data(q);
         struct io_uring_sqe *sqe = io_uring_get_sqe(&io->ring);
         if (!sqe) { /* (not within the depth: the ring has depth entries) */
             int r = io_uring_submit(&io->ring);
@@ -303,7 +301,7 @@ int k3_io_complete(k3_io *io, k3_io_req **done, k3_err *err) {
     io->inflight--;
     *done = q;
     uint64_t a = k3_dio_floor(q->offset);
-    uint64_t span = k3_io_span(q->offset, q->len), need = q->offset - a + q->len;
+    uint64_t span = k3_dio_span(q->offset, q->len), need = q->offset - a + q->len;
     if (res >= 0 && (uint64_t)res >= need) {
         io->bytes += (uint64_t)res;
         return K3_OK;

@@ -16,12 +16,10 @@
 #include "util/common.h"
 #include "util/dio.h"
 
-#define K3_IO_ALIGN K3_DIO_ALIGN
-
 typedef struct {
     int fd;                /* an fd from k3_io_open (O_DIRECT if it was allowed) */
     uint64_t offset, len;  /* the bytes wanted */
-    void *buf;             /* K3_IO_ALIGN-aligned, capacity >= k3_io_span(offset, len) */
+    void *buf;             /* K3_DIO_ALIGN-aligned, capacity >= k3_dio_span(offset, len) */
     const void *data;      /* out: where the wanted bytes start inside buf */
 } k3_io_req;
 
@@ -34,10 +32,6 @@ void k3_io_free(k3_io *io);
  * the filesystem accepts it (else buffered); k3_dio_open. The io remembers
  * the path so that a failed read names the file. */
 int k3_io_open(k3_io *io, const char *path, int *fd, bool *is_direct, k3_err *err);
-/* A K3_IO_ALIGN-aligned buffer (O_DIRECT needs block alignment); free() it. */
-static inline void *k3_io_alloc(uint64_t size) { return k3_dio_alloc(size); }
-/* Bytes of aligned buffer needed to read [offset, offset+len). */
-static inline uint64_t k3_io_span(uint64_t offset, uint64_t len) { return k3_dio_span(offset, len); }
 /* Reads every request (any order of completion; submission sorted by fd then
  * offset). Short reads past end of file are an error naming the request. */
 int k3_io_read(k3_io *io, k3_io_req *reqs, size_t n, k3_err *err);

@@ -124,12 +124,12 @@ static int load_run0(k3_stream *s, k3_err *err) {
         s->head_pos[i] = hb;
         hb += tt->nbytes;
     }
-    s->head_buf = k3_io_alloc(hb ? hb : 64);
+    s->head_buf = k3_dio_alloc(hb ? hb : 64);
     /* read the run in pieces, a batch at a time; CRC in order; keep the head */
     uint64_t P = s->piece_bytes, batch = 8 * P;
     if (batch > k3s_align4k(run->bytes)) batch = k3s_align4k(run->bytes);
     if (batch < P) batch = P;
-    uint8_t *bounce = k3_io_alloc(batch + K3_IO_ALIGN);
+    uint8_t *bounce = k3_dio_alloc(batch + K3_DIO_ALIGN);
     k3_io_req rq[8];
     uint32_t crc = 0;
     int rc = K3_OK;
@@ -324,7 +324,7 @@ static bool piece_free(k3_stream *s, ring_slot *sl, int k) {
     if (!s->shared) return true;
     ring_slot *o = sl == &s->slot[0] ? &s->slot[1] : &s->slot[0];
     if (o->state == SLOT_EMPTY || !o->run) return true;
-    uint64_t p0 = sl->base + (uint64_t)k * s->piece_bytes, p1 = p0 + k3_io_span(0, sl->piece[k].len);
+    uint64_t p0 = sl->base + (uint64_t)k * s->piece_bytes, p1 = p0 + k3_dio_span(0, sl->piece[k].len);
     if (!overlaps(p0, p1, o->base, o->base + span_of(o))) return true;
     if (o->in_use || o->nsent > o->ndone || rank_of(s, o->layer) < rank_of(s, sl->layer)) return false;
     slot_unbind(o);
@@ -439,7 +439,7 @@ static void *io_main(void *arg) {
             finished = slot_progress(s, owner);
         }
         pthread_mutex_lock(&s->mu);
-        if (owner) s->trunk_read += k3_io_span(d->offset, d->len);
+        if (owner) s->trunk_read += k3_dio_span(d->offset, d->len);
         if (k3_io_inflight(s->tio) == 0) {
             k3s_disk_use(s, -1);
             s->trunk_busy += k3_now() - s->trunk_t0;
@@ -534,7 +534,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
     s->prefix = k3s_name_prefix(ix);
     s->tfd = -1;
     s->tdepth = o->trunk_depth > 0 ? o->trunk_depth : 4;
-    s->piece_bytes = o->trunk_piece >= K3_IO_ALIGN ? o->trunk_piece / K3_IO_ALIGN * K3_IO_ALIGN : (2u << 20);
+    s->piece_bytes = o->trunk_piece >= K3_DIO_ALIGN ? o->trunk_piece / K3_DIO_ALIGN * K3_DIO_ALIGN : (2u << 20);
     s->xprio = o->expert_priority ? 1 : 0;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -561,7 +561,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         for (int L = 0; L < cfg->num_layers; L++) {
             if (!plan->pin[L]) continue;
             const k3_trunk_run *run = k3_trunk_run_for(trunk, L);
-            s->pin_buf[L] = k3_io_alloc(k3s_align4k(run->bytes));
+            s->pin_buf[L] = k3_dio_alloc(k3s_align4k(run->bytes));
             if ((rc = read_run(s, s->tio, run, s->pin_buf[L], err))) goto fail;
             if ((rc = bind_from(s, L, run, s->pin_buf[L], &s->lw[L], &s->owned, err))) goto fail;
             s->have[L] = true;
@@ -580,7 +580,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         }
         for (int i = 0; i < s->nslots; i++) {
             s->slot[i].layer = -1;
-            s->slot[i].buf = s->shared && i == 1 ? s->slot[0].buf : k3_io_alloc(plan->slot_bytes);
+            s->slot[i].buf = s->shared && i == 1 ? s->slot[0].buf : k3_dio_alloc(plan->slot_bytes);
             s->slot[i].piece = xcalloc((size_t)s->maxpiece, sizeof *s->slot[i].piece);
             s->slot[i].piece_st = xcalloc((size_t)s->maxpiece, 1);
         }
@@ -619,7 +619,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         s->xio = k3_io_new(o->io_depth, o->direct);
         s->xc = xc_new(o->policy, (size_t)plan->cache_experts);
         s->npool = plan->cache_experts + plan->batch_experts;
-        s->pool = k3_io_alloc((uint64_t)s->npool * plan->expert_buf);
+        s->pool = k3_dio_alloc((uint64_t)s->npool * plan->expert_buf);
         void *pb = s->pool;
         uint64_t pl = (uint64_t)s->npool * plan->expert_buf;
         k3_io_register(s->xio, &pb, &pl, 1); /* (refused above 1 GiB: plain reads) */

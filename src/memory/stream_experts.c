@@ -162,7 +162,7 @@ int k3s_experts_start(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, 
                 for (int j = 0; j < x.n; j++) {
                     int f = shard_fd(s, x.t[j]->shard, err);
                     if (f < 0) { rc = err->code; break; }
-                    uint64_t at = x.pos[j] - (x.t[j]->offset & (K3_IO_ALIGN - 1));
+                    uint64_t at = x.pos[j] - (x.t[j]->offset & (K3_DIO_ALIGN - 1));
                     s->req_x[nreq] = i;
                     s->reqs[nreq++] =
                         (k3_io_req){.fd = f, .offset = x.t[j]->offset, .len = x.t[j]->nbytes, .buf = buf + at};

@@ -31,7 +31,7 @@ void k3_stream_opts_init(k3_stream_opts *o) {
     if ((e = getenv("K3_PIN_SPREAD"))) o->pin_spread = strcmp(e, "0") != 0;
 }
 
-uint64_t k3s_align4k(uint64_t x) { return (x + K3_IO_ALIGN - 1) & ~(uint64_t)(K3_IO_ALIGN - 1); }
+uint64_t k3s_align4k(uint64_t x) { return (x + K3_DIO_ALIGN - 1) & ~(uint64_t)(K3_DIO_ALIGN - 1); }
 static double gb(uint64_t b) { return (double)b / 1e9; }
 
 const char *k3s_name_prefix(const st_index *ix) {
@@ -125,7 +125,7 @@ int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int 
     }
     x->one_run = one;
     if (one) {
-        uint64_t start = x->t[ord[0]]->offset & ~(uint64_t)(K3_IO_ALIGN - 1);
+        uint64_t start = x->t[ord[0]]->offset & ~(uint64_t)(K3_DIO_ALIGN - 1);
         uint64_t end = x->t[ord[x->n - 1]]->offset + x->t[ord[x->n - 1]]->nbytes;
         for (int i = 0; i < x->n; i++) x->pos[i] = x->t[i]->offset - start;
         x->need = k3s_align4k(end - start);
@@ -136,8 +136,8 @@ int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int 
             if (t->offset % st_dtype_size(t->dtype))
                 return k3_fail(err, K3_EXIT_DATA, "%s: data offset %llu is not aligned to its dtype", t->name,
                                (unsigned long long)t->offset);
-            x->pos[i] = acc + (t->offset & (K3_IO_ALIGN - 1));
-            acc += k3_io_span(t->offset, t->nbytes);
+            x->pos[i] = acc + (t->offset & (K3_DIO_ALIGN - 1));
+            acc += k3_dio_span(t->offset, t->nbytes);
         }
         x->need = acc;
     }

@@ -156,7 +156,7 @@ static int ident_read(st_index *ix, k3_io *io, int *fds, const ident_range *r, s
                 if (r[j].off + r[j].len > end) end = r[j].off + r[j].len;
                 j++;
             }
-            uint64_t span = k3_io_span(start, end - start);
+            uint64_t span = k3_dio_span(start, end - start);
             if (nq && used + span > IDENT_BATCH) break;
             if (fds[r[i].shard] < 0 &&
                 (rc = k3_io_open(io, st_shard_at(ix, r[i].shard)->path, &fds[r[i].shard], NULL, err)))
@@ -172,7 +172,7 @@ static int ident_read(st_index *ix, k3_io *io, int *fds, const ident_range *r, s
         if (used > cap) {
             free(buf);
             cap = used;
-            buf = k3_io_alloc(cap);
+            buf = k3_dio_alloc(cap);
         }
         for (size_t q = 0; q < nq; q++) rq[q].buf = buf + at[q];
         rc = k3_io_read(io, rq, nq, err);

@@ -35,16 +35,16 @@ void *k3_dio_alloc(uint64_t size) {
     return p;
 }
 
+static bool is_direct_fd(int fd) {
+    int fl = fcntl(fd, F_GETFL);
+    return fl >= 0 && (fl & O_DIRECT);
+}
+
 /* After EINVAL: true when fd was O_DIRECT and is buffered now (the read is
  * worth retrying), false when EINVAL meant something else. */
 static bool drop_direct(int fd) {
     int fl = fcntl(fd, F_GETFL);
     return fl >= 0 && (fl & O_DIRECT) && fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0;
-}
-
-static bool is_direct_fd(int fd) {
-    int fl = fcntl(fd, F_GETFL);
-    return fl >= 0 && (fl & O_DIRECT);
 }
 
 static int read_failed(k3_err *err, const char *path, uint64_t len, uint64_t off, int e) {
