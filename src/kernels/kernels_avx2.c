@@ -399,6 +399,7 @@ TGT static void v_dots(float *out, const float *x, const float *B, size_t ldb, i
 typedef struct {
     const k3_mat *W;
     const float *X;
+    const float *Xp; /* BF16: X with every whole 16-block in the even/odd order (bf16_prepare) */
     float *Y;
     int cols, rows;
 } prod;
@@ -413,9 +414,25 @@ INL __m256 bf8(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+/* BF16 in the even/odd order: one 256-bit load of elements j..j+15, whose
+ * dword i holds element 2i low and 2i+1 high. Shifting left by 16 widens the
+ * even elements, masking the low half the odd ones (both exact), so lo holds
+ * canonical lanes 0, 2, .., 14 and hi lanes 1, 3, .., 15. Each lane still
+ * sees the elements of one residue class mod 16 in increasing j; the inputs
+ * are permuted the same way once per product (bf16_prepare), and eo_canon
+ * restores the canonical lanes before the tree: the scalar bits, with one
+ * load and one integer op per 8 weights instead of a load, a widening
+ * shuffle and a shift. */
 INL void ld_bf16(const void *row, int j, __m256 *lo, __m256 *hi) {
-    *lo = bf8((const uint16_t *)row + j);
-    *hi = bf8((const uint16_t *)row + j + 8);
+    __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + j));
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+}
+/* (even lanes, odd lanes) -> canonical (lanes 0-7, lanes 8-15) */
+INL void eo_canon(__m256 *lo, __m256 *hi) {
+    __m256 u = _mm256_unpacklo_ps(*lo, *hi), v = _mm256_unpackhi_ps(*lo, *hi);
+    *lo = _mm256_permute2f128_ps(u, v, 0x20);
+    *hi = _mm256_permute2f128_ps(u, v, 0x31);
 }
 
 /* scalar weight element for the tails (the scalar path's widening) */
@@ -460,13 +477,18 @@ __attribute__((constructor)) static void e8m0_init(void) {
         *y = k_tree16(acc);                                                                    \
     }
 
-#define TILE_BODY(RB, TB, LD, ESZ)                                                             \
+/* XB: the inputs the 16-blocks read (P->X, or P->Xp in the even/odd order);
+ * FIX: what turns the accumulators into canonical lanes before the close. */
+#define TILE_BODY(RB, TB, LD, ESZ, XB, FIX)                                                    \
     const int cols = P->cols;                                                                  \
     const char *wr[RB];                                                                        \
-    const float *xr[TB];                                                                       \
+    const float *xr[TB], *xb[TB];                                                              \
     UNROLL for (int i = 0; i < RB; i++)                                                        \
         wr[i] = (const char *)P->W->data + (size_t)(r + i) * (size_t)cols * ESZ;               \
-    UNROLL for (int t = 0; t < TB; t++) xr[t] = P->X + (size_t)(t0 + t) * (size_t)cols;        \
+    UNROLL for (int t = 0; t < TB; t++) {                                                      \
+        xr[t] = P->X + (size_t)(t0 + t) * (size_t)cols;                                        \
+        xb[t] = P->XB + (size_t)(t0 + t) * (size_t)cols;                                       \
+    }                                                                                          \
     __m256 lo[RB][TB], hi[RB][TB];                                                             \
     UNROLL for (int i = 0; i < RB; i++)                                                        \
         UNROLL for (int t = 0; t < TB; t++) lo[i][t] = hi[i][t] = _mm256_setzero_ps();         \
@@ -475,13 +497,14 @@ __attribute__((constructor)) static void e8m0_init(void) {
         __m256 w0[RB], w1[RB];                                                                 \
         UNROLL for (int i = 0; i < RB; i++) LD(wr[i], j, &w0[i], &w1[i]);                      \
         UNROLL for (int t = 0; t < TB; t++) {                                                  \
-            __m256 x0 = _mm256_loadu_ps(xr[t] + j), x1 = _mm256_loadu_ps(xr[t] + j + 8);       \
+            __m256 x0 = _mm256_loadu_ps(xb[t] + j), x1 = _mm256_loadu_ps(xb[t] + j + 8);       \
             UNROLL for (int i = 0; i < RB; i++) {                                              \
                 lo[i][t] = _mm256_fmadd_ps(w0[i], x0, lo[i][t]);                               \
                 hi[i][t] = _mm256_fmadd_ps(w1[i], x1, hi[i][t]);                               \
             }                                                                                  \
         }                                                                                      \
     }                                                                                          \
+    UNROLL for (int i = 0; i < RB; i++) UNROLL for (int t = 0; t < TB; t++) FIX(&lo[i][t], &hi[i][t]); \
     TILE_CLOSE(RB, TB)
 
 /* MXFP4 (cols and group multiples of 16, checked by the caller): the scale
@@ -537,8 +560,9 @@ __attribute__((constructor)) static void e8m0_init(void) {
     static void (*const NAME##_1[4])(const prod *, int, int) = {NULL, NAME##_1x1, NAME##_1x2,   \
                                                                 NAME##_1x3};
 
-DEF_TILES(tile_f32, TILE_BODY, ld_f32, 4)
-DEF_TILES(tile_bf16, TILE_BODY, ld_bf16, 2)
+INL void no_fix(__m256 *lo, __m256 *hi) { (void)lo, (void)hi; }
+DEF_TILES(tile_f32, TILE_BODY, ld_f32, 4, X, no_fix)
+DEF_TILES(tile_bf16, TILE_BODY, ld_bf16, 2, Xp, eo_canon)
 DEF_TILES(tile_mx, TILE_MX_BODY)
 
 /* Inputs are the outer loop: a tile's 3 inputs stay in L1 while the item's
@@ -688,15 +712,37 @@ TGT static void rowdots_panel(const k3_mat *W, const float *X, int n, float *Y, 
     }
 }
 
+/* For the BF16 direct tiles: a copy of X with every whole 16-block in the
+ * even/odd order of ld_bf16 (lane i <- element 2i, lane 8 + i <- 2i + 1),
+ * made once per product; the column tail stays in place (read from X). */
+static void *v_prepare(const k3_mat *W, const float *X, int n) {
+    if (W->type != KW_BF16 || W->cols < 16 || n <= 0 || panel_fits(W, n)) return NULL;
+    const size_t cols = (size_t)W->cols, whole = cols / 16 * 16;
+    float *Xp = xmalloc_array((size_t)n * cols, sizeof *Xp);
+    for (int t = 0; t < n; t++) {
+        const float *x = X + (size_t)t * cols;
+        float *d = Xp + (size_t)t * cols;
+        for (size_t b = 0; b < whole; b += 16)
+            for (int i = 0; i < 8; i++) {
+                d[b + (size_t)i] = x[b + 2 * (size_t)i];
+                d[b + 8 + (size_t)i] = x[b + 2 * (size_t)i + 1];
+            }
+    }
+    return Xp;
+}
+
 TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux) {
     if (panel_fits(W, n)) {
         rowdots_panel(W, X, n, Y, r0, r1);
         return;
     }
-    prod P = {.W = W, .X = X, .Y = Y, .cols = W->cols, .rows = W->rows};
+    prod P = {.W = W, .X = X, .Xp = aux, .Y = Y, .cols = W->cols, .rows = W->rows};
     switch (W->type) {
     case KW_F32: DRIVE(tile_f32); break;
-    case KW_BF16: DRIVE(tile_bf16); break;
+    case KW_BF16:
+        if (P.Xp) DRIVE(tile_bf16);
+        else k_scalar_ops.rowdots(W, X, n, Y, r0, r1, aux); /* under 16 columns: no whole block */
+        break;
     case KW_MXFP4:
         if (mx_fast(W)) DRIVE(tile_mx);
         else k_scalar_ops.rowdots(W, X, n, Y, r0, r1, aux); /* odd layouts: same bits, slower */
@@ -704,9 +750,8 @@ TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int 
     }
 }
 
-/* prepare is NULL: the AVX2 decode keeps the natural lane order. */
 const k_vops k_avx2_ops = {
-    .dot = v_dot, .sum = v_sum, .axpy = v_axpy, .vfma = v_vfma, .scale = v_scale, .vmul = v_vmul,
+    .prepare = v_prepare, .dot = v_dot, .sum = v_sum, .axpy = v_axpy, .vfma = v_vfma, .scale = v_scale, .vmul = v_vmul,
     .vadd = v_vadd, .vexp = v_vexp, .subscale = v_subscale, .divs = v_divs,
     .rowdots = v_rowdots, .gemm_acc = v_gemm_acc, .dots = v_dots, .kda_rows_decay = v_kda_rows_decay,
     .kda_rows_write = v_kda_rows_write, .silu = v_silu, .situ = v_situ, .sigmoid_mul = v_sigmoid_mul,
