@@ -1,6 +1,10 @@
 /* cmd_eval.c: `k3 eval MODEL_DIR --text FILE`: how well a model predicts a
- * text. The text is encoded with the model's tokenizer (specials such as
- * <|endoftext|> become their ids; no BOS is added) and scored in windows:
+ * text. The text is read as `k3 prepare` reads a corpus (train/corpus.h: a
+ * file of stories separated by <|endoftext|> lines, or JSONL, is its
+ * documents each followed by the separator id, the token stream the trainer
+ * sees; any other file is scored byte for byte), encoded with the model's
+ * tokenizer (specials such as <|endoftext|> become their ids; no BOS is
+ * added) and scored in windows:
  * window k feeds tokens [k*stride, k*stride + ctx) from a fresh state, and
  * scores the next-token predictions that no earlier window scored (all of
  * them in window 0, the last `stride` in the others), so every token after
@@ -14,6 +18,7 @@
  * in double precision per row, in one fixed order. */
 #include "cli/commands.h"
 #include "engine/engine.h"
+#include "train/corpus.h"
 
 #include <jansson.h>
 #include <math.h>
@@ -26,8 +31,9 @@ const char *const cmd_eval_help =
     "       k3 eval --compare MODEL_A MODEL_B --text FILE [options]\n"
     "\n"
     "Scores a text with a model: nats per token, bits per byte, tokens and bytes\n"
-    "scored. The text is encoded with the model's tokenizer (special names such as\n"
-    "<|endoftext|> become their ids; no BOS is added) and read in windows of --ctx\n"
+    "scored. The text is read as k3 prepare reads a corpus (--format), encoded with\n"
+    "the model's tokenizer (special names such as <|endoftext|> become their ids;\n"
+    "no BOS is added) and read in windows of --ctx\n"
     "tokens, each from a fresh state, one every --stride tokens; each window\n"
     "scores the predictions no earlier window scored, so every token after the\n"
     "first is scored once, with at least ctx - stride tokens of context (except in\n"
@@ -39,10 +45,23 @@ const char *const cmd_eval_help =
     "\n"
     "With --stride equal to --ctx (the default) the windows are the ones k3 train\n"
     "validates on (--seq-len tokens each), so for a model trained by k3 train the\n"
-    "figure equals the trainer's val_loss on the same tokens.\n"
+    "figure equals the trainer's val_loss on the same tokens: `k3 eval --text F`\n"
+    "scores the ids `k3 prepare --validation-input F` writes.\n"
     "\n"
     "options:\n"
     "  --text FILE          the text to score (\"-\": standard input)\n"
+    "  --format F           how to read it (default auto):\n"
+    "                         stories: stories separated by a line <|endoftext|>\n"
+    "                                  (the newline before the line belongs to\n"
+    "                                  it), each scored followed by the\n"
+    "                                  <|endoftext|> id, as k3 prepare writes them\n"
+    "                         jsonl:   one JSON object per line, its \"text\"\n"
+    "                                  field, each followed by <|endoftext|>\n"
+    "                         text:    documents separated by blank lines, each\n"
+    "                                  followed by <|endoftext|>\n"
+    "                         raw:     the file as it is, every byte scored\n"
+    "                       auto: jsonl for *.jsonl or a first '{', stories when a\n"
+    "                       line <|endoftext|> occurs, else raw\n"
     "  --ctx N              window length in tokens (default: the config's\n"
     "                       max_position_embeddings, at most 4096; else 256, the\n"
     "                       k3 train default --seq-len)\n"
@@ -50,13 +69,15 @@ const char *const cmd_eval_help =
     "  --max-tokens N       score only the first N tokens of the text (N >= 2)\n"
     "  --compare A B        score the text with two models, side by side\n"
     "  --json               print a JSON object (nats_per_token, bits_per_byte,\n"
-    "                       tokens, bytes, ctx, stride, windows, total_nats); with\n"
+    "                       tokens, bytes, ctx, stride, windows, total_nats,\n"
+    "                       format, documents); with\n"
     "                       --compare {\"a\": {...}, \"b\": {...}}\n"
     "  --quiet              no progress bar\n"
     "\n" K3_ENGINE_HELP
     "\n"
     "exit codes: 0 ok, 1 runtime/I-O, 2 usage or bad input (no tokenizer, a text\n"
-    "of fewer than 2 tokens), 3 cannot fit the memory budget, 4 checkpoint data\n"
+    "of fewer than 2 tokens, invalid UTF-8 or JSONL, no separator id for a\n"
+    "format that needs one), 3 cannot fit the memory budget, 4 checkpoint data\n"
     "error (including non-finite logits)\n";
 
 typedef struct {
@@ -66,9 +87,16 @@ typedef struct {
     int ctx, stride;
 } eval_result;
 
+/* The text as documents (raw: one document, scored without a separator). */
+typedef struct {
+    corpus docs;
+    corpus_format format;
+} eval_text;
+
 typedef struct {
     k3_engine_opts eo;
     const char *text_path;
+    corpus_format format;
     int ctx, stride;          /* 0: defaults */
     int64_t max_tokens;       /* 0: all */
     bool json, quiet;
@@ -107,7 +135,58 @@ static bool row_finite(const float *row, int V, int *bad) {
     return true;
 }
 
-static int eval_model(const eval_args *a, const char *model_dir, const char *text, size_t len, eval_result *res,
+typedef struct {
+    int32_t *v;
+    size_t n, cap;
+    int vocab;
+    const char *what;
+} idbuf;
+
+static int id_sink(void *ctx, const int32_t *ids, size_t n, size_t bytes, k3_err *err) {
+    (void)bytes;
+    idbuf *b = ctx;
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= b->vocab)
+            return k3_fail(err, K3_EXIT_USAGE, "%s: token id %d is outside the model's vocabulary [0, %d)", b->what,
+                           ids[i], b->vocab);
+    if (b->n + n > b->cap) {
+        b->cap = b->n + n > 2 * b->cap ? b->n + n : 2 * b->cap;
+        b->v = xrealloc_array(b->v, b->cap, sizeof *b->v);
+    }
+    memcpy(b->v + b->n, ids, n * sizeof *ids);
+    b->n += n;
+    return K3_OK;
+}
+
+/* The ids the model scores: the raw text's, or each document's then the
+ * separator's, as k3 prepare writes them into a shard. */
+static int encode_text(const k3_engine *e, const char *what, const eval_text *t, int32_t **ids, size_t *n,
+                       k3_err *err) {
+    if (t->format == CORPUS_RAW)
+        return k3_engine_encode(e, what, t->docs.n ? t->docs.doc[0] : "", t->docs.n ? t->docs.len[0] : 0, true, ids,
+                                n, err);
+    if (!e->tok)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: no tokenizer (no tiktoken.model in %s): give --tok DIR", what,
+                       e->opts.model_dir);
+    int32_t eot = tok_special_id(e->tok, CORPUS_EOT_TEXT);
+    if (eot < 0) eot = tok_eos_id(e->tok);
+    if (eot < 0)
+        return k3_fail(err, K3_EXIT_USAGE,
+                       "%s: the tokenizer has neither %s nor an eos_token to separate the %s documents (--format raw "
+                       "scores the file as it is)",
+                       what, CORPUS_EOT_TEXT, corpus_format_name(t->format));
+    idbuf b = {.vocab = e->vocab, .what = what};
+    int rc = corpus_encode(e->tok, t->docs.doc, t->docs.len, t->docs.n, eot, id_sink, &b, NULL, err);
+    if (rc) {
+        free(b.v);
+        return rc;
+    }
+    *ids = b.v ? b.v : xmalloc(sizeof(int32_t));
+    *n = b.n;
+    return K3_OK;
+}
+
+static int eval_model(const eval_args *a, const char *model_dir, const eval_text *text, eval_result *res,
                       k3_err *err) {
     memset(res, 0, sizeof *res);
     res->model = model_dir;
@@ -133,7 +212,7 @@ static int eval_model(const eval_args *a, const char *model_dir, const char *tex
     int rc = k3_engine_open(&eo, &e, err);
     if (rc) return rc;
     size_t n = 0;
-    if ((rc = k3_engine_encode(e, a->text_path, text, len, true, &ids, &n, err))) goto out;
+    if ((rc = encode_text(e, a->text_path, text, &ids, &n, err))) goto out;
     if (a->max_tokens && (int64_t)n > a->max_tokens) n = (size_t)a->max_tokens;
     if (n < 2) {
         rc = k3_fail(err, K3_EXIT_USAGE, "%s: the text is %zu token%s: nothing to score (need at least 2)", a->text_path,
@@ -191,7 +270,7 @@ out:
 static double npt(const eval_result *r) { return r->tokens ? r->nats / (double)r->tokens : NAN; }
 static double bpb(const eval_result *r) { return r->bytes ? r->nats / log(2.0) / (double)r->bytes : NAN; }
 
-static json_t *result_json(const eval_result *r, const char *text) {
+static json_t *result_json(const eval_result *r, const char *text, const eval_text *t) {
     json_t *o = json_object();
     json_object_set_new(o, "model", json_string(r->model));
     json_object_set_new(o, "text", json_string(text));
@@ -203,10 +282,19 @@ static json_t *result_json(const eval_result *r, const char *text) {
     json_object_set_new(o, "stride", json_integer(r->stride));
     json_object_set_new(o, "windows", json_integer(r->windows));
     json_object_set_new(o, "total_nats", json_real(r->nats));
+    json_object_set_new(o, "format", json_string(corpus_format_name(t->format)));
+    json_object_set_new(o, "documents", json_integer((json_int_t)t->docs.n));
     return o;
 }
 
-static void print_one(const eval_result *r, const char *text) {
+static void print_text(const char *text, const eval_text *t) {
+    if (t->format == CORPUS_RAW) printf("%s: raw text, every byte scored\n", text);
+    else printf("%s: %zu documents (--format %s), each followed by %s\n", text, t->docs.n,
+                corpus_format_name(t->format), CORPUS_EOT_TEXT);
+}
+
+static void print_one(const eval_result *r, const char *text, const eval_text *t) {
+    print_text(text, t);
     printf("%s on %s: %lld tokens (%lld bytes) scored in %lld windows of %d tokens, stride %d\n", r->model, text,
            (long long)r->tokens, (long long)r->bytes, (long long)r->windows, r->ctx, r->stride);
     printf("nats per token  %.6f\n", npt(r));
@@ -214,7 +302,8 @@ static void print_one(const eval_result *r, const char *text) {
     else printf("bits per byte   - (the scored tokens cover no bytes)\n");
 }
 
-static void print_compare(const eval_result *r, const char *text) {
+static void print_compare(const eval_result *r, const char *text, const eval_text *t) {
+    print_text(text, t);
     printf("%s: windows of %d tokens, stride %d (A) / %d tokens, stride %d (B)\n", text, r[0].ctx, r[0].stride,
            r[1].ctx, r[1].stride);
     printf("%-16s %18s %18s\n", "", "A", "B");
@@ -240,6 +329,11 @@ int cmd_eval(int argc, char **argv) {
         if (!strcmp(o, "--text")) {
             if (!v) return k3_usage_error("eval", "--text needs a value");
             a.text_path = v;
+            i++;
+        } else if (!strcmp(o, "--format")) {
+            if (!v || !corpus_parse_format(v, &a.format))
+                return k3_usage_error("eval", "--format: expected auto, stories, text, jsonl or raw, got '%s'",
+                                      v ? v : "");
             i++;
         } else if (!strcmp(o, "--ctx") || !strcmp(o, "--stride")) {
             if (!v || !k3_parse_i64(v, 1, 1 << 20, &n))
@@ -286,22 +380,30 @@ int cmd_eval(int argc, char **argv) {
     size_t len = 0;
     int rc = k3_read_file(a.text_path, &text, &len, &err);
     if (rc) return k3_report(&err);
+    eval_text t = {0};
+    rc = corpus_read_text(&t.docs, a.text_path, text, len, a.format, CORPUS_RAW, &err);
+    t.format = a.format == CORPUS_AUTO ? corpus_detect(a.text_path, text, len, CORPUS_RAW) : a.format;
     eval_result res[2];
-    for (int m = 0; m < nmodels && !rc; m++) rc = eval_model(&a, models[m], text, len, &res[m], &err);
-    free(text);
-    if (rc) return k3_report(&err);
+    for (int m = 0; m < nmodels && !rc; m++) rc = eval_model(&a, models[m], &t, &res[m], &err);
+    if (rc) {
+        corpus_free(&t.docs);
+        free(text);
+        return k3_report(&err);
+    }
     if (a.json) {
-        json_t *o = compare ? json_pack("{s:o, s:o}", "a", result_json(&res[0], a.text_path), "b",
-                                        result_json(&res[1], a.text_path))
-                            : result_json(&res[0], a.text_path);
+        json_t *o = compare ? json_pack("{s:o, s:o}", "a", result_json(&res[0], a.text_path, &t), "b",
+                                        result_json(&res[1], a.text_path, &t))
+                            : result_json(&res[0], a.text_path, &t);
         char *s = json_dumps(o, JSON_INDENT(1) | JSON_REAL_PRECISION(17));
         json_decref(o);
         if (s) puts(s);
         free(s);
     } else if (compare) {
-        print_compare(res, a.text_path);
+        print_compare(res, a.text_path, &t);
     } else {
-        print_one(&res[0], a.text_path);
+        print_one(&res[0], a.text_path, &t);
     }
+    corpus_free(&t.docs);
+    free(text);
     return K3_OK;
 }

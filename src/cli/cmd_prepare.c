@@ -4,6 +4,7 @@
 #include "cli/commands.h"
 #include "tokenizer/bpe_train.h"
 #include "tokenizer/tokenizer.h"
+#include "train/corpus.h"
 #include "train/data.h"
 
 #include <errno.h>
@@ -54,224 +55,31 @@ const char *const cmd_prepare_help =
     "Errors (missing input, empty corpus, vocabulary too small, bad flags) print one\n"
     "line and exit 2.\n";
 
-#define EOT_TEXT "<|endoftext|>"
+#define EOT_TEXT CORPUS_EOT_TEXT
 /* Special ids after the BPE ranks. The Kimi layout reserves 256; a trained
  * tokenizer records its own count ("num_reserved_special_tokens") so a small
  * vocabulary is not spent on unused specials: just <|endoftext|>. */
 #define N_RESERVED 1
 
-typedef enum { FMT_AUTO, FMT_STORIES, FMT_TEXT, FMT_JSONL } fmt_t;
-
-/* A corpus: documents pointing into mapped files or into owned text. */
-typedef struct {
-    const char **doc;
-    size_t *len;
-    size_t n, cap;
-    uint64_t bytes;
-    /* what to release */
-    void **maps;
-    size_t *map_lens;
-    char **owned;
-    size_t n_maps, n_owned;
-} corpus;
-
-static void corpus_add(corpus *c, const char *p, size_t n) {
-    if (c->n == c->cap) {
-        c->cap = c->cap ? c->cap * 2 : 1024;
-        c->doc = xrealloc_array(c->doc, c->cap, sizeof *c->doc);
-        c->len = xrealloc_array(c->len, c->cap, sizeof *c->len);
-    }
-    c->doc[c->n] = p;
-    c->len[c->n++] = n;
-    c->bytes += n;
-}
-
-static void corpus_free(corpus *c) {
-    for (size_t i = 0; i < c->n_maps; i++) munmap(c->maps[i], c->map_lens[i]);
-    for (size_t i = 0; i < c->n_owned; i++) free(c->owned[i]);
-    free(c->maps);
-    free(c->map_lens);
-    free(c->owned);
-    free(c->doc);
-    free(c->len);
-    memset(c, 0, sizeof *c);
-}
-
-/* Offset of the first invalid UTF-8 byte (strict: no overlongs, surrogates or
- * code points past U+10FFFF), or len if the text is valid. */
-static size_t utf8_invalid_at(const uint8_t *s, size_t len) {
-    size_t i = 0;
-    while (i < len) {
-        uint8_t c = s[i];
-        if (c < 0x80) { i++; continue; }
-        size_t n;
-        uint32_t cp, min;
-        if ((c & 0xe0) == 0xc0) n = 2, cp = c & 0x1f, min = 0x80;
-        else if ((c & 0xf0) == 0xe0) n = 3, cp = c & 0x0f, min = 0x800;
-        else if ((c & 0xf8) == 0xf0) n = 4, cp = c & 0x07, min = 0x10000;
-        else return i;
-        if (i + n > len) return i;
-        for (size_t k = 1; k < n; k++) {
-            if ((s[i + k] & 0xc0) != 0x80) return i;
-            cp = (cp << 6) | (s[i + k] & 0x3f);
-        }
-        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return i;
-        i += n;
-    }
-    return len;
-}
-
-static bool blank(const char *p, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (p[i] != ' ' && p[i] != '\t' && p[i] != '\n' && p[i] != '\r') return false;
-    return true;
-}
-
-/* Start of the next line that is exactly <|endoftext|> (then \n, \r\n or end
- * of text), searching from `from`; NULL if none. */
-static const char *next_separator(const char *text, size_t len, size_t from, size_t *line_len) {
-    size_t sl = strlen(EOT_TEXT);
-    while (from < len) {
-        const char *q = memmem(text + from, len - from, EOT_TEXT, sl);
-        if (!q) return NULL;
-        size_t at = (size_t)(q - text), e = at + sl;
-        bool start = at == 0 || text[at - 1] == '\n';
-        if (e < len && text[e] == '\r') e++;
-        bool end = e == len || text[e] == '\n';
-        if (start && end) {
-            *line_len = (e < len ? e + 1 : e) - at;
-            return q;
-        }
-        from = at + 1;
-    }
-    return NULL;
-}
-
-static void split_stories(corpus *c, const char *text, size_t len) {
-    size_t pos = 0, ll;
-    const char *q;
-    while ((q = next_separator(text, len, pos, &ll))) {
-        size_t at = (size_t)(q - text), end = at;
-        /* the newline that ends the story's last line belongs to the separator */
-        if (end > pos && text[end - 1] == '\n') end--;
-        if (end > pos && text[end - 1] == '\r') end--;
-        if (!blank(text + pos, end - pos)) corpus_add(c, text + pos, end - pos);
-        pos = at + ll;
-    }
-    size_t end = len;
-    while (end > pos && (text[end - 1] == '\n' || text[end - 1] == '\r')) end--;
-    if (!blank(text + pos, end - pos)) corpus_add(c, text + pos, end - pos);
-}
-
-/* Paragraphs: runs of lines separated by one or more blank lines. */
-static void split_paragraphs(corpus *c, const char *text, size_t len) {
-    size_t pos = 0, start = 0;
-    bool in_doc = false;
-    size_t last_end = 0; /* end of the last non-blank line */
-    while (pos < len) {
-        const char *nl = memchr(text + pos, '\n', len - pos);
-        size_t e = nl ? (size_t)(nl - text) : len;
-        if (blank(text + pos, e - pos)) {
-            if (in_doc) corpus_add(c, text + start, last_end - start);
-            in_doc = false;
-        } else {
-            if (!in_doc) start = pos;
-            in_doc = true;
-            last_end = e > pos && text[e - 1] == '\r' ? e - 1 : e;
-        }
-        pos = nl ? e + 1 : len;
-    }
-    if (in_doc) corpus_add(c, text + start, last_end - start);
-}
-
-static int split_jsonl(corpus *c, const char *path, const char *text, size_t len, k3_err *err) {
-    size_t pos = 0, line = 0;
-    while (pos < len) {
-        line++;
-        const char *nl = memchr(text + pos, '\n', len - pos);
-        size_t e = nl ? (size_t)(nl - text) : len;
-        if (!blank(text + pos, e - pos)) {
-            json_error_t je;
-            json_t *o = json_loadb(text + pos, e - pos, 0, &je);
-            json_t *t = o ? json_object_get(o, "text") : NULL;
-            if (!o || !json_is_string(t)) {
-                json_decref(o);
-                return k3_fail(err, K3_EXIT_USAGE, "%s:%zu: %s", path, line,
-                               o ? "no string field \"text\"" : je.text);
-            }
-            size_t n = json_string_length(t);
-            char *s = xmalloc(n + 1);
-            memcpy(s, json_string_value(t), n);
-            json_decref(o);
-            if (utf8_invalid_at((const uint8_t *)s, n) != n) {
-                free(s);
-                return k3_fail(err, K3_EXIT_USAGE, "%s:%zu: \"text\" is not valid UTF-8", path, line);
-            }
-            if (c->n_owned % 64 == 0) c->owned = xrealloc_array(c->owned, c->n_owned + 64, sizeof *c->owned);
-            c->owned[c->n_owned++] = s;
-            if (!blank(s, n)) corpus_add(c, s, n);
-        }
-        pos = nl ? e + 1 : len;
-    }
-    return 0;
-}
-
-static bool ends_with(const char *s, const char *suf) {
-    size_t a = strlen(s), b = strlen(suf);
-    return a >= b && strcmp(s + a - b, suf) == 0;
-}
-
-static int read_input(corpus *c, const char *path, fmt_t fmt, k3_err *err) {
-    int fd = open(path, O_RDONLY);
-    if (fd < 0) return k3_fail(err, K3_EXIT_USAGE, "%s: cannot open: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        close(fd);
-        return k3_fail(err, K3_EXIT_USAGE, "%s: not a regular file", path);
-    }
-    size_t len = (size_t)st.st_size;
-    const char *text = "";
-    if (len) {
-        void *m = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0);
-        if (m == MAP_FAILED) {
-            int e = errno;
-            close(fd);
-            return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot map: %s", path, strerror(e));
-        }
-        madvise(m, len, MADV_SEQUENTIAL);
-        if (c->n_maps % 16 == 0) {
-            c->maps = xrealloc_array(c->maps, c->n_maps + 16, sizeof *c->maps);
-            c->map_lens = xrealloc_array(c->map_lens, c->n_maps + 16, sizeof *c->map_lens);
-        }
-        c->maps[c->n_maps] = m;
-        c->map_lens[c->n_maps++] = len;
-        text = m;
-    }
-    close(fd);
-    if (fmt == FMT_AUTO) {
-        size_t i = 0;
-        while (i < len && (text[i] == ' ' || text[i] == '\n' || text[i] == '\r' || text[i] == '\t')) i++;
-        size_t ll;
-        if (ends_with(path, ".jsonl") || (i < len && text[i] == '{')) fmt = FMT_JSONL;
-        else if (next_separator(text, len, 0, &ll)) fmt = FMT_STORIES;
-        else fmt = FMT_TEXT;
-    }
-    if (fmt == FMT_JSONL) return split_jsonl(c, path, text, len, err);
-    size_t bad = utf8_invalid_at((const uint8_t *)text, len);
-    if (bad != len) {
-        size_t line = 1;
-        for (size_t i = 0; i < bad; i++) line += text[i] == '\n';
-        return k3_fail(err, K3_EXIT_USAGE, "%s:%zu: invalid UTF-8 (byte offset %zu)", path, line, bad);
-    }
-    if (fmt == FMT_STORIES) split_stories(c, text, len);
-    else split_paragraphs(c, text, len);
-    return 0;
-}
-
 /* ---- tokenizing a split into a shard -------------------------------------- */
 typedef struct {
     uint64_t stories, bytes, tokens;
 } split_stats;
+
+typedef struct {
+    k3_shard_writer *w;
+    split_stats *st;
+} shard_sink_ctx;
+
+static int shard_sink(void *ctx, const int32_t *ids, size_t n, size_t bytes, k3_err *err) {
+    shard_sink_ctx *c = ctx;
+    int rc = shard_writer_append(c->w, ids, n, err);
+    if (!rc) {
+        c->st->tokens += n;
+        c->st->bytes += bytes;
+    }
+    return rc;
+}
 
 static int write_split(const k3_tokenizer *tk, const char *path, const char *const *doc,
                        const size_t *len, size_t n, int32_t eot, uint64_t tok_hash,
@@ -284,39 +92,9 @@ static int write_split(const k3_tokenizer *tk, const char *path, const char *con
     for (size_t i = 0; i < n; i++) total += len[i];
     k3_progress prog;
     k3_progress_start(&prog, label, total, true);
-    /* Batches of stories are encoded in parallel and appended in story order,
-     * so the shard is the same whatever the thread count. */
-    const size_t batch = 4096;
-    int32_t **ids = xcalloc(batch, sizeof *ids);
-    size_t *nids = xcalloc(batch, sizeof *nids);
-    int *rcs = xcalloc(batch, sizeof *rcs);
-    k3_err *errs = xcalloc(batch, sizeof *errs);
-    for (size_t b0 = 0; b0 < n && !rc; b0 += batch) {
-        size_t bn = n - b0 < batch ? n - b0 : batch;
-#pragma omp parallel for schedule(dynamic, 16)
-        for (size_t i = 0; i < bn; i++)
-            rcs[i] = tok_encode(tk, doc[b0 + i], len[b0 + i], true, &ids[i], &nids[i], &errs[i]);
-        for (size_t i = 0; i < bn; i++) {
-            if (!rc && rcs[i]) {
-                rc = rcs[i];
-                *err = errs[i];
-            }
-            if (!rc) rc = shard_writer_append(w, ids[i], nids[i], err);
-            if (!rc) rc = shard_writer_append(w, &eot, 1, err);
-            if (!rc) {
-                st->tokens += nids[i] + 1;
-                st->bytes += len[b0 + i];
-            }
-            free(ids[i]);
-            ids[i] = NULL;
-        }
-        k3_progress_update(&prog, st->bytes);
-    }
+    shard_sink_ctx sc = {w, st};
+    rc = corpus_encode(tk, doc, len, n, eot, shard_sink, &sc, &prog, err);
     k3_progress_finish(&prog);
-    free(ids);
-    free(nids);
-    free(rcs);
-    free(errs);
     if (rc) {
         shard_writer_abort(w);
         return rc;
@@ -441,7 +219,7 @@ int cmd_prepare(int argc, char **argv) {
     uint64_t vocab = 8192, tok_stories = 0, val_stories = 0, threads = 0;
     double val_frac = 0.05;
     bool have_val_stories = false, have_val_frac = false;
-    fmt_t fmt = FMT_AUTO;
+    corpus_format fmt = CORPUS_AUTO;
     int rc = 0;
     for (int i = 1; i < argc && !rc; i++) {
         const char *a = argv[i];
@@ -482,11 +260,8 @@ int cmd_prepare(int argc, char **argv) {
             tok_dir = argv[++i];
         } else if (!strcmp(a, "--format")) {
             const char *f = argv[++i];
-            if (!strcmp(f, "auto")) fmt = FMT_AUTO;
-            else if (!strcmp(f, "stories")) fmt = FMT_STORIES;
-            else if (!strcmp(f, "text")) fmt = FMT_TEXT;
-            else if (!strcmp(f, "jsonl")) fmt = FMT_JSONL;
-            else rc = k3_usage_error("prepare", "--format: expected auto, stories, text or jsonl, got '%s'", f);
+            if (!corpus_parse_format(f, &fmt) || fmt == CORPUS_RAW)
+                rc = k3_usage_error("prepare", "--format: expected auto, stories, text or jsonl, got '%s'", f);
         } else if (!strcmp(a, "--threads")) {
             rc = parse_u64(a, argv[++i], 1, 4096, &threads);
         } else {
@@ -517,8 +292,8 @@ int cmd_prepare(int argc, char **argv) {
     const char **vdoc;
     const size_t *vlen;
     size_t n_val;
-    for (int i = 0; i < n_in && !rc; i++) rc = read_input(&train, inputs[i], fmt, &err);
-    for (int i = 0; i < n_vin && !rc; i++) rc = read_input(&valc, vinputs[i], fmt, &err);
+    for (int i = 0; i < n_in && !rc; i++) rc = corpus_read_file(&train, inputs[i], fmt, CORPUS_TEXT, &err);
+    for (int i = 0; i < n_vin && !rc; i++) rc = corpus_read_file(&valc, vinputs[i], fmt, CORPUS_TEXT, &err);
     if (rc) goto done;
     if (train.n == 0) {
         rc = k3_fail(&err, K3_EXIT_USAGE, "%s%s: empty corpus (no stories)", inputs[0], n_in > 1 ? " ..." : "");

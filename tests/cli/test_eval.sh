@@ -16,16 +16,16 @@ T=32
 expect_exit train 0 $K3 train --data-dir "$D" --config configs/tiny-train.json --output-dir "$R" --steps 30 \
   --batch-size 4 --seq-len $T --gradient-accumulation 1 --eval-interval 30 --eval-tokens 100000000 \
   --sample-interval 1000 --quiet
-# the text whose tokens are the validation split: k3 prepare writes each story's
-# ids then <|endoftext|>; specials split the text before pre-tokenization, so
-# "story<|endoftext|>story<|endoftext|>" encodes to the same ids
+# the same stories joined by the special with no newlines: read raw, they are
+# the ids k3 prepare writes (specials split the text before pre-tokenization)
 perl -0pe 's/\n<\|endoftext\|>\n/<|endoftext|>/g' "$OUT/val.txt" >"$OUT/val-joined.txt"
 rec=$(grep '"kind":"eval"' "$R/metrics.jsonl" | grep '"step":30,')
 field() { echo "$rec" | sed -E "s/.*\"$1\":([0-9.eE+-]+).*/\1/"; }
 vl=$(field val_loss); vb=$(field val_bpb); vt=$(field val_tokens)
 echo "trainer: val_loss $vl, val_bpb $vb, $vt tokens"
 expect_exit export 0 $K3 export "$R/latest.safetensors" "$OUT/model" --dtype f32 --experts f32
-expect_exit eval-matches 0 $K3 eval "$OUT/model" --text "$OUT/val-joined.txt" --ctx $T --max-tokens $((vt + 1)) --json --quiet
+# the validation file itself: read as k3 prepare reads it
+expect_exit eval-matches 0 $K3 eval "$OUT/model" --text "$OUT/val.txt" --ctx $T --max-tokens $((vt + 1)) --json --quiet
 ev() { sed -nE "s/.*\"$1\": ([0-9.eE+-]+).*/\1/p" "$OUT/eval-matches.out"; }
 en=$(ev nats_per_token); eb=$(ev bits_per_byte); et=$(ev tokens)
 echo "k3 eval: nats_per_token $en, bits_per_byte $eb, $et tokens"
@@ -38,6 +38,38 @@ awk -v a="$eb" -v b="$vb" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d < 1e-6
   || fail eval:equals-val-bpb "eval $eb vs trainer $vb"
 # the text's bytes: every scored story byte once (the specials cover none)
 for k in nats_per_token bits_per_byte tokens bytes; do grep -q "\"$k\"" "$OUT/eval-matches.out" && pass "json:$k" || fail "json:$k"; done
+grep -q '"format": "stories"' "$OUT/eval-matches.out" && grep -qE '"documents": 40(,|$)' "$OUT/eval-matches.out" \
+  && pass json:format-stories || fail json:format-stories "$(grep -E 'format|documents' "$OUT/eval-matches.out")"
+
+# one stream, three spellings: the file read as stories, the joined text read
+# raw, and the stories as JSONL (each with its separator id) are the same ids,
+# so the same total to the bit
+total() { grep total_nats "$OUT/$1.out"; }
+expect_exit eval-joined 0 $K3 eval "$OUT/model" --text "$OUT/val-joined.txt" --ctx $T --json --quiet
+expect_exit eval-stories 0 $K3 eval "$OUT/model" --text "$OUT/val.txt" --ctx $T --json --quiet
+grep -q '"format": "raw"' "$OUT/eval-joined.out" && pass auto:raw || fail auto:raw
+[ -n "$(total eval-stories)" ] && [ "$(total eval-joined)" = "$(total eval-stories)" ] && pass formats:raw-joined-equals-stories \
+  || fail formats:raw-joined-equals-stories "$(total eval-joined) vs $(total eval-stories)"
+perl -MJSON::PP -0ne 'my $j = JSON::PP->new->canonical; for my $s (split /\n<\|endoftext\|>\n?/) { print $j->encode({text => $s}), "\n" if $s =~ /\S/ }' \
+  "$OUT/val.txt" >"$OUT/val.jsonl"
+expect_exit eval-jsonl 0 $K3 eval "$OUT/model" --text "$OUT/val.jsonl" --ctx $T --json --quiet
+grep -q '"format": "jsonl"' "$OUT/eval-jsonl.out" && [ "$(total eval-jsonl)" = "$(total eval-stories)" ] \
+  && pass formats:jsonl-equals-stories || fail formats:jsonl-equals-stories "$(total eval-jsonl) vs $(total eval-stories)"
+# read raw, the file's newlines around each separator are scored too: two per story
+expect_exit eval-raw 0 $K3 eval "$OUT/model" --text "$OUT/val.txt" --format raw --ctx $T --json --quiet
+tk() { sed -nE 's/.*"tokens": ([0-9]+).*/\1/p' "$OUT/$1.out"; }
+rs=$(tk eval-stories); rr=$(tk eval-raw)
+[ -n "$rs" ] && [ -n "$rr" ] && [ "$rr" -gt "$rs" ] && pass formats:raw-scores-separator-newlines \
+  || fail formats:raw-scores-separator-newlines "raw $rr, stories $rs"
+# standard input is read the same way
+expect_exit eval-stdin 0 sh -c "$K3 eval '$OUT/model' --text - --ctx $T --json --quiet <'$OUT/val.txt'"
+[ "$(total eval-stdin)" = "$(total eval-stories)" ] && pass formats:stdin || fail formats:stdin
+expect_exit bad-format 2 $K3 eval "$OUT/model" --text "$OUT/val.txt" --format csv
+printf '{"text": 1}\n' >"$OUT/bad.jsonl"
+expect_exit bad-jsonl 2 $K3 eval "$OUT/model" --text "$OUT/bad.jsonl"
+printf 'ok\n\377\n<|endoftext|>\n' >"$OUT/bad-utf8.txt"
+expect_exit bad-utf8 2 $K3 eval "$OUT/model" --text "$OUT/bad-utf8.txt"
+expect_err_contains bad-utf8 ":2: invalid UTF-8"
 
 # sliding windows: the same tokens scored, each with more context, so no worse
 expect_exit eval-stride 0 $K3 eval "$OUT/model" --text "$OUT/val-joined.txt" --ctx $T --stride 8 --max-tokens $((vt + 1)) --json --quiet
