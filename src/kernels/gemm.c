@@ -90,9 +90,57 @@ static void gemm_scalar(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A,
 #if defined(__x86_64__)
 
 /* F32: panel p holds B(k, p*NR + j) at [k][j]; pairs: [k/2][j][2] as BF16. */
+#include <immintrin.h>
+
+/* d[k * ldd + i] = s[i * lds + k] for rows i < width (zero past nrows) and
+ * k < kc: the transposing copy both packers need when the operand's rows run
+ * along k (X of X W^T as A, W of X W^T as B). In 8 x 8 register transposes;
+ * pure data movement, so the product's bits are unchanged. Every x86 SIMD
+ * tile runs on a CPU with AVX2. */
+__attribute__((target("avx2"))) static void transpose_rows(float *d, int ldd, const float *s, ptrdiff_t lds,
+                                                          int nrows, int width, int kc) {
+    int k8 = kc & ~7;
+    for (int g0 = 0; g0 < width; g0 += 8) {
+        int gw = width - g0 < 8 ? width - g0 : 8;
+        for (int k = 0; k < k8; k += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++)
+                r[i] = i < gw && g0 + i < nrows ? _mm256_loadu_ps(s + (g0 + i) * lds + k) : _mm256_setzero_ps();
+            __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+            __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+            __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+            __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xee);
+            __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xee);
+            __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xee);
+            __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xee);
+            __m256 c[8] = {_mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+                           _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+                           _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+                           _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+            for (int j = 0; j < 8; j++) {
+                float *o = d + (size_t)(k + j) * ldd + g0;
+                if (gw == 8) _mm256_storeu_ps(o, c[j]);
+                else if (gw == 4) _mm_storeu_ps(o, _mm256_castps256_ps128(c[j]));
+                else {
+                    float tmp[8];
+                    _mm256_storeu_ps(tmp, c[j]);
+                    memcpy(o, tmp, sizeof(float) * (size_t)gw);
+                }
+            }
+        }
+        for (int k = k8; k < kc; k++)
+            for (int i = 0; i < gw; i++) d[(size_t)k * ldd + g0 + i] = g0 + i < nrows ? s[(g0 + i) * lds + k] : 0.0f;
+    }
+}
+
 static void pack_b_f32(float *Bp, tg_view B, int K, int N, int p) {
     float *d = Bp + (size_t)p * K * NR;
     int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
+    if (B.rs == 1 && B.cs != 1) { /* W^T viewed: row j of W is column j of B, along k */
+        transpose_rows(d, NR, B.p + n0 * B.cs, B.cs, w, NR, K);
+        return;
+    }
     if (B.cs == 1) {
         for (int k = 0; k < K; k++) {
             const float *s = B.p + k * B.rs + n0;
@@ -124,6 +172,10 @@ static void pack_a_f32(float *Ap, tg_view A, int m0, int rows, int k0, int kc) {
                 const float *s = A.p + (m0 + t) + (k0 + k) * A.cs;
                 for (int r = 0; r < MR; r++) d[(size_t)k * MR + r] = r < h ? s[r] : 0.0f;
             }
+            continue;
+        }
+        if (A.cs == 1) { /* rows along k */
+            transpose_rows(d, MR, A.p + (m0 + t) * A.rs + k0, A.rs, h, MR, kc);
             continue;
         }
         for (int r = 0; r < MR; r++) {
