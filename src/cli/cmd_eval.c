@@ -168,8 +168,7 @@ static int encode_text(const k3_engine *e, const char *what, const eval_text *t,
     if (!e->tok)
         return k3_fail(err, K3_EXIT_USAGE, "%s: no tokenizer (no tiktoken.model in %s): give --tok DIR", what,
                        e->opts.model_dir);
-    int32_t eot = tok_special_id(e->tok, CORPUS_EOT_TEXT);
-    if (eot < 0) eot = tok_eos_id(e->tok);
+    int32_t eot = corpus_separator_id(e->tok);
     if (eot < 0)
         return k3_fail(err, K3_EXIT_USAGE,
                        "%s: the tokenizer has neither %s nor an eos_token to separate the %s documents (--format raw "

@@ -384,8 +384,7 @@ int cmd_prepare(int argc, char **argv) {
     }
 
     if ((rc = tok_load(wdir, &tk, &err))) goto done;
-    int32_t eot = tok_special_id(tk, EOT_TEXT);
-    if (eot < 0) eot = tok_eos_id(tk);
+    int32_t eot = corpus_separator_id(tk);
     if (eot < 0) {
         rc = k3_fail(&err, K3_EXIT_USAGE, "%s: tokenizer has neither %s nor an eos_token to separate stories",
                      tok_dir ? tok_dir : out_dir, EOT_TEXT);

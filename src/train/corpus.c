@@ -203,6 +203,11 @@ int corpus_read_file(corpus *c, const char *path, corpus_format fmt, corpus_form
     return corpus_read_text(c, path, text, len, fmt, fallback, err);
 }
 
+int32_t corpus_separator_id(const k3_tokenizer *tk) {
+    int32_t id = tok_special_id(tk, CORPUS_EOT_TEXT);
+    return id >= 0 ? id : tok_eos_id(tk);
+}
+
 int corpus_encode(const k3_tokenizer *tk, const char *const *doc, const size_t *len, size_t n, int32_t eot,
                   corpus_sink sink, void *ctx, k3_progress *prog, k3_err *err) {
     /* Batches of documents are encoded in parallel and handed on in document

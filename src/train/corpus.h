@@ -56,6 +56,10 @@ int corpus_read_text(corpus *c, const char *name, const char *text, size_t len, 
                      corpus_format fallback, k3_err *err);
 void corpus_free(corpus *c);
 
+/* The id that follows each document: <|endoftext|>, else the tokenizer's
+ * eos token; -1 if it has neither. */
+int32_t corpus_separator_id(const k3_tokenizer *tk);
+
 /* Encodes documents [0, n) and hands each one's ids, then {eot}, to `sink`
  * in document order (documents are encoded in parallel batches). `bytes` is
  * the document's length; `prog` (may be NULL) advances by it. */
