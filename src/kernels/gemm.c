@@ -214,7 +214,6 @@ static void pack_a_bf16(uint32_t *Ap, tg_view A, int m0, int rows, int k0, int k
 
 /* ---- AVX-512 tiles ------------------------------------------------------------------- */
 
-#include <immintrin.h>
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define TGTBF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
