@@ -16,7 +16,7 @@
 static bool docs_are(const char *name, const char *text, corpus_format f, const char *const *want, size_t n) {
     corpus c = {0};
     k3_err err = {0};
-    int rc = corpus_read_text(&c, name, text, strlen(text), f, CORPUS_RAW, &err);
+    int rc = corpus_read_text(&c, name, text, strlen(text), f, CORPUS_RAW, NULL, &err);
     bool ok = rc == 0 && c.n == n;
     if (!ok) fprintf(stderr, "%s: rc %d (%s), %zu documents, wanted %zu\n", name, rc, err.msg, c.n, n);
     uint64_t bytes = 0;
@@ -70,6 +70,19 @@ TEST(corpus_text_jsonl_raw_and_auto) {
     const char *plain[] = {"one\n\ntwo\n"};
     CHECK(docs_are("auto plain", "one\n\ntwo\n", CORPUS_AUTO, plain, 1));
     CHECK(docs_are("empty", "", CORPUS_RAW, NULL, 0));
+    /* the format auto chose is reported */
+    static const struct { const char *name, *text; corpus_format want; } chose[] = {
+        {"s.txt", "a\n<|endoftext|>\n", CORPUS_STORIES}, {"j.txt", "{\"text\": \"a\"}\n", CORPUS_JSONL},
+        {"p.txt", "a\n\nb\n", CORPUS_RAW}};
+    for (size_t i = 0; i < sizeof chose / sizeof chose[0]; i++) {
+        corpus c = {0};
+        k3_err err = {0};
+        corpus_format used = CORPUS_AUTO;
+        CHECK(corpus_read_text(&c, chose[i].name, chose[i].text, strlen(chose[i].text), CORPUS_AUTO, CORPUS_RAW, &used,
+                               &err) == 0);
+        CHECKF(used == chose[i].want, "%s: read as %s", chose[i].name, corpus_format_name(used));
+        corpus_free(&c);
+    }
     CHECK(corpus_detect("f.txt", "one\n\ntwo", 8, CORPUS_TEXT) == CORPUS_TEXT);
     CHECK(corpus_detect("f.txt", "x\n<|endoftext|>\n", 16, CORPUS_RAW) == CORPUS_STORIES);
     corpus_format f;
@@ -81,7 +94,7 @@ TEST(corpus_text_jsonl_raw_and_auto) {
 static bool refused(const char *name, const char *text, corpus_format f, const char *needle) {
     corpus c = {0};
     k3_err err = {0};
-    int rc = corpus_read_text(&c, name, text, strlen(text), f, CORPUS_RAW, &err);
+    int rc = corpus_read_text(&c, name, text, strlen(text), f, CORPUS_RAW, NULL, &err);
     corpus_free(&c);
     if (rc != K3_EXIT_USAGE || !strstr(err.msg, needle)) {
         fprintf(stderr, "%s: rc %d, message '%s', wanted exit 2 with '%s'\n", name, rc, err.msg, needle);

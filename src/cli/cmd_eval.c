@@ -380,8 +380,7 @@ int cmd_eval(int argc, char **argv) {
     int rc = k3_read_file(a.text_path, &text, &len, &err);
     if (rc) return k3_report(&err);
     eval_text t = {0};
-    rc = corpus_read_text(&t.docs, a.text_path, text, len, a.format, CORPUS_RAW, &err);
-    t.format = a.format == CORPUS_AUTO ? corpus_detect(a.text_path, text, len, CORPUS_RAW) : a.format;
+    rc = corpus_read_text(&t.docs, a.text_path, text, len, a.format, CORPUS_RAW, &t.format, &err);
     eval_result res[2];
     for (int m = 0; m < nmodels && !rc; m++) rc = eval_model(&a, models[m], &t, &res[m], &err);
     if (rc) {

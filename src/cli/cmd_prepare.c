@@ -8,7 +8,6 @@
 #include "train/data.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
 #include <omp.h>
@@ -16,7 +15,6 @@
 #include <dirent.h>
 #include <signal.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -55,7 +53,6 @@ const char *const cmd_prepare_help =
     "Errors (missing input, empty corpus, vocabulary too small, bad flags) print one\n"
     "line and exit 2.\n";
 
-#define EOT_TEXT CORPUS_EOT_TEXT
 /* Special ids after the BPE ranks. The Kimi layout reserves 256; a trained
  * tokenizer records its own count ("num_reserved_special_tokens") so a small
  * vocabulary is not spent on unused specials: just <|endoftext|>. */
@@ -292,8 +289,8 @@ int cmd_prepare(int argc, char **argv) {
     const char **vdoc;
     const size_t *vlen;
     size_t n_val;
-    for (int i = 0; i < n_in && !rc; i++) rc = corpus_read_file(&train, inputs[i], fmt, CORPUS_TEXT, &err);
-    for (int i = 0; i < n_vin && !rc; i++) rc = corpus_read_file(&valc, vinputs[i], fmt, CORPUS_TEXT, &err);
+    for (int i = 0; i < n_in && !rc; i++) rc = corpus_read_file(&train, inputs[i], fmt, CORPUS_TEXT, NULL, &err);
+    for (int i = 0; i < n_vin && !rc; i++) rc = corpus_read_file(&valc, vinputs[i], fmt, CORPUS_TEXT, NULL, &err);
     if (rc) goto done;
     if (train.n == 0) {
         rc = k3_fail(&err, K3_EXIT_USAGE, "%s%s: empty corpus (no stories)", inputs[0], n_in > 1 ? " ..." : "");
@@ -364,7 +361,7 @@ int cmd_prepare(int argc, char **argv) {
         k3_progress prog;
         k3_progress_start(&prog, "pre-tokens", tb, true);
         bpe_counts *cnt = bpe_counts_new();
-        static const char *const specials[1] = {EOT_TEXT};
+        static const char *const specials[1] = {CORPUS_EOT_TEXT};
         rc = bpe_count_docs(cnt, sp, train.doc, train.len, n_tok_stories, specials, 1, &prog, &err);
         k3_progress_finish(&prog);
         tok_splitter_free(sp);
@@ -377,7 +374,7 @@ int cmd_prepare(int argc, char **argv) {
         if (!rc && m.n_tokens < (int)(vocab - N_RESERVED))
             fprintf(stderr, "k3: note: the tokenizer stories allow only %d BPE tokens; the vocabulary is %d, not %llu\n",
                     m.n_tokens, m.n_tokens + N_RESERVED, (unsigned long long)vocab);
-        if (!rc) rc = bpe_write_tiktoken(&m, wdir, specials, 1, N_RESERVED, EOT_TEXT, pattern, &err);
+        if (!rc) rc = bpe_write_tiktoken(&m, wdir, specials, 1, N_RESERVED, CORPUS_EOT_TEXT, pattern, &err);
         bpe_model_free(&m);
         if (rc) goto done;
         t_tok = k3_now() - ts;
@@ -387,7 +384,7 @@ int cmd_prepare(int argc, char **argv) {
     int32_t eot = corpus_separator_id(tk);
     if (eot < 0) {
         rc = k3_fail(&err, K3_EXIT_USAGE, "%s: tokenizer has neither %s nor an eos_token to separate stories",
-                     tok_dir ? tok_dir : out_dir, EOT_TEXT);
+                     tok_dir ? tok_dir : out_dir, CORPUS_EOT_TEXT);
         goto done;
     }
     uint64_t hash;

@@ -12,20 +12,20 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/* in corpus_format order */
+static const char *const format_names[] = {"auto", "stories", "text", "jsonl", "raw"};
+#define N_FORMATS (sizeof format_names / sizeof format_names[0])
+
 bool corpus_parse_format(const char *s, corpus_format *out) {
-    static const char *const names[] = {"auto", "stories", "text", "jsonl", "raw"};
-    for (int i = 0; i < 5; i++)
-        if (!strcmp(s, names[i])) {
+    for (size_t i = 0; i < N_FORMATS; i++)
+        if (!strcmp(s, format_names[i])) {
             *out = (corpus_format)i;
             return true;
         }
     return false;
 }
 
-const char *corpus_format_name(corpus_format f) {
-    static const char *const names[] = {"auto", "stories", "text", "jsonl", "raw"};
-    return (unsigned)f < 5 ? names[f] : "?";
-}
+const char *corpus_format_name(corpus_format f) { return (size_t)f < N_FORMATS ? format_names[f] : "?"; }
 
 static void corpus_add(corpus *c, const char *p, size_t n) {
     if (c->n == c->cap) {
@@ -158,8 +158,9 @@ corpus_format corpus_detect(const char *path, const char *text, size_t len, corp
 }
 
 int corpus_read_text(corpus *c, const char *name, const char *text, size_t len, corpus_format fmt,
-                     corpus_format fallback, k3_err *err) {
+                     corpus_format fallback, corpus_format *used, k3_err *err) {
     if (fmt == CORPUS_AUTO) fmt = corpus_detect(name, text, len, fallback);
+    if (used) *used = fmt;
     if (fmt == CORPUS_JSONL) return split_jsonl(c, name, text, len, err);
     size_t bad = tok_utf8_check((const uint8_t *)text, len);
     if (bad != len) {
@@ -173,7 +174,8 @@ int corpus_read_text(corpus *c, const char *name, const char *text, size_t len, 
     return 0;
 }
 
-int corpus_read_file(corpus *c, const char *path, corpus_format fmt, corpus_format fallback, k3_err *err) {
+int corpus_read_file(corpus *c, const char *path, corpus_format fmt, corpus_format fallback, corpus_format *used,
+                     k3_err *err) {
     int fd = open(path, O_RDONLY);
     if (fd < 0) return k3_fail(err, K3_EXIT_USAGE, "%s: cannot open: %s", path, strerror(errno));
     struct stat st;
@@ -200,7 +202,7 @@ int corpus_read_file(corpus *c, const char *path, corpus_format fmt, corpus_form
         text = m;
     }
     close(fd);
-    return corpus_read_text(c, path, text, len, fmt, fallback, err);
+    return corpus_read_text(c, path, text, len, fmt, fallback, used, err);
 }
 
 int32_t corpus_separator_id(const k3_tokenizer *tk) {

@@ -48,12 +48,14 @@ const char *corpus_format_name(corpus_format f);
  * stories when a separator line occurs, else `fallback`. */
 corpus_format corpus_detect(const char *path, const char *text, size_t len, corpus_format fallback);
 /* Adds the documents of a file (mapped, not copied). `fallback` is what
- * CORPUS_AUTO becomes when the file is neither jsonl nor stories. Errors
- * (unreadable, not a regular file, invalid UTF-8 with its line) exit 2. */
-int corpus_read_file(corpus *c, const char *path, corpus_format fmt, corpus_format fallback, k3_err *err);
+ * CORPUS_AUTO becomes when the file is neither jsonl nor stories; `used`
+ * (may be NULL) receives the format read. Errors (unreadable, not a regular
+ * file, invalid UTF-8 with its line) exit 2. */
+int corpus_read_file(corpus *c, const char *path, corpus_format fmt, corpus_format fallback, corpus_format *used,
+                     k3_err *err);
 /* The same for text already in memory, which must outlive the corpus. */
 int corpus_read_text(corpus *c, const char *name, const char *text, size_t len, corpus_format fmt,
-                     corpus_format fallback, k3_err *err);
+                     corpus_format fallback, corpus_format *used, k3_err *err);
 void corpus_free(corpus *c);
 
 /* The id that follows each document: <|endoftext|>, else the tokenizer's
