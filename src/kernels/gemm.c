@@ -89,7 +89,6 @@ static void gemm_scalar(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A,
 
 #if defined(__x86_64__)
 
-/* F32: panel p holds B(k, p*NR + j) at [k][j]; pairs: [k/2][j][2] as BF16. */
 #include <immintrin.h>
 
 /* d[k * ldd + i] = s[i * lds + k] for rows i < width (zero past nrows) and
@@ -134,6 +133,7 @@ __attribute__((target("avx2"))) static void transpose_rows(float *d, int ldd, co
     }
 }
 
+/* F32: panel p holds B(k, p*NR + j) at [k][j]; pairs: [k/2][j][2] as BF16. */
 static void pack_b_f32(float *Bp, tg_view B, int K, int N, int p) {
     float *d = Bp + (size_t)p * K * NR;
     int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
@@ -183,11 +183,8 @@ static void pack_a_f32(float *Ap, tg_view A, int m0, int rows, int k0, int kc) {
                 for (int k = 0; k < kc; k++) d[(size_t)k * MR + r] = 0.0f;
                 continue;
             }
-            const float *s = A.p + (m0 + t + r) * A.rs + k0 * A.cs;
-            if (A.cs == 1)
-                for (int k = 0; k < kc; k++) d[(size_t)k * MR + r] = s[k];
-            else
-                for (int k = 0; k < kc; k++) d[(size_t)k * MR + r] = s[k * A.cs];
+            const float *s = A.p + (m0 + t + r) * A.rs + k0 * A.cs; /* any other strides */
+            for (int k = 0; k < kc; k++) d[(size_t)k * MR + r] = s[k * A.cs];
         }
     }
 }
@@ -213,7 +210,6 @@ static void pack_a_bf16(uint32_t *Ap, tg_view A, int m0, int rows, int k0, int k
 }
 
 /* ---- AVX-512 tiles ------------------------------------------------------------------- */
-
 
 #define TGT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
 #define TGTBF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx512bf16")))
