@@ -138,15 +138,11 @@ static void gemm_bench(int nt, int n, int in, int out) {
     for (size_t i = 0; i < (size_t)n * out; i++) Y[i] = (float)(mix(i + 7) >> 40) / 16777216.0f - 0.5f;
     memset(G, 0, sizeof(float) * (size_t)out * in);
     printf("GEMM %d tokens, %d -> %d, %d thread(s), GFLOP/s:", n, in, out, nt);
-    /* the BF16 tiles are AVX-512 ones: on any other path in force (K3_ISA=avx2)
-     * only the scalar emulation could run them, which is not what is measured */
-    const bool bf16_tiles = k_isa_active() == K_ISA_AVX512;
     for (int mode = 0; mode < 3; mode++) { /* f32, bf16 vdpbf16ps, bf16 AMX */
-        if (mode > 0 && !bf16_tiles) {
+        if (mode > 0 && !tg_bf16_fast()) { /* the scalar emulation is not what is measured */
             printf("  (BF16: no tiles on the %s path)", k_path_name());
             break;
         }
-        if (mode == 1 && !tg_bf16_available()) continue;
         if (mode == 2 && !tg_amx_available()) break;
         tg_set_amx(mode == 2);
         double best[3] = {0, 0, 0};

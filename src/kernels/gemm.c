@@ -38,12 +38,16 @@ static k_isa tile_isa(tg_mode mode) {
     return K_ISA_SCALAR;
 }
 
+/* Not tile_isa: a test that forces the scalar reference does not change
+ * what the CPU and the path in force can run. */
+bool tg_bf16_fast(void) { return k_isa_active() == K_ISA_AVX512 && tg_bf16_available(); }
+
 void k3_train_gemm_describe(char *buf, size_t n) {
     static const char *const f32[] = {"the scalar reference", "AVX2+FMA tiles (the scalar reference's bits)",
                                       "AVX-512 tiles (the scalar reference's bits)"};
-    k_isa a = tile_isa(TG_F32), b = tile_isa(TG_BF16);
+    k_isa a = tile_isa(TG_F32);
     const char *bf = tg_amx_available() ? "AMX-BF16 tiles" : "AVX512_BF16 (vdpbf16ps) tiles";
-    if (b == K_ISA_SCALAR) /* only the scalar emulation could run it: k3 train refuses */
+    if (!tg_bf16_fast()) /* only the scalar emulation could run it: k3 train refuses */
         snprintf(buf, n, "F32 on %s; --bf16 refused (no AVX512_BF16 on this path)", f32[a < 3 ? a : 0]);
     else snprintf(buf, n, "F32 on %s, --bf16 on %s", f32[a < 3 ? a : 0], bf);
 }

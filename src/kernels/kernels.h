@@ -276,6 +276,11 @@ void tg_gemm_sym(float *C, ptrdiff_t ldc, int M, int K, tg_view A, tg_view B, tg
 void tg_set_scalar(bool on);
 bool tg_bf16_available(void); /* the CPU has AVX512_BF16 (k_cpu_bf16) */
 bool tg_amx_available(void);  /* AMX-BF16 usable (k_cpu_amx) and not switched off */
+/* The BF16 products have fast tiles (vdpbf16ps or AMX) on the path in force:
+ * the AVX-512 path with AVX512_BF16. Elsewhere only the bit-exact scalar
+ * emulation could run them, ~100x slower than F32, so callers refuse or
+ * skip the BF16 mode instead. */
+bool tg_bf16_fast(void);
 /* One line on the training products this CPU runs (K3_ISA respected): which
  * tiles the F32 and the --bf16 products use. For k3 doctor. */
 void k3_train_gemm_describe(char *buf, size_t n);

@@ -574,12 +574,6 @@ static int train_step(run *r, int32_t *tok, k3_err *err) {
 
 /* ---- setup ------------------------------------------------------------------------------ */
 
-/* The BF16 products have fast tiles only where tg_gemm picks them: vdpbf16ps
- * or AMX, both on the AVX-512 path with AVX512_BF16. Elsewhere the bit-exact
- * scalar emulation would run (one smol-50m step of batch 4x256 took over
- * 5 minutes on a Zen 3 core), so the mode is refused up front instead. */
-static bool bf16_runs_fast(void) { return k_isa_active() == K_ISA_AVX512 && tg_bf16_available(); }
-
 static int parse_train_json(run *r, const char *text) {
     json_t *j = json_loads(text, 0, NULL);
     if (!j) return -1;
@@ -708,7 +702,7 @@ static int setup(run *r, k3_err *err) {
     }
     if ((rc = tm_build(&r->m, &r->cfg, err))) { if (have_ck) tckpt_close(&ck); return rc; }
     r->m.bf16 = r->o.bf16 == 1;
-    if (r->m.bf16 && !bf16_runs_fast()) {
+    if (r->m.bf16 && !tg_bf16_fast()) { /* one smol-50m step of batch 4x256 took over 5 minutes emulated on a Zen 3 core */
         if (have_ck) tckpt_close(&ck);
         return k3_fail(err, K3_EXIT_USAGE,
                        "%s: BF16 products need AVX512_BF16 on the AVX-512 kernel path (here: %s) and would run "
