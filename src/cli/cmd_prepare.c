@@ -113,28 +113,6 @@ static int parse_u64(const char *flag, const char *v, uint64_t lo, uint64_t hi, 
     return 0;
 }
 
-static int mkdir_p(const char *dir, k3_err *err) {
-    char *p = xstrdup(dir);
-    for (char *s = p + 1; *s; s++) {
-        if (*s != '/') continue;
-        *s = 0;
-        if (mkdir(p, 0777) != 0 && errno != EEXIST) {
-            int e = errno;
-            free(p);
-            return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create: %s", dir, strerror(e));
-        }
-        *s = '/';
-    }
-    int rc = 0;
-    if (mkdir(p, 0777) != 0 && errno != EEXIST)
-        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create: %s", dir, strerror(errno));
-    free(p);
-    struct stat st;
-    if (!rc && (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)))
-        rc = k3_fail(err, K3_EXIT_USAGE, "%s: not a directory", dir);
-    return rc;
-}
-
 static int copy_file(const char *src, const char *dst, bool optional, k3_err *err) {
     if (optional && access(src, F_OK) != 0) return 0;
     char *d;
@@ -316,7 +294,7 @@ int cmd_prepare(int argc, char **argv) {
         vdoc = train.doc + train.n;
         vlen = train.len + train.n;
     }
-    if ((rc = mkdir_p(out_dir, &err))) goto done;
+    if ((rc = k3_mkdir_p(out_dir, &err))) goto done;
     /* Everything is written into a staging directory inside out_dir and moved
      * into place only when all of it is written: a failure (a full disk, a
      * bad input half-way) leaves the previous tokenizer and shards whole. A

@@ -632,10 +632,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         s->bb = xmalloc_array((size_t)cfg->num_experts, sizeof *s->bb);
         for (int i = 0; i < cfg->num_experts; i++) s->bb[i] = -1;
         if (o->trace_dir) {
-            if (mkdir(o->trace_dir, 0755) != 0 && errno != EEXIST) {
-                rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create directory: %s", o->trace_dir, strerror(errno));
-                goto fail;
-            }
+            if ((rc = k3_mkdir_p(o->trace_dir, err))) goto fail;
             char path[4096];
             int k = snprintf(path, sizeof path, "%s/cache_trace.bin", o->trace_dir);
             if (k < 0 || (size_t)k >= sizeof path) {

@@ -316,9 +316,9 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     st_index *ix;
     int rc = st_open(model_dir, &ix, err);
     if (rc) return rc;
-    if (mkdir(trunk_dir, 0755) != 0 && errno != EEXIST) {
+    if ((rc = k3_mkdir_p(trunk_dir, err))) {
         st_close(ix);
-        return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create directory: %s", trunk_dir, strerror(errno));
+        return rc;
     }
     k3_trunk *t = xcalloc(1, sizeof *t);
     t->identity_scheme = K3_IDENTITY_SCHEME;

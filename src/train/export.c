@@ -285,11 +285,8 @@ int texport_write(const tmodel *m, const char *config_json, const char *out_dir,
             return k3_fail(err, K3_EXIT_USAGE, "%s: tokenizer has %d ids but the model's vocab_size is %d", o->tok_dir,
                            tv, c->vocab_size);
     }
-    if (mkdir(out_dir, 0777) != 0 && errno != EEXIST)
-        return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create directory: %s", out_dir, strerror(errno));
-    struct stat st;
-    if (stat(out_dir, &st) != 0 || !S_ISDIR(st.st_mode))
-        return k3_fail(err, K3_EXIT_USAGE, "%s: not a directory", out_dir);
+    int mrc = k3_mkdir_p(out_dir, err);
+    if (mrc) return mrc;
 
     /* the engine reads every *.safetensors of a directory (and an index): a
      * stale shard from another model would be loaded beside ours */

@@ -785,8 +785,7 @@ static int setup(run *r, k3_err *err) {
 static int setup_run_dir(run *r, k3_err *err) {
     const ttrain_opts *o = &r->o;
     int rc;
-    if (mkdir(o->output_dir, 0755) != 0 && errno != EEXIST)
-        return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", o->output_dir, strerror(errno));
+    if ((rc = k3_mkdir_p(o->output_dir, err))) return rc;
     if (!r->resumed) {
         char *p = path_in(r, "latest.safetensors");
         struct stat st;

@@ -271,6 +271,31 @@ static void remove_stale_temps(const char *path) {
     free(copy2);
 }
 
+int k3_mkdir_p(const char *dir, k3_err *err) {
+    if (!*dir) return k3_fail(err, K3_EXIT_USAGE, "empty directory name");
+    char *p = xstrdup(dir);
+    int rc = K3_OK;
+    /* every prefix that ends before a '/', then the whole path */
+    for (char *s = p + 1;; s++) {
+        bool last = !*s;
+        if (!last && *s != '/') continue;
+        *s = 0;
+        if (mkdir(p, 0777) != 0 && errno != EEXIST) {
+            int e = errno;
+            if (last) rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create: %s", dir, strerror(e));
+            else rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot create its parent %s: %s", dir, p, strerror(e));
+            break;
+        }
+        if (last) break;
+        *s = '/';
+    }
+    free(p);
+    struct stat st;
+    if (!rc && (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)))
+        rc = k3_fail(err, K3_EXIT_USAGE, "%s: not a directory", dir);
+    return rc;
+}
+
 int k3_check_output_path(const char *path, const char *what, k3_err *err) {
     if (!path || !*path) return k3_fail(err, K3_EXIT_USAGE, "%s: empty output path", what);
     struct stat st;

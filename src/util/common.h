@@ -94,6 +94,11 @@ void k3_atomic_abort(k3_atomic_file *af);              /* unlink the temp file *
  * naming `what` (the flag) when it is empty, a directory, in a missing or
  * unwritable directory, or an existing non-regular file that is not writable. */
 int k3_check_output_path(const char *path, const char *what, k3_err *err);
+/* Creates dir and its missing parents (mode 0777 less the umask), as
+ * `mkdir -p`: an output folder such as runs/new/x needs no step before it.
+ * K3_EXIT_RUNTIME when one cannot be made, K3_EXIT_USAGE when dir exists and
+ * is not a directory. */
+int k3_mkdir_p(const char *dir, k3_err *err);
 
 /* CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
  * Start with crc = 0; feed chunks by passing the previous result. */

@@ -79,6 +79,9 @@ touch "$E/file"
 mkdir -p "$E/stale" && touch "$E/stale/model-00001-of-00002.safetensors"
 expect_exit stale_shard_in_out_dir 2 $K3 export "$CK" "$E/stale" --no-tokenizer
 expect_err_contains stale_shard_in_out_dir "another model"
+rm -rf "$E/new"
+expect_exit nested_out_dir 0 $K3 export "$CK" "$E/new/a/b" --no-tokenizer --eval-tokens 0
+[ -s "$E/new/a/b/model.safetensors" ] && pass nested_out_dir_written || fail nested_out_dir_written
 expect_exit out_is_a_file 2 $K3 export "$CK" "$E/file" --no-tokenizer
 
 # the shipped default model (docs/default-model.md): loads, decodes a few ids, fits the size cap

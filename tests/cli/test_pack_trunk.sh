@@ -12,6 +12,10 @@ expect_exit pack 0 $K3 pack-trunk "$M" "$OUT/trunk"
 [ -f "$OUT/trunk/trunk.bin" ] && [ -f "$OUT/trunk/trunk.json" ] && pass pack:files || fail pack:files
 ls "$OUT/trunk" | grep -qv '^trunk\.\(bin\|json\)$' && fail pack:no-temp "$(ls "$OUT/trunk")" || pass pack:no-temp
 expect_exit verify 0 $K3 pack-trunk "$M" "$OUT/trunk" --verify
+# a trunk folder under folders that do not exist yet is made with them
+rm -rf "$OUT/nest"
+expect_exit pack_nested 0 $K3 pack-trunk "$M" "$OUT/nest/a/trunk"
+cmp -s "$OUT/trunk/trunk.bin" "$OUT/nest/a/trunk/trunk.bin" && pass pack_nested:same || fail pack_nested:same
 
 # a flipped byte inside a layer run
 cp "$OUT/trunk/trunk.bin" "$OUT/trunk.bin.good"

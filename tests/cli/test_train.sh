@@ -79,6 +79,14 @@ for key in step optimizer_step data_position seed; do
     --resume "$E/bad_$key.safetensors" --quiet
   expect_err_contains "corrupt_$key" "$key is not a valid number"
 done
+# a run directory under folders that do not exist yet is made with them (mkdir -p);
+# one under a regular file is refused with one line
+rm -rf "$E/new"
+expect_exit nested_run_dir 0 $K3 train $COMMON --output-dir "$E/new/a/b" --steps 2 --eval-interval 2 --eval-tokens 512 --skip-samples
+[ -s "$E/new/a/b/latest.safetensors" ] && pass nested_run_dir_written || fail nested_run_dir_written
+: > "$E/plainfile"
+expect_exit run_dir_under_file 1 $K3 train $COMMON --output-dir "$E/plainfile/r/s" --steps 2
+expect_err_contains run_dir_under_file "cannot create its parent"
 expect_exit stop_past_steps 2 $K3 train $COMMON --output-dir "$E/r6" --steps 5 --stop-at 9
 # --bf16 without fast BF16 products (the scalar path never has them) is refused
 # before anything is written, never run as a slow emulation
