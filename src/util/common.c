@@ -214,6 +214,11 @@ int k3_read_file(const char *path, char **data, size_t *len, k3_err *err) {
     FILE *f = std_in ? stdin : fopen(path, "rb");
     if (std_in) path = "standard input";
     if (!f) return k3_fail(err, K3_EXIT_USAGE, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) { /* fopen succeeds on one; fread then fails */
+        if (!std_in) fclose(f);
+        return k3_fail(err, K3_EXIT_USAGE, "%s: is a directory, not a file", path);
+    }
     size_t cap = 1 << 16, n = 0;
     char *buf = xmalloc(cap);
     for (;;) {
@@ -222,11 +227,11 @@ int k3_read_file(const char *path, char **data, size_t *len, k3_err *err) {
         n += r;
         if (r == 0) break;
     }
-    int bad = ferror(f);
+    int bad = ferror(f), e = errno;
     if (!std_in) fclose(f);
     if (bad) {
         free(buf);
-        return k3_fail(err, K3_EXIT_RUNTIME, "%s: read error", path);
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: read error: %s", path, strerror(e));
     }
     buf[n] = 0;
     *data = buf;

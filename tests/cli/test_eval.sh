@@ -93,6 +93,9 @@ expect_exit threads2 0 $K3 eval "$OUT/model" --text "$OUT/val-joined.txt" --ctx 
 # refusals
 expect_exit no-text 2 $K3 eval "$OUT/model"
 expect_exit missing-text 2 $K3 eval "$OUT/model" --text "$OUT/none.txt"
+# a folder opens (fopen succeeds) and only its read fails: named as what it is
+expect_exit dir-text 2 $K3 eval "$OUT/model" --text "$OUT"
+expect_err_contains dir-text "is a directory"
 printf 'a' >"$OUT/one.txt"
 expect_exit one-token 2 $K3 eval "$OUT/model" --text "$OUT/one.txt"
 expect_exit stride-over-ctx 2 $K3 eval "$OUT/model" --text "$OUT/val-joined.txt" --ctx 8 --stride 16
