@@ -122,6 +122,16 @@ TEST(size_str_picks_the_unit) {
     CHECK(strcmp(a, "1 B") == 0 && strcmp(b, "2.00 kB") == 0);
 }
 
+TEST(path_join_one_separator) {
+    const char *cases[][3] = {{"a", "b", "a/b"}, {"a/", "b", "a/b"}, {"/", "b", "/b"}, {"", "b", "b"},
+                              {"x/y//", "z.json", "x/y//z.json"}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *p = k3_path_join(cases[i][0], cases[i][1]);
+        CHECK(strcmp(p, cases[i][2]) == 0);
+        free(p);
+    }
+}
+
 TEST(parse_size_binary_units) {
     uint64_t v = 0;
     CHECK(k3_parse_size("4096", &v) && v == 4096);

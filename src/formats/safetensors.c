@@ -139,13 +139,6 @@ static bool ends_with(const char *s, const char *suf) {
     return a >= b && strcmp(s + a - b, suf) == 0;
 }
 
-static char *path_join(const char *dir, const char *name) {
-    size_t n = strlen(dir) + strlen(name) + 2;
-    char *p = xmalloc(n);
-    snprintf(p, n, "%s%s%s", dir, ends_with(dir, "/") ? "" : "/", name);
-    return p;
-}
-
 /* Lists the *.safetensors regular files of dir, sorted by name. */
 static int list_shards(const char *dir, char ***out, int *n, k3_err *err) {
     DIR *d = opendir(dir);
@@ -155,7 +148,7 @@ static int list_shards(const char *dir, char ***out, int *n, k3_err *err) {
     struct dirent *e;
     while ((e = readdir(d))) {
         if (e->d_name[0] == '.' || !ends_with(e->d_name, ".safetensors")) continue;
-        char *p = path_join(dir, e->d_name);
+        char *p = k3_path_join(dir, e->d_name);
         struct stat st;
         if (stat(p, &st) != 0 || !S_ISREG(st.st_mode)) {
             free(p);
@@ -614,7 +607,7 @@ int st_open(const char *path, st_index **out, k3_err *err) {
             free(files);
             return k3_fail(err, K3_EXIT_USAGE, "%s: no *.safetensors shards in this directory", path);
         }
-        ipath = path_join(path, "model.safetensors.index.json");
+        ipath = k3_path_join(path, "model.safetensors.index.json");
         if (access(ipath, F_OK) != 0) {
             free(ipath);
             ipath = NULL;

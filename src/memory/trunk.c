@@ -286,13 +286,6 @@ static int cmp_tensor_src(const void *a, const void *b) {
 
 static uint32_t table_crc(json_t *root);
 
-static char *join(const char *dir, const char *file) {
-    size_t n = strlen(dir) + strlen(file) + 2;
-    char *p = xmalloc(n);
-    snprintf(p, n, "%s/%s", dir, file);
-    return p;
-}
-
 static json_t *tensor_json(const k3_trunk_tensor *t) {
     json_t *shape = json_array();
     for (int i = 0; i < t->rank; i++) json_array_append_new(shape, json_integer(t->shape[i]));
@@ -323,7 +316,7 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     k3_trunk *t = xcalloc(1, sizeof *t);
     t->identity_scheme = K3_IDENTITY_SCHEME;
     t->dir = xstrdup(trunk_dir);
-    t->bin_path = join(trunk_dir, "trunk.bin");
+    t->bin_path = k3_path_join(trunk_dir, "trunk.bin");
     if ((rc = k3_checkpoint_identity(ix, t->identity, err))) goto out;
 
     /* group trunk tensors by layer: run 0 = model level, run L+1 = layer L */
@@ -419,7 +412,7 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
      * previous pack whole. Only now, before the new data replaces the old,
      * the old index goes: a stale trunk.json must never describe a new
      * trunk.bin; the new index is written last. */
-    char *old_json = join(trunk_dir, "trunk.json");
+    char *old_json = k3_path_join(trunk_dir, "trunk.json");
     if (unlink(old_json) != 0 && errno != ENOENT) {
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot remove: %s", old_json, strerror(errno));
         free(old_json);
@@ -453,7 +446,7 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     json_object_set_new(root, "table_crc32c", json_string(tcrc));
     char *text = json_dumps(root, JSON_INDENT(1));
     json_decref(root);
-    char *jpath = join(trunk_dir, "trunk.json");
+    char *jpath = k3_path_join(trunk_dir, "trunk.json");
     rc = k3_write_file_atomic(jpath, text, strlen(text), err);
     free(jpath);
     free(text);
@@ -486,7 +479,7 @@ static st_dtype dtype_from(const char *s) {
 }
 
 int k3_trunk_open(const char *trunk_dir, st_index *ix, k3_trunk **out, k3_err *err) {
-    char *jpath = join(trunk_dir, "trunk.json");
+    char *jpath = k3_path_join(trunk_dir, "trunk.json");
     json_error_t je;
     json_t *root = json_load_file(jpath, 0, &je);
     if (!root) {
@@ -532,7 +525,7 @@ int k3_trunk_open(const char *trunk_dir, st_index *ix, k3_trunk **out, k3_err *e
                      t->identity_scheme);
         goto out;
     }
-    t->bin_path = join(trunk_dir, file);
+    t->bin_path = k3_path_join(trunk_dir, file);
     t->file_size = (uint64_t)fsize;
     struct stat st;
     if (stat(t->bin_path, &st) != 0 || (uint64_t)st.st_size != t->file_size) {

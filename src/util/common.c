@@ -276,6 +276,13 @@ static void remove_stale_temps(const char *path) {
     free(copy2);
 }
 
+char *k3_path_join(const char *dir, const char *name) {
+    size_t d = strlen(dir), n = d + strlen(name) + 2;
+    char *p = xmalloc(n);
+    snprintf(p, n, "%s%s%s", dir, d == 0 || dir[d - 1] == '/' ? "" : "/", name);
+    return p;
+}
+
 int k3_mkdir_p(const char *dir, k3_err *err) {
     if (!*dir) return k3_fail(err, K3_EXIT_USAGE, "empty directory name");
     char *p = xstrdup(dir);

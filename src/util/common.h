@@ -100,6 +100,10 @@ int k3_check_output_path(const char *path, const char *what, k3_err *err);
  * is not a directory. */
 int k3_mkdir_p(const char *dir, k3_err *err);
 
+/* "dir/name", allocated (xmalloc: never NULL); no second '/' when dir ends
+ * in one, and an empty dir (the working directory) gives name, never "/name". */
+char *k3_path_join(const char *dir, const char *name);
+
 /* CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
  * Start with crc = 0; feed chunks by passing the previous result. */
 uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n);
