@@ -24,11 +24,20 @@ const char *const cmd_train_help =
     "  --steps N                  the schedule's total optimiser steps\n"
     "  --stop-at S                end after step S with a checkpoint (split a run)\n"
     "  --resume F                 continue bit-identically from a checkpoint\n"
+    "  --init F                   a new run that starts from a checkpoint's\n"
+    "                             weights and model config (fine-tuning, or a\n"
+    "                             second phase on other data): a fresh optimiser,\n"
+    "                             schedule and data order; --data-dir must be\n"
+    "                             prepared with that run's tokenizer\n"
+    "                             (k3 prepare --tokenizer)\n"
     "  --batch-size B             sequences per micro-batch (16)\n"
     "  --seq-len T                tokens per sequence (256)\n"
     "  --gradient-accumulation A  micro-batches per optimiser step (2)\n"
     "  --lr X                     peak learning rate (3e-3); warmup 1% of the\n"
     "                             steps, cosine to 10% of X\n"
+    "  --weight-decay X           decoupled weight decay, w *= 1 - lr X a step\n"
+    "                             (0.1): every parameter but the norm gains,\n"
+    "                             A_log and dt_bias; kept on --resume\n"
     "  --optimizer muon|adamw     muon: Muon for matrices, AdamW for the rest\n"
     "                             (default); adamw: AdamW for everything\n"
     "  --eval-interval N          validation loss every N steps (250) and at the end\n"
@@ -59,7 +68,7 @@ const char *const cmd_train_help =
     "gradient is computed on its own and added to the step's: with A > 1 the\n"
     "bits differ from k3 builds before data-parallel training (docs/training.md).\n"
     "\n"
-    "Weight decay 0.1 (none on norm gains, A_log, dt_bias), gradient clipping 1.0,\n"
+    "Gradient clipping 1.0,\n"
     "AdamW betas (0.9, 0.95), Muon momentum 0.95 (Nesterov). Ctrl-C (SIGINT,\n"
     "SIGTERM, SIGUSR1; under mpirun: SIGUSR1 to mpirun) ends the run after the\n"
     "current step with a checkpoint. Exit codes: 0 done, 1 runtime error\n"
@@ -98,6 +107,7 @@ int cmd_train(int argc, char **argv) {
         else if (strcmp(a, "--output-dir") == 0) o.output_dir = v;
         else if (strcmp(a, "--config") == 0) o.config_path = v;
         else if (strcmp(a, "--resume") == 0) o.resume = v;
+        else if (strcmp(a, "--init") == 0) o.init = v;
         else if (strcmp(a, "--steps") == 0) { if (!(rc = parse_i64(a, v, 1, INT64_MAX / 2, &x))) o.steps = x; }
         else if (strcmp(a, "--stop-at") == 0) { if (!(rc = parse_i64(a, v, 1, INT64_MAX / 2, &x))) o.stop_at = x; }
         else if (strcmp(a, "--batch-size") == 0) { if (!(rc = parse_i64(a, v, 1, 4096, &x))) o.batch = (int)x; }
@@ -113,6 +123,12 @@ int cmd_train(int argc, char **argv) {
             char *end;
             o.lr = strtod(v, &end);
             if (*end || end == v || !(o.lr > 0) || o.lr > 10) return k3_usage_error("train", "--lr wants a positive number, got '%s'", v);
+        } else if (strcmp(a, "--weight-decay") == 0) {
+            char *end;
+            o.weight_decay = strtod(v, &end);
+            if (*end || end == v || !(o.weight_decay >= 0) || o.weight_decay > 10)
+                return k3_usage_error("train", "--weight-decay wants a number in 0..10, got '%s'", v);
+            o.weight_decay_set = true;
         } else if (strcmp(a, "--kda-chunk") == 0) {
             if ((rc = parse_i64(a, v, 0, TM_MAX_KDA_CHUNK, &x))) return rc;
             o.kda_chunk = x ? (int)x : -1;
@@ -124,7 +140,9 @@ int cmd_train(int argc, char **argv) {
         if (rc) return rc;
     }
     k3_err err = {0};
-    if (!o.config_path && !o.resume) o.config_path = "configs/smol-50m.json";
+    if (o.init && o.resume)
+        return k3_usage_error("train", "--init starts a new run and --resume continues one: give one of them");
+    if (!o.config_path && !o.resume && !o.init) o.config_path = "configs/smol-50m.json";
     if (inventory) {
         k3_config c;
         tmodel m;

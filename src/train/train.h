@@ -169,9 +169,12 @@ void tckpt_close(tckpt *ck);
 /* ---- the training run (trainer.c) ------------------------------------------------------- */
 typedef struct {
     const char *data_dir, *output_dir, *config_path, *resume;
+    const char *init;                /* weights (only) from this checkpoint; a fresh run */
     int64_t steps, stop_at;          /* stop_at 0: none */
     int batch, accum, seq;           /* 0: default (16, 2, 256) or the checkpoint's */
     double lr;                       /* 0: default or the checkpoint's */
+    double weight_decay;             /* used when weight_decay_set, else default or the checkpoint's */
+    bool weight_decay_set;
     int eval_interval, sample_interval, sample_tokens, checkpoint_interval;
     int64_t eval_tokens;             /* validation tokens per evaluation (0: default) */
     bool skip_samples;

@@ -51,6 +51,8 @@ typedef struct {
     double best_loss;
     int64_t best_step, ckpt_step;
     char *train_json;
+    char *init_from;     /* the checkpoint --init started this run from, and its step (provenance) */
+    int64_t init_step;
     int metrics_fd, samples_fd;
     double started;
     json_t *latest, *latest_eval;
@@ -77,12 +79,7 @@ typedef struct {
     bool stop;     /* the stop request as agreed after the last step (g_stop may change any time) */
 } run;
 
-static char *path_in(const run *r, const char *name) {
-    size_t n = strlen(r->o.output_dir) + strlen(name) + 2;
-    char *p = xmalloc(n);
-    snprintf(p, n, "%s/%s", r->o.output_dir, name);
-    return p;
-}
+static char *path_in(const run *r, const char *name) { return k3_path_join(r->o.output_dir, name); }
 
 /* ---- JSON helpers ---------------------------------------------------------------- */
 
@@ -581,11 +578,18 @@ static int parse_train_json(run *r, const char *text) {
     if (!r->T) r->T = (int)json_integer_value(json_object_get(j, "seq_len"));
     if (!r->A) r->A = (int)json_integer_value(json_object_get(j, "grad_accum"));
     if (r->opt.c.lr == 0) r->opt.c.lr = json_real_value(json_object_get(j, "lr"));
+    json_t *wd = json_object_get(j, "weight_decay");
+    if (r->opt.c.weight_decay < 0 && json_is_number(wd)) r->opt.c.weight_decay = json_number_value(wd);
     if (!r->o.optimizer) {
         const char *o = json_string_value(json_object_get(j, "optimizer"));
         r->o.optimizer = o && strcmp(o, "adamw") == 0 ? 2 : 1;
     }
     if (!r->o.bf16) r->o.bf16 = json_is_true(json_object_get(j, "bf16")) ? 1 : 2;
+    const char *init = json_string_value(json_object_get(j, "init_from"));
+    if (init) {
+        r->init_from = xstrdup(init);
+        r->init_step = json_integer_value(json_object_get(j, "init_step"));
+    }
     json_t *kc = json_object_get(j, "kda_chunk");
     if (r->o.kda_chunk == 0 && json_is_integer(kc))
         r->o.kda_chunk = json_integer_value(kc) > 0 ? (int)json_integer_value(kc) : -1;
@@ -612,6 +616,10 @@ static char *make_train_json(const run *r) {
     json_object_set_new(j, "threads", json_integer(omp_get_max_threads()));
     json_object_set_new(j, "bf16", json_boolean(r->m.bf16));
     json_object_set_new(j, "kda_chunk", json_integer(r->m.kda_chunk));
+    if (r->init_from) {
+        json_object_set_new(j, "init_from", json_string(r->init_from));
+        json_object_set_new(j, "init_step", json_integer(r->init_step));
+    }
     char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(17));
     json_decref(j);
     return s;
@@ -638,11 +646,41 @@ static int open_fd(run *r, const char *name, int *fd, k3_err *err) {
     return rc;
 }
 
+/* Token ids mean nothing across tokenizers: a run started with --init must
+ * read shards written with the checkpoint's tokenizer (k3 prepare
+ * --tokenizer). The checkpoint names the data directory it was trained on;
+ * where that tokenizer can still be read the two are compared byte for byte. */
+static int same_tokenizer(const char *was, const char *now, const char *ckpt, bool quiet, k3_err *err) {
+    if (!was) return K3_OK;
+    char *pa = k3_path_join(was, "tiktoken.model"), *pb = k3_path_join(now, "tiktoken.model");
+    char *a = NULL, *b = NULL;
+    size_t na = 0, nb = 0;
+    k3_err ignore = {0};
+    int rc = K3_OK;
+    if (k3_read_file(pa, &a, &na, &ignore)) {
+        if (!quiet)
+            fprintf(stderr, "k3: note: %s was trained on %s, whose tokenizer cannot be read here: make sure %s was "
+                            "prepared with the same one (k3 prepare --tokenizer)\n", ckpt, was, now);
+    } else if (k3_read_file(pb, &b, &nb, err)) {
+        rc = err->code ? err->code : K3_EXIT_USAGE;
+    } else if (na != nb || memcmp(a, b, na) != 0) {
+        rc = k3_fail(err, K3_EXIT_USAGE,
+                     "%s: its tokenizer differs from the one %s was trained with (%s): prepare the data with "
+                     "k3 prepare --tokenizer %s", now, ckpt, pa, was);
+    }
+    free(a);
+    free(b);
+    free(pa);
+    free(pb);
+    return rc;
+}
+
 static int setup(run *r, k3_err *err) {
     const ttrain_opts *o = &r->o;
     int rc;
     tckpt ck = {0};
     bool have_ck = false;
+    char *init_data = NULL; /* the data directory the --init checkpoint was trained on */
     const int bf16_flag = o->bf16; /* before the checkpoint's setting fills it in */
     topt_cfg oc;
     topt_defaults(&oc);
@@ -650,6 +688,7 @@ static int setup(run *r, k3_err *err) {
     r->T = o->seq;
     r->A = o->accum;
     r->opt.c.lr = o->lr;
+    r->opt.c.weight_decay = o->weight_decay_set ? o->weight_decay : -1;
     r->best_step = -1;
     r->ckpt_step = -1;
     if (o->resume) {
@@ -666,6 +705,18 @@ static int setup(run *r, k3_err *err) {
         r->best_loss = ck.meta.best_val_loss;
         r->ckpt_step = ck.meta.step;
         if ((rc = k3_config_parse(r->config_text, o->resume, &r->cfg, err))) { tckpt_close(&ck); return rc; }
+    } else if (o->init) {
+        /* a fresh run (its own schedule, data order and optimiser moments) on
+         * the checkpoint's model and weights: fine-tuning, or a second phase
+         * on other data */
+        if ((rc = tckpt_open(o->init, &ck, err))) return rc;
+        have_ck = true;
+        r->config_text = xstrdup(ck.meta.config_json);
+        r->init_from = xstrdup(o->init);
+        r->init_step = ck.meta.step;
+        init_data = ck.meta.data_dir ? xstrdup(ck.meta.data_dir) : NULL;
+        r->seed = o->seed_set ? o->seed : 1337;
+        if ((rc = k3_config_parse(r->config_text, o->init, &r->cfg, err))) { tckpt_close(&ck); return rc; }
     } else {
         size_t len;
         if ((rc = k3_read_file(o->config_path, &r->config_text, &len, err))) return rc;
@@ -691,6 +742,7 @@ static int setup(run *r, k3_err *err) {
     r->u0 = r->me * r->k;
     if (r->opt.c.lr == 0) r->opt.c.lr = 3e-3;
     oc.lr = r->opt.c.lr;
+    if (r->opt.c.weight_decay >= 0) oc.weight_decay = r->opt.c.weight_decay;
     oc.muon = r->o.optimizer != 2;
     oc.total_steps = (int)o->steps;
     r->total = o->steps;
@@ -712,7 +764,7 @@ static int setup(run *r, k3_err *err) {
     }
     if (r->o.kda_chunk) r->m.kda_chunk = r->o.kda_chunk < 0 ? 0 : r->o.kda_chunk;
     if (have_ck && o->config_path) {
-        /* a config given with --resume must describe the checkpoint's model */
+        /* a config given with --resume or --init must describe the checkpoint's model */
         char *text;
         size_t len;
         k3_config c2;
@@ -727,18 +779,18 @@ static int setup(run *r, k3_err *err) {
         if (!same) {
             tckpt_close(&ck);
             return k3_fail(err, K3_EXIT_USAGE, "%s: config disagrees with the checkpoint %s", o->config_path,
-                           o->resume);
+                           o->resume ? o->resume : o->init);
         }
     }
     topt_init(&r->opt, &r->m, &oc);
     if (have_ck) {
-        rc = tckpt_load(&ck, &r->m, &r->opt, err);
+        rc = tckpt_load(&ck, &r->m, r->resumed ? &r->opt : NULL, err);
         bool unverified = ck.unverified;
         tckpt_close(&ck);
         if (rc) return rc;
         if (unverified && !o->quiet)
             fprintf(stderr, "k3: note: %s is a version 1 checkpoint without a payload checksum: its weights are not "
-                            "verified\n", o->resume);
+                            "verified\n", o->resume ? o->resume : o->init);
     } else {
         tm_init(&r->m, r->seed);
     }
@@ -757,7 +809,10 @@ static int setup(run *r, k3_err *err) {
     int64_t avail = (int64_t)((r->val.info.n_tokens - 1) / (uint64_t)r->T);
     int64_t want = (o->eval_tokens ? o->eval_tokens : 65536) / r->T;
     r->val_windows = want < 1 ? 1 : want < avail ? want : avail;
-    if ((rc = tok_load(o->data_dir, &r->tok, err))) return rc;
+    if ((rc = tok_load(o->data_dir, &r->tok, err))) { free(init_data); return rc; }
+    rc = same_tokenizer(init_data, o->data_dir, o->init, o->quiet, err);
+    free(init_data);
+    if (rc) return rc;
     if (tok_vocab_size(r->tok) > r->cfg.vocab_size)
         return k3_fail(err, K3_EXIT_USAGE, "%s: the tokenizer has %d ids, more than the model's vocab_size %d", o->data_dir,
                        tok_vocab_size(r->tok), r->cfg.vocab_size);
@@ -879,6 +934,7 @@ static void teardown(run *r) {
     json_decref(r->latest_eval);
     free(r->config_text);
     free(r->train_json);
+    free(r->init_from);
     free(r->hs);
     free(r->hl);
     free(r->he);
@@ -926,11 +982,13 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
     sigaction(SIGUSR1, &sa, &old_usr1);
     if (!r.o.quiet) {
         printf("k3 train: %s, %lld parameters (router biases not counted)\n",
-               r.o.config_path ? r.o.config_path : r.o.resume, (long long)r.m.nw);
+               r.o.config_path ? r.o.config_path : r.o.resume ? r.o.resume : r.o.init, (long long)r.m.nw);
         tm_print_inventory(&r.m, stdout);
         printf("batch %d x %d tokens x accumulation %d = %d tokens/step, %lld steps, lr %g (%s), seed %llu%s\n", r.B,
                r.T, r.A, r.A * r.B * r.T, (long long)r.total, r.opt.c.lr, r.opt.c.muon ? "Muon + AdamW" : "AdamW",
                (unsigned long long)r.seed, r.resumed ? ", resumed" : "");
+        if (r.init_from && !r.resumed)
+            printf("weights from %s (step %lld); a fresh optimiser and schedule\n", r.init_from, (long long)r.init_step);
         if (r.ranks > 1)
             printf("data parallel: %d ranks, %d micro-batch%s a step each\n", r.ranks, r.k, r.k > 1 ? "es" : "");
         fflush(stdout);

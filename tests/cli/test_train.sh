@@ -52,6 +52,52 @@ cmp -s "$A/best.safetensors" "$B/best.safetensors" && pass resume_best_identical
 diff <(grep -o '"train_loss":[^,]*' "$A/metrics.jsonl") <(grep -o '"train_loss":[^,]*' "$B/metrics.jsonl") >/dev/null \
   && pass resume_same_losses || fail resume_same_losses
 
+# --init: a new run from a checkpoint's weights. Its first evaluation is the
+# source's evaluation at that step (the weights were read, not initialised),
+# its settings name the source and its own schedule, and it splits and
+# resumes bit-identically like any run.
+I=$OUT/init; rm -rf "$I"; mkdir -p "$I"
+expect_exit init_straight 0 $K3 train $COMMON $RC --output-dir "$I/s" --steps 20 --init "$A/latest.safetensors" --lr 1e-3
+[ -n "$(val_loss 20 "$A")" ] && [ "$(val_loss 0 "$I/s")" = "$(val_loss 20 "$A")" ] \
+  && pass init_reads_weights || fail init_reads_weights "step 0: $(val_loss 0 "$I/s"), source step 20: $(val_loss 20 "$A")"
+grep -q '"init_from":' "$I/s/state.json" && grep -Eq '"init_step": ?20\b' "$I/s/state.json" \
+  && pass init_recorded || fail init_recorded
+grep -Eq '"lr": ?0.001,' "$I/s/state.json" && pass init_own_schedule || fail init_own_schedule
+expect_exit init_stop_at 0 $K3 train $COMMON $RC --output-dir "$I/p" --steps 20 --stop-at 10 --init "$A/latest.safetensors" --lr 1e-3
+expect_exit init_resume 0 $K3 train --data-dir "$D" --output-dir "$I/p" --steps 20 --resume "$I/p/latest.safetensors" $RC --quiet
+cmp -s "$I/s/latest.safetensors" "$I/p/latest.safetensors" && pass init_resume_bit_identical || fail init_resume_bit_identical
+# --weight-decay: recorded, kept on --resume (split == straight), and it acts
+# (no decay gives other weights than the default 0.1)
+expect_exit wd_straight 0 $K3 train $COMMON $RC --output-dir "$I/w" --steps 20 --weight-decay 0.5
+grep -Eq '"weight_decay": ?0.5\b' "$I/w/state.json" && pass wd_recorded || fail wd_recorded
+expect_exit wd_stop_at 0 $K3 train $COMMON $RC --output-dir "$I/w2" --steps 20 --stop-at 10 --weight-decay 0.5
+expect_exit wd_resume 0 $K3 train --data-dir "$D" --output-dir "$I/w2" --steps 20 --resume "$I/w2/latest.safetensors" $RC --quiet
+cmp -s "$I/w/latest.safetensors" "$I/w2/latest.safetensors" && pass wd_kept_on_resume || fail wd_kept_on_resume
+expect_exit wd_zero 0 $K3 train $COMMON $RC --output-dir "$I/w0" --steps 20 --weight-decay 0
+cmp -s "$A/latest.safetensors" "$I/w0/latest.safetensors" && fail wd_acts "no decay gave the default's weights" || pass wd_acts
+for bad in -1 x 11 nan; do
+  expect_exit "wd_bad_$bad" 2 $K3 train $COMMON --output-dir "$I/x" --steps 5 --weight-decay "$bad"
+done
+expect_exit init_and_resume 2 $K3 train $COMMON --output-dir "$I/x" --steps 5 --init "$A/latest.safetensors" --resume "$A/latest.safetensors"
+expect_err_contains init_and_resume "give one of them"
+printf 'garbage' > "$I/garbage.safetensors"
+expect_exit init_garbage 4 $K3 train $COMMON --output-dir "$I/x" --steps 5 --init "$I/garbage.safetensors"
+expect_exit init_other_config 2 $K3 train $COMMON --output-dir "$I/x" --steps 5 --init "$A/latest.safetensors" \
+  --config configs/smol-5m.json
+expect_err_contains init_other_config "disagrees"
+# ids of another tokenizer (same size, trained on fewer stories) are refused with the way out
+if [ -z "${K3_TRAIN_DATA:-}" ]; then
+  expect_exit init_prepare_other 0 $K3 prepare --input "$(fixture tinystories/train.txt)" --validation-input \
+    "$(fixture tinystories/valid.txt)" --output-dir "$I/d2" --vocab-size 1024 --tokenizer-stories 200
+  expect_exit init_other_tokenizer 2 $K3 train --data-dir "$I/d2" --output-dir "$I/x" --steps 5 --init "$A/latest.safetensors" --quiet
+  expect_err_contains init_other_tokenizer "k3 prepare --tokenizer"
+  [ ! -e "$I/x" ] && pass init_refused_writes_nothing || fail init_refused_writes_nothing
+  expect_exit init_same_tokenizer_prepare 0 $K3 prepare --input "$(fixture tinystories/valid.txt)" --validation-input \
+    "$(fixture tinystories/valid.txt)" --output-dir "$I/d3" --tokenizer "$D"
+  expect_exit init_same_tokenizer 0 $K3 train --data-dir "$I/d3" --output-dir "$I/y" --steps 2 --eval-interval 2 \
+    --eval-tokens 512 --skip-samples --init "$A/latest.safetensors" --quiet
+fi
+
 # errors
 E=$OUT/err; rm -rf "$E"; mkdir -p "$E/empty"
 expect_exit no_shards 2 $K3 train --data-dir "$E/empty" --output-dir "$E/r1" --config $CFG --steps 5
