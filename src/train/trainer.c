@@ -53,6 +53,7 @@ typedef struct {
     char *train_json;
     char *init_from;     /* the checkpoint --init started this run from, and its step (provenance) */
     int64_t init_step;
+    char *init_data;     /* the data directory that checkpoint was trained on (its tokenizer) */
     int metrics_fd, samples_fd;
     double started;
     json_t *latest, *latest_eval;
@@ -680,7 +681,6 @@ static int setup(run *r, k3_err *err) {
     int rc;
     tckpt ck = {0};
     bool have_ck = false;
-    char *init_data = NULL; /* the data directory the --init checkpoint was trained on */
     const int bf16_flag = o->bf16; /* before the checkpoint's setting fills it in */
     topt_cfg oc;
     topt_defaults(&oc);
@@ -714,7 +714,7 @@ static int setup(run *r, k3_err *err) {
         r->config_text = xstrdup(ck.meta.config_json);
         r->init_from = xstrdup(o->init);
         r->init_step = ck.meta.step;
-        init_data = ck.meta.data_dir ? xstrdup(ck.meta.data_dir) : NULL;
+        r->init_data = ck.meta.data_dir ? xstrdup(ck.meta.data_dir) : NULL;
         r->seed = o->seed_set ? o->seed : 1337;
         if ((rc = k3_config_parse(r->config_text, o->init, &r->cfg, err))) { tckpt_close(&ck); return rc; }
     } else {
@@ -809,10 +809,8 @@ static int setup(run *r, k3_err *err) {
     int64_t avail = (int64_t)((r->val.info.n_tokens - 1) / (uint64_t)r->T);
     int64_t want = (o->eval_tokens ? o->eval_tokens : 65536) / r->T;
     r->val_windows = want < 1 ? 1 : want < avail ? want : avail;
-    if ((rc = tok_load(o->data_dir, &r->tok, err))) { free(init_data); return rc; }
-    rc = same_tokenizer(init_data, o->data_dir, o->init, o->quiet, err);
-    free(init_data);
-    if (rc) return rc;
+    if ((rc = tok_load(o->data_dir, &r->tok, err))) return rc;
+    if ((rc = same_tokenizer(r->init_data, o->data_dir, o->init, o->quiet, err))) return rc;
     if (tok_vocab_size(r->tok) > r->cfg.vocab_size)
         return k3_fail(err, K3_EXIT_USAGE, "%s: the tokenizer has %d ids, more than the model's vocab_size %d", o->data_dir,
                        tok_vocab_size(r->tok), r->cfg.vocab_size);
@@ -935,6 +933,7 @@ static void teardown(run *r) {
     free(r->config_text);
     free(r->train_json);
     free(r->init_from);
+    free(r->init_data);
     free(r->hs);
     free(r->hl);
     free(r->he);
