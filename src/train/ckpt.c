@@ -222,11 +222,13 @@ int tckpt_open(const char *path, tckpt *ck, k3_err *err) {
         char gots[16];
         snprintf(gots, sizeof gots, "%08x", got);
         if (strcmp(gots, want) != 0) {
+            /* the message first: want lives in the index that st_close frees */
+            k3_fail(err, K3_EXIT_DATA,
+                    "%s: payload checksum mismatch (crc32c %s, metadata says %s): the weights or optimizer "
+                    "state are corrupt", path, gots, want);
             st_close(ck->ix);
             ck->ix = NULL;
-            return k3_fail(err, K3_EXIT_DATA,
-                           "%s: payload checksum mismatch (crc32c %s, metadata says %s): the weights or optimizer "
-                           "state are corrupt", path, gots, want);
+            return K3_EXIT_DATA;
         }
     } else {
         ck->unverified = true;

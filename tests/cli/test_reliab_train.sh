@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# asan
 # Training-side hostile cases: a flipped bit in a checkpoint, non-finite
 # weights, stale temp files and sample folders left by kill -9, disk full
 # while writing. Each ends in one error line and its exit code.
