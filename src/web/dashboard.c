@@ -141,11 +141,9 @@ static void scan_parent(k3_dashboard *d, const char *parent) {
         names[n++] = xstrdup(e->d_name);
     }
     closedir(dir);
-    qsort(names, n, sizeof *names, cmp_str);
+    if (n) qsort(names, n, sizeof *names, cmp_str); /* names is NULL when no run was found */
     for (size_t i = 0; i < n; i++) {
-        size_t len = strlen(parent) + strlen(names[i]) + 2;
-        char *path = xmalloc(len);
-        snprintf(path, len, "%s/%s", parent, names[i]);
+        char *path = k3_path_join(parent, names[i]);
         add_run(d, path, names[i]);
         free(path);
         free(names[i]);

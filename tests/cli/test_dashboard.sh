@@ -300,6 +300,17 @@ if start_dash "$OUT/server2.log" --run-dir "$OUT/solo/a/run" --run-dir "$OUT/sol
 else
   fail "start-two" "$(cat "$OUT/server2.log.err")"
 fi
+
+# ---- an empty directory (the trainer has not written yet): shown as a run ----
+mkdir -p "$OUT/empty/new-run"
+if start_dash "$OUT/server3.log" --run-dir "$OUT/empty/new-run"; then
+  get /api/runs
+  ok empty-run-listed body_has '"name":"new-run"'
+  stop_wait "$DPID" TERM
+  ok empty-run-exit0 is "$RC" 0
+else
+  fail "empty-run-start" "$(cat "$OUT/server3.log.err")"
+fi
 PORT=$MAIN_PORT DPID=$MAIN_PID
 
 # ---- a non-loopback address warns ----
