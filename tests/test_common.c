@@ -6,6 +6,12 @@
 #include <math.h>
 #include <string.h>
 #include <stdlib.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 TEST(bf16_roundtrip_all_patterns) {
     for (uint32_t h = 0; h < 65536; h++) {
@@ -130,6 +136,47 @@ TEST(path_join_one_separator) {
         CHECK(strcmp(p, cases[i][2]) == 0);
         free(p);
     }
+}
+
+/* A killed writer's PID: a child that has exited and been reaped names no
+ * process; this process and a live child never count as gone. */
+TEST(pid_gone_only_for_dead_processes) {
+    CHECK(!k3_pid_gone((int64_t)getpid()));
+    CHECK(!k3_pid_gone(0) && !k3_pid_gone(-5) && !k3_pid_gone((int64_t)INT32_MAX + 1));
+    int fds[2];
+    CHECK(pipe(fds) == 0);
+    pid_t c = fork();
+    if (c == 0) { /* waits until the parent closes the pipe */
+        char b;
+        close(fds[1]);
+        (void)!read(fds[0], &b, 1);
+        _exit(0);
+    }
+    CHECK(c > 0);
+    close(fds[0]);
+    CHECK(!k3_pid_gone((int64_t)c)); /* alive */
+    close(fds[1]);
+    CHECK(waitpid(c, NULL, 0) == c);
+    CHECK(k3_pid_gone((int64_t)c)); /* exited and reaped */
+}
+
+TEST(remove_flat_dir_removes_files_and_dir) {
+    char tmpl[] = "/tmp/k3-flat-XXXXXX";
+    CHECK(mkdtemp(tmpl) != NULL);
+    for (int i = 0; i < 3; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "f%d", i);
+        char *p = k3_path_join(tmpl, name);
+        FILE *f = fopen(p, "w");
+        CHECK(f != NULL);
+        fputs("x", f);
+        fclose(f);
+        free(p);
+    }
+    k3_remove_flat_dir(tmpl);
+    struct stat st;
+    CHECK(stat(tmpl, &st) != 0 && errno == ENOENT);
+    k3_remove_flat_dir(tmpl); /* already gone: nothing to do, no crash */
 }
 
 TEST(parse_size_binary_units) {

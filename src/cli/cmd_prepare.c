@@ -135,34 +135,18 @@ static json_t *split_json(const split_stats *s) {
     return o;
 }
 
-/* Removes a flat directory (the staging directory holds plain files only). */
-static void remove_dir(const char *dir) {
-    DIR *d = opendir(dir);
-    if (d) {
-        struct dirent *e;
-        while ((e = readdir(d))) {
-            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-            char p[8400];
-            snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-            unlink(p);
-        }
-        closedir(d);
-    }
-    rmdir(dir);
-}
-
 static void remove_stale_stages(const char *out_dir) {
     DIR *d = opendir(out_dir);
     if (!d) return;
     struct dirent *e;
     while ((e = readdir(d))) {
         int64_t pid;
-        if (strncmp(e->d_name, ".k3-prepare.tmp.", 16) != 0 || !k3_parse_i64(e->d_name + 16, 1, INT32_MAX, &pid))
+        if (strncmp(e->d_name, ".k3-prepare.tmp.", 16) != 0 || !k3_parse_i64(e->d_name + 16, 1, INT32_MAX, &pid) ||
+            !k3_pid_gone(pid))
             continue;
-        if (pid == (int64_t)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
-        char p[8400];
-        snprintf(p, sizeof p, "%s/%s", out_dir, e->d_name);
-        remove_dir(p);
+        char *p = k3_path_join(out_dir, e->d_name); /* the staging directory holds plain files only */
+        k3_remove_flat_dir(p);
+        free(p);
     }
     closedir(d);
 }
@@ -175,10 +159,10 @@ static int unstage(const char *stage, const char *out_dir, k3_err *err) {
     int rc = K3_OK;
     while (!rc && (e = readdir(d))) {
         if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-        char from[8400], to[8400];
-        snprintf(from, sizeof from, "%s/%s", stage, e->d_name);
-        snprintf(to, sizeof to, "%s/%s", out_dir, e->d_name);
+        char *from = k3_path_join(stage, e->d_name), *to = k3_path_join(out_dir, e->d_name);
         if (rename(from, to) != 0) rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot move into place: %s", to, strerror(errno));
+        free(from);
+        free(to);
     }
     closedir(d);
     if (!rc) rmdir(stage);
@@ -419,7 +403,7 @@ int cmd_prepare(int argc, char **argv) {
            tok_vocab_size(tk), tok_n_base(tk), eot, t_tok, t_enc, out_dir);
 
 done:
-    if (staged) remove_dir(stage);
+    if (staged) k3_remove_flat_dir(stage);
     if (tk) tok_free(tk);
     corpus_free(&train);
     corpus_free(&valc);

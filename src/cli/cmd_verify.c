@@ -201,18 +201,18 @@ static int verify(const char *dir, const char *manifest, const char *write_to, b
     }
     uint64_t total = 0, done = 0;
     for (size_t f = 0; f < nfiles; f++) {
-        char p[8400];
-        snprintf(p, sizeof p, "%s/%s", dir, files[f]);
+        char *p = k3_path_join(dir, files[f]);
         if (stat(p, &st) == 0) total += (uint64_t)st.st_size;
+        free(p);
     }
     k3_progress pb;
     k3_progress_start(&pb, "sha256", total, true);
     if (quiet) pb.enabled = false;
     char (*hex)[65] = xcalloc(nfiles ? nfiles : 1, sizeof *hex);
     for (size_t f = 0; f < nfiles && !rc; f++) {
-        char p[8400];
-        snprintf(p, sizeof p, "%s/%s", dir, files[f]);
+        char *p = k3_path_join(dir, files[f]);
         rc = sha256_file(p, hex[f], &pb, &done, err);
+        free(p);
     }
     if (!rc) k3_progress_finish(&pb);
     size_t checked = 0;

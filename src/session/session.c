@@ -618,9 +618,9 @@ static int hash_shard_header(uint64_t *h, const char *path, k3_err *err) {
 
 int k3_model_identity(const char *model_dir, const char *tok_dir, uint64_t salt, uint64_t *out, k3_err *err) {
     uint64_t h = k3_fnv1a64(K3_FNV_OFFSET, &salt, sizeof salt);
-    char p[4096];
-    snprintf(p, sizeof p, "%s/config.json", model_dir);
+    char *p = k3_path_join(model_dir, "config.json");
     int rc = hash_file(&h, p, false, err);
+    free(p);
     if (rc) return rc;
     DIR *d = opendir(model_dir);
     if (!d) return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", model_dir, strerror(errno));
@@ -641,8 +641,9 @@ int k3_model_identity(const char *model_dir, const char *tok_dir, uint64_t salt,
     for (size_t i = 0; i < nn; i++) {
         if (!rc) {
             h = k3_fnv1a64(h, names[i], strlen(names[i]) + 1);
-            snprintf(p, sizeof p, "%s/%s", model_dir, names[i]);
+            p = k3_path_join(model_dir, names[i]);
             rc = hash_shard_header(&h, p, err);
+            free(p);
         }
         free(names[i]);
     }
@@ -651,8 +652,9 @@ int k3_model_identity(const char *model_dir, const char *tok_dir, uint64_t salt,
     const char *td = tok_dir ? tok_dir : model_dir;
     static const char *const tf[] = {"tiktoken.model", "tokenizer_config.json"};
     for (int i = 0; i < 2 && !rc; i++) {
-        snprintf(p, sizeof p, "%s/%s", td, tf[i]);
+        p = k3_path_join(td, tf[i]);
         rc = hash_file(&h, p, true, err);
+        free(p);
     }
     if (rc) return rc;
     *out = h;

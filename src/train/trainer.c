@@ -355,22 +355,10 @@ static void remove_stale_samples(const char *tdir) {
         if (strncmp(e->d_name, "k3-sample-", 10) != 0) continue;
         errno = 0;
         long pid = strtol(e->d_name + 10, &end, 10);
-        if (errno || end == e->d_name + 10 || *end != '-' || pid <= 0 || pid == (long)getpid()) continue;
-        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
-        char p[4200];
-        snprintf(p, sizeof p, "%s/%s", tdir, e->d_name);
-        DIR *sd = opendir(p);
-        if (sd) {
-            struct dirent *f;
-            while ((f = readdir(sd))) {
-                if (!strcmp(f->d_name, ".") || !strcmp(f->d_name, "..")) continue;
-                char q[8400];
-                snprintf(q, sizeof q, "%s/%s", p, f->d_name);
-                unlink(q);
-            }
-            closedir(sd);
-        }
-        rmdir(p);
+        if (errno || end == e->d_name + 10 || *end != '-' || !k3_pid_gone(pid)) continue;
+        char *p = k3_path_join(tdir, e->d_name);
+        k3_remove_flat_dir(p);
+        free(p);
     }
     closedir(d);
 }

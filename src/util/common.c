@@ -262,11 +262,8 @@ static void remove_stale_temps(const char *path) {
             const char *n = e->d_name;
             if (strncmp(n, base, bl) != 0 || strncmp(n + bl, ".tmp.", 5) != 0) continue;
             int64_t pid;
-            if (!k3_parse_i64(n + bl + 5, 1, INT32_MAX, &pid)) continue;
-            if (pid == (int64_t)getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
-            size_t m = strlen(dir) + strlen(n) + 2;
-            char *p = xmalloc(m);
-            snprintf(p, m, "%s/%s", dir, n);
+            if (!k3_parse_i64(n + bl + 5, 1, INT32_MAX, &pid) || !k3_pid_gone(pid)) continue;
+            char *p = k3_path_join(dir, n);
             unlink(p);
             free(p);
         }
@@ -281,6 +278,26 @@ char *k3_path_join(const char *dir, const char *name) {
     char *p = xmalloc(n);
     snprintf(p, n, "%s%s%s", dir, d == 0 || dir[d - 1] == '/' ? "" : "/", name);
     return p;
+}
+
+bool k3_pid_gone(int64_t pid) {
+    if (pid <= 0 || pid > INT32_MAX || pid == (int64_t)getpid()) return false;
+    return kill((pid_t)pid, 0) != 0 && errno == ESRCH;
+}
+
+void k3_remove_flat_dir(const char *dir) {
+    DIR *d = opendir(dir);
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d))) {
+            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+            char *p = k3_path_join(dir, e->d_name);
+            unlink(p);
+            free(p);
+        }
+        closedir(d);
+    }
+    rmdir(dir);
 }
 
 int k3_mkdir_p(const char *dir, k3_err *err) {

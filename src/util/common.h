@@ -104,6 +104,14 @@ int k3_mkdir_p(const char *dir, k3_err *err);
  * in one, and an empty dir (the working directory) gives name, never "/name". */
 char *k3_path_join(const char *dir, const char *name);
 
+/* Leftovers of killed writers (NAME.tmp.PID files, staging and sample
+ * folders) carry the writer's PID. True when pid names no live process and is
+ * not this one, i.e. nothing can still be writing there (a PID reused by an
+ * unrelated process only delays the clean-up). */
+bool k3_pid_gone(int64_t pid);
+/* Removes dir and the plain files in it (best effort: leftovers only). */
+void k3_remove_flat_dir(const char *dir);
+
 /* CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
  * Start with crc = 0; feed chunks by passing the previous result. */
 uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n);

@@ -53,6 +53,16 @@ expect_exit prepare_reuse 0 $K3 prepare --input "$VALID" --output-dir "$OUT/reus
   --validation-stories 100
 cmp -s "$D/train.bin" "$OUT/reuse/train.bin" && pass reuse_same_shard || fail reuse_same_shard
 cmp -s "$D/tiktoken.model" "$OUT/reuse/tiktoken.model" && pass reuse_copies_tokenizer || fail reuse_copies_tokenizer
+# a staging folder of a killed prepare (dead PID) is removed by the next
+# prepare into the same directory; a live process's stays
+DEAD=2147483646
+mkdir -p "$OUT/reuse/.k3-prepare.tmp.$DEAD" "$OUT/reuse/.k3-prepare.tmp.$$"
+echo junk >"$OUT/reuse/.k3-prepare.tmp.$DEAD/train.bin"
+expect_exit prepare_again 0 $K3 prepare --input "$VALID" --output-dir "$OUT/reuse" --tokenizer "$D" \
+  --validation-stories 100
+[ ! -e "$OUT/reuse/.k3-prepare.tmp.$DEAD" ] && pass stale_stage_removed || fail stale_stage_removed
+[ -d "$OUT/reuse/.k3-prepare.tmp.$$" ] && pass live_stage_kept || fail live_stage_kept
+rm -rf "$OUT/reuse/.k3-prepare.tmp.$$"
 
 # other formats: JSONL and plain text (documents split at blank lines)
 printf '{"text": "Once upon a time, there was a cat."}\n\n{"text": "The cat sat.\\nThe end.", "id": 2}\n{"text":"Tom ran."}\n' >"$OUT/c.jsonl"
