@@ -48,11 +48,11 @@ static int parse_dtype(const char *flag, const char *v, bool mx_ok, tex_dtype *o
 static const char *dname(tex_dtype d) { return d == TEX_MXFP4 ? "mxfp4" : d == TEX_BF16 ? "bf16" : "f32"; }
 
 static uint64_t file_size(const char *dir, const char *name) {
-    char p[4096];
+    char *p = k3_path_join(dir, name);
     struct stat st;
-    int k = snprintf(p, sizeof p, "%s/%s", dir, name);
-    if (k < 0 || (size_t)k >= sizeof p || stat(p, &st) != 0) return 0;
-    return (uint64_t)st.st_size;
+    int r = stat(p, &st);
+    free(p);
+    return r == 0 ? (uint64_t)st.st_size : 0;
 }
 
 int cmd_export(int argc, char **argv) {

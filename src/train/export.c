@@ -239,12 +239,6 @@ static int write_config(const char *path, const char *config_json, const texport
 
 /* ---- export ----------------------------------------------------------------------------- */
 
-static int path_join(char *buf, size_t n, const char *dir, const char *file, k3_err *err) {
-    int k = snprintf(buf, n, "%s/%s", dir, file);
-    if (k < 0 || (size_t)k >= n) return k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
-    return K3_OK;
-}
-
 static bool is_routed_expert(const char *name) {
     const char *s = strstr(name, "." K3N_EXPERTS);
     size_t n = strlen(name);
@@ -260,6 +254,15 @@ static int copy_file(const char *from, const char *to, bool optional, k3_err *er
     if (rc) return rc;
     rc = k3_write_file_atomic(to, data, len, err);
     free(data);
+    return rc;
+}
+
+/* from_dir/name copied to to_dir/name (the tokenizer files beside the weights) */
+static int copy_named(const char *from_dir, const char *to_dir, const char *name, bool optional, k3_err *err) {
+    char *from = k3_path_join(from_dir, name), *to = k3_path_join(to_dir, name);
+    int rc = copy_file(from, to, optional, err);
+    free(from);
+    free(to);
     return rc;
 }
 
@@ -333,20 +336,18 @@ int texport_write(const tmodel *m, const char *config_json, const char *out_dir,
         int64_t sh[1] = {c->num_experts};
         add_f32(&l, name, 1, sh, m->bias + (size_t)q * c->num_experts, (size_t)c->num_experts);
     }
-    char path[4096], from[4096];
-    rc = path_join(path, sizeof path, out_dir, "model.safetensors", err);
-    if (!rc) rc = write_safetensors(path, &l, o->step, err);
+    char *path = k3_path_join(out_dir, "model.safetensors");
+    rc = write_safetensors(path, &l, o->step, err);
+    free(path);
     list_free(&l);
     if (!rc && o->tok_dir) {
-        rc = path_join(from, sizeof from, o->tok_dir, "tiktoken.model", err);
-        if (!rc) rc = path_join(path, sizeof path, out_dir, "tiktoken.model", err);
-        if (!rc) rc = copy_file(from, path, false, err);
-        if (!rc) rc = path_join(from, sizeof from, o->tok_dir, "tokenizer_config.json", err);
-        if (!rc) rc = path_join(path, sizeof path, out_dir, "tokenizer_config.json", err);
-        if (!rc) rc = copy_file(from, path, true, err);
+        rc = copy_named(o->tok_dir, out_dir, "tiktoken.model", false, err);
+        if (!rc) rc = copy_named(o->tok_dir, out_dir, "tokenizer_config.json", true, err);
     }
-    if (!rc) rc = path_join(path, sizeof path, out_dir, "config.json", err);
-    if (!rc) rc = write_config(path, config_json, o, bos, eos, err);
+    if (rc) return rc;
+    path = k3_path_join(out_dir, "config.json");
+    rc = write_config(path, config_json, o, bos, eos, err);
+    free(path);
     return rc;
 }
 
