@@ -75,13 +75,15 @@ build/gen/web_assets.c: scripts/embed-web-assets.sh $(sort $(wildcard src/web/as
 setup:
 	bash scripts/setup.sh --test
 
-test: bin/k3 bin/k3-asan bin/k3-test bin/k3-test-asan bin/serve_scripted
+test: bin/k3 bin/k3-asan bin/k3-test bin/k3-test-asan bin/serve_scripted bin/serve_scripted-asan
 	bash tests/run.sh
 
 # k3 serve's HTTP server in front of a scripted test double of the model, for
 # tests/cli/test_serve_e2e.sh (not part of k3).
 $(BIN)/serve_scripted: $(BUILD)/rel/tests/serve/scripted_server.o $(REL_LIB) | $(BIN)
 	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)
+$(BIN)/serve_scripted-asan: $(BUILD)/asan/tests/serve/scripted_server.o $(ASN_LIB) | $(BIN)
+	$(CC) $(BASE) $(ASNFLAGS) -o $@ $^ $(LIBS)
 
 clean:
 	rm -rf build bin

@@ -8,12 +8,16 @@
  * per row (tj_close_rows). */
 #include "harness.h"
 #include "tjson.h"
+#include "kernels/internal.h"
 #include "kernels/kernels.h"
 #include "kernels/kmath.h"
 #include "util/common.h"
 
+#include <malloc.h>
 #include <math.h>
 #include <omp.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1091,4 +1095,39 @@ TEST(own_bf16_matvec) {
     }
     json_decref(j);
     pool_free();
+}
+
+/* ---- per-thread scratch ---------------------------------------------------------------- */
+#define SCRATCH_BIG ((size_t)48 << 20) /* above malloc's mmap threshold: counted in hblkhd */
+
+static void *scratch_thread(void *arg) {
+    uint8_t *a = k_scratch(K_SCRATCH_PANEL, SCRATCH_BIG);
+    memset(a, 1, SCRATCH_BIG); /* all of it is usable */
+    uint8_t *b = k_scratch(K_SCRATCH_PANEL, 4096);
+    uint8_t *c = k_scratch(K_SCRATCH_AMX, 4096);
+    bool ok = a == b && c != a && ((uintptr_t)a & 63) == 0 && ((uintptr_t)c & 63) == 0;
+    *(void **)arg = ok ? a : NULL;
+    return NULL;
+}
+
+/* Each thread gets its own buffer, kept while it lives (a smaller request
+ * returns the same one; another slot is another buffer), and a thread's
+ * buffers are freed when it exits: a server's and an OpenMP team's threads
+ * come and go. */
+TEST(scratch_per_thread_freed_at_exit) {
+    void *mine = k_scratch(K_SCRATCH_PANEL, 256);
+    CHECK(mine != NULL && ((uintptr_t)mine & 63) == 0);
+#ifndef __SANITIZE_ADDRESS__ /* ASan keeps its own heap: mallinfo2 does not see it */
+    size_t before = mallinfo2().hblkhd;
+#endif
+    void *got[4] = {0};
+    pthread_t th[4];
+    for (int i = 0; i < 4; i++) CHECK(pthread_create(&th[i], NULL, scratch_thread, &got[i]) == 0);
+    for (int i = 0; i < 4; i++) CHECK(pthread_join(th[i], NULL) == 0);
+    for (int i = 0; i < 4; i++) CHECK(got[i] != NULL && got[i] != mine);
+#ifndef __SANITIZE_ADDRESS__
+    size_t after = mallinfo2().hblkhd;
+    CHECK(after <= before + SCRATCH_BIG / 2); /* 4 x 48 MB were mapped and are gone again */
+#endif
+    CHECK(k_scratch(K_SCRATCH_PANEL, 128) == mine); /* the calling thread's own stays */
 }

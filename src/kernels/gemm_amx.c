@@ -177,23 +177,16 @@ TGA static void block32(float *C, ptrdiff_t ldcb, const uint16_t *a0, const uint
     _tile_stored(3, (char *)C + 16 * ldcb + 64, ldcb);
 }
 
-/* The packed operands live in a per-thread buffer that only grows: products
- * are called from the main thread and, for the experts, from inside a
- * parallel loop, and a fresh allocation per call cost page faults (about 6%
+/* The packed operands live in a per-thread scratch buffer (k_scratch):
+ * products are called from the main thread and, for the experts, from inside
+ * a parallel loop, and a fresh allocation per call cost page faults (about 6%
  * of a smol-50m step). */
-static _Thread_local uint16_t *tl_buf;
-static _Thread_local size_t tl_cap;
 
 TGA void tg_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc) {
     const int mb = (M + 31) / 32, nb = (N + 31) / 32, kb = (K + 31) / 32;
     const size_t asz = (size_t)mb * 2 * kb * 512, bsz = (size_t)nb * 2 * kb * 512; /* in bf16 */
     const bool nested = omp_in_parallel();
-    if (asz + bsz > tl_cap) {
-        free(tl_buf);
-        tl_cap = asz + bsz;
-        tl_buf = xmalloc_aligned(tl_cap * sizeof(uint16_t));
-    }
-    uint16_t *buf = tl_buf;
+    uint16_t *buf = k_scratch(K_SCRATCH_AMX, (asz + bsz) * sizeof(uint16_t));
     uint16_t *Ap = buf, *Bp = buf + asz;
     const double work = (double)M * N * K;
     const bool par = !nested && work > 4e5 && omp_get_max_threads() > 1;

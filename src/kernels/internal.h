@@ -62,6 +62,15 @@ static inline const char *k_mv_prefetch(const k3_mat *W, int rows, int r, int rb
     return (const char *)W->data + (size_t)r * row_bytes + dist;
 }
 
+/* Per-thread scratch of the SIMD paths: 64-byte aligned, at least bytes,
+ * contents undefined. It only grows and is kept while the thread lives, so a
+ * hot product pays no allocation or page faults per call; it is freed when
+ * the thread exits (a pthread key's destructor), so threads that end (an
+ * OpenMP team's, a server's) leave nothing behind. One buffer per slot: a
+ * caller may hold one slot's buffer while asking for another's. */
+typedef enum { K_SCRATCH_PANEL, K_SCRATCH_AMX, K_SCRATCH_N } k_scratch_slot;
+void *k_scratch(k_scratch_slot slot, size_t bytes);
+
 extern const k_vops k_scalar_ops;
 #if defined(__x86_64__)
 /* Partial tables are fine: a NULL slot runs the scalar primitive. */

@@ -7,6 +7,7 @@
 #include "util/common.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -543,4 +544,45 @@ K3_HOT void k_router_select(const float *logits, const float *bias, int n, int k
     free(s);
     free(sel);
     free(taken);
+}
+
+/* ---- per-thread scratch ---------------------------------------------------------------- */
+
+typedef struct {
+    void *p[K_SCRATCH_N];
+    size_t cap[K_SCRATCH_N];
+} scratch_set;
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void scratch_free(void *v) {
+    scratch_set *s = v;
+    for (int i = 0; i < K_SCRATCH_N; i++) free(s->p[i]);
+    free(s);
+}
+
+static void scratch_key_make(void) {
+    if (pthread_key_create(&scratch_key, scratch_free) != 0) {
+        fprintf(stderr, "k3: out of thread-specific keys for the kernels' scratch buffers\n");
+        exit(K3_EXIT_RUNTIME);
+    }
+}
+
+void *k_scratch(k_scratch_slot slot, size_t bytes) {
+    pthread_once(&scratch_once, scratch_key_make);
+    scratch_set *s = pthread_getspecific(scratch_key);
+    if (!s) {
+        s = xcalloc(1, sizeof *s);
+        if (pthread_setspecific(scratch_key, s) != 0) {
+            fprintf(stderr, "k3: cannot keep the kernels' per-thread scratch buffer\n");
+            exit(K3_EXIT_RUNTIME);
+        }
+    }
+    if (bytes > s->cap[slot]) {
+        free(s->p[slot]);
+        s->p[slot] = xmalloc_aligned(bytes);
+        s->cap[slot] = bytes;
+    }
+    return s->p[slot];
 }

@@ -684,17 +684,7 @@ TGT static void panel_decode(const k3_mat *W, int r, int nr, float *dst, size_t 
     }
 }
 
-/* The per-thread panel (grown on demand, kept for the thread's life). */
-static _Thread_local float *tl_panel;
-static _Thread_local size_t tl_panel_cap;
-static float *panel_buf(size_t floats) {
-    if (floats > tl_panel_cap) {
-        free(tl_panel);
-        tl_panel = xmalloc_aligned(floats * sizeof(float));
-        tl_panel_cap = floats;
-    }
-    return tl_panel;
-}
+static float *panel_buf(size_t floats) { return k_scratch(K_SCRATCH_PANEL, floats * sizeof(float)); }
 
 static bool panel_fits(const k3_mat *W, int n) {
     return n >= PN_MIN && W->cols % 16 == 0 && (W->type != KW_MXFP4 || mx_fast(W));

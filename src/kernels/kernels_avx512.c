@@ -769,18 +769,7 @@ typedef void (*ptile_fn)(const pan *, int, int, int, int, int, float *);
 static const ptile_fn ptile_4[7] = {NULL, ptile_4x1, ptile_4x2, ptile_4x3, ptile_4x4, ptile_4x5, ptile_4x6};
 static const ptile_fn ptile_1[7] = {NULL, ptile_1x1, ptile_1x2, ptile_1x3, ptile_1x4, ptile_1x5, ptile_1x6};
 
-/* The per-thread panel (grown on demand, kept for the thread's life). */
-static _Thread_local float *tl_panel;
-static _Thread_local size_t tl_panel_cap;
-
-static float *panel_buf(size_t floats) {
-    if (floats > tl_panel_cap) {
-        free(tl_panel);
-        tl_panel = xmalloc_aligned(floats * sizeof(float));
-        tl_panel_cap = floats;
-    }
-    return tl_panel;
-}
+static float *panel_buf(size_t floats) { return k_scratch(K_SCRATCH_PANEL, floats * sizeof(float)); }
 
 TGT static void rowdots_panel(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1) {
     size_t ld = ((size_t)W->cols + 15) / 16 * 16;

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# asan
 # k3 serve with real clients, on a chat model generated at test time (random
 # weights, the Kimi tokenizer's 163,840-entry vocabulary, by
 # tools/gen_checkpoint.py; cached under tests/out):
@@ -38,8 +39,9 @@ if [ "$(cat "$CK.stamp" 2>/dev/null)" != "$GEN" ] || [ ! -f "$CK/config.json" ];
 fi
 pass "model ($(du -sh "$CK" | cut -f1), vocab $(grep -o '"vocab_size": *[0-9]*' "$CK/config.json" | head -n 1 | grep -o '[0-9]*$'))"
 
-# ---- the scripted model's server (make bin/serve_scripted: the release objects) ----
-SCRIPTED=${SCRIPTED:-bin/serve_scripted}
+# ---- the scripted model's server (make bin/serve_scripted: the release objects;
+# bin/serve_scripted-asan beside bin/k3-asan) ----
+case "$K3" in *-asan) SCRIPTED=${SCRIPTED:-bin/serve_scripted-asan} ;; *) SCRIPTED=${SCRIPTED:-bin/serve_scripted} ;; esac
 if ! make -s "$SCRIPTED" >"$OUT/scripted-build.log" 2>&1; then
   fail "build-scripted-server" "$(tail -c 400 "$OUT/scripted-build.log")"; finish; exit 1
 fi
