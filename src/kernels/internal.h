@@ -49,17 +49,24 @@ typedef struct {
                                  const float *a2, const float *k2, float *u2);
 } k_vops;
 
-/* Software prefetch of the matrix-vector tiles (one input). A tile's rb
+/* Software prefetch of the matrix-vector tiles (tb == 1 input). A tile's rb
  * rows are one contiguous run of the matrix, so while it sweeps its columns
  * it asks for the bytes dist past its start, in step with what it consumes,
  * and the tiles after it find their rows in cache: the hardware prefetcher
  * ramps up too slowly on a tile's short row streams (a row of a 1280-wide
- * BF16 matrix is 40 lines). Returns that address, or NULL where it would run
- * past the matrix's rows rows. A prefetch changes no bits. */
-static inline const char *k_mv_prefetch(const k3_mat *W, int rows, int r, int rb, size_t row_bytes,
+ * BF16 matrix is 40 lines). Returns that address, or NULL for several inputs
+ * or where it would run past the matrix's rows rows. A MXFP4 tile also asks
+ * for those rows' scales at once (k_mv_prefetch_scales). A prefetch changes
+ * no bits. */
+static inline const char *k_mv_prefetch(const k3_mat *W, int rows, int r, int rb, int tb, size_t row_bytes,
                                         size_t dist) {
-    if ((size_t)(r + rb) * row_bytes + dist > (size_t)rows * row_bytes) return NULL;
+    if (tb != 1 || (size_t)(r + rb) * row_bytes + dist > (size_t)rows * row_bytes) return NULL;
     return (const char *)W->data + (size_t)r * row_bytes + dist;
+}
+/* the ng scales a row of each of the rb rows dist bytes past row r's */
+static inline void k_mv_prefetch_scales(const k3_mat *W, int r, int rb, size_t row_bytes, int ng, size_t dist) {
+    const char *ps = (const char *)W->scales + (size_t)r * (size_t)ng + dist / row_bytes * (size_t)ng;
+    for (int q = 0; q < rb * ng; q += 64) __builtin_prefetch(ps + q, 0, 3); /* prefetcht0 on x86 */
 }
 
 /* Per-thread scratch of the SIMD paths: 64-byte aligned, at least bytes,

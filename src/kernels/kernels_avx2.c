@@ -468,10 +468,6 @@ __attribute__((constructor)) static void e8m0_init(void) {
 #ifndef K_PF_BYTES
 #define K_PF_BYTES ((size_t)8 * 1024)
 #endif
-INL const char *mv_prefetch_base(const prod *P, int r, int rb, int tb, size_t row_bytes) {
-    return tb == 1 ? k_mv_prefetch(P->W, P->rows, r, rb, row_bytes, K_PF_BYTES) : NULL;
-}
-
 /* Closes a tile: Y[t0 + t][r + i] = tree of (lo, hi), finishing a column
  * tail from j in scalar. */
 #define TILE_CLOSE(RB, TB)                                                                     \
@@ -503,7 +499,7 @@ INL const char *mv_prefetch_base(const prod *P, int r, int rb, int tb, size_t ro
     __m256 lo[RB][TB], hi[RB][TB];                                                             \
     UNROLL for (int i = 0; i < RB; i++)                                                        \
         UNROLL for (int t = 0; t < TB; t++) lo[i][t] = hi[i][t] = _mm256_setzero_ps();         \
-    const char *pf = mv_prefetch_base(P, r, RB, TB, (size_t)cols * ESZ);                       \
+    const char *pf = k_mv_prefetch(P->W, P->rows, r, RB, TB, (size_t)cols * ESZ, K_PF_BYTES);  \
     int j = 0;                                                                                 \
     for (; j + 16 <= cols; j += 16) {                                                          \
         if (pf)                                                                                \
@@ -539,11 +535,8 @@ INL const char *mv_prefetch_base(const prod *P, int r, int rb, int tb, size_t ro
         UNROLL for (int t = 0; t < TB; t++) lo[i][t] = hi[i][t] = _mm256_setzero_ps();         \
     const __m256 e2m1 = _mm256_loadu_ps(k_e2m1);                                               \
     const __m256i sh = mx_shifts();                                                            \
-    const char *pf = mv_prefetch_base(P, r, RB, TB, (size_t)(cols / 2));                       \
-    if (pf) {                                                                                  \
-        const char *ps = (const char *)sc[0] + K_PF_BYTES / (size_t)(cols / 2) * (size_t)ng;   \
-        for (int q = 0; q < RB * ng; q += 64) _mm_prefetch(ps + q, _MM_HINT_T0);               \
-    }                                                                                          \
+    const char *pf = k_mv_prefetch(P->W, P->rows, r, RB, TB, (size_t)(cols / 2), K_PF_BYTES);  \
+    if (pf) k_mv_prefetch_scales(P->W, r, RB, (size_t)(cols / 2), ng, K_PF_BYTES);             \
     int j = 0;                                                                                 \
     for (int g = 0; g < ng; g++) {                                                             \
         __m256 lut[RB];                                                                        \
