@@ -638,30 +638,25 @@ static int open_fd(run *r, const char *name, int *fd, k3_err *err) {
 /* Token ids mean nothing across tokenizers: a run started with --init must
  * read shards written with the checkpoint's tokenizer (k3 prepare
  * --tokenizer). The checkpoint names the data directory it was trained on;
- * where that tokenizer can still be read the two are compared byte for byte. */
+ * where that tokenizer can still be read the two are compared by the hash
+ * their shards carry (data_tokenizer_hash: vocabulary and special tokens). */
 static int same_tokenizer(const char *was, const char *now, const char *ckpt, bool quiet, k3_err *err) {
     if (!was) return K3_OK;
-    char *pa = k3_path_join(was, "tiktoken.model"), *pb = k3_path_join(now, "tiktoken.model");
-    char *a = NULL, *b = NULL;
-    size_t na = 0, nb = 0;
+    uint64_t a, b;
     k3_err ignore = {0};
-    int rc = K3_OK;
-    if (k3_read_file(pa, &a, &na, &ignore)) {
+    if (data_tokenizer_hash(was, &a, &ignore)) {
         if (!quiet)
             fprintf(stderr, "k3: note: %s was trained on %s, whose tokenizer cannot be read here: make sure %s was "
                             "prepared with the same one (k3 prepare --tokenizer)\n", ckpt, was, now);
-    } else if (k3_read_file(pb, &b, &nb, err)) {
-        rc = err->code ? err->code : K3_EXIT_USAGE;
-    } else if (na != nb || memcmp(a, b, na) != 0) {
-        rc = k3_fail(err, K3_EXIT_USAGE,
-                     "%s: its tokenizer differs from the one %s was trained with (%s): prepare the data with "
-                     "k3 prepare --tokenizer %s", now, ckpt, pa, was);
+        return K3_OK;
     }
-    free(a);
-    free(b);
-    free(pa);
-    free(pb);
-    return rc;
+    int rc = data_tokenizer_hash(now, &b, err);
+    if (rc) return rc;
+    if (a != b)
+        return k3_fail(err, K3_EXIT_USAGE,
+                       "%s: its tokenizer differs from the one %s was trained with (in %s): prepare the data with "
+                       "k3 prepare --tokenizer %s", now, ckpt, was, was);
+    return K3_OK;
 }
 
 static int setup(run *r, k3_err *err) {
