@@ -27,8 +27,10 @@ tally() { # reads a log, adds its closing counts
 run() { # NAME CMD...
   local name=$1; shift
   echo "== $name"
+  local t0=$SECONDS
   "$@" 2>&1 | tee "tests/out/$name.log"
   local rc=${PIPESTATUS[0]}
+  echo "== $name took $((SECONDS - t0)) s" # where the suite's time goes
   tally "tests/out/$name.log" "$name"
   if [ "$rc" -ne 0 ] && ! grep -qE '^[0-9]+ passed, [1-9][0-9]* failed' "tests/out/$name.log"; then
     echo "FAIL $name: exited $rc"; F=$((F + 1))
@@ -44,5 +46,6 @@ for s in tests/cli/test_*.sh; do
   if grep -q '^# asan' "$s"; then K3=bin/k3-asan run "cli-$n-asan" bash "$s"; fi
 done
 echo
+echo "suite: $SECONDS s"
 echo "$P passed, $F failed, $S skipped"
 [ "$F" -eq 0 ]
