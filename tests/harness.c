@@ -52,7 +52,11 @@ static const char *ring(const char *a, const char *b) {
     static char bufs[8][4096];
     static int i;
     char *d = bufs[i++ & 7];
-    snprintf(d, 4096, "%s/%s", a, b);
+    int n = snprintf(d, 4096, "%s/%s", a, b);
+    if (n < 0 || n >= 4096) { /* a cut path would name another file */
+        fprintf(stderr, "harness: path %s/%s is longer than 4095 bytes\n", a, b);
+        exit(1);
+    }
     return d;
 }
 
@@ -64,6 +68,11 @@ const char *t_shared(const char *rel) {
 const char *t_repo(const char *rel) { return ring(".", rel); }
 
 bool t_have(const char *path) { return access(path, F_OK) == 0; }
+
+const char *t_no_threads(void) {
+    const char *why = getenv("K3_TEST_NO_THREADS");
+    return why && *why ? why : NULL;
+}
 
 static void mkdirs_for(const char *path) { /* every folder above path */
     char d[4096];

@@ -12,7 +12,10 @@
  * tests/out/fixtures/REL; t_repo("configs/...") resolves inside the repository
  * root; t_shared("docs/...") inside ../shared (or $K3_SHARED), only for the few
  * checks whose input may not be committed, which SKIP without it (t_have);
- * t_outdir() is a scratch directory for this test (tests/out/<test name>). */
+ * t_outdir() is a scratch directory for this test (tests/out/<test name>).
+ * A test that starts threads of its own begins with NEEDS_THREADS(): where
+ * the environment says threads cannot run (K3_TEST_NO_THREADS holds the
+ * reason, as under an emulator that stalls on them) it skips with that reason. */
 #ifndef K3_TEST_HARNESS_H
 #define K3_TEST_HARNESS_H
 
@@ -29,6 +32,7 @@ const char *t_shared(const char *rel);
 bool t_have(const char *path); /* the file exists */
 const char *t_repo(const char *rel);
 const char *t_outdir(void);
+const char *t_no_threads(void); /* K3_TEST_NO_THREADS, or NULL */
 
 #define TEST(name)                                                       \
     static void name(void);                                              \
@@ -48,5 +52,10 @@ const char *t_outdir(void);
     } while (0)
 
 #define SKIP(reason) do { t_skip(reason); return; } while (0)
+
+#define NEEDS_THREADS()                                                  \
+    do {                                                                 \
+        if (t_no_threads()) SKIP(t_no_threads());                        \
+    } while (0)
 
 #endif

@@ -1115,6 +1115,7 @@ static void *scratch_thread(void *arg) {
  * buffers are freed when it exits: a server's and an OpenMP team's threads
  * come and go. */
 TEST(scratch_per_thread_freed_at_exit) {
+    NEEDS_THREADS();
     void *mine = k_scratch(K_SCRATCH_PANEL, 256);
     CHECK(mine != NULL && ((uintptr_t)mine & 63) == 0);
 #ifndef __SANITIZE_ADDRESS__ /* ASan keeps its own heap: mallinfo2 does not see it */
