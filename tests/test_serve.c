@@ -3,6 +3,7 @@
 #include "harness.h"
 #include "serve/serve.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,6 +65,85 @@ TEST(serve_parse_fields) {
     k3_serve_req_free(&r);
 }
 
+/* the fields OpenAI's clients send: developer, every reasoning_effort, modalities,
+ * n, logprobs, penalties, logit_bias */
+TEST(serve_parse_client_fields) {
+    k3_serve_req r;
+    k3_serve_error e;
+    const char *b = "{\"messages\":[{\"role\":\"developer\",\"content\":\"be brief\"},{\"role\":\"user\","
+                    "\"content\":[{\"type\":\"text\",\"text\":\"x\"}]}],\"modalities\":[\"text\"],\"n\":3,"
+                    "\"logprobs\":true,\"top_logprobs\":4,\"presence_penalty\":0.5,\"frequency_penalty\":-0.25,"
+                    "\"repetition_penalty\":1.2,\"logit_bias\":{\"30\":-100,\"7\":2.5},\"prompt_cache_key\":\"k\"}";
+    CHECKF(parse(b, K3_REQ_CHAT, &r, &e) == 0, "%s", e.message);
+    const json_t *m0 = json_array_get(json_object_get(r.chat, "messages"), 0);
+    CHECK(!strcmp(json_string_value(json_object_get(m0, "role")), "system"));
+    CHECK(r.n == 3 && r.logprobs && r.top_logprobs == 4);
+    CHECK(r.presence_penalty == 0.5f && r.frequency_penalty == -0.25f && r.repetition_penalty == 1.2f);
+    /* sorted by id */
+    CHECK(r.nbias == 2 && r.bias_ids[0] == 7 && r.bias[0] == 2.5f && r.bias_ids[1] == 30 && r.bias[1] == -100.0f);
+    k3_serve_req_free(&r);
+    /* defaults: one choice, nothing processed */
+    CHECK(parse("{\"prompt\":\"a\"}", K3_REQ_COMPLETION, &r, &e) == 0);
+    CHECK(r.n == 1 && !r.logprobs && r.repetition_penalty == 1.0f && r.presence_penalty == 0 && r.nbias == 0);
+    k3_serve_req_free(&r);
+    /* the legacy endpoint's logprobs is a count */
+    CHECK(parse("{\"prompt\":\"a\",\"logprobs\":3}", K3_REQ_COMPLETION, &r, &e) == 0);
+    CHECK(r.logprobs && r.top_logprobs == 3);
+    k3_serve_req_free(&r);
+    /* every documented effort: thinking off, or the template's effort (medium: none rendered) */
+    static const struct { const char *openai, *effort; bool thinking; } eff[] = {
+        {"none", NULL, false}, {"minimal", "low", true}, {"low", "low", true}, {"medium", NULL, true},
+        {"high", "high", true}, {"xhigh", "max", true}, {"max", "max", true}};
+    for (size_t i = 0; i < sizeof eff / sizeof eff[0]; i++) {
+        char body[160];
+        snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"reasoning_effort\":\"%s\"}",
+                 eff[i].openai);
+        CHECKF(parse(body, K3_REQ_CHAT, &r, &e) == 0, "%s: %s", eff[i].openai, e.message);
+        const json_t *te = json_object_get(r.chat, "thinking_effort");
+        CHECKF(eff[i].effort ? te && !strcmp(json_string_value(te), eff[i].effort) : te == NULL, "%s", eff[i].openai);
+        CHECKF(r.thinking == eff[i].thinking && json_is_boolean(json_object_get(r.chat, "thinking")) &&
+                   json_is_true(json_object_get(r.chat, "thinking")) == eff[i].thinking, "%s", eff[i].openai);
+        k3_serve_req_free(&r);
+    }
+}
+
+/* penalties and bias change exactly the ids they name, as documented; off,
+ * the logits are handed through untouched */
+TEST(serve_logit_processing) {
+    enum { V = 8 };
+    const float base[V] = {2.0f, -1.0f, 0.5f, 3.0f, -2.0f, 0.0f, 1.0f, 4.0f};
+    k3_serve_req r;
+    k3_serve_error e;
+    CHECK(parse("{\"prompt\":\"a\"}", K3_REQ_COMPLETION, &r, &e) == 0);
+    k3_logit_proc p;
+    const int32_t prompt[] = {0, 1, 1};
+    k3_logit_proc_init(&p, &r, V, prompt, 3);
+    CHECK(k3_logit_proc_apply(&p, base) == base);
+    k3_logit_proc_free(&p);
+    k3_serve_req_free(&r);
+    CHECK(parse("{\"prompt\":\"a\",\"repetition_penalty\":2,\"presence_penalty\":0.5,\"frequency_penalty\":0.25,"
+                "\"logit_bias\":{\"7\":-100,\"4\":1}}", K3_REQ_COMPLETION, &r, &e) == 0);
+    k3_logit_proc_init(&p, &r, V, prompt, 3);
+    k3_logit_proc_accept(&p, 3);
+    k3_logit_proc_accept(&p, 3);
+    k3_logit_proc_accept(&p, 1);
+    const float *w = k3_logit_proc_apply(&p, base);
+    /* 0: prompt only, positive: /2; 1: prompt and reply once, negative: *2 - 0.25 - 0.5;
+     * 3: reply twice: /2 - 0.5 - 0.5; 4: bias +1; 7: bias -100; the rest untouched */
+    const float want[V] = {1.0f, -2.75f, 0.5f, 0.5f, -1.0f, 0.0f, 1.0f, -96.0f};
+    for (int i = 0; i < V; i++) CHECKF(w[i] == want[i], "id %d: %g, want %g", i, w[i], want[i]);
+    k3_logit_proc_free(&p);
+    k3_serve_req_free(&r);
+    /* log-softmax and the top ids (ties: lower id first) */
+    const float l[5] = {1.0f, 3.0f, 3.0f, -1.0f, 2.0f};
+    k3_logprob top[3];
+    float x = k3_logprobs(l, 5, 4, 3, top);
+    double lse = log(exp(1.0) + 2 * exp(3.0) + exp(-1.0) + exp(2.0));
+    CHECKF(fabs(x - (2.0 - lse)) < 1e-6, "%g", x);
+    CHECK(top[0].id == 1 && top[1].id == 2 && top[2].id == 4);
+    CHECK(fabs(top[0].logprob - (3.0 - lse)) < 1e-6 && top[0].logprob == top[1].logprob);
+}
+
 /* every refusal: status, code and the parameter it names */
 TEST(serve_parse_errors) {
     static const struct {
@@ -85,11 +165,28 @@ TEST(serve_parse_errors) {
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"stop\":\"\"}", "invalid_value", "stop"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"stop\":[\"x\",\"\"]}", "invalid_value", "stop[1]"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"stop\":5}", "invalid_type", "stop"},
-        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"n\":3}", "unsupported_value", "n"},
-        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":5}", "unsupported_value", "logprobs"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"n\":9}", "invalid_value", "n"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"n\":0}", "invalid_value", "n"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":21}", "invalid_value", "logprobs"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logprobs\":true}", "invalid_type", "logprobs"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"logprobs\":2}", "invalid_type", "logprobs"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"top_logprobs\":2}", "invalid_value", "top_logprobs"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"logprobs\":true,\"top_logprobs\":21}", "invalid_value", "top_logprobs"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"echo\":true}", "unsupported_value", "echo"},
-        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"frequency_penalty\":1}", "unsupported_value", "frequency_penalty"},
-        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":{\"5\":10}}", "unsupported_value", "logit_bias"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"frequency_penalty\":2.5}", "invalid_value", "frequency_penalty"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"presence_penalty\":\"x\"}", "invalid_type", "presence_penalty"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"repetition_penalty\":0}", "invalid_value", "repetition_penalty"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":{\"5\":101}}", "invalid_value", "logit_bias.5"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":{\"x\":1}}", "invalid_value", "logit_bias.x"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":{\"-1\":1}}", "invalid_value", "logit_bias.-1"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":[1]}", "invalid_type", "logit_bias"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"modalities\":[\"text\"]}", "unknown_parameter", "modalities"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"modalities\":[\"text\",\"audio\"]}", "unsupported_value", "modalities"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"modalities\":\"text\"}", "invalid_type", "modalities"},
+        {K3_REQ_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"a\"},"
+                      "{\"type\":\"image_url\",\"image_url\":{\"url\":\"http://x/y.png\"}}]}]}",
+         "unsupported_value", "messages[0].content[1].type"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"reasoning_effort\":\"turbo\"}", "invalid_value", "reasoning_effort"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"wat\":1}", "unknown_parameter", "wat"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"tools\":[]}", "unknown_parameter", "tools"},
         {K3_REQ_CHAT, "{\"messages\":[{}],\"prompt\":\"a\"}", "unknown_parameter", "prompt"},

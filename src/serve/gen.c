@@ -7,7 +7,11 @@
  * Text leaves through two filters, in order: the tokenizer's incremental
  * decoder (only complete UTF-8 characters) and the stop-string matcher (text
  * that may still turn into a stop string is held back). So a streamed reply
- * concatenates to exactly the non-streamed one. */
+ * concatenates to exactly the non-streamed one.
+ *
+ * A request for n choices computes them one after another, each from the same
+ * prompt (the second prefill resumes from the state cache) with seed + i;
+ * streamed, their chunks follow each other, each with its index. */
 #include "serve/serve_impl.h"
 #include "model/model.h"
 
@@ -21,12 +25,20 @@ typedef struct {
     k3_serve *s;
     k3_job *j;
     bool chat, stream;
+    int index;             /* the choice being computed */
     k3_stopper stop;
     k3_sbuf text;          /* completion text / chat content, after the stop filter */
     k3_sbuf reasoning;     /* chat reasoning */
     json_t *tool_calls;    /* chat: array of completed calls */
-    size_t ngen, reused;
+    size_t ngen, reused;   /* this choice's generated ids; the first prefill's reused ids */
+    size_t ngen_all;       /* every choice's */
+    size_t ncalls;         /* tool calls of the whole response (their ids) */
     bool started;          /* chat stream: the role chunk went out */
+    /* logprobs: chat {"content": [entries]}, completion {"tokens", "token_logprobs",
+     * "top_logprobs", "text_offset"}; pending holds what the next chunk carries */
+    json_t *lp_all, *lp_pending;
+    size_t text_off;       /* completion: bytes of the tokens so far */
+    json_t *choices;       /* not streamed: the finished choices */
 } gen_ctx;
 
 /* Valid UTF-8 for JSON: invalid bytes become U+FFFD (only at a flush of
@@ -50,8 +62,76 @@ static json_t *json_text(const char *p, size_t n) {
 
 static json_t *usage(const gen_ctx *g) {
     return json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", (json_int_t)g->j->n, "completion_tokens",
-                     (json_int_t)g->ngen, "total_tokens", (json_int_t)(g->j->n + g->ngen), "prompt_tokens_details",
-                     "cached_tokens", (json_int_t)g->reused);
+                     (json_int_t)g->ngen_all, "total_tokens", (json_int_t)(g->j->n + g->ngen_all),
+                     "prompt_tokens_details", "cached_tokens", (json_int_t)g->reused);
+}
+
+/* ---- logprobs, in OpenAI's two shapes ---- */
+
+static json_t *lp_new(const gen_ctx *g) {
+    if (g->chat) return json_pack("{s:[], s:n}", "content", "refusal");
+    return json_pack("{s:[], s:[], s:[], s:[]}", "tokens", "token_logprobs", "top_logprobs", "text_offset");
+}
+
+static bool lp_empty(const gen_ctx *g, const json_t *lp) {
+    return json_array_size(json_object_get(lp, g->chat ? "content" : "tokens")) == 0;
+}
+
+static json_t *tok_bytes_json(const uint8_t *b, size_t n) {
+    json_t *a = json_array();
+    for (size_t i = 0; i < n; i++) json_array_append_new(a, json_integer(b[i]));
+    return a;
+}
+
+/* Appends the entry of sampled id (logits: what the sampler saw) to lp. */
+static void lp_put(gen_ctx *g, json_t *lp, const float *logits, int32_t id) {
+    const k3_serve_model *m = &g->s->m;
+    k3_logprob top[K3_SERVE_MAX_LOGPROBS];
+    int k = g->j->req.top_logprobs;
+    float x = k3_logprobs(logits, m->vocab, id, k, top);
+    size_t nb = 0;
+    const uint8_t *b = tok_token_bytes(m->tok, id, &nb);
+    if (!b) nb = 0;
+    if (g->chat) {
+        json_t *alts = json_array();
+        for (int i = 0; i < k; i++) {
+            size_t na = 0;
+            const uint8_t *a = tok_token_bytes(m->tok, top[i].id, &na);
+            if (!a) na = 0;
+            json_array_append_new(alts, json_pack("{s:o, s:f, s:o}", "token", json_text((const char *)a, na), "logprob",
+                                                  (double)top[i].logprob, "bytes", tok_bytes_json(a, na)));
+        }
+        json_array_append_new(json_object_get(lp, "content"),
+                              json_pack("{s:o, s:f, s:o, s:o}", "token", json_text((const char *)b, nb), "logprob",
+                                        (double)x, "bytes", tok_bytes_json(b, nb), "top_logprobs", alts));
+        return;
+    }
+    json_t *alts = json_object();
+    for (int i = 0; i < k; i++) {
+        size_t na = 0;
+        const uint8_t *a = tok_token_bytes(m->tok, top[i].id, &na);
+        json_t *t = json_text(a ? (const char *)a : "", a ? na : 0);
+        json_object_set_new(alts, json_string_value(t), json_real((double)top[i].logprob));
+        json_decref(t);
+    }
+    json_array_append_new(json_object_get(lp, "tokens"), json_text((const char *)b, nb));
+    json_array_append_new(json_object_get(lp, "token_logprobs"), json_real((double)x));
+    json_array_append_new(json_object_get(lp, "top_logprobs"), alts);
+    json_array_append_new(json_object_get(lp, "text_offset"), json_integer((json_int_t)g->text_off));
+    g->text_off += nb;
+}
+
+static const char *const LP_KEYS[] = {"content", "tokens", "token_logprobs", "top_logprobs", "text_offset"};
+
+/* The entry of a sampled id into the reply's logprobs, and into the next
+ * chunk's when streaming. */
+static void lp_add(gen_ctx *g, const float *logits, int32_t id) {
+    lp_put(g, g->lp_all, logits, id);
+    if (!g->lp_pending) return;
+    for (int q = g->chat ? 0 : 1; q < (g->chat ? 1 : 5); q++) {
+        json_t *all = json_object_get(g->lp_all, LP_KEYS[q]);
+        json_array_append(json_object_get(g->lp_pending, LP_KEYS[q]), json_array_get(all, json_array_size(all) - 1));
+    }
 }
 
 static json_t *envelope(const gen_ctx *g, bool chunk) {
@@ -74,13 +154,19 @@ static void emit_event(gen_ctx *g, json_t *o) {
     free(p);
 }
 
-/* A streamed chunk with one choice: delta (chat) or text (completion). */
+/* A streamed chunk with one choice: delta (chat) or text (completion); it
+ * carries the logprobs of the ids sampled since the last chunk. */
 static void emit_choice(gen_ctx *g, json_t *delta_or_text, const char *finish) {
     json_t *o = envelope(g, true);
     json_t *ch = json_object();
-    json_object_set_new(ch, "index", json_integer(0));
+    json_object_set_new(ch, "index", json_integer(g->index));
     json_object_set_new(ch, g->chat ? "delta" : "text", delta_or_text);
-    json_object_set_new(ch, "logprobs", json_null());
+    if (g->lp_pending && !lp_empty(g, g->lp_pending)) {
+        json_object_set_new(ch, "logprobs", g->lp_pending);
+        g->lp_pending = lp_new(g);
+    } else {
+        json_object_set_new(ch, "logprobs", json_null());
+    }
     json_object_set_new(ch, "finish_reason", finish ? json_string(finish) : json_null());
     json_object_set_new(o, "choices", json_pack("[o]", ch));
     emit_event(g, o);
@@ -115,10 +201,18 @@ static void reasoning(gen_ctx *g, const char *p, size_t n) {
     emit_choice(g, json_pack("{s:o}", "reasoning_content", json_text(p, n)), NULL);
 }
 
-static void tool_call(gen_ctx *g, json_t *call) {
+/* The parser numbers calls within a message (call_1, ...); a conversation
+ * sends every earlier call back, so the id is made unique to this response:
+ * call_<the response id's serial>_<k>. */
+static void tool_call(gen_ctx *g, json_t *parsed) {
     if (!g->tool_calls) g->tool_calls = json_array();
     size_t index = json_array_size(g->tool_calls);
-    json_array_append(g->tool_calls, call);
+    json_t *call = json_deep_copy(parsed);
+    const char *serial = strchr(g->j->id, '-');
+    char id[96];
+    snprintf(id, sizeof id, "call_%s_%zu", serial ? serial + 1 : g->j->id, ++g->ncalls);
+    json_object_set_new(call, "id", json_string(id));
+    json_array_append_new(g->tool_calls, call);
     if (!g->stream) return;
     chat_start(g);
     json_t *c = json_deep_copy(call);
@@ -147,10 +241,8 @@ static void flush_text(gen_ctx *g) {
     put_text(g, out, nout);
 }
 
-/* The end of a job that produced a response (finish: stop, length, tool_calls). */
-static void finish_ok(gen_ctx *g, const char *finish) {
-    k3_serve *s = g->s;
-    k3_job *j = g->j;
+/* The end of one choice (finish: stop, length, tool_calls). */
+static void finish_choice(gen_ctx *g, const char *finish) {
     if (g->stream) {
         if (g->chat) {
             chat_start(g);
@@ -158,19 +250,10 @@ static void finish_ok(gen_ctx *g, const char *finish) {
         } else {
             emit_choice(g, json_string(""), finish);
         }
-        if (j->req.include_usage) {
-            json_t *o = envelope(g, true);
-            json_object_set_new(o, "choices", json_array());
-            json_object_set_new(o, "usage", usage(g));
-            emit_event(g, o);
-        }
-        k3_job_emit(s, j, "data: [DONE]\n\n", 14);
-        k3_job_finish(s, j, 200);
         return;
     }
-    json_t *o = envelope(g, false);
     json_t *ch = json_object();
-    json_object_set_new(ch, "index", json_integer(0));
+    json_object_set_new(ch, "index", json_integer(g->index));
     if (g->chat) {
         json_t *msg = json_object();
         json_object_set_new(msg, "role", json_string("assistant"));
@@ -183,9 +266,28 @@ static void finish_ok(gen_ctx *g, const char *finish) {
     } else {
         json_object_set_new(ch, "text", json_text(g->text.p ? g->text.p : "", g->text.n));
     }
-    json_object_set_new(ch, "logprobs", json_null());
+    json_object_set(ch, "logprobs", g->lp_all ? g->lp_all : json_null());
     json_object_set_new(ch, "finish_reason", json_string(finish));
-    json_object_set_new(o, "choices", json_pack("[o]", ch));
+    json_array_append_new(g->choices, ch);
+}
+
+/* The end of a job whose every choice finished. */
+static void finish_response(gen_ctx *g) {
+    k3_serve *s = g->s;
+    k3_job *j = g->j;
+    if (g->stream) {
+        if (j->req.include_usage) {
+            json_t *o = envelope(g, true);
+            json_object_set_new(o, "choices", json_array());
+            json_object_set_new(o, "usage", usage(g));
+            emit_event(g, o);
+        }
+        k3_job_emit(s, j, "data: [DONE]\n\n", 14);
+        k3_job_finish(s, j, 200);
+        return;
+    }
+    json_t *o = envelope(g, false);
+    json_object_set(o, "choices", g->choices);
     json_object_set_new(o, "usage", usage(g));
     char *p = json_dumps(o, JSON_FLAGS);
     json_decref(o);
@@ -215,75 +317,126 @@ static void finish_error(gen_ctx *g, int status, const char *code, const char *m
     k3_job_finish(g->s, g->j, status);
 }
 
-void k3_gen_run(k3_serve *s, k3_job *j) {
+/* One choice: prefill, sample to a stop or the limit. Returns 0, or sets
+ * *cancelled / *failed (err, *fail_code) and returns 1. */
+static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, bool *prefill_cut,
+                      const char **fail_code, k3_err *err) {
+    k3_serve *s = g->s;
+    k3_job *j = g->j;
     const k3_serve_model *m = &s->m;
-    gen_ctx g = {.s = s, .j = j, .chat = j->req.kind == K3_REQ_CHAT, .stream = j->req.stream};
-    k3_stopper_init(&g.stop, j->req.stop, j->req.nstop);
-    k3_err err = {0};
-    float *logits = xmalloc_array((size_t)m->vocab, sizeof(float));
+    const k3_serve_req *r = &j->req;
     size_t tcap = tok_max_token_bytes(m->tok) + 16;
     uint8_t *tbuf = xmalloc(tcap);
     tok_stream ts;
     tok_stream_init(&ts, m->tok);
     k3_sampler sp;
-    k3_sampler_init(&sp, m->vocab, j->req.temperature, j->req.top_k, j->req.top_p, j->req.min_p, j->req.seed);
-    k3_chat_parser *cp = g.chat ? k3_chat_parser_new(m->chat, j->req.thinking) : NULL;
+    k3_sampler_init(&sp, m->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->seed + (uint64_t)g->index);
+    k3_logit_proc lp;
+    k3_logit_proc_init(&lp, r, m->vocab, j->ids, j->n);
+    k3_chat_parser *cp = g->chat ? k3_chat_parser_new(m->chat, r->thinking) : NULL;
     k3_chat_delta d;
-    const char *finish = "length";
-    bool cancelled = false, failed = false, stopped = false;
-    int last = -1;
-    double t0 = k3_now(), t1 = t0;
-
-    int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &g.reused, &j->cancel, &err);
-    /* the backend's message says how far a cancelled prefill got */
-    bool prefill_cut = rc > 0 && atomic_load(&j->cancel);
-    if (rc || atomic_load(&j->cancel)) {
-        cancelled = atomic_load(&j->cancel);
-        failed = !cancelled;
+    k3_stopper_init(&g->stop, r->stop, r->nstop);
+    g->ngen = 0;
+    g->started = false;
+    g->text_off = 0;
+    if (r->logprobs) {
+        g->lp_all = lp_new(g);
+        if (g->stream) g->lp_pending = lp_new(g);
     }
-    t1 = k3_now();
-    const char *fail_code = "internal_error";
-    for (int64_t k = 0; !failed && !cancelled && k < j->max_tokens; k++) {
-        if (k3_logits_check(logits, m->vocab, s->model_id, j->n + g.ngen, &err)) {
-            fail_code = "non_finite_logits";
-            failed = true;
+    const char *finish = "length";
+    bool stopped = false;
+    int last = -1;
+    double t0 = k3_now();
+    size_t reused = 0;
+    int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &reused, &j->cancel, err);
+    if (g->index == 0) g->reused = reused;
+    /* the backend's message says how far a cancelled prefill got */
+    *prefill_cut = rc > 0 && atomic_load(&j->cancel);
+    if (rc || atomic_load(&j->cancel)) {
+        *cancelled = atomic_load(&j->cancel);
+        *failed = !*cancelled;
+    }
+    double t1 = k3_now();
+    for (int64_t k = 0; !*failed && !*cancelled && k < j->max_tokens; k++) {
+        if (k3_logits_check(logits, m->vocab, s->model_id, j->n + g->ngen, err)) {
+            *fail_code = "non_finite_logits";
+            *failed = true;
             break;
         }
-        int id = k3_sample(&sp, logits);
+        const float *seen = k3_logit_proc_apply(&lp, logits);
+        int id = k3_sample(&sp, seen);
+        k3_logit_proc_accept(&lp, id);
         last = id;
-        g.ngen++;
-        if (g.chat) {
-            if (k3_chat_parser_feed(cp, id, &d, &err)) { failed = true; break; }
-            chat_delta(&g, &d);
+        g->ngen++;
+        /* the entry goes out with the chunk this id's text makes; the stop id has none */
+        bool is_stop = g->chat ? k3_chat_is_stop(m->chat, id) : id == m->eos;
+        if (r->logprobs && !is_stop) {
+            lp_add(g, seen, id);
+        }
+        if (g->chat) {
+            if (k3_chat_parser_feed(cp, id, &d, err)) { *failed = true; break; }
+            chat_delta(g, &d);
             if (d.stop) { stopped = true; break; }
         } else {
             if (id == m->eos) { stopped = true; break; }
             size_t nb = tok_stream_feed(&ts, id, tbuf, tcap);
-            content(&g, (const char *)tbuf, nb);
+            content(g, (const char *)tbuf, nb);
         }
-        if (g.stop.hit) break;
+        if (g->stop.hit) break;
         if (k + 1 < j->max_tokens) {
-            if (atomic_load(&j->cancel)) { cancelled = true; break; }
-            if (m->step(m->ctx, id, logits, &err)) { failed = true; break; }
+            if (atomic_load(&j->cancel)) { *cancelled = true; break; }
+            if (m->step(m->ctx, id, logits, err)) { *failed = true; break; }
         }
     }
     double t2 = k3_now();
-    if (!failed && !cancelled) {
+    if (!*failed && !*cancelled) {
         /* the text held back for an incomplete character, then by the stop strings */
-        if (g.chat) {
+        if (g->chat) {
             k3_chat_parser_flush(cp, &d);
-            chat_delta(&g, &d);
-        } else if (!g.stop.hit) {
+            chat_delta(g, &d);
+        } else if (!g->stop.hit) {
             size_t nb = tok_stream_flush(&ts, tbuf, tcap);
-            content(&g, (const char *)tbuf, nb);
+            content(g, (const char *)tbuf, nb);
         }
-        flush_text(&g);
-        if (g.stop.hit || (stopped && !(g.tool_calls && json_array_size(g.tool_calls)))) finish = "stop";
+        flush_text(g);
+        if (g->stop.hit || (stopped && !(g->tool_calls && json_array_size(g->tool_calls)))) finish = "stop";
         else if (stopped) finish = "tool_calls";
-        if (m->end) m->end(m->ctx, last, stopped && !g.stop.hit);
+        if (m->end) m->end(m->ctx, last, stopped && !g->stop.hit);
+        finish_choice(g, finish);
+        if (s->o.verbose)
+            fprintf(stderr, "k3 serve: %s: choice %d: %zu prompt tokens (%zu reused) in %.3f s, %zu generated in %.3f s "
+                    "(%.1f tok/s), finish %s\n", j->id, g->index, j->n, reused, t1 - t0, g->ngen, t2 - t1,
+                    t2 > t1 && g->ngen > 1 ? (double)(g->ngen - 1) / (t2 - t1) : 0.0, finish);
     }
+    g->ngen_all += g->ngen;
+    if (cp) k3_chat_parser_free(cp);
+    k3_logit_proc_free(&lp);
+    k3_sampler_free(&sp);
+    k3_stopper_free(&g->stop);
+    k3_sb_free(&g->text);
+    k3_sb_free(&g->reasoning);
+    json_decref(g->tool_calls);
+    g->tool_calls = NULL;
+    json_decref(g->lp_all);
+    json_decref(g->lp_pending);
+    g->lp_all = g->lp_pending = NULL;
+    free(tbuf);
+    return *failed || *cancelled;
+}
+
+void k3_gen_run(k3_serve *s, k3_job *j) {
+    const k3_serve_model *m = &s->m;
+    gen_ctx g = {.s = s, .j = j, .chat = j->req.kind == K3_REQ_CHAT, .stream = j->req.stream};
+    g.choices = json_array();
+    k3_err err = {0};
+    float *logits = xmalloc_array((size_t)m->vocab, sizeof(float));
+    bool cancelled = false, failed = false, prefill_cut = false;
+    const char *fail_code = "internal_error";
+    int n = j->req.n > 0 ? j->req.n : 1;
+    for (g.index = 0; g.index < n; g.index++)
+        if (run_choice(&g, logits, &cancelled, &failed, &prefill_cut, &fail_code, &err)) break;
     pthread_mutex_lock(&s->mu);
-    s->n_tokens += g.ngen;
+    s->n_tokens += g.ngen_all;
     if (cancelled) s->n_cancelled++;
     else if (failed) s->n_failed++;
     else s->n_ok++;
@@ -292,23 +445,13 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
         fprintf(stderr, "k3 serve: %s cancelled: client disconnected during the prefill: %s\n", j->id, err.msg);
         k3_job_finish(s, j, 499);
     } else if (cancelled) {
-        fprintf(stderr, "k3 serve: %s cancelled: client disconnected after %zu generated tokens\n", j->id, g.ngen);
+        fprintf(stderr, "k3 serve: %s cancelled: client disconnected after %zu generated tokens\n", j->id, g.ngen_all);
         k3_job_finish(s, j, 499);
     } else if (failed) {
         finish_error(&g, 500, fail_code, err.msg[0] ? err.msg : "generation failed");
     } else {
-        finish_ok(&g, finish);
-        if (s->o.verbose)
-            fprintf(stderr, "k3 serve: %s: %zu prompt tokens (%zu reused) in %.3f s, %zu generated in %.3f s "
-                    "(%.1f tok/s), finish %s\n", j->id, j->n, g.reused, t1 - t0, g.ngen, t2 - t1,
-                    t2 > t1 && g.ngen > 1 ? (double)(g.ngen - 1) / (t2 - t1) : 0.0, finish);
+        finish_response(&g);
     }
-    if (cp) k3_chat_parser_free(cp);
-    k3_sampler_free(&sp);
-    k3_stopper_free(&g.stop);
-    k3_sb_free(&g.text);
-    k3_sb_free(&g.reasoning);
-    json_decref(g.tool_calls);
-    free(tbuf);
+    json_decref(g.choices);
     free(logits);
 }

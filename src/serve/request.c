@@ -5,10 +5,12 @@
  * range, and a wrong one is a 400 naming it. A field we do not know is a 400
  * too, as OpenAI answers: silently ignoring it could change what the client
  * gets without telling it. Known OpenAI fields that k3 does not implement are
- * accepted only at the value that means "off" (n = 1, logprobs false,
- * presence_penalty 0, ...); fields with no effect on the output (user,
- * metadata, store, service_tier) are accepted and ignored. The chat template
- * validates the messages and tools themselves (naming the field). */
+ * accepted only at the value that means "off" (echo false, best_of 1, ...);
+ * fields with no effect on the output (user, metadata, store, service_tier,
+ * prompt_cache_key, safety_identifier) are accepted and ignored. The chat
+ * template validates the messages and tools themselves (naming the field);
+ * what it would accept but this text-only server cannot honour (an image
+ * part) is refused here. */
 #include "serve/serve.h"
 
 #include <math.h>
@@ -99,13 +101,8 @@ static int only_off(k3_serve_error *e, const char *k, const json_t *v) {
     if (json_is_null(v)) return 0;
     bool off = false;
     double d;
-    if (!strcmp(k, "logprobs")) off = json_is_false(v) || (json_is_integer(v) && json_integer_value(v) == 0);
-    else if (!strcmp(k, "top_logprobs")) off = json_is_integer(v) && json_integer_value(v) == 0;
-    else if (!strcmp(k, "echo")) off = json_is_false(v);
-    else if (!strcmp(k, "best_of")) off = json_is_integer(v) && json_integer_value(v) == 1;
-    else if (!strcmp(k, "presence_penalty") || !strcmp(k, "frequency_penalty")) off = get_num(v, &d) && d == 0;
-    else if (!strcmp(k, "repetition_penalty")) off = get_num(v, &d) && d == 1;
-    else if (!strcmp(k, "logit_bias")) off = json_is_object(v) && json_object_size(v) == 0;
+    if (!strcmp(k, "echo")) off = json_is_false(v);
+    else if (!strcmp(k, "best_of")) off = get_num(v, &d) && d == 1;
     else if (!strcmp(k, "parallel_tool_calls")) off = json_is_true(v);
     else if (!strcmp(k, "suffix")) off = json_is_string(v) && json_string_length(v) == 0;
     if (off) return 0;
@@ -122,14 +119,123 @@ static bool is_one_of(const char *k, const char *const *list) {
     return false;
 }
 
-static const char *const IGNORED[] = {"user", "metadata", "store", "service_tier", NULL};
-static const char *const OFF_ONLY[] = {"logprobs", "top_logprobs", "echo", "best_of", "presence_penalty",
-                                       "frequency_penalty", "repetition_penalty", "logit_bias",
-                                       "parallel_tool_calls", "suffix", NULL};
+static const char *const IGNORED[] = {"user", "metadata", "store", "service_tier", "prompt_cache_key",
+                                      "safety_identifier", NULL};
+static const char *const OFF_ONLY[] = {"echo", "best_of", "parallel_tool_calls", "suffix", NULL};
 static const char *const COMPLETION_ONLY[] = {"prompt", "echo", "best_of", "suffix", NULL};
 static const char *const CHAT_ONLY[] = {"messages", "tools", "tool_choice", "response_format", "reasoning_effort",
                                         "chat_template_kwargs", "enable_thinking", "max_completion_tokens",
-                                        "parallel_tool_calls", "top_logprobs", NULL};
+                                        "parallel_tool_calls", "top_logprobs", "modalities", NULL};
+
+/* reasoning_effort, every value OpenAI documents (and the template's own
+ * "max"), to the template's thinking_effort: NULL for none, where thinking
+ * goes off; "" for medium, OpenAI's default, which renders no effort message
+ * (the template's default: the release's encoder has no "medium"). */
+static const struct {
+    const char *openai, *effort;
+} EFFORTS[] = {{"none", NULL}, {"minimal", "low"}, {"low", "low"}, {"medium", ""},
+               {"high", "high"}, {"xhigh", "max"}, {"max", "max"}};
+
+static int cmp_bias(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* logit_bias: {"token id": bias in [-100, 100]}; OpenAI's shape (ids as
+ * decimal strings). Stored sorted by id, so equal requests apply equal sums. */
+static int parse_bias(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
+    if (json_is_null(v)) return 0;
+    if (!json_is_object(v))
+        return k3_serve_error_set(e, 400, "invalid_type", "logit_bias", "logit_bias: expected an object, got %s", jtype(v));
+    size_t n = json_object_size(v);
+    if (n > K3_SERVE_MAX_BIAS)
+        return k3_serve_error_set(e, 400, "invalid_value", "logit_bias", "logit_bias: at most %d entries, got %zu",
+                                  K3_SERVE_MAX_BIAS, n);
+    if (n == 0) return 0;
+    /* id and bias packed in pairs to sort them together */
+    int32_t *pairs = xmalloc_array(2 * n, sizeof *pairs);
+    size_t i = 0;
+    const char *k;
+    json_t *x;
+    json_object_foreach((json_t *)v, k, x) {
+        char where[64];
+        snprintf(where, sizeof where, "logit_bias.%.40s", k);
+        char *end = NULL;
+        long long id = strtoll(k, &end, 10);
+        double b;
+        int rc = 0;
+        if (!*k || *end || k[0] == '-' || k[0] == '+' || k[0] == ' ' || id < 0 || id > INT32_MAX)
+            rc = k3_serve_error_set(e, 400, "invalid_value", where, "%s: a key must be a token id (a decimal integer)", where);
+        else
+            rc = want_num(e, where, x, -100, 100, false, &b);
+        if (rc) {
+            free(pairs);
+            return rc;
+        }
+        float f = (float)b;
+        pairs[2 * i] = (int32_t)id;
+        memcpy(&pairs[2 * i + 1], &f, sizeof f);
+        i++;
+    }
+    qsort(pairs, n, 2 * sizeof *pairs, cmp_bias);
+    r->bias_ids = xmalloc_array(n, sizeof *r->bias_ids);
+    r->bias = xmalloc_array(n, sizeof *r->bias);
+    for (i = 0; i < n; i++) {
+        r->bias_ids[i] = pairs[2 * i];
+        memcpy(&r->bias[i], &pairs[2 * i + 1], sizeof r->bias[i]);
+    }
+    r->nbias = n;
+    free(pairs);
+    return 0;
+}
+
+/* modalities: text is all this server produces */
+static int parse_modalities(k3_serve_error *e, const json_t *v) {
+    if (json_is_null(v)) return 0;
+    if (!json_is_array(v) || json_array_size(v) == 0)
+        return k3_serve_error_set(e, 400, json_is_array(v) ? "invalid_value" : "invalid_type", "modalities",
+                                  "modalities: expected a non-empty array of strings, got %s", jtype(v));
+    for (size_t i = 0; i < json_array_size(v); i++) {
+        const json_t *m = json_array_get(v, i);
+        if (!json_is_string(m))
+            return k3_serve_error_set(e, 400, "invalid_type", "modalities", "modalities[%zu]: expected a string, got %s", i,
+                                      jtype(m));
+        if (strcmp(json_string_value(m), "text"))
+            return k3_serve_error_set(e, 400, "unsupported_value", "modalities",
+                                      "modalities: '%.40s' is not supported: this model produces text only",
+                                      json_string_value(m));
+    }
+    return 0;
+}
+
+/* The messages as the template reads them: "developer" (OpenAI's newer name
+ * for the system role) becomes "system"; a content part that is not text is
+ * refused, since the template would render an image placeholder for a model
+ * served without its vision tower. */
+static int chat_messages(k3_serve_error *e, const json_t *msgs, json_t **out) {
+    json_t *copy = json_deep_copy(msgs);
+    for (size_t i = 0; i < json_array_size(copy); i++) {
+        json_t *m = json_array_get(copy, i);
+        if (!json_is_object(m)) continue; /* the template names it */
+        const json_t *role = json_object_get(m, "role");
+        if (json_is_string(role) && !strcmp(json_string_value(role), "developer"))
+            json_object_set_new(m, "role", json_string("system"));
+        const json_t *c = json_object_get(m, "content");
+        for (size_t j = 0; json_is_array(c) && j < json_array_size(c); j++) {
+            const json_t *part = json_array_get(c, j);
+            const char *t = json_is_object(part) ? json_string_value(json_object_get(part, "type")) : NULL;
+            if (t && strcmp(t, "text")) {
+                char where[80];
+                snprintf(where, sizeof where, "messages[%zu].content[%zu].type", i, j);
+                json_decref(copy);
+                return k3_serve_error_set(e, 400, "unsupported_value", where,
+                                          "%s: '%.40s' parts are not supported: this model reads text only", where, t);
+            }
+        }
+    }
+    *out = copy;
+    return 0;
+}
 
 static int parse_prompt(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
     if (json_is_string(v)) {
@@ -253,6 +359,8 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
     r->top_p = 1.0f;
     r->max_tokens = -1;
     r->thinking = true;
+    r->n = 1;
+    r->repetition_penalty = 1.0f;
     json_error_t jerr;
     json_t *o = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
     if (!o)
@@ -266,6 +374,7 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
     json_t *msgs = NULL, *tools = NULL, *tool_choice = NULL, *rfmt = NULL, *effort = NULL, *stream_opts = NULL;
     bool have_prompt = false;
     json_int_t mt = -1, mct = -1;
+    int top_lp = -1;
     const char *k;
     json_t *v;
     json_object_foreach(o, k, v) {
@@ -314,12 +423,34 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
             if ((rc = parse_stop(e, v, r))) goto out;
         } else if (!strcmp(k, "n")) {
             if (json_is_null(v)) continue;
-            if ((rc = want_int(e, k, v, 1, INT32_MAX, &n))) goto out;
-            if (n != 1) {
-                rc = k3_serve_error_set(e, 400, "unsupported_value", k, "n: only n = 1 is supported (one choice per request; send "
-                         "%lld requests instead)", (long long)n);
-                goto out;
+            if ((rc = want_int(e, k, v, 1, K3_SERVE_MAX_N, &n))) goto out;
+            r->n = (int)n;
+        } else if (!strcmp(k, "logprobs")) {
+            if (json_is_null(v)) continue;
+            if (kind == K3_REQ_CHAT) {
+                if ((rc = want_bool(e, k, v, &r->logprobs))) goto out;
+            } else {
+                /* the legacy endpoint's logprobs is the number of alternatives */
+                if ((rc = want_int(e, k, v, 0, K3_SERVE_MAX_LOGPROBS, &n))) goto out;
+                r->logprobs = true;
+                r->top_logprobs = (int)n;
             }
+        } else if (!strcmp(k, "top_logprobs")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_int(e, k, v, 0, K3_SERVE_MAX_LOGPROBS, &n))) goto out;
+            top_lp = (int)n;
+        } else if (!strcmp(k, "presence_penalty") || !strcmp(k, "frequency_penalty")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_num(e, k, v, -2, 2, false, &d))) goto out;
+            *(k[0] == 'p' ? &r->presence_penalty : &r->frequency_penalty) = (float)d;
+        } else if (!strcmp(k, "repetition_penalty")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_num(e, k, v, 0, 10, true, &d))) goto out;
+            r->repetition_penalty = (float)d;
+        } else if (!strcmp(k, "logit_bias")) {
+            if ((rc = parse_bias(e, v, r))) goto out;
+        } else if (!strcmp(k, "modalities")) {
+            if ((rc = parse_modalities(e, v))) goto out;
         } else if (!strcmp(k, "prompt")) {
             have_prompt = true;
             if ((rc = parse_prompt(e, v, r))) goto out;
@@ -352,6 +483,11 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
         goto out;
     }
     r->max_tokens = mct >= 0 ? mct : mt;
+    if (top_lp > 0 && !r->logprobs) {
+        rc = k3_serve_error_set(e, 400, "invalid_value", "top_logprobs", "top_logprobs: needs logprobs: true");
+        goto out;
+    }
+    if (top_lp >= 0) r->top_logprobs = top_lp;
     if (stream_opts && !json_is_null(stream_opts)) {
         if (!r->stream) {
             rc = k3_serve_error_set(e, 400, "invalid_value", "stream_options", "stream_options: only allowed when stream is true");
@@ -386,16 +522,32 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
         goto out;
     }
     if ((rc = check_tools(e, tools, tool_choice, rfmt))) goto out;
-    if (effort && !json_is_null(effort) && !json_is_string(effort)) {
-        rc = k3_serve_error_set(e, 400, "invalid_type", "reasoning_effort", "reasoning_effort: expected a string, got %s", jtype(effort));
-        goto out;
+    const char *effort_as = "";
+    if (effort && !json_is_null(effort)) {
+        if (!json_is_string(effort)) {
+            rc = k3_serve_error_set(e, 400, "invalid_type", "reasoning_effort", "reasoning_effort: expected a string, got %s",
+                                    jtype(effort));
+            goto out;
+        }
+        size_t i = 0, ne = sizeof EFFORTS / sizeof EFFORTS[0];
+        while (i < ne && strcmp(json_string_value(effort), EFFORTS[i].openai)) i++;
+        if (i == ne) {
+            rc = k3_serve_error_set(e, 400, "invalid_value", "reasoning_effort",
+                                    "reasoning_effort: want one of none, minimal, low, medium, high, xhigh, max (got '%.40s')",
+                                    json_string_value(effort));
+            goto out;
+        }
+        effort_as = EFFORTS[i].effort;
+        if (!effort_as) r->thinking = false;
     }
+    json_t *copy = NULL;
+    if ((rc = chat_messages(e, msgs, &copy))) goto out;
     r->chat = json_object();
-    json_object_set(r->chat, "messages", msgs);
+    json_object_set_new(r->chat, "messages", copy);
     if (tools && !json_is_null(tools)) json_object_set(r->chat, "tools", tools);
     if (tool_choice && !json_is_null(tool_choice)) json_object_set(r->chat, "tool_choice", tool_choice);
     if (rfmt && !json_is_null(rfmt)) json_object_set(r->chat, "response_format", rfmt);
-    if (effort && !json_is_null(effort)) json_object_set(r->chat, "thinking_effort", effort);
+    if (effort_as && *effort_as) json_object_set_new(r->chat, "thinking_effort", json_string(effort_as));
     json_object_set_new(r->chat, "thinking", json_boolean(r->thinking));
 out:
     json_decref(o);
@@ -408,6 +560,8 @@ void k3_serve_req_free(k3_serve_req *r) {
     for (size_t i = 0; i < r->nstop; i++) free(r->stop[i]);
     free(r->prompt);
     free(r->prompt_ids);
+    free(r->bias_ids);
+    free(r->bias);
     json_decref(r->chat);
     int kind = r->kind;
     memset(r, 0, sizeof *r);

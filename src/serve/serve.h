@@ -80,6 +80,9 @@ void k3_serve_stop(k3_serve *s);
 
 enum { K3_REQ_COMPLETION = 1, K3_REQ_CHAT = 2 };
 #define K3_SERVE_MAX_STOP 4
+#define K3_SERVE_MAX_N 8          /* choices one request may ask for (n) */
+#define K3_SERVE_MAX_LOGPROBS 20  /* top_logprobs (chat) / logprobs (completions) */
+#define K3_SERVE_MAX_BIAS 1024    /* logit_bias entries */
 
 /* An OpenAI error: HTTP status, type, the offending parameter (or ""), code, message. */
 typedef struct {
@@ -104,14 +107,25 @@ typedef struct {
     int64_t max_tokens;        /* -1: not given */
     char *stop[K3_SERVE_MAX_STOP];
     size_t nstop;
+    int n;                     /* choices, computed one after another (choice i samples with seed + i) */
+    bool logprobs;             /* return each sampled token's log-probability */
+    int top_logprobs;          /* and this many most likely alternatives (0..K3_SERVE_MAX_LOGPROBS) */
+    /* logit processing before sampling (docs/serve.md); all off: the logits
+     * reach the sampler untouched */
+    float presence_penalty, frequency_penalty; /* 0: off; over the generated ids */
+    float repetition_penalty;  /* 1: off; over the prompt and the generated ids */
+    int32_t *bias_ids;         /* logit_bias, sorted by id (ids checked against the vocabulary by the server) */
+    float *bias;
+    size_t nbias;
     /* completions */
     char *prompt;              /* text prompt, or NULL when ids were given */
     size_t prompt_len;
     int32_t *prompt_ids;       /* token-id prompt (the legacy endpoint's array form) */
     size_t nprompt_ids;
     /* chat */
-    bool thinking;             /* default true */
-    json_t *chat;              /* the template's request: messages, tools, tool_choice,
+    bool thinking;             /* default true; reasoning_effort "none" turns it off */
+    json_t *chat;              /* the template's request: messages (role developer
+                                  renamed system), tools, tool_choice,
                                   response_format, thinking, thinking_effort */
 } k3_serve_req;
 
@@ -119,6 +133,37 @@ typedef struct {
  * with e filled (every wrong field named in e->param). */
 int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_serve_error *e);
 void k3_serve_req_free(k3_serve_req *r);
+
+/* Logit processing for one choice: repetition_penalty over the distinct ids
+ * of the prompt and the reply so far (a positive logit divided by it, a
+ * negative one multiplied), then frequency_penalty x count and
+ * presence_penalty over the reply's ids, then logit_bias; each id's logit is
+ * changed by the same operations in the same order whatever the others, so
+ * the result is deterministic. With all of them off, apply returns its input
+ * pointer: the sampler sees the model's logits bit for bit. */
+typedef struct {
+    const k3_serve_req *r;
+    int vocab;
+    bool on;
+    float *work;            /* [vocab] */
+    uint8_t *mark;          /* [vocab]: bit 0 in rep (prompt or reply), bit 1 in gen */
+    int32_t *rep; size_t nrep, crep;  /* distinct ids for the repetition penalty */
+    int32_t *gen; size_t ngen, cgen;  /* distinct ids of the reply */
+    int32_t *count;         /* [vocab] times each id was generated */
+} k3_logit_proc;
+void k3_logit_proc_init(k3_logit_proc *p, const k3_serve_req *r, int vocab, const int32_t *prompt, size_t n);
+const float *k3_logit_proc_apply(k3_logit_proc *p, const float *logits);
+void k3_logit_proc_accept(k3_logit_proc *p, int32_t id);  /* a sampled id joins the reply */
+void k3_logit_proc_free(k3_logit_proc *p);
+
+/* Log-probabilities: log-softmax of logits[vocab] (f64 sums in index order)
+ * at id, and the k most likely ids (k <= K3_SERVE_MAX_LOGPROBS; the larger
+ * logit first, the lower id among equals) into top[k]. */
+typedef struct {
+    int32_t id;
+    float logprob;
+} k3_logprob;
+float k3_logprobs(const float *logits, int vocab, int32_t id, int k, k3_logprob *top);
 
 /* Stop strings over a stream of text: text is held back while it could still
  * become a stop string, the text before a stop string is released and the rest

@@ -345,6 +345,14 @@ static int prompt_of(k3_serve *s, k3_job *j, k3_serve_error *e) {
                     j->ids[i], s->m.vocab);
             return 400;
         }
+    for (size_t i = 0; i < r->nbias; i++)
+        if (r->bias_ids[i] >= s->m.vocab) {
+            char where[64];
+            snprintf(where, sizeof where, "logit_bias.%d", r->bias_ids[i]);
+            k3_serve_error_set(e, 400, "invalid_value", where, "%s: token id %d is outside the model's vocabulary [0, %d)",
+                               where, r->bias_ids[i], s->m.vocab);
+            return 400;
+        }
     int64_t room = s->m.ctx_len - (int64_t)j->n;
     if (room < 1) {
         k3_serve_error_set(e, 400, "context_length_exceeded", param,

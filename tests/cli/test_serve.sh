@@ -163,6 +163,79 @@ a=$(jget 'j["choices"][0]["text"]')
 req POST /v1/completions "{\"prompt\":\"$PROMPT\",\"max_tokens\":20,\"temperature\":0}"
 check prompt-ids "$a" "$(jget 'j["choices"][0]["text"]')"
 
+# ---- n, logprobs, penalties, logit_bias (OpenAI's shapes) ----
+# n: choice i samples with seed + i, one after another; choice 0 is the n = 1 reply
+SAMP='"prompt":"Once upon a time","max_tokens":12,"temperature":0.9,"seed":5'
+req POST /v1/completions "{$SAMP}"
+one=$(jget 'j["choices"][0]["text"]')
+req POST /v1/completions "{${SAMP%5}6}"
+seed6=$(jget 'j["choices"][0]["text"]')
+req POST /v1/completions "{$SAMP,\"n\":3}"
+check n-three "$CODE $(jget '[c["index"] for c in j["choices"]], j["usage"]["completion_tokens"] == sum(1 for _ in range(36))')" "200 ([0, 1, 2], True)"
+check n-choice0-is-n1 "$(jget 'j["choices"][0]["text"]')" "$one"
+check n-choice1-is-seed-plus-1 "$(jget 'j["choices"][1]["text"]')" "$seed6"
+curl -s -N --max-time 120 --data-binary "{$SAMP,\"n\":3,\"stream\":true}" "$URL/v1/completions" >"$OUT/n3.sse"
+got=$(python3 - "$OUT/n3.sse" "$OUT/body" <<'EOF2'
+import json, sys
+texts = {}
+for line in open(sys.argv[1], encoding="utf-8"):
+    if line.startswith("data: {"):
+        for c in json.loads(line[6:])["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+want = [c["text"] for c in json.load(open(sys.argv[2]))["choices"]]
+print("ok" if [texts.get(i) for i in range(3)] == want else "%r vs %r" % (texts, want))
+EOF2
+)
+check n-three-streamed "$got" ok
+# logprobs: one entry per generated token, the sampled token among the top
+# alternatives at temperature 0, log-probabilities <= 0; streamed the same
+req POST /v1/completions '{"prompt":"Once upon a time","max_tokens":8,"temperature":0,"logprobs":3}'
+cp "$OUT/body" "$OUT/lp.json"
+check logprobs-shape "$CODE $(jget '(lambda l, t: (len(l["tokens"]) == 8, "".join(l["tokens"]) == t, all(len(x) == 3 for x in l["top_logprobs"]), all(v <= 0 for v in l["token_logprobs"]), all(max(a.values()) == a.get(tok, None) == lp for tok, lp, a in zip(l["tokens"], l["token_logprobs"], l["top_logprobs"])), l["text_offset"][0] == 0))(j["choices"][0]["logprobs"], j["choices"][0]["text"])')" \
+  "200 (True, True, True, True, True, True)"
+curl -s -N --max-time 120 --data-binary '{"prompt":"Once upon a time","max_tokens":8,"temperature":0,"logprobs":3,"stream":true}' "$URL/v1/completions" >"$OUT/lp.sse"
+got=$(python3 - "$OUT/lp.sse" "$OUT/lp.json" <<'EOF2'
+import json, sys
+acc = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+for line in open(sys.argv[1], encoding="utf-8"):
+    if line.startswith("data: {"):
+        for c in json.loads(line[6:])["choices"]:
+            for k in acc:
+                acc[k] += (c["logprobs"] or {}).get(k, [])
+want = json.load(open(sys.argv[2]))["choices"][0]["logprobs"]
+print("ok" if acc == want else "%r vs %r" % (acc, want))
+EOF2
+)
+check logprobs-streamed "$got" ok
+# without logprobs: null, as OpenAI answers
+req POST /v1/completions '{"prompt":"Once upon a time","max_tokens":2}'
+check logprobs-null "$(jget 'j["choices"][0]["logprobs"]')" None
+# logit_bias: +100 on one id makes it the greedy choice every time; -100 on
+# the greedy first token removes it; neutral values leave the reply bit for bit
+req POST /v1/completions '{"prompt":"Once upon a time","max_tokens":6,"temperature":0}'
+base=$(jget 'j["choices"][0]["text"]')
+forced_id=$("$K3" tokenize "$MODEL" --text " dog" 2>/dev/null | tr -d '[:space:]')
+req POST /v1/completions "{\"prompt\":\"Once upon a time\",\"max_tokens\":4,\"temperature\":0,\"logit_bias\":{\"$forced_id\":100}}"
+check bias-forces "$(jget 'j["choices"][0]["text"]')" " dog dog dog dog"
+req POST /v1/completions '{"prompt":"Once upon a time","max_tokens":6,"temperature":0,"logprobs":0}'
+first=$(jget 'j["choices"][0]["logprobs"]["tokens"][0]')
+first_id=$("$K3" tokenize "$MODEL" --text "$first" 2>/dev/null | tr -d '[:space:]')
+req POST /v1/completions "{\"prompt\":\"Once upon a time\",\"max_tokens\":1,\"temperature\":0,\"logit_bias\":{\"$first_id\":-100}}"
+got=$(jget 'j["choices"][0]["text"]')
+[ -n "$got" ] && [ "$got" != "$first" ] && pass "bias-removes ('$first' -> '$got')" || fail bias-removes "'$got' vs '$first'"
+req POST /v1/completions '{"prompt":"Once upon a time","max_tokens":6,"temperature":0,"logit_bias":{},"presence_penalty":0,"frequency_penalty":0,"repetition_penalty":1}'
+check neutral-processing-unchanged "$(jget 'j["choices"][0]["text"]')" "$base"
+# penalties: deterministic, and a strong repetition penalty changes a greedy
+# reply that repeats itself
+req POST /v1/completions '{"prompt":"Once upon a time","max_tokens":40,"temperature":0}'
+plain=$(jget 'j["choices"][0]["text"]')
+PEN='"prompt":"Once upon a time","max_tokens":40,"temperature":0,"repetition_penalty":3,"frequency_penalty":1,"presence_penalty":1'
+req POST /v1/completions "{$PEN}"
+pen1=$(jget 'j["choices"][0]["text"]')
+req POST /v1/completions "{$PEN}"
+check penalties-deterministic "$(jget 'j["choices"][0]["text"]')" "$pen1"
+[ "$pen1" != "$plain" ] && pass penalties-change-reply || fail penalties-change-reply "'$pen1'"
+
 # ---- bad requests: status, type, code, param ----
 req POST /v1/completions '{"prompt": "hi", '
 error_is malformed-json 400 invalid_json None
@@ -186,12 +259,14 @@ req POST /v1/completions '{"prompt":"hi","frobnicate":1}'
 error_is unknown-field 400 unknown_parameter frobnicate
 req POST /v1/completions '{"prompt":"hi","messages":[]}'
 error_is chat-field-on-completions 400 unknown_parameter messages
-req POST /v1/completions '{"prompt":"hi","n":2}'
-error_is n-two 400 unsupported_value n
+req POST /v1/completions '{"prompt":"hi","n":9}'
+error_is n-over-bound 400 invalid_value n
 req POST /v1/completions '{"prompt":"hi","n":1,"user":"u1","presence_penalty":0,"logprobs":null}'
 check neutral-fields "$CODE" 200
-req POST /v1/completions '{"prompt":"hi","presence_penalty":0.5}'
-error_is penalty 400 unsupported_value presence_penalty
+req POST /v1/completions '{"prompt":"hi","presence_penalty":2.5}'
+error_is penalty-range 400 invalid_value presence_penalty
+req POST /v1/completions '{"prompt":"hi","logit_bias":{"999999":5}}'
+error_is bias-outside-vocab 400 invalid_value logit_bias.999999
 req POST /v1/completions '{"prompt":"hi","stream_options":{"include_usage":true}}'
 error_is stream-options-without-stream 400 invalid_value stream_options
 req POST /v1/completions '{"prompt":"hi","stream":true,"stream_options":{"include_usage":1}}'
