@@ -117,6 +117,10 @@ try {
   same('tool call: name and arguments', (scm.tool_calls || []).map((t) => [t.type, t.function.name, JSON.parse(t.function.arguments)]),
     [['function', 'get_weather', { city: 'Paris' }]]);
   check('tool call: an id', typeof scm.tool_calls?.[0]?.id === 'string' && scm.tool_calls[0].id.length > 0);
+  const again = await scripted.chat.completions.create({ model: 'scripted', messages: ask, tools, max_tokens: 200,
+    chat_template_kwargs: { thinking: false } });
+  check('tool call: ids unique across responses', again.choices[0].message.tool_calls[0].id !== scm.tool_calls[0].id,
+    `${again.choices[0].message.tool_calls[0].id} twice`);
   check('tool call: no content', scm.content === null || scm.content === '', JSON.stringify(scm.content));
   const scs = await collect(await scripted.chat.completions.create({ model: 'scripted', messages: ask, tools,
     max_tokens: 200, stream: true, chat_template_kwargs: { thinking: false } }));
@@ -133,9 +137,75 @@ try {
     messages: [...ask, scm, { role: 'tool', tool_call_id: scm.tool_calls[0].id, content: '{"temperature_c": 21}' }] });
   check('tool call: sent back as history with its result', back.choices.length === 1 && back.usage.prompt_tokens > r1.usage.prompt_tokens);
 
+  // ---- the fields clients send ----
+  // developer is the system role: the same prompt and reply as system
+  const asSystem = await warm.chat.completions.create({ model, max_tokens: 6, temperature: 0,
+    messages: [{ role: 'system', content: 'Be brief.' }, ...hello] });
+  const asDev = await warm.chat.completions.create({ model, max_tokens: 6, temperature: 0,
+    messages: [{ role: 'developer', content: 'Be brief.' }, ...hello] });
+  same('developer = system', [asDev.usage.prompt_tokens, asDev.choices[0].message],
+    [asSystem.usage.prompt_tokens, asSystem.choices[0].message]);
+  // every documented reasoning_effort: none turns thinking off; medium (the
+  // default) renders no effort message; the others the template's effort
+  const eff = {};
+  for (const e of ['none', 'minimal', 'low', 'medium', 'high', 'xhigh']) {
+    eff[e] = await warm.chat.completions.create({ model, messages: hello, max_tokens: 4, temperature: 0, reasoning_effort: e });
+  }
+  const plain = await warm.chat.completions.create({ model, messages: hello, max_tokens: 4, temperature: 0 });
+  same('reasoning_effort none = thinking off', [eff.none.usage.prompt_tokens, eff.none.choices[0].message],
+    [off.usage.prompt_tokens, (await warm.chat.completions.create({ model, messages: hello, max_tokens: 4, temperature: 0,
+      chat_template_kwargs: { thinking: false } })).choices[0].message]);
+  same('reasoning_effort medium = no effort given', eff.medium.usage.prompt_tokens, plain.usage.prompt_tokens);
+  same('reasoning_effort minimal = low', eff.minimal.usage.prompt_tokens, eff.low.usage.prompt_tokens);
+  check('reasoning_effort low/high/xhigh render an effort message', eff.low.usage.prompt_tokens > plain.usage.prompt_tokens &&
+    eff.high.usage.prompt_tokens > plain.usage.prompt_tokens && eff.xhigh.usage.prompt_tokens > plain.usage.prompt_tokens,
+    JSON.stringify(Object.fromEntries(Object.entries(eff).map(([k, v]) => [k, v.usage.prompt_tokens]))));
+  same('modalities [text]', (await warm.chat.completions.create({ model, messages: hello, max_tokens: 4, temperature: 0,
+    modalities: ['text'] })).choices[0].message, plain.choices[0].message);
+  // logprobs: one entry per generated token (the stop id excepted), OpenAI's shape
+  const lp = await warm.chat.completions.create({ model, messages: hello, max_tokens: 10, temperature: 0, logprobs: true,
+    top_logprobs: 3, chat_template_kwargs: { thinking: false } });
+  const lc = lp.choices[0].logprobs?.content || [];
+  check('logprobs: entries', lc.length >= 1 && lc.length <= 10 && lc.every((e) => typeof e.token === 'string' &&
+    e.logprob <= 0 && Array.isArray(e.bytes) && e.top_logprobs.length === 3 && e.top_logprobs[0].logprob === e.logprob),
+    JSON.stringify(lp.choices[0].logprobs).slice(0, 400));
+  same('logprobs: the reply unchanged', lp.choices[0].message, (await warm.chat.completions.create({ model, messages: hello,
+    max_tokens: 10, temperature: 0, chat_template_kwargs: { thinking: false } })).choices[0].message);
+  const lps = await warm.chat.completions.create({ model, messages: hello, max_tokens: 10, temperature: 0, logprobs: true,
+    top_logprobs: 3, chat_template_kwargs: { thinking: false }, stream: true });
+  const streamed = [];
+  for await (const ch of lps) for (const c of ch.choices) streamed.push(...(c.logprobs?.content || []));
+  same('logprobs: streamed the same', streamed, lc);
+  // n: choices computed one after another; choice 0 is the n = 1 reply
+  const n1 = await warm.chat.completions.create({ model, messages: hello, max_tokens: 6, temperature: 1, seed: 4 });
+  const n3 = await warm.chat.completions.create({ model, messages: hello, max_tokens: 6, temperature: 1, seed: 4, n: 3 });
+  same('n = 3: indexes', n3.choices.map((c) => c.index), [0, 1, 2]);
+  same('n = 3: choice 0 is the n = 1 reply', n3.choices[0].message, n1.choices[0].message);
+  check('n = 3: completion tokens summed', n3.usage.completion_tokens > n1.usage.completion_tokens, JSON.stringify(n3.usage));
+  // penalties and logit_bias: neutral values change nothing; a +100 bias on
+  // the end of the message ends the reply at once
+  same('neutral penalties and bias: the reply unchanged', (await warm.chat.completions.create({ model, messages: hello,
+    max_tokens: 4, temperature: 0, presence_penalty: 0, frequency_penalty: 0, logit_bias: {} })).choices[0].message,
+    plain.choices[0].message);
+  const ended = await warm.chat.completions.create({ model, messages: hello, max_tokens: 8, temperature: 0,
+    logit_bias: { [process.env.END_OF_MSG]: 100 }, chat_template_kwargs: { thinking: false } });
+  same('logit_bias: end of message forced', [ended.choices[0].finish_reason, ended.usage.completion_tokens, ended.choices[0].message.content],
+    ['stop', 1, '']);
+  const pen = { model, messages: hello, max_tokens: 12, temperature: 0, presence_penalty: 1.5, frequency_penalty: 1,
+    repetition_penalty: 1.3 };
+  same('penalties: deterministic', (await warm.chat.completions.create(pen)).choices[0].message,
+    (await warm.chat.completions.create(pen)).choices[0].message);
+
   // ---- errors as the client sees them ----
   const status = async (p) => { try { await p; return 200; } catch (e) { return [e.status, e.error?.code ?? e.code]; } };
-  same('error: n = 2', await status(warm.chat.completions.create({ model, messages: hello, n: 2 })), [400, 'unsupported_value']);
+  same('error: n over the bound', await status(warm.chat.completions.create({ model, messages: hello, n: 9 })), [400, 'invalid_value']);
+  same('error: an image part', await status(warm.chat.completions.create({ model, messages: [{ role: 'user', content: [
+    { type: 'text', text: 'What is this?' }, { type: 'image_url', image_url: { url: 'data:image/png;base64,AAAA' } }] }] })),
+    [400, 'unsupported_value']);
+  same('error: audio modality', await status(warm.chat.completions.create({ model, messages: hello, modalities: ['text', 'audio'] })),
+    [400, 'unsupported_value']);
+  same('error: unknown reasoning_effort', await status(warm.chat.completions.create({ model, messages: hello,
+    reasoning_effort: 'turbo' })), [400, 'invalid_value']);
   same('error: unknown model', await status(warm.chat.completions.create({ model: 'nope', messages: hello })), [404, 'model_not_found']);
   same('error: bad role', await status(warm.chat.completions.create({ model, messages: [{ role: 'wizard', content: 'x' }] })),
     [400, 'invalid_value']);
