@@ -13,6 +13,8 @@
 #include <string.h>
 
 #include "harness.h"
+#include "draft/draft.h"
+#include "engine/engine.h"
 #include "model/model.h"
 
 static const int32_t seq[24] = {3,  7,   11, 5,  9,  92,  168, 13,  3,   49,  208, 214,
@@ -159,4 +161,128 @@ TEST(spec_pass_bytes_release) {
     CHECKF(k3_config_load(t_repo("tests/fixtures/k3-release/config.json"), &c, &err) == 0, "%s", err.msg);
     CHECK(k3_state_pass_bytes(&c, 1) == 464633856ull + 23766912ull + 49152ull);
     CHECK(k3_state_pass_bytes(&c, 8) == 464633856ull + 8 * (23766912ull + 49152ull));
+}
+
+/* ---- drafters ------------------------------------------------------------------------- */
+
+TEST(spec_ngram_drafts_continue_the_latest_match) {
+    k3_drafter *d = k3_drafter_ngram(100, 2, 4);
+    int32_t out[8];
+    int got;
+    k3_err err = {0};
+    /* "1 2 3 4 5 | 9 2 3 4 7 | 8 2 3 4": the suffix 2 3 4 last continued with 7 8 2 3 4 */
+    const int32_t h[] = {1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4};
+    CHECK(k3_drafter_propose(d, h, 14, 4, out, &got, &err) == 0);
+    CHECKF(got == 4 && out[0] == 7 && out[1] == 8 && out[2] == 2 && out[3] == 3, "got %d: %d %d", got, out[0], out[1]);
+    /* no repeated suffix: nothing */
+    const int32_t u[] = {1, 2, 3, 4, 5, 6};
+    CHECK(k3_drafter_propose(d, u, 6, 4, out, &got, &err) == 0 && got == 0);
+    /* a loop continues past the history's end */
+    const int32_t l[] = {5, 6, 5, 6, 5};
+    CHECK(k3_drafter_propose(d, l, 5, 5, out, &got, &err) == 0);
+    CHECKF(got == 5 && out[0] == 6 && out[1] == 5 && out[2] == 6 && out[4] == 6, "loop: got %d", got);
+    /* an extension of the last history is indexed on, the same as a fresh
+     * drafter: "5 6" last ended at 4, followed by 5 9 5 */
+    k3_drafter *f = k3_drafter_ngram(100, 2, 4);
+    const int32_t l2[] = {5, 6, 5, 6, 5, 9, 5, 6};
+    int32_t o2[8];
+    int g2;
+    CHECK(k3_drafter_propose(d, l2, 8, 3, out, &got, &err) == 0 && k3_drafter_propose(f, l2, 8, 3, o2, &g2, &err) == 0);
+    CHECK(got == g2 && got == 3 && !memcmp(out, o2, 3 * sizeof *out) && out[0] == 5 && out[1] == 9 && out[2] == 5);
+    /* ids outside the target's vocabulary are never drafted */
+    k3_drafter *v = k3_drafter_ngram(7, 1, 2);
+    const int32_t w[] = {3, 9, 3};
+    CHECK(k3_drafter_propose(v, w, 3, 2, out, &got, &err) == 0 && got == 0);
+    k3_drafter_free(d);
+    k3_drafter_free(f);
+    k3_drafter_free(v);
+}
+
+TEST(spec_controller_shrinks_backs_off_and_probes) {
+    k3_spec_ctl c;
+    k3_spec_ctl_init(&c, 4);
+    CHECK(k3_spec_ctl_want(&c) == 4);
+    k3_spec_ctl_update(&c, 4, 4);
+    CHECK(k3_spec_ctl_want(&c) == 4);
+    k3_spec_ctl_update(&c, 4, 1);
+    CHECK(k3_spec_ctl_want(&c) == 2);
+    k3_spec_ctl_update(&c, 2, 0);
+    CHECK(k3_spec_ctl_want(&c) == 1);
+    k3_spec_ctl_update(&c, 1, 0); /* k 0: one plain pass, then a probe */
+    CHECK(k3_spec_ctl_want(&c) == 0);
+    CHECK(k3_spec_ctl_want(&c) == 1);
+    k3_spec_ctl_update(&c, 1, 0); /* back-off doubles */
+    CHECK(k3_spec_ctl_want(&c) == 0 && k3_spec_ctl_want(&c) == 0 && k3_spec_ctl_want(&c) == 1);
+    k3_spec_ctl_update(&c, 0, 0); /* nothing proposed: nothing learnt */
+    CHECK(k3_spec_ctl_want(&c) == 1);
+    k3_spec_ctl_update(&c, 1, 1);
+    CHECK(k3_spec_ctl_want(&c) == 2);
+    k3_spec_ctl_init(&c, 0);
+    CHECK(k3_spec_ctl_want(&c) == 0);
+}
+
+static k3_engine *open_engine(const char *dir, int64_t max_pos) {
+    k3_engine_opts o;
+    k3_engine_opts_init(&o);
+    o.model_dir = dir;
+    o.max_pos = max_pos;
+    k3_engine *e = NULL;
+    k3_err err = {0};
+    if (k3_engine_open(&o, &e, &err)) fprintf(stderr, "  %s\n", err.msg);
+    return e;
+}
+
+/* models/default drafting for itself: its drafts are its own greedy
+ * continuation, and after a history that rejects some of them (taken back by
+ * a cut-back pass) they equal a fresh drafter's. */
+TEST(spec_draft_model_follows_the_history) {
+    k3_engine *e = open_engine(t_repo("models/default"), 128);
+    CHECK(e);
+    k3_err err = {0};
+    k3_drafter *d = NULL, *f = NULL;
+    CHECKF(k3_drafter_for(e, t_repo("models/default"), 4, 128, &d, &err) == 0, "%s", err.msg);
+    CHECK(k3_drafter_for(e, t_repo("models/default"), 4, 128, &f, &err) == 0);
+    int32_t h[40];
+    memcpy(h, seq, sizeof seq);
+    int32_t a[4], b[4];
+    int ga, gb;
+    CHECK(k3_drafter_propose(d, h, 10, 4, a, &ga, &err) == 0 && ga == 4);
+    /* greedy: feeding the drafts to a plain state gives them back */
+    k3_state *s;
+    float *lg = xmalloc_array((size_t)e->vocab, sizeof *lg);
+    CHECK(k3_state_new(e->model, 64, &s, &err) == 0);
+    CHECK(k3_forward(e->model, s, h, 10, lg, false, &err) == 0);
+    for (int i = 0; i < 4; i++) {
+        CHECKF(k3_argmax(lg, e->vocab) == a[i], "draft %d is not the greedy id", i);
+        CHECK(k3_forward(e->model, s, &a[i], 1, lg, false, &err) == 0);
+    }
+    /* the target kept the first draft and then sampled something else */
+    h[10] = a[0];
+    h[11] = (a[1] + 1) % e->vocab;
+    CHECK(k3_drafter_propose(d, h, 12, 3, a, &ga, &err) == 0);
+    CHECK(k3_drafter_propose(f, h, 12, 3, b, &gb, &err) == 0);
+    CHECK(ga == 3 && gb == 3 && !memcmp(a, b, sizeof(int32_t) * 3));
+    /* and none of them: a history that shares nothing past the old one */
+    h[9] = (h[9] + 1) % e->vocab;
+    CHECK(k3_drafter_propose(d, h, 10, 2, a, &ga, &err) == 0);
+    CHECK(k3_drafter_propose(f, h, 10, 2, b, &gb, &err) == 0);
+    CHECK(ga == 2 && gb == 2 && !memcmp(a, b, sizeof(int32_t) * 2));
+    free(lg);
+    k3_state_free(s);
+    k3_drafter_free(d);
+    k3_drafter_free(f);
+    k3_engine_free(e);
+}
+
+TEST(spec_draft_model_with_another_tokenizer_refused) {
+    k3_engine *e = open_engine(t_repo("models/default"), 64);
+    CHECK(e);
+    k3_err err = {0};
+    k3_drafter *d = NULL;
+    /* the session tests' model carries the Kimi tokenizer, not the default's */
+    int rc = k3_drafter_for(e, t_fixture("tokenizer/kimi"), 4, 64, &d, &err);
+    CHECKF(rc == K3_EXIT_USAGE && !d && strstr(err.msg, "tokenizer"), "rc %d: %s", rc, err.msg);
+    rc = k3_drafter_for(e, t_fixture("peer/tiny-checkpoint"), 4, 64, &d, &err); /* none at all */
+    CHECKF(rc == K3_EXIT_USAGE && !d, "rc %d: %s", rc, err.msg);
+    k3_engine_free(e);
 }
