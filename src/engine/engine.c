@@ -86,8 +86,7 @@ int k3_sample_parse_flag(k3_sample_opts *o, const char *cmd, int argc, char **ar
         if (!k3_parse_i64(v, 0, INT_MAX, &n)) bad = "not a count >= 0";
         else o->top_k = (int)n;
     } else if (!strcmp(f, "--top-p")) {
-        if (!k3_parse_f64(v, &d) || !((float)d > 0) || d > 1) bad = "not in (0, 1]";
-        else o->top_p = (float)d;
+        if (!k3_parse_f64(v, &d) || !k3_sample_top_p_ok(d, &o->top_p)) bad = "not in (0, 1] (as a float)";
     } else if (!strcmp(f, "--min-p")) {
         if (!k3_parse_f64(v, &d) || d < 0 || d > 1) bad = "not in [0, 1]";
         else o->min_p = (float)d;

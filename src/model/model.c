@@ -505,6 +505,13 @@ int k3_argmax(const float *logits, int n) {
     return best;
 }
 
+bool k3_sample_top_p_ok(double v, float *out) {
+    float f = (float)v;
+    if (!(f > 0.0f) || !(v <= 1.0)) return false;
+    *out = f;
+    return true;
+}
+
 void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p, float min_p,
                      uint64_t seed) {
     memset(sp, 0, sizeof *sp);

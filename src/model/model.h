@@ -165,6 +165,11 @@ typedef struct {
 } k3_sampler;
 void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p,
                      float min_p, uint64_t seed);
+/* The one range check of top_p (`k3 run --top-p`, serve's top_p): (0, 1], on
+ * the float the sampler holds, since a tiny positive number that rounds to
+ * 0.0f would turn the filter off instead of keeping one token. True and *out
+ * set when v is valid. */
+bool k3_sample_top_p_ok(double v, float *out);
 void k3_sampler_free(k3_sampler *sp);
 /* Draws the next id. Reproducible for a seed: the same logits sequence gives the
  * same ids on every machine (own PRNG, f64 cumulative sums in a fixed order). */
