@@ -38,13 +38,20 @@ const char *const cmd_serve_help =
     "Serves one model over HTTP with OpenAI's API: GET /v1/models,\n"
     "POST /v1/chat/completions (XTML chat template; reasoning_content, tools,\n"
     "streaming), POST /v1/completions (a text prompt, as `k3 run --prompt`),\n"
-    "GET /health, and a chat page at /. One worker computes; requests wait in a\n"
-    "bounded queue. docs/serve.md has the API, the limits and the error codes.\n"
+    "GET /health, GET /metrics (Prometheus), POST /tokenize and /detokenize, and a\n"
+    "chat page at /. One worker computes; requests wait in a bounded queue.\n"
+    "docs/serve.md has the API, the limits and the error codes.\n"
     "\n"
     "server:\n"
-    "  --host ADDR          address to listen on (default 127.0.0.1). There is no\n"
-    "                       authentication: any other address than loopback makes\n"
-    "                       the model usable from the network (a warning is printed)\n"
+    "  --host ADDR          address to listen on (default 127.0.0.1). Any other\n"
+    "                       address than loopback makes the model reachable from\n"
+    "                       the network: without --api-key a warning is printed\n"
+    "  --api-key KEY        requests need 'Authorization: Bearer KEY' (else 401);\n"
+    "                       the page and /health stay open\n"
+    "  --api-key-file F     the key is F's first line (keeps it out of `ps`)\n"
+    "  --cors-origin ORIGIN a page of ORIGIN (e.g. http://localhost:3000; '*': any)\n"
+    "                       may call the API from a browser; repeat for several.\n"
+    "                       Default: only the server's own page; other origins 403\n"
     "  --port N             TCP port (default 8000; 0 picks a free one)\n"
     "  --model-name NAME    the model id in /v1/models and requests (default: the\n"
     "                       last component of MODEL_DIR)\n"
@@ -53,7 +60,7 @@ const char *const cmd_serve_help =
     "  --max-tokens N       the largest max_tokens a request may ask (default: --ctx);\n"
     "                       also the default when a request gives none\n"
     "  --queue N            requests that may wait while one computes (default 16);\n"
-    "                       more get 429\n"
+    "                       more get 429; 0: one computes and none waits\n"
     "  --max-body BYTES     largest request body (default 8M); larger get 413\n"
     "  --sse-keepalive S    a stream without an event for S seconds gets an SSE\n"
     "                       comment line, so read timeouts do not close it during\n"
@@ -73,8 +80,14 @@ const char *const cmd_serve_help =
     "exit codes: 0 stopped by a signal, 1 runtime/I-O (cannot listen), 2 usage or\n"
     "bad model directory, 3 cannot fit the memory budget, 4 checkpoint data error\n";
 
+#define MAX_CORS 16
+
 typedef struct {
     const char *host, *model_name;
+    const char *api_key;
+    char key_buf[4096];    /* --api-key-file's key */
+    const char *cors[MAX_CORS];
+    size_t ncors;
     int port, queue;
     bool verbose;
     int64_t ctx, max_tokens;
@@ -83,6 +96,33 @@ typedef struct {
     double keepalive_s;
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } serve_args;
+
+/* '*' or scheme://host[:port] as a browser sends it in Origin (no path, no slash at the end) */
+static bool cors_origin_ok(const char *v) {
+    if (!strcmp(v, "*")) return true;
+    const char *sep = strstr(v, "://");
+    if (!sep || sep == v || !sep[3] || strlen(v) > 200) return false;
+    for (const char *p = sep + 3; *p; p++)
+        if (*p == '/' || *p == ' ' || (unsigned char)*p < 0x21) return false;
+    return true;
+}
+
+/* The key is the file's first line, without its line end; a regular file of
+ * at most buf bytes, and not empty. */
+static int read_key_file(const char *path, char *buf, size_t cap, k3_err *err) {
+    struct stat st;
+    if (stat(path, &st) != 0) return k3_fail(err, K3_EXIT_USAGE, "serve: --api-key-file %s: %s", path, strerror(errno));
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size >= cap)
+        return k3_fail(err, K3_EXIT_USAGE, "serve: --api-key-file %s: not a regular file under %zu bytes", path, cap);
+    FILE *f = fopen(path, "r");
+    if (!f) return k3_fail(err, K3_EXIT_USAGE, "serve: --api-key-file %s: %s", path, strerror(errno));
+    size_t n = fread(buf, 1, cap - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    buf[strcspn(buf, "\r\n")] = 0;
+    if (!*buf) return k3_fail(err, K3_EXIT_USAGE, "serve: --api-key-file %s: the first line is empty", path);
+    return K3_OK;
+}
 
 static int parse_args(int argc, char **argv, serve_args *a) {
     memset(a, 0, sizeof *a);
@@ -142,6 +182,22 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             if (!k3_parse_f64(v, &d) || !(d == 0 || (d >= 0.05 && d <= 3600)))
                 return k3_usage_error("serve", "--sse-keepalive: '%s' is not 0 or a number of seconds in [0.05, 3600]", v);
             a->keepalive_s = d;
+        } else if (!strcmp(o, "--api-key")) {
+            NEED_VALUE();
+            if (!*v) return k3_usage_error("serve", "--api-key needs a key");
+            a->api_key = v;
+        } else if (!strcmp(o, "--api-key-file")) {
+            NEED_VALUE();
+            k3_err e = {0};
+            if (read_key_file(v, a->key_buf, sizeof a->key_buf, &e)) return k3_report(&e);
+            a->api_key = a->key_buf;
+        } else if (!strcmp(o, "--cors-origin")) {
+            NEED_VALUE();
+            if (!cors_origin_ok(v))
+                return k3_usage_error("serve", "--cors-origin: '%s' is not '*' or an origin such as http://localhost:3000 "
+                                      "(scheme://host[:port], no path)", v);
+            if (a->ncors == MAX_CORS) return k3_usage_error("serve", "--cors-origin: at most %d origins", MAX_CORS);
+            a->cors[a->ncors++] = v;
         } else if (!strcmp(o, "--verbose")) {
             a->verbose = true;
         } else {
@@ -369,16 +425,16 @@ int cmd_serve(int argc, char **argv) {
                        .model_id = a.model_name ? a.model_name : base_name(a.eo.model_dir, nbuf, sizeof nbuf),
                        .max_body = (size_t)a.max_body, .queue = a.queue,
                        .max_tokens = a.max_tokens ? a.max_tokens : a.ctx, .keepalive_s = a.keepalive_s,
-                       .verbose = a.verbose};
+                       .api_key = a.api_key, .cors = a.cors, .ncors = a.ncors, .verbose = a.verbose};
     k3_serve *s;
     if ((rc = k3_serve_start(&o, &sm, &s, &err))) {
         if (b.lead) send_cmd(CMD_QUIT, 0, 0, rc);
         close_backend(&b);
         return k3_report(&err);
     }
-    if (!k3_http_is_loopback(a.host))
-        fprintf(stderr, "k3 serve: warning: listening on %s, not loopback: anyone who can reach this machine can "
-                "use the model (there is no authentication)\n", a.host);
+    if (!k3_http_is_loopback(a.host) && !a.api_key)
+        fprintf(stderr, "k3 serve: warning: listening on %s, not loopback, without --api-key: anyone who can reach "
+                "this machine can use the model\n", a.host);
     bool v6 = strchr(a.host, ':') != NULL;
     char par[64] = "";
     if (ranks > 1) snprintf(par, sizeof par, ", expert parallel over %d ranks", ranks);

@@ -11,6 +11,7 @@
 #include "serve/serve_impl.h"
 #include "model/model.h"
 
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -195,11 +196,18 @@ static void finish_ok(gen_ctx *g, const char *finish) {
     k3_job_finish(s, j, 200);
 }
 
+/* The client's socket still open (not hung up). */
+static bool client_gone_now(const k3_job *j) {
+    if (j->fd < 0) return false;
+    struct pollfd p = {.fd = j->fd, .events = POLLRDHUP};
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
+}
+
 static void finish_error(gen_ctx *g, int status, const char *code, const char *msg) {
     k3_serve_error e;
     k3_serve_error_set(&e, status, code, NULL, "%s", msg);
     char *body = k3_serve_error_json(&e);
-    fprintf(stderr, "k3 serve: %s failed: %s\n", g->j->id, msg);
+    if (status != 503) fprintf(stderr, "k3 serve: %s failed: %s\n", g->j->id, msg);
     if (g->stream) {
         /* the 200 and earlier events are gone: the error travels as an event */
         k3_sbuf b = {0};
@@ -252,6 +260,7 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
         int id = k3_sample(&sp, logits);
         last = id;
         g.ngen++;
+        k3_serve_note_token(s, j);
         if (g.chat) {
             if (k3_chat_parser_feed(cp, id, &d, &err)) { failed = true; break; }
             chat_delta(&g, &d);
@@ -284,11 +293,20 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     }
     pthread_mutex_lock(&s->mu);
     s->n_tokens += g.ngen;
+    s->n_prompt += j->n;
+    s->n_cached += g.reused;
+    if (g.reused) s->n_cache_hits++;
+    /* a cancel by the server's stop, not by the client: the client is still
+     * there and gets a well-formed end */
+    bool stopping = cancelled && s->stopping && !client_gone_now(j);
     if (cancelled) s->n_cancelled++;
     else if (failed) s->n_failed++;
     else s->n_ok++;
     pthread_mutex_unlock(&s->mu);
-    if (cancelled && prefill_cut) {
+    if (stopping) {
+        fprintf(stderr, "k3 serve: %s stopped after %zu generated tokens: the server is stopping\n", j->id, g.ngen);
+        finish_error(&g, 503, "server_stopping", "the server is stopping");
+    } else if (cancelled && prefill_cut) {
         fprintf(stderr, "k3 serve: %s cancelled: client disconnected during the prefill: %s\n", j->id, err.msg);
         k3_job_finish(s, j, 499);
     } else if (cancelled) {

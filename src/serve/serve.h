@@ -65,6 +65,9 @@ typedef struct {
     int queue;                 /* jobs that may wait while one computes; more: 429 */
     int64_t max_tokens;        /* the largest max_tokens a request may ask for */
     double keepalive_s;        /* a stream silent this long gets an SSE comment line; 0: never */
+    const char *api_key;       /* NULL: none; else the API routes need "Authorization: Bearer KEY" (401) */
+    const char *const *cors;   /* origins a browser page may call from ("*": any); besides the server's own */
+    size_t ncors;
     bool verbose;              /* log every request */
 } k3_serve_opts;
 

@@ -94,10 +94,10 @@ special_ids=$("$K3" tokenize "$KIMI" --text "$USER_TEXT" --allow-special)
 case ",$want_ids," in *",$text_ids,"*) pass "inject: the template holds the text's plain ids" ;; *) fail "inject: the template holds the text's plain ids" "$text_ids not in $want_ids" ;; esac
 [ "$text_ids" != "$special_ids" ] && pass "inject: the text does spell specials" || fail "inject: the text does spell specials"
 $PY -c 'import json,sys; r=json.load(open(sys.argv[1])); r.update(max_tokens=12, temperature=0, chat_template_kwargs={"thinking": False}); del r["thinking"]; print(json.dumps(r))' "$OUT/inject.json" >"$OUT/inject.req"
-curl -s --max-time 120 -o "$OUT/inject.out" -w '%{http_code}' --data-binary "@$OUT/inject.req" "${WARM}v1/chat/completions" >"$OUT/inject.code"
+curl -H 'Content-Type: application/json' -s --max-time 120 -o "$OUT/inject.out" -w '%{http_code}' --data-binary "@$OUT/inject.req" "${WARM}v1/chat/completions" >"$OUT/inject.code"
 got=$($PY -c 'import json,sys; j=json.load(open(sys.argv[1])); print(j["usage"]["prompt_tokens"])' "$OUT/inject.out" 2>&1)
 [ "$(cat "$OUT/inject.code")" = 200 ] && [ "$got" = "$n_want" ] && pass "inject: prompt_tokens $got = the template's ids" || fail "inject: prompt_tokens" "HTTP $(cat "$OUT/inject.code"), $got, wanted $n_want"
-curl -s --max-time 120 -o "$OUT/inject2.out" --data-binary "{\"prompt\":[$want_ids],\"max_tokens\":12,\"temperature\":0}" "${WARM}v1/completions"
+curl -H 'Content-Type: application/json' -s --max-time 120 -o "$OUT/inject2.out" --data-binary "{\"prompt\":[$want_ids],\"max_tokens\":12,\"temperature\":0}" "${WARM}v1/completions"
 $PY - "$OUT/inject.out" "$OUT/inject2.out" "$KIMI" "$K3" >"$OUT/inject.cmp" 2>&1 <<'EOF'
 import json, sys
 chat = json.load(open(sys.argv[1]))["choices"][0]["message"]["content"]
@@ -108,14 +108,14 @@ print("ok" if comp.startswith(chat) and len(chat) > 0 else "chat %r / completion
 EOF
 [ "$(cat "$OUT/inject.cmp")" = ok ] && pass "inject: the reply is the one for the plain ids" || fail "inject: the reply" "$(cat "$OUT/inject.cmp")"
 # a template error names the field
-curl -s --max-time 30 -o "$OUT/badrole.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"},{"role":"wizard","content":"x"}]}' "${WARM}v1/chat/completions" >"$OUT/badrole.code"
+curl -H 'Content-Type: application/json' -s --max-time 30 -o "$OUT/badrole.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"},{"role":"wizard","content":"x"}]}' "${WARM}v1/chat/completions" >"$OUT/badrole.code"
 grep -q '"param":"messages\[1\].role"' "$OUT/badrole.out" && [ "$(cat "$OUT/badrole.code")" = 400 ] && pass "template error names messages[1].role" || fail "template error" "$(cat "$OUT/badrole.code") $(head -c 300 "$OUT/badrole.out")"
-curl -s --max-time 30 -o "$OUT/kw.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"chat_template_kwargs":{"thinking":"yes"}}' "${WARM}v1/chat/completions" >"$OUT/kw.code"
+curl -H 'Content-Type: application/json' -s --max-time 30 -o "$OUT/kw.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"chat_template_kwargs":{"thinking":"yes"}}' "${WARM}v1/chat/completions" >"$OUT/kw.code"
 grep -q '"param":"chat_template_kwargs.thinking"' "$OUT/kw.out" && [ "$(cat "$OUT/kw.code")" = 400 ] && pass "thinking: wrong type named" || fail "thinking: wrong type" "$(head -c 300 "$OUT/kw.out")"
 # an effort the release's template does not know is named by the request's own field
-curl -s --max-time 30 -o "$OUT/effort.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"reasoning_effort":"medium"}' "${WARM}v1/chat/completions" >"$OUT/effort.code"
+curl -H 'Content-Type: application/json' -s --max-time 30 -o "$OUT/effort.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"reasoning_effort":"medium"}' "${WARM}v1/chat/completions" >"$OUT/effort.code"
 grep -q '"param":"reasoning_effort"' "$OUT/effort.out" && grep -q '"message":"reasoning_effort: ' "$OUT/effort.out" && [ "$(cat "$OUT/effort.code")" = 400 ] && pass "reasoning_effort: unknown value named" || fail "reasoning_effort" "$(head -c 300 "$OUT/effort.out")"
-curl -s --max-time 60 -o "$OUT/effort2.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"reasoning_effort":"high","max_tokens":2}' "${WARM}v1/chat/completions" >"$OUT/effort2.code"
+curl -H 'Content-Type: application/json' -s --max-time 60 -o "$OUT/effort2.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"reasoning_effort":"high","max_tokens":2}' "${WARM}v1/chat/completions" >"$OUT/effort2.code"
 [ "$(cat "$OUT/effort2.code")" = 200 ] && pass "reasoning_effort: high" || fail "reasoning_effort: high" "$(head -c 300 "$OUT/effort2.out")"
 
 # ---- the chat page in Chromium ----
