@@ -64,6 +64,7 @@ static void kda_recur(const k3_kda_state *st, float *o, const float *q, const fl
 
 K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, const k3_kda_state *st,
                       const float *x, int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws) {
+    k3_kda_trace *tr = nseq == 1 && !rec ? st[0].trace : NULL; /* a recorded pass (one sequence) */
     const int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     const int N = nseq * T;
     const size_t NP = (size_t)N * P, TP = (size_t)T * P;
@@ -76,6 +77,9 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
     k_prod jobs[6] = {{&w->q, x, N, pre},  {&w->k, x, N, pre + NP}, {&w->v, x, N, pre + 2 * NP},
                       {&w->g, x, N, gate}, {&w->b, x, N, beta},     {&w->f_a, x, N, fa}};
     fo->products(jobs, 6);
+    if (tr) /* the pre-conv inputs, before the planes are reused below */
+        for (int j = 0; j < 3; j++)
+            memcpy(tr->pre + ((size_t)j * tr->max_T + tr->row) * P, pre + (size_t)j * NP, NP * sizeof(float));
     /* ShortConv per plane and sequence, each from its carried history; the
      * SiLU in the same task unless the pre-SiLU values are recorded */
     const bool fused = !rec && !fo->train_rounding;
@@ -107,6 +111,14 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
     for (int n = 0; n < N; n++)
         k_kda_gate(g + (size_t)n * P, rec ? z + (size_t)n * P : NULL, z + (size_t)n * P, w->A_log, w->dt_bias, H, D,
                    c->gate_lower_bound);
+    if (tr) { /* what the recurrence consumes, for a replay of a prefix */
+        size_t r0 = (size_t)tr->row * P;
+        memcpy(tr->q + r0, q, NP * sizeof(float));
+        memcpy(tr->k + r0, k, NP * sizeof(float));
+        memcpy(tr->v + r0, v, NP * sizeof(float));
+        memcpy(tr->g + r0, g, NP * sizeof(float));
+        memcpy(tr->beta + (size_t)tr->row * H, beta, (size_t)N * H * sizeof(float));
+    }
     float *o = rec ? rec->o : pre + 2 * NP;
     kda_recur(st, o, q, k, v, g, beta, nseq, T, H, D, chunk, c->gate_lower_bound, rec ? rec->Ssave : NULL);
     float *normed = rec ? rec->y : k; /* k is consumed */
@@ -139,7 +151,7 @@ void k3_kda_rec_forward(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops 
     float *conv = xcalloc((size_t)nseq * 3 * P * (size_t)(c->conv_kernel - 1) + 1, sizeof(float));
     k3_kda_state *st = xmalloc_array((size_t)nseq, sizeof *st);
     for (int s = 0; s < nseq; s++)
-        st[s] = (k3_kda_state){S + (size_t)s * H * D * D, conv + (size_t)s * 3 * P * (size_t)(c->conv_kernel - 1)};
+        st[s] = (k3_kda_state){.S = S + (size_t)s * H * D * D, .conv = conv + (size_t)s * 3 * P * (size_t)(c->conv_kernel - 1)};
     kda_block(c, w, fo, st, x, nseq, T, y, chunk, rec, NULL);
     free(st);
     free(S);
