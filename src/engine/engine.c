@@ -3,6 +3,7 @@
 
 #include "dist/dist.h"
 #include "dist/expert_par.h"
+#include "dist/tensor_par.h"
 #include "session/session.h"
 
 #include <errno.h>
@@ -51,6 +52,11 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
     } else if (!strcmp(f, "--expert-placement")) {
         VALUE();
         o->expert_placement = v;
+    } else if (!strcmp(f, "--parallel-layout")) {
+        VALUE();
+        if (strcmp(v, "tp+ep") && strcmp(v, "ep"))
+            return k3_fail(err, K3_EXIT_USAGE, "%s: --parallel-layout: '%s' is not tp+ep or ep", cmd, v);
+        o->layout_ep = !strcmp(v, "ep");
     } else if (!strcmp(f, "--max-memory")) {
         VALUE();
         if (!k3_parse_size(v, &o->max_memory) || !o->max_memory)
@@ -163,6 +169,10 @@ static int ep_placement(k3_engine *e, const k3_config *file_cfg, k3_err *err) {
     e->owned = xcalloc(n, 1);
     for (size_t i = 0; i < n; i++) e->owned[i] = p.owner[i] == e->rank;
     e->opts.mem.so.owned = e->owned;
+    if (!o->layout_ep) { /* the plan counts this rank's share of the split trunk */
+        e->opts.mem.so.tp_rank = e->rank;
+        e->opts.mem.so.tp_ranks = e->ranks;
+    }
     return K3_OK;
 }
 
@@ -244,6 +254,7 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
         k3_placement p = {.ranks = e->ranks, .layers = c->num_layers, .experts = c->num_experts, .owner = e->owner};
         e->ep = k3_ep_new(k3_runmem_source(e->rm), &p, e->rank, e->ranks);
         k3_model_set_source(e->model, k3_ep_source(e->ep));
+        if (!o->layout_ep) k3_model_set_ops(e->model, k3_tp_ops());
     }
     e->cfg = k3_model_config(e->model);
     e->vocab = e->cfg->vocab_size;
