@@ -159,7 +159,11 @@ int k3_engine_ready(k3_engine *e, int rc, k3_err *err);
  * seconds and tokens. Prints one line on f (rank 0, f not NULL) and
  * returns a JSON object (rank 0; NULL elsewhere and for one process):
  * {"ranks", "experts_held": [per rank], "exchanges_per_token", "bytes_sent_per_token":
- * [per rank], "exchange_share": [per rank], ...}. */
+ * [per rank], "exchange_share": [per rank], ..., "layout" ("tp+ep" or "ep"),
+ * "split_gathers_per_token" (of the exchanges, the split trunk's gathers),
+ * "split_bytes_sent_per_token", "split_share", "trunk_bytes_read_per_token":
+ * [per rank] (weight bytes the split products read), "trunk_bytes_one_process_per_token"}.
+ * Under tp+ep a second line gives the split trunk's figures. */
 struct json_t;
 struct json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from, const void *to, double secs,
                                      uint64_t steps, FILE *f);

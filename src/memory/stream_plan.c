@@ -440,7 +440,8 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
         fprintf(f, "k3:   model-level tensors %s  head, final norms, embedding rows in use (mapped)\n", b);
     if (!p->streamed) {
         mb_cell(b, sizeof b, p->pinned_bytes);
-        fprintf(f, "k3:   trunk resident      %s  %d layers mapped from the shards (no --trunk)\n", b, p->num_layers);
+        fprintf(f, "k3:   trunk resident      %s  %d layers mapped from the shards (no --trunk)%s\n", b, p->num_layers,
+                o->tp_ranks > 1 ? "; this rank's rows of the split matrices" : "");
     } else {
         mb_cell(b, sizeof b, p->pinned_bytes);
         char pl[K3_MAX_LAYERS * 4 + 8], sl[K3_MAX_LAYERS * 4 + 8];
