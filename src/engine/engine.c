@@ -295,8 +295,8 @@ int k3_engine_state_new(k3_engine *e, int64_t max_pos, uint64_t extra_bytes, k3_
         need = UINT64_MAX;
     else
         need += e->states_bytes + extra_bytes;
-    uint64_t budget = e->opts.max_memory ? e->opts.max_memory : k3_mem_available_bytes();
-    const char *bname = e->opts.max_memory ? "--max-memory" : "MemAvailable";
+    const char *bname;
+    uint64_t budget = k3_mem_limit(e->opts.max_memory, &bname);
     if ((budget && need > budget) || max_pos > INT_MAX - 1) {
         return k3_fail(err, K3_EXIT_BUDGET,
                        "%s: %lld positions need %s (weights %s, KDA state %s, MLA cache %s, scratch %s, other %s) "

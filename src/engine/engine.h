@@ -56,8 +56,9 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
     "  --tok DIR            tokenizer directory (tiktoken.model); default MODEL_DIR\n" \
     "  --threads N          OpenMP threads (the logits do not depend on N)\n" \
     "  --layers N           run only the first N layers (partial checkpoints)\n" \
-    "  --max-memory SIZE    memory budget, e.g. 8G (default: MemAvailable); refused\n" \
-    "                       up front (exit 3) if weights + state do not fit\n" \
+    "  --max-memory SIZE    memory budget, e.g. 8G (default: MemAvailable), never\n" \
+    "                       above a memory cgroup limit's headroom; refused up\n" \
+    "                       front (exit 3) if weights + state do not fit\n" \
     "  --kda-chunk C        prefill KDA in the chunkwise form, chunk length C\n" \
     "                       (faster for long prompts; equal to fp32 rounding, not\n" \
     "                       bit-identical to token-by-token decoding)\n" \

@@ -372,7 +372,8 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
 
     p->state = k3_state_size_chunk(c, p->chunk, max_pos);
     p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total;
-    uint64_t limit = o->mem_limit ? o->mem_limit : k3_mem_available_bytes();
+    const char *lname;
+    uint64_t limit = k3_mem_limit(o->mem_limit, &lname);
     /* without --chunk, a smaller chunk's scratch may fit where the default's does not */
     while (o->chunk <= 0 && p->chunk > 1 && limit && p->total + K3_PLAN_OVERHEAD > limit) {
         p->chunk /= 2;
@@ -385,7 +386,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
                        "overhead but %s is %s: choose a smaller --preset, --trunk-gb or --cache-gb, or fewer positions",
                        k3_size_str(p->total), k3_size_str(p->trunk_bytes), k3_size_str(p->expert_bytes + p->table_bytes),
                        k3_size_str(p->state.total), (long long)max_pos, k3_size_str(K3_PLAN_OVERHEAD),
-                       o->mem_limit ? "--max-memory" : "MemAvailable", k3_size_str(limit));
+                       lname, k3_size_str(limit));
     return K3_OK;
 }
 

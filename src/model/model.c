@@ -133,6 +133,14 @@ struct k3_state {
     size_t kda_floats, mla_floats;
     float *blk;               /* [nbuf][chunk][E] */
     k3_ws ws;
+    struct {                  /* a pass that can be cut back (k3_state_pass_*) */
+        int max_T;            /* reserved length (0: none) */
+        bool open;
+        int pos0;             /* position at pass_begin */
+        float *kda0;          /* [kda_floats] the KDA part at pass_begin */
+        float *mem;           /* every trace's buffers, then the replay output */
+        k3_kda_trace *tr;     /* [num_layers], used for KDA layers */
+    } pass;
 };
 
 
@@ -259,13 +267,24 @@ int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err) {
 }
 
 void k3_state_reset(k3_state *s) {
+    s->pass.open = false;
+    for (int L = 0; L < s->m->cfg.num_layers; L++) s->kda[L].trace = NULL;
     memset(s->kda_mem, 0, s->kda_floats * sizeof(float));
     memset(s->mla_mem, 0, s->mla_floats * sizeof(float));
     s->pos = 0;
 }
 
+static void pass_free(k3_state *s) {
+    free(s->pass.kda0);
+    free(s->pass.mem);
+    free(s->pass.tr);
+    for (int L = 0; s->kda && L < s->m->cfg.num_layers; L++) s->kda[L].trace = NULL;
+    memset(&s->pass, 0, sizeof s->pass);
+}
+
 void k3_state_free(k3_state *s) {
     if (!s) return;
+    pass_free(s);
     free(s->kda_mem);
     free(s->mla_mem);
     free(s->kda);
@@ -352,12 +371,113 @@ int k3_state_load(k3_state *s, const void *buf, int pos, k3_err *err) {
     if (pos < 0 || pos > s->max_pos)
         return k3_fail(err, K3_EXIT_USAGE, "snapshot of %d positions does not fit a state of %d", pos, s->max_pos);
     const float *f = buf;
+    s->pass.open = false; /* a loaded state ends any pass */
+    for (int L = 0; L < s->m->cfg.num_layers; L++) s->kda[L].trace = NULL;
     int rc = k3_state_set_pos(s, 0, err);
     if (rc) return rc;
     k3_state_kda_set(s, f);
     rows_copy(s, 0, pos, (float *)(f + s->kda_floats), false);
     s->pos = pos;
     return K3_OK;
+}
+
+/* ---- passes that can be cut back --------------------------------------------------------
+ * A trace holds, per token, 7P + H floats (q, k, v, g; beta; three pre-conv
+ * planes); the replay's output is one [max_T][P] buffer for all layers. */
+static uint64_t trace_floats(const k3_config *c) {
+    uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
+    return 7 * P + (uint64_t)c->kda_heads;
+}
+
+uint64_t k3_state_pass_bytes(const k3_config *c, int max_T) {
+    if (max_T < 1) return 0;
+    uint64_t nk = (uint64_t)(c->num_layers - n_mla_layers(c)), T = (uint64_t)max_T;
+    if (!nk) return 0;
+    uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
+    return 4 * (k3_state_kda_floats(c) + nk * T * trace_floats(c) + T * P);
+}
+
+int k3_state_pass_reserve(k3_state *s, int max_T, k3_err *err) {
+    const k3_config *c = &s->m->cfg;
+    if (max_T < 1) return k3_fail(err, K3_EXIT_USAGE, "a pass must allow at least 1 token, not %d", max_T);
+    if (s->pass.open) return k3_fail(err, K3_EXIT_USAGE, "cannot reserve a pass record inside a pass");
+    if (max_T <= s->pass.max_T) return K3_OK;
+    pass_free(s);
+    int nk = c->num_layers - n_mla_layers(c);
+    s->pass.max_T = max_T;
+    if (!nk) return K3_OK; /* MLA only: the cache is cut back by position */
+    size_t H = (size_t)c->kda_heads, P = H * (size_t)c->kda_head_dim, T = (size_t)max_T;
+    size_t per = T * (size_t)trace_floats(c);
+    s->pass.kda0 = xmalloc_array(s->kda_floats, sizeof(float));
+    s->pass.mem = xmalloc_array((size_t)nk * per + T * P, sizeof(float));
+    s->pass.tr = xcalloc((size_t)c->num_layers, sizeof *s->pass.tr);
+    float *p = s->pass.mem;
+    for (int L = 0; L < c->num_layers; L++) {
+        if (c->layer_kind[L] != 'K') continue;
+        k3_kda_trace *t = &s->pass.tr[L];
+        t->max_T = max_T;
+        t->q = p;
+        t->k = p + T * P;
+        t->v = p + 2 * T * P;
+        t->g = p + 3 * T * P;
+        t->pre = p + 4 * T * P;
+        t->beta = p + 7 * T * P;
+        p += per;
+    }
+    return K3_OK;
+}
+
+int k3_state_pass_begin(k3_state *s, k3_err *err) {
+    if (!s->pass.max_T) return k3_fail(err, K3_EXIT_USAGE, "no pass record reserved (k3_state_pass_reserve)");
+    if (s->pass.open) return k3_fail(err, K3_EXIT_USAGE, "a pass is already open");
+    if (s->pass.kda0) memcpy(s->pass.kda0, s->kda_mem, s->kda_floats * sizeof(float));
+    s->pass.pos0 = s->pos;
+    s->pass.open = true;
+    for (int L = 0; s->pass.tr && L < s->m->cfg.num_layers; L++)
+        if (s->m->cfg.layer_kind[L] == 'K') s->kda[L].trace = &s->pass.tr[L];
+    return K3_OK;
+}
+
+int k3_state_pass_len(const k3_state *s) { return s->pass.open ? s->pos - s->pass.pos0 : 0; }
+
+/* The conv history after the first keep tokens of the pass: the last K-1 of
+ * (history at begin, pre[0..keep)), per plane and channel, oldest first.
+ * Ascending i reads index keep + i >= i of the old history, never one
+ * already overwritten. */
+static void conv_rebuild(float *conv, const k3_kda_trace *t, int keep, size_t P, int K) {
+    for (size_t j = 0; j < 3; j++)
+        for (size_t ch = 0; ch < P; ch++) {
+            float *h = conv + (j * P + ch) * (size_t)(K - 1);
+            for (int i = 0; i < K - 1; i++) {
+                int idx = keep + i - (K - 1); /* position in the pass; < 0: the old history */
+                h[i] = idx >= 0 ? t->pre[(j * (size_t)t->max_T + (size_t)idx) * P + ch] : h[K - 1 + idx];
+            }
+        }
+}
+
+int k3_state_pass_end(k3_state *s, int keep, k3_err *err) {
+    if (!s->pass.open) return k3_fail(err, K3_EXIT_USAGE, "no pass is open");
+    int fed = s->pos - s->pass.pos0;
+    if (keep < 0 || keep > fed)
+        return k3_fail(err, K3_EXIT_USAGE, "cannot keep %d tokens of a pass of %d", keep, fed);
+    const k3_config *c = &s->m->cfg;
+    if (keep < fed && s->pass.kda0) {
+        memcpy(s->kda_mem, s->pass.kda0, s->kda_floats * sizeof(float));
+        const int H = c->kda_heads, D = c->kda_head_dim;
+        const size_t P = (size_t)H * D;
+        float *o = s->pass.mem + (size_t)(c->num_layers - n_mla_layers(c)) * (size_t)s->pass.max_T *
+                                     (size_t)trace_floats(c);
+        for (int L = 0; keep > 0 && L < c->num_layers; L++) {
+            if (c->layer_kind[L] != 'K') continue;
+            const k3_kda_trace *t = &s->pass.tr[L];
+            k_kda_forward(o, s->kda[L].S, t->q, t->k, t->v, t->g, t->beta, 1, keep, H, D, 0, c->gate_lower_bound,
+                          NULL);
+            conv_rebuild(s->kda[L].conv, t, keep, P, c->conv_kernel);
+        }
+    }
+    for (int L = 0; L < c->num_layers; L++) s->kda[L].trace = NULL;
+    s->pass.open = false;
+    return k3_state_set_pos(s, s->pass.pos0 + keep, err);
 }
 
 /* ---- weight sources ------------------------------------------------------------------ */
@@ -404,7 +524,8 @@ static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const
     }
     rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
     if (w->kind == 'K')
-        kda_block(c, &w->kda, fo, ks->S, ks->conv, xn, 1, T, sub, T > 1 ? kda_chunk : 0, NULL, ws);
+        kda_block(c, &w->kda, fo, ks->S, ks->conv, xn, 1, T, sub, T > 1 && !ks->trace ? kda_chunk : 0, NULL,
+                  ks->trace, ws);
     else mla_block(c, mla_eps, &w->mla, fo, mc, pos0, xn, 1, T, sub, NULL, ws);
     ws->used = inner;
     float *p = buf[*nb];
@@ -448,6 +569,9 @@ static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, fl
     float *bufp[K3_MAX_LAYERS + 1];
     for (int i = 0; i < s->nbuf; i++) bufp[i] = s->blk + (size_t)i * s->chunk * E;
     int nb = 0;
+    if (s->pass.open) /* a recorded pass: this call's rows follow the pass's earlier ones */
+        for (int L = 0; L < c->num_layers; L++)
+            if (s->kda[L].trace) s->kda[L].trace->row = s->pos - s->pass.pos0;
     /* h0 = embed_tokens[token], no scaling */
     for (int t = 0; t < T; t++) k_mat_row(&m->embed, ids[t], bufp[0] + (size_t)t * E);
     for (int L = 0; L < c->num_layers; L++) {
@@ -489,6 +613,9 @@ int k3_forward(k3_model *m, k3_state *s, const int32_t *ids, int n, float *logit
     if (n > s->max_pos - s->pos)
         return k3_fail(err, K3_EXIT_USAGE, "state is full: %d positions used of %d, %d more requested", s->pos,
                        s->max_pos, n);
+    if (s->pass.open && n > s->pass.max_T - (s->pos - s->pass.pos0))
+        return k3_fail(err, K3_EXIT_USAGE, "a pass of %d tokens would exceed its record of %d", s->pos - s->pass.pos0 + n,
+                       s->pass.max_T);
     size_t V = (size_t)c->vocab_size;
     for (int c0 = 0; c0 < n; c0 += s->chunk) {
         int T = n - c0 < s->chunk ? n - c0 : s->chunk;

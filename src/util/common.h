@@ -126,7 +126,24 @@ const char *k3_size_str(uint64_t bytes);
 
 double k3_now(void);               /* monotonic seconds */
 uint64_t k3_peak_rss_bytes(void);  /* getrusage ru_maxrss */
-uint64_t k3_mem_available_bytes(void); /* /proc/meminfo MemAvailable, 0 if unknown */
+/* Memory sizing never plans past what the process may really take: the least
+ * of /proc/meminfo's MemAvailable and the headroom under a memory cgroup
+ * limit (a container's or a systemd slice's, which the kernel enforces by
+ * killing the process, while MemAvailable is only an estimate).
+ * k3_mem_available_bytes: that least, 0 if nothing can be read.
+ * k3_mem_limit: the budget a run plans within: --max-memory (max_memory, 0
+ * when not given) or else MemAvailable, either one lowered to the cgroup's
+ * headroom; *what (may be NULL) names the bound that won, for messages. */
+uint64_t k3_mem_available_bytes(void);
+uint64_t k3_mem_limit(uint64_t max_memory, const char **what);
+/* The headroom under the memory cgroup limits of the process whose
+ * /proc/PID/cgroup and /proc/PID/mountinfo are given: for its own cgroup and
+ * each ancestor up to the mount, v2 (cgroup2: memory.max less memory.current)
+ * and v1 (memory.limit_in_bytes less memory.usage_in_bytes), usage counted
+ * without the inactive file cache (memory.stat), which the kernel reclaims
+ * before it kills; the least over all. UINT64_MAX when no limit is set or
+ * none can be read. *limit (may be NULL): the limit of the group that bound. */
+uint64_t k3_cgroup_headroom(const char *proc_cgroup, const char *mountinfo, uint64_t *limit);
 
 /* A one-line progress bar on stderr (only when stderr is a terminal, or when
  * K3_PROGRESS=1): "label [=====>    ] 42% 1.2/3.0 GB 350 MB/s ETA 5s". */
