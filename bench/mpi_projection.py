@@ -6,7 +6,7 @@ anchor's class of machine: Xeon 8592+ sockets (8 x DDR5-5600: 358 GB/s peak),
 two a node with 1 TB (512 GB a rank), 400 Gb/s a node (25 GB/s a rank).
 
   bench/mpi_projection.py [--measured bench/.cache/mpi.json] [--mem-bw 358] [--ram 512]
-                          [--disk 6] [--net-bw 25] [--net-lat 5] [--msg-us 1] [--eff 0.8]
+                          [--disk 6] [--net-bw 25] [--net-lat 5] [--msg-us 0.5] [--eff 0.8]
                           [--ranks 1,2,...,32] [--json]
 
 The model (docs/mpi.md explains each term), for the layout k3 runs by default
@@ -177,7 +177,7 @@ def main():
     ap.add_argument("--net-bw", type=float, default=25.0,
                     help="GB/s a rank receives (25: 400 Gb/s a node shared by its 2 sockets)")
     ap.add_argument("--net-lat", type=float, default=5.0, help="microseconds a collective costs beyond its bytes")
-    ap.add_argument("--msg-us", type=float, default=1.0,
+    ap.add_argument("--msg-us", type=float, default=0.5,
                     help="microseconds a collective costs per peer (k3 posts one message to each other rank)")
     ap.add_argument("--ranks", default="1,2,4,8,16,32")
     ap.add_argument("--json", action="store_true")
