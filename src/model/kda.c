@@ -43,7 +43,8 @@ static void l2_head(const k3_fwd_ops *fo, float *x, int D, float *rinv) {
 }
 
 K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, float *S, float *conv,
-                      const float *x, int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws) {
+                      const float *x, int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_kda_trace *tr,
+                      k3_ws *ws) {
     const int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     const int N = nseq * T;
     const size_t NP = (size_t)N * P, TP = (size_t)T * P;
@@ -56,6 +57,9 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
     k_prod jobs[6] = {{&w->q, x, N, pre},  {&w->k, x, N, pre + NP}, {&w->v, x, N, pre + 2 * NP},
                       {&w->g, x, N, gate}, {&w->b, x, N, beta},     {&w->f_a, x, N, fa}};
     fo->products(jobs, 6);
+    if (tr) /* the pre-conv inputs, before the planes are reused below */
+        for (int j = 0; j < 3; j++)
+            memcpy(tr->pre + ((size_t)j * tr->max_T + tr->row) * P, pre + (size_t)j * NP, NP * sizeof(float));
     /* ShortConv per plane and sequence, each from its carried history; the
      * SiLU in the same task unless the pre-SiLU values are recorded */
     const bool fused = !rec && !fo->train_rounding;
@@ -87,6 +91,14 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
     for (int n = 0; n < N; n++)
         k_kda_gate(g + (size_t)n * P, rec ? z + (size_t)n * P : NULL, z + (size_t)n * P, w->A_log, w->dt_bias, H, D,
                    c->gate_lower_bound);
+    if (tr) { /* what the recurrence consumes, for a replay of a prefix */
+        size_t r0 = (size_t)tr->row * P;
+        memcpy(tr->q + r0, q, NP * sizeof(float));
+        memcpy(tr->k + r0, k, NP * sizeof(float));
+        memcpy(tr->v + r0, v, NP * sizeof(float));
+        memcpy(tr->g + r0, g, NP * sizeof(float));
+        memcpy(tr->beta + (size_t)tr->row * H, beta, (size_t)N * H * sizeof(float));
+    }
     float *o = rec ? rec->o : pre + 2 * NP;
     k_kda_forward(o, S, q, k, v, g, beta, nseq, T, H, D, chunk, c->gate_lower_bound, rec ? rec->Ssave : NULL);
     float *normed = rec ? rec->y : k; /* k is consumed */
@@ -108,7 +120,7 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
 void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y) {
     k3_ws ws;
     ws_init(&ws, 0);
-    kda_block(c, w, &k3_infer_ops, st->S, st->conv, x, 1, T, y, 0, NULL, &ws);
+    kda_block(c, w, &k3_infer_ops, st->S, st->conv, x, 1, T, y, 0, NULL, NULL, &ws);
     ws_free(&ws);
 }
 
@@ -117,7 +129,7 @@ void k3_kda_rec_forward(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops 
     const size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, P = H * D;
     float *S = xcalloc((size_t)nseq * H * D * D, sizeof(float));
     float *conv = xcalloc((size_t)nseq * 3 * P * (size_t)(c->conv_kernel - 1) + 1, sizeof(float));
-    kda_block(c, w, fo, S, conv, x, nseq, T, y, chunk, rec, NULL);
+    kda_block(c, w, fo, S, conv, x, nseq, T, y, chunk, rec, NULL, NULL);
     free(S);
     free(conv);
 }

@@ -133,6 +133,14 @@ struct k3_state {
     size_t kda_floats, mla_floats;
     float *blk;               /* [nbuf][chunk][E] */
     k3_ws ws;
+    struct {                  /* a pass that can be cut back (k3_state_pass_*) */
+        int max_T;            /* reserved length (0: none) */
+        bool open;
+        int pos0;             /* position at pass_begin */
+        float *kda0;          /* [kda_floats] the KDA part at pass_begin */
+        float *mem;           /* every trace's buffers, then the replay output */
+        k3_kda_trace *tr;     /* [num_layers], used for KDA layers */
+    } pass;
 };
 
 
@@ -259,13 +267,24 @@ int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err) {
 }
 
 void k3_state_reset(k3_state *s) {
+    s->pass.open = false;
+    for (int L = 0; L < s->m->cfg.num_layers; L++) s->kda[L].trace = NULL;
     memset(s->kda_mem, 0, s->kda_floats * sizeof(float));
     memset(s->mla_mem, 0, s->mla_floats * sizeof(float));
     s->pos = 0;
 }
 
+static void pass_free(k3_state *s) {
+    free(s->pass.kda0);
+    free(s->pass.mem);
+    free(s->pass.tr);
+    for (int L = 0; s->kda && L < s->m->cfg.num_layers; L++) s->kda[L].trace = NULL;
+    memset(&s->pass, 0, sizeof s->pass);
+}
+
 void k3_state_free(k3_state *s) {
     if (!s) return;
+    pass_free(s);
     free(s->kda_mem);
     free(s->mla_mem);
     free(s->kda);
@@ -352,12 +371,113 @@ int k3_state_load(k3_state *s, const void *buf, int pos, k3_err *err) {
     if (pos < 0 || pos > s->max_pos)
         return k3_fail(err, K3_EXIT_USAGE, "snapshot of %d positions does not fit a state of %d", pos, s->max_pos);
     const float *f = buf;
+    s->pass.open = false; /* a loaded state ends any pass */
+    for (int L = 0; L < s->m->cfg.num_layers; L++) s->kda[L].trace = NULL;
     int rc = k3_state_set_pos(s, 0, err);
     if (rc) return rc;
     k3_state_kda_set(s, f);
     rows_copy(s, 0, pos, (float *)(f + s->kda_floats), false);
     s->pos = pos;
     return K3_OK;
+}
+
+/* ---- passes that can be cut back --------------------------------------------------------
+ * A trace holds, per token, 7P + H floats (q, k, v, g; beta; three pre-conv
+ * planes); the replay's output is one [max_T][P] buffer for all layers. */
+static uint64_t trace_floats(const k3_config *c) {
+    uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
+    return 7 * P + (uint64_t)c->kda_heads;
+}
+
+uint64_t k3_state_pass_bytes(const k3_config *c, int max_T) {
+    if (max_T < 1) return 0;
+    uint64_t nk = (uint64_t)(c->num_layers - n_mla_layers(c)), T = (uint64_t)max_T;
+    if (!nk) return 0;
+    uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
+    return 4 * (k3_state_kda_floats(c) + nk * T * trace_floats(c) + T * P);
+}
+
+int k3_state_pass_reserve(k3_state *s, int max_T, k3_err *err) {
+    const k3_config *c = &s->m->cfg;
+    if (max_T < 1) return k3_fail(err, K3_EXIT_USAGE, "a pass must allow at least 1 token, not %d", max_T);
+    if (s->pass.open) return k3_fail(err, K3_EXIT_USAGE, "cannot reserve a pass record inside a pass");
+    if (max_T <= s->pass.max_T) return K3_OK;
+    pass_free(s);
+    int nk = c->num_layers - n_mla_layers(c);
+    s->pass.max_T = max_T;
+    if (!nk) return K3_OK; /* MLA only: the cache is cut back by position */
+    size_t H = (size_t)c->kda_heads, P = H * (size_t)c->kda_head_dim, T = (size_t)max_T;
+    size_t per = T * (size_t)trace_floats(c);
+    s->pass.kda0 = xmalloc_array(s->kda_floats, sizeof(float));
+    s->pass.mem = xmalloc_array((size_t)nk * per + T * P, sizeof(float));
+    s->pass.tr = xcalloc((size_t)c->num_layers, sizeof *s->pass.tr);
+    float *p = s->pass.mem;
+    for (int L = 0; L < c->num_layers; L++) {
+        if (c->layer_kind[L] != 'K') continue;
+        k3_kda_trace *t = &s->pass.tr[L];
+        t->max_T = max_T;
+        t->q = p;
+        t->k = p + T * P;
+        t->v = p + 2 * T * P;
+        t->g = p + 3 * T * P;
+        t->pre = p + 4 * T * P;
+        t->beta = p + 7 * T * P;
+        p += per;
+    }
+    return K3_OK;
+}
+
+int k3_state_pass_begin(k3_state *s, k3_err *err) {
+    if (!s->pass.max_T) return k3_fail(err, K3_EXIT_USAGE, "no pass record reserved (k3_state_pass_reserve)");
+    if (s->pass.open) return k3_fail(err, K3_EXIT_USAGE, "a pass is already open");
+    if (s->pass.kda0) memcpy(s->pass.kda0, s->kda_mem, s->kda_floats * sizeof(float));
+    s->pass.pos0 = s->pos;
+    s->pass.open = true;
+    for (int L = 0; s->pass.tr && L < s->m->cfg.num_layers; L++)
+        if (s->m->cfg.layer_kind[L] == 'K') s->kda[L].trace = &s->pass.tr[L];
+    return K3_OK;
+}
+
+int k3_state_pass_len(const k3_state *s) { return s->pass.open ? s->pos - s->pass.pos0 : 0; }
+
+/* The conv history after the first keep tokens of the pass: the last K-1 of
+ * (history at begin, pre[0..keep)), per plane and channel, oldest first.
+ * Ascending i reads index keep + i >= i of the old history, never one
+ * already overwritten. */
+static void conv_rebuild(float *conv, const k3_kda_trace *t, int keep, size_t P, int K) {
+    for (size_t j = 0; j < 3; j++)
+        for (size_t ch = 0; ch < P; ch++) {
+            float *h = conv + (j * P + ch) * (size_t)(K - 1);
+            for (int i = 0; i < K - 1; i++) {
+                int idx = keep + i - (K - 1); /* position in the pass; < 0: the old history */
+                h[i] = idx >= 0 ? t->pre[(j * (size_t)t->max_T + (size_t)idx) * P + ch] : h[K - 1 + idx];
+            }
+        }
+}
+
+int k3_state_pass_end(k3_state *s, int keep, k3_err *err) {
+    if (!s->pass.open) return k3_fail(err, K3_EXIT_USAGE, "no pass is open");
+    int fed = s->pos - s->pass.pos0;
+    if (keep < 0 || keep > fed)
+        return k3_fail(err, K3_EXIT_USAGE, "cannot keep %d tokens of a pass of %d", keep, fed);
+    const k3_config *c = &s->m->cfg;
+    if (keep < fed && s->pass.kda0) {
+        memcpy(s->kda_mem, s->pass.kda0, s->kda_floats * sizeof(float));
+        const int H = c->kda_heads, D = c->kda_head_dim;
+        const size_t P = (size_t)H * D;
+        float *o = s->pass.mem + (size_t)(c->num_layers - n_mla_layers(c)) * (size_t)s->pass.max_T *
+                                     (size_t)trace_floats(c);
+        for (int L = 0; keep > 0 && L < c->num_layers; L++) {
+            if (c->layer_kind[L] != 'K') continue;
+            const k3_kda_trace *t = &s->pass.tr[L];
+            k_kda_forward(o, s->kda[L].S, t->q, t->k, t->v, t->g, t->beta, 1, keep, H, D, 0, c->gate_lower_bound,
+                          NULL);
+            conv_rebuild(s->kda[L].conv, t, keep, P, c->conv_kernel);
+        }
+    }
+    for (int L = 0; L < c->num_layers; L++) s->kda[L].trace = NULL;
+    s->pass.open = false;
+    return k3_state_set_pos(s, s->pass.pos0 + keep, err);
 }
 
 /* ---- weight sources ------------------------------------------------------------------ */
@@ -402,7 +522,8 @@ static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const
     }
     rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
     if (w->kind == 'K')
-        kda_block(c, &w->kda, &k3_infer_ops, ks->S, ks->conv, xn, 1, T, sub, T > 1 ? kda_chunk : 0, NULL, ws);
+        kda_block(c, &w->kda, &k3_infer_ops, ks->S, ks->conv, xn, 1, T, sub, T > 1 && !ks->trace ? kda_chunk : 0,
+                  NULL, ks->trace, ws);
     else mla_block(c, mla_eps, &w->mla, &k3_infer_ops, mc, pos0, xn, 1, T, sub, NULL, ws);
     ws->used = inner;
     float *p = buf[*nb];
@@ -445,6 +566,9 @@ static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, fl
     float *bufp[K3_MAX_LAYERS + 1];
     for (int i = 0; i < s->nbuf; i++) bufp[i] = s->blk + (size_t)i * s->chunk * E;
     int nb = 0;
+    if (s->pass.open) /* a recorded pass: this call's rows follow the pass's earlier ones */
+        for (int L = 0; L < c->num_layers; L++)
+            if (s->kda[L].trace) s->kda[L].trace->row = s->pos - s->pass.pos0;
     /* h0 = embed_tokens[token], no scaling */
     for (int t = 0; t < T; t++) k_mat_row(&m->embed, ids[t], bufp[0] + (size_t)t * E);
     for (int L = 0; L < c->num_layers; L++) {
@@ -484,6 +608,9 @@ int k3_forward(k3_model *m, k3_state *s, const int32_t *ids, int n, float *logit
     if (n > s->max_pos - s->pos)
         return k3_fail(err, K3_EXIT_USAGE, "state is full: %d positions used of %d, %d more requested", s->pos,
                        s->max_pos, n);
+    if (s->pass.open && n > s->pass.max_T - (s->pos - s->pass.pos0))
+        return k3_fail(err, K3_EXIT_USAGE, "a pass of %d tokens would exceed its record of %d", s->pos - s->pass.pos0 + n,
+                       s->pass.max_T);
     size_t V = (size_t)c->vocab_size;
     for (int c0 = 0; c0 < n; c0 += s->chunk) {
         int T = n - c0 < s->chunk ? n - c0 : s->chunk;
@@ -517,20 +644,16 @@ void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, fl
     sp->n = vocab;
     sp->probs = xmalloc_array((size_t)vocab, sizeof *sp->probs);
     sp->order = xmalloc_array((size_t)vocab, sizeof *sp->order);
+    sp->tmp = xmalloc_array((size_t)vocab, sizeof *sp->tmp);
 }
 
 void k3_sampler_free(k3_sampler *sp) {
     free(sp->probs);
     free(sp->order);
+    free(sp->tmp);
     sp->probs = NULL;
     sp->order = NULL;
-}
-
-static const float *g_sort_p; /* qsort has no context argument */
-static int by_prob_desc(const void *a, const void *b) {
-    int i = *(const int *)a, j = *(const int *)b;
-    if (g_sort_p[i] != g_sort_p[j]) return g_sort_p[i] > g_sort_p[j] ? -1 : 1;
-    return i - j; /* lower id first among equals: a total order, so qsort is deterministic */
+    sp->tmp = NULL;
 }
 
 int k3_logits_check(const float *logits, int vocab, const char *what, size_t fed, k3_err *err) {
@@ -540,6 +663,109 @@ int k3_logits_check(const float *logits, int vocab, const char *what, size_t fed
                            "%s: logit %d is not finite (%g) after %zu tokens: the checkpoint holds non-finite weights",
                            what, i, (double)logits[i], fed);
     return K3_OK;
+}
+
+/* ---- the draw ------------------------------------------------------------------------------
+ * The sampler's order is probability descending, lower id first among equals
+ * (a total order). Every sum runs in that order in double, so a draw is fixed
+ * by the order of the ids that can change a sum; the code below finds those
+ * without ordering the whole vocabulary:
+ *  - top-k up to SAMPLE_HEAP_MAX: the k best through a heap of k ids;
+ *  - otherwise the ids with p >= t, a prefix of the order, sorted by a radix
+ *    sort (linear). t is the min-p floor when that is at least TAIL_P; else
+ *    TAIL_P = 2^-54: a probability under it cannot move a double sum that has
+ *    reached 0.5 (half its unit in the last place is >= 2^-54), and the sums
+ *    reach ~1 long before such ids come, so the rest of the order can neither
+ *    change a sum nor be drawn. With top-p, a higher t is tried first: the cut
+ *    is usually among far fewer ids.
+ * When a prefix is not enough (a cut or sum that would need ids below t) the
+ * prefix grows, down to the whole vocabulary, before the generator is read:
+ * the ids drawn are those of sorting everything, bit for bit. */
+#define SAMPLE_HEAP_MAX 1024
+#define TAIL_P 0x1p-54f
+
+static inline bool ranks_before(const float *p, int i, int j) { return p[i] > p[j] || (p[i] == p[j] && i < j); }
+
+/* The k best ids, in order, into out[0..k): a heap of the best seen with the
+ * worst at its root, then heapsort. */
+static void top_k_sorted(const float *p, int V, int k, int *out) {
+    int n = 0;
+    for (int i = 0; i < V; i++) {
+        int c;
+        if (n < k) { /* sift up */
+            c = n++;
+            while (c > 0 && ranks_before(p, out[(c - 1) / 2], i)) {
+                out[c] = out[(c - 1) / 2];
+                c = (c - 1) / 2;
+            }
+        } else { /* better than the worst kept: it takes the root's place, sift down */
+            if (!ranks_before(p, i, out[0])) continue;
+            c = 0;
+            for (;;) {
+                int l = 2 * c + 1, w = l;
+                if (l >= n) break;
+                if (l + 1 < n && ranks_before(p, out[l], out[l + 1])) w = l + 1;
+                if (ranks_before(p, out[w], i)) break;
+                out[c] = out[w];
+                c = w;
+            }
+        }
+        out[c] = i;
+    }
+    for (int m = n - 1; m > 0; m--) { /* the worst to the end */
+        int x = out[m], c = 0;
+        out[m] = out[0];
+        for (;;) {
+            int l = 2 * c + 1, w = l;
+            if (l >= m) break;
+            if (l + 1 < m && ranks_before(p, out[l], out[l + 1])) w = l + 1;
+            if (ranks_before(p, out[w], x)) break;
+            out[c] = out[w];
+            c = w;
+        }
+        out[c] = x;
+    }
+}
+
+/* The ids with p >= t into out, in order: a stable LSD radix sort (digits of
+ * 11, 11 and 10 bits) on the complemented bits of p (bits of non-negative
+ * floats order like their values), fed in ascending id so equals stay in id
+ * order. tmp: scratch of the same size. Returns the count. */
+static int prefix_sorted(const float *p, int V, float t, int *out, int *tmp) {
+    int n = 0;
+    for (int i = 0; i < V; i++)
+        if (p[i] >= t) out[n++] = i;
+    static const int shift[3] = {0, 11, 22};
+    uint32_t cnt[3][2048];
+    memset(cnt, 0, sizeof cnt);
+    for (int j = 0; j < n; j++) {
+        uint32_t key;
+        memcpy(&key, &p[out[j]], 4);
+        key = ~key;
+        for (int d = 0; d < 3; d++) cnt[d][(key >> shift[d]) & 2047]++;
+    }
+    int *src = out, *dst = tmp;
+    for (int d = 0; d < 3; d++) {
+        uint32_t sum = 0;
+        bool one = false;
+        for (int b = 0; b < 2048; b++) {
+            if (cnt[d][b] == (uint32_t)n) one = true;
+            uint32_t c = cnt[d][b];
+            cnt[d][b] = sum;
+            sum += c;
+        }
+        if (one) continue; /* every key has this digit: the pass would not move anything */
+        for (int j = 0; j < n; j++) {
+            uint32_t key;
+            memcpy(&key, &p[src[j]], 4);
+            dst[cnt[d][((~key) >> shift[d]) & 2047]++] = src[j];
+        }
+        int *x = src;
+        src = dst;
+        dst = x;
+    }
+    if (src != out) memcpy(out, src, (size_t)n * sizeof *out);
+    return n;
 }
 
 int k3_sample(k3_sampler *sp, const float *logits) {
@@ -554,34 +780,54 @@ int k3_sample(k3_sampler *sp, const float *logits) {
         sum += e;
     }
     for (int i = 0; i < V; i++) sp->probs[i] = (float)(sp->probs[i] / sum);
-    for (int i = 0; i < V; i++) sp->order[i] = i;
-    g_sort_p = sp->probs;
-    qsort(sp->order, (size_t)V, sizeof *sp->order, by_prob_desc);
-    int keep = V;
-    if (sp->top_k > 0 && sp->top_k < keep) keep = sp->top_k;
-    if (sp->min_p > 0) {
-        float floor_p = sp->min_p * sp->probs[sp->order[0]];
-        int k = 1;
-        while (k < keep && sp->probs[sp->order[k]] >= floor_p) k++;
-        keep = k;
-    }
-    if (sp->top_p > 0 && sp->top_p < 1) {
-        double cum = 0;
-        int k = 0;
-        while (k < keep) {
-            cum += sp->probs[sp->order[k++]];
-            if (cum >= sp->top_p) break;
+    const float *p = sp->probs;
+    int *ord = sp->order;
+    int kcap = sp->top_k > 0 && sp->top_k < V ? sp->top_k : V;
+    bool top_p = sp->top_p > 0 && sp->top_p < 1;
+    float floor_p = sp->min_p * p[best]; /* p[best] is the largest probability */
+    bool heap = kcap <= SAMPLE_HEAP_MAX && kcap < V;
+    /* t0: the min-p floor when it is at least TAIL_P (the prefix is then the
+     * min-p set itself, nothing past it a candidate), else TAIL_P */
+    bool floor_set = sp->min_p > 0 && floor_p >= TAIL_P;
+    float t0 = floor_set ? floor_p : TAIL_P, t = t0;
+    if (top_p && p[best] * 0x1p-12f > t) t = p[best] * 0x1p-12f;
+    for (;;) {
+        int n = heap ? kcap : prefix_sorted(p, V, t, ord, sp->tmp);
+        if (heap) top_k_sorted(p, V, kcap, ord);
+        /* ord[0..n) is the start of the order: are ids past it still candidates? */
+        int keep = kcap < n ? kcap : n;
+        bool more = !heap && n < V && kcap > n && !(floor_set && t == t0);
+        if (sp->min_p > 0) {
+            int k = 1;
+            while (k < keep && p[ord[k]] >= floor_p) k++;
+            if (k < keep) more = false; /* the floor cuts inside the prefix */
+            keep = k;
         }
-        keep = k;
+        double cum = 0;
+        if (top_p) {
+            int k = 0;
+            bool cut = false;
+            while (k < keep) {
+                cum += p[ord[k++]];
+                if (cum >= sp->top_p) { cut = true; break; }
+            }
+            if (cut) more = false; /* the whole order cuts at the same place */
+            keep = k;
+        }
+        double total = 0;
+        for (int k = 0; k < keep; k++) total += p[ord[k]];
+        /* candidates below t change nothing only when t is TAIL_P and the sum has reached 0.5 */
+        if (more && (t > TAIL_P || total < 0.5)) {
+            t = t > t0 ? t0 : 0; /* t = 0: the whole vocabulary */
+            continue;
+        }
+        double r = k3_rng_unit(&sp->rng) * total, c = 0; /* common.h: the one PRNG */
+        for (int k = 0; k < keep; k++) {
+            c += p[ord[k]];
+            if (r < c) return ord[k];
+        }
+        return ord[keep - 1]; /* r < total: not reached */
     }
-    double total = 0;
-    for (int k = 0; k < keep; k++) total += sp->probs[sp->order[k]];
-    double r = k3_rng_unit(&sp->rng) * total, cum = 0; /* common.h: the one PRNG */
-    for (int k = 0; k < keep; k++) {
-        cum += sp->probs[sp->order[k]];
-        if (r < cum) return sp->order[k];
-    }
-    return sp->order[keep - 1];
 }
 
 /* ---- accounting ----------------------------------------------------------------------------- */

@@ -140,6 +140,49 @@ int k3_state_max_pos(const k3_state *s);
 void k3_state_save(const k3_state *s, void *buf);
 int k3_state_load(k3_state *s, const void *buf, int pos, k3_err *err);
 
+/* ---- passes that can be cut back (speculative decoding) ---------------- *
+ * A pass feeds T tokens of which only the first `keep` may turn out to be
+ * wanted (drafts verified in one forward). The MLA cache is cut back by
+ * position; the KDA part is recurrent, so the pass records what the
+ * recurrence consumed and the state is rebuilt without another pass over the
+ * weights:
+ *
+ *     k3_state_pass_reserve(s, T_max, &err);     // once: the record's memory
+ *     k3_state_pass_begin(s, &err);              // copies the KDA part
+ *     k3_forward(m, s, ids, T, logits, true, &err);  // [T][V], recorded
+ *     k3_state_pass_end(s, keep, &err);          // state = first keep tokens fed
+ *
+ * During the pass every KDA layer records, per token, the recurrence's inputs
+ * (q, k after SiLU and the head L2 norm, v after SiLU, the log-decay g, beta)
+ * and the ShortConv's pre-conv inputs. pass_end with keep < T puts the KDA
+ * part copied at begin back, replays the recurrence (k_kda_forward, recurrent
+ * form) over the first keep recorded tokens and rebuilds the conv histories
+ * from the recorded inputs; then it cuts the MLA cache to pos0 + keep. The
+ * result is the state plain decoding of those keep tokens gives, bit for bit
+ * (the recurrent step does not depend on how positions are grouped), and the
+ * next logits are identical. A recorded pass always uses the recurrent KDA
+ * form (--kda-chunk does not apply to it). Several forward calls may share
+ * one pass (their tokens count together against T_max).
+ *
+ * Memory (k3_state_pass_bytes): one copy of the KDA part plus, per KDA layer
+ * and token of T_max, 7 P + H floats (q, k, v, g, the three pre-conv inputs;
+ * beta), and P floats per token for the replay's output (one buffer). For the release (69 KDA layers, H 96,
+ * D 128, P 12,288) that is 464.6 MB + 23.8 MB per token: 655 MB at T_max 8. */
+uint64_t k3_state_pass_bytes(const k3_config *c, int max_T);
+/* Allocates the record for passes of up to max_T >= 1 tokens (again with a
+ * larger max_T: reallocates; not during a pass). */
+int k3_state_pass_reserve(k3_state *s, int max_T, k3_err *err);
+/* Starts a recorded pass at the current position. K3_EXIT_USAGE without a
+ * reserve or inside a pass. A forward that would take the pass past max_T
+ * tokens is refused (K3_EXIT_USAGE, state unchanged). */
+int k3_state_pass_begin(k3_state *s, k3_err *err);
+/* Ends the pass keeping its first keep tokens (0 <= keep <= tokens fed in
+ * the pass; all of them: nothing to rebuild). K3_EXIT_USAGE outside a pass or
+ * for keep out of range (the pass stays open then). */
+int k3_state_pass_end(k3_state *s, int keep, k3_err *err);
+/* Tokens fed since pass_begin (0 outside a pass). */
+int k3_state_pass_len(const k3_state *s);
+
 /* ---- forward ----------------------------------------------------------- */
 /* Feeds n >= 1 tokens at the state's position and advances it by n.
  * logits: NULL (none computed), [n][V] when all_logits, else [V] for the last
@@ -161,6 +204,7 @@ typedef struct {
     uint64_t rng;       /* PRNG state, set by k3_sampler_init */
     float *probs;       /* scratch, [V] */
     int *order;         /* scratch, [V] */
+    int *tmp;           /* scratch, [V] */
     int n;
 } k3_sampler;
 void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p,
@@ -324,9 +368,13 @@ void *k3_own(k3_owned *o, void *p, uint64_t bytes);
 
 /* Module functions on T positions (rows of [T][E] activations), exactly as
  * the model uses them. pos0 is the absolute position of row 0 (MLA). */
+typedef struct k3_kda_trace k3_kda_trace;
 typedef struct {
     float *S;                    /* [H][D][D] */
     float *conv;                 /* [3][P][K-1]: q, k, v histories, oldest first */
+    k3_kda_trace *trace;         /* NULL; set by the state during a recorded pass
+                                    (k3_state_pass_begin): where the block writes
+                                    the recurrence's inputs */
 } k3_kda_state;
 typedef struct {
     float *latent;               /* [max_pos][r_kv + d_r] */

@@ -105,13 +105,24 @@ static inline void add_rows(float *y, const float *x, size_t n) {
     for (size_t i = 0; i < n; i++) y[i] += x[i];
 }
 
+/* Where a recorded pass (k3_state_pass_begin) keeps one KDA layer's
+ * per-token recurrence inputs; row r is the pass's r-th token. */
+struct k3_kda_trace {
+    float *q, *k, *v, *g;     /* [max_T][P] */
+    float *beta;              /* [max_T][H] */
+    float *pre;               /* [3][max_T][P] ShortConv inputs (q, k, v planes) */
+    int max_T;
+    int row;                  /* row of the call's first token (set by the state) */
+};
+
 /* The KDA block (kda.c) on nseq sequences of T positions (rows s*T + t of x
  * and y, each [.][E]): S [nseq][H][D][D] and conv [nseq][3][P][K-1] are the
  * sequences' states, updated; chunk > 0 runs the chunkwise form. rec (may be
  * NULL) gets what training's backward reads; without it the temporaries come
- * from ws. */
+ * from ws. tr (may be NULL; one sequence, no rec) gets the recurrence's
+ * inputs at rows tr->row.. (a recorded pass). */
 void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, float *S, float *conv, const float *x,
-               int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws);
+               int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_kda_trace *tr, k3_ws *ws);
 
 /* The MLA block (mla.c) on nseq sequences of T positions: without a record,
  * one sequence (nseq 1) whose latents go to cache rows pos0.. and the
