@@ -649,20 +649,16 @@ void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, fl
     sp->n = vocab;
     sp->probs = xmalloc_array((size_t)vocab, sizeof *sp->probs);
     sp->order = xmalloc_array((size_t)vocab, sizeof *sp->order);
+    sp->tmp = xmalloc_array((size_t)vocab, sizeof *sp->tmp);
 }
 
 void k3_sampler_free(k3_sampler *sp) {
     free(sp->probs);
     free(sp->order);
+    free(sp->tmp);
     sp->probs = NULL;
     sp->order = NULL;
-}
-
-static const float *g_sort_p; /* qsort has no context argument */
-static int by_prob_desc(const void *a, const void *b) {
-    int i = *(const int *)a, j = *(const int *)b;
-    if (g_sort_p[i] != g_sort_p[j]) return g_sort_p[i] > g_sort_p[j] ? -1 : 1;
-    return i - j; /* lower id first among equals: a total order, so qsort is deterministic */
+    sp->tmp = NULL;
 }
 
 int k3_logits_check(const float *logits, int vocab, const char *what, size_t fed, k3_err *err) {
@@ -672,6 +668,109 @@ int k3_logits_check(const float *logits, int vocab, const char *what, size_t fed
                            "%s: logit %d is not finite (%g) after %zu tokens: the checkpoint holds non-finite weights",
                            what, i, (double)logits[i], fed);
     return K3_OK;
+}
+
+/* ---- the draw ------------------------------------------------------------------------------
+ * The sampler's order is probability descending, lower id first among equals
+ * (a total order). Every sum runs in that order in double, so a draw is fixed
+ * by the order of the ids that can change a sum; the code below finds those
+ * without ordering the whole vocabulary:
+ *  - top-k up to SAMPLE_HEAP_MAX: the k best through a heap of k ids;
+ *  - otherwise the ids with p >= t, a prefix of the order, sorted by a radix
+ *    sort (linear). t is the min-p floor when that is at least TAIL_P; else
+ *    TAIL_P = 2^-54: a probability under it cannot move a double sum that has
+ *    reached 0.5 (half its unit in the last place is >= 2^-54), and the sums
+ *    reach ~1 long before such ids come, so the rest of the order can neither
+ *    change a sum nor be drawn. With top-p, a higher t is tried first: the cut
+ *    is usually among far fewer ids.
+ * When a prefix is not enough (a cut or sum that would need ids below t) the
+ * prefix grows, down to the whole vocabulary, before the generator is read:
+ * the ids drawn are those of sorting everything, bit for bit. */
+#define SAMPLE_HEAP_MAX 1024
+#define TAIL_P 0x1p-54f
+
+static inline bool ranks_before(const float *p, int i, int j) { return p[i] > p[j] || (p[i] == p[j] && i < j); }
+
+/* The k best ids, in order, into out[0..k): a heap of the best seen with the
+ * worst at its root, then heapsort. */
+static void top_k_sorted(const float *p, int V, int k, int *out) {
+    int n = 0;
+    for (int i = 0; i < V; i++) {
+        int c;
+        if (n < k) { /* sift up */
+            c = n++;
+            while (c > 0 && ranks_before(p, out[(c - 1) / 2], i)) {
+                out[c] = out[(c - 1) / 2];
+                c = (c - 1) / 2;
+            }
+        } else { /* better than the worst kept: it takes the root's place, sift down */
+            if (!ranks_before(p, i, out[0])) continue;
+            c = 0;
+            for (;;) {
+                int l = 2 * c + 1, w = l;
+                if (l >= n) break;
+                if (l + 1 < n && ranks_before(p, out[l], out[l + 1])) w = l + 1;
+                if (ranks_before(p, out[w], i)) break;
+                out[c] = out[w];
+                c = w;
+            }
+        }
+        out[c] = i;
+    }
+    for (int m = n - 1; m > 0; m--) { /* the worst to the end */
+        int x = out[m], c = 0;
+        out[m] = out[0];
+        for (;;) {
+            int l = 2 * c + 1, w = l;
+            if (l >= m) break;
+            if (l + 1 < m && ranks_before(p, out[l], out[l + 1])) w = l + 1;
+            if (ranks_before(p, out[w], x)) break;
+            out[c] = out[w];
+            c = w;
+        }
+        out[c] = x;
+    }
+}
+
+/* The ids with p >= t into out, in order: a stable LSD radix sort (digits of
+ * 11, 11 and 10 bits) on the complemented bits of p (bits of non-negative
+ * floats order like their values), fed in ascending id so equals stay in id
+ * order. tmp: scratch of the same size. Returns the count. */
+static int prefix_sorted(const float *p, int V, float t, int *out, int *tmp) {
+    int n = 0;
+    for (int i = 0; i < V; i++)
+        if (p[i] >= t) out[n++] = i;
+    static const int shift[3] = {0, 11, 22};
+    uint32_t cnt[3][2048];
+    memset(cnt, 0, sizeof cnt);
+    for (int j = 0; j < n; j++) {
+        uint32_t key;
+        memcpy(&key, &p[out[j]], 4);
+        key = ~key;
+        for (int d = 0; d < 3; d++) cnt[d][(key >> shift[d]) & 2047]++;
+    }
+    int *src = out, *dst = tmp;
+    for (int d = 0; d < 3; d++) {
+        uint32_t sum = 0;
+        bool one = false;
+        for (int b = 0; b < 2048; b++) {
+            if (cnt[d][b] == (uint32_t)n) one = true;
+            uint32_t c = cnt[d][b];
+            cnt[d][b] = sum;
+            sum += c;
+        }
+        if (one) continue; /* every key has this digit: the pass would not move anything */
+        for (int j = 0; j < n; j++) {
+            uint32_t key;
+            memcpy(&key, &p[src[j]], 4);
+            dst[cnt[d][((~key) >> shift[d]) & 2047]++] = src[j];
+        }
+        int *x = src;
+        src = dst;
+        dst = x;
+    }
+    if (src != out) memcpy(out, src, (size_t)n * sizeof *out);
+    return n;
 }
 
 int k3_sample(k3_sampler *sp, const float *logits) {
@@ -686,34 +785,54 @@ int k3_sample(k3_sampler *sp, const float *logits) {
         sum += e;
     }
     for (int i = 0; i < V; i++) sp->probs[i] = (float)(sp->probs[i] / sum);
-    for (int i = 0; i < V; i++) sp->order[i] = i;
-    g_sort_p = sp->probs;
-    qsort(sp->order, (size_t)V, sizeof *sp->order, by_prob_desc);
-    int keep = V;
-    if (sp->top_k > 0 && sp->top_k < keep) keep = sp->top_k;
-    if (sp->min_p > 0) {
-        float floor_p = sp->min_p * sp->probs[sp->order[0]];
-        int k = 1;
-        while (k < keep && sp->probs[sp->order[k]] >= floor_p) k++;
-        keep = k;
-    }
-    if (sp->top_p > 0 && sp->top_p < 1) {
-        double cum = 0;
-        int k = 0;
-        while (k < keep) {
-            cum += sp->probs[sp->order[k++]];
-            if (cum >= sp->top_p) break;
+    const float *p = sp->probs;
+    int *ord = sp->order;
+    int kcap = sp->top_k > 0 && sp->top_k < V ? sp->top_k : V;
+    bool top_p = sp->top_p > 0 && sp->top_p < 1;
+    float floor_p = sp->min_p * p[best]; /* p[best] is the largest probability */
+    bool heap = kcap <= SAMPLE_HEAP_MAX && kcap < V;
+    /* t0: the min-p floor when it is at least TAIL_P (the prefix is then the
+     * min-p set itself, nothing past it a candidate), else TAIL_P */
+    bool floor_set = sp->min_p > 0 && floor_p >= TAIL_P;
+    float t0 = floor_set ? floor_p : TAIL_P, t = t0;
+    if (top_p && p[best] * 0x1p-12f > t) t = p[best] * 0x1p-12f;
+    for (;;) {
+        int n = heap ? kcap : prefix_sorted(p, V, t, ord, sp->tmp);
+        if (heap) top_k_sorted(p, V, kcap, ord);
+        /* ord[0..n) is the start of the order: are ids past it still candidates? */
+        int keep = kcap < n ? kcap : n;
+        bool more = !heap && n < V && kcap > n && !(floor_set && t == t0);
+        if (sp->min_p > 0) {
+            int k = 1;
+            while (k < keep && p[ord[k]] >= floor_p) k++;
+            if (k < keep) more = false; /* the floor cuts inside the prefix */
+            keep = k;
         }
-        keep = k;
+        double cum = 0;
+        if (top_p) {
+            int k = 0;
+            bool cut = false;
+            while (k < keep) {
+                cum += p[ord[k++]];
+                if (cum >= sp->top_p) { cut = true; break; }
+            }
+            if (cut) more = false; /* the whole order cuts at the same place */
+            keep = k;
+        }
+        double total = 0;
+        for (int k = 0; k < keep; k++) total += p[ord[k]];
+        /* candidates below t change nothing only when t is TAIL_P and the sum has reached 0.5 */
+        if (more && (t > TAIL_P || total < 0.5)) {
+            t = t > t0 ? t0 : 0; /* t = 0: the whole vocabulary */
+            continue;
+        }
+        double r = k3_rng_unit(&sp->rng) * total, c = 0; /* common.h: the one PRNG */
+        for (int k = 0; k < keep; k++) {
+            c += p[ord[k]];
+            if (r < c) return ord[k];
+        }
+        return ord[keep - 1]; /* r < total: not reached */
     }
-    double total = 0;
-    for (int k = 0; k < keep; k++) total += sp->probs[sp->order[k]];
-    double r = k3_rng_unit(&sp->rng) * total, cum = 0; /* common.h: the one PRNG */
-    for (int k = 0; k < keep; k++) {
-        cum += sp->probs[sp->order[k]];
-        if (r < cum) return sp->order[k];
-    }
-    return sp->order[keep - 1];
 }
 
 /* ---- accounting ----------------------------------------------------------------------------- */

@@ -204,6 +204,7 @@ typedef struct {
     uint64_t rng;       /* PRNG state, set by k3_sampler_init */
     float *probs;       /* scratch, [V] */
     int *order;         /* scratch, [V] */
+    int *tmp;           /* scratch, [V] */
     int n;
 } k3_sampler;
 void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p,
