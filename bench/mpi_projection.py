@@ -13,15 +13,21 @@ The model (docs/mpi.md explains each term), for the layout k3 runs by default
 (tp+ep: the trunk's matrices split by output rows over the ranks, the routed
 experts by expert):
 
-  t(R) = split(R) / (mem_bw * eff)                        the busiest rank's rows of every split
+  t(R) = split(R) / bw                                    the busiest rank's rows of every split
                                                           matrix (whole 16-row runs) and the head
-       + whole / (mem_bw * eff)                           what every rank reads whole: MLA's kv_b,
+       + whole / bw                                       what every rank reads whole: MLA's kv_b,
                                                           one embedding row, KDA state
        + n_moe * busiest(R) * expert_bytes / read_bw      the slowest rank's experts per layer
        + n_moe * (net_lat + (R-1) msg + recv(R) / net_bw) one expert exchange per MoE layer
        + sum over gathers (net_lat + (R-1) msg + (R-1)/R out_bytes / net_bw)
                                                           the split products' gathers: 3 a KDA or
                                                           MLA layer, 2 a MoE or dense layer, 1 the head
+
+  bw = min(mem_bw * eff, cores * bf16_core)              a byte costs the slower of its read and its
+                                                          compute: the per-core matrix-vector rates
+                                                          at the release's width 7168 measured by
+                                                          bench/kernels.c (docs/release-scale.md);
+                                                          the experts the same with mxfp4_core
 
 and, as a second figure (replicated_tokens_per_s), the experts-only layout
 (ep), where every rank reads the whole trunk and makes only the exchanges:
@@ -32,7 +38,7 @@ and, as a second figure (replicated_tokens_per_s), the experts-only layout
               over tokens and layers: drawn from the peer's real release trace
               (per-layer expert popularity) under the traced placement that
               bench/mpi.sh computed (contiguous where none), else uniform;
-  read_bw:    mem_bw * eff when the rank's share of the experts fits its RAM
+  read_bw:    min(mem_bw * eff, cores * mxfp4_core) when the rank's share of the experts fits its RAM
               beside the trunk, else a mix with the disk (the resident
               fraction hits, the rest is read at --disk GB/s);
   recv(R):    bytes a rank receives per exchange, (k - k / R) * latent * 4.
@@ -172,6 +178,11 @@ def main():
     ap.add_argument("--mem-bw", type=float, default=358.0,
                     help="GB/s one rank reads from its RAM (a socket; 358: Xeon 8592+, 8 x DDR5-5600)")
     ap.add_argument("--eff", type=float, default=0.80, help="share of --mem-bw k3's decode reaches (measured: 81-88%%)")
+    ap.add_argument("--cores", type=int, default=64, help="cores a rank (a socket: 64 for the Xeon 8592+)")
+    ap.add_argument("--bf16-core", type=float, default=4.8,
+                    help="GB/s of BF16 weights one core's matrix-vector products consume at width 7168 "
+                         "(bench/kernels.c --quick on the development EPYC: docs/release-scale.md)")
+    ap.add_argument("--mxfp4-core", type=float, default=2.6, help="the same for MXFP4 (the routed experts)")
     ap.add_argument("--ram", type=float, default=512.0, help="GB of RAM per rank (1 TB a node of 2 sockets)")
     ap.add_argument("--disk", type=float, default=6.0, help="GB/s of expert reads per rank when they do not fit")
     ap.add_argument("--net-bw", type=float, default=25.0,
@@ -191,7 +202,9 @@ def main():
         for p in meas.get("placement", []):
             owners[p["ranks"]] = {L: row for L, row in enumerate(p["owner"])}
     pop = trace_popularity(a.trace, b["N"]) if os.path.exists(a.trace) else None
-    bw = a.mem_bw * a.eff * G
+    # a weight byte costs the slower of its read and its compute
+    bw = min(a.mem_bw * a.eff, a.cores * a.bf16_core) * G
+    xbw = min(a.mem_bw * a.eff, a.cores * a.mxfp4_core) * G
     rows = []
     for R in [int(x) for x in a.ranks.split(",")]:
         m = busiest(R, b["k"], b["N"], owners.get(R), pop)
@@ -199,7 +212,7 @@ def main():
         room = a.ram * G - b["trunk"] - 16 * G            # trunk, state, OS
         resident = max(0.0, min(1.0, room / share))
         # a miss costs a disk read, a hit a memory read of the same bytes
-        per_expert = b["expert"] * (resident / bw + (1 - resident) / (a.disk * G))
+        per_expert = b["expert"] * (resident / xbw + (1 - resident) / (a.disk * G))
         t_trunk = b["trunk"] / bw
         t_exp = b["n_moe"] * m * per_expert
         recv = (b["k"] - b["k"] / R) * b["latent"] * 4
@@ -224,6 +237,8 @@ def main():
     print(f"release: trunk read per token {b['trunk']/G:.1f} GB (BF16), {b['n_moe']} MoE layers x k={b['k']} experts of "
           f"{b['expert']/1e6:.2f} MB ({b['n_moe']*b['k']*b['expert']/G:.1f} GB a token), all experts "
           f"{b['experts_total']/1e12:.3f} TB")
+    print(f"compute: {a.cores} cores x {a.bf16_core:g} GB/s BF16, {a.mxfp4_core:g} GB/s MXFP4 a core: trunk at "
+          f"{bw/G:.0f} GB/s, experts at {xbw/G:.0f} GB/s")
     print(f"host: {a.mem_bw:g} GB/s memory x {a.eff:g} reached, {a.ram:g} GB RAM a rank, disk {a.disk:g} GB/s; "
           f"network {a.net_bw:g} GB/s a rank, {a.net_lat:g} us a collective + {a.msg_us:g} us a peer")
     print(f"{'ranks':>5} {'busiest':>7} {'resident':>8} {'trunk ms':>8} {'experts ms':>10} {'collectives':>11} "
