@@ -495,6 +495,8 @@ static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err
 
 const k3_layer_w *k3_model_layer(const k3_model *m, int layer) { return m->layers ? &m->layers[layer] : NULL; }
 
+void k3_model_set_ops(k3_model *m, const k3_fwd_ops *ops) { m->ops = ops; }
+
 void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
     if (src) m->src = *src;
     else m->src = (k3_weight_source){.ctx = m, .layer_get = resident_layer_get};
@@ -658,7 +660,8 @@ static int graph_forward(k3_model *m, const fwd_pass *p, k3_state *const *st, co
         for (int q = 0; q < nseq; q++) {
             float *last = x + ((size_t)q * T + T - 1) * E;
             k_rmsnorm(last, last, m->norm, E, c->rms_eps);
-            k_matvec(&m->lm_head, last, logits + (size_t)q * c->vocab_size);
+            k_prod hp = {&m->lm_head, last, 1, logits + (size_t)q * c->vocab_size};
+            p->fo->products(&hp, 1);
         }
     }
     return K3_OK;
@@ -675,7 +678,7 @@ static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, fl
             if (s->kda[L].trace) s->kda[L].trace->row = s->pos - s->pass.pos0;
     /* a recorded pass runs KDA recurrent: its replay must give the same bits */
     fwd_pass p = {.c = c, .mla_eps = m->mla_eps, .kda_chunk = T > 1 && !s->pass.open ? m->kda_chunk : 0,
-                  .fo = &k3_infer_ops, .src = &m->src, .nseq = 1, .T = T, .ws = &s->ws};
+                  .fo = m->ops ? m->ops : &k3_infer_ops, .src = &m->src, .nseq = 1, .T = T, .ws = &s->ws};
     int rc = graph_forward(m, &p, &s, ids, (size_t)T, bufp, logits, all, NULL, err);
     if (rc) return rc;
     s->pos += T;
@@ -739,7 +742,8 @@ int k3_forward_batch(k3_model *m, k3_state *const *states, int nseq, const int32
     float *blk = xmalloc_aligned((size_t)nbuf * nseq * c->hidden_size * sizeof(float));
     float *bufp[K3_MAX_LAYERS + 1];
     for (int i = 0; i < nbuf; i++) bufp[i] = blk + (size_t)i * nseq * c->hidden_size;
-    fwd_pass p = {.c = c, .mla_eps = m->mla_eps, .fo = &k3_infer_ops, .src = &m->src, .nseq = nseq, .T = 1, .ws = &ws};
+    fwd_pass p = {.c = c, .mla_eps = m->mla_eps, .fo = m->ops ? m->ops : &k3_infer_ops, .src = &m->src,
+                  .nseq = nseq, .T = 1, .ws = &ws};
     rc = graph_forward(m, &p, states, ids, 1, bufp, logits, false, NULL, err);
     free(blk);
     ws_free(&ws);
@@ -974,16 +978,7 @@ int k3_sample(k3_sampler *sp, const float *logits) {
 
 /* ---- accounting ----------------------------------------------------------------------------- */
 
-static uint64_t mat_bytes(const k3_mat *w) {
-    if (!w->rows) return 0;
-    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
-    switch (w->type) {
-    case KW_F32: return n * 4;
-    case KW_BF16: return n * 2;
-    case KW_MXFP4: return n / 2 + n / (uint64_t)(w->group > 0 ? w->group : 32);
-    }
-    return 0;
-}
+static uint64_t mat_bytes(const k3_mat *w) { return k_mat_bytes(w, w->rows); }
 
 static uint64_t mlp_bytes(const k3_mlp_w *w) { return mat_bytes(&w->gate) + mat_bytes(&w->up) + mat_bytes(&w->down); }
 
