@@ -491,6 +491,8 @@ static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err
 
 const k3_layer_w *k3_model_layer(const k3_model *m, int layer) { return m->layers ? &m->layers[layer] : NULL; }
 
+void k3_model_set_ops(k3_model *m, const k3_fwd_ops *ops) { m->ops = ops; }
+
 void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
     if (src) m->src = *src;
     else m->src = (k3_weight_source){.ctx = m, .layer_get = resident_layer_get};
@@ -506,7 +508,7 @@ void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
  *   5. p += MLP(RMSNorm(m; post_attention_layernorm)) */
 static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const k3_layer_w *w, int L,
                          k3_kda_state *ks, k3_mla_cache *mc, int pos0, float **buf, int *nb, int T,
-                         const k3_weight_source *src, k3_ws *ws, k3_err *err) {
+                         const k3_weight_source *src, const k3_fwd_ops *fo, k3_ws *ws, k3_err *err) {
     int E = c->hidden_size;
     size_t TE = (size_t)T * E;
     size_t mark = ws->used;
@@ -522,9 +524,9 @@ static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const
     }
     rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
     if (w->kind == 'K')
-        kda_block(c, &w->kda, &k3_infer_ops, ks->S, ks->conv, xn, 1, T, sub, T > 1 && !ks->trace ? kda_chunk : 0,
-                  NULL, ks->trace, ws);
-    else mla_block(c, mla_eps, &w->mla, &k3_infer_ops, mc, pos0, xn, 1, T, sub, NULL, ws);
+        kda_block(c, &w->kda, fo, ks->S, ks->conv, xn, 1, T, sub, T > 1 && !ks->trace ? kda_chunk : 0, NULL,
+                  ks->trace, ws);
+    else mla_block(c, mla_eps, &w->mla, fo, mc, pos0, xn, 1, T, sub, NULL, ws);
     ws->used = inner;
     float *p = buf[*nb];
     if (empty) memcpy(p, sub, TE * sizeof(float));
@@ -533,13 +535,13 @@ static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const
     ws->used = inner;
     rmsnorm_rows(xn, a, w->post_norm, T, E, c->rms_eps);
     if (w->dense) {
-        mlp(c, &w->mlp, xn, T, sub, ws);
+        mlp_block(c, &w->mlp, fo, xn, T, sub, NULL, ws);
     } else {
         expert_access xa = {.experts = w->moe.experts, .layer = L};
         if (src && src->experts_get) xa.src = src;
         else if (!w->moe.experts)
             return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: the weight source serves no experts", L);
-        int rc = moe_block(c, &w->moe, &k3_infer_ops, &xa, xn, T, sub, NULL, ws, err);
+        int rc = moe_block(c, &w->moe, fo, &xa, xn, T, sub, NULL, ws, err);
         if (rc) return rc;
     }
     add_rows(p, sub, TE);
@@ -551,7 +553,7 @@ int k3_layer(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_k
              int pos0, float **buf, int *nb, int T, k3_err *err) {
     k3_ws ws;
     ws_init(&ws, 0);
-    int rc = layer_forward(c, mla_eps, 0, w, L, ks, mc, pos0, buf, nb, T, NULL, &ws, err);
+    int rc = layer_forward(c, mla_eps, 0, w, L, ks, mc, pos0, buf, nb, T, NULL, &k3_infer_ops, &ws, err);
     ws_free(&ws);
     return rc;
 }
@@ -560,6 +562,7 @@ int k3_layer(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_k
 static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, float *logits, bool all,
                          k3_err *err) {
     const k3_config *c = &m->cfg;
+    const k3_fwd_ops *fo = m->ops ? m->ops : &k3_infer_ops;
     int E = c->hidden_size;
     size_t TE = (size_t)T * E;
     ws_reset(&s->ws);
@@ -576,7 +579,7 @@ static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, fl
         int rc = m->src.layer_get(m->src.ctx, L, &w, err);
         if (rc) return rc;
         rc = layer_forward(c, m->mla_eps, m->kda_chunk, w, L, &s->kda[L], &s->mla[L], s->pos, bufp, &nb, T, &m->src,
-                           &s->ws, err);
+                           fo, &s->ws, err);
         if (m->src.layer_put) m->src.layer_put(m->src.ctx, L);
         if (rc) return rc;
     }
@@ -586,11 +589,13 @@ static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, fl
         attnres(c, m->out_res_q, (const float *const *)bufp, nb + 1, T, x, &s->ws);
         if (all) {
             rmsnorm_rows(x, x, m->norm, T, E, c->rms_eps);
-            k_matmul(&m->lm_head, x, T, logits);
+            k_prod hp = {&m->lm_head, x, T, logits};
+            fo->products(&hp, 1);
         } else {
             float *last = x + (size_t)(T - 1) * E;
             k_rmsnorm(last, last, m->norm, E, c->rms_eps);
-            k_matvec(&m->lm_head, last, logits);
+            k_prod hp = {&m->lm_head, last, 1, logits};
+            fo->products(&hp, 1);
         }
     }
     s->pos += T;
@@ -832,16 +837,7 @@ int k3_sample(k3_sampler *sp, const float *logits) {
 
 /* ---- accounting ----------------------------------------------------------------------------- */
 
-static uint64_t mat_bytes(const k3_mat *w) {
-    if (!w->rows) return 0;
-    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
-    switch (w->type) {
-    case KW_F32: return n * 4;
-    case KW_BF16: return n * 2;
-    case KW_MXFP4: return n / 2 + n / (uint64_t)(w->group > 0 ? w->group : 32);
-    }
-    return 0;
-}
+static uint64_t mat_bytes(const k3_mat *w) { return k_mat_bytes(w, w->rows); }
 
 static uint64_t mlp_bytes(const k3_mlp_w *w) { return mat_bytes(&w->gate) + mat_bytes(&w->up) + mat_bytes(&w->down); }
 

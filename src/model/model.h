@@ -420,8 +420,16 @@ typedef struct {
     /* LatentMoE's routed-expert products (many similar jobs): NULL runs them
      * with products; training's run side by side, one thread each */
     void (*expert_products)(const k_prod *jobs, int njobs);
+    /* products is a collective of every rank of a job (the trunk split over
+     * the ranks, dist/tensor_par.h): each call costs a round of messages, so
+     * the blocks batch the jobs they can into one call */
+    bool collective;
 } k3_fwd_ops;
 extern const k3_fwd_ops k3_infer_ops; /* what k3 run uses */
+/* The products a model's forward takes its trunk matrices (and the head)
+ * through: k3_infer_ops unless set (NULL: back to it). ops must outlive the
+ * model; its products must give k_products' bits (model.h's contract). */
+void k3_model_set_ops(k3_model *m, const k3_fwd_ops *ops);
 
 /* What the KDA block's backward reads, for N = nseq*T rows (H heads of D, P =
  * H*D). The q, k, v projections and their conv outputs are three planes of

@@ -27,6 +27,7 @@ struct k3_model {
     st_index *ix;             /* safetensors shards, NULL for a blob */
     float *blob;              /* the peer blob, NULL for safetensors */
     k3_weight_source src;     /* where layers and experts come from now */
+    const k3_fwd_ops *ops;    /* the trunk's and the head's products (k3_model_set_ops; NULL: k3_infer_ops) */
 };
 
 /* ---- workspace ------------------------------------------------------------
