@@ -433,9 +433,13 @@ int k3_atomic_commit(k3_atomic_file *af, k3_err *err) {
     int rc = K3_OK;
     if (fflush(af->f) != 0)
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: write failed: %s", af_name(af), strerror(errno));
-    /* a file ending in a hole (k3_atomic_skip) gets its size only here */
+    /* a file ending in a hole (k3_atomic_skip) gets its size only here; a
+     * writer that went back to patch a header (the token shards) is not at
+     * its end, and the file never shrinks */
     off_t end = af->inplace ? -1 : ftello(af->f);
-    if (rc == K3_OK && end > 0 && ftruncate(fileno(af->f), end) != 0)
+    struct stat st;
+    if (rc == K3_OK && end > 0 && fstat(fileno(af->f), &st) == 0 && end > st.st_size &&
+        ftruncate(fileno(af->f), end) != 0)
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot set size: %s", af_name(af), strerror(errno));
     /* fsync of a pipe or a character device says EINVAL: nothing to sync */
     if (rc == K3_OK && fsync(fileno(af->f)) != 0 && !(af->inplace && (errno == EINVAL || errno == EROFS)))
