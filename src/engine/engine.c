@@ -279,6 +279,7 @@ void k3_engine_free(k3_engine *e) {
     if (e->tok) tok_free(e->tok);
     k3_model_free(e->model);
     k3_ep_free(e->ep);
+    if (e->ranks > 1 && !e->opts.layout_ep) k3_tp_release();
     k3_runmem_free(e->rm);
     free(e->owner);
     free(e->owned);
