@@ -202,11 +202,7 @@ static k3_state_plan state_size(const k3_config *c, int chunk, int64_t max_pos) 
     uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
     uint64_t kda_f = (uint64_t)c->kda_heads * c->kda_head_dim * c->kda_head_dim + 3 * P * (uint64_t)(c->conv_kernel - 1);
     uint64_t W = (uint64_t)c->kv_lora_rank + c->qk_rope_dim;
-    int nk = 0, nm = 0;
-    for (int L = 0; L < c->num_layers; L++) {
-        if (c->layer_kind[L] == 'K') nk++;
-        else nm++;
-    }
+    int nk = c->n_kda_layers, nm = c->n_mla_layers; /* counted by the config reader (and --layers) */
     p.kda_bytes = (uint64_t)nk * kda_f * 4;
     uint64_t mla = 0;
     if (max_pos < 0 || !k3_mul_ok(W * 4 * (uint64_t)nm, (uint64_t)max_pos, &mla)) mla = UINT64_MAX / 4;
@@ -241,11 +237,7 @@ int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err) {
     s->nbuf = n_boundaries(c) + 1;
     int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     size_t kda_f = (size_t)H * D * D + 3 * (size_t)P * (K - 1), W = (size_t)c->kv_lora_rank + c->qk_rope_dim;
-    int nk = 0, nm = 0;
-    for (int L = 0; L < c->num_layers; L++) {
-        if (c->layer_kind[L] == 'K') nk++;
-        else nm++;
-    }
+    int nk = c->n_kda_layers, nm = c->n_mla_layers; /* counted by the config reader (and --layers) */
     s->kda_floats = (size_t)nk * kda_f;
     s->mla_floats = (size_t)nm * W * (size_t)max_pos;
     s->kda_mem = xcalloc(s->kda_floats ? s->kda_floats : 1, sizeof(float));
@@ -305,11 +297,7 @@ uint64_t k3_state_scratch_overflow(const k3_state *s) { return s->ws.overflow; }
 /* Snapshots: kda_mem is one block (every KDA layer's S then its conv history),
  * mla_mem is [n_mla][max_pos][W], so both copy as a few memcpy. */
 static size_t row_width(const k3_config *c) { return (size_t)c->kv_lora_rank + c->qk_rope_dim; }
-static int n_mla_layers(const k3_config *c) {
-    int nm = 0;
-    for (int L = 0; L < c->num_layers; L++) nm += c->layer_kind[L] != 'K';
-    return nm;
-}
+static int n_mla_layers(const k3_config *c) { return c->n_mla_layers; }
 
 uint64_t k3_state_kda_floats(const k3_config *c) {
     uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
