@@ -15,6 +15,7 @@
  * is named by k3_fwd_ops (model.h). */
 #include "model/model_impl.h"
 
+#include <assert.h>
 #include <math.h>
 
 #include "kernels/kmath.h" /* km_sigmoid inlined in the elementwise loops (k_sigmoid's bits) */
@@ -65,6 +66,7 @@ static void kda_recur(const k3_kda_state *st, float *o, const float *q, const fl
 K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, const k3_kda_state *st,
                       const float *x, int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws) {
     k3_kda_trace *tr = nseq == 1 && !rec ? st[0].trace : NULL; /* a recorded pass (one sequence) */
+    assert(rec || ws); /* without a record the temporaries come from ws */
     const int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     const int N = nseq * T;
     const size_t NP = (size_t)N * P, TP = (size_t)T * P;

@@ -21,6 +21,7 @@
  * The projections, norms, gate and output around the core are one code path. */
 #include "model/model_impl.h"
 
+#include <assert.h>
 #include <math.h>
 #include <omp.h>
 
@@ -159,6 +160,7 @@ K3_HOT void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, cons
     int rq = c->q_lora_rank, rkv = c->kv_lora_rank, dq = dn + dr, W = rkv + dr;
     const int N = nseq * T;
     const size_t Ns = (size_t)N, NHV = Ns * H * dv;
+    assert(rec || (cache && pos0 && ws)); /* the absorbed core needs each sequence's cache */
     float *q = rec ? rec->q : ws_f(ws, Ns * H * dq);
     float *cq = rq > 0 ? (rec ? rec->cq_pre : ws_f(ws, Ns * rq)) : NULL, *cc = rec ? rec->ckv : ws_f(ws, Ns * W);
     float *gate = w->g.rows ? (rec ? rec->gate : ws_f(ws, NHV)) : NULL;

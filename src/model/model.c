@@ -11,6 +11,7 @@
  * prefill, token-by-token decoding and full recomputation agree bit for bit. */
 #include "model/model_impl.h"
 
+#include <assert.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -527,6 +528,9 @@ static int layer_forward(const fwd_pass *p, const k3_layer_w *w, int L, const k3
     const int E = c->hidden_size, N = p->nseq * p->T;
     const size_t NE = (size_t)N * E;
     k3_ws *ws = p->ws;
+    /* a record goes with zero states (training), carried states without one */
+    assert(rec ? !ks && !mc && !pos0 : ks && mc && pos0);
+    assert(*nb < n_boundaries(c) + 1 && (*nb > 0 || L == 0));
     size_t mark = ws->used;
     float *a = rec ? rec->a : ws_f(ws, NE), *xn = rec ? rec->xin : ws_f(ws, NE), *sub = rec ? rec->p_mid : ws_f(ws, NE);
     size_t inner = ws->used; /* each step below releases its temporaries back to here */
@@ -617,6 +621,7 @@ static int graph_forward(k3_model *m, const fwd_pass *p, k3_state *const *st, co
         for (int q = 0; q < nseq; q++) pos0[q] = st[q]->pos;
     }
     if (rec) bufp[0] = rec->h0;
+    assert(!rec != !st && (all || !rec) && nseq >= 1 && T >= 1);
     int nb = 0;
     /* h0 = embed_tokens[token], no scaling */
     for (int q = 0; q < nseq; q++)
