@@ -286,3 +286,92 @@ TEST(spec_draft_model_with_another_tokenizer_refused) {
     CHECKF(rc == K3_EXIT_USAGE && !d, "rc %d: %s", rc, err.msg);
     k3_engine_free(e);
 }
+
+/* ---- the verifying feed: speculative ids == plain ids ------------------------------------ */
+
+/* The generation loop's shape: sample, then feed (plainly, or through the
+ * verifying feed). ids[ngen]; *state (malloc'd): the session's state bytes
+ * after the loop; stats of the speculative feed into *st. */
+static int32_t *generate(k3_engine *e, const char *draft_dir, int kmax, float temp, const int32_t *prompt, int np,
+                         int ngen, void **state, size_t *sbytes, k3_spec_stats *st) {
+    k3_err err = {0};
+    k3_state *ks = NULL;
+    if (k3_engine_state_new(e, 256, 0, &ks, &err)) return NULL;
+    k3_session *s = k3_session_open(e, ks, NULL);
+    k3_drafter *d = NULL;
+    k3_spec *sp = NULL;
+    if (kmax > 0) {
+        if (k3_drafter_for(e, draft_dir, kmax, 256, &d, &err)) {
+            fprintf(stderr, "  %s\n", err.msg);
+            return NULL;
+        }
+        sp = k3_spec_new(d, kmax, e->vocab);
+    }
+    k3_sampler smp;
+    k3_sampler_init(&smp, e->vocab, temp, 0, 1.0f, 0, 7);
+    float *lg = xmalloc_array((size_t)e->vocab, sizeof *lg);
+    int32_t *ids = xmalloc_array((size_t)ngen, sizeof *ids);
+    int rc = k3_session_prefill(s, prompt, (size_t)np, lg, NULL, &err);
+    for (int g = 0; !rc && g < ngen; g++) {
+        ids[g] = k3_sample(&smp, lg);
+        if (g + 1 == ngen) break;
+        rc = sp ? k3_spec_feed(sp, s, ids[g], lg, ngen - g - 2, &err) : k3_session_feed(s, &ids[g], 1, lg, &err);
+    }
+    if (!rc && sp) rc = k3_spec_finish(sp, s, &err);
+    if (rc) {
+        fprintf(stderr, "  %s\n", err.msg);
+        free(ids);
+        ids = NULL;
+    } else {
+        *sbytes = (size_t)k3_state_snapshot_bytes(e->cfg, k3_state_pos(ks));
+        *state = xmalloc(*sbytes);
+        k3_state_save(ks, *state);
+    }
+    if (sp) *st = k3_spec_get_stats(sp);
+    k3_spec_free(sp);
+    k3_drafter_free(d);
+    free(lg);
+    k3_sampler_free(&smp);
+    k3_session_free(s);
+    k3_engine_state_free(e, ks);
+    return ids;
+}
+
+static void spec_equals_plain(const char *draft, int threads) {
+    omp_set_num_threads(threads);
+    k3_engine *e = open_engine(t_repo("models/default"), 256);
+    CHECK(e);
+    int32_t prompt[64];
+    size_t np = 0;
+    k3_err err = {0};
+    int32_t *pi = NULL;
+    const char *text = "Once upon a time, there was a little girl named Lily. She loved to play. Lily";
+    CHECKF(tok_encode(e->tok, text, strlen(text), false, &pi, &np, &err) == 0, "%s", err.msg);
+    CHECK(np > 0 && np < 64);
+    memcpy(prompt, pi, np * sizeof *pi);
+    free(pi);
+    static const float temps[] = {0.0f, 0.8f};
+    for (int t = 0; t < 2; t++) {
+        void *sa = NULL, *sb = NULL;
+        size_t na = 0, nb = 0;
+        k3_spec_stats st = {0}, none;
+        int32_t *a = generate(e, NULL, 0, temps[t], prompt, (int)np, 60, &sa, &na, &none);
+        int32_t *b = generate(e, draft, 4, temps[t], prompt, (int)np, 60, &sb, &nb, &st);
+        CHECK(a && b);
+        CHECKF(!memcmp(a, b, 60 * sizeof *a), "temperature %g: speculative ids differ from plain", (double)temps[t]);
+        CHECKF(na == nb && !memcmp(sa, sb, na), "temperature %g: the state after the loop differs", (double)temps[t]);
+        CHECKF(st.proposed > 0 && st.passes < 59, "temperature %g: %llu drafts, %llu passes for 59 fed ids",
+               (double)temps[t], (unsigned long long)st.proposed, (unsigned long long)st.passes);
+        CHECK(st.accepted <= st.proposed && st.fed == st.passes + st.proposed);
+        free(a);
+        free(b);
+        free(sa);
+        free(sb);
+    }
+    k3_engine_free(e);
+    omp_set_num_threads(2);
+}
+
+TEST(spec_ngram_ids_equal_plain_1_thread) { spec_equals_plain(NULL, 1); }
+TEST(spec_ngram_ids_equal_plain_2_threads) { spec_equals_plain(NULL, 2); }
+TEST(spec_draft_model_ids_equal_plain) { spec_equals_plain(t_repo("models/default"), 2); }

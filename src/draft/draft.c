@@ -276,3 +276,87 @@ void k3_spec_ctl_update(k3_spec_ctl *c, int proposed, int accepted) {
         }
     }
 }
+
+/* ---- the verifying feed ----------------------------------------------------------------------- */
+
+struct k3_spec {
+    k3_drafter *d;
+    k3_spec_ctl ctl;
+    int V;
+    float *rows;       /* [kmax + 1][V] the open pass's logits */
+    int32_t *draft;    /* [kmax] its drafts */
+    int k;             /* drafts in the open pass */
+    int j;             /* ids of the open pass consumed (the sampled id, then accepted drafts) */
+    bool open;
+    int32_t *hist;     /* the session's ids and the id to feed, for the drafter */
+    size_t hcap;
+    k3_spec_stats st;
+};
+
+k3_spec *k3_spec_new(k3_drafter *d, int kmax, int vocab) {
+    k3_spec *sp = xcalloc(1, sizeof *sp);
+    sp->d = d;
+    k3_spec_ctl_init(&sp->ctl, kmax);
+    sp->V = vocab;
+    sp->rows = xmalloc_array(((size_t)sp->ctl.kmax + 1) * (size_t)vocab, sizeof *sp->rows);
+    sp->draft = xmalloc_array((size_t)sp->ctl.kmax + 1, sizeof *sp->draft);
+    return sp;
+}
+
+void k3_spec_free(k3_spec *sp) {
+    if (!sp) return;
+    free(sp->rows);
+    free(sp->draft);
+    free(sp->hist);
+    free(sp);
+}
+
+k3_spec_stats k3_spec_get_stats(const k3_spec *sp) { return sp->st; }
+
+int k3_spec_finish(k3_spec *sp, k3_session *s, k3_err *err) {
+    if (!sp->open) return K3_OK;
+    sp->open = false;
+    k3_spec_ctl_update(&sp->ctl, sp->k, sp->j - 1);
+    return k3_session_pass_end(s, (size_t)sp->j, err);
+}
+
+int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_err *err) {
+    const size_t V = (size_t)sp->V;
+    if (sp->open && sp->j <= sp->k && id == sp->draft[sp->j - 1]) { /* accepted: its row is there */
+        memcpy(logits, sp->rows + (size_t)sp->j * V, V * sizeof *logits);
+        sp->j++;
+        sp->st.accepted++;
+        return K3_OK;
+    }
+    int rc = k3_spec_finish(sp, s, err);
+    if (rc) return rc;
+    /* drafts: as many as the controller wants, the loop can use and the state holds */
+    size_t n = k3_session_len(s);
+    int64_t room = (int64_t)k3_state_max_pos(k3_session_state(s)) - (int64_t)n - 1;
+    int64_t want = k3_spec_ctl_want(&sp->ctl);
+    if (want > limit) want = limit;
+    if (want > room) want = room;
+    int got = 0;
+    if (want > 0) {
+        if (n + 1 > sp->hcap) {
+            sp->hcap = 2 * (n + 1);
+            sp->hist = xrealloc_array(sp->hist, sp->hcap, sizeof *sp->hist);
+        }
+        memcpy(sp->hist, k3_session_ids(s), n * sizeof *sp->hist);
+        sp->hist[n] = id;
+        if ((rc = k3_drafter_propose(sp->d, sp->hist, n + 1, (int)want, sp->draft + 1, &got, err))) return rc;
+    }
+    sp->st.passes++;
+    sp->st.fed += (uint64_t)got + 1;
+    if (got == 0) return k3_session_feed(s, &id, 1, logits, err);
+    sp->draft[0] = id;
+    if ((rc = k3_session_pass_begin(s, got + 1, err))) return rc;
+    if ((rc = k3_session_feed_rows(s, sp->draft, (size_t)got + 1, sp->rows, true, false, err))) return rc;
+    memmove(sp->draft, sp->draft + 1, (size_t)got * sizeof *sp->draft); /* draft[i]: the (i+1)-th draft */
+    memcpy(logits, sp->rows, V * sizeof *logits);
+    sp->k = got;
+    sp->j = 1;
+    sp->open = true;
+    sp->st.proposed += (uint64_t)got;
+    return K3_OK;
+}

@@ -76,6 +76,34 @@ int k3_spec_ctl_want(k3_spec_ctl *c);
 /* After a pass that proposed `proposed` drafts and accepted `accepted`. */
 void k3_spec_ctl_update(k3_spec_ctl *c, int proposed, int accepted);
 
+/* ---- the verifying feed ---------------------------------------------------
+ * What the generation loop calls instead of feeding a sampled id itself.
+ * k3_spec_feed(sp, s, id, logits, limit): when id is the next draft of the
+ * open pass, its row (computed by that pass) goes to logits and no forward
+ * runs: the draft is accepted. Otherwise the open pass ends, keeping what
+ * was consumed (the ids accepted so far), and a new pass feeds id followed
+ * by up to min(controller, limit, room) drafts in one forward with every
+ * row; logits gets id's row. The loop samples each id, as plain decoding
+ * does, from bit-identical rows, with the same sampler draws in the same
+ * order: the ids are exactly plain decoding's, greedy or sampled (the
+ * rejection rule with draft probabilities is not used: it keeps the
+ * distribution, not the ids). k3_spec_finish ends an open pass when the loop
+ * stops (EOS, length, a stop string): the session then holds exactly what
+ * plain decoding's would. */
+typedef struct k3_spec k3_spec;
+typedef struct {
+    uint64_t passes;     /* forward passes made by k3_spec_feed */
+    uint64_t fed;        /* ids those passes fed (sampled ids and drafts) */
+    uint64_t proposed;   /* drafts fed */
+    uint64_t accepted;   /* drafts the sampler agreed with */
+} k3_spec_stats;
+k3_spec *k3_spec_new(k3_drafter *d, int kmax, int vocab);
+void k3_spec_free(k3_spec *sp);
+/* limit: drafts worth verifying (ids the loop may still feed after id). */
+int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_err *err);
+int k3_spec_finish(k3_spec *sp, k3_session *s, k3_err *err);
+k3_spec_stats k3_spec_get_stats(const k3_spec *sp);
+
 /* The drafter a command's flags ask for: --draft DIR (a draft model) or,
  * with --speculate K alone, n-gram. NULL *out when kmax is 0. */
 int k3_drafter_for(const k3_engine *target, const char *draft_dir, int kmax, int64_t max_pos, k3_drafter **out,

@@ -298,14 +298,17 @@ void k3_session_snapshot(k3_session *s) {
 }
 
 /* Feeds ids[0..n) at the session's position, stopping at every grid position
- * to snapshot; logits of the last token into logits (and the session's copy).
- * A prefill with a cancel hook goes one engine chunk at a time and asks the
- * hook before each (the same forward calls as one k3_engine_feed makes, so
- * the same bits); cancelled, the session keeps what it consumed. */
-static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool prefill, k3_err *err) {
+ * to snapshot; logits of the last token into logits (and the session's copy),
+ * or, all_rows, every token's row into logits[n][V]. A prefill with a cancel
+ * hook goes one engine chunk at a time and asks the hook before each (the
+ * same forward calls as one k3_engine_feed makes, so the same bits);
+ * cancelled, the session keeps what it consumed. prompt: the calls count as
+ * prompt work in the run report. */
+static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool all_rows, bool prompt, bool polled,
+                k3_err *err) {
     int G = s->c && s->c->budget > 0 ? s->c->grid : 0;
-    bool polled = prefill && s->cancelled;
-    size_t from = s->n;
+    polled = polled && s->cancelled;
+    size_t from = s->n, done = 0, V = (size_t)s->V;
     s->have_logits = false;
     while (n > 0) {
         if (polled && s->cancelled(s->cancel_ctx))
@@ -319,9 +322,10 @@ static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool
         if (polled && s->e && t > (size_t)s->e->chunk) t = (size_t)s->e->chunk;
         if (t > INT_MAX / 2) t = INT_MAX / 2;
         bool last = t == n;
-        float *lg = last && logits ? s->logits : NULL;
-        int rc = s->e ? k3_engine_feed(s->e, s->st, ids, t, lg, false, prefill, NULL, err)
-                      : k3_forward(s->m, s->st, ids, (int)t, lg, false, err);
+        float *lg = all_rows && logits ? logits + done * V : last && logits ? s->logits : NULL;
+        bool rows = all_rows && logits;
+        int rc = s->e ? k3_engine_feed(s->e, s->st, ids, t, lg, rows, prompt, NULL, err)
+                      : k3_forward(s->m, s->st, ids, (int)t, lg, rows, err);
         if (rc) {
             k3_session_reset(s);
             return rc;
@@ -329,10 +333,12 @@ static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool
         append_ids(s, ids, t);
         ids += t;
         n -= t;
+        done += t;
         if (G > 0 && s->n % (size_t)G == 0 && !s->in_pass) k3_session_snapshot(s);
     }
     if (logits) {
-        memcpy(logits, s->logits, (size_t)s->V * sizeof *logits);
+        if (all_rows) memcpy(s->logits, logits + (done - 1) * V, V * sizeof *logits);
+        else memcpy(logits, s->logits, V * sizeof *logits);
         s->have_logits = true;
     }
     return K3_OK;
@@ -369,7 +375,13 @@ int k3_session_pass_end(k3_session *s, size_t keep, k3_err *err) {
 
 int k3_session_feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_err *err) {
     if (n == 0) return k3_fail(err, K3_EXIT_USAGE, "no tokens to feed");
-    return feed(s, ids, n, logits, false, err);
+    return feed(s, ids, n, logits, false, false, false, err);
+}
+
+int k3_session_feed_rows(k3_session *s, const int32_t *ids, size_t n, float *logits, bool all_rows, bool prompt,
+                         k3_err *err) {
+    if (n == 0) return k3_fail(err, K3_EXIT_USAGE, "no tokens to feed");
+    return feed(s, ids, n, logits, all_rows, prompt, false, err);
 }
 
 /* Puts snapshot x (found and referenced under the lock) into the session's
@@ -447,7 +459,7 @@ int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logit
     if (reused) *reused = from;
     /* cancelled, the session holds ids[0..k) for some k < n, a true state of
      * that prefix; the prompt's end is not snapshotted */
-    int rc = feed(s, ids + from, n - from, logits, true, err);
+    int rc = feed(s, ids + from, n - from, logits, false, true, true, err);
     if (rc) return rc;
     k3_session_snapshot(s);
     return K3_OK;
