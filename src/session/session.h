@@ -135,6 +135,24 @@ void k3_session_set_cancel(k3_session *s, bool (*cancelled)(const void *ctx), co
 /* Appends n tokens (decoding: the sampled id) and writes the logits of the
  * last to logits[V] (NULL: none). Grid snapshots are taken on the way. */
 int k3_session_feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_err *err);
+/* k3_session_feed with k3_engine_feed's choices: all_rows: logits holds
+ * [n][V], row i the logits after ids[i] (k3 run --dump-logits; a pass that
+ * verifies several ids at once); prompt: the forward calls count as prompt
+ * work in the run report. */
+int k3_session_feed_rows(k3_session *s, const int32_t *ids, size_t n, float *logits, bool all_rows, bool prompt,
+                         k3_err *err);
+/* Speculation: a pass whose fed ids may be taken back (model.h,
+ * k3_state_pass_*). pass_begin reserves the state's record for passes of up
+ * to max_T ids (the first time, or a larger max_T) and opens one at the
+ * current length; the ids fed until pass_end are recorded; pass_end keeps
+ * the first keep of them (the state then equals plain feeding of only
+ * those, bit for bit, and the session's ids are cut to match). No grid
+ * snapshot is taken inside a pass (a draft may be taken back); one is taken
+ * at pass_end when the kept ids crossed a grid line. After a cut-back pass
+ * the session holds no logits (the next prefill of its own ids feeds). */
+int k3_session_pass_begin(k3_session *s, int max_T, k3_err *err);
+int k3_session_pass_end(k3_session *s, size_t keep, k3_err *err);
+bool k3_session_in_pass(const k3_session *s);
 /* Stores a snapshot of the current position in the cache (a turn end). */
 void k3_session_snapshot(k3_session *s);
 
