@@ -295,14 +295,17 @@ void k3_session_snapshot(k3_session *s) {
 }
 
 /* Feeds ids[0..n) at the session's position, stopping at every grid position
- * to snapshot; logits of the last token into logits (and the session's copy).
- * A prefill with a cancel hook goes one engine chunk at a time and asks the
- * hook before each (the same forward calls as one k3_engine_feed makes, so
- * the same bits); cancelled, the session keeps what it consumed. */
-static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool prefill, k3_err *err) {
+ * to snapshot; logits of the last token into logits (and the session's copy),
+ * or, all_rows, every token's row into logits[n][V]. A prefill with a cancel
+ * hook goes one engine chunk at a time and asks the hook before each (the
+ * same forward calls as one k3_engine_feed makes, so the same bits);
+ * cancelled, the session keeps what it consumed. prompt: the calls count as
+ * prompt work in the run report. */
+static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool all_rows, bool prompt, bool polled,
+                k3_err *err) {
     int G = s->c && s->c->budget > 0 ? s->c->grid : 0;
-    bool polled = prefill && s->cancelled;
-    size_t from = s->n;
+    polled = polled && s->cancelled;
+    size_t from = s->n, done = 0, V = (size_t)s->V;
     s->have_logits = false;
     while (n > 0) {
         if (polled && s->cancelled(s->cancel_ctx))
@@ -316,9 +319,10 @@ static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool
         if (polled && s->e && t > (size_t)s->e->chunk) t = (size_t)s->e->chunk;
         if (t > INT_MAX / 2) t = INT_MAX / 2;
         bool last = t == n;
-        float *lg = last && logits ? s->logits : NULL;
-        int rc = s->e ? k3_engine_feed(s->e, s->st, ids, t, lg, false, prefill, NULL, err)
-                      : k3_forward(s->m, s->st, ids, (int)t, lg, false, err);
+        float *lg = all_rows && logits ? logits + done * V : last && logits ? s->logits : NULL;
+        bool rows = all_rows && logits;
+        int rc = s->e ? k3_engine_feed(s->e, s->st, ids, t, lg, rows, prompt, NULL, err)
+                      : k3_forward(s->m, s->st, ids, (int)t, lg, rows, err);
         if (rc) {
             k3_session_reset(s);
             return rc;
@@ -326,10 +330,12 @@ static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool
         append_ids(s, ids, t);
         ids += t;
         n -= t;
+        done += t;
         if (G > 0 && s->n % (size_t)G == 0) k3_session_snapshot(s);
     }
     if (logits) {
-        memcpy(logits, s->logits, (size_t)s->V * sizeof *logits);
+        if (all_rows) memcpy(s->logits, logits + (done - 1) * V, V * sizeof *logits);
+        else memcpy(logits, s->logits, V * sizeof *logits);
         s->have_logits = true;
     }
     return K3_OK;
@@ -337,7 +343,39 @@ static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool
 
 int k3_session_feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_err *err) {
     if (n == 0) return k3_fail(err, K3_EXIT_USAGE, "no tokens to feed");
-    return feed(s, ids, n, logits, false, err);
+    return feed(s, ids, n, logits, false, false, false, err);
+}
+
+int k3_session_feed_rows(k3_session *s, const int32_t *ids, size_t n, float *logits, bool all_rows, bool prompt,
+                         k3_err *err) {
+    if (n == 0) return k3_fail(err, K3_EXIT_USAGE, "no tokens to feed");
+    return feed(s, ids, n, logits, all_rows, prompt, false, err);
+}
+
+int k3_session_recompute(k3_session *s, int32_t id, float *logits, k3_err *err) {
+    if (s->n + 1 > (size_t)k3_state_max_pos(s->st))
+        return k3_fail(err, K3_EXIT_USAGE, "%zu tokens do not fit the state's %d positions", s->n + 1,
+                       k3_state_max_pos(s->st));
+    append_ids(s, &id, 1);
+    s->have_logits = false;
+    int rc;
+    if (s->e) {
+        rc = k3_engine_recompute(s->e, s->st, s->ids, s->n, s->logits, err);
+    } else {
+        k3_state_reset(s->st);
+        rc = K3_OK;
+        for (size_t i = 0; !rc && i < s->n; i += INT_MAX / 2) {
+            size_t t = s->n - i < INT_MAX / 2 ? s->n - i : INT_MAX / 2;
+            rc = k3_forward(s->m, s->st, s->ids + i, (int)t, i + t == s->n ? s->logits : NULL, false, err);
+        }
+    }
+    if (rc) {
+        k3_session_reset(s);
+        return rc;
+    }
+    if (logits) memcpy(logits, s->logits, (size_t)s->V * sizeof *logits);
+    s->have_logits = true;
+    return K3_OK;
 }
 
 /* Puts snapshot x (found and referenced under the lock) into the session's
@@ -414,7 +452,7 @@ int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logit
     if (reused) *reused = from;
     /* cancelled, the session holds ids[0..k) for some k < n, a true state of
      * that prefix; the prompt's end is not snapshotted */
-    int rc = feed(s, ids + from, n - from, logits, true, err);
+    int rc = feed(s, ids + from, n - from, logits, false, true, true, err);
     if (rc) return rc;
     k3_session_snapshot(s);
     return K3_OK;

@@ -135,6 +135,16 @@ void k3_session_set_cancel(k3_session *s, bool (*cancelled)(const void *ctx), co
 /* Appends n tokens (decoding: the sampled id) and writes the logits of the
  * last to logits[V] (NULL: none). Grid snapshots are taken on the way. */
 int k3_session_feed(k3_session *s, const int32_t *ids, size_t n, float *logits, k3_err *err);
+/* k3_session_feed with k3_engine_feed's choices: all_rows: logits holds
+ * [n][V], row i the logits after ids[i] (k3 run --dump-logits; a pass that
+ * verifies several ids at once); prompt: the forward calls count as prompt
+ * work in the run report. */
+int k3_session_feed_rows(k3_session *s, const int32_t *ids, size_t n, float *logits, bool all_rows, bool prompt,
+                         k3_err *err);
+/* Appends id and recomputes the state from position 0 over every id the
+ * session holds (k3 run --full, a check: the logits are bit-identical to
+ * k3_session_feed's). No snapshots are taken. */
+int k3_session_recompute(k3_session *s, int32_t id, float *logits, k3_err *err);
 /* Stores a snapshot of the current position in the cache (a turn end). */
 void k3_session_snapshot(k3_session *s);
 
