@@ -207,3 +207,113 @@ TEST(parse_f64_whole_finite) {
     CHECK(!k3_parse_f64("nan", &v));
     CHECK(!k3_parse_f64("1e999", &v));
 }
+
+/* A fake /proc/self/cgroup, /proc/self/mountinfo and cgroup tree under dir. */
+static void cg_put(const char *dir, const char *rel, const char *text) {
+    char *p = k3_path_join(dir, rel);
+    char *d = xstrdup(p);
+    *strrchr(d, '/') = 0;
+    k3_err err = {0};
+    CHECK(k3_mkdir_p(d, &err) == 0);
+    FILE *f = fopen(p, "w");
+    CHECK(f != NULL);
+    fputs(text, f);
+    fclose(f);
+    free(d);
+    free(p);
+}
+
+static uint64_t cg_headroom(const char *dir, uint64_t *limit) {
+    char *c = k3_path_join(dir, "cgroup"), *m = k3_path_join(dir, "mountinfo");
+    uint64_t h = k3_cgroup_headroom(c, m, limit);
+    free(c);
+    free(m);
+    return h;
+}
+
+TEST(cgroup_headroom_v1_ancestors_and_v2) {
+    char tmpl[] = "/tmp/k3-cg-XXXXXX";
+    CHECK(mkdtemp(tmpl) != NULL);
+    char mi[1024];
+    /* v1 memory at TMP/v1 (options before "-" vary: one optional field here),
+     * v2 at TMP/v2; another controller's mount must be ignored */
+    snprintf(mi, sizeof mi,
+             "33 30 0:30 / %s/cpu rw,relatime - cgroup cgroup rw,cpu\n"
+             "34 30 0:31 / %s/v1 rw,relatime shared:9 - cgroup cgroup rw,memory\n"
+             "40 30 0:37 / %s/v2 rw,relatime - cgroup2 cgroup2 rw\n",
+             tmpl, tmpl, tmpl);
+    cg_put(tmpl, "mountinfo", mi);
+    cg_put(tmpl, "cgroup", "3:cpu:/a\n4:memory:/a/b\n0::/x/y\n");
+    cg_put(tmpl, "cpu/a/memory.limit_in_bytes", "1000\n"); /* not the memory controller */
+    uint64_t lim = 1;
+    CHECK(cg_headroom(tmpl, &lim) == UINT64_MAX && lim == 0); /* no limit files at all */
+
+    /* v1: the group itself unlimited, its parent limited to 2 GB with 1.5 GB
+     * used of which 0.5 GB inactive file cache: 1 GB headroom */
+    cg_put(tmpl, "v1/a/b/memory.limit_in_bytes", "9223372036854771712\n");
+    cg_put(tmpl, "v1/a/b/memory.usage_in_bytes", "100\n");
+    cg_put(tmpl, "v1/a/memory.limit_in_bytes", "2000000000\n");
+    cg_put(tmpl, "v1/a/memory.usage_in_bytes", "1500000000\n");
+    cg_put(tmpl, "v1/a/memory.stat", "cache 7\ninactive_file 1\ntotal_inactive_file 500000000\n");
+    cg_put(tmpl, "v1/memory.limit_in_bytes", "9223372036854771712\n");
+    uint64_t h = cg_headroom(tmpl, &lim);
+    CHECKF(h == 1000000000ull && lim == 2000000000ull, "%llu %llu", (unsigned long long)h, (unsigned long long)lim);
+
+    /* v2: "max" at the group, 3 GB at its parent with 2.5 GB used: 0.5 GB wins */
+    cg_put(tmpl, "v2/x/y/memory.max", "max\n");
+    cg_put(tmpl, "v2/x/memory.max", "3000000000\n");
+    cg_put(tmpl, "v2/x/memory.current", "2500000000\n");
+    cg_put(tmpl, "v2/x/memory.stat", "anon 1\nfile 2\n");
+    h = cg_headroom(tmpl, &lim);
+    CHECKF(h == 500000000ull && lim == 3000000000ull, "%llu", (unsigned long long)h);
+
+    /* usage above the limit is no headroom, not a wrap to 2^64 */
+    cg_put(tmpl, "v2/x/memory.current", "3500000000\n");
+    CHECK(cg_headroom(tmpl, &lim) == 0);
+    /* garbage in a limit file: that group reads as unlimited, the v1 parent still binds */
+    cg_put(tmpl, "v2/x/memory.max", "lots\n");
+    CHECK(cg_headroom(tmpl, &lim) == 1000000000ull);
+    /* a missing /proc file: no limit known */
+    char *nope = k3_path_join(tmpl, "nope");
+    CHECK(k3_cgroup_headroom(nope, nope, &lim) == UINT64_MAX);
+    free(nope);
+}
+
+TEST(cgroup_headroom_container_mount_root) {
+    char tmpl[] = "/tmp/k3-cg-XXXXXX";
+    CHECK(mkdtemp(tmpl) != NULL);
+    char mi[1024];
+    /* a container sees its own group at the mount point: the mount's root
+     * (/docker/abc) is the group's path, and the path has an escaped space */
+    snprintf(mi, sizeof mi, "40 30 0:37 /docker/abc %s/c\\040g rw - cgroup2 cgroup2 rw,nsdelegate\n", tmpl);
+    cg_put(tmpl, "mountinfo", mi);
+    cg_put(tmpl, "cgroup", "0::/docker/abc/job\n");
+    cg_put(tmpl, "c g/job/memory.max", "4000000000\n");
+    cg_put(tmpl, "c g/job/memory.current", "1000000000\n");
+    cg_put(tmpl, "c g/job/memory.stat", "inactive_file 250000000\nactive_file 9\n");
+    cg_put(tmpl, "c g/memory.max", "8000000000\n");
+    cg_put(tmpl, "c g/memory.current", "1000000000\n");
+    uint64_t lim = 0, h = cg_headroom(tmpl, &lim);
+    CHECKF(h == 3250000000ull && lim == 4000000000ull, "%llu", (unsigned long long)h);
+    /* a path outside the mount's root (another cgroup namespace): the mount itself */
+    cg_put(tmpl, "cgroup", "0::/elsewhere\n");
+    h = cg_headroom(tmpl, &lim);
+    CHECKF(h == 7000000000ull && lim == 8000000000ull, "%llu", (unsigned long long)h);
+}
+
+TEST(crc32c_zeros_equals_fed_zeros) {
+    size_t big = 3 * 4096 * 7 + 13;
+    uint8_t *z = xcalloc(big, 1);
+    static const size_t lens[] = {0, 1, 7, 8, 63, 4095, 4096, 3 * 4096 + 5};
+    for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++)
+        for (uint32_t c = 0; c < 3; c++) {
+            uint32_t start = c * 0x9e3779b9u;
+            CHECKF(k3_crc32c_zeros(start, lens[i]) == k3_crc32c(start, z, lens[i]), "len %zu", lens[i]);
+        }
+    CHECK(k3_crc32c_zeros(5, big) == k3_crc32c(5, z, big));
+    /* a hole between data: crc(A, zeros, B) */
+    const char *a = "head", *b = "tail";
+    uint32_t want = k3_crc32c(k3_crc32c(k3_crc32c(0, a, 4), z, 1000), b, 4);
+    CHECK(k3_crc32c(k3_crc32c_zeros(k3_crc32c(0, a, 4), 1000), b, 4) == want);
+    free(z);
+}

@@ -112,10 +112,14 @@ int cmd_doctor(int argc, char **argv) {
     k3_train_gemm_describe(tg, sizeof tg);
     printf("training   products: %s\n", tg);
 
-    uint64_t avail = k3_mem_available_bytes();
+    const char *bound;
+    uint64_t avail = k3_mem_limit(0, &bound), cg_limit = 0;
+    uint64_t cg = k3_cgroup_headroom("/proc/self/cgroup", "/proc/self/mountinfo", &cg_limit);
     k3_budget b = k3_budget_auto(avail);
-    printf("memory     %.1f GB available -> --preset auto = trunk %.0f GB + expert cache %.0f GB\n", (double)avail / 1e9,
-           b.trunk_gb, b.cache_gb);
+    printf("memory     %.1f GB available (%s) -> --preset auto = trunk %.0f GB + expert cache %.0f GB\n",
+           (double)avail / 1e9, bound, b.trunk_gb, b.cache_gb);
+    if (cg != UINT64_MAX)
+        printf("cgroup     memory limit %.2f GB, headroom %.2f GB\n", (double)cg_limit / 1e9, (double)cg / 1e9);
 
     k3_err err = {0};
     if (dir) {

@@ -11,7 +11,7 @@ static const k3_preset PRESETS[] = {
     {"workstation", 128, 100, 20, "128 GB machine: most of the 109 GB K3 trunk resident"},
     {"server", 224, 115, 100, "224 GB machine: whole K3 trunk resident plus a large expert cache"},
     {"max", 0, -1, -1, "everything resident, no limits (small models)"},
-    {"auto", 0, 0, 0, "sized from MemAvailable: 85% of it, trunk first"},
+    {"auto", 0, 0, 0, "sized from MemAvailable (or a cgroup limit's headroom if less): 85% of it, trunk first"},
 };
 
 const k3_preset *k3_presets(size_t *n) {

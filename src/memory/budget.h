@@ -3,7 +3,8 @@
  * A run's memory has two knobs: how much of the dense trunk stays resident
  * (--trunk-gb; the rest streams through ring slots) and how many routed
  * experts the cache keeps (--cache-gb). Presets name common machines; `auto`
- * sizes from MemAvailable. At a fixed total, trunk-first was measured faster
+ * sizes from MemAvailable, or from the headroom under a memory cgroup limit
+ * when that is less (k3_mem_available_bytes). At a fixed total, trunk-first was measured faster
  * than cache-first on the real model (1.69x at 128 GB), because a resident
  * trunk layer is used by every token while a cached expert rarely is; the
  * presets and `auto` therefore give memory to the trunk first. */

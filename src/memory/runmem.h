@@ -37,7 +37,8 @@ int k3_runmem_parse(k3_runmem_args *a, int argc, char **argv, int *i, bool *used
 #define K3_RUNMEM_HELP \
     "memory (the output ids are the same at every budget):\n" \
     "  --preset NAME        laptop, desktop, workstation, server, max or auto\n" \
-    "                       (default auto: 85% of MemAvailable, trunk first)\n" \
+    "                       (default auto: 85% of MemAvailable or of a memory\n" \
+    "                       cgroup limit's headroom if less, trunk first)\n" \
     "  --trunk-gb GB        memory for the dense trunk: model-level tensors,\n" \
     "                       resident or pinned layers and ring slots\n" \
     "  --cache-gb GB        memory for routed experts: the cache plus the buffers\n" \

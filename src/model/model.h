@@ -140,6 +140,49 @@ int k3_state_max_pos(const k3_state *s);
 void k3_state_save(const k3_state *s, void *buf);
 int k3_state_load(k3_state *s, const void *buf, int pos, k3_err *err);
 
+/* ---- passes that can be cut back (speculative decoding) ---------------- *
+ * A pass feeds T tokens of which only the first `keep` may turn out to be
+ * wanted (drafts verified in one forward). The MLA cache is cut back by
+ * position; the KDA part is recurrent, so the pass records what the
+ * recurrence consumed and the state is rebuilt without another pass over the
+ * weights:
+ *
+ *     k3_state_pass_reserve(s, T_max, &err);     // once: the record's memory
+ *     k3_state_pass_begin(s, &err);              // copies the KDA part
+ *     k3_forward(m, s, ids, T, logits, true, &err);  // [T][V], recorded
+ *     k3_state_pass_end(s, keep, &err);          // state = first keep tokens fed
+ *
+ * During the pass every KDA layer records, per token, the recurrence's inputs
+ * (q, k after SiLU and the head L2 norm, v after SiLU, the log-decay g, beta)
+ * and the ShortConv's pre-conv inputs. pass_end with keep < T puts the KDA
+ * part copied at begin back, replays the recurrence (k_kda_forward, recurrent
+ * form) over the first keep recorded tokens and rebuilds the conv histories
+ * from the recorded inputs; then it cuts the MLA cache to pos0 + keep. The
+ * result is the state plain decoding of those keep tokens gives, bit for bit
+ * (the recurrent step does not depend on how positions are grouped), and the
+ * next logits are identical. A recorded pass always uses the recurrent KDA
+ * form (--kda-chunk does not apply to it). Several forward calls may share
+ * one pass (their tokens count together against T_max).
+ *
+ * Memory (k3_state_pass_bytes): one copy of the KDA part plus, per KDA layer
+ * and token of T_max, 7 P + H floats (q, k, v, g, the three pre-conv inputs;
+ * beta), and P floats per token for the replay's output (one buffer). For the release (69 KDA layers, H 96,
+ * D 128, P 12,288) that is 464.6 MB + 23.8 MB per token: 655 MB at T_max 8. */
+uint64_t k3_state_pass_bytes(const k3_config *c, int max_T);
+/* Allocates the record for passes of up to max_T >= 1 tokens (again with a
+ * larger max_T: reallocates; not during a pass). */
+int k3_state_pass_reserve(k3_state *s, int max_T, k3_err *err);
+/* Starts a recorded pass at the current position. K3_EXIT_USAGE without a
+ * reserve or inside a pass. A forward that would take the pass past max_T
+ * tokens is refused (K3_EXIT_USAGE, state unchanged). */
+int k3_state_pass_begin(k3_state *s, k3_err *err);
+/* Ends the pass keeping its first keep tokens (0 <= keep <= tokens fed in
+ * the pass; all of them: nothing to rebuild). K3_EXIT_USAGE outside a pass or
+ * for keep out of range (the pass stays open then). */
+int k3_state_pass_end(k3_state *s, int keep, k3_err *err);
+/* Tokens fed since pass_begin (0 outside a pass). */
+int k3_state_pass_len(const k3_state *s);
+
 /* ---- forward ----------------------------------------------------------- */
 /* Feeds n >= 1 tokens at the state's position and advances it by n.
  * logits: NULL (none computed), [n][V] when all_logits, else [V] for the last
@@ -147,6 +190,15 @@ int k3_state_load(k3_state *s, const void *buf, int pos, k3_err *err);
  * state is left unchanged); a weight-source failure passes its code through. */
 int k3_forward(k3_model *m, k3_state *s, const int32_t *ids, int n, float *logits, bool all_logits,
                k3_err *err);
+
+/* Batched decoding: one position of each of nseq sequences in one pass
+ * (ids[s] is fed to states[s], at that state's own position; each advances
+ * by one). The layers read every weight once for the whole batch; each
+ * sequence's logits (logits[s][V], or NULL) have exactly the bits
+ * k3_forward(m, states[s], &ids[s], 1, ...) gives. The states must be
+ * distinct and of this model. Errors as k3_forward's (no state changes). */
+int k3_forward_batch(k3_model *m, k3_state *const *states, int nseq, const int32_t *ids, float *logits,
+                     k3_err *err);
 
 /* ---- sampling ------------------------------------------------------------ */
 /* Greedy: the largest logit, lowest index among equals. */
@@ -161,6 +213,7 @@ typedef struct {
     uint64_t rng;       /* PRNG state, set by k3_sampler_init */
     float *probs;       /* scratch, [V] */
     int *order;         /* scratch, [V] */
+    int *tmp;           /* scratch, [V] */
     int n;
 } k3_sampler;
 void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p,
@@ -324,9 +377,13 @@ void *k3_own(k3_owned *o, void *p, uint64_t bytes);
 
 /* Module functions on T positions (rows of [T][E] activations), exactly as
  * the model uses them. pos0 is the absolute position of row 0 (MLA). */
+typedef struct k3_kda_trace k3_kda_trace;
 typedef struct {
     float *S;                    /* [H][D][D] */
     float *conv;                 /* [3][P][K-1]: q, k, v histories, oldest first */
+    k3_kda_trace *trace;         /* NULL; set by the state during a recorded pass
+                                    (k3_state_pass_begin): where the block writes
+                                    the recurrence's inputs */
 } k3_kda_state;
 typedef struct {
     float *latent;               /* [max_pos][r_kv + d_r] */
@@ -372,8 +429,16 @@ typedef struct {
     /* LatentMoE's routed-expert products (many similar jobs): NULL runs them
      * with products; training's run side by side, one thread each */
     void (*expert_products)(const k_prod *jobs, int njobs);
+    /* products is a collective of every rank of a job (the trunk split over
+     * the ranks, dist/tensor_par.h): each call costs a round of messages, so
+     * the blocks batch the jobs they can into one call */
+    bool collective;
 } k3_fwd_ops;
 extern const k3_fwd_ops k3_infer_ops; /* what k3 run uses */
+/* The products a model's forward takes its trunk matrices (and the head)
+ * through: k3_infer_ops unless set (NULL: back to it). ops must outlive the
+ * model; its products must give k_products' bits (model.h's contract). */
+void k3_model_set_ops(k3_model *m, const k3_fwd_ops *ops);
 
 /* What the KDA block's backward reads, for N = nseq*T rows (H heads of D, P =
  * H*D). The q, k, v projections and their conv outputs are three planes of
@@ -456,6 +521,37 @@ void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cach
 void k3_moe(const k3_config *c, const k3_moe_w *w, const k3_expert_w *experts, const float *x, int T,
             float *y);
 void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y);
+/* What one decoder layer's backward reads (training), for N = nseq*T rows
+ * and m_a / m_m AttnRes sources (the completed blocks plus the partial). */
+typedef struct {
+    float *a, *al_a, *r_a;   /* [N][E] the attention input's AttnRes, [N][m_a] its softmax and the
+                                sources' 1/rms; unused at layer 0, whose input is the embedding */
+    float *xin, *rin;        /* [N][E] the attention block's normed input, [N] 1/rms */
+    float *p_mid, *p_out;    /* [N][E] the partial sum after the attention block, after the MLP block */
+    float *mm, *al_m, *r_m;  /* the MLP input's AttnRes, [N][m_m] */
+    float *xm, *rm;          /* the MLP block's normed input, 1/rms */
+    k3_kda_rec kda;          /* the attention block's record (by kind) */
+    k3_mla_rec mla;
+    k3_mlp_rec mlp;          /* the MLP block's record (dense or MoE) */
+    k3_moe_rec moe;
+} k3_layer_rec;
+/* The whole graph's: the layers' and the model-level stitching's. */
+typedef struct {
+    float *h0;               /* [N][E] embedding rows */
+    k3_layer_rec *l;         /* [num_layers] */
+    float *xf, *al_f, *r_f;  /* the output AttnRes: [N][E], [N][nblocks + 1] x 2 */
+    float *xn, *rn;          /* the final norm's output and 1/rms */
+} k3_model_rec;
+/* Training's forward: the model graph (the same layer loop and stitching as
+ * k3_forward) on nseq sequences of T positions, each from position 0 and a
+ * zero state, with fo's products and roundings, KDA in the form kda_chunk
+ * (0 recurrent, else chunkwise) for every T, the expanded MLA core, every
+ * record in rec, and the logits of every position ([nseq*T][V], by fo's
+ * products). The token of row s*T + t is ids[s*ld + t]. Errors: an id
+ * outside the vocabulary (K3_EXIT_USAGE). */
+int k3_forward_rec(k3_model *m, const k3_fwd_ops *fo, int kda_chunk, const int32_t *ids, size_t ld, int nseq, int T,
+                   float *logits, k3_model_rec *rec, k3_err *err);
+
 /* One decoder layer (section 6) on T positions. buf[0..*nb) hold the completed
  * block vectors and buf[*nb] the running partial sum, each [T][E]; at a block
  * boundary (L % attn_res_block_size == 0) the partial becomes block *nb, *nb

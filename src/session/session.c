@@ -163,6 +163,8 @@ struct k3_session {
     int source;
     bool (*cancelled)(const void *ctx); /* k3_session_set_cancel, or NULL */
     const void *cancel_ctx;
+    bool in_pass;      /* k3_session_pass_begin .. _end */
+    size_t pass_n0;    /* ids held at pass_begin */
 };
 
 k3_session *k3_session_new(k3_model *m, k3_state *st, k3_state_cache *cache) {
@@ -199,6 +201,7 @@ static void set_chain(k3_session *s, seg *g) {
 }
 
 void k3_session_reset(k3_session *s) {
+    s->in_pass = false; /* k3_state_reset ends the state's pass too */
     set_chain(s, NULL);
     k3_state_reset(s->st);
     s->n = 0;
@@ -331,13 +334,42 @@ static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool
         ids += t;
         n -= t;
         done += t;
-        if (G > 0 && s->n % (size_t)G == 0) k3_session_snapshot(s);
+        if (G > 0 && s->n % (size_t)G == 0 && !s->in_pass) k3_session_snapshot(s);
     }
     if (logits) {
         if (all_rows) memcpy(s->logits, logits + (done - 1) * V, V * sizeof *logits);
         else memcpy(logits, s->logits, V * sizeof *logits);
         s->have_logits = true;
     }
+    return K3_OK;
+}
+
+int k3_session_pass_begin(k3_session *s, int max_T, k3_err *err) {
+    if (s->in_pass) return k3_fail(err, K3_EXIT_USAGE, "a pass is already open");
+    int rc = k3_state_pass_reserve(s->st, max_T, err);
+    if (!rc) rc = k3_state_pass_begin(s->st, err);
+    if (rc) return rc;
+    s->in_pass = true;
+    s->pass_n0 = s->n;
+    return K3_OK;
+}
+
+bool k3_session_in_pass(const k3_session *s) { return s->in_pass; }
+
+int k3_session_pass_end(k3_session *s, size_t keep, k3_err *err) {
+    if (!s->in_pass) return k3_fail(err, K3_EXIT_USAGE, "no pass is open");
+    size_t fed = s->n - s->pass_n0;
+    if (keep > fed) return k3_fail(err, K3_EXIT_USAGE, "cannot keep %zu ids of a pass of %zu", keep, fed);
+    int rc = k3_state_pass_end(s->st, (int)keep, err);
+    if (rc) return rc;
+    s->in_pass = false;
+    if (keep < fed) {
+        s->n = s->pass_n0 + keep;
+        s->have_logits = false;
+        if (s->chain && (size_t)s->chain->end > s->n) set_chain(s, NULL); /* (none is taken in a pass) */
+    }
+    int G = s->c && s->c->budget > 0 ? s->c->grid : 0;
+    if (G > 0 && s->n / (size_t)G > s->pass_n0 / (size_t)G) k3_session_snapshot(s);
     return K3_OK;
 }
 
@@ -395,6 +427,7 @@ static void restore(k3_session *s, const float *kda, seg *tail, int pos, size_t 
 int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logits, size_t *reused, k3_err *err) {
     if (reused) *reused = 0;
     if (n == 0) return k3_fail(err, K3_EXIT_USAGE, "empty prompt");
+    if (s->in_pass) return k3_fail(err, K3_EXIT_USAGE, "a prefill inside an open pass (end it first)");
     if (n > (size_t)k3_state_max_pos(s->st))
         return k3_fail(err, K3_EXIT_USAGE, "prompt of %zu tokens does not fit the state's %d positions", n,
                        k3_state_max_pos(s->st));
@@ -522,7 +555,8 @@ int k3_session_load(k3_session *s, const char *path, uint64_t model_id, char **e
     size_t len = 0;
     if (extra) *extra = NULL;
     if (extra_len) *extra_len = 0;
-    int rc = k3_read_file(path, &data, &len, err);
+    /* a regular file, any size (its header says what it must hold) */
+    int rc = k3_read_file_max(path, UINT64_MAX, true, &data, &len, err);
     if (rc) return rc;
     const uint8_t *h = (const uint8_t *)data;
     const k3_config *cfg = k3_model_config(s->m);

@@ -145,6 +145,18 @@ int k3_session_feed_rows(k3_session *s, const int32_t *ids, size_t n, float *log
  * session holds (k3 run --full, a check: the logits are bit-identical to
  * k3_session_feed's). No snapshots are taken. */
 int k3_session_recompute(k3_session *s, int32_t id, float *logits, k3_err *err);
+/* Speculation: a pass whose fed ids may be taken back (model.h,
+ * k3_state_pass_*). pass_begin reserves the state's record for passes of up
+ * to max_T ids (the first time, or a larger max_T) and opens one at the
+ * current length; the ids fed until pass_end are recorded; pass_end keeps
+ * the first keep of them (the state then equals plain feeding of only
+ * those, bit for bit, and the session's ids are cut to match). No grid
+ * snapshot is taken inside a pass (a draft may be taken back); one is taken
+ * at pass_end when the kept ids crossed a grid line. After a cut-back pass
+ * the session holds no logits (the next prefill of its own ids feeds). */
+int k3_session_pass_begin(k3_session *s, int max_T, k3_err *err);
+int k3_session_pass_end(k3_session *s, size_t keep, k3_err *err);
+bool k3_session_in_pass(const k3_session *s);
 /* Stores a snapshot of the current position in the cache (a turn end). */
 void k3_session_snapshot(k3_session *s);
 

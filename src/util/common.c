@@ -210,26 +210,53 @@ bool k3_parse_size(const char *s, uint64_t *out) {
 }
 
 int k3_read_file(const char *path, char **data, size_t *len, k3_err *err) {
+    return k3_read_file_max(path, K3_READ_MAX, false, data, len, err);
+}
+
+int k3_read_file_max(const char *path, uint64_t max, bool regular_only, char **data, size_t *len, k3_err *err) {
     bool std_in = strcmp(path, "-") == 0;
     FILE *f = std_in ? stdin : fopen(path, "rb");
     if (std_in) path = "standard input";
     if (!f) return k3_fail(err, K3_EXIT_USAGE, "%s: cannot open: %s", path, strerror(errno));
     struct stat st;
-    if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) { /* fopen succeeds on one; fread then fails */
+    const char *bad = NULL;
+    if (fstat(fileno(f), &st) != 0) bad = "cannot stat";
+    else if (S_ISDIR(st.st_mode)) bad = "is a directory, not a file"; /* fopen succeeds on one; fread then fails */
+    else if (regular_only && !S_ISREG(st.st_mode)) bad = "not a regular file";
+    /* a pipe or a terminal is read up to max; a device such as /dev/zero or
+     * /dev/urandom never ends and is no text */
+    else if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode) && !S_ISSOCK(st.st_mode) && !isatty(fileno(f)))
+        bad = "not a regular file, pipe or terminal";
+    else if (S_ISREG(st.st_mode) && (uint64_t)st.st_size > max) bad = "too large";
+    if (bad) {
         if (!std_in) fclose(f);
-        return k3_fail(err, K3_EXIT_USAGE, "%s: is a directory, not a file", path);
+        if (!strcmp(bad, "too large"))
+            return k3_fail(err, K3_EXIT_USAGE, "%s: %s, over the %s k3 reads of it", path, k3_size_str((uint64_t)st.st_size),
+                           k3_size_str(max));
+        return k3_fail(err, K3_EXIT_USAGE, "%s: %s", path, bad);
     }
     size_t cap = 1 << 16, n = 0;
+    if (S_ISREG(st.st_mode) && (uint64_t)st.st_size < SIZE_MAX - 1 && (size_t)st.st_size + 1 > cap)
+        cap = (size_t)st.st_size + 1;
     char *buf = xmalloc(cap);
+    bool over = false;
+    uint64_t lim = max == UINT64_MAX ? max : max + 1; /* one byte past max tells */
     for (;;) {
         if (n + 1 >= cap) buf = xrealloc(buf, cap *= 2);
-        size_t r = fread(buf + n, 1, cap - n - 1, f);
+        size_t want = cap - n - 1;
+        if ((uint64_t)n + want > lim) want = (size_t)(lim - n);
+        size_t r = want ? fread(buf + n, 1, want, f) : 0;
         n += r;
+        if ((uint64_t)n > max) { over = true; break; }
         if (r == 0) break;
     }
-    int bad = ferror(f), e = errno;
+    int bad_io = ferror(f), e = errno;
     if (!std_in) fclose(f);
-    if (bad) {
+    if (over) {
+        free(buf);
+        return k3_fail(err, K3_EXIT_USAGE, "%s: longer than the %s k3 reads of it", path, k3_size_str(max));
+    }
+    if (bad_io) {
         free(buf);
         return k3_fail(err, K3_EXIT_RUNTIME, "%s: read error: %s", path, strerror(e));
     }
@@ -410,6 +437,20 @@ int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *er
     return K3_OK;
 }
 
+int k3_atomic_skip(k3_atomic_file *af, uint64_t len, k3_err *err) {
+    if (af->inplace) {
+        static const uint8_t zeros[65536];
+        for (uint64_t c = 0; c < len; c += sizeof zeros) {
+            int rc = k3_atomic_write(af, zeros, len - c < sizeof zeros ? (size_t)(len - c) : sizeof zeros, err);
+            if (rc) return rc;
+        }
+        return K3_OK;
+    }
+    if (len > (uint64_t)INT64_MAX || fseeko(af->f, (off_t)len, SEEK_CUR) != 0)
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: seek failed: %s", af_name(af), strerror(errno));
+    return K3_OK;
+}
+
 static void af_free(k3_atomic_file *af) {
     free(af->path); free(af->tmp); free(af->shown);
     memset(af, 0, sizeof *af);
@@ -419,6 +460,14 @@ int k3_atomic_commit(k3_atomic_file *af, k3_err *err) {
     int rc = K3_OK;
     if (fflush(af->f) != 0)
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: write failed: %s", af_name(af), strerror(errno));
+    /* a file ending in a hole (k3_atomic_skip) gets its size only here; a
+     * writer that went back to patch a header (the token shards) is not at
+     * its end, and the file never shrinks */
+    off_t end = af->inplace ? -1 : ftello(af->f);
+    struct stat st;
+    if (rc == K3_OK && end > 0 && fstat(fileno(af->f), &st) == 0 && end > st.st_size &&
+        ftruncate(fileno(af->f), end) != 0)
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot set size: %s", af_name(af), strerror(errno));
     /* fsync of a pipe or a character device says EINVAL: nothing to sync */
     if (rc == K3_OK && fsync(fileno(af->f)) != 0 && !(af->inplace && (errno == EINVAL || errno == EROFS)))
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: flush failed: %s", af_name(af), strerror(errno));
@@ -478,7 +527,7 @@ uint64_t k3_peak_rss_bytes(void) {
     return (uint64_t)ru.ru_maxrss * 1024u;
 }
 
-uint64_t k3_mem_available_bytes(void) {
+static uint64_t meminfo_available(void) {
     FILE *f = fopen("/proc/meminfo", "r");
     if (!f) return 0;
     char line[256];
@@ -486,8 +535,165 @@ uint64_t k3_mem_available_bytes(void) {
     while (fgets(line, sizeof line, f))
         if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
     fclose(f);
-    return (uint64_t)kb * 1024u;
+    return kb > UINT64_MAX / 1024u ? UINT64_MAX : (uint64_t)kb * 1024u;
 }
+
+/* A cgroup file's first word as a byte count: false when missing or not a
+ * whole number; "max" (v2) and v1's near-2^63 "no limit" give UINT64_MAX. */
+static bool cg_read_u64(const char *dir, const char *name, uint64_t *v) {
+    char *path = k3_path_join(dir, name);
+    FILE *f = fopen(path, "r");
+    free(path);
+    if (!f) return false;
+    char word[64] = "";
+    bool ok = fscanf(f, "%63s", word) == 1;
+    fclose(f);
+    if (!ok) return false;
+    if (!strcmp(word, "max")) { *v = UINT64_MAX; return true; }
+    if (word[0] < '0' || word[0] > '9') return false;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(word, &end, 10);
+    if (*end || errno) return false;
+    *v = x >= (1ull << 62) ? UINT64_MAX : (uint64_t)x;
+    return true;
+}
+
+/* The value of "key N" in a memory.stat, 0 when absent. */
+static uint64_t cg_stat(const char *dir, const char *key) {
+    char *path = k3_path_join(dir, "memory.stat");
+    FILE *f = fopen(path, "r");
+    free(path);
+    if (!f) return 0;
+    char k[128];
+    unsigned long long v;
+    uint64_t out = 0;
+    while (fscanf(f, "%127s %llu", k, &v) == 2)
+        if (!strcmp(k, key)) { out = (uint64_t)v; break; }
+    fclose(f);
+    return out;
+}
+
+/* Headroom of one cgroup directory, UINT64_MAX when it has no limit. */
+static uint64_t cg_dir_headroom(const char *dir, bool v2, uint64_t *limit) {
+    uint64_t lim, use = 0;
+    if (!cg_read_u64(dir, v2 ? "memory.max" : "memory.limit_in_bytes", &lim) || lim == UINT64_MAX) return UINT64_MAX;
+    if (!cg_read_u64(dir, v2 ? "memory.current" : "memory.usage_in_bytes", &use) || use == UINT64_MAX) use = 0;
+    uint64_t cache = v2 ? cg_stat(dir, "inactive_file") : cg_stat(dir, "total_inactive_file");
+    if (!v2 && !cache) cache = cg_stat(dir, "inactive_file");
+    use -= cache < use ? cache : use;
+    *limit = lim;
+    return lim > use ? lim - use : 0;
+}
+
+/* mountinfo writes space, tab, newline and backslash as \ooo */
+static void unescape_octal(char *s) {
+    char *o = s;
+    for (; *s; s++) {
+        if (s[0] == '\\' && s[1] >= '0' && s[1] <= '3' && s[2] >= '0' && s[2] <= '7' && s[3] >= '0' && s[3] <= '7') {
+            *o++ = (char)((s[1] - '0') * 64 + (s[2] - '0') * 8 + (s[3] - '0'));
+            s += 3;
+        } else {
+            *o++ = *s;
+        }
+    }
+    *o = 0;
+}
+
+static bool has_item(const char *list, const char *item) {
+    size_t n = strlen(item);
+    for (const char *p = list;;) {
+        const char *e = strchr(p, ',');
+        size_t l = e ? (size_t)(e - p) : strlen(p);
+        if (l == n && !memcmp(p, item, n)) return true;
+        if (!e) return false;
+        p = e + 1;
+    }
+}
+
+/* The least headroom from the group at path (as /proc/PID/cgroup names it)
+ * up to the root of the hierarchy mounted at mnt, whose mount root is root. */
+static uint64_t cg_hierarchy(const char *mnt, const char *root, const char *path, bool v2, uint64_t *limit) {
+    const char *rel = path;
+    size_t rl = strlen(root);
+    if (strcmp(root, "/")) {
+        /* a container's view: the mount shows only its part of the tree;
+         * a path outside it (another cgroup namespace) is the mount itself */
+        if (!strncmp(path, root, rl) && (path[rl] == '/' || !path[rl])) rel = path + rl;
+        else rel = "";
+    }
+    if (!strcmp(rel, "/")) rel = "";
+    size_t base = strlen(mnt), len = base + strlen(rel);
+    if (len > 4095) return UINT64_MAX;
+    char dir[4096];
+    memcpy(dir, mnt, base);
+    memcpy(dir + base, rel, len - base + 1);
+    uint64_t best = UINT64_MAX;
+    for (;;) {
+        uint64_t l = 0, h = cg_dir_headroom(dir, v2, &l);
+        if (h < best) { best = h; *limit = l; }
+        char *slash = strrchr(dir, '/');
+        if (strlen(dir) <= base || !slash || (size_t)(slash - dir) < base) break;
+        *slash = 0;
+    }
+    return best;
+}
+
+uint64_t k3_cgroup_headroom(const char *proc_cgroup, const char *mountinfo, uint64_t *limit) {
+    uint64_t lim = 0, best = UINT64_MAX;
+    char *v1 = NULL, *v2 = NULL, *line = NULL;
+    size_t cap = 0;
+    FILE *f = fopen(proc_cgroup, "r");
+    if (!f) return UINT64_MAX;
+    while (getline(&line, &cap, f) > 0) {
+        line[strcspn(line, "\n")] = 0;
+        char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+        if (!c2) continue;
+        *c1 = *c2 = 0;
+        if (!strcmp(line, "0") && c2 == c1 + 1 && !v2) v2 = xstrdup(c2 + 1);
+        else if (has_item(c1 + 1, "memory") && !v1) v1 = xstrdup(c2 + 1);
+    }
+    fclose(f);
+    f = (v1 || v2) ? fopen(mountinfo, "r") : NULL;
+    while (f && getline(&line, &cap, f) > 0) {
+        line[strcspn(line, "\n")] = 0;
+        /* ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPEROPTIONS */
+        char *tok[32], *save = NULL;
+        int n = 0;
+        for (char *t = strtok_r(line, " ", &save); t && n < 32; t = strtok_r(NULL, " ", &save)) tok[n++] = t;
+        int dash = -1;
+        for (int i = 6; i < n; i++)
+            if (!strcmp(tok[i], "-")) { dash = i; break; }
+        if (dash < 0 || dash + 1 >= n) continue;
+        const char *fstype = tok[dash + 1], *super = dash + 3 < n ? tok[dash + 3] : "";
+        bool is2 = !strcmp(fstype, "cgroup2") && v2, is1 = !strcmp(fstype, "cgroup") && v1 && has_item(super, "memory");
+        if (!is1 && !is2) continue;
+        unescape_octal(tok[3]);
+        unescape_octal(tok[4]);
+        uint64_t l = 0, h = cg_hierarchy(tok[4], tok[3], is2 ? v2 : v1, is2, &l);
+        if (h < best) { best = h; lim = l; }
+    }
+    if (f) fclose(f);
+    free(line);
+    free(v1);
+    free(v2);
+    if (limit) *limit = best == UINT64_MAX ? 0 : lim;
+    return best;
+}
+
+uint64_t k3_mem_limit(uint64_t max_memory, const char **what) {
+    uint64_t b = max_memory ? max_memory : meminfo_available();
+    const char *w = max_memory ? "--max-memory" : "MemAvailable";
+    uint64_t cg = k3_cgroup_headroom("/proc/self/cgroup", "/proc/self/mountinfo", NULL);
+    if (cg != UINT64_MAX && (!b || cg < b)) {
+        b = cg;
+        w = "the memory cgroup's headroom";
+    }
+    if (what) *what = w;
+    return b;
+}
+
+uint64_t k3_mem_available_bytes(void) { return k3_mem_limit(0, NULL); }
 
 void k3_progress_start(k3_progress *p, const char *label, uint64_t total, bool bytes) {
     memset(p, 0, sizeof *p);

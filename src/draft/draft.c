@@ -1,0 +1,362 @@
+/* draft.c: n-gram and draft-model drafters, the drafts-per-pass controller
+ * (draft.h). */
+#include "draft/draft.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "train/data.h" /* data_tokenizer_hash: the one tokenizer identity */
+
+struct k3_drafter {
+    int vocab;
+    /* n-gram: hist[0..n) indexed; slot keys are hashes of (g, ids) with the
+     * n-gram's end (exclusive) as value; 0 marks an empty slot */
+    int min_n, max_n;
+    int32_t *hist;
+    size_t n, cap;
+    uint64_t *key;
+    int64_t *end;
+    size_t slots, used;
+    /* draft model */
+    k3_engine *e;
+    k3_state *st;
+    k3_session *s;
+    float *logits;
+    int max_k;
+};
+
+/* ---- n-gram -------------------------------------------------------------------------- */
+
+static uint64_t gram_hash(const int32_t *ids, int g) {
+    uint64_t h = k3_fnv1a64(K3_FNV_OFFSET, &g, sizeof g);
+    h = k3_fnv1a64(h, ids, (size_t)g * sizeof *ids);
+    return h ? h : 1;
+}
+
+static void table_put(k3_drafter *d, uint64_t h, int64_t end) {
+    size_t i = (size_t)(h & (d->slots - 1));
+    while (d->key[i] && d->key[i] != h) i = (i + 1) & (d->slots - 1);
+    if (!d->key[i]) d->used++;
+    d->key[i] = h;
+    d->end[i] = end; /* the latest occurrence wins */
+}
+
+static int64_t table_get(const k3_drafter *d, uint64_t h) {
+    size_t i = (size_t)(h & (d->slots - 1));
+    while (d->key[i]) {
+        if (d->key[i] == h) return d->end[i];
+        i = (i + 1) & (d->slots - 1);
+    }
+    return -1;
+}
+
+static void table_grow(k3_drafter *d) {
+    uint64_t *ok = d->key;
+    int64_t *oe = d->end;
+    size_t on = d->slots;
+    d->slots = on ? 2 * on : 1024;
+    d->key = xcalloc(d->slots, sizeof *d->key);
+    d->end = xmalloc_array(d->slots, sizeof *d->end);
+    d->used = 0;
+    for (size_t i = 0; i < on; i++)
+        if (ok[i]) table_put(d, ok[i], oe[i]);
+    free(ok);
+    free(oe);
+}
+
+/* Indexes the n-grams ending at e (exclusive) for every e up to n - 1: each
+ * has a following id. */
+static void index_to(k3_drafter *d, size_t from, size_t n) {
+    for (size_t e = from; e < n; e++) {
+        for (int g = d->min_n; g <= d->max_n && (size_t)g <= e; g++) {
+            if (2 * (d->used + 1) > d->slots) table_grow(d);
+            table_put(d, gram_hash(d->hist + e - g, g), (int64_t)e);
+        }
+    }
+}
+
+k3_drafter *k3_drafter_ngram(int vocab, int min_n, int max_n) {
+    k3_drafter *d = xcalloc(1, sizeof *d);
+    d->vocab = vocab;
+    d->min_n = min_n < 1 ? 1 : min_n > 8 ? 8 : min_n;
+    d->max_n = max_n < d->min_n ? d->min_n : max_n > 8 ? 8 : max_n;
+    d->cap = 256;
+    d->hist = xmalloc_array(d->cap, sizeof *d->hist);
+    table_grow(d);
+    return d;
+}
+
+static void ngram_propose(k3_drafter *d, const int32_t *hist, size_t n, int k, int32_t *out, int *got) {
+    /* follow the history: extend the index, or index afresh after a change */
+    size_t same = 0;
+    while (same < d->n && same < n && d->hist[same] == hist[same]) same++;
+    if (same < d->n) {
+        d->n = 0;
+        memset(d->key, 0, d->slots * sizeof *d->key);
+        d->used = 0;
+        same = 0;
+    }
+    if (n > d->cap) {
+        while (n > d->cap) d->cap *= 2;
+        d->hist = xrealloc_array(d->hist, d->cap, sizeof *d->hist);
+    }
+    memcpy(d->hist + same, hist + same, (n - same) * sizeof *hist);
+    /* n-grams ending at e < n have a continuation; the suffix ending at n
+     * itself is looked up, then indexed on the next call */
+    size_t from = d->n;
+    d->n = n;
+    index_to(d, from, n);
+    *got = 0;
+    for (int g = d->max_n; g >= d->min_n; g--) {
+        if ((size_t)g > n) continue;
+        const int32_t *suf = hist + n - g;
+        int64_t e = table_get(d, gram_hash(suf, g));
+        if (e < g || (size_t)e >= n || memcmp(hist + e - g, suf, (size_t)g * sizeof *suf)) continue;
+        /* the continuation of that occurrence; past the history's end it
+         * repeats what was just drafted (a loop continues as a loop) */
+        int c = 0;
+        for (; c < k; c++) {
+            size_t at = (size_t)e + (size_t)c;
+            int32_t id = at < n ? hist[at] : out[at - n];
+            if (id < 0 || id >= d->vocab) break;
+            out[c] = id;
+        }
+        *got = c;
+        return;
+    }
+}
+
+/* ---- draft model ------------------------------------------------------------------------ */
+
+static int tok_hash(const char *dir, uint64_t *h, k3_err *err) {
+    char path[4096];
+    if (snprintf(path, sizeof path, "%s/tiktoken.model", dir) >= (int)sizeof path)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: path too long", dir);
+    if (access(path, R_OK) != 0)
+        return k3_fail(err, K3_EXIT_USAGE, "--draft: %s has no tokenizer (tiktoken.model) to compare", dir);
+    return data_tokenizer_hash(dir, h, err);
+}
+
+int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_dir, int vocab, int64_t max_pos,
+                     int max_k, k3_drafter **out, k3_err *err) {
+    *out = NULL;
+    uint64_t a, b;
+    int rc = tok_hash(tok_dir, &a, err);
+    if (!rc) rc = tok_hash(dir, &b, err);
+    if (rc) return rc == K3_EXIT_USAGE ? rc : k3_fail(err, K3_EXIT_USAGE, "--draft %s: %s", dir, err->msg);
+    if (a != b)
+        return k3_fail(err, K3_EXIT_USAGE,
+                       "--draft %s: its tokenizer differs from the model's (%s): drafts must be ids of the same "
+                       "tokenizer", dir, tok_dir);
+    k3_engine_opts eo = *o;
+    k3_runmem_args_init(&eo.mem); /* resident: the target's streaming flags name its own files */
+    eo.model_dir = dir;
+    eo.tok_dir = NULL;
+    eo.need_tokenizer = false;
+    eo.layers = 0;
+    eo.kda_chunk = 0;
+    eo.expert_placement = NULL;
+    eo.max_pos = max_pos;
+    k3_drafter *d = xcalloc(1, sizeof *d);
+    d->vocab = vocab;
+    d->max_k = max_k < 1 ? 1 : max_k;
+    rc = k3_engine_open(&eo, &d->e, err);
+    if (!rc)
+        rc = k3_engine_state_new(d->e, max_pos, k3_state_pass_bytes(d->e->cfg, d->max_k) +
+                                               (uint64_t)d->e->vocab * sizeof(float), &d->st, err);
+    if (rc) {
+        k3_drafter_free(d);
+        return rc;
+    }
+    d->s = k3_session_open(d->e, d->st, NULL);
+    d->logits = xmalloc_array((size_t)d->e->vocab, sizeof *d->logits);
+    *out = d;
+    return K3_OK;
+}
+
+static int model_propose(k3_drafter *d, const int32_t *hist, size_t n, int k, int32_t *out, int *got, k3_err *err) {
+    *got = 0;
+    if (k > d->max_k) k = d->max_k;
+    if (n >= (size_t)k3_state_max_pos(d->st)) return K3_OK; /* no room to draft */
+    /* take back what the last drafts fed beyond the history they share */
+    if (k3_session_in_pass(d->s)) {
+        size_t len = k3_session_len(d->s), n0 = len - (size_t)k3_state_pass_len(d->st);
+        const int32_t *own = k3_session_ids(d->s);
+        size_t same = 0;
+        while (same < len && same < n && own[same] == hist[same]) same++;
+        int rc = k3_session_pass_end(d->s, same > n0 ? same - n0 : 0, err);
+        if (rc) return rc;
+    }
+    int rc = k3_session_prefill(d->s, hist, n, d->logits, NULL, err);
+    if (rc) return rc;
+    size_t room = (size_t)k3_state_max_pos(d->st) - n;
+    if ((size_t)k > room + 1) k = (int)(room + 1);
+    if (k > 1 && (rc = k3_session_pass_begin(d->s, k - 1, err))) return rc;
+    for (int i = 0; i < k; i++) {
+        int32_t id = k3_argmax(d->logits, d->e->vocab);
+        if (id >= d->vocab) break;
+        out[(*got)++] = id;
+        if (i + 1 < k && (rc = k3_session_feed(d->s, &id, 1, d->logits, err))) return rc;
+    }
+    return K3_OK;
+}
+
+/* ---- common ---------------------------------------------------------------------------- */
+
+void k3_drafter_free(k3_drafter *d) {
+    if (!d) return;
+    free(d->hist);
+    free(d->key);
+    free(d->end);
+    k3_session_free(d->s);
+    if (d->e) {
+        k3_engine_state_free(d->e, d->st);
+        k3_engine_free(d->e);
+    }
+    free(d->logits);
+    free(d);
+}
+
+int k3_drafter_propose(k3_drafter *d, const int32_t *hist, size_t n, int k, int32_t *out, int *got, k3_err *err) {
+    *got = 0;
+    if (n == 0 || k <= 0) return K3_OK;
+    if (d->e) return model_propose(d, hist, n, k, out, got, err);
+    ngram_propose(d, hist, n, k, out, got);
+    return K3_OK;
+}
+
+k3_engine *k3_drafter_engine(k3_drafter *d) { return d ? d->e : NULL; }
+
+int k3_drafter_for(const k3_engine *target, const char *draft_dir, int kmax, int64_t max_pos, k3_drafter **out,
+                   k3_err *err) {
+    *out = NULL;
+    if (kmax <= 0) return K3_OK;
+    if (!draft_dir) {
+        *out = k3_drafter_ngram(target->vocab, 2, 4);
+        return K3_OK;
+    }
+    const char *tok = target->opts.tok_dir ? target->opts.tok_dir : target->opts.model_dir;
+    return k3_drafter_model(&target->opts, draft_dir, tok, target->vocab, max_pos, kmax, out, err);
+}
+
+/* ---- drafts per pass ---------------------------------------------------------------------- */
+
+#define BACKOFF_MAX 64
+
+void k3_spec_ctl_init(k3_spec_ctl *c, int kmax) {
+    c->kmax = kmax < 0 ? 0 : kmax > K3_SPEC_MAX ? K3_SPEC_MAX : kmax;
+    c->k = c->kmax;
+    c->skip = 0;
+    c->backoff = 1;
+}
+
+int k3_spec_ctl_want(k3_spec_ctl *c) {
+    if (c->kmax == 0) return 0;
+    if (c->skip > 0) {
+        c->skip--;
+        return 0;
+    }
+    return c->k > 0 ? c->k : 1; /* a probe */
+}
+
+void k3_spec_ctl_update(k3_spec_ctl *c, int proposed, int accepted) {
+    if (c->kmax == 0 || proposed <= 0) return; /* nothing was risked */
+    if (accepted >= proposed) {
+        c->k = proposed + 1 < c->kmax ? proposed + 1 : c->kmax;
+        c->backoff = 1;
+    } else if (accepted > 0) {
+        c->k = accepted + 1;
+        c->backoff = 1;
+    } else {
+        c->k = proposed / 2;
+        if (c->k == 0) {
+            c->skip = c->backoff;
+            c->backoff = c->backoff * 2 < BACKOFF_MAX ? c->backoff * 2 : BACKOFF_MAX;
+        }
+    }
+}
+
+/* ---- the verifying feed ----------------------------------------------------------------------- */
+
+struct k3_spec {
+    k3_drafter *d;
+    k3_spec_ctl ctl;
+    int V;
+    float *rows;       /* [kmax + 1][V] the open pass's logits */
+    int32_t *draft;    /* [kmax] its drafts */
+    int k;             /* drafts in the open pass */
+    int j;             /* ids of the open pass consumed (the sampled id, then accepted drafts) */
+    bool open;
+    int32_t *hist;     /* the session's ids and the id to feed, for the drafter */
+    size_t hcap;
+    k3_spec_stats st;
+};
+
+k3_spec *k3_spec_new(k3_drafter *d, int kmax, int vocab) {
+    k3_spec *sp = xcalloc(1, sizeof *sp);
+    sp->d = d;
+    k3_spec_ctl_init(&sp->ctl, kmax);
+    sp->V = vocab;
+    sp->rows = xmalloc_array(((size_t)sp->ctl.kmax + 1) * (size_t)vocab, sizeof *sp->rows);
+    sp->draft = xmalloc_array((size_t)sp->ctl.kmax + 1, sizeof *sp->draft);
+    return sp;
+}
+
+void k3_spec_free(k3_spec *sp) {
+    if (!sp) return;
+    free(sp->rows);
+    free(sp->draft);
+    free(sp->hist);
+    free(sp);
+}
+
+k3_spec_stats k3_spec_get_stats(const k3_spec *sp) { return sp->st; }
+
+int k3_spec_finish(k3_spec *sp, k3_session *s, k3_err *err) {
+    if (!sp->open) return K3_OK;
+    sp->open = false;
+    k3_spec_ctl_update(&sp->ctl, sp->k, sp->j - 1);
+    return k3_session_pass_end(s, (size_t)sp->j, err);
+}
+
+int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_err *err) {
+    const size_t V = (size_t)sp->V;
+    if (sp->open && sp->j <= sp->k && id == sp->draft[sp->j - 1]) { /* accepted: its row is there */
+        memcpy(logits, sp->rows + (size_t)sp->j * V, V * sizeof *logits);
+        sp->j++;
+        sp->st.accepted++;
+        return K3_OK;
+    }
+    int rc = k3_spec_finish(sp, s, err);
+    if (rc) return rc;
+    /* drafts: as many as the controller wants, the loop can use and the state holds */
+    size_t n = k3_session_len(s);
+    int64_t room = (int64_t)k3_state_max_pos(k3_session_state(s)) - (int64_t)n - 1;
+    int64_t want = k3_spec_ctl_want(&sp->ctl);
+    if (want > limit) want = limit;
+    if (want > room) want = room;
+    int got = 0;
+    if (want > 0) {
+        if (n + 1 > sp->hcap) {
+            sp->hcap = 2 * (n + 1);
+            sp->hist = xrealloc_array(sp->hist, sp->hcap, sizeof *sp->hist);
+        }
+        memcpy(sp->hist, k3_session_ids(s), n * sizeof *sp->hist);
+        sp->hist[n] = id;
+        if ((rc = k3_drafter_propose(sp->d, sp->hist, n + 1, (int)want, sp->draft + 1, &got, err))) return rc;
+    }
+    sp->st.passes++;
+    sp->st.fed += (uint64_t)got + 1;
+    if (got == 0) return k3_session_feed(s, &id, 1, logits, err);
+    sp->draft[0] = id;
+    if ((rc = k3_session_pass_begin(s, got + 1, err))) return rc;
+    if ((rc = k3_session_feed_rows(s, sp->draft, (size_t)got + 1, sp->rows, true, false, err))) return rc;
+    memmove(sp->draft, sp->draft + 1, (size_t)got * sizeof *sp->draft); /* draft[i]: the (i+1)-th draft */
+    memcpy(logits, sp->rows, V * sizeof *logits);
+    sp->k = got;
+    sp->j = 1;
+    sp->open = true;
+    sp->st.proposed += (uint64_t)got;
+    return K3_OK;
+}

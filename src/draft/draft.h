@@ -1,0 +1,112 @@
+/* draft.h: drafts for speculative decoding, and how many to ask for.
+ *
+ * A drafter guesses the ids that follow a history (every id the target
+ * model consumed, then the id just sampled and not yet fed). The generation
+ * loop feeds the sampled id and the drafts in one pass and keeps the drafts
+ * the target itself samples (docs/speculation.md); a draft is only ever a
+ * guess, so nothing a drafter does can change the generated ids, only how
+ * many forward passes they take.
+ *
+ *  - n-gram (prompt lookup): the continuation of the most recent earlier
+ *    occurrence of the history's longest suffix of max_n..min_n ids. An
+ *    index of the history's n-grams grows with it (O(1) per id); a history
+ *    that is not an extension of the last one is indexed afresh.
+ *  - draft model (--draft DIR): any checkpoint k3 runs with the target's
+ *    tokenizer (the same data_tokenizer_hash: tiktoken.model and
+ *    tokenizer_config.json; another is refused, K3_EXIT_USAGE), decoded
+ *    greedily in its own session. Its state follows the history with the
+ *    model's cut-back passes (k3_session_pass_*): the drafts it fed and the
+ *    target rejected are taken back, never re-prefilled.
+ *
+ * The controller (k3_spec_ctl) picks the drafts per pass from the
+ * acceptance alone (never from timings, so every rank of an MPI job makes
+ * the same passes): up by one after a pass that accepted every draft, to
+ * the accepted count + 1 after a partial one, halved after one that
+ * accepted none; at zero it drafts nothing for a back-off of 1, 2, 4 ... 64
+ * passes, then probes again with one draft. A run whose drafts keep failing
+ * thus spends about one extra position per 64 passes on them.
+ *
+ * Invariants: a drafter returns ids inside [0, vocab) of the target; the
+ * same history gives the same drafts (deterministic, any thread count). */
+#ifndef K3_DRAFT_DRAFT_H
+#define K3_DRAFT_DRAFT_H
+
+#include "engine/engine.h"
+#include "session/session.h"
+#include "util/common.h"
+
+/* Most drafts per pass (--speculate K, k3 serve's "speculate"). */
+#define K3_SPEC_MAX 16
+
+typedef struct k3_drafter k3_drafter;
+
+/* An n-gram drafter for a target of vocab ids (n-grams of max_n down to
+ * min_n ids, 1 <= min_n <= max_n <= 8). */
+k3_drafter *k3_drafter_ngram(int vocab, int min_n, int max_n);
+
+/* A draft-model drafter: opens dir with o (the caller's engine flags;
+ * model_dir is replaced by dir, the memory flags should be the resident
+ * defaults), after checking that dir's tokenizer equals tok_dir's
+ * (K3_EXIT_USAGE naming both otherwise, or when either has no
+ * tiktoken.model). vocab: the target's; max_pos: the longest history;
+ * max_k: drafts per pass at most. */
+int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_dir, int vocab, int64_t max_pos,
+                     int max_k, k3_drafter **out, k3_err *err);
+
+void k3_drafter_free(k3_drafter *d);
+
+/* Up to k drafts following hist[0..n) (n >= 1) into out; *got: how many
+ * (0 when the drafter has none). Errors: the draft model's. */
+int k3_drafter_propose(k3_drafter *d, const int32_t *hist, size_t n, int k, int32_t *out, int *got, k3_err *err);
+
+/* The draft model's engine (NULL for an n-gram drafter), for its report. */
+k3_engine *k3_drafter_engine(k3_drafter *d);
+
+/* ---- drafts per pass ----------------------------------------------------- */
+typedef struct {
+    int kmax;       /* --speculate K */
+    int k;          /* drafts to ask for next */
+    int skip;       /* plain passes left before the next probe */
+    int backoff;    /* the next skip after a failed probe */
+} k3_spec_ctl;
+
+void k3_spec_ctl_init(k3_spec_ctl *c, int kmax);
+/* Drafts to ask for in the next pass (0: a plain pass). */
+int k3_spec_ctl_want(k3_spec_ctl *c);
+/* After a pass that proposed `proposed` drafts and accepted `accepted`. */
+void k3_spec_ctl_update(k3_spec_ctl *c, int proposed, int accepted);
+
+/* ---- the verifying feed ---------------------------------------------------
+ * What the generation loop calls instead of feeding a sampled id itself.
+ * k3_spec_feed(sp, s, id, logits, limit): when id is the next draft of the
+ * open pass, its row (computed by that pass) goes to logits and no forward
+ * runs: the draft is accepted. Otherwise the open pass ends, keeping what
+ * was consumed (the ids accepted so far), and a new pass feeds id followed
+ * by up to min(controller, limit, room) drafts in one forward with every
+ * row; logits gets id's row. The loop samples each id, as plain decoding
+ * does, from bit-identical rows, with the same sampler draws in the same
+ * order: the ids are exactly plain decoding's, greedy or sampled (the
+ * rejection rule with draft probabilities is not used: it keeps the
+ * distribution, not the ids). k3_spec_finish ends an open pass when the loop
+ * stops (EOS, length, a stop string): the session then holds exactly what
+ * plain decoding's would. */
+typedef struct k3_spec k3_spec;
+typedef struct {
+    uint64_t passes;     /* forward passes made by k3_spec_feed */
+    uint64_t fed;        /* ids those passes fed (sampled ids and drafts) */
+    uint64_t proposed;   /* drafts fed */
+    uint64_t accepted;   /* drafts the sampler agreed with */
+} k3_spec_stats;
+k3_spec *k3_spec_new(k3_drafter *d, int kmax, int vocab);
+void k3_spec_free(k3_spec *sp);
+/* limit: drafts worth verifying (ids the loop may still feed after id). */
+int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_err *err);
+int k3_spec_finish(k3_spec *sp, k3_session *s, k3_err *err);
+k3_spec_stats k3_spec_get_stats(const k3_spec *sp);
+
+/* The drafter a command's flags ask for: --draft DIR (a draft model) or,
+ * with --speculate K alone, n-gram. NULL *out when kmax is 0. */
+int k3_drafter_for(const k3_engine *target, const char *draft_dir, int kmax, int64_t max_pos, k3_drafter **out,
+                   k3_err *err);
+
+#endif

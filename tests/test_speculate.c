@@ -1,0 +1,377 @@
+/* test_speculate.c: passes of several tokens that can be cut back (model.h,
+ * k3_state_pass_*), what exact speculative decoding stands on.
+ *
+ * The reference is plain token-by-token decoding with k3_forward (one token
+ * per call, recurrent KDA): a recorded pass of T tokens must give the same
+ * logits bits at every position, and a pass cut back to its first j tokens
+ * must leave the state bytes (k3_state_save) and the next logits of plain
+ * decoding of those j tokens. Models: the peer's tiny checkpoint (13 layers,
+ * 9 KDA, dense and MoE) and the shipped models/default (9 layers, MXFP4
+ * experts), at 1 and 2 threads. */
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+#include "draft/draft.h"
+#include "engine/engine.h"
+#include "model/model.h"
+
+static const int32_t seq[24] = {3,  7,   11, 5,  9,  92,  168, 13,  3,   49,  208, 214,
+                                208, 84, 30, 84, 204, 133, 143, 175, 197, 116, 175, 188};
+#define NPRE 9 /* prefix fed before the pass */
+#define NT 8   /* tokens of the pass */
+
+static k3_model *open_model(const char *dir, int kda_chunk) {
+    k3_model_opts o = {.kda_chunk = kda_chunk};
+    k3_model *m = NULL;
+    k3_err err = {0};
+    if (k3_model_open(dir, &o, &m, &err)) {
+        fprintf(stderr, "  %s\n", err.msg);
+        return NULL;
+    }
+    return m;
+}
+
+/* A state that consumed seq[0..n) fed one token at a time; the last token's
+ * logits into lg (may be NULL). */
+static k3_state *plain(k3_model *m, int n, float *lg) {
+    k3_state *s = NULL;
+    k3_err err = {0};
+    if (k3_state_new(m, 64, &s, &err)) return NULL;
+    for (int i = 0; i < n; i++)
+        if (k3_forward(m, s, &seq[i], 1, lg, false, &err)) {
+            fprintf(stderr, "  %s\n", err.msg);
+            k3_state_free(s);
+            return NULL;
+        }
+    return s;
+}
+
+static void *save(const k3_model *m, const k3_state *s, size_t *bytes) {
+    *bytes = (size_t)k3_state_snapshot_bytes(k3_model_config(m), k3_state_pos(s));
+    void *b = xmalloc(*bytes);
+    k3_state_save(s, b);
+    return b;
+}
+
+/* The pass's logits equal token-by-token decoding's, at every position; ending
+ * it at every j leaves plain decoding's state bytes and next logits. */
+static void pass_and_rollback(const char *dir, int kda_chunk, int threads, bool every_j) {
+    omp_set_num_threads(threads);
+    k3_model *m = open_model(dir, kda_chunk);
+    CHECK(m);
+    const int V = k3_model_config(m)->vocab_size;
+    float *want = xmalloc_array((size_t)NT * V, sizeof(float)), *got = xmalloc_array((size_t)NT * V, sizeof(float));
+    float *a = xmalloc_array((size_t)V, sizeof(float)), *b = xmalloc_array((size_t)V, sizeof(float));
+    k3_err err = {0};
+    /* plain: the logits after each of seq[NPRE .. NPRE + NT) */
+    for (int t = 0; t < NT; t++) {
+        k3_state *s = plain(m, NPRE + t + 1, want + (size_t)t * V);
+        CHECK(s);
+        k3_state_free(s);
+    }
+    for (int j = 0; j <= NT; j++) {
+        if (!every_j && j != 0 && j != 3 && j != NT - 1 && j != NT) continue;
+        k3_state *s = plain(m, NPRE, NULL);
+        CHECK(s);
+        CHECK(k3_state_pass_reserve(s, NT, &err) == 0);
+        CHECK(k3_state_pass_begin(s, &err) == 0);
+        /* in two calls, as a pass may be fed: the record continues */
+        CHECK(k3_forward(m, s, seq + NPRE, 3, got, true, &err) == 0);
+        CHECK(k3_state_pass_len(s) == 3);
+        CHECK(k3_forward(m, s, seq + NPRE + 3, NT - 3, got + (size_t)3 * V, true, &err) == 0);
+        CHECKF(!memcmp(got, want, (size_t)NT * V * sizeof(float)), "%s: the pass's logits differ from plain", dir);
+        CHECK(k3_state_pass_end(s, j, &err) == 0);
+        CHECK(k3_state_pos(s) == NPRE + j);
+        k3_state *p = plain(m, NPRE + j, NULL);
+        CHECK(p);
+        size_t nx, ny;
+        void *x = save(m, s, &nx), *y = save(m, p, &ny);
+        CHECKF(nx == ny && !memcmp(x, y, nx), "%s: state after keeping %d of %d differs from plain", dir, j, NT);
+        free(x);
+        free(y);
+        /* the next token: a different one from the pass's, then the logits */
+        int32_t next = (seq[NPRE + j] * 5 + 1) % V;
+        CHECK(k3_forward(m, s, &next, 1, a, false, &err) == 0);
+        CHECK(k3_forward(m, p, &next, 1, b, false, &err) == 0);
+        CHECKF(!memcmp(a, b, (size_t)V * sizeof(float)), "%s: next logits after keeping %d differ", dir, j);
+        /* a second pass on the same record after a cut-back one */
+        CHECK(k3_state_pass_begin(s, &err) == 0);
+        CHECK(k3_forward(m, s, seq, 2, NULL, false, &err) == 0);
+        CHECK(k3_state_pass_end(s, 1, &err) == 0);
+        CHECK(k3_forward(m, p, seq, 1, NULL, false, &err) == 0);
+        x = save(m, s, &nx);
+        y = save(m, p, &ny);
+        CHECKF(nx == ny && !memcmp(x, y, nx), "%s: second pass after keeping %d differs", dir, j);
+        free(x);
+        free(y);
+        k3_state_free(p);
+        k3_state_free(s);
+    }
+    free(want);
+    free(got);
+    free(a);
+    free(b);
+    k3_model_free(m);
+    omp_set_num_threads(2);
+}
+
+TEST(spec_pass_rollback_tiny_1_thread) { pass_and_rollback(t_fixture("peer/tiny-checkpoint"), 0, 1, true); }
+TEST(spec_pass_rollback_tiny_2_threads) { pass_and_rollback(t_fixture("peer/tiny-checkpoint"), 0, 2, true); }
+/* --kda-chunk makes prefill chunkwise; a recorded pass stays recurrent */
+TEST(spec_pass_rollback_tiny_kda_chunk) { pass_and_rollback(t_fixture("peer/tiny-checkpoint"), 16, 2, true); }
+/* (a few cut points: the shipped model is slower to decode) */
+TEST(spec_pass_rollback_default_model) { pass_and_rollback(t_repo("models/default"), 0, 2, false); }
+
+TEST(spec_pass_errors) {
+    k3_model *m = open_model(t_fixture("peer/tiny-checkpoint"), 0);
+    CHECK(m);
+    k3_err err = {0};
+    k3_state *s = plain(m, 4, NULL);
+    CHECK(s);
+    CHECK(k3_state_pass_begin(s, &err) == K3_EXIT_USAGE); /* nothing reserved */
+    CHECK(k3_state_pass_reserve(s, 0, &err) == K3_EXIT_USAGE);
+    CHECK(k3_state_pass_reserve(s, 3, &err) == 0);
+    CHECK(k3_state_pass_end(s, 0, &err) == K3_EXIT_USAGE); /* no pass open */
+    CHECK(k3_state_pass_begin(s, &err) == 0);
+    CHECK(k3_state_pass_begin(s, &err) == K3_EXIT_USAGE);
+    CHECK(k3_state_pass_reserve(s, 8, &err) == K3_EXIT_USAGE);
+    CHECK(k3_forward(m, s, seq, 4, NULL, false, &err) == K3_EXIT_USAGE); /* past the record */
+    CHECK(k3_state_pos(s) == 4);
+    CHECK(k3_forward(m, s, seq, 2, NULL, false, &err) == 0);
+    CHECK(k3_state_pass_end(s, 3, &err) == K3_EXIT_USAGE); /* only 2 fed */
+    CHECK(k3_state_pass_end(s, -1, &err) == K3_EXIT_USAGE);
+    CHECK(k3_state_pass_len(s) == 2);
+    CHECK(k3_state_pass_end(s, 2, &err) == 0);
+    CHECK(k3_state_pos(s) == 6);
+    /* 9 KDA layers of P = 64, H = 4: 7P + H floats a layer per token, P of replay */
+    const k3_config *c = k3_model_config(m);
+    CHECK(k3_state_pass_bytes(c, 1) == 4 * (k3_state_kda_floats(c) + 9ull * (7 * 64 + 4) + 64));
+    k3_state_free(s);
+    k3_model_free(m);
+}
+
+/* What model.h and docs/speculation.md state for the release (69 KDA layers,
+ * H 96, D 128): 464,633,856 bytes of KDA copy + 23,766,912 per token + 49,152
+ * per token of replay output. */
+TEST(spec_pass_bytes_release) {
+    k3_config c;
+    k3_err err = {0};
+    CHECKF(k3_config_load(t_repo("tests/fixtures/k3-release/config.json"), &c, &err) == 0, "%s", err.msg);
+    CHECK(k3_state_pass_bytes(&c, 1) == 464633856ull + 23766912ull + 49152ull);
+    CHECK(k3_state_pass_bytes(&c, 8) == 464633856ull + 8 * (23766912ull + 49152ull));
+}
+
+/* ---- drafters ------------------------------------------------------------------------- */
+
+TEST(spec_ngram_drafts_continue_the_latest_match) {
+    k3_drafter *d = k3_drafter_ngram(100, 2, 4);
+    int32_t out[8];
+    int got;
+    k3_err err = {0};
+    /* "1 2 3 4 5 | 9 2 3 4 7 | 8 2 3 4": the suffix 2 3 4 last continued with 7 8 2 3 4 */
+    const int32_t h[] = {1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4};
+    CHECK(k3_drafter_propose(d, h, 14, 4, out, &got, &err) == 0);
+    CHECKF(got == 4 && out[0] == 7 && out[1] == 8 && out[2] == 2 && out[3] == 3, "got %d: %d %d", got, out[0], out[1]);
+    /* no repeated suffix: nothing */
+    const int32_t u[] = {1, 2, 3, 4, 5, 6};
+    CHECK(k3_drafter_propose(d, u, 6, 4, out, &got, &err) == 0 && got == 0);
+    /* a loop continues past the history's end */
+    const int32_t l[] = {5, 6, 5, 6, 5};
+    CHECK(k3_drafter_propose(d, l, 5, 5, out, &got, &err) == 0);
+    CHECKF(got == 5 && out[0] == 6 && out[1] == 5 && out[2] == 6 && out[4] == 6, "loop: got %d", got);
+    /* an extension of the last history is indexed on, the same as a fresh
+     * drafter: "5 6" last ended at 4, followed by 5 9 5 */
+    k3_drafter *f = k3_drafter_ngram(100, 2, 4);
+    const int32_t l2[] = {5, 6, 5, 6, 5, 9, 5, 6};
+    int32_t o2[8];
+    int g2;
+    CHECK(k3_drafter_propose(d, l2, 8, 3, out, &got, &err) == 0 && k3_drafter_propose(f, l2, 8, 3, o2, &g2, &err) == 0);
+    CHECK(got == g2 && got == 3 && !memcmp(out, o2, 3 * sizeof *out) && out[0] == 5 && out[1] == 9 && out[2] == 5);
+    /* ids outside the target's vocabulary are never drafted */
+    k3_drafter *v = k3_drafter_ngram(7, 1, 2);
+    const int32_t w[] = {3, 9, 3};
+    CHECK(k3_drafter_propose(v, w, 3, 2, out, &got, &err) == 0 && got == 0);
+    k3_drafter_free(d);
+    k3_drafter_free(f);
+    k3_drafter_free(v);
+}
+
+TEST(spec_controller_shrinks_backs_off_and_probes) {
+    k3_spec_ctl c;
+    k3_spec_ctl_init(&c, 4);
+    CHECK(k3_spec_ctl_want(&c) == 4);
+    k3_spec_ctl_update(&c, 4, 4);
+    CHECK(k3_spec_ctl_want(&c) == 4);
+    k3_spec_ctl_update(&c, 4, 1);
+    CHECK(k3_spec_ctl_want(&c) == 2);
+    k3_spec_ctl_update(&c, 2, 0);
+    CHECK(k3_spec_ctl_want(&c) == 1);
+    k3_spec_ctl_update(&c, 1, 0); /* k 0: one plain pass, then a probe */
+    CHECK(k3_spec_ctl_want(&c) == 0);
+    CHECK(k3_spec_ctl_want(&c) == 1);
+    k3_spec_ctl_update(&c, 1, 0); /* back-off doubles */
+    CHECK(k3_spec_ctl_want(&c) == 0 && k3_spec_ctl_want(&c) == 0 && k3_spec_ctl_want(&c) == 1);
+    k3_spec_ctl_update(&c, 0, 0); /* nothing proposed: nothing learnt */
+    CHECK(k3_spec_ctl_want(&c) == 1);
+    k3_spec_ctl_update(&c, 1, 1);
+    CHECK(k3_spec_ctl_want(&c) == 2);
+    k3_spec_ctl_init(&c, 0);
+    CHECK(k3_spec_ctl_want(&c) == 0);
+}
+
+static k3_engine *open_engine(const char *dir, int64_t max_pos) {
+    k3_engine_opts o;
+    k3_engine_opts_init(&o);
+    o.model_dir = dir;
+    o.max_pos = max_pos;
+    k3_engine *e = NULL;
+    k3_err err = {0};
+    if (k3_engine_open(&o, &e, &err)) fprintf(stderr, "  %s\n", err.msg);
+    return e;
+}
+
+/* models/default drafting for itself: its drafts are its own greedy
+ * continuation, and after a history that rejects some of them (taken back by
+ * a cut-back pass) they equal a fresh drafter's. */
+TEST(spec_draft_model_follows_the_history) {
+    k3_engine *e = open_engine(t_repo("models/default"), 128);
+    CHECK(e);
+    k3_err err = {0};
+    k3_drafter *d = NULL, *f = NULL;
+    CHECKF(k3_drafter_for(e, t_repo("models/default"), 4, 128, &d, &err) == 0, "%s", err.msg);
+    CHECK(k3_drafter_for(e, t_repo("models/default"), 4, 128, &f, &err) == 0);
+    int32_t h[40];
+    memcpy(h, seq, sizeof seq);
+    int32_t a[4], b[4];
+    int ga, gb;
+    CHECK(k3_drafter_propose(d, h, 10, 4, a, &ga, &err) == 0 && ga == 4);
+    /* greedy: feeding the drafts to a plain state gives them back */
+    k3_state *s;
+    float *lg = xmalloc_array((size_t)e->vocab, sizeof *lg);
+    CHECK(k3_state_new(e->model, 64, &s, &err) == 0);
+    CHECK(k3_forward(e->model, s, h, 10, lg, false, &err) == 0);
+    for (int i = 0; i < 4; i++) {
+        CHECKF(k3_argmax(lg, e->vocab) == a[i], "draft %d is not the greedy id", i);
+        CHECK(k3_forward(e->model, s, &a[i], 1, lg, false, &err) == 0);
+    }
+    /* the target kept the first draft and then sampled something else */
+    h[10] = a[0];
+    h[11] = (a[1] + 1) % e->vocab;
+    CHECK(k3_drafter_propose(d, h, 12, 3, a, &ga, &err) == 0);
+    CHECK(k3_drafter_propose(f, h, 12, 3, b, &gb, &err) == 0);
+    CHECK(ga == 3 && gb == 3 && !memcmp(a, b, sizeof(int32_t) * 3));
+    /* and none of them: a history that shares nothing past the old one */
+    h[9] = (h[9] + 1) % e->vocab;
+    CHECK(k3_drafter_propose(d, h, 10, 2, a, &ga, &err) == 0);
+    CHECK(k3_drafter_propose(f, h, 10, 2, b, &gb, &err) == 0);
+    CHECK(ga == 2 && gb == 2 && !memcmp(a, b, sizeof(int32_t) * 2));
+    free(lg);
+    k3_state_free(s);
+    k3_drafter_free(d);
+    k3_drafter_free(f);
+    k3_engine_free(e);
+}
+
+TEST(spec_draft_model_with_another_tokenizer_refused) {
+    k3_engine *e = open_engine(t_repo("models/default"), 64);
+    CHECK(e);
+    k3_err err = {0};
+    k3_drafter *d = NULL;
+    /* the session tests' model carries the Kimi tokenizer, not the default's */
+    int rc = k3_drafter_for(e, t_fixture("tokenizer/kimi"), 4, 64, &d, &err);
+    CHECKF(rc == K3_EXIT_USAGE && !d && strstr(err.msg, "tokenizer"), "rc %d: %s", rc, err.msg);
+    rc = k3_drafter_for(e, t_fixture("peer/tiny-checkpoint"), 4, 64, &d, &err); /* none at all */
+    CHECKF(rc == K3_EXIT_USAGE && !d, "rc %d: %s", rc, err.msg);
+    k3_engine_free(e);
+}
+
+/* ---- the verifying feed: speculative ids == plain ids ------------------------------------ */
+
+/* The generation loop's shape: sample, then feed (plainly, or through the
+ * verifying feed). ids[ngen]; *state (malloc'd): the session's state bytes
+ * after the loop; stats of the speculative feed into *st. */
+static int32_t *generate(k3_engine *e, const char *draft_dir, int kmax, float temp, const int32_t *prompt, int np,
+                         int ngen, void **state, size_t *sbytes, k3_spec_stats *st) {
+    k3_err err = {0};
+    k3_state *ks = NULL;
+    if (k3_engine_state_new(e, 256, 0, &ks, &err)) return NULL;
+    k3_session *s = k3_session_open(e, ks, NULL);
+    k3_drafter *d = NULL;
+    k3_spec *sp = NULL;
+    if (kmax > 0) {
+        if (k3_drafter_for(e, draft_dir, kmax, 256, &d, &err)) {
+            fprintf(stderr, "  %s\n", err.msg);
+            return NULL;
+        }
+        sp = k3_spec_new(d, kmax, e->vocab);
+    }
+    k3_sampler smp;
+    k3_sampler_init(&smp, e->vocab, temp, 0, 1.0f, 0, 7);
+    float *lg = xmalloc_array((size_t)e->vocab, sizeof *lg);
+    int32_t *ids = xmalloc_array((size_t)ngen, sizeof *ids);
+    int rc = k3_session_prefill(s, prompt, (size_t)np, lg, NULL, &err);
+    for (int g = 0; !rc && g < ngen; g++) {
+        ids[g] = k3_sample(&smp, lg);
+        if (g + 1 == ngen) break;
+        rc = sp ? k3_spec_feed(sp, s, ids[g], lg, ngen - g - 2, &err) : k3_session_feed(s, &ids[g], 1, lg, &err);
+    }
+    if (!rc && sp) rc = k3_spec_finish(sp, s, &err);
+    if (rc) {
+        fprintf(stderr, "  %s\n", err.msg);
+        free(ids);
+        ids = NULL;
+    } else {
+        *sbytes = (size_t)k3_state_snapshot_bytes(e->cfg, k3_state_pos(ks));
+        *state = xmalloc(*sbytes);
+        k3_state_save(ks, *state);
+    }
+    if (sp) *st = k3_spec_get_stats(sp);
+    k3_spec_free(sp);
+    k3_drafter_free(d);
+    free(lg);
+    k3_sampler_free(&smp);
+    k3_session_free(s);
+    k3_engine_state_free(e, ks);
+    return ids;
+}
+
+static void spec_equals_plain(const char *draft, int threads) {
+    omp_set_num_threads(threads);
+    k3_engine *e = open_engine(t_repo("models/default"), 256);
+    CHECK(e);
+    int32_t prompt[64];
+    size_t np = 0;
+    k3_err err = {0};
+    int32_t *pi = NULL;
+    const char *text = "Once upon a time, there was a little girl named Lily. She loved to play. Lily";
+    CHECKF(tok_encode(e->tok, text, strlen(text), false, &pi, &np, &err) == 0, "%s", err.msg);
+    CHECK(np > 0 && np < 64);
+    memcpy(prompt, pi, np * sizeof *pi);
+    free(pi);
+    static const float temps[] = {0.0f, 0.8f};
+    for (int t = 0; t < 2; t++) {
+        void *sa = NULL, *sb = NULL;
+        size_t na = 0, nb = 0;
+        k3_spec_stats st = {0}, none;
+        int32_t *a = generate(e, NULL, 0, temps[t], prompt, (int)np, 60, &sa, &na, &none);
+        int32_t *b = generate(e, draft, 4, temps[t], prompt, (int)np, 60, &sb, &nb, &st);
+        CHECK(a && b);
+        CHECKF(!memcmp(a, b, 60 * sizeof *a), "temperature %g: speculative ids differ from plain", (double)temps[t]);
+        CHECKF(na == nb && !memcmp(sa, sb, na), "temperature %g: the state after the loop differs", (double)temps[t]);
+        CHECKF(st.proposed > 0 && st.passes < 59, "temperature %g: %llu drafts, %llu passes for 59 fed ids",
+               (double)temps[t], (unsigned long long)st.proposed, (unsigned long long)st.passes);
+        CHECK(st.accepted <= st.proposed && st.fed == st.passes + st.proposed);
+        free(a);
+        free(b);
+        free(sa);
+        free(sb);
+    }
+    k3_engine_free(e);
+    omp_set_num_threads(2);
+}
+
+TEST(spec_ngram_ids_equal_plain_1_thread) { spec_equals_plain(NULL, 1); }
+TEST(spec_ngram_ids_equal_plain_2_threads) { spec_equals_plain(NULL, 2); }
+TEST(spec_draft_model_ids_equal_plain) { spec_equals_plain(t_repo("models/default"), 2); }
