@@ -410,6 +410,20 @@ int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *er
     return K3_OK;
 }
 
+int k3_atomic_skip(k3_atomic_file *af, uint64_t len, k3_err *err) {
+    if (af->inplace) {
+        static const uint8_t zeros[65536];
+        for (uint64_t c = 0; c < len; c += sizeof zeros) {
+            int rc = k3_atomic_write(af, zeros, len - c < sizeof zeros ? (size_t)(len - c) : sizeof zeros, err);
+            if (rc) return rc;
+        }
+        return K3_OK;
+    }
+    if (len > (uint64_t)INT64_MAX || fseeko(af->f, (off_t)len, SEEK_CUR) != 0)
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: seek failed: %s", af_name(af), strerror(errno));
+    return K3_OK;
+}
+
 static void af_free(k3_atomic_file *af) {
     free(af->path); free(af->tmp); free(af->shown);
     memset(af, 0, sizeof *af);
@@ -419,6 +433,10 @@ int k3_atomic_commit(k3_atomic_file *af, k3_err *err) {
     int rc = K3_OK;
     if (fflush(af->f) != 0)
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: write failed: %s", af_name(af), strerror(errno));
+    /* a file ending in a hole (k3_atomic_skip) gets its size only here */
+    off_t end = af->inplace ? -1 : ftello(af->f);
+    if (rc == K3_OK && end > 0 && ftruncate(fileno(af->f), end) != 0)
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot set size: %s", af_name(af), strerror(errno));
     /* fsync of a pipe or a character device says EINVAL: nothing to sync */
     if (rc == K3_OK && fsync(fileno(af->f)) != 0 && !(af->inplace && (errno == EINVAL || errno == EROFS)))
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: flush failed: %s", af_name(af), strerror(errno));

@@ -88,6 +88,9 @@ typedef struct {
 } k3_atomic_file;
 int k3_atomic_open(k3_atomic_file *af, const char *path, k3_err *err);
 int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *err);
+/* Appends len zero bytes as a hole (no disk blocks) in a regular file; a
+ * device or FIFO written in place gets the zeros written. */
+int k3_atomic_skip(k3_atomic_file *af, uint64_t len, k3_err *err);
 int k3_atomic_commit(k3_atomic_file *af, k3_err *err); /* fsync + rename + dir fsync */
 void k3_atomic_abort(k3_atomic_file *af);              /* unlink the temp file */
 /* Up-front check of an output path (before any long work), K3_EXIT_USAGE
@@ -115,6 +118,8 @@ void k3_remove_flat_dir(const char *dir);
 /* CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
  * Start with crc = 0; feed chunks by passing the previous result. */
 uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n);
+/* k3_crc32c(crc, n zero bytes) in O(log n) time: a hole of any size. */
+uint32_t k3_crc32c_zeros(uint32_t crc, uint64_t n);
 /* FNV-1a 64-bit, for identities of small byte strings (headers, names). */
 uint64_t k3_fnv1a64(uint64_t h, const void *data, size_t n);
 #define K3_FNV_OFFSET 0xcbf29ce484222325ULL
