@@ -126,6 +126,10 @@ static int parse_args(int argc, char **argv, chat_args *a) {
     }
     if (a->eo.mem.list_presets) return K3_OK;
     if (!a->model_dir) return k3_usage_error("chat", "no MODEL_DIR given");
+    if (a->system) { /* refused like `k3 run --prompt`, never dropped from the conversation */
+        size_t sl = strlen(a->system), bad = tok_utf8_check((const uint8_t *)a->system, sl);
+        if (bad != sl) return k3_usage_error("chat", "--system: invalid UTF-8 at byte %zu", bad);
+    }
     k3_err e = {0};
     if (k3_sample_opts_check(&a->so, "chat", &e)) return k3_report(&e);
     return K3_OK;
@@ -507,6 +511,9 @@ static int chat(const chat_args *a, k3_err *err) {
         int r;
         if (line[0] == '/') r = command(&c, line, &e);
         else if (memchr(line, 0, (size_t)len)) r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message holds a NUL byte");
+        else if (tok_utf8_check((const uint8_t *)line, (size_t)len) != (size_t)len)
+            r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message is not valid UTF-8 (byte %zu)",
+                        tok_utf8_check((const uint8_t *)line, (size_t)len));
         else r = turn(&c, line, &e);
         if (c.e->ranks > 1) r = k3_dist_agree(r, &e, "a chat turn"); /* the same next step on every rank */
         if (r == 1) break;

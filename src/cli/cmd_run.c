@@ -183,6 +183,8 @@ typedef struct {
     k3_runmem *rm;     /* plan, streaming source, run report */
     k3_atomic_file df;
     bool dumping;
+    bool all_rows;     /* every prompt row's logits: rank 0 dumps them, and under a split
+                          trunk (dist/tensor_par.h) the head is a collective every rank joins */
     json_t *dist;      /* expert-parallel figures (rank 0 of several), or NULL */
 } run_ctx;
 
@@ -221,10 +223,10 @@ static int prefill(run_ctx *r, k3_err *err) {
     for (size_t i = 0; i < r->nprompt; i += slice) {
         size_t n = r->nprompt - i < slice ? r->nprompt - i : slice;
         bool last = i + n == r->nprompt;
-        int rc = k3_forward(r->m, r->s, r->seq + i, (int)n, r->dumping || last ? r->logits : NULL, r->dumping, err);
+        int rc = k3_forward(r->m, r->s, r->seq + i, (int)n, r->all_rows || last ? r->logits : NULL, r->all_rows, err);
         if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, n * V, err);
         if (rc) return rc;
-        if (r->dumping && n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
+        if (r->all_rows && n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
         k3_progress_update(&pb, i + n);
         k3_runmem_step(r->rm, true, (int)n, r->e->step_log);
     }
@@ -319,6 +321,7 @@ static int run(const run_args *a, k3_err *err) {
     if ((rc = k3_engine_open(&eo, &r.e, err))) goto done;
     /* under mpirun, the ranks after the first compute alongside it silently */
     run_args quiet_rank;
+    r.all_rows = a->dump != NULL;
     if (r.e->rank > 0) {
         quiet_rank = *a;
         quiet_rank.quiet = true;
@@ -337,13 +340,13 @@ static int run(const run_args *a, k3_err *err) {
 
     /* the state at the real length, before anything else is allocated */
     int64_t max_pos = (int64_t)r.nprompt + a->gen;
-    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (a->dump ? (uint64_t)r.e->chunk : 1);
+    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (r.all_rows ? (uint64_t)r.e->chunk : 1);
     if ((rc = k3_engine_state_new(r.e, max_pos, logit_bytes, &r.s, err))) { free(pids); goto ready; }
     r.seq = xmalloc_array((size_t)max_pos, sizeof *r.seq);
     memcpy(r.seq, pids, r.nprompt * sizeof *r.seq);
     free(pids);
     r.nseq = r.nprompt;
-    r.logits = xmalloc_array(V * (a->dump ? (size_t)k3_runmem_chunk(r.rm) : 1), sizeof(float));
+    r.logits = xmalloc_array(V * (r.all_rows ? (size_t)k3_runmem_chunk(r.rm) : 1), sizeof(float));
     if (a->dump) {
         if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto ready;
         r.dumping = true;

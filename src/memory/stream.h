@@ -58,6 +58,9 @@ typedef struct {
     const uint8_t *owned;    /* [num_layers][num_experts], nonzero for the routed experts this
                                 process holds (its share of an expert-parallel job, dist/);
                                 NULL: all. Only these are planned for and ever requested. */
+    int tp_rank, tp_ranks;   /* tp_ranks > 1: this process is rank tp_rank of a job whose trunk
+                                matrices are split by output rows (dist/tensor_par.h): the
+                                resident plan counts its share of their pages (k_row_share) */
 } k3_stream_opts;
 
 void k3_stream_opts_init(k3_stream_opts *o);

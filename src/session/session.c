@@ -529,7 +529,8 @@ int k3_session_load(k3_session *s, const char *path, uint64_t model_id, char **e
     size_t len = 0;
     if (extra) *extra = NULL;
     if (extra_len) *extra_len = 0;
-    int rc = k3_read_file(path, &data, &len, err);
+    /* a regular file, any size (its header says what it must hold) */
+    int rc = k3_read_file_max(path, UINT64_MAX, true, &data, &len, err);
     if (rc) return rc;
     const uint8_t *h = (const uint8_t *)data;
     const k3_config *cfg = k3_model_config(s->m);

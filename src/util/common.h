@@ -67,8 +67,17 @@ uint16_t k3_f32_to_bf16(float f);
 float k3_f16_to_f32(uint16_t h);
 uint16_t k3_f32_to_f16(float f);
 
-/* Whole-file read (NUL-terminated for convenience); path "-" reads stdin. */
+/* Whole-file read (NUL-terminated for convenience) of at most max bytes;
+ * path "-" reads stdin. A regular file over max is refused before it is
+ * read, a pipe or terminal once it goes past max; a directory, device (such
+ * as /dev/zero) or other non-regular file is refused, and with regular_only
+ * anything but a regular file (where its size must be known). Those refusals
+ * are K3_EXIT_USAGE, one line naming the path (and the maximum); a read error
+ * is K3_EXIT_RUNTIME. k3_read_file reads texts, manifests and small JSON
+ * files: at most K3_READ_MAX (1 GiB), regular files, pipes or terminals. */
+#define K3_READ_MAX ((uint64_t)1 << 30)
 int k3_read_file(const char *path, char **data, size_t *len, k3_err *err);
+int k3_read_file_max(const char *path, uint64_t max, bool regular_only, char **data, size_t *len, k3_err *err);
 
 /* Atomic write of a small file: temp file in the same directory, fsync,
  * rename over path, fsync the directory. Only regular files (or missing

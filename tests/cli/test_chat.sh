@@ -143,5 +143,10 @@ expect_exit no_tokenizer 2 $K3 chat tests/fixtures/gen/k3_like </dev/null
 expect_exit no_xtml 2 $K3 chat models/default </dev/null
 expect_err_contains no_xtml "XTML"
 expect_exit bad_flag 2 $K3 chat $M --state-cache-gb lots </dev/null
+# invalid UTF-8 is refused with one line, as `k3 run --prompt` refuses it, never sent as an empty message
+expect_exit bad_utf8_line 2 $CHAT < <(printf 'caf\xe9 au lait\n')
+expect_err_contains bad_utf8_line "UTF-8"
+expect_exit bad_utf8_system 2 $K3 chat $M --system "$(printf 'caf\xe9')" </dev/null
+expect_err_contains bad_utf8_system "UTF-8"
 expect_exit bad_cmd 2 $CHAT <<<'/frobnicate'
 finish
