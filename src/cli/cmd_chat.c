@@ -10,6 +10,7 @@
 #include "cli/commands.h"
 #include "dist/dist.h"
 #include "engine/engine.h"
+#include "generate/generate.h"
 #include "session/session.h"
 
 #include <errno.h>
@@ -244,6 +245,27 @@ static int write_out(chat_ctx *c, k3_err *err) {
 
 static const char *source_name(int s) { return s == 2 ? "snapshot" : s == 1 ? "session" : "cold"; }
 
+/* A reply being generated: the loop's on_token shows each id's delta. */
+typedef struct {
+    chat_ctx *c;
+    k3_chat_parser *p;
+} chat_reply;
+
+static int reply_token(void *ctx, int32_t id, k3_gen_verdict *verdict, k3_err *err) {
+    chat_reply *r = ctx;
+    k3_chat_delta d;
+    int rc = k3_chat_parser_feed(r->p, id, &d, err);
+    if (rc) return rc;
+    show_delta(r->c, &d);
+    if (d.stop) *verdict = K3_GEN_STOP_KEEP;
+    return K3_OK;
+}
+
+static bool reply_interrupted(void *ctx) {
+    (void)ctx;
+    return interrupted != 0;
+}
+
 /* One user message: render, prefill through the session, generate, parse. */
 static int turn(chat_ctx *c, const char *text, k3_err *err) {
     const chat_args *a = c->a;
@@ -277,29 +299,25 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     k3_sampler sp;
     k3_sample_opts_sampler(&a->so, c->e->vocab, (uint64_t)c->turn, &sp);
     k3_chat_parser *p = k3_chat_parser_new(c->chat, c->thinking);
-    int32_t *gids = xmalloc_array((size_t)gen, sizeof *gids);
-    size_t ng = 0;
-    bool stopped = false;
-    double t_first = 0, t_end;
+    chat_reply cr = {.c = c, .p = p};
+    double t_end;
     c->line_start = true;
     c->in_reasoning = c->shown_reasoning = false;
     interrupted = 0;
-    for (int64_t g = 0; g < gen && !rc && !interrupted; g++) {
-        if ((rc = k3_logits_check(c->logits, c->e->vocab, a->model_dir, k3_session_len(c->s), err))) break;
-        int32_t id = k3_sample(&sp, c->logits);
-        if (g == 0) t_first = k3_now();
-        gids[ng++] = id;
-        k3_chat_delta d;
-        if ((rc = k3_chat_parser_feed(p, id, &d, err))) break;
-        show_delta(c, &d);
-        if (d.stop) {
-            /* the stop id is part of the rendered message: the state takes it too */
-            rc = k3_session_feed(c->s, &id, 1, NULL, err);
-            stopped = true;
-            break;
-        }
-        if (g + 1 < gen) rc = k3_session_feed(c->s, &id, 1, c->logits, err);
-    }
+    k3_gen_opts go;
+    k3_gen_opts_init(&go);
+    go.max_tokens = gen;
+    go.what = a->model_dir;
+    go.ctx = &cr;
+    go.on_token = reply_token;
+    go.cancelled = reply_interrupted;
+    k3_gen_result res;
+    rc = k3_generate(c->s, &sp, c->logits, &go, &res, err);
+    /* the stop id is part of the rendered message: the loop fed it too */
+    bool stopped = res.end == K3_GEN_END_STOP;
+    double t_first = res.t_first;
+    int32_t *gids = res.ids;
+    size_t ng = res.n;
     t_end = k3_now();
     k3_chat_delta d;
     k3_chat_parser_flush(p, &d);

@@ -4,6 +4,8 @@
 #include "cli/commands.h"
 #include "dist/dist.h"
 #include "engine/engine.h"
+#include "generate/generate.h"
+#include "session/session.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -173,12 +175,13 @@ typedef struct {
     k3_engine *e;
     k3_model *m;
     k3_state *s;
+    k3_session *sess;  /* on s, no state cache */
     k3_tokenizer *tok;
     tok_stream ts;
     uint8_t *tbuf;
     size_t tbuf_cap;
     int32_t *seq;      /* prompt + generated */
-    size_t nseq, nprompt;
+    size_t nseq, nprompt, nemitted;
     float *logits;     /* [chunk][V] when dumping the prompt, else [V] */
     k3_runmem *rm;     /* plan, streaming source, run report */
     k3_atomic_file df;
@@ -189,8 +192,12 @@ typedef struct {
 } run_ctx;
 
 /* Streams one token's text (or id); a write error on stdout (a full disk or
- * device) stops the run instead of generating into the void. */
-static int emit_token(run_ctx *r, int32_t id, k3_err *err) {
+ * device) stops the run instead of generating into the void. The loop's
+ * on_token: the end-of-sequence id never reaches it. */
+static int emit_token(void *ctx, int32_t id, k3_gen_verdict *verdict, k3_err *err) {
+    run_ctx *r = ctx;
+    (void)verdict;
+    r->nemitted++;
     if (r->tok) {
         size_t len = 0;
         tok_token_bytes(r->tok, id, &len);
@@ -204,11 +211,17 @@ static int emit_token(run_ctx *r, int32_t id, k3_err *err) {
             fflush(stdout);
         }
     } else if (!r->a->quiet) {
-        printf("%s%d", r->nseq > r->nprompt + 1 ? " " : "", id);
+        printf("%s%d", r->nemitted > 1 ? " " : "", id);
         fflush(stdout);
     }
     if (ferror(stdout)) return k3_fail(err, K3_EXIT_RUNTIME, "standard output: write failed: %s", strerror(errno));
     return K3_OK;
+}
+
+/* The loop's on_logits: every decode row goes to the dump. */
+static int dump_row(void *ctx, const float *row, k3_err *err) {
+    run_ctx *r = ctx;
+    return r->dumping ? dump_rows(&r->df, row, (size_t)k3_model_config(r->m)->vocab_size, err) : K3_OK;
 }
 
 /* Feeds the prompt in slices (a progress bar for long prompts; when dumping,
@@ -223,35 +236,15 @@ static int prefill(run_ctx *r, k3_err *err) {
     for (size_t i = 0; i < r->nprompt; i += slice) {
         size_t n = r->nprompt - i < slice ? r->nprompt - i : slice;
         bool last = i + n == r->nprompt;
-        int rc = k3_forward(r->m, r->s, r->seq + i, (int)n, r->all_rows || last ? r->logits : NULL, r->all_rows, err);
+        int rc = k3_session_feed_rows(r->sess, r->seq + i, n, r->all_rows || last ? r->logits : NULL, r->all_rows,
+                                      true, err);
         if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, n * V, err);
         if (rc) return rc;
         if (r->all_rows && n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
         k3_progress_update(&pb, i + n);
-        k3_runmem_step(r->rm, true, (int)n, r->e->step_log);
     }
     k3_progress_finish(&pb);
     return K3_OK;
-}
-
-/* One decode step: the logits after feeding seq[nseq-1]. */
-static int step(run_ctx *r, k3_err *err) {
-    size_t V = (size_t)k3_model_config(r->m)->vocab_size;
-    int rc;
-    if (r->a->full) {
-        k3_state_reset(r->s);
-        size_t slice = (size_t)k3_runmem_chunk(r->rm); /* the plan's batch */
-        rc = K3_OK;
-        for (size_t i = 0; !rc && i < r->nseq; i += slice) {
-            size_t n = r->nseq - i < slice ? r->nseq - i : slice;
-            rc = k3_forward(r->m, r->s, r->seq + i, (int)n, i + n == r->nseq ? r->logits : NULL, false, err);
-        }
-    } else {
-        rc = k3_forward(r->m, r->s, r->seq + r->nseq - 1, 1, r->logits, false, err);
-    }
-    if (!rc) k3_runmem_step(r->rm, false, 1, r->e->step_log);
-    if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, V, err);
-    return rc;
 }
 
 static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int threads, const char *stop, k3_err *err) {
@@ -346,6 +339,7 @@ static int run(const run_args *a, k3_err *err) {
     memcpy(r.seq, pids, r.nprompt * sizeof *r.seq);
     free(pids);
     r.nseq = r.nprompt;
+    r.sess = k3_session_open(r.e, r.s, NULL);
     r.logits = xmalloc_array(V * (r.all_rows ? (size_t)k3_runmem_chunk(r.rm) : 1), sizeof(float));
     if (a->dump) {
         if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto ready;
@@ -368,15 +362,24 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
     rc = prefill(&r, err);
     double t1 = k3_now(), t2 = t1;
     ds1 = k3_dist_get_stats();
-    for (int64_t g = 0; !rc && g < a->gen; g++) {
-        if ((rc = k3_logits_check(r.logits, (int)V, a->model_dir, r.nseq, err))) break;
-        int id = k3_sample(&sp, r.logits);
-        r.seq[r.nseq++] = id;
+    if (!rc) {
+        k3_gen_opts go;
+        k3_gen_opts_init(&go);
+        go.max_tokens = a->gen;
         /* the end-of-sequence token ends the text; its name is not part of it
          * (it is still in generated_ids) */
-        if (id == eos) { stop = "eos"; break; }
-        rc = emit_token(&r, id, err);
-        if (!rc && g + 1 < a->gen) rc = step(&r, err);
+        go.eos_id = eos;
+        go.recompute = a->full;
+        go.what = a->model_dir;
+        go.ctx = &r;
+        go.on_token = emit_token;
+        go.on_logits = dump_row;
+        k3_gen_result res;
+        rc = k3_generate(r.sess, &sp, r.logits, &go, &res, err);
+        memcpy(r.seq + r.nseq, res.ids, res.n * sizeof *r.seq);
+        r.nseq += res.n;
+        if (res.end == K3_GEN_END_EOS) stop = "eos";
+        k3_gen_result_free(&res);
     }
     t2 = k3_now();
     k3_dist_stats ds2 = k3_dist_get_stats();
@@ -423,6 +426,7 @@ done:
     free(r.seq);
     free(r.logits);
     free(r.tbuf);
+    k3_session_free(r.sess);
     if (r.e) k3_engine_state_free(r.e, r.s);
     k3_engine_free(r.e);
     return rc;

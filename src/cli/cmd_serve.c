@@ -233,8 +233,8 @@ enum { CMD_PREFILL = 1, CMD_STEP = 2, CMD_END = 3, CMD_QUIT = 4 };
 typedef struct {
     int32_t op;
     int32_t n;             /* CMD_PREFILL: ids that follow, 1..ctx */
-    int32_t id;            /* CMD_STEP: the id to feed; CMD_END: the last sampled id */
-    int32_t flag;          /* CMD_END: stopped; CMD_QUIT: rank 0's exit code */
+    int32_t id;            /* CMD_STEP: the id to feed */
+    int32_t flag;          /* CMD_STEP: no logits wanted; CMD_QUIT: rank 0's exit code */
 } serve_cmd;
 
 static void send_cmd(int op, int32_t n, int32_t id, int32_t flag) {
@@ -269,20 +269,16 @@ static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, si
 
 static int be_step(void *ctx, int32_t id, float *logits, k3_err *err) {
     backend *b = ctx;
-    if (b->lead) send_cmd(CMD_STEP, 0, id, 0);
+    if (b->lead) send_cmd(CMD_STEP, 0, id, logits == NULL);
     return k3_session_feed(b->sess, &id, 1, logits, err);
 }
 
-/* A reply ended: the state holds the prompt and every generated id but the
- * last. The next turn's prompt re-renders this reply, so keep the state where
- * the reply ends as a snapshot too (the prompt's end is kept by the prefill). */
-static void be_end(void *ctx, int32_t last, bool stopped) {
+/* A reply ended: the state holds the prompt and the reply as the next turn's
+ * prompt re-renders it (the generation loop fed a stop id): keep it as a
+ * snapshot too (the prompt's end is kept by the prefill). */
+static void be_end(void *ctx) {
     backend *b = ctx;
-    k3_err err = {0};
-    if (b->lead) send_cmd(CMD_END, 0, last, stopped);
-    /* the stop id is part of the rendered history: feed it so the state ends where the turn does */
-    if (stopped && (int64_t)k3_session_len(b->sess) < b->ctx && k3_session_feed(b->sess, &last, 1, NULL, &err))
-        return;
+    if (b->lead) send_cmd(CMD_END, 0, 0, 0);
     k3_session_snapshot(b->sess);
 }
 
@@ -349,9 +345,9 @@ static int follow(backend *b) {
             k3_dist_bcast(ids, (size_t)c.n * sizeof *ids, true, "k3 serve's prompt ids");
             (void)be_prefill(b, ids, (size_t)c.n, logits, &reused, NULL, &e);
         } else if (c.op == CMD_STEP && c.id >= 0 && c.id < b->e->vocab) {
-            (void)be_step(b, c.id, logits, &e);
-        } else if (c.op == CMD_END && (!c.flag || (c.id >= 0 && c.id < b->e->vocab))) { /* fed only if stopped */
-            be_end(b, c.id, c.flag != 0);
+            (void)be_step(b, c.id, c.flag ? NULL : logits, &e);
+        } else if (c.op == CMD_END) {
+            be_end(b);
         } else {
             k3_fail(&e, K3_EXIT_RUNTIME,
                     "serve: rank 0 sent a command this rank cannot follow (op %d, n %d, id %d): the ranks run "

@@ -345,6 +345,19 @@ int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, floa
     return K3_OK;
 }
 
+int k3_engine_recompute(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, k3_err *err) {
+    k3_state_reset(s);
+    size_t slice = (size_t)e->chunk;
+    for (size_t i = 0; i < n; i += slice) {
+        size_t m = n - i < slice ? n - i : slice;
+        int rc = k3_forward(e->model, s, ids + i, (int)m, i + m == n ? logits : NULL, false, err);
+        if (rc && e->ranks > 1) k3_dist_abort(err); /* the others wait in this call's exchanges */
+        if (rc) return rc;
+    }
+    k3_runmem_step(e->rm, false, 1, e->step_log);
+    return K3_OK;
+}
+
 int k3_engine_encode(const k3_engine *e, const char *what, const char *text, size_t len, bool allow_special,
                      int32_t **ids, size_t *n, k3_err *err) {
     *ids = NULL;

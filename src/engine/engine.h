@@ -145,6 +145,11 @@ void k3_engine_state_free(k3_engine *e, k3_state *s);
 int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, bool all_logits,
                    bool prefill, k3_progress *progress, k3_err *err);
 
+/* Resets s and feeds ids[0..n) again in the plan's chunks; the run report
+ * counts it as one decode step of one token (k3 run --full recomputes the
+ * whole prefix for every generated token). logits: the last token's [V]. */
+int k3_engine_recompute(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, k3_err *err);
+
 /* Under expert parallelism every rank passes its status here after its own
  * preparations (prompt, states, output files) and before the first feed, so
  * that a rank that cannot start stops the job here instead of leaving the

@@ -51,6 +51,10 @@ typedef struct {
     bool direct;             /* O_DIRECT (default; K3_DIRECT_IO=0 turns it off) */
     const char *trace_dir;   /* --dump-cache-trace DIR, or NULL */
     uint64_t mem_limit;      /* refuse plans above this (0: MemAvailable) */
+    int pass_tokens;         /* speculation: ids of one verifying pass (0: none). The chunk
+                                never drops below it (each streamed layer and each distinct
+                                expert then read once per pass) and the pass's rollback
+                                record (k3_state_pass_bytes) is counted in the plan */
     const uint8_t *owned;    /* [num_layers][num_experts], nonzero for the routed experts this
                                 process holds (its share of an expert-parallel job, dist/);
                                 NULL: all. Only these are planned for and ever requested. */
@@ -88,6 +92,7 @@ typedef struct {
     uint64_t expert_bytes;       /* (cache + batch) buffers: what --cache-gb limits */
     uint64_t table_bytes;        /* the cache's key -> buffer table */
     k3_state_plan state;         /* KDA state, MLA latent cache, scratch */
+    uint64_t pass_bytes;         /* the rollback record of a verifying pass (pass_tokens) */
     uint64_t total;
 } k3_mem_plan;
 

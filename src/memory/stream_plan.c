@@ -338,6 +338,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         if (here > most) most = here;
     }
     int want_chunk = o->chunk > 0 ? o->chunk : K3_PREFILL_CHUNK;
+    if (want_chunk < o->pass_tokens) want_chunk = o->pass_tokens; /* a verifying pass is one chunk */
     p->chunk = want_chunk;
     if (p->total_experts > 0) {
         int k = c->experts_per_token;
@@ -354,8 +355,20 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
                                "--cache-gb %.3g holds %lld expert buffers of %s; a prefill chunk of %d tokens "
                                "needs up to %lld (use a smaller --chunk or a larger --cache-gb)",
                                o->cache_gb, (long long)pool, k3_size_str(p->expert_buf), want_chunk, (long long)batch);
-            while (pool < batch && p->chunk > 1) {
-                p->chunk = p->chunk / 2;
+            int floor_chunk = o->pass_tokens > 1 ? o->pass_tokens : 1;
+            if (pool < batch && o->pass_tokens > 1) {
+                /* a verifying pass must be one chunk: its experts' union has to fit */
+                int64_t need = (int64_t)o->pass_tokens * k < most ? (int64_t)o->pass_tokens * k : most;
+                if (pool < need)
+                    return k3_fail(err, K3_EXIT_BUDGET,
+                                   "--cache-gb %.3g holds %lld expert buffers of %s; a verifying pass of %d ids "
+                                   "(--speculate %d) needs up to %lld (use a smaller --speculate or a larger "
+                                   "--cache-gb)",
+                                   o->cache_gb, (long long)pool, k3_size_str(p->expert_buf), o->pass_tokens,
+                                   o->pass_tokens - 1, (long long)need);
+            }
+            while (pool < batch && p->chunk > floor_chunk) {
+                p->chunk = p->chunk / 2 > floor_chunk ? p->chunk / 2 : floor_chunk;
                 batch = (int64_t)p->chunk * k < most ? (int64_t)p->chunk * k : most;
             }
             if (pool < batch)
@@ -371,21 +384,25 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
     }
 
     p->state = k3_state_size_chunk(c, p->chunk, max_pos);
-    p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total;
+    p->pass_bytes = k3_state_pass_bytes(c, o->pass_tokens);
+    p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total + p->pass_bytes;
     const char *lname;
     uint64_t limit = k3_mem_limit(o->mem_limit, &lname);
     /* without --chunk, a smaller chunk's scratch may fit where the default's does not */
-    while (o->chunk <= 0 && p->chunk > 1 && limit && p->total + K3_PLAN_OVERHEAD > limit) {
-        p->chunk /= 2;
+    int floor_chunk = o->pass_tokens > 1 ? o->pass_tokens : 1;
+    while (o->chunk <= 0 && p->chunk > floor_chunk && limit && p->total + K3_PLAN_OVERHEAD > limit) {
+        p->chunk = p->chunk / 2 > floor_chunk ? p->chunk / 2 : floor_chunk;
         p->state = k3_state_size_chunk(c, p->chunk, max_pos);
-        p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total;
+        p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total + p->pass_bytes;
     }
     if (limit && p->total + K3_PLAN_OVERHEAD > limit)
         return k3_fail(err, K3_EXIT_BUDGET,
-                       "the memory plan needs %s (trunk %s, experts %s, state %s at %lld positions) + %s "
-                       "overhead but %s is %s: choose a smaller --preset, --trunk-gb or --cache-gb, or fewer positions",
+                       "the memory plan needs %s (trunk %s, experts %s, state %s at %lld positions, speculation "
+                       "record %s) + %s overhead but %s is %s: choose a smaller --preset, --trunk-gb or --cache-gb, "
+                       "or fewer positions",
                        k3_size_str(p->total), k3_size_str(p->trunk_bytes), k3_size_str(p->expert_bytes + p->table_bytes),
-                       k3_size_str(p->state.total), (long long)max_pos, k3_size_str(K3_PLAN_OVERHEAD),
+                       k3_size_str(p->state.total), (long long)max_pos, k3_size_str(p->pass_bytes),
+                       k3_size_str(K3_PLAN_OVERHEAD),
                        lname, k3_size_str(limit));
     return K3_OK;
 }
@@ -472,6 +489,11 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
     fprintf(f, "k3:   MLA latent cache    %s  at %lld positions\n", b, (long long)p->max_pos);
     mb_cell(b, sizeof b, p->state.scratch_bytes);
     fprintf(f, "k3:   scratch             %s\n", b);
+    if (p->pass_bytes) {
+        mb_cell(b, sizeof b, p->pass_bytes);
+        fprintf(f, "k3:   speculation record  %s  passes of %d ids (KDA copy + per-id recurrence inputs)\n", b,
+                o->pass_tokens);
+    }
     mb_cell(b, sizeof b, p->total);
     fprintf(f, "k3:   total               %s  (+ %.0f MB fixed overhead: peak RSS stays below %.3f GB)\n", b,
             (double)K3_PLAN_OVERHEAD / 1e6, gb(p->total + K3_PLAN_OVERHEAD));

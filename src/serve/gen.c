@@ -9,6 +9,7 @@
  * that may still turn into a stop string is held back). So a streamed reply
  * concatenates to exactly the non-streamed one. */
 #include "serve/serve_impl.h"
+#include "generate/generate.h"
 #include "model/model.h"
 
 #include <poll.h>
@@ -28,6 +29,10 @@ typedef struct {
     json_t *tool_calls;    /* chat: array of completed calls */
     size_t ngen, reused;
     bool started;          /* chat stream: the role chunk went out */
+    k3_chat_parser *cp;    /* chat: ids to reasoning, content, calls */
+    tok_stream ts;         /* completions: ids to text */
+    uint8_t *tbuf;
+    size_t tcap;
 } gen_ctx;
 
 /* Valid UTF-8 for JSON: invalid bytes become U+FFFD (only at a flush of
@@ -223,6 +228,36 @@ static void finish_error(gen_ctx *g, int status, const char *code, const char *m
     k3_job_finish(g->s, g->j, status);
 }
 
+/* The loop's on_token: a chat id through the parser, a completion id
+ * through the text decoder; then the stop strings. A chat's end-of-message id
+ * stops the reply and is kept (fed) unless a stop string ended it first. */
+static int on_token(void *ctx, int32_t id, k3_gen_verdict *verdict, k3_err *err) {
+    gen_ctx *g = ctx;
+    k3_serve_note_token(g->s, g->j);
+    if (g->chat) {
+        k3_chat_delta d;
+        int rc = k3_chat_parser_feed(g->cp, id, &d, err);
+        if (rc) return rc;
+        chat_delta(g, &d);
+        if (d.stop) {
+            *verdict = g->stop.hit ? K3_GEN_STOP : K3_GEN_STOP_KEEP;
+            return K3_OK;
+        }
+    } else {
+        size_t nb = tok_stream_feed(&g->ts, id, g->tbuf, g->tcap);
+        content(g, (const char *)g->tbuf, nb);
+    }
+    if (g->stop.hit) *verdict = K3_GEN_STOP;
+    return K3_OK;
+}
+
+static bool job_cancelled(void *ctx) { return atomic_load(&((gen_ctx *)ctx)->j->cancel) != 0; }
+
+static int job_feed(void *ctx, int32_t id, float *logits, k3_err *err) {
+    const k3_serve_model *m = &((gen_ctx *)ctx)->s->m;
+    return m->step(m->ctx, id, logits, err);
+}
+
 void k3_gen_run(k3_serve *s, k3_job *j) {
     const k3_serve_model *m = &s->m;
     gen_ctx g = {.s = s, .j = j, .chat = j->req.kind == K3_REQ_CHAT, .stream = j->req.stream};
@@ -231,15 +266,15 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     float *logits = xmalloc_array((size_t)m->vocab, sizeof(float));
     size_t tcap = tok_max_token_bytes(m->tok) + 16;
     uint8_t *tbuf = xmalloc(tcap);
-    tok_stream ts;
-    tok_stream_init(&ts, m->tok);
+    g.tbuf = tbuf;
+    g.tcap = tcap;
+    tok_stream_init(&g.ts, m->tok);
     k3_sampler sp;
     k3_sampler_init(&sp, m->vocab, j->req.temperature, j->req.top_k, j->req.top_p, j->req.min_p, j->req.seed);
-    k3_chat_parser *cp = g.chat ? k3_chat_parser_new(m->chat, j->req.thinking) : NULL;
+    g.cp = g.chat ? k3_chat_parser_new(m->chat, j->req.thinking) : NULL;
     k3_chat_delta d;
     const char *finish = "length";
     bool cancelled = false, failed = false, stopped = false;
-    int last = -1;
     double t0 = k3_now(), t1 = t0;
 
     int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &g.reused, &j->cancel, &err);
@@ -251,45 +286,44 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     }
     t1 = k3_now();
     const char *fail_code = "internal_error";
-    for (int64_t k = 0; !failed && !cancelled && k < j->max_tokens; k++) {
-        if (k3_logits_check(logits, m->vocab, s->model_id, j->n + g.ngen, &err)) {
-            fail_code = "non_finite_logits";
-            failed = true;
-            break;
-        }
-        int id = k3_sample(&sp, logits);
-        last = id;
-        g.ngen++;
-        k3_serve_note_token(s, j);
-        if (g.chat) {
-            if (k3_chat_parser_feed(cp, id, &d, &err)) { failed = true; break; }
-            chat_delta(&g, &d);
-            if (d.stop) { stopped = true; break; }
-        } else {
-            if (id == m->eos) { stopped = true; break; }
-            size_t nb = tok_stream_feed(&ts, id, tbuf, tcap);
-            content(&g, (const char *)tbuf, nb);
-        }
-        if (g.stop.hit) break;
-        if (k + 1 < j->max_tokens) {
-            if (atomic_load(&j->cancel)) { cancelled = true; break; }
-            if (m->step(m->ctx, id, logits, &err)) { failed = true; break; }
-        }
+    if (!failed && !cancelled) {
+        k3_gen_opts go;
+        k3_gen_opts_init(&go);
+        go.max_tokens = j->max_tokens;
+        /* completions stop at the end-of-sequence id; a chat's end is the
+         * parser's. The stop id is part of the history the next prompt
+         * re-renders: the state takes it too */
+        go.eos_id = g.chat ? -1 : m->eos;
+        go.eos_keep = true;
+        go.what = s->model_id;
+        go.prompt_len = j->n;
+        go.max_pos = m->ctx_len;
+        go.ctx = &g;
+        go.on_token = on_token;
+        go.cancelled = job_cancelled;
+        go.feed = job_feed;
+        k3_gen_result res;
+        failed = k3_generate(NULL, &sp, logits, &go, &res, &err) != K3_OK;
+        if (res.end == K3_GEN_END_LOGITS) fail_code = "non_finite_logits";
+        g.ngen = res.n;
+        cancelled = res.end == K3_GEN_END_CANCEL;
+        stopped = res.end == K3_GEN_END_STOP || res.end == K3_GEN_END_EOS;
+        k3_gen_result_free(&res);
     }
     double t2 = k3_now();
     if (!failed && !cancelled) {
         /* the text held back for an incomplete character, then by the stop strings */
         if (g.chat) {
-            k3_chat_parser_flush(cp, &d);
+            k3_chat_parser_flush(g.cp, &d);
             chat_delta(&g, &d);
         } else if (!g.stop.hit) {
-            size_t nb = tok_stream_flush(&ts, tbuf, tcap);
+            size_t nb = tok_stream_flush(&g.ts, tbuf, tcap);
             content(&g, (const char *)tbuf, nb);
         }
         flush_text(&g);
         if (g.stop.hit || (stopped && !(g.tool_calls && json_array_size(g.tool_calls)))) finish = "stop";
         else if (stopped) finish = "tool_calls";
-        if (m->end) m->end(m->ctx, last, stopped && !g.stop.hit);
+        if (m->end) m->end(m->ctx);
     }
     pthread_mutex_lock(&s->mu);
     s->n_tokens += g.ngen;
@@ -321,7 +355,7 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
                     "(%.1f tok/s), finish %s\n", j->id, j->n, g.reused, t1 - t0, g.ngen, t2 - t1,
                     t2 > t1 && g.ngen > 1 ? (double)(g.ngen - 1) / (t2 - t1) : 0.0, finish);
     }
-    if (cp) k3_chat_parser_free(cp);
+    if (g.cp) k3_chat_parser_free(g.cp);
     k3_sampler_free(&sp);
     k3_stopper_free(&g.stop);
     k3_sb_free(&g.text);

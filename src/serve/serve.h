@@ -49,12 +49,14 @@ typedef struct {
      * log repeats). */
     int (*prefill)(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused,
                    const atomic_int *cancel, k3_err *err);
-    /* Feeds one more id (the state then holds one more) and fills logits. */
+    /* Feeds one more id (the state then holds one more) and fills logits
+     * (NULL: none wanted, a stop id the next prompt's history will hold).
+     * The generation loop (generate.h) makes every such call. */
     int (*step)(void *ctx, int32_t id, float *logits, k3_err *err);
-    /* Called when a reply ends (not after an error or a cancel): last is the
-     * last sampled id, which was not fed; stopped: it is a stop id (end of
-     * message / sequence), which the next prompt's history will hold. NULL: none. */
-    void (*end)(void *ctx, int32_t last, bool stopped);
+    /* Called when a reply ends (not after an error or a cancel), the state
+     * holding the prompt and the reply as the next prompt will render it.
+     * NULL: none. */
+    void (*end)(void *ctx);
 } k3_serve_model;
 
 typedef struct {

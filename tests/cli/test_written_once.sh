@@ -51,4 +51,13 @@ once mla-core:softmax-callers 'k3_causal_softmax_row\(' 'src/model/mla\.c|src/mo
 n=$(hits 'k3_causal_softmax_row\(' src/train/tmla.c | wc -l)
 [ "$n" -le 1 ] && pass mla-core:bf16-form-once || fail mla-core:bf16-form-once "$n calls in src/train/tmla.c"
 
+# ---- one generation loop ------------------------------------------------------
+# The loop that checks logits, samples, stops and feeds is k3_generate
+# (src/generate/generate.c); k3 run, k3 chat, k3 serve and the trainer's
+# samples pass it callbacks. A second loop would call the sampler
+# (k3_sample) or the logits check (k3_logits_check) itself: both are allowed
+# only there and in the sampler's own file (src/model/model.c, model.h).
+once generation:sample 'k3_sample\(' 'src/generate/generate\.[ch]|src/model/model\.[ch]' $SRC
+once generation:logits-check 'k3_logits_check\(' 'src/generate/generate\.[ch]|src/model/model\.[ch]' $SRC
+
 finish
