@@ -104,4 +104,18 @@ start_server() {
   return 1
 }
 
+# Kills, on exit, every PID the script adds to PIDS (start_server adds its
+# servers), so a failed or interrupted test leaves no server behind.
+kill_pids_at_exit() {
+  PIDS=()
+  trap 'for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done' EXIT
+}
+
+# The HTTP tests' helpers. req METHOD URL [CURL ARGS]: sets CODE, the body in
+# $OUT/body and the headers in $OUT/head. jget EXPR: a Python expression on
+# the body's JSON as j. check NAME GOT WANTED: passes when they are equal.
+req() { local m=$1 u=$2; shift 2; CODE=$(curl -s --max-time 60 -o "$OUT/body" -D "$OUT/head" -w '%{http_code}' -X "$m" "$@" "$u"); }
+jget() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$OUT/body" "$1" 2>&1; }
+check() { if [ "$2" = "$3" ]; then pass "$1"; else fail "$1" "got '$(printf %s "$2" | head -c 300)', wanted '$3'"; fi; }
+
 finish() { echo "$_pass passed, $_fail failed, $_skip skipped"; [ "$_fail" -eq 0 ]; }

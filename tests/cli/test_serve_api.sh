@@ -8,13 +8,8 @@
 set -u
 source tests/cli/lib.sh
 MODEL=tests/fixtures/trained-5m
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
-trap cleanup EXIT
+kill_pids_at_exit
 JSON='Content-Type: application/json'
-req() { local m=$1 u=$2; shift 2; CODE=$(curl -s --max-time 60 -o "$OUT/body" -D "$OUT/head" -w '%{http_code}' -X "$m" "$@" "$u"); }
-jget() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$OUT/body" "$1" 2>&1; }
-check() { if [ "$2" = "$3" ]; then pass "$1"; else fail "$1" "got '$(printf %s "$2" | head -c 300)', wanted '$3'"; fi; }
 error_is() { check "$1" "$CODE|$(jget 'j["error"]["code"], j["error"]["type"], bool(j["error"]["message"])')" "$2|('$3', 'invalid_request_error', True)"; }
 
 expect_exit key-empty 2 "$K3" serve "$MODEL" --api-key ''

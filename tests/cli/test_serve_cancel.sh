@@ -12,9 +12,7 @@
 set -u
 source tests/cli/lib.sh
 MODEL=tests/fixtures/trained-5m
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
-trap cleanup EXIT
+kill_pids_at_exit
 
 PROMPT_FILE=$OUT/prompt.txt
 python3 -c 'print("Once upon a time there was a little dog. " * 1400, end="")' >"$PROMPT_FILE"

@@ -9,15 +9,9 @@
 set -u
 source tests/cli/lib.sh
 MODEL=tests/fixtures/trained-5m
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
-trap cleanup EXIT
+kill_pids_at_exit
 JSON='Content-Type: application/json'
 
-# req METHOD URL [CURL ARGS]: sets CODE; body in $OUT/body, headers in $OUT/head
-req() { local m=$1 u=$2; shift 2; CODE=$(curl -s --max-time 60 -o "$OUT/body" -D "$OUT/head" -w '%{http_code}' -X "$m" "$@" "$u"); }
-jget() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$OUT/body" "$1" 2>&1; }
-check() { if [ "$2" = "$3" ]; then pass "$1"; else fail "$1" "got '$(printf %s "$2" | head -c 300)', wanted '$3'"; fi; }
 # error_is NAME STATUS CODE: the last response is an OpenAI error object
 error_is() { check "$1" "$CODE|$(jget 'j["error"]["code"], j["error"]["type"] is not None, bool(j["error"]["message"])')" "$2|('$3', True, True)"; }
 stop_wait() { # PID: SIGTERM, up to 20 s; RC
