@@ -35,9 +35,8 @@ typedef struct {
     size_t tcap;
 } gen_ctx;
 
-/* Valid UTF-8 for JSON: invalid bytes become U+FFFD (only at a flush of
- * bytes that never formed a character). */
-static json_t *json_text(const char *p, size_t n) {
+/* serve_impl.h: valid UTF-8 for JSON, invalid bytes as U+FFFD. */
+json_t *k3_serve_json_text(const char *p, size_t n) {
     json_t *t = json_stringn(p, n);
     if (t) return t;
     k3_sbuf b = {0};
@@ -107,9 +106,9 @@ static void put_text(gen_ctx *g, const char *p, size_t n) {
     if (!g->stream) return;
     if (g->chat) {
         chat_start(g);
-        emit_choice(g, json_pack("{s:o}", "content", json_text(p, n)), NULL);
+        emit_choice(g, json_pack("{s:o}", "content", k3_serve_json_text(p, n)), NULL);
     } else {
-        emit_choice(g, json_text(p, n), NULL);
+        emit_choice(g, k3_serve_json_text(p, n), NULL);
     }
 }
 
@@ -118,7 +117,7 @@ static void reasoning(gen_ctx *g, const char *p, size_t n) {
     k3_sb_put(&g->reasoning, p, n);
     if (!g->stream) return;
     chat_start(g);
-    emit_choice(g, json_pack("{s:o}", "reasoning_content", json_text(p, n)), NULL);
+    emit_choice(g, json_pack("{s:o}", "reasoning_content", k3_serve_json_text(p, n)), NULL);
 }
 
 static void tool_call(gen_ctx *g, json_t *call) {
@@ -181,13 +180,13 @@ static void finish_ok(gen_ctx *g, const char *finish) {
         json_t *msg = json_object();
         json_object_set_new(msg, "role", json_string("assistant"));
         bool calls = g->tool_calls && json_array_size(g->tool_calls) > 0;
-        json_object_set_new(msg, "content", g->text.n || !calls ? json_text(g->text.p ? g->text.p : "", g->text.n)
+        json_object_set_new(msg, "content", g->text.n || !calls ? k3_serve_json_text(g->text.p ? g->text.p : "", g->text.n)
                                                                 : json_null());
-        if (g->reasoning.n) json_object_set_new(msg, "reasoning_content", json_text(g->reasoning.p, g->reasoning.n));
+        if (g->reasoning.n) json_object_set_new(msg, "reasoning_content", k3_serve_json_text(g->reasoning.p, g->reasoning.n));
         if (calls) json_object_set(msg, "tool_calls", g->tool_calls);
         json_object_set_new(ch, "message", msg);
     } else {
-        json_object_set_new(ch, "text", json_text(g->text.p ? g->text.p : "", g->text.n));
+        json_object_set_new(ch, "text", k3_serve_json_text(g->text.p ? g->text.p : "", g->text.n));
     }
     json_object_set_new(ch, "logprobs", json_null());
     json_object_set_new(ch, "finish_reason", json_string(finish));

@@ -73,6 +73,9 @@ void k3_serve_note_token(k3_serve *s, k3_job *j);
 /* gen.c: computes one job on the worker thread, writing its response into
  * job->out (under s->mu) and setting done. */
 void k3_gen_run(k3_serve *s, k3_job *j);
+/* gen.c: text as a JSON string, its invalid UTF-8 bytes as U+FFFD (decoded
+ * ids need not form whole characters; jansson refuses such strings). */
+json_t *k3_serve_json_text(const char *p, size_t n);
 /* An OpenAI error object as a compact JSON string (malloc'd). */
 char *k3_serve_error_json(const k3_serve_error *e);
 /* Appends bytes to a job's output and wakes its connection. */

@@ -666,19 +666,8 @@ static enum MHD_Result detokenize(k3_serve *s, struct MHD_Connection *c, const c
         st = k3_serve_error_set(&e, 400, "invalid_value", "tokens", "tokens: %s", err.msg);
     free(ids);
     if (st) return respond_error(s, c, method, url, &e);
-    k3_sbuf b = {0};
-    const char *p = (const char *)text;
-    for (size_t left = len; left;) {
-        size_t ok = tok_utf8_check((const uint8_t *)p, left);
-        k3_sb_put(&b, p, ok);
-        if (ok == left) break;
-        k3_sb_put(&b, "\xEF\xBF\xBD", 3);
-        p += ok + 1;
-        left -= ok + 1;
-    }
+    json_t *out = json_pack("{s:o}", "prompt", k3_serve_json_text(text ? (const char *)text : "", len));
     free(text);
-    json_t *out = json_pack("{s:s%}", "prompt", b.p ? b.p : "", b.n);
-    k3_sb_free(&b);
     return respond_json(s, c, method, url, out);
 }
 
