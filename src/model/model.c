@@ -832,44 +832,41 @@ int k3_logits_check(const float *logits, int vocab, const char *what, size_t fed
 
 static inline bool ranks_before(const float *p, int i, int j) { return p[i] > p[j] || (p[i] == p[j] && i < j); }
 
+/* Puts x into the heap h[0..n) at its root's place (the worst kept at the
+ * root), moving it down past every child that ranks after it. */
+static void sift_down(const float *p, int *h, int n, int x) {
+    int c = 0;
+    for (;;) {
+        int l = 2 * c + 1, w = l;
+        if (l >= n) break;
+        if (l + 1 < n && ranks_before(p, h[l], h[l + 1])) w = l + 1;
+        if (ranks_before(p, h[w], x)) break;
+        h[c] = h[w];
+        c = w;
+    }
+    h[c] = x;
+}
+
 /* The k best ids, in order, into out[0..k): a heap of the best seen with the
  * worst at its root, then heapsort. */
 static void top_k_sorted(const float *p, int V, int k, int *out) {
     int n = 0;
     for (int i = 0; i < V; i++) {
-        int c;
         if (n < k) { /* sift up */
-            c = n++;
+            int c = n++;
             while (c > 0 && ranks_before(p, out[(c - 1) / 2], i)) {
                 out[c] = out[(c - 1) / 2];
                 c = (c - 1) / 2;
             }
-        } else { /* better than the worst kept: it takes the root's place, sift down */
-            if (!ranks_before(p, i, out[0])) continue;
-            c = 0;
-            for (;;) {
-                int l = 2 * c + 1, w = l;
-                if (l >= n) break;
-                if (l + 1 < n && ranks_before(p, out[l], out[l + 1])) w = l + 1;
-                if (ranks_before(p, out[w], i)) break;
-                out[c] = out[w];
-                c = w;
-            }
+            out[c] = i;
+        } else if (ranks_before(p, i, out[0])) { /* better than the worst kept: it takes the root's place */
+            sift_down(p, out, n, i);
         }
-        out[c] = i;
     }
     for (int m = n - 1; m > 0; m--) { /* the worst to the end */
-        int x = out[m], c = 0;
+        int x = out[m];
         out[m] = out[0];
-        for (;;) {
-            int l = 2 * c + 1, w = l;
-            if (l >= m) break;
-            if (l + 1 < m && ranks_before(p, out[l], out[l + 1])) w = l + 1;
-            if (ranks_before(p, out[w], x)) break;
-            out[c] = out[w];
-            c = w;
-        }
-        out[c] = x;
+        sift_down(p, out, m, x);
     }
 }
 
