@@ -63,6 +63,10 @@ void tm_bias_name(int layer, char *buf, size_t n) {
     if (r < 0 || (size_t)r >= n) buf[0] = 0;
 }
 
+static int by_name(const void *a, const void *b) {
+    return strcmp(((const tm_name *)a)->name, ((const tm_name *)b)->name);
+}
+
 int tm_build(tmodel *m, const k3_config *c, k3_err *err) {
     memset(m, 0, sizeof *m);
     m->cfg = *c;
@@ -190,6 +194,9 @@ int tm_build(tmodel *m, const k3_config *c, k3_err *err) {
     m->bias = xcalloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)c->num_experts, sizeof(float));
     m->load = xcalloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)c->num_experts, sizeof(int64_t));
     m->kda_chunk = 16;
+    m->by_name = xmalloc_array((size_t)m->np, sizeof *m->by_name);
+    for (int i = 0; i < m->np; i++) m->by_name[i] = (tm_name){m->params[i].name, i};
+    qsort(m->by_name, (size_t)m->np, sizeof *m->by_name, by_name);
     return K3_OK;
 }
 
@@ -204,6 +211,7 @@ void tm_free(tmodel *m) {
         free(m->layers[l].moe_w.w2);
     }
     free(m->params);
+    free(m->by_name);
     free(m->layers);
     free(m->moe_layer);
     free(m->w);
@@ -242,10 +250,13 @@ bool tm_all_finite(const tmodel *m, int *bad) {
     return true;
 }
 
+/* A binary search of the name index: the model graph binds every parameter
+ * through tm_lookup on each forward, so a scan of the table per name would
+ * cost np^2 comparisons a step. */
 int tm_find(const tmodel *m, const char *name) {
-    for (int i = 0; i < m->np; i++)
-        if (strcmp(m->params[i].name, name) == 0) return i;
-    return -1;
+    tm_name key = {name, -1};
+    const tm_name *f = m->by_name ? bsearch(&key, m->by_name, (size_t)m->np, sizeof key, by_name) : NULL;
+    return f ? f->i : -1;
 }
 
 float *tm_bias(tmodel *m, int layer) {
