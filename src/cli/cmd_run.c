@@ -3,6 +3,7 @@
  * streaming text to stdout and a report to stderr. */
 #include "cli/commands.h"
 #include "dist/dist.h"
+#include "draft/draft.h"
 #include "engine/engine.h"
 #include "generate/generate.h"
 #include "session/session.h"
@@ -36,6 +37,13 @@ const char *const cmd_run_help =
     "  --full               recompute the whole prefix every step (a check: the\n"
     "                       logits are bit-identical to --incremental)\n"
     K3_SAMPLE_HELP
+    "  --speculate K        speculative decoding: up to K drafted ids (1-16) verified\n"
+    "                       per forward pass, fewer while they are rejected; drafts\n"
+    "                       from the sequence's own history (n-gram lookup) unless\n"
+    "                       --draft is given. The generated ids and logits are\n"
+    "                       exactly those of plain decoding (docs/speculation.md)\n"
+    "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
+    "                       --speculate defaults to 4 with it; not under mpirun\n"
     "  --out FILE.json      write prompt_ids, generated_ids, text, prefill_s,\n"
     "                       decode_s, tokens_per_s, peak_rss_bytes, threads, ...\n"
     "  --dump-logits FILE   little-endian f32 rows of vocab_size logits, one per\n"
@@ -53,7 +61,8 @@ const char *const cmd_run_help =
 
 typedef struct {
     const char *model_dir, *prompt, *prompt_file, *ids, *out, *dump;
-    int64_t gen;
+    const char *draft;     /* --draft DIR */
+    int64_t gen, speculate;
     bool full, incremental, quiet, verbose;
     k3_sample_opts so;     /* sampling flags (engine/engine.h) */
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
@@ -88,7 +97,13 @@ static int parse_args(int argc, char **argv, run_args *a) {
             NEED_VALUE();
             if (!k3_parse_i64(v, 0, INT64_MAX / 2, &n)) return k3_usage_error("run", "--gen: '%s' is not a count >= 0", v);
             a->gen = n;
-        } else if (!strcmp(o, "--full")) a->full = true;
+        } else if (!strcmp(o, "--speculate")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 0, K3_SPEC_MAX, &n))
+                return k3_usage_error("run", "--speculate: '%s' is not a count in [0, %d]", v, K3_SPEC_MAX);
+            a->speculate = n;
+        } else if (!strcmp(o, "--draft")) { NEED_VALUE(); a->draft = v; }
+        else if (!strcmp(o, "--full")) a->full = true;
         else if (!strcmp(o, "--incremental")) a->incremental = true;
         else if (!strcmp(o, "--quiet")) a->quiet = true;
         else if (!strcmp(o, "--verbose")) a->verbose = true;
@@ -110,6 +125,8 @@ static int parse_args(int argc, char **argv, run_args *a) {
         return k3_usage_error("run", np ? "give only one of --prompt, --prompt-file, --ids"
                                         : "give a prompt: --prompt TEXT, --prompt-file FILE or --ids 1,2,3");
     if (a->full && a->incremental) return k3_usage_error("run", "--full and --incremental exclude each other");
+    if (a->draft && !a->speculate) a->speculate = 4;
+    if (a->full && a->speculate) return k3_usage_error("run", "--full recomputes every step: it takes no --speculate");
     k3_err e = {0};
     if (k3_sample_opts_check(&a->so, "run", &e)) return k3_report(&e);
     return K3_OK;
@@ -189,6 +206,9 @@ typedef struct {
     bool all_rows;     /* every prompt row's logits: rank 0 dumps them, and under a split
                           trunk (dist/tensor_par.h) the head is a collective every rank joins */
     json_t *dist;      /* expert-parallel figures (rank 0 of several), or NULL */
+    k3_drafter *drafter;
+    k3_spec *spec;     /* --speculate: the verifying feed, or NULL */
+    k3_gen_result res; /* the generation's counters, for the report */
 } run_ctx;
 
 /* Streams one token's text (or id); a write error on stdout (a full disk or
@@ -286,6 +306,13 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
     json_object_set_new(o, "prefill_tokens_per_s", json_real(prefill_s > 0 ? (double)r->nprompt / prefill_s : 0));
     json_object_set_new(o, "peak_rss_bytes", json_integer((json_int_t)k3_peak_rss_bytes()));
     json_object_set_new(o, "threads", json_integer(threads));
+    /* per decoding pass: 1 and 0 drafts without --speculate */
+    json_object_set_new(o, "speculate", json_integer(r->a->speculate));
+    json_object_set_new(o, "decode_passes", json_integer((json_int_t)r->res.passes));
+    json_object_set_new(o, "drafts_proposed", json_integer((json_int_t)r->res.drafted));
+    json_object_set_new(o, "drafts_accepted", json_integer((json_int_t)r->res.accepted));
+    json_object_set_new(o, "tokens_per_pass",
+                        json_real(r->res.passes ? (double)r->res.fed / (double)r->res.passes : 0.0));
     json_object_set_new(o, "layers", json_integer(k3_model_config(r->m)->num_layers));
     k3_runmem_json(r->rm, o);
     if (r->dist) json_object_set(o, "expert_parallel", r->dist);
@@ -311,6 +338,7 @@ static int run(const run_args *a, k3_err *err) {
     k3_engine_opts eo = a->eo;
     eo.model_dir = a->model_dir;
     eo.max_pos = prompt_bound(a) + a->gen;
+    if (a->speculate) eo.mem.so.pass_tokens = (int)a->speculate + 1; /* a verifying pass in one chunk */
     if ((rc = k3_engine_open(&eo, &r.e, err))) goto done;
     /* under mpirun, the ranks after the first compute alongside it silently */
     run_args quiet_rank;
@@ -340,6 +368,12 @@ static int run(const run_args *a, k3_err *err) {
     free(pids);
     r.nseq = r.nprompt;
     r.sess = k3_session_open(r.e, r.s, NULL);
+    if (a->draft && r.e->ranks > 1) {
+        rc = k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
+        goto ready;
+    }
+    if ((rc = k3_drafter_for(r.e, a->draft, (int)a->speculate, max_pos, &r.drafter, err))) goto ready;
+    if (r.drafter) r.spec = k3_spec_new(r.drafter, (int)a->speculate, (int)V);
     r.logits = xmalloc_array(V * (r.all_rows ? (size_t)k3_runmem_chunk(r.rm) : 1), sizeof(float));
     if (a->dump) {
         if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto ready;
@@ -374,12 +408,11 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
         go.ctx = &r;
         go.on_token = emit_token;
         go.on_logits = dump_row;
-        k3_gen_result res;
-        rc = k3_generate(r.sess, &sp, r.logits, &go, &res, err);
-        memcpy(r.seq + r.nseq, res.ids, res.n * sizeof *r.seq);
-        r.nseq += res.n;
-        if (res.end == K3_GEN_END_EOS) stop = "eos";
-        k3_gen_result_free(&res);
+        go.spec = r.spec;
+        rc = k3_generate(r.sess, &sp, r.logits, &go, &r.res, err);
+        memcpy(r.seq + r.nseq, r.res.ids, r.res.n * sizeof *r.seq);
+        r.nseq += r.res.n;
+        if (r.res.end == K3_GEN_END_EOS) stop = "eos";
     }
     t2 = k3_now();
     k3_dist_stats ds2 = k3_dist_get_stats();
@@ -419,15 +452,23 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
                 r.nprompt, prefill_s, prefill_s > 0 ? (double)r.nprompt / prefill_s : 0.0, ngen, stop, decode_s,
                 decode_s > 0 && ngen > 1 ? (double)(ngen - 1) / decode_s : 0.0,
                 (double)k3_peak_rss_bytes() / (1024.0 * 1024), threads);
+    if (r.spec && !a->quiet)
+        fprintf(stderr, "speculation: %llu passes fed %llu ids (%.2f a pass); %llu of %llu drafts accepted\n",
+                (unsigned long long)r.res.passes, (unsigned long long)r.res.fed,
+                r.res.passes ? (double)r.res.fed / (double)r.res.passes : 0.0, (unsigned long long)r.res.accepted,
+                (unsigned long long)r.res.drafted);
     if (a->out) rc = write_out_json(&r, prefill_s, decode_s, threads, stop, err);
 done:
     json_decref(r.dist);
+    k3_gen_result_free(&r.res);
+    k3_spec_free(r.spec);
     if (r.dumping) k3_atomic_abort(&r.df);
     free(r.seq);
     free(r.logits);
     free(r.tbuf);
     k3_session_free(r.sess);
     if (r.e) k3_engine_state_free(r.e, r.s);
+    k3_drafter_free(r.drafter);
     k3_engine_free(r.e);
     return rc;
 }

@@ -1,6 +1,8 @@
 /* generate.c: the generation loop (generate.h). */
 #include "generate/generate.h"
 
+#include "draft/draft.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -39,15 +41,22 @@ static bool has_room(k3_session *s, const k3_gen_opts *o, const k3_gen_result *r
     return o->max_pos <= 0 || (int64_t)consumed(s, o, r) < o->max_pos;
 }
 
-/* One forward pass over id: logits NULL when nothing will read them. */
-static int feed(k3_session *s, const k3_gen_opts *o, int32_t id, float *logits, k3_gen_result *r, k3_err *err) {
+/* Feeds id: logits NULL when nothing will read them. limit: ids the loop may
+ * still feed after this one (drafts beyond it would never be verified). With
+ * speculation the passes are counted from the speculator's figures. */
+static int feed(k3_session *s, const k3_gen_opts *o, int32_t id, float *logits, int64_t limit, k3_gen_result *r,
+                k3_err *err) {
     int rc;
     if (o->feed) rc = o->feed(o->ctx, id, logits, err);
     else if (o->recompute) rc = k3_session_recompute(s, id, logits, err);
+    else if (o->spec && logits) rc = k3_spec_feed(o->spec, s, id, logits, limit, err);
+    else if (o->spec && (rc = k3_spec_finish(o->spec, s, err))) return rc;
     else rc = k3_session_feed(s, &id, 1, logits, err);
     if (rc) return rc;
-    r->passes++;
-    r->fed++;
+    if (!o->spec || !logits) { /* a pass of its own; the speculator counts its own */
+        r->passes++;
+        r->fed++;
+    }
     if (logits && o->on_logits) rc = o->on_logits(o->ctx, logits, err);
     return rc;
 }
@@ -56,7 +65,10 @@ int k3_generate(k3_session *s, k3_sampler *sp, float *logits, const k3_gen_opts 
     memset(r, 0, sizeof *r);
     r->end = K3_GEN_END_LENGTH;
     if (!s && !o->feed) return k3_fail(err, K3_EXIT_USAGE, "generate: neither a session nor a feed");
-    if (o->drafter) return k3_fail(err, K3_EXIT_USAGE, "generate: speculative decoding is not available yet");
+    if (o->spec && (!s || o->feed || o->recompute))
+        return k3_fail(err, K3_EXIT_USAGE, "generate: speculation needs a session the loop feeds itself");
+    k3_spec_stats st0 = {0};
+    if (o->spec) st0 = k3_spec_get_stats(o->spec);
     if (o->max_tokens < 0) return k3_fail(err, K3_EXIT_USAGE, "generate: max_tokens %lld < 0", (long long)o->max_tokens);
     size_t cap = o->max_tokens < 64 ? (size_t)o->max_tokens + 1 : 64;
     r->ids = xmalloc_array(cap, sizeof *r->ids);
@@ -83,7 +95,8 @@ int k3_generate(k3_session *s, k3_sampler *sp, float *logits, const k3_gen_opts 
             r->end = K3_GEN_END_STOP;
         }
         if (v == K3_GEN_STOP_KEEP) {
-            if (has_room(s, o, r)) rc = feed(s, o, id, NULL, r, err);
+            if (o->spec && (rc = k3_spec_finish(o->spec, s, err))) break; /* before has_room: drafts hold positions */
+            if (has_room(s, o, r)) rc = feed(s, o, id, NULL, 0, r, err);
             break;
         }
         if (v == K3_GEN_STOP || g + 1 == o->max_tokens) break;
@@ -91,7 +104,15 @@ int k3_generate(k3_session *s, k3_sampler *sp, float *logits, const k3_gen_opts 
             r->end = K3_GEN_END_CANCEL;
             break;
         }
-        if ((rc = feed(s, o, id, logits, r, err))) break;
+        if ((rc = feed(s, o, id, logits, o->max_tokens - g - 2, r, err))) break;
+    }
+    if (o->spec) { /* the session ends holding exactly the ids fed, as without drafts */
+        if (!rc) rc = k3_spec_finish(o->spec, s, err);
+        k3_spec_stats st = k3_spec_get_stats(o->spec);
+        r->passes += st.passes - st0.passes;
+        r->fed += st.fed - st0.fed;
+        r->drafted = st.proposed - st0.proposed;
+        r->accepted = st.accepted - st0.accepted;
     }
     if (rc) r->end = K3_GEN_END_ERROR;
     return rc;

@@ -38,12 +38,15 @@
  *    the loop with that exit code and err; result still describes what was
  *    generated before it.
  *
- * Room to grow, without changing callers: the passes and draft counters in
- * k3_gen_result, and opts.drafter, which must be NULL for now (one id per
- * forward pass). Speculation will feed a drafter's ids in one pass
- * (k3_session_feed_rows with all rows), accept the prefix the sampler agrees
- * with, and roll the session back to it; batching will run several sessions'
- * loops in one pass. Both stay inside k3_generate.
+ * Speculation (opts.spec, draft/draft.h): each id the loop feeds goes
+ * through k3_spec_feed, which either takes the id's row from the open
+ * verifying pass (the id was its next draft: no forward) or ends that pass
+ * where the ids stopped agreeing and feeds the id with the next drafts in one
+ * forward. The loop samples every id from the same rows with the same draws
+ * as without speculation, so the ids, the rows on_logits sees and the final
+ * session are those of one id per pass; only passes and fed change. It needs
+ * a session the loop feeds itself (no feed, no recompute). Batching will run
+ * several sessions' loops in one pass, inside k3_generate too.
  *
  * feed: a caller whose forward passes must go through something other than
  * its session (k3 serve's lead rank announces every pass to the ranks that
@@ -71,7 +74,7 @@ typedef enum {
     K3_GEN_END_ERROR,      /* another error; k3_generate returned its code */
 } k3_gen_end;
 
-struct k3_gen_drafter; /* speculation: not yet (must be NULL) */
+struct k3_spec; /* draft/draft.h */
 
 typedef struct {
     int64_t max_tokens;    /* ids to sample at most (>= 0) */
@@ -87,7 +90,7 @@ typedef struct {
     int (*on_logits)(void *ctx, const float *row, k3_err *err); /* each row a forward pass returns */
     bool (*cancelled)(void *ctx);
     int (*feed)(void *ctx, int32_t id, float *logits, k3_err *err); /* NULL: the session; logits NULL: none */
-    struct k3_gen_drafter *drafter;
+    struct k3_spec *spec;  /* speculation (draft/draft.h); NULL: one id per pass */
 } k3_gen_opts;
 
 /* Defaults: nothing to generate, no EOS, no callbacks. */
@@ -100,8 +103,8 @@ typedef struct {
     double t_first;        /* k3_now() when the first id was sampled (0: none) */
     uint64_t passes;       /* forward passes made */
     uint64_t fed;          /* ids fed by them */
-    uint64_t drafted;      /* ids a drafter proposed (0 without one) */
-    uint64_t accepted;     /* of those, ids accepted */
+    uint64_t drafted;      /* drafts fed (0 without speculation) */
+    uint64_t accepted;     /* of those, drafts the sampler agreed with */
 } k3_gen_result;
 
 void k3_gen_result_free(k3_gen_result *r);
