@@ -78,6 +78,19 @@ mpi_setup() {
   fi
 }
 
+# expect_rank_killed NAME RANK FAULT CMD...: CMD (an mpirun job) runs with
+# K3_DIST_FAULT=FAULT, which SIGKILLs rank RANK mid-run: the job must end
+# with an error (not hang into its timeout, exit 124) and mpirun's report must
+# name that rank.
+expect_rank_killed() {
+  local name=$1 rank=$2 fault=$3; shift 3
+  K3_DIST_FAULT=$fault "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"
+  local rc=$?
+  [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && pass "$name:exit" || fail "$name:exit" "exit $rc"
+  grep -q "process rank $rank .* exited on signal 9" "$OUT/$name.err" && pass "$name:named" \
+    || fail "$name:named" "$(head -c 300 "$OUT/$name.err")"
+}
+
 # k3 serve's /health at URL as "CANCELLED RUNNING WAITING" (RUNNING True or
 # False). sed, not python: tests poll it to catch a request while it runs, so
 # each poll must be quick also on a loaded machine.
