@@ -76,7 +76,7 @@ expect_exit help_de 0 "$K3" detokenize --help
 # endless inputs are refused at once (bounded in time and memory), and a
 # request with a key twice is refused as serve refuses it
 for f in file chat; do
-  expect_exit "dev_zero_$f" 2 bash -c "ulimit -v 2000000; timeout 20 '$K3' tokenize '$TOK' --$f /dev/zero"
+  expect_exit "dev_zero_$f" 2 bash -c "$MEM_CAP timeout 20 '$K3' tokenize '$TOK' --$f /dev/zero"
   expect_err_contains "dev_zero_$f" "not a regular file"
 done
 printf '{"messages":[{"role":"user","content":"a","content":"b"}]}' >"$OUT/dupkey.json"

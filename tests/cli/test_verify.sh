@@ -72,7 +72,7 @@ expect_err_contains conflicting-digests "another digest"
 { cat "$OUT/coreutils.sums"; head -n 1 "$OUT/coreutils.sums"; } >"$OUT/repeat.sums"
 expect_exit repeated-line 0 $K3 verify "$M" --sha256 "$OUT/repeat.sums"
 # an endless manifest is refused at once, not read until memory runs out
-expect_exit manifest-dev-zero 2 bash -c "ulimit -v 2000000; timeout 20 $K3 verify '$M' --sha256 /dev/zero"
+expect_exit manifest-dev-zero 2 bash -c "$MEM_CAP timeout 20 $K3 verify '$M' --sha256 /dev/zero"
 expect_err_contains manifest-dev-zero "not a regular file"
 expect_exit help 0 $K3 verify --help
 expect_out_contains help "sha256sum"
