@@ -9,6 +9,7 @@
 #include "chat/chat.h"
 #include "cli/commands.h"
 #include "dist/dist.h"
+#include "draft/draft.h"
 #include "engine/engine.h"
 #include "generate/generate.h"
 #include "session/session.h"
@@ -50,12 +51,19 @@ const char *const cmd_chat_help =
     "                       differently from what was generated resumes from the\n"
     "                       deepest snapshot before the difference\n"
     "  --state-grid N       positions between grid snapshots (default 1024)\n"
+    "  --speculate K        speculative decoding: up to K drafted ids (1-16) verified\n"
+    "                       per forward pass; drafts from the whole conversation\n"
+    "                       (n-gram lookup) unless --draft is given. The replies\n"
+    "                       are exactly those without it (docs/speculation.md)\n"
+    "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
+    "                       --speculate defaults to 4 with it; not under mpirun\n"
     "  --load FILE          start from a saved conversation\n"
     "  --cold               re-prefill the whole conversation every turn (for\n"
     "                       comparison: the replies are the same bits)\n"
     "  --out FILE.json      after every turn, write the turns (prompt_ids,\n"
-    "                       generated_ids, reused, ttft_s, tokens_per_s) and the\n"
-    "                       messages\n"
+    "                       generated_ids, reused, ttft_s, tokens_per_s,\n"
+    "                       decode_passes, drafts_proposed, drafts_accepted) and\n"
+    "                       the messages\n"
     "\n" K3_ENGINE_HELP
     "\n"
     "exit codes: 0 ok, 1 runtime/I-O, 2 usage (a model without a tokenizer or\n"
@@ -65,8 +73,9 @@ const char *const cmd_chat_help =
 
 typedef struct {
     const char *model_dir, *system, *load, *out;
+    const char *draft;     /* --draft DIR */
     bool thinking, cold;
-    int64_t gen, max_ctx, grid;
+    int64_t gen, max_ctx, grid, speculate;
     k3_sample_opts so;     /* sampling flags (engine/engine.h) */
     uint64_t cache_bytes;  /* --state-cache-gb */
     k3_engine_opts eo;
@@ -116,6 +125,14 @@ static int parse_args(int argc, char **argv, chat_args *a) {
             NEED_VALUE();
             k3_err e = {0};
             if (k3_state_cache_parse_gb("chat", v, &a->cache_bytes, &e)) return k3_report(&e);
+        } else if (!strcmp(o, "--speculate")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 0, K3_SPEC_MAX, &n))
+                return k3_usage_error("chat", "--speculate: '%s' is not a count in [0, %d]", v, K3_SPEC_MAX);
+            a->speculate = n;
+        } else if (!strcmp(o, "--draft")) {
+            NEED_VALUE();
+            a->draft = v;
         } else {
             bool used;
             k3_err e = {0};
@@ -127,6 +144,7 @@ static int parse_args(int argc, char **argv, chat_args *a) {
     }
     if (a->eo.mem.list_presets) return K3_OK;
     if (!a->model_dir) return k3_usage_error("chat", "no MODEL_DIR given");
+    if (a->draft && !a->speculate) a->speculate = 4;
     if (a->system) { /* refused like `k3 run --prompt`, never dropped from the conversation */
         size_t sl = strlen(a->system), bad = tok_utf8_check((const uint8_t *)a->system, sl);
         if (bad != sl) return k3_usage_error("chat", "--system: invalid UTF-8 at byte %zu", bad);
@@ -152,6 +170,10 @@ typedef struct {
     k3_state *st;
     k3_state_cache *cache;
     k3_session *s;
+    k3_drafter *drafter;  /* --speculate: n-gram over the session's ids (the whole
+                             rendered conversation) or the draft model */
+    k3_spec *spec;        /* the verifying feed, kept across turns (its controller
+                             goes on adapting); NULL without --speculate */
     uint64_t model_id;
     json_t *messages;   /* the conversation, OpenAI-shaped */
     json_t *turns;      /* for --out */
@@ -311,6 +333,7 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     go.ctx = &cr;
     go.on_token = reply_token;
     go.cancelled = reply_interrupted;
+    go.spec = c->spec;
     k3_gen_result res;
     rc = k3_generate(c->s, &sp, c->logits, &go, &res, err);
     /* the stop id is part of the rendered message: the loop fed it too */
@@ -335,6 +358,10 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
         free(ids);
         json_array_remove(c->messages, json_array_size(c->messages) - 1);
         k3_session_reset(c->s);
+        if (c->spec) { /* a pass the error left open is gone with the reset */
+            k3_spec_free(c->spec);
+            c->spec = k3_spec_new(c->drafter, (int)a->speculate, c->e->vocab);
+        }
         return rc;
     }
     k3_session_snapshot(c->s);
@@ -358,9 +385,13 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     char rr[96];
     if (same == ns) snprintf(rr, sizeof rr, "re-rendered history extends the state");
     else snprintf(rr, sizeof rr, "re-rendered history departs from the state at position %zu", same);
+    char sr[128] = "";
+    if (c->spec)
+        snprintf(sr, sizeof sr, "; %llu passes, %llu of %llu drafts accepted", (unsigned long long)res.passes,
+                 (unsigned long long)res.accepted, (unsigned long long)res.drafted);
     fprintf(stderr,
-            "[turn %d: prompt %zu tokens, reused %zu (%s); first token %.3f s; %zu tokens, %.2f tok/s; %s; %s]\n",
-            c->turn, n, reused, source_name(source), ttft, ng, tps,
+            "[turn %d: prompt %zu tokens, reused %zu (%s); first token %.3f s; %zu tokens, %.2f tok/s%s; %s; %s]\n",
+            c->turn, n, reused, source_name(source), ttft, ng, tps, sr,
             stopped ? "stop" : interrupted ? "interrupted" : finish, rr);
     json_t *t = json_object();
     json_object_set_new(t, "prompt_ids", ids_json(ids, n));
@@ -371,6 +402,9 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     json_object_set_new(t, "ttft_s", json_real(ttft));
     json_object_set_new(t, "tokens_per_s", json_real(tps));
     json_object_set_new(t, "history_matches", json_boolean(same == ns));
+    json_object_set_new(t, "decode_passes", json_integer((json_int_t)res.passes));
+    json_object_set_new(t, "drafts_proposed", json_integer((json_int_t)res.drafted));
+    json_object_set_new(t, "drafts_accepted", json_integer((json_int_t)res.accepted));
     json_array_append_new(c->turns, t);
     free(gids);
     free(ids);
@@ -464,6 +498,7 @@ static int chat(const chat_args *a, k3_err *err) {
     eo.model_dir = a->model_dir;
     eo.need_tokenizer = true;
     eo.max_pos = a->max_ctx;
+    if (a->speculate) eo.mem.so.pass_tokens = (int)a->speculate + 1; /* a verifying pass in one chunk */
     int rc = k3_engine_open(&eo, &c.e, err);
     if (rc) return rc;
     /* under mpirun: rank 0 reads the input and talks, every rank computes */
@@ -487,6 +522,12 @@ static int chat(const chat_args *a, k3_err *err) {
     if ((rc = k3_engine_identity(c.e, &c.model_id, err))) goto done;
     c.cache = k3_state_cache_new(cfg, budget, (int)a->grid);
     c.s = k3_session_open(c.e, c.st, c.cache);
+    if (a->draft && c.e->ranks > 1) {
+        rc = k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
+        goto ready;
+    }
+    if ((rc = k3_drafter_for(c.e, a->draft, (int)a->speculate, a->max_ctx, &c.drafter, err))) goto ready;
+    if (c.drafter) c.spec = k3_spec_new(c.drafter, (int)a->speculate, c.e->vocab);
     c.logits = xmalloc_array((size_t)V, sizeof *c.logits);
     c.turns = json_array();
     c.tty_in = isatty(0);
@@ -501,6 +542,7 @@ static int chat(const chat_args *a, k3_err *err) {
                 k3_size_str(budget), k3_size_str(cs.kda_bytes), k3_size_str(cs.row_bytes), cs.grid, c.thinking ? "on" : "off");
     }
     if (a->load) rc = load(&c, a->load, err);
+ready:
     if ((rc = k3_engine_ready(c.e, rc, err))) goto done; /* every rank of a job, or none */
     if (c.tty_in) {
         fputs(chat_commands, stderr);
@@ -547,6 +589,7 @@ static int chat(const chat_args *a, k3_err *err) {
     free(line);
     if (!rc && ferror(stdin)) rc = k3_fail(err, K3_EXIT_RUNTIME, "stdin: %s", strerror(errno));
 done:
+    k3_spec_free(c.spec);
     k3_session_free(c.s);
     k3_state_cache_free(c.cache);
     if (c.st) k3_engine_state_free(c.e, c.st);
@@ -554,6 +597,7 @@ done:
     json_decref(c.messages);
     json_decref(c.turns);
     k3_chat_free(c.chat);
+    k3_drafter_free(c.drafter);
     k3_engine_free(c.e);
     return rc;
 }
