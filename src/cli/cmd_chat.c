@@ -4,8 +4,10 @@
  * (src/chat) and hands the ids to a session (src/session), which feeds only
  * what its state has not seen; replies are parsed by token id into reasoning
  * and answer. Standard input that is not a terminal works the same, one
- * message per line (how the tests drive it); there an error in a command ends
- * the chat with its exit code, in a terminal it is printed and the chat goes on. */
+ * message per line (how the tests drive it). A failing line (a refused
+ * message, a /save or --out write that fails) prints one error line and the
+ * chat goes on; the exit status at the end is the first failure's code, so a
+ * script knows (a command's error is never taken for /quit). */
 #include "chat/chat.h"
 #include "cli/commands.h"
 #include "dist/dist.h"
@@ -66,8 +68,13 @@ const char *const cmd_chat_help =
     "                       the messages\n"
     "\n" K3_ENGINE_HELP
     "\n"
-    "exit codes: 0 ok, 1 runtime/I-O, 2 usage (a model without a tokenizer or\n"
-    "without the XTML ids, a conversation longer than --max-context), 3 cannot\n"
+    "A line that fails (a refused message or command, a /save, /load or --out\n"
+    "that cannot be done) prints one error line and the chat goes on, the\n"
+    "conversation kept; the exit status at the end is the first failure's code.\n"
+    "\n"
+    "exit codes: 0 ok, 1 runtime/I-O (a file that cannot be written or read),\n"
+    "2 usage (a model without a tokenizer or without the XTML ids, a\n"
+    "conversation longer than --max-context, a refused line), 3 cannot\n"
     "fit the memory budget, 4 checkpoint or session file data error (a session\n"
     "of another model, a corrupt or truncated file)\n";
 
@@ -462,12 +469,16 @@ static int load(chat_ctx *c, const char *path, k3_err *err) {
 static const char *const chat_commands =
     "commands: /reset, /save FILE, /load FILE, /think on|off, /help, /quit\n";
 
-/* A /command line. Returns 1 for /quit. */
-static int command(chat_ctx *c, char *line, k3_err *err) {
+/* A /command line; *quit is set for /quit (K3_OK: a command's error code
+ * can never be read as the request to quit). */
+static int command(chat_ctx *c, char *line, bool *quit, k3_err *err) {
     char *arg = line + strcspn(line, " \t");
     if (*arg) *arg++ = 0;
     arg += strspn(arg, " \t");
-    if (!strcmp(line, "/quit") || !strcmp(line, "/exit")) return 1;
+    if (!strcmp(line, "/quit") || !strcmp(line, "/exit")) {
+        *quit = true;
+        return K3_OK;
+    }
     if (!strcmp(line, "/help")) {
         fputs(chat_commands, stderr);
         return K3_OK;
@@ -492,7 +503,9 @@ static int command(chat_ctx *c, char *line, k3_err *err) {
     return k3_fail(err, K3_EXIT_USAGE, "%s: unknown command (%s)", line, "try /help");
 }
 
-static int chat(const chat_args *a, k3_err *err) {
+/* *reported: the error in err was printed already (a failing line, when the
+ * chat went on to the end of its input). */
+static int chat(const chat_args *a, k3_err *err, bool *reported) {
     chat_ctx c = {.a = a, .thinking = a->thinking};
     k3_engine_opts eo = a->eo;
     eo.model_dir = a->model_dir;
@@ -554,6 +567,7 @@ ready:
     }
     char *line = NULL;
     size_t cap = 0;
+    int failed = 0; /* the first failing line's code: the exit status at the end */
     for (;;) {
         if (c.tty_in) {
             fputs("> ", stdout);
@@ -569,25 +583,25 @@ ready:
         if (len == 0) continue;
         k3_err e = {0};
         int r;
-        if (line[0] == '/') r = command(&c, line, &e);
+        bool quit = false;
+        if (line[0] == '/') r = command(&c, line, &quit, &e);
         else if (memchr(line, 0, (size_t)len)) r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message holds a NUL byte");
         else if (tok_utf8_check((const uint8_t *)line, (size_t)len) != (size_t)len)
             r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message is not valid UTF-8 (byte %zu)",
                         tok_utf8_check((const uint8_t *)line, (size_t)len));
         else r = turn(&c, line, &e);
         if (c.e->ranks > 1) r = k3_dist_agree(r, &e, "a chat turn"); /* the same next step on every rank */
-        if (r == 1) break;
-        if (r) {
-            if (!c.tty_in) { /* a script: the first error ends it */
-                *err = e;
-                rc = r;
-                break;
-            }
+        if (r) { /* one line; the conversation is kept and the chat goes on */
             k3_report(&e);
-        }
+            if (!failed) failed = r;
+        } else if (quit) break;
     }
     free(line);
     if (!rc && ferror(stdin)) rc = k3_fail(err, K3_EXIT_RUNTIME, "stdin: %s", strerror(errno));
+    if (!rc && failed) {
+        rc = failed;
+        *reported = true;
+    }
 done:
     k3_spec_free(c.spec);
     k3_session_free(c.s);
@@ -612,7 +626,8 @@ int cmd_chat(int argc, char **argv) {
         return K3_OK;
     }
     k3_err err = {0};
-    rc = chat(&a, &err);
-    if (rc) return k3_report(&err);
+    bool reported = false;
+    rc = chat(&a, &err, &reported);
+    if (rc) return reported ? rc : k3_report(&err);
     return K3_OK;
 }
