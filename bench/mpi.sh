@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# bench/mpi.sh: expert-parallel decode on this host (localhost, shared memory)
-# at 1 to 4 ranks, and the figures the projection needs.
+# bench/mpi.sh: decode under mpirun on this host (localhost, shared memory) at 1
+# to 4 ranks, in the default layout (tp+ep: the trunk split by output rows, the
+# routed experts by expert) and the experts-only one (ep), and the figures the
+# projection needs.
 #
 #   bench/mpi.sh [--model DIR] [--gen N] [--max-ranks R] [--threads T] [--out FILE]
 #
 # Per rank count, `mpirun -np R k3 run MODEL --ids ... --gen N --out` reports
 # (rank 0's "expert_parallel" block, every rank's own figures) per decoded
-# token: exchanges, bytes each rank sent, the share of the decode time each
-# rank spent inside exchanges (posting, transfer and waiting for slower
-# ranks), with the tokens/s and a check that the ids equal the single
-# process's. Then bin/bench_exchange times one exchange alone (the release's
+# token: exchanges (of which the split trunk's gathers), bytes each rank
+# sent, the share of the decode time each rank spent inside them (posting,
+# transfer and waiting for slower ranks), the trunk's weight bytes each rank's
+# products read against one process's, with the tokens/s and a check that the
+# ids equal the single process's. Then bin/bench_exchange times one exchange alone (the release's
 # decode block at each rank count, and fixed sizes), and k3 cache-sim spreads
 # the peer's expert trace of the real release over 2..32 ranks. Everything
 # goes to one JSON file (default bench/.cache/mpi.json) for
@@ -59,6 +62,8 @@ for R in $(seq 1 "$MAXR"); do
     bin/k3 run "$MODEL" --ids "$IDS" --gen "$GEN" --quiet --threads "$THREADS" --out "$W/run1.json"
   else
     $MPI -np "$R" bin/k3 run "$MODEL" --ids "$IDS" --gen "$GEN" --quiet --threads "$THREADS" --out "$W/run$R.json"
+    $MPI -np "$R" bin/k3 run "$MODEL" --ids "$IDS" --gen "$GEN" --quiet --threads "$THREADS" --out "$W/ep$R.json" \
+      --parallel-layout ep
   fi
   $MPI -np "$R" bin/bench_exchange --config "$RELEASE/config.json" --iters 400 >"$W/exch$R.jsonl"
 done
@@ -71,23 +76,31 @@ import json, os, re, sys
 w, maxr, out, model, ncpu, load = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6]
 res = {"model": model, "cpus": ncpu, "load_before": float(load), "runs": [], "exchange": [], "placement": []}
 ids1 = None
-print(f"expert-parallel decode of {model} on this host ({ncpu} CPUs, load {load}); per decoded token:")
-print(f"{'ranks':>5} {'tok/s':>8} {'exch/tok':>8} {'kB sent/rank':>13} {'exch share min..max':>20} {'ids':>4}")
+print(f"decode of {model} under mpirun on this host ({ncpu} CPUs, load {load}); per decoded token:")
+print(f"{'ranks':>5} {'layout':>6} {'tok/s':>8} {'exch/tok':>8} {'gathers':>7} {'kB sent/rank':>13} "
+      f"{'exch share min..max':>20} {'trunk MB/rank':>13} {'of one':>6} {'ids':>4}")
 for r in range(1, maxr + 1):
-    j = json.load(open(f"{w}/run{r}.json"))
-    ids = j["generated_ids"]
-    if ids1 is None: ids1 = ids
-    d = j.get("expert_parallel", {}).get("decode")
-    row = {"ranks": r, "tokens_per_s": j["tokens_per_s"], "same_ids": ids == ids1,
-           "exchanges_per_token": d["exchanges_per_token"] if d else 0,
-           "bytes_sent_per_token": d["bytes_sent_per_token"] if d else [0],
-           "exchange_share": d["exchange_share"] if d else [0], "experts_held": d["experts_held"] if d else None,
-           "oversubscribed": r * int(j["threads"]) > ncpu}
-    res["runs"].append(row)
-    sh = row["exchange_share"]
-    print(f"{r:>5} {row['tokens_per_s']:>8.2f} {row['exchanges_per_token']:>8.1f} "
-          f"{max(row['bytes_sent_per_token'])/1e3:>13.1f} {100*min(sh):>9.1f}..{100*max(sh):>5.1f}% "
-          f"{'same' if row['same_ids'] else 'DIFF':>4}{'  (oversubscribed)' if row['oversubscribed'] else ''}")
+    for lay in ("tp+ep", "ep") if r > 1 else ("one",):
+        j = json.load(open(f"{w}/{'ep' if lay == 'ep' else 'run'}{r}.json"))
+        ids = j["generated_ids"]
+        if ids1 is None: ids1 = ids
+        d = j.get("expert_parallel", {}).get("decode")
+        row = {"ranks": r, "layout": lay, "tokens_per_s": j["tokens_per_s"], "same_ids": ids == ids1,
+               "exchanges_per_token": d["exchanges_per_token"] if d else 0,
+               "split_gathers_per_token": d.get("split_gathers_per_token", 0) if d else 0,
+               "bytes_sent_per_token": d["bytes_sent_per_token"] if d else [0],
+               "exchange_share": d["exchange_share"] if d else [0], "split_share": d.get("split_share") if d else None,
+               "trunk_bytes_read_per_token": d.get("trunk_bytes_read_per_token") if d else None,
+               "trunk_bytes_one_process_per_token": d.get("trunk_bytes_one_process_per_token") if d else None,
+               "experts_held": d["experts_held"] if d else None, "oversubscribed": r * int(j["threads"]) > ncpu}
+        res["runs"].append(row)
+        sh = row["exchange_share"]
+        tr = row["trunk_bytes_read_per_token"]
+        trs = f"{max(tr)/1e6:>13.2f} {max(tr)/row['trunk_bytes_one_process_per_token']:>6.3f}" if tr else f"{'all':>13} {'1':>6}"
+        print(f"{r:>5} {lay:>6} {row['tokens_per_s']:>8.2f} {row['exchanges_per_token']:>8.1f} "
+              f"{row['split_gathers_per_token']:>7.1f} {max(row['bytes_sent_per_token'])/1e3:>13.1f} "
+              f"{100*min(sh):>9.1f}..{100*max(sh):>5.1f}% {trs} "
+              f"{'same' if row['same_ids'] else 'DIFF':>4}{'  (oversubscribed)' if row['oversubscribed'] else ''}")
     for line in open(f"{w}/exch{r}.jsonl"):
         res["exchange"].append(json.loads(line))
 print("\none exchange alone (bench_exchange; the release's decode block: ceil(16/R) x 3584 f32 per rank):")

@@ -1,32 +1,53 @@
 #!/usr/bin/python3
 """mpi_projection.py: projected decode tokens/s of the full Kimi K3 release on R
-ranks (one rank per host or socket), from the release's config, figures
-measured by bench/mpi.sh, and stated host and network figures.
+ranks (one rank per socket), from the release's config, figures measured by
+bench/mpi.sh, and stated host and network figures. The defaults are the
+anchor's class of machine: Xeon 8592+ sockets (8 x DDR5-5600: 358 GB/s peak),
+two a node with 1 TB (512 GB a rank), 400 Gb/s a node (25 GB/s a rank).
 
-  bench/mpi_projection.py [--measured bench/.cache/mpi.json] [--mem-bw 250] [--ram 1024]
-                          [--disk 6] [--net-bw 12.5] [--net-lat 10] [--eff 0.8] [--ranks 1,2,...,32]
+  bench/mpi_projection.py [--measured bench/.cache/mpi.json] [--mem-bw 358] [--ram 512]
+                          [--disk 6] [--net-bw 25] [--net-lat 5] [--msg-us 0.5] [--eff 0.8]
+                          [--ranks 1,2,...,32] [--json]
 
-The model (docs/mpi.md explains each term):
+The model (docs/mpi.md explains each term), for the layout k3 runs by default
+(tp+ep: the trunk's matrices split by output rows over the ranks, the routed
+experts by expert):
 
-  t(R) = trunk_read / (mem_bw * eff)                      every rank runs the whole trunk
+  t(R) = split(R) / bw                                    the busiest rank's rows of every split
+                                                          matrix (whole 16-row runs) and the head
+       + whole / bw                                       what every rank reads whole: MLA's kv_b,
+                                                          one embedding row, KDA state
        + n_moe * busiest(R) * expert_bytes / read_bw      the slowest rank's experts per layer
-       + n_moe * (net_lat + recv(R) / net_bw)             one exchange per MoE layer
+       + n_moe * (net_lat + (R-1) msg + recv(R) / net_bw) one expert exchange per MoE layer
+       + sum over gathers (net_lat + (R-1) msg + (R-1)/R out_bytes / net_bw)
+                                                          the split products' gathers: 3 a KDA or
+                                                          MLA layer, 2 a MoE or dense layer, 1 the head
+
+  bw = min(mem_bw * eff, cores * bf16_core)              a byte costs the slower of its read and its
+                                                          compute: the per-core matrix-vector rates
+                                                          at the release's width 7168 measured by
+                                                          bench/kernels.c (docs/release-scale.md);
+                                                          the experts the same with mxfp4_core
+
+and, as a second figure (replicated_tokens_per_s), the experts-only layout
+(ep), where every rank reads the whole trunk and makes only the exchanges:
+
+  t_ep(R) = trunk_read / (mem_bw * eff) + experts + exchanges
 
   busiest(R): the most of a token's k experts that one rank holds, averaged
               over tokens and layers: drawn from the peer's real release trace
               (per-layer expert popularity) under the traced placement that
               bench/mpi.sh computed (contiguous where none), else uniform;
-  read_bw:    mem_bw * eff when the rank's share of the experts fits its RAM
+  read_bw:    min(mem_bw * eff, cores * mxfp4_core) when the rank's share of the experts fits its RAM
               beside the trunk, else a mix with the disk (the resident
               fraction hits, the rest is read at --disk GB/s);
   recv(R):    bytes a rank receives per exchange, (k - k / R) * latent * 4.
 
-The second table assumes what k3 does not do yet: the trunk split by output
-rows over the ranks (each rank reads 1/R of every matrix and the outputs are
-all-gathered, which keeps the bits), at `--tp-collectives` more small
-collectives per layer. The anchor is the published 21 tokens/s on 32 sockets
-of 16 hosts (one rank per socket, ~5 ms a token of communication in 581 small
-collectives).
+The anchor is the published 21 tokens/s on 32 sockets of 16 hosts (one rank
+per socket, ~5 ms a token of communication in 581 small collectives). The
+compute is taken as bandwidth-bound (decode at batch 1 reads every weight
+once): eff is what k3's decode reached of a read probe on the development
+host (81-88%), an assumption on a full socket of cores.
 """
 import argparse
 import gzip
@@ -77,6 +98,48 @@ def release_bytes(t, la):
                 experts_total=expert * N * n_moe)
 
 
+def split_layout(t, la, R):
+    """Under tp+ep, per token: the busiest rank's bytes of the split matrices
+    (each split in whole 16-row runs, as k_row_share deals them), the bytes
+    every rank reads whole, and the gathers' output floats (one entry a gather)."""
+    E, V, L = t["hidden_size"], t["vocab_size"], t["num_hidden_layers"]
+    N, l, I = t["num_experts"], t["routed_expert_hidden_size"], t["moe_intermediate_size"]
+    S = t.get("num_shared_experts", 0) * I
+    H, D = la["num_heads"], la["head_dim"]
+    P = H * D
+    mla_layers = set(x - 1 for x in la.get("full_attn_layers", []))
+    Hm, rq, rkv = t["num_attention_heads"], t["q_lora_rank"], t["kv_lora_rank"]
+    dn, dr, dv = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"]
+    first_dense = t.get("first_k_dense_replace", 0)
+    Id = t.get("intermediate_size", 0)
+    gate = t.get("mla_use_output_gate")
+
+    def share(rows, cols):  # BF16 rows, the busiest part of R
+        units = -(-rows // 16)
+        return min(rows, -(-units // R) * 16) * cols * 2
+
+    split, whole, gathers = 0, 2 * E, []
+    split += share(V, E)
+    gathers.append(V)
+    for L_ in range(L):
+        if L_ in mla_layers:
+            split += share(rq, E) + share(rkv + dr, E) + (share(Hm * dv, E) if gate else 0)
+            split += share(Hm * (dn + dr), rq) + share(E, Hm * dv)
+            whole += 2 * Hm * (dn + dv) * rkv  # kv_b: read per head by the absorbed core
+            gathers += [rq + rkv + dr + (Hm * dv if gate else 0), Hm * (dn + dr), E]
+        else:
+            split += 4 * share(P, E) + share(H, E) + share(D, E) + share(P, D) + share(E, P)
+            whole += 2 * 4 * H * D * D  # the recurrent state, read and written
+            gathers += [4 * P + H + D, P, E]
+        if L_ < first_dense:
+            split += 2 * share(Id, E) + share(E, Id)
+            gathers += [2 * Id, E]
+        else:
+            split += share(N, E) + share(l, E) + 2 * share(S, E) + share(E, l) + share(E, S)
+            gathers += [N + l + 2 * S, 2 * E]
+    return dict(split=split, whole=whole, gathers=gathers)
+
+
 def busiest(R, k, N, owner_by_layer, popularity, tokens=64, seed=0):
     """Mean over tokens and layers of the most of a token's k experts one rank holds."""
     if R == 1:
@@ -112,13 +175,21 @@ def main():
     ap.add_argument("--config", default=os.path.join(fx, "k3-release/config.json"))
     ap.add_argument("--trace", default=os.path.join(fx, "peer/expert_trace.bin.gz"))
     ap.add_argument("--measured", default=os.path.join(HERE, ".cache/mpi.json"))
-    ap.add_argument("--mem-bw", type=float, default=250.0, help="GB/s one rank reads from its RAM (a socket)")
+    ap.add_argument("--mem-bw", type=float, default=358.0,
+                    help="GB/s one rank reads from its RAM (a socket; 358: Xeon 8592+, 8 x DDR5-5600)")
     ap.add_argument("--eff", type=float, default=0.80, help="share of --mem-bw k3's decode reaches (measured: 81-88%%)")
-    ap.add_argument("--ram", type=float, default=1024.0, help="GB of RAM per rank")
+    ap.add_argument("--cores", type=int, default=64, help="cores a rank (a socket: 64 for the Xeon 8592+)")
+    ap.add_argument("--bf16-core", type=float, default=4.8,
+                    help="GB/s of BF16 weights one core's matrix-vector products consume at width 7168 "
+                         "(bench/kernels.c --quick on the development EPYC: docs/release-scale.md)")
+    ap.add_argument("--mxfp4-core", type=float, default=2.6, help="the same for MXFP4 (the routed experts)")
+    ap.add_argument("--ram", type=float, default=512.0, help="GB of RAM per rank (1 TB a node of 2 sockets)")
     ap.add_argument("--disk", type=float, default=6.0, help="GB/s of expert reads per rank when they do not fit")
-    ap.add_argument("--net-bw", type=float, default=12.5, help="GB/s a rank receives (12.5: 100 Gb/s)")
-    ap.add_argument("--net-lat", type=float, default=10.0, help="microseconds per exchange beyond the bytes")
-    ap.add_argument("--tp-collectives", type=int, default=6, help="extra small collectives per layer, trunk split")
+    ap.add_argument("--net-bw", type=float, default=25.0,
+                    help="GB/s a rank receives (25: 400 Gb/s a node shared by its 2 sockets)")
+    ap.add_argument("--net-lat", type=float, default=5.0, help="microseconds a collective costs beyond its bytes")
+    ap.add_argument("--msg-us", type=float, default=0.5,
+                    help="microseconds a collective costs per peer (k3 posts one message to each other rank)")
     ap.add_argument("--ranks", default="1,2,4,8,16,32")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -131,7 +202,9 @@ def main():
         for p in meas.get("placement", []):
             owners[p["ranks"]] = {L: row for L, row in enumerate(p["owner"])}
     pop = trace_popularity(a.trace, b["N"]) if os.path.exists(a.trace) else None
-    bw = a.mem_bw * a.eff * G
+    # a weight byte costs the slower of its read and its compute
+    bw = min(a.mem_bw * a.eff, a.cores * a.bf16_core) * G
+    xbw = min(a.mem_bw * a.eff, a.cores * a.mxfp4_core) * G
     rows = []
     for R in [int(x) for x in a.ranks.split(",")]:
         m = busiest(R, b["k"], b["N"], owners.get(R), pop)
@@ -139,33 +212,41 @@ def main():
         room = a.ram * G - b["trunk"] - 16 * G            # trunk, state, OS
         resident = max(0.0, min(1.0, room / share))
         # a miss costs a disk read, a hit a memory read of the same bytes
-        per_expert = b["expert"] * (resident / bw + (1 - resident) / (a.disk * G))
+        per_expert = b["expert"] * (resident / xbw + (1 - resident) / (a.disk * G))
         t_trunk = b["trunk"] / bw
         t_exp = b["n_moe"] * m * per_expert
         recv = (b["k"] - b["k"] / R) * b["latent"] * 4
         t_net = 0 if R == 1 else b["n_moe"] * (a.net_lat * 1e-6 + recv / (a.net_bw * G))
-        t1 = t_trunk + t_exp + t_net
-        # what k3 would need: the trunk split by rows as well
-        t_tp_net = 0 if R == 1 else t_net + b["layers"] * a.tp_collectives * (
-            a.net_lat * 1e-6 + b["E"] * 4 * (R - 1) / R / (a.net_bw * G))
-        t2 = t_trunk / R + t_exp + t_tp_net
-        rows.append(dict(ranks=R, busiest_experts=m, resident_share=resident, trunk_s=t_trunk, experts_s=t_exp,
-                         exchange_s=t_net, tokens_per_s=1 / t1, split_trunk_tokens_per_s=1 / t2,
-                         split_trunk_comm_s=t_tp_net))
+        if R > 1:
+            t_net += b["n_moe"] * (R - 1) * a.msg_us * 1e-6
+        t_ep = t_trunk + t_exp + t_net
+        sp = split_layout(t, la, R)
+        t_split = (sp["split"] + sp["whole"]) / bw
+        t_gath = 0 if R == 1 else sum(a.net_lat * 1e-6 + (R - 1) * a.msg_us * 1e-6 + f * 4 * (R - 1) / R / (a.net_bw * G)
+                                      for f in sp["gathers"])
+        t_tp = t_split + t_exp + t_net + t_gath
+        if R == 1:
+            t_tp = t_ep  # one process: nothing is split
+        rows.append(dict(ranks=R, busiest_experts=m, resident_share=resident, trunk_s=t_split if R > 1 else t_trunk,
+                         experts_s=t_exp, exchange_s=t_net, gathers=len(sp["gathers"]) if R > 1 else 0,
+                         gather_s=t_gath, comm_s=t_net + t_gath, tokens_per_s=1 / t_tp,
+                         replicated_trunk_s=t_trunk, replicated_tokens_per_s=1 / t_ep))
     if a.json:
         json.dump(dict(bytes=b, args=vars(a), rows=rows), sys.stdout, indent=1)
         return
     print(f"release: trunk read per token {b['trunk']/G:.1f} GB (BF16), {b['n_moe']} MoE layers x k={b['k']} experts of "
           f"{b['expert']/1e6:.2f} MB ({b['n_moe']*b['k']*b['expert']/G:.1f} GB a token), all experts "
           f"{b['experts_total']/1e12:.3f} TB")
-    print(f"host: {a.mem_bw:g} GB/s memory x {a.eff:g} reached, {a.ram:g} GB RAM, disk {a.disk:g} GB/s; "
-          f"network {a.net_bw:g} GB/s, {a.net_lat:g} us an exchange")
-    print(f"{'ranks':>5} {'busiest':>7} {'resident':>8} {'trunk ms':>8} {'experts ms':>10} {'exch ms':>7} "
-          f"{'tok/s':>6} | {'trunk split: tok/s':>18} {'comm ms':>7}")
+    print(f"compute: {a.cores} cores x {a.bf16_core:g} GB/s BF16, {a.mxfp4_core:g} GB/s MXFP4 a core: trunk at "
+          f"{bw/G:.0f} GB/s, experts at {xbw/G:.0f} GB/s")
+    print(f"host: {a.mem_bw:g} GB/s memory x {a.eff:g} reached, {a.ram:g} GB RAM a rank, disk {a.disk:g} GB/s; "
+          f"network {a.net_bw:g} GB/s a rank, {a.net_lat:g} us a collective + {a.msg_us:g} us a peer")
+    print(f"{'ranks':>5} {'busiest':>7} {'resident':>8} {'trunk ms':>8} {'experts ms':>10} {'collectives':>11} "
+          f"{'comm ms':>7} {'tok/s':>6} | {'ep: tok/s':>9}")
     for r in rows:
         print(f"{r['ranks']:>5} {r['busiest_experts']:>7.2f} {100*r['resident_share']:>7.0f}% {1e3*r['trunk_s']:>8.1f} "
-              f"{1e3*r['experts_s']:>10.1f} {1e3*r['exchange_s']:>7.2f} {r['tokens_per_s']:>6.2f} | "
-              f"{r['split_trunk_tokens_per_s']:>18.1f} {1e3*r['split_trunk_comm_s']:>7.2f}")
+              f"{1e3*r['experts_s']:>10.1f} {r['gathers'] + (b['n_moe'] if r['ranks'] > 1 else 0):>11} "
+              f"{1e3*r['comm_s']:>7.2f} {r['tokens_per_s']:>6.1f} | {r['replicated_tokens_per_s']:>9.2f}")
     print("anchor: 21 tokens/s on 32 sockets of 16 hosts (~5 ms a token of communication in 581 collectives)")
 
 

@@ -300,3 +300,20 @@ TEST(cgroup_headroom_container_mount_root) {
     h = cg_headroom(tmpl, &lim);
     CHECKF(h == 7000000000ull && lim == 8000000000ull, "%llu", (unsigned long long)h);
 }
+
+TEST(crc32c_zeros_equals_fed_zeros) {
+    size_t big = 3 * 4096 * 7 + 13;
+    uint8_t *z = xcalloc(big, 1);
+    static const size_t lens[] = {0, 1, 7, 8, 63, 4095, 4096, 3 * 4096 + 5};
+    for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++)
+        for (uint32_t c = 0; c < 3; c++) {
+            uint32_t start = c * 0x9e3779b9u;
+            CHECKF(k3_crc32c_zeros(start, lens[i]) == k3_crc32c(start, z, lens[i]), "len %zu", lens[i]);
+        }
+    CHECK(k3_crc32c_zeros(5, big) == k3_crc32c(5, z, big));
+    /* a hole between data: crc(A, zeros, B) */
+    const char *a = "head", *b = "tail";
+    uint32_t want = k3_crc32c(k3_crc32c(k3_crc32c(0, a, 4), z, 1000), b, 4);
+    CHECK(k3_crc32c(k3_crc32c_zeros(k3_crc32c(0, a, 4), 1000), b, 4) == want);
+    free(z);
+}

@@ -647,6 +647,64 @@ TEST(products_tiles_and_batches_agree) {
     pool_free();
 }
 
+/* The trunk split over ranks (dist/tensor_par.h): k_row_share's parts tile
+ * a matrix's rows in order, in whole 16-row runs, as evenly as the runs go;
+ * each part's products (k_products_rows) give exactly the scalar matvec's
+ * bits for its rows on every path and thread count and write nothing
+ * else, so the parts of any split put together are one process's output. */
+TEST(products_row_shares_agree) {
+    static const int shapes[][4] = {{KW_BF16, 203, 160, 0}, {KW_F32, 37, 96, 0}, {KW_MXFP4, 130, 512, 32},
+                                    {KW_BF16, 9, 64, 0}, {KW_BF16, 48, 1280, 0}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        kw_type type = (kw_type)shapes[si][0];
+        int rows = shapes[si][1], cols = shapes[si][2], n = 5;
+        tmat t = make_mat(type, rows, cols, shapes[si][3]);
+        float *X = frand((size_t)n * cols, -1, 1);
+        float *ref = fzero((size_t)n * rows);
+        k_set_scalar(true);
+        omp_set_num_threads(1);
+        for (int i = 0; i < n; i++) k_matvec(&t.m, X + (size_t)i * cols, ref + (size_t)i * rows);
+        for (int R = 1; R <= 5; R++) {
+            int prev = 0, units = (rows + 15) / 16, most = 0;
+            for (int part = 0; part < R; part++) {
+                int r0, r1;
+                k_row_share(rows, part, R, &r0, &r1);
+                CHECKF(r0 == prev && r1 >= r0 && (r0 % 16 == 0 || r0 == rows) && (r1 % 16 == 0 || r1 == rows),
+                       "%d rows, part %d of %d: [%d, %d) after %d", rows, part, R, r0, r1, prev);
+                if ((r1 - r0 + 15) / 16 > most) most = (r1 - r0 + 15) / 16;
+                prev = r1;
+            }
+            CHECKF(prev == rows && most <= (units + R - 1) / R, "%d rows in %d parts: end %d, at most %d runs a part",
+                   rows, R, prev, most);
+        }
+        for (int path = 0; path < K_ISA_COUNT; path++) {
+            if (!k_set_isa((k_isa)path)) continue;
+            for (int th = 1; th <= 2; th++) {
+                omp_set_num_threads(th);
+                for (int R = 2; R <= 4; R++)
+                    for (int part = 0; part < R; part++) {
+                        int r0, r1;
+                        k_row_share(rows, part, R, &r0, &r1);
+                        float *y = fzero((size_t)n * rows);
+                        for (size_t i = 0; i < (size_t)n * rows; i++) y[i] = 7.0f;
+                        k_prod job = {&t.m, X, n, y};
+                        k_products_rows(&job, 1, &r0, &r1);
+                        for (int q = 0; q < n; q++)
+                            for (int r = 0; r < rows; r++) {
+                                float got = y[(size_t)q * rows + r], want = r >= r0 && r < r1 ? ref[(size_t)q * rows + r] : 7.0f;
+                                CHECKF(!memcmp(&got, &want, sizeof got), "%s %dx%d part %d of %d %s threads %d: "
+                                       "row %d input %d differs", tname[type], rows, cols, part, R, k_path_name(), th, r, q);
+                                if (memcmp(&got, &want, sizeof got)) { q = n; break; }
+                            }
+                    }
+            }
+        }
+    }
+    k_set_scalar(false);
+    omp_set_num_threads(2);
+    pool_free();
+}
+
 /* Products over many inputs (the SIMD path decodes each row once into an f32
  * panel and sweeps wide rows in column blocks of 1024, keeping the lane
  * accumulators between blocks): every input against the scalar matvec, for

@@ -609,6 +609,47 @@ TEST(model_threads_1_and_2_bitwise) {
     CHECK(ok);
 }
 
+/* Batched decoding: three sequences at different positions, one token each
+ * per pass (k3_forward_batch), give exactly the logits each gives alone
+ * (k3_forward), step after step; a state given twice is refused. */
+TEST(model_forward_batch_same_bits_as_alone) {
+    k3_model *m = open_tiny_ckpt(false);
+    CHECK(m);
+    const int V = k3_model_config(m)->vocab_size, NS = 3, steps = 4;
+    const int pre[3] = {5, 1, 12}; /* prompt lengths: different positions, MLA caches and KDA states */
+    k3_state *bs[3] = {0}, *as[3] = {0};
+    k3_err err = {0};
+    bool ok = true;
+    for (int q = 0; q < NS; q++) {
+        ok = ok && !k3_state_new(m, 64, &bs[q], &err) && !k3_state_new(m, 64, &as[q], &err);
+        ok = ok && !k3_forward(m, bs[q], test_seq + 3 * q, pre[q], NULL, false, &err);
+        ok = ok && !k3_forward(m, as[q], test_seq + 3 * q, pre[q], NULL, false, &err);
+    }
+    float *lb = xmalloc_array((size_t)NS * V, sizeof(float)), *la = xmalloc_array((size_t)V, sizeof(float));
+    for (int st = 0; ok && st < steps; st++) {
+        int32_t ids[3];
+        for (int q = 0; q < NS; q++) ids[q] = test_seq[(7 * st + 5 * q + 2) % 40];
+        ok = !k3_forward_batch(m, bs, NS, ids, lb, &err);
+        for (int q = 0; ok && q < NS; q++) {
+            ok = !k3_forward(m, as[q], &ids[q], 1, la, false, &err) && !memcmp(la, lb + (size_t)q * V, (size_t)V * 4) &&
+                 k3_state_pos(bs[q]) == k3_state_pos(as[q]);
+            if (!ok) fprintf(stderr, "step %d sequence %d differs (%s)\n", st, q, err.msg);
+        }
+    }
+    k3_state *twice[2] = {bs[0], bs[0]};
+    int32_t two[2] = {1, 2};
+    bool refused = ok && k3_forward_batch(m, twice, 2, two, lb, &err) == K3_EXIT_USAGE;
+    for (int q = 0; q < NS; q++) {
+        k3_state_free(bs[q]);
+        k3_state_free(as[q]);
+    }
+    free(lb);
+    free(la);
+    k3_model_free(m);
+    CHECK(ok);
+    CHECK(refused);
+}
+
 /* The forward chunk (k3_model_opts.prefill_chunk) changes how many positions
  * share one pass over the weights, never the bits; the scratch plan holds. */
 TEST(model_prefill_chunk_option_same_bits) {

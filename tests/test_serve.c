@@ -1,6 +1,7 @@
 /* test_serve.c: k3 serve's request validation and its stop-string filter.
  * (The HTTP side is tested against the real binary in tests/cli/test_serve*.sh.) */
 #include "harness.h"
+#include "model/model.h"
 #include "serve/serve.h"
 
 #include <math.h>
@@ -237,6 +238,69 @@ TEST(serve_parse_errors) {
         /* nothing is left allocated after a refusal */
         CHECK(!r.prompt && !r.prompt_ids && !r.chat && r.nstop == 0 && !r.model);
     }
+}
+
+/* refusals found by trying to break the server: each says what is wrong */
+TEST(serve_parse_hostile) {
+    static const struct {
+        int kind;
+        const char *body, *code, *param, *says, *not_says;
+    } cases[] = {
+        /* rounds to 0.0f: it would turn the filter off, as k3 run refuses it */
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"top_p\":1e-46}", "invalid_value", "top_p", "rounds to 0", NULL},
+        /* just past a bound is not printed as the bound */
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"temperature\":2.0000001}", "invalid_value", "temperature",
+         "2.0000001 is outside [0, 2]", NULL},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"max_tokens\":0}", "invalid_value", "max_tokens", "count >= 1",
+         "2305843009213693951"},
+        /* a batch of id prompts is no "empty array" */
+        {K3_REQ_COMPLETION, "{\"prompt\":[[1,2]]}", "unsupported_value", "prompt", "batches", "empty"},
+        {K3_REQ_COMPLETION, "{\"prompt\":[true]}", "invalid_type", "prompt", "an array of a boolean", "empty"},
+        /* a named tool that the request does not declare, as OpenAI */
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"g\"}}}",
+         "invalid_value", "tool_choice", "'g' is not among", NULL},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+         "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"g\"}}}", "invalid_value", "tool_choice",
+         "'g' is not among", NULL},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":\"required\"}", "invalid_value", "tool_choice", "at least one",
+         NULL},
+        /* thinking asked on and off at once */
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"chat_template_kwargs\":{\"thinking\":true},\"enable_thinking\":false}",
+         "invalid_value", "enable_thinking", "contradicts", NULL},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"enable_thinking\":false,\"chat_template_kwargs\":{\"thinking\":true}}",
+         "invalid_value", "enable_thinking", "contradicts", NULL},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"chat_template_kwargs\":{\"thinking\":true,\"enable_thinking\":false}}",
+         "invalid_value", "chat_template_kwargs.enable_thinking", "contradicts", NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        k3_serve_req r;
+        k3_serve_error e;
+        int st = parse(cases[i].body, cases[i].kind, &r, &e);
+        CHECKF(st == 400 && e.code && !strcmp(e.code, cases[i].code) && !strcmp(e.param, cases[i].param),
+               "case %zu (%s): %d %s '%s': %s", i, cases[i].body, st, e.code, e.param, e.message);
+        CHECKF(strstr(e.message, cases[i].says), "case %zu: '%s' lacks '%s'", i, e.message, cases[i].says);
+        CHECKF(!cases[i].not_says || !strstr(e.message, cases[i].not_says), "case %zu: '%s'", i, e.message);
+        if (!st) k3_serve_req_free(&r);
+    }
+    /* agreeing spellings pass; a declared named tool passes */
+    k3_serve_req r;
+    k3_serve_error e;
+    CHECKF(parse("{\"messages\":[{}],\"enable_thinking\":false,\"chat_template_kwargs\":{\"thinking\":false}}",
+                 K3_REQ_CHAT, &r, &e) == 0, "%s", e.message);
+    CHECK(!r.thinking);
+    k3_serve_req_free(&r);
+    CHECKF(parse("{\"messages\":[{}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\"}}],"
+                 "\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}}}", K3_REQ_CHAT, &r, &e) == 0,
+           "%s", e.message);
+    k3_serve_req_free(&r);
+    CHECKF(parse("{\"prompt\":\"a\",\"top_p\":1.5e-45}", K3_REQ_COMPLETION, &r, &e) == 0, "%s", e.message);
+    CHECK(r.top_p > 0.0f);
+    k3_serve_req_free(&r);
+    /* the one check `k3 run --top-p` and serve share, on the float */
+    float f = 0;
+    CHECK(!k3_sample_top_p_ok(1e-46, &f) && !k3_sample_top_p_ok(0, &f) && !k3_sample_top_p_ok(-1, &f));
+    CHECK(!k3_sample_top_p_ok(1.0000001, &f) && !k3_sample_top_p_ok(0.0 / 0.0, &f));
+    CHECK(k3_sample_top_p_ok(1, &f) && f == 1.0f && k3_sample_top_p_ok(0.5, &f) && f == 0.5f);
 }
 
 /* the released text of a whole feed, in pieces of `step` bytes */

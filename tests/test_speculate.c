@@ -15,6 +15,8 @@
 #include "harness.h"
 #include "draft/draft.h"
 #include "engine/engine.h"
+#include "formats/safetensors.h"
+#include "memory/stream.h"
 #include "model/model.h"
 
 static const int32_t seq[24] = {3,  7,   11, 5,  9,  92,  168, 13,  3,   49,  208, 214,
@@ -375,3 +377,42 @@ static void spec_equals_plain(const char *draft, int threads) {
 TEST(spec_ngram_ids_equal_plain_1_thread) { spec_equals_plain(NULL, 1); }
 TEST(spec_ngram_ids_equal_plain_2_threads) { spec_equals_plain(NULL, 2); }
 TEST(spec_draft_model_ids_equal_plain) { spec_equals_plain(t_repo("models/default"), 2); }
+
+/* The memory plan holds a verifying pass in one chunk (each streamed layer
+ * and each distinct expert read once per pass), counts its rollback record,
+ * and refuses up front what cannot hold it. */
+TEST(spec_memory_plan_holds_the_pass) {
+    const char *dir = t_repo("tests/fixtures/gen/k3_like");
+    k3_config cfg;
+    st_index *ix;
+    k3_err err = {0};
+    CHECK(k3_config_load(dir, &cfg, &err) == 0);
+    CHECK(st_open(dir, &ix, &err) == 0);
+    k3_stream_opts o;
+    k3_stream_opts_init(&o);
+    o.mem_limit = 1ull << 40;
+    static k3_mem_plan p, q;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_OK);
+    CHECK(p.pass_bytes == 0);
+    o.cache_gb = (double)p.expert_buf / 1e9 * 3 * cfg.experts_per_token;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_OK);
+    CHECKF(p.chunk == 2, "chunk %d", p.chunk); /* without speculation the chunk shrinks to what fits */
+    o.pass_tokens = 3;
+    CHECKF(k3_plan_make(&cfg, ix, NULL, &o, 16, &q, &err) == K3_OK, "%s", err.msg);
+    CHECKF(q.chunk == 3, "chunk %d", q.chunk);
+    CHECK(q.pass_bytes == k3_state_pass_bytes(&cfg, 3) && q.pass_bytes > 0);
+    CHECK(q.total > p.total);
+    o.pass_tokens = 4; /* 4 ids' experts do not fit 3 ids' buffers */
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &q, &err) == K3_EXIT_BUDGET);
+    CHECKF(strstr(err.msg, "--speculate 3") != NULL, "%s", err.msg);
+    /* the record counts against the memory limit */
+    o.cache_gb = -1;
+    o.pass_tokens = 0;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_OK);
+    o.mem_limit = p.total + K3_PLAN_OVERHEAD;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &p, &err) == K3_OK);
+    o.pass_tokens = 9;
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 16, &q, &err) == K3_EXIT_BUDGET);
+    CHECKF(strstr(err.msg, "speculation record") != NULL, "%s", err.msg);
+    st_close(ix);
+}

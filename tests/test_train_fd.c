@@ -83,6 +83,15 @@ TEST(train_fd_situ) {
     (void)h;
 }
 
+/* The model graph's AttnRes with the key-norm gain folded into the query as
+ * the binder folds it (w * gn), recording what the backward reads. */
+static void attnres_fwd(float *out, float *al, float *rr, const float *const *src, int m, const float *gn,
+                        const float *w, int n, int dim, float eps) {
+    float gw[64];
+    for (int d = 0; d < dim; d++) gw[d] = w[d] * gn[d];
+    k3_attnres_rows(gw, src, m, n, dim, eps, out, al, rr);
+}
+
 TEST(train_fd_attnres) {
     enum { N = 2, D = 16, M = 3 };
     float v[M][N * D], gn[D], w[D], r[N * D], out[N * D], al[N * M], rr[N * M];
@@ -94,7 +103,7 @@ TEST(train_fd_attnres) {
     memset(dv, 0, sizeof dv);
     const float *src[M] = {v[0], v[1], v[2]};
     float *dsrc[M] = {dv[0], dv[1], dv[2]};
-    t_attnres(out, al, rr, src, M, gn, w, N, D, 1e-5f);
+    attnres_fwd(out, al, rr, src, M, gn, w, N, D, 1e-5f);
     t_attnres_bwd(dsrc, dgn, dw, r, al, rr, src, M, gn, w, N, D, 1e-5f);
     const float eps = 1e-2f;
     /* every source, then gn and w, along random directions */
@@ -106,10 +115,10 @@ TEST(train_fd_attnres) {
         fill(d, n, 1.0f, 0.0f);
         memcpy(save, p, n * sizeof(float));
         for (size_t i = 0; i < n; i++) p[i] = save[i] + eps * d[i];
-        t_attnres(out, al, rr, src, M, gn, w, N, D, 1e-5f);
+        attnres_fwd(out, al, rr, src, M, gn, w, N, D, 1e-5f);
         double lp = dotd(r, out, N * D);
         for (size_t i = 0; i < n; i++) p[i] = save[i] - eps * d[i];
-        t_attnres(out, al, rr, src, M, gn, w, N, D, 1e-5f);
+        attnres_fwd(out, al, rr, src, M, gn, w, N, D, 1e-5f);
         double lm = dotd(r, out, N * D);
         memcpy(p, save, n * sizeof(float));
         double fd = (lp - lm) / (2 * eps), an = dotd(an_g, d, n);

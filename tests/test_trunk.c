@@ -6,6 +6,8 @@
 
 #include <stdlib.h>
 #include <jansson.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -113,6 +115,78 @@ TEST(trunk_verify_catches_flipped_byte) {
     /* packing again over the damaged trunk restores it */
     CHECKF(k3_trunk_pack(model, dir, &err) == 0, "%s", err.msg);
     CHECKF(k3_trunk_verify(dir, model, &err) == 0, "%s", err.msg);
+}
+
+static uint64_t allocated_bytes(const char *path) {
+    struct stat st;
+    return stat(path, &st) ? 0 : (uint64_t)st.st_blocks * 512u;
+}
+
+/* A source whose data is mostly holes (as in the sparse replica of the
+ * release) packs into a trunk that is mostly holes, with the same bytes. */
+TEST(trunk_pack_keeps_source_holes) {
+    char model[1024], dense[1100], sparse[1100];
+    snprintf(model, sizeof model, "%s/model", t_outdir());
+    snprintf(dense, sizeof dense, "%s/dense", t_outdir());
+    snprintf(sparse, sizeof sparse, "%s/sparse", t_outdir());
+    CHECK(copy_model(t_repo("tests/fixtures/gen/k3_like"), model) == 0);
+    k3_err err = {0};
+    CHECKF(k3_trunk_pack(model, dense, &err) == 0, "%s", err.msg);
+    /* every shard's data, 4 KiB-aligned, made a hole (it then reads as zeros) */
+    st_index *ix;
+    CHECKF(st_open(model, &ix, &err) == 0, "%s", err.msg);
+    for (int s = 0; s < st_nshards(ix); s++) {
+        const st_shard *sh = st_shard_at(ix, s);
+        uint64_t a = (sh->data_start + 4095) / 4096 * 4096, b = sh->file_size / 4096 * 4096;
+        if (b <= a) continue;
+        int fd = open(sh->path, O_RDWR);
+        CHECK(fd >= 0);
+        if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)a, (off_t)(b - a)) != 0) {
+            close(fd);
+            st_close(ix);
+            char why[160];
+            snprintf(why, sizeof why, "this filesystem cannot punch holes: %s", strerror(errno));
+            t_skip(why);
+            return;
+        }
+        close(fd);
+    }
+    st_close(ix);
+    CHECKF(st_open(model, &ix, &err) == 0, "%s", err.msg);
+    CHECKF(k3_trunk_pack(model, sparse, &err) == 0, "%s", err.msg);
+    k3_trunk *t;
+    CHECKF(k3_trunk_open(sparse, ix, &t, &err) == 0, "%s", err.msg);
+    size_t blen;
+    char *bin = slurp(t->bin_path, &blen);
+    CHECK(bin != NULL && blen == t->file_size);
+    /* the bytes read back are the source's, and each run's CRC is theirs */
+    size_t zero_tensors = 0;
+    for (int r = 0; r < t->nruns && bin; r++) {
+        const k3_trunk_run *run = &t->runs[r];
+        CHECKF(k3_crc32c(0, bin + run->offset, run->bytes) == run->crc, "run %d crc", r);
+        for (int i = 0; i < run->ntensors; i++) {
+            const k3_trunk_tensor *tt = &run->tensors[i];
+            const st_tensor *s = st_find(ix, tt->name);
+            CHECK(s != NULL);
+            char *src = xmalloc(s->nbytes ? s->nbytes : 1);
+            CHECK(st_read(ix, s, src, &err) == 0);
+            CHECKF(memcmp(src, bin + run->offset + tt->offset, s->nbytes) == 0, "%s", tt->name);
+            bool zero = true;
+            for (uint64_t k = 0; k < s->nbytes && zero; k++) zero = src[k] == 0;
+            zero_tensors += zero;
+            free(src);
+        }
+    }
+    CHECK(zero_tensors > 0); /* the holes really reached the packed tensors */
+    CHECKF(k3_trunk_verify(sparse, model, &err) == 0, "%s", err.msg);
+    char dbin[1200];
+    snprintf(dbin, sizeof dbin, "%s/trunk.bin", dense);
+    uint64_t on_disk = allocated_bytes(t->bin_path), dense_disk = allocated_bytes(dbin);
+    CHECKF(dense_disk >= t->file_size && on_disk * 4 < t->file_size, "sparse pack holds %llu bytes on disk of %llu (dense %llu)",
+           (unsigned long long)on_disk, (unsigned long long)t->file_size, (unsigned long long)dense_disk);
+    free(bin);
+    k3_trunk_free(t);
+    st_close(ix);
 }
 
 TEST(trunk_from_other_checkpoint_refused) {

@@ -3,7 +3,10 @@
  * streaming text to stdout and a report to stderr. */
 #include "cli/commands.h"
 #include "dist/dist.h"
+#include "draft/draft.h"
 #include "engine/engine.h"
+#include "generate/generate.h"
+#include "session/session.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -34,8 +37,16 @@ const char *const cmd_run_help =
     "  --full               recompute the whole prefix every step (a check: the\n"
     "                       logits are bit-identical to --incremental)\n"
     K3_SAMPLE_HELP
+    "  --speculate K        speculative decoding: up to K drafted ids (1-16) verified\n"
+    "                       per forward pass, fewer while they are rejected; drafts\n"
+    "                       from the sequence's own history (n-gram lookup) unless\n"
+    "                       --draft is given. The generated ids and logits are\n"
+    "                       exactly those of plain decoding (docs/speculation.md)\n"
+    "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
+    "                       --speculate defaults to 4 with it; not under mpirun\n"
     "  --out FILE.json      write prompt_ids, generated_ids, text, prefill_s,\n"
-    "                       decode_s, tokens_per_s, peak_rss_bytes, threads, ...\n"
+    "                       decode_s, tokens_per_s, peak_rss_bytes, threads,\n"
+    "                       bytes_read_per_token (weights, RAM or disk), ...\n"
     "  --dump-logits FILE   little-endian f32 rows of vocab_size logits, one per\n"
     "                       token fed (the prompt, then the first N-1 generated);\n"
     "                       row i predicts token i+1\n"
@@ -51,7 +62,8 @@ const char *const cmd_run_help =
 
 typedef struct {
     const char *model_dir, *prompt, *prompt_file, *ids, *out, *dump;
-    int64_t gen;
+    const char *draft;     /* --draft DIR */
+    int64_t gen, speculate;
     bool full, incremental, quiet, verbose;
     k3_sample_opts so;     /* sampling flags (engine/engine.h) */
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
@@ -86,7 +98,13 @@ static int parse_args(int argc, char **argv, run_args *a) {
             NEED_VALUE();
             if (!k3_parse_i64(v, 0, INT64_MAX / 2, &n)) return k3_usage_error("run", "--gen: '%s' is not a count >= 0", v);
             a->gen = n;
-        } else if (!strcmp(o, "--full")) a->full = true;
+        } else if (!strcmp(o, "--speculate")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 0, K3_SPEC_MAX, &n))
+                return k3_usage_error("run", "--speculate: '%s' is not a count in [0, %d]", v, K3_SPEC_MAX);
+            a->speculate = n;
+        } else if (!strcmp(o, "--draft")) { NEED_VALUE(); a->draft = v; }
+        else if (!strcmp(o, "--full")) a->full = true;
         else if (!strcmp(o, "--incremental")) a->incremental = true;
         else if (!strcmp(o, "--quiet")) a->quiet = true;
         else if (!strcmp(o, "--verbose")) a->verbose = true;
@@ -108,6 +126,8 @@ static int parse_args(int argc, char **argv, run_args *a) {
         return k3_usage_error("run", np ? "give only one of --prompt, --prompt-file, --ids"
                                         : "give a prompt: --prompt TEXT, --prompt-file FILE or --ids 1,2,3");
     if (a->full && a->incremental) return k3_usage_error("run", "--full and --incremental exclude each other");
+    if (a->draft && !a->speculate) a->speculate = 4;
+    if (a->full && a->speculate) return k3_usage_error("run", "--full recomputes every step: it takes no --speculate");
     k3_err e = {0};
     if (k3_sample_opts_check(&a->so, "run", &e)) return k3_report(&e);
     return K3_OK;
@@ -173,22 +193,32 @@ typedef struct {
     k3_engine *e;
     k3_model *m;
     k3_state *s;
+    k3_session *sess;  /* on s, no state cache */
     k3_tokenizer *tok;
     tok_stream ts;
     uint8_t *tbuf;
     size_t tbuf_cap;
     int32_t *seq;      /* prompt + generated */
-    size_t nseq, nprompt;
+    size_t nseq, nprompt, nemitted;
     float *logits;     /* [chunk][V] when dumping the prompt, else [V] */
     k3_runmem *rm;     /* plan, streaming source, run report */
     k3_atomic_file df;
     bool dumping;
+    bool all_rows;     /* every prompt row's logits: rank 0 dumps them, and under a split
+                          trunk (dist/tensor_par.h) the head is a collective every rank joins */
     json_t *dist;      /* expert-parallel figures (rank 0 of several), or NULL */
+    k3_drafter *drafter;
+    k3_spec *spec;     /* --speculate: the verifying feed, or NULL */
+    k3_gen_result res; /* the generation's counters, for the report */
 } run_ctx;
 
 /* Streams one token's text (or id); a write error on stdout (a full disk or
- * device) stops the run instead of generating into the void. */
-static int emit_token(run_ctx *r, int32_t id, k3_err *err) {
+ * device) stops the run instead of generating into the void. The loop's
+ * on_token: the end-of-sequence id never reaches it. */
+static int emit_token(void *ctx, int32_t id, k3_gen_verdict *verdict, k3_err *err) {
+    run_ctx *r = ctx;
+    (void)verdict;
+    r->nemitted++;
     if (r->tok) {
         size_t len = 0;
         tok_token_bytes(r->tok, id, &len);
@@ -202,11 +232,17 @@ static int emit_token(run_ctx *r, int32_t id, k3_err *err) {
             fflush(stdout);
         }
     } else if (!r->a->quiet) {
-        printf("%s%d", r->nseq > r->nprompt + 1 ? " " : "", id);
+        printf("%s%d", r->nemitted > 1 ? " " : "", id);
         fflush(stdout);
     }
     if (ferror(stdout)) return k3_fail(err, K3_EXIT_RUNTIME, "standard output: write failed: %s", strerror(errno));
     return K3_OK;
+}
+
+/* The loop's on_logits: every decode row goes to the dump. */
+static int dump_row(void *ctx, const float *row, k3_err *err) {
+    run_ctx *r = ctx;
+    return r->dumping ? dump_rows(&r->df, row, (size_t)k3_model_config(r->m)->vocab_size, err) : K3_OK;
 }
 
 /* Feeds the prompt in slices (a progress bar for long prompts; when dumping,
@@ -221,35 +257,15 @@ static int prefill(run_ctx *r, k3_err *err) {
     for (size_t i = 0; i < r->nprompt; i += slice) {
         size_t n = r->nprompt - i < slice ? r->nprompt - i : slice;
         bool last = i + n == r->nprompt;
-        int rc = k3_forward(r->m, r->s, r->seq + i, (int)n, r->dumping || last ? r->logits : NULL, r->dumping, err);
+        int rc = k3_session_feed_rows(r->sess, r->seq + i, n, r->all_rows || last ? r->logits : NULL, r->all_rows,
+                                      true, err);
         if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, n * V, err);
         if (rc) return rc;
-        if (r->dumping && n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
+        if (r->all_rows && n > 1) memmove(r->logits, r->logits + (n - 1) * V, V * sizeof(float));
         k3_progress_update(&pb, i + n);
-        k3_runmem_step(r->rm, true, (int)n, r->e->step_log);
     }
     k3_progress_finish(&pb);
     return K3_OK;
-}
-
-/* One decode step: the logits after feeding seq[nseq-1]. */
-static int step(run_ctx *r, k3_err *err) {
-    size_t V = (size_t)k3_model_config(r->m)->vocab_size;
-    int rc;
-    if (r->a->full) {
-        k3_state_reset(r->s);
-        size_t slice = (size_t)k3_runmem_chunk(r->rm); /* the plan's batch */
-        rc = K3_OK;
-        for (size_t i = 0; !rc && i < r->nseq; i += slice) {
-            size_t n = r->nseq - i < slice ? r->nseq - i : slice;
-            rc = k3_forward(r->m, r->s, r->seq + i, (int)n, i + n == r->nseq ? r->logits : NULL, false, err);
-        }
-    } else {
-        rc = k3_forward(r->m, r->s, r->seq + r->nseq - 1, 1, r->logits, false, err);
-    }
-    if (!rc) k3_runmem_step(r->rm, false, 1, r->e->step_log);
-    if (!rc && r->dumping) rc = dump_rows(&r->df, r->logits, V, err);
-    return rc;
 }
 
 static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int threads, const char *stop, k3_err *err) {
@@ -291,6 +307,19 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
     json_object_set_new(o, "prefill_tokens_per_s", json_real(prefill_s > 0 ? (double)r->nprompt / prefill_s : 0));
     json_object_set_new(o, "peak_rss_bytes", json_integer((json_int_t)k3_peak_rss_bytes()));
     json_object_set_new(o, "threads", json_integer(threads));
+    /* per decoding pass: 1 and 0 drafts without --speculate */
+    json_object_set_new(o, "speculate", json_integer(r->a->speculate));
+    json_object_set_new(o, "decode_passes", json_integer((json_int_t)r->res.passes));
+    json_object_set_new(o, "drafts_proposed", json_integer((json_int_t)r->res.drafted));
+    json_object_set_new(o, "drafts_accepted", json_integer((json_int_t)r->res.accepted));
+    json_object_set_new(o, "tokens_per_pass",
+                        json_real(r->res.passes ? (double)r->res.fed / (double)r->res.passes : 0.0));
+    /* weights read per generated token by the decode calls (runmem.h): a
+     * verifying pass reads them once for all the ids it feeds */
+    k3_runmem_reads rd = k3_runmem_decode_reads(r->rm);
+    double per = ngen ? 1.0 / (double)ngen : 0.0;
+    json_object_set_new(o, "bytes_read_per_token", json_real((double)rd.touched * per));
+    json_object_set_new(o, "disk_bytes_read_per_token", json_real((double)rd.disk * per));
     json_object_set_new(o, "layers", json_integer(k3_model_config(r->m)->num_layers));
     k3_runmem_json(r->rm, o);
     if (r->dist) json_object_set(o, "expert_parallel", r->dist);
@@ -316,9 +345,11 @@ static int run(const run_args *a, k3_err *err) {
     k3_engine_opts eo = a->eo;
     eo.model_dir = a->model_dir;
     eo.max_pos = prompt_bound(a) + a->gen;
+    if (a->speculate) eo.mem.so.pass_tokens = (int)a->speculate + 1; /* a verifying pass in one chunk */
     if ((rc = k3_engine_open(&eo, &r.e, err))) goto done;
     /* under mpirun, the ranks after the first compute alongside it silently */
     run_args quiet_rank;
+    r.all_rows = a->dump != NULL;
     if (r.e->rank > 0) {
         quiet_rank = *a;
         quiet_rank.quiet = true;
@@ -337,13 +368,20 @@ static int run(const run_args *a, k3_err *err) {
 
     /* the state at the real length, before anything else is allocated */
     int64_t max_pos = (int64_t)r.nprompt + a->gen;
-    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (a->dump ? (uint64_t)r.e->chunk : 1);
+    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (r.all_rows ? (uint64_t)r.e->chunk : 1);
     if ((rc = k3_engine_state_new(r.e, max_pos, logit_bytes, &r.s, err))) { free(pids); goto ready; }
     r.seq = xmalloc_array((size_t)max_pos, sizeof *r.seq);
     memcpy(r.seq, pids, r.nprompt * sizeof *r.seq);
     free(pids);
     r.nseq = r.nprompt;
-    r.logits = xmalloc_array(V * (a->dump ? (size_t)k3_runmem_chunk(r.rm) : 1), sizeof(float));
+    r.sess = k3_session_open(r.e, r.s, NULL);
+    if (a->draft && r.e->ranks > 1) {
+        rc = k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
+        goto ready;
+    }
+    if ((rc = k3_drafter_for(r.e, a->draft, (int)a->speculate, max_pos, &r.drafter, err))) goto ready;
+    if (r.drafter) r.spec = k3_spec_new(r.drafter, (int)a->speculate, (int)V);
+    r.logits = xmalloc_array(V * (r.all_rows ? (size_t)k3_runmem_chunk(r.rm) : 1), sizeof(float));
     if (a->dump) {
         if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto ready;
         r.dumping = true;
@@ -365,15 +403,23 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
     rc = prefill(&r, err);
     double t1 = k3_now(), t2 = t1;
     ds1 = k3_dist_get_stats();
-    for (int64_t g = 0; !rc && g < a->gen; g++) {
-        if ((rc = k3_logits_check(r.logits, (int)V, a->model_dir, r.nseq, err))) break;
-        int id = k3_sample(&sp, r.logits);
-        r.seq[r.nseq++] = id;
+    if (!rc) {
+        k3_gen_opts go;
+        k3_gen_opts_init(&go);
+        go.max_tokens = a->gen;
         /* the end-of-sequence token ends the text; its name is not part of it
          * (it is still in generated_ids) */
-        if (id == eos) { stop = "eos"; break; }
-        rc = emit_token(&r, id, err);
-        if (!rc && g + 1 < a->gen) rc = step(&r, err);
+        go.eos_id = eos;
+        go.recompute = a->full;
+        go.what = a->model_dir;
+        go.ctx = &r;
+        go.on_token = emit_token;
+        go.on_logits = dump_row;
+        go.spec = r.spec;
+        rc = k3_generate(r.sess, &sp, r.logits, &go, &r.res, err);
+        memcpy(r.seq + r.nseq, r.res.ids, r.res.n * sizeof *r.seq);
+        r.nseq += r.res.n;
+        if (r.res.end == K3_GEN_END_EOS) stop = "eos";
     }
     t2 = k3_now();
     k3_dist_stats ds2 = k3_dist_get_stats();
@@ -413,14 +459,23 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
                 r.nprompt, prefill_s, prefill_s > 0 ? (double)r.nprompt / prefill_s : 0.0, ngen, stop, decode_s,
                 decode_s > 0 && ngen > 1 ? (double)(ngen - 1) / decode_s : 0.0,
                 (double)k3_peak_rss_bytes() / (1024.0 * 1024), threads);
+    if (r.spec && !a->quiet)
+        fprintf(stderr, "speculation: %llu passes fed %llu ids (%.2f a pass); %llu of %llu drafts accepted\n",
+                (unsigned long long)r.res.passes, (unsigned long long)r.res.fed,
+                r.res.passes ? (double)r.res.fed / (double)r.res.passes : 0.0, (unsigned long long)r.res.accepted,
+                (unsigned long long)r.res.drafted);
     if (a->out) rc = write_out_json(&r, prefill_s, decode_s, threads, stop, err);
 done:
     json_decref(r.dist);
+    k3_gen_result_free(&r.res);
+    k3_spec_free(r.spec);
     if (r.dumping) k3_atomic_abort(&r.df);
     free(r.seq);
     free(r.logits);
     free(r.tbuf);
+    k3_session_free(r.sess);
     if (r.e) k3_engine_state_free(r.e, r.s);
+    k3_drafter_free(r.drafter);
     k3_engine_free(r.e);
     return rc;
 }

@@ -1,21 +1,8 @@
-/* cmd_serve.c: `k3 serve MODEL_DIR`, an OpenAI-compatible HTTP server. The
- * model is opened here through the engine (the memory plan and flags of
- * `k3 run`) with one session on a shared state cache, so every request reuses
- * what an earlier one computed; the HTTP side, the queue and the worker are
- * src/serve/.
- *
- * Under mpirun with several ranks (expert parallel, docs/mpi.md) rank 0 alone
- * listens and runs src/serve/; the other ranks follow it. The model work of
- * the server is three backend calls (prefill, step, end) made by its one
- * worker thread, so before each call rank 0 broadcasts a fixed-size command
- * (and a prefill's ids) and every other rank makes the same call on its own
- * session and state cache. The session's choices (its own state, a snapshot
- * to restore, a cold start, the grid snapshots, evictions) follow from the
- * calls alone, so every rank makes the same forward calls and the exchanges
- * inside the MoE layers line up. A cancelled prefill stops at the same chunk
- * on every rank: the cancel hook, asked between chunks, is itself a
- * broadcast of rank 0's flag. Sampling is rank 0's: a step carries the id. */
-#include "chat/chat.h"
+/* cmd_serve.c: `k3 serve MODEL_DIR`, an OpenAI-compatible HTTP server. This
+ * file parses the flags, handles the stop signals and starts src/serve/: the
+ * model backend (src/serve/backend.c: the engine, one session on a state
+ * cache shared by every request, the ranks that follow rank 0 under mpirun),
+ * then the HTTP server, the queue and the worker. */
 #include "cli/commands.h"
 #include "dist/dist.h"
 #include "engine/engine.h"
@@ -38,13 +25,20 @@ const char *const cmd_serve_help =
     "Serves one model over HTTP with OpenAI's API: GET /v1/models,\n"
     "POST /v1/chat/completions (XTML chat template; reasoning_content, tools,\n"
     "streaming), POST /v1/completions (a text prompt, as `k3 run --prompt`),\n"
-    "GET /health, and a chat page at /. One worker computes; requests wait in a\n"
-    "bounded queue. docs/serve.md has the API, the limits and the error codes.\n"
+    "GET /health, GET /metrics (Prometheus), POST /tokenize and /detokenize, and a\n"
+    "chat page at /. One worker computes; requests wait in a bounded queue.\n"
+    "docs/serve.md has the API, the limits and the error codes.\n"
     "\n"
     "server:\n"
-    "  --host ADDR          address to listen on (default 127.0.0.1). There is no\n"
-    "                       authentication: any other address than loopback makes\n"
-    "                       the model usable from the network (a warning is printed)\n"
+    "  --host ADDR          address to listen on (default 127.0.0.1). Any other\n"
+    "                       address than loopback makes the model reachable from\n"
+    "                       the network: without --api-key a warning is printed\n"
+    "  --api-key KEY        requests need 'Authorization: Bearer KEY' (else 401);\n"
+    "                       the page and /health stay open\n"
+    "  --api-key-file F     the key is F's first line (keeps it out of `ps`)\n"
+    "  --cors-origin ORIGIN a page of ORIGIN (e.g. http://localhost:3000; '*': any)\n"
+    "                       may call the API from a browser; repeat for several.\n"
+    "                       Default: only the server's own page; other origins 403\n"
     "  --port N             TCP port (default 8000; 0 picks a free one)\n"
     "  --model-name NAME    the model id in /v1/models and requests (default: the\n"
     "                       last component of MODEL_DIR)\n"
@@ -53,7 +47,7 @@ const char *const cmd_serve_help =
     "  --max-tokens N       the largest max_tokens a request may ask (default: --ctx);\n"
     "                       also the default when a request gives none\n"
     "  --queue N            requests that may wait while one computes (default 16);\n"
-    "                       more get 429\n"
+    "                       more get 429; 0: one computes and none waits\n"
     "  --max-body BYTES     largest request body (default 8M); larger get 413\n"
     "  --sse-keepalive S    a stream without an event for S seconds gets an SSE\n"
     "                       comment line, so read timeouts do not close it during\n"
@@ -73,8 +67,14 @@ const char *const cmd_serve_help =
     "exit codes: 0 stopped by a signal, 1 runtime/I-O (cannot listen), 2 usage or\n"
     "bad model directory, 3 cannot fit the memory budget, 4 checkpoint data error\n";
 
+#define MAX_CORS 16
+
 typedef struct {
     const char *host, *model_name;
+    const char *api_key;
+    char key_buf[4096];    /* --api-key-file's key */
+    const char *cors[MAX_CORS];
+    size_t ncors;
     int port, queue;
     bool verbose;
     int64_t ctx, max_tokens;
@@ -83,6 +83,33 @@ typedef struct {
     double keepalive_s;
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } serve_args;
+
+/* '*' or scheme://host[:port] as a browser sends it in Origin (no path, no slash at the end) */
+static bool cors_origin_ok(const char *v) {
+    if (!strcmp(v, "*")) return true;
+    const char *sep = strstr(v, "://");
+    if (!sep || sep == v || !sep[3] || strlen(v) > 200) return false;
+    for (const char *p = sep + 3; *p; p++)
+        if (*p == '/' || *p == ' ' || (unsigned char)*p < 0x21) return false;
+    return true;
+}
+
+/* The key is the file's first line, without its line end; a regular file of
+ * at most buf bytes, and not empty. */
+static int read_key_file(const char *path, char *buf, size_t cap, k3_err *err) {
+    struct stat st;
+    if (stat(path, &st) != 0) return k3_fail(err, K3_EXIT_USAGE, "serve: --api-key-file %s: %s", path, strerror(errno));
+    if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size >= cap)
+        return k3_fail(err, K3_EXIT_USAGE, "serve: --api-key-file %s: not a regular file under %zu bytes", path, cap);
+    FILE *f = fopen(path, "r");
+    if (!f) return k3_fail(err, K3_EXIT_USAGE, "serve: --api-key-file %s: %s", path, strerror(errno));
+    size_t n = fread(buf, 1, cap - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    buf[strcspn(buf, "\r\n")] = 0;
+    if (!*buf) return k3_fail(err, K3_EXIT_USAGE, "serve: --api-key-file %s: the first line is empty", path);
+    return K3_OK;
+}
 
 static int parse_args(int argc, char **argv, serve_args *a) {
     memset(a, 0, sizeof *a);
@@ -142,6 +169,22 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             if (!k3_parse_f64(v, &d) || !(d == 0 || (d >= 0.05 && d <= 3600)))
                 return k3_usage_error("serve", "--sse-keepalive: '%s' is not 0 or a number of seconds in [0.05, 3600]", v);
             a->keepalive_s = d;
+        } else if (!strcmp(o, "--api-key")) {
+            NEED_VALUE();
+            if (!*v) return k3_usage_error("serve", "--api-key needs a key");
+            a->api_key = v;
+        } else if (!strcmp(o, "--api-key-file")) {
+            NEED_VALUE();
+            k3_err e = {0};
+            if (read_key_file(v, a->key_buf, sizeof a->key_buf, &e)) return k3_report(&e);
+            a->api_key = a->key_buf;
+        } else if (!strcmp(o, "--cors-origin")) {
+            NEED_VALUE();
+            if (!cors_origin_ok(v))
+                return k3_usage_error("serve", "--cors-origin: '%s' is not '*' or an origin such as http://localhost:3000 "
+                                      "(scheme://host[:port], no path)", v);
+            if (a->ncors == MAX_CORS) return k3_usage_error("serve", "--cors-origin: at most %d origins", MAX_CORS);
+            a->cors[a->ncors++] = v;
         } else if (!strcmp(o, "--verbose")) {
             a->verbose = true;
         } else {
@@ -159,155 +202,12 @@ static int parse_args(int argc, char **argv, serve_args *a) {
     return K3_OK;
 }
 
-/* ---- the model backend: one session on the shared state cache ---- */
-
-typedef struct {
-    k3_engine *e;
-    k3_state *st;
-    k3_state_cache *cache;
-    k3_session *sess;
-    k3_chat *chat;
-    int64_t ctx;
-    bool lead;             /* rank 0 of several: broadcasts each call before making it */
-} backend;
-
-/* Rank 0's word to the ranks that follow it (a fixed layout; a prefill's n ids
- * follow in a second broadcast). */
-enum { CMD_PREFILL = 1, CMD_STEP = 2, CMD_END = 3, CMD_QUIT = 4 };
-typedef struct {
-    int32_t op;
-    int32_t n;             /* CMD_PREFILL: ids that follow, 1..ctx */
-    int32_t id;            /* CMD_STEP: the id to feed; CMD_END: the last sampled id */
-    int32_t flag;          /* CMD_END: stopped; CMD_QUIT: rank 0's exit code */
-} serve_cmd;
-
-static void send_cmd(int op, int32_t n, int32_t id, int32_t flag) {
-    serve_cmd c = {.op = op, .n = n, .id = id, .flag = flag};
-    k3_dist_bcast(&c, sizeof c, true, "k3 serve's next command");
-}
-
-static bool is_cancelled(const void *flag) { return atomic_load((const atomic_int *)flag) != 0; }
-
-/* The cancel hook under several ranks: rank 0 (flag: its job's) hands its
- * answer to the others (flag NULL), so every rank stops at the same chunk. */
-static bool is_cancelled_all(const void *flag) {
-    int32_t c = flag ? is_cancelled(flag) : 0;
-    k3_dist_bcast(&c, sizeof c, true, "k3 serve's prefill (go on or cancel)");
-    return c != 0;
-}
-
-static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
-                      k3_err *err) {
-    backend *b = ctx;
-    bool several = b->e->ranks > 1;
-    if (b->lead) { /* (n <= ctx: the server checked the prompt against it) */
-        send_cmd(CMD_PREFILL, (int32_t)n, 0, 0);
-        k3_dist_bcast((void *)ids, n * sizeof *ids, true, "k3 serve's prompt ids");
-    }
-    /* asked between the prefill's chunks */
-    k3_session_set_cancel(b->sess, several ? is_cancelled_all : is_cancelled, cancel);
-    int rc = k3_session_prefill(b->sess, ids, n, logits, reused, err);
-    k3_session_set_cancel(b->sess, NULL, NULL);
-    return rc;
-}
-
-static int be_step(void *ctx, int32_t id, float *logits, k3_err *err) {
-    backend *b = ctx;
-    if (b->lead) send_cmd(CMD_STEP, 0, id, 0);
-    return k3_session_feed(b->sess, &id, 1, logits, err);
-}
-
-/* A reply ended: the state holds the prompt and every generated id but the
- * last. The next turn's prompt re-renders this reply, so keep the state where
- * the reply ends as a snapshot too (the prompt's end is kept by the prefill). */
-static void be_end(void *ctx, int32_t last, bool stopped) {
-    backend *b = ctx;
-    k3_err err = {0};
-    if (b->lead) send_cmd(CMD_END, 0, last, stopped);
-    /* the stop id is part of the rendered history: feed it so the state ends where the turn does */
-    if (stopped && (int64_t)k3_session_len(b->sess) < b->ctx && k3_session_feed(b->sess, &last, 1, NULL, &err))
-        return;
-    k3_session_snapshot(b->sess);
-}
-
-static int open_backend(const serve_args *a, backend *b, k3_serve_model *sm, k3_err *err) {
-    memset(b, 0, sizeof *b);
-    int rc;
-    k3_engine_opts eo = a->eo;
-    eo.need_tokenizer = true;
-    eo.max_pos = a->ctx;
-    if ((rc = k3_engine_open(&eo, &b->e, err))) return rc;
-    uint64_t cache_bytes = a->state_cache_bytes;
-    uint64_t logit_bytes = (uint64_t)b->e->vocab * sizeof(float);
-    if ((rc = k3_engine_state_new(b->e, a->ctx, cache_bytes + logit_bytes, &b->st, err))) return rc;
-    b->cache = k3_state_cache_new(b->e->cfg, cache_bytes, 0);
-    b->sess = k3_session_open(b->e, b->st, b->cache);
-    b->ctx = a->ctx;
-    k3_err cerr = {0};
-    if (k3_chat_new(b->e->tok, &b->chat, &cerr)) b->chat = NULL; /* no XTML ids: completions only */
-    memset(sm, 0, sizeof *sm);
-    sm->ctx = b;
-    sm->vocab = b->e->vocab;
-    sm->eos = b->e->eos_id;
-    sm->ctx_len = a->ctx;
-    sm->tok = b->e->tok;
-    sm->chat = b->chat;
-    sm->threads = b->e->threads;
-    sm->prefill = be_prefill;
-    sm->step = be_step;
-    sm->end = be_end;
-    return K3_OK;
-}
-
-static void close_backend(backend *b) {
-    if (b->chat) k3_chat_free(b->chat);
-    if (b->sess) k3_session_free(b->sess);
-    if (b->cache) k3_state_cache_free(b->cache);
-    if (b->st) k3_engine_state_free(b->e, b->st);
-    k3_engine_free(b->e);
-}
-
 static const char *base_name(const char *dir, char *buf, size_t n) {
     snprintf(buf, n, "%s", dir);
     size_t len = strlen(buf);
     while (len > 1 && buf[len - 1] == '/') buf[--len] = 0;
     const char *b = strrchr(buf, '/') ? strrchr(buf, '/') + 1 : buf;
     return *b && strcmp(b, ".") && strcmp(b, "..") ? b : "k3";
-}
-
-/* A rank after the first: makes rank 0's calls, in its order, until it quits.
- * Its own results are dropped (rank 0's are the same bits and answer the
- * client); a failure inside a forward call ends the job (engine.h). */
-static int follow(backend *b) {
-    k3_dist_silence_others();
-    float *logits = xmalloc_array((size_t)b->e->vocab, sizeof *logits);
-    int32_t *ids = xmalloc_array((size_t)b->ctx, sizeof *ids);
-    for (;;) {
-        serve_cmd c;
-        /* unbounded: the next command comes when a client asks */
-        k3_dist_bcast(&c, sizeof c, false, "k3 serve's next command");
-        k3_err e = {0};
-        size_t reused;
-        if (c.op == CMD_QUIT) break;
-        if (c.op == CMD_PREFILL && c.n >= 1 && c.n <= b->ctx) {
-            k3_dist_bcast(ids, (size_t)c.n * sizeof *ids, true, "k3 serve's prompt ids");
-            (void)be_prefill(b, ids, (size_t)c.n, logits, &reused, NULL, &e);
-        } else if (c.op == CMD_STEP && c.id >= 0 && c.id < b->e->vocab) {
-            (void)be_step(b, c.id, logits, &e);
-        } else if (c.op == CMD_END && (!c.flag || (c.id >= 0 && c.id < b->e->vocab))) { /* fed only if stopped */
-            be_end(b, c.id, c.flag != 0);
-        } else {
-            k3_fail(&e, K3_EXIT_RUNTIME,
-                    "serve: rank 0 sent a command this rank cannot follow (op %d, n %d, id %d): the ranks run "
-                    "different k3 builds", c.op, c.n, c.id);
-            free(ids);
-            free(logits);
-            k3_dist_abort(&e);
-        }
-    }
-    free(ids);
-    free(logits);
-    return K3_OK;
 }
 
 static pthread_t main_thread;
@@ -350,35 +250,29 @@ int cmd_serve(int argc, char **argv) {
         return k3_report(&(k3_err){.code = K3_EXIT_USAGE,
                                    .msg = "serve: this Open MPI does not grant MPI_THREAD_SERIALIZED, which k3 serve's "
                                           "model worker needs under mpirun"});
-    backend b;
+    k3_serve_backend *b;
     k3_serve_model sm;
-    rc = open_backend(&a, &b, &sm, &err);
-    /* a rank whose state or cache cannot fit stops every rank here */
-    if ((rc = k3_engine_ready(b.e, rc, &err))) {
-        close_backend(&b);
-        return k3_report(&err);
-    }
-    if (b.e->rank > 0) {
-        rc = follow(&b);
-        close_backend(&b);
+    if ((rc = k3_serve_backend_open(&a.eo, a.ctx, a.state_cache_bytes, &b, &sm, &err))) return k3_report(&err);
+    if (k3_serve_backend_rank(b) > 0) {
+        rc = k3_serve_backend_follow(b);
+        k3_serve_backend_free(b);
         return rc;
     }
-    b.lead = ranks > 1;
     char nbuf[4096];
     k3_serve_opts o = {.host = a.host, .port = a.port,
                        .model_id = a.model_name ? a.model_name : base_name(a.eo.model_dir, nbuf, sizeof nbuf),
                        .max_body = (size_t)a.max_body, .queue = a.queue,
                        .max_tokens = a.max_tokens ? a.max_tokens : a.ctx, .keepalive_s = a.keepalive_s,
-                       .verbose = a.verbose};
+                       .api_key = a.api_key, .cors = a.cors, .ncors = a.ncors, .verbose = a.verbose};
     k3_serve *s;
     if ((rc = k3_serve_start(&o, &sm, &s, &err))) {
-        if (b.lead) send_cmd(CMD_QUIT, 0, 0, rc);
-        close_backend(&b);
+        k3_serve_backend_quit(b, rc);
+        k3_serve_backend_free(b);
         return k3_report(&err);
     }
-    if (!k3_http_is_loopback(a.host))
-        fprintf(stderr, "k3 serve: warning: listening on %s, not loopback: anyone who can reach this machine can "
-                "use the model (there is no authentication)\n", a.host);
+    if (!k3_http_is_loopback(a.host) && !a.api_key)
+        fprintf(stderr, "k3 serve: warning: listening on %s, not loopback, without --api-key: anyone who can reach "
+                "this machine can use the model\n", a.host);
     bool v6 = strchr(a.host, ':') != NULL;
     char par[64] = "";
     if (ranks > 1) snprintf(par, sizeof par, ", expert parallel over %d ranks", ranks);
@@ -390,8 +284,8 @@ int cmd_serve(int argc, char **argv) {
     /* the worker stops at its next token or prefill chunk (a cancel the
      * other ranks see too) and is joined: then the followers can be let go */
     k3_serve_stop(s);
-    if (b.lead) send_cmd(CMD_QUIT, 0, 0, 0);
-    close_backend(&b);
+    k3_serve_backend_quit(b, 0);
+    k3_serve_backend_free(b);
     printf("k3 serve: stopped (%s)\n", strsignal(sig));
     return K3_OK;
 }

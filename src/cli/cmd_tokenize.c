@@ -66,7 +66,7 @@ static int tokenize_chat(const char *dir, const char *path, bool json) {
     size_t len;
     if (k3_read_file(path, &data, &len, &err)) return k3_report(&err);
     json_error_t je;
-    json_t *req = json_loadb(data, len, JSON_ALLOW_NUL, &je);
+    json_t *req = json_loadb(data, len, JSON_ALLOW_NUL | JSON_REJECT_DUPLICATES, &je); /* as serve reads a request */
     free(data);
     if (!req) {
         k3_fail(&err, K3_EXIT_USAGE, "%s: invalid JSON at line %d column %d: %s", src, je.line,

@@ -30,7 +30,9 @@ const char *const cmd_verify_help =
     "  --sha256 MANIFEST  compare with MANIFEST, in the format of sha256sum\n"
     "                     (\"<64 hex digits>  <file>\" per line, file relative to\n"
     "                     MODEL_DIR, '*' before the name allowed). Every shard\n"
-    "                     must be listed; other listed files are checked too\n"
+    "                     must be listed; other listed files are checked too;\n"
+    "                     a file listed twice with different digests is an\n"
+    "                     error (exit 2)\n"
     "  --write FILE       without --sha256: where to write the manifest\n"
     "                     (default MODEL_DIR/SHA256SUMS), atomically\n"
     "  --quiet            only errors\n"
@@ -81,6 +83,18 @@ static int read_manifest(const char *path, entry **out, size_t *n, k3_err *err) 
         es[cnt].hex[64] = 0;
         for (int i = 0; i < 64; i++)
             if (es[cnt].hex[i] >= 'A' && es[cnt].hex[i] <= 'F') es[cnt].hex[i] += 'a' - 'A';
+        /* sha256sum -c checks every line: two digests for one file cannot
+         * both match. The same line twice is harmless and checked once. */
+        bool dup = false;
+        for (size_t j = 0; j < cnt && !dup && !rc; j++) {
+            if (strcmp(es[j].name, line + 66)) continue;
+            if (strcmp(es[j].hex, es[cnt].hex))
+                rc = k3_fail(err, K3_EXIT_USAGE, "%s:%zu: %s is listed again with another digest", path, lineno,
+                             line + 66);
+            dup = true;
+        }
+        if (rc) break;
+        if (dup) continue;
         es[cnt].name = xstrdup(line + 66);
         es[cnt].seen = false;
         cnt++;

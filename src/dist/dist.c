@@ -48,6 +48,13 @@ int k3_dist_rank(void) { return G.rank; }
 int k3_dist_size(void) { return G.size; }
 const char *k3_dist_host(int r) { return G.hosts && r >= 0 && r < G.size ? G.hosts[r] : ""; }
 k3_dist_stats k3_dist_get_stats(void) { return G.st; }
+void k3_dist_note_split(const k3_dist_stats *d) {
+    G.st.split_gathers += d->split_gathers;
+    G.st.split_bytes_sent += d->split_bytes_sent;
+    G.st.split_wait_s += d->split_wait_s;
+    G.st.split_read += d->split_read;
+    G.st.split_whole += d->split_whole;
+}
 
 bool k3_dist_with_mpi(void) {
 #ifdef K3_NO_MPI

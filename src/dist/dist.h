@@ -107,8 +107,16 @@ typedef struct {
     uint64_t collectives;   /* agree, allgather and exchange calls */
     uint64_t bytes_sent;    /* payload bytes this rank sent (all peers) */
     double wait_s;          /* time inside the collectives (posting + waiting) */
+    /* of which the gathers of the trunk's split products (tensor_par.h) */
+    uint64_t split_gathers, split_bytes_sent;
+    double split_wait_s;
+    /* weight bytes those products read on this rank, and what one process
+     * reads for the same products (every rank's share together) */
+    uint64_t split_read, split_whole;
 } k3_dist_stats;
 k3_dist_stats k3_dist_get_stats(void);
+/* Adds a split product's figures (the split_* fields of d) to the stats. */
+void k3_dist_note_split(const k3_dist_stats *d);
 
 /* Test hook: K3_DIST_FAULT="KIND:RANK[:N]" makes rank RANK fail at its N-th
  * exchange (default 1): KIND "die" kills the process with SIGKILL (a crash:

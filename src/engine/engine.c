@@ -3,6 +3,7 @@
 
 #include "dist/dist.h"
 #include "dist/expert_par.h"
+#include "dist/tensor_par.h"
 #include "session/session.h"
 
 #include <errno.h>
@@ -51,6 +52,11 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
     } else if (!strcmp(f, "--expert-placement")) {
         VALUE();
         o->expert_placement = v;
+    } else if (!strcmp(f, "--parallel-layout")) {
+        VALUE();
+        if (strcmp(v, "tp+ep") && strcmp(v, "ep"))
+            return k3_fail(err, K3_EXIT_USAGE, "%s: --parallel-layout: '%s' is not tp+ep or ep", cmd, v);
+        o->layout_ep = !strcmp(v, "ep");
     } else if (!strcmp(f, "--max-memory")) {
         VALUE();
         if (!k3_parse_size(v, &o->max_memory) || !o->max_memory)
@@ -86,8 +92,7 @@ int k3_sample_parse_flag(k3_sample_opts *o, const char *cmd, int argc, char **ar
         if (!k3_parse_i64(v, 0, INT_MAX, &n)) bad = "not a count >= 0";
         else o->top_k = (int)n;
     } else if (!strcmp(f, "--top-p")) {
-        if (!k3_parse_f64(v, &d) || !((float)d > 0) || d > 1) bad = "not in (0, 1]";
-        else o->top_p = (float)d;
+        if (!k3_parse_f64(v, &d) || !k3_sample_top_p_ok(d, &o->top_p)) bad = "not in (0, 1] (as a float)";
     } else if (!strcmp(f, "--min-p")) {
         if (!k3_parse_f64(v, &d) || d < 0 || d > 1) bad = "not in [0, 1]";
         else o->min_p = (float)d;
@@ -163,6 +168,10 @@ static int ep_placement(k3_engine *e, const k3_config *file_cfg, k3_err *err) {
     e->owned = xcalloc(n, 1);
     for (size_t i = 0; i < n; i++) e->owned[i] = p.owner[i] == e->rank;
     e->opts.mem.so.owned = e->owned;
+    if (!o->layout_ep) { /* the plan counts this rank's share of the split trunk */
+        e->opts.mem.so.tp_rank = e->rank;
+        e->opts.mem.so.tp_ranks = e->ranks;
+    }
     return K3_OK;
 }
 
@@ -244,6 +253,7 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
         k3_placement p = {.ranks = e->ranks, .layers = c->num_layers, .experts = c->num_experts, .owner = e->owner};
         e->ep = k3_ep_new(k3_runmem_source(e->rm), &p, e->rank, e->ranks);
         k3_model_set_source(e->model, k3_ep_source(e->ep));
+        if (!o->layout_ep) k3_model_set_ops(e->model, k3_tp_ops());
     }
     e->cfg = k3_model_config(e->model);
     e->vocab = e->cfg->vocab_size;
@@ -268,6 +278,7 @@ void k3_engine_free(k3_engine *e) {
     if (e->tok) tok_free(e->tok);
     k3_model_free(e->model);
     k3_ep_free(e->ep);
+    if (e->ranks > 1 && !e->opts.layout_ep) k3_tp_release();
     k3_runmem_free(e->rm);
     free(e->owner);
     free(e->owned);
@@ -334,6 +345,19 @@ int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, floa
     return K3_OK;
 }
 
+int k3_engine_recompute(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, k3_err *err) {
+    k3_state_reset(s);
+    size_t slice = (size_t)e->chunk;
+    for (size_t i = 0; i < n; i += slice) {
+        size_t m = n - i < slice ? n - i : slice;
+        int rc = k3_forward(e->model, s, ids + i, (int)m, i + m == n ? logits : NULL, false, err);
+        if (rc && e->ranks > 1) k3_dist_abort(err); /* the others wait in this call's exchanges */
+        if (rc) return rc;
+    }
+    k3_runmem_step(e->rm, false, 1, e->step_log);
+    return K3_OK;
+}
+
 int k3_engine_encode(const k3_engine *e, const char *what, const char *text, size_t len, bool allow_special,
                      int32_t **ids, size_t *n, k3_err *err) {
     *ids = NULL;
@@ -363,13 +387,18 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from_
     if (!e || e->ranks <= 1) return NULL;
     const k3_dist_stats *from = from_stats;
     k3_dist_stats now = *(const k3_dist_stats *)to_stats;
-    struct { uint64_t held, exch, bytes; double wait; } mine = {0}, *all;
+    struct { uint64_t held, exch, bytes, gath, gbytes, read, whole; double wait, gwait; } mine = {0}, *all;
     const k3_config *c = e->cfg;
     for (size_t i = 0; i < (size_t)c->num_layers * (size_t)c->num_experts; i++)
         mine.held += e->owned[i] && !c->layer_dense[i / (size_t)c->num_experts];
     mine.exch = now.collectives - from->collectives;
     mine.bytes = now.bytes_sent - from->bytes_sent;
     mine.wait = now.wait_s - from->wait_s;
+    mine.gath = now.split_gathers - from->split_gathers;
+    mine.gbytes = now.split_bytes_sent - from->split_bytes_sent;
+    mine.read = now.split_read - from->split_read;
+    mine.whole = now.split_whole - from->split_whole;
+    mine.gwait = now.split_wait_s - from->split_wait_s;
     all = xmalloc_array((size_t)e->ranks, sizeof *all);
     k3_dist_allgather(&mine, sizeof mine, all, "the run report");
     json_t *o = NULL;
@@ -377,7 +406,8 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from_
         double st = steps ? (double)steps : 1;
         o = json_object();
         json_t *held = json_array(), *bytes = json_array(), *share = json_array(), *wait = json_array();
-        double maxb = 0, maxs = 0;
+        json_t *gbytes = json_array(), *gshare = json_array(), *tread = json_array();
+        double maxb = 0, maxs = 0, maxgb = 0, maxgs = 0, maxr = 0, minr = 1e300;
         uint64_t minh = UINT64_MAX, maxh = 0;
         for (int r = 0; r < e->ranks; r++) {
             if (all[r].held < minh) minh = all[r].held;
@@ -389,6 +419,14 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from_
             json_array_append_new(wait, json_real(all[r].wait));
             if ((double)all[r].bytes / st > maxb) maxb = (double)all[r].bytes / st;
             if (sh > maxs) maxs = sh;
+            double gb = (double)all[r].gbytes / st, gs = secs > 0 ? all[r].gwait / secs : 0, rd = (double)all[r].read / st;
+            json_array_append_new(gbytes, json_real(gb));
+            json_array_append_new(gshare, json_real(gs));
+            json_array_append_new(tread, json_real(rd));
+            if (gb > maxgb) maxgb = gb;
+            if (gs > maxgs) maxgs = gs;
+            if (rd > maxr) maxr = rd;
+            if (rd < minr) minr = rd;
         }
         json_object_set_new(o, "phase", json_string(phase));
         json_object_set_new(o, "ranks", json_integer(e->ranks));
@@ -399,12 +437,35 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from_
         json_object_set_new(o, "bytes_sent_per_token", bytes);
         json_object_set_new(o, "exchange_seconds", wait);
         json_object_set_new(o, "exchange_share", share);
+        bool tp = all[0].gath > 0;
+        json_object_set_new(o, "layout", json_string(e->opts.layout_ep ? "ep" : "tp+ep"));
+        /* the trunk's split products: gathers (part of the exchanges above),
+         * their bytes and time, and the weight bytes their matrices read per
+         * token on each rank beside what one process reads for them */
+        if (!e->opts.layout_ep) {
+            json_object_set_new(o, "split_gathers_per_token", json_real((double)all[0].gath / st));
+            json_object_set_new(o, "split_bytes_sent_per_token", gbytes);
+            json_object_set_new(o, "split_share", gshare);
+            json_object_set_new(o, "trunk_bytes_read_per_token", tread);
+            json_object_set_new(o, "trunk_bytes_one_process_per_token", json_real((double)all[0].whole / st));
+        } else {
+            json_decref(gbytes);
+            json_decref(gshare);
+            json_decref(tread);
+        }
         if (f)
             fprintf(f,
                     "k3: expert parallel, %s: %d ranks hold %llu..%llu routed experts each; per token %.1f exchanges, "
                     "up to %.1f kB sent per rank, up to %.1f%% of the time in exchanges\n",
                     phase, e->ranks, (unsigned long long)minh, (unsigned long long)maxh,
                     (double)all[0].exch / st, maxb / 1e3, 100 * maxs);
+        if (f && tp)
+            fprintf(f,
+                    "k3: tensor parallel, %s: the trunk's matrices read %.2f..%.2f MB per token a rank (one process: "
+                    "%.2f MB); %.1f of the exchanges are their gathers, up to %.1f kB sent per rank, up to %.1f%% of "
+                    "the time\n",
+                    phase, minr / 1e6, maxr / 1e6, (double)all[0].whole / st / 1e6, (double)all[0].gath / st,
+                    maxgb / 1e3, 100 * maxgs);
     }
     free(all);
     return o;

@@ -37,6 +37,9 @@ typedef struct {
     uint64_t max_memory;     /* --max-memory bytes (0: MemAvailable) */
     int64_t max_pos;         /* longest sequence one state will hold (for the plan) */
     const char *expert_placement; /* --expert-placement FILE (under mpirun); NULL: contiguous */
+    bool layout_ep;          /* --parallel-layout ep: under mpirun only the routed experts are
+                                split, every rank runs the whole trunk (default tp+ep: the trunk's
+                                matrices are split by output rows too, dist/tensor_par.h) */
     k3_runmem_args mem;      /* --preset, --trunk, --trunk-gb, --cache-gb, --chunk, ... */
 } k3_engine_opts;
 
@@ -64,6 +67,10 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
     "  --expert-placement FILE   under mpirun: which rank holds which routed expert\n" \
     "                       (k3 cache-sim TRACE --placement R --placement-out FILE);\n" \
     "                       default: contiguous, balanced (docs/mpi.md)\n" \
+    "  --parallel-layout L  under mpirun: tp+ep (default: the trunk's matrices split\n" \
+    "                       over the ranks by output rows, the routed experts by\n" \
+    "                       expert) or ep (the experts only; every rank runs the\n" \
+    "                       whole trunk); the logits are the same bits either way\n" \
     "\n" K3_RUNMEM_HELP
 
 /* The sampling flags of the commands that generate from the command line
@@ -138,6 +145,11 @@ void k3_engine_state_free(k3_engine *e, k3_state *s);
 int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, bool all_logits,
                    bool prefill, k3_progress *progress, k3_err *err);
 
+/* Resets s and feeds ids[0..n) again in the plan's chunks; the run report
+ * counts it as one decode step of one token (k3 run --full recomputes the
+ * whole prefix for every generated token). logits: the last token's [V]. */
+int k3_engine_recompute(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, k3_err *err);
+
 /* Under expert parallelism every rank passes its status here after its own
  * preparations (prompt, states, output files) and before the first feed, so
  * that a rank that cannot start stops the job here instead of leaving the
@@ -153,7 +165,11 @@ int k3_engine_ready(k3_engine *e, int rc, k3_err *err);
  * seconds and tokens. Prints one line on f (rank 0, f not NULL) and
  * returns a JSON object (rank 0; NULL elsewhere and for one process):
  * {"ranks", "experts_held": [per rank], "exchanges_per_token", "bytes_sent_per_token":
- * [per rank], "exchange_share": [per rank], ...}. */
+ * [per rank], "exchange_share": [per rank], ..., "layout" ("tp+ep" or "ep"),
+ * "split_gathers_per_token" (of the exchanges, the split trunk's gathers),
+ * "split_bytes_sent_per_token", "split_share", "trunk_bytes_read_per_token":
+ * [per rank] (weight bytes the split products read), "trunk_bytes_one_process_per_token"}.
+ * Under tp+ep a second line gives the split trunk's figures. */
 struct json_t;
 struct json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from, const void *to, double secs,
                                      uint64_t steps, FILE *f);

@@ -425,6 +425,27 @@ void k_products(const k_prod *jobs, int njobs) {
     free(r1);
 }
 
+uint64_t k_mat_bytes(const k3_mat *W, int rows) {
+    uint64_t n = (uint64_t)(rows > 0 ? rows : 0) * (uint64_t)W->cols;
+    switch (W->type) {
+    case KW_F32: return n * 4;
+    case KW_BF16: return n * 2;
+    case KW_MXFP4: return n / 2 + n / (uint64_t)(W->group > 0 ? W->group : 32);
+    }
+    return 0;
+}
+
+void k_products_rows(const k_prod *jobs, int njobs, const int *r0, const int *r1) {
+    if (njobs > 0) run_products(jobs, njobs, r0, r1);
+}
+
+void k_row_share(int rows, int part, int parts, int *r0, int *r1) {
+    int64_t units = ((int64_t)rows + K_ROW_ALIGN - 1) / K_ROW_ALIGN;
+    int64_t a = units * part / parts * K_ROW_ALIGN, b = units * (part + 1) / parts * K_ROW_ALIGN;
+    *r0 = (int)(a < rows ? a : rows);
+    *r1 = (int)(b < rows ? b : rows);
+}
+
 void k_matvec(const k3_mat *W, const float *x, float *y) {
     k_prod j = {W, x, 1, y};
     int r0 = 0, r1 = W->rows;

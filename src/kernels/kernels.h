@@ -101,6 +101,8 @@ float k_e8m0(uint8_t s); /* 2^(s-127) exactly, 0 for 255 */
 /* Decode one row (or a column range) of any weight to f32 (for tests/export;
  * the hot paths never materialise a whole MXFP4 matrix). */
 void k_mat_row(const k3_mat *W, int row, float *out);
+/* Bytes of `rows` rows of W as stored (MXFP4: the packed values and their scales). */
+uint64_t k_mat_bytes(const k3_mat *W, int rows);
 
 /* ---- products ------------------------------------------------------------ */
 float k_dot(const float *w, const float *x, int n);       /* canonical order */
@@ -120,6 +122,16 @@ typedef struct {
     float *Y;
 } k_prod;
 void k_products(const k_prod *jobs, int njobs);
+/* The same for rows [r0[i], r1[i]) of each job's W only (the other outputs
+ * are not written): every output element is the dot k_products computes for
+ * it, so a matrix's rows may be spread over processes (tensor parallelism,
+ * dist/tensor_par.h) without changing a bit. */
+void k_products_rows(const k_prod *jobs, int njobs, const int *r0, const int *r1);
+/* Part `part` of `parts` of a matrix's rows, [*r0, *r1): whole runs of 16
+ * rows (the kernels' row items) dealt out as evenly as they go, the last
+ * part ending at rows; a part may be empty when there are more parts than
+ * runs. The parts tile [0, rows) in order. */
+void k_row_share(int rows, int part, int parts, int *r0, int *r1);
 /* out[p] = canonical dot of x with B + p*ldb, both of length len, for p < rows
  * (attention scores against a cache whose rows are wider than the dot). */
 void k_dots(float *out, const float *x, const float *B, size_t ldb, int rows, int len);

@@ -180,6 +180,19 @@ static summary summarise(const k3_runmem *rm) {
     return s;
 }
 
+k3_runmem_reads k3_runmem_decode_reads(const k3_runmem *rm) {
+    k3_runmem_reads r = {0};
+    for (size_t i = 0; i < rm->nsteps; i++) {
+        const step_rec *x = &rm->steps[i];
+        if (x->prefill) continue;
+        r.calls++;
+        r.requests += x->requests;
+        r.disk += x->trunk_read + x->expert_read;
+    }
+    r.touched = r.calls * (rm->plan->layers_all + rm->plan->head_bytes) + r.requests * rm->plan->expert_buf;
+    return r;
+}
+
 void k3_runmem_summary(const k3_runmem *rm, FILE *f) {
     if (!rm->s) return;
     summary s = summarise(rm);
@@ -224,6 +237,7 @@ void k3_runmem_json(const k3_runmem *rm, json_t *o) {
     json_object_set_new(plan, "kda_state_bytes", json_integer((json_int_t)p->state.kda_bytes));
     json_object_set_new(plan, "mla_cache_bytes", json_integer((json_int_t)p->state.mla_bytes));
     json_object_set_new(plan, "scratch_bytes", json_integer((json_int_t)p->state.scratch_bytes));
+    json_object_set_new(plan, "speculation_record_bytes", json_integer((json_int_t)p->pass_bytes));
     json_object_set_new(plan, "total_bytes", json_integer((json_int_t)p->total));
     json_object_set_new(plan, "overhead_bytes", json_integer((json_int_t)K3_PLAN_OVERHEAD));
     json_t *mem = json_object();

@@ -51,9 +51,16 @@ typedef struct {
     bool direct;             /* O_DIRECT (default; K3_DIRECT_IO=0 turns it off) */
     const char *trace_dir;   /* --dump-cache-trace DIR, or NULL */
     uint64_t mem_limit;      /* refuse plans above this (0: MemAvailable) */
+    int pass_tokens;         /* speculation: ids of one verifying pass (0: none). The chunk
+                                never drops below it (each streamed layer and each distinct
+                                expert then read once per pass) and the pass's rollback
+                                record (k3_state_pass_bytes) is counted in the plan */
     const uint8_t *owned;    /* [num_layers][num_experts], nonzero for the routed experts this
                                 process holds (its share of an expert-parallel job, dist/);
                                 NULL: all. Only these are planned for and ever requested. */
+    int tp_rank, tp_ranks;   /* tp_ranks > 1: this process is rank tp_rank of a job whose trunk
+                                matrices are split by output rows (dist/tensor_par.h): the
+                                resident plan counts its share of their pages (k_row_share) */
 } k3_stream_opts;
 
 void k3_stream_opts_init(k3_stream_opts *o);
@@ -85,6 +92,7 @@ typedef struct {
     uint64_t expert_bytes;       /* (cache + batch) buffers: what --cache-gb limits */
     uint64_t table_bytes;        /* the cache's key -> buffer table */
     k3_state_plan state;         /* KDA state, MLA latent cache, scratch */
+    uint64_t pass_bytes;         /* the rollback record of a verifying pass (pass_tokens) */
     uint64_t total;
 } k3_mem_plan;
 

@@ -6,6 +6,7 @@
 #include "formats/names.h"
 #include "memory/stream_internal.h"
 
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -156,7 +157,23 @@ static uint64_t copies_of(const char *name, int rank, const int64_t *shape, st_d
     return 0;
 }
 
-static int layer_sizes(const k3_config *c, st_index *ix, const k3_trunk *trunk, k3_mem_plan *p, k3_err *err) {
+/* A mapped tensor's bytes this process touches: under a split trunk
+ * (o->tp_ranks > 1) a matrix the products split by output rows is touched
+ * only in its rows' share (k_row_share, the products' own split); what
+ * stays whole on every rank (MLA's kv_b, read per head by the absorbed core;
+ * F16 matrices, widened whole at bind; vectors) counts whole. */
+static uint64_t touched(const k3_stream_opts *o, const st_tensor *t) {
+    if (o->tp_ranks <= 1 || t->rank != 2 || t->shape[0] <= 1 || t->shape[0] > INT_MAX || t->dtype == ST_F16 ||
+        strstr(t->name, "kv_b_proj") || strstr(t->name, "conv1d") || strstr(t->name, "_res_proj.") ||
+        strstr(t->name, K3N_EMBED))
+        return t->nbytes;
+    int r0, r1;
+    k_row_share((int)t->shape[0], o->tp_rank, o->tp_ranks, &r0, &r1);
+    return t->nbytes / (uint64_t)t->shape[0] * (uint64_t)(r1 - r0);
+}
+
+static int layer_sizes(const k3_config *c, st_index *ix, const k3_trunk *trunk, const k3_stream_opts *o,
+                       k3_mem_plan *p, k3_err *err) {
     if (trunk) {
         for (int L = 0; L < c->num_layers; L++) {
             const k3_trunk_run *r = k3_trunk_run_for(trunk, L);
@@ -173,7 +190,7 @@ static int layer_sizes(const k3_config *c, st_index *ix, const k3_trunk *trunk, 
             const st_tensor *t = st_at(ix, i);
             int L = k3_trunk_layer_of(t->name);
             if (L < 0 || L >= c->num_layers || !k3_trunk_wants(t->name)) continue;
-            p->layer_bytes[L] += t->nbytes;
+            p->layer_bytes[L] += touched(o, t);
             p->bind_bytes[L] += copies_of(t->name, t->rank, t->shape, t->dtype);
         }
     }
@@ -184,7 +201,7 @@ static int layer_sizes(const k3_config *c, st_index *ix, const k3_trunk *trunk, 
 /* Model-level tensors as the model uses them, mapped from the shards: the
  * whole head every token, one embedding row per distinct token (a page fault
  * maps up to 64 KiB around it), widened norms. */
-static uint64_t head_size(const k3_config *c, st_index *ix, int64_t max_pos) {
+static uint64_t head_size(const k3_config *c, st_index *ix, const k3_stream_opts *o, int64_t max_pos) {
     uint64_t b = 0;
     for (size_t i = 0; i < st_count(ix); i++) {
         const st_tensor *t = st_at(ix, i);
@@ -194,7 +211,7 @@ static uint64_t head_size(const k3_config *c, st_index *ix, int64_t max_pos) {
             uint64_t rows = (uint64_t)(max_pos < c->vocab_size ? max_pos : c->vocab_size);
             b += rows * per < t->nbytes ? rows * per : t->nbytes;
         } else if (t->rank >= 2 && t->shape[0] > 1 && t->dtype != ST_F16) {
-            b += t->nbytes;
+            b += touched(o, t); /* the head: its vocabulary rows' share under a split trunk */
         } else {
             b += t->nbytes + (uint64_t)t->numel * 4;
         }
@@ -266,9 +283,11 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
     p->max_pos = max_pos;
     p->streamed = trunk != NULL;
     for (int L = 0; L < c->num_layers; L++) p->n_moe += !c->layer_dense[L];
-    int rc = layer_sizes(c, ix, trunk, p, err);
+    int rc = layer_sizes(c, ix, trunk, o, p, err);
     if (rc) return rc;
-    p->head_bytes = head_size(c, ix, max_pos);
+    k3_stream_opts whole = *o; /* a packed trunk's model-level run is read whole at open */
+    if (trunk) whole.tp_ranks = 0;
+    p->head_bytes = head_size(c, ix, &whole, max_pos);
     double tlimit = o->trunk_gb < 0 ? 1e300 : o->trunk_gb * 1e9;
     double xlimit = o->cache_gb < 0 ? 1e300 : o->cache_gb * 1e9;
 
@@ -319,6 +338,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         if (here > most) most = here;
     }
     int want_chunk = o->chunk > 0 ? o->chunk : K3_PREFILL_CHUNK;
+    if (want_chunk < o->pass_tokens) want_chunk = o->pass_tokens; /* a verifying pass is one chunk */
     p->chunk = want_chunk;
     if (p->total_experts > 0) {
         int k = c->experts_per_token;
@@ -335,8 +355,20 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
                                "--cache-gb %.3g holds %lld expert buffers of %s; a prefill chunk of %d tokens "
                                "needs up to %lld (use a smaller --chunk or a larger --cache-gb)",
                                o->cache_gb, (long long)pool, k3_size_str(p->expert_buf), want_chunk, (long long)batch);
-            while (pool < batch && p->chunk > 1) {
-                p->chunk = p->chunk / 2;
+            int floor_chunk = o->pass_tokens > 1 ? o->pass_tokens : 1;
+            if (pool < batch && o->pass_tokens > 1) {
+                /* a verifying pass must be one chunk: its experts' union has to fit */
+                int64_t need = (int64_t)o->pass_tokens * k < most ? (int64_t)o->pass_tokens * k : most;
+                if (pool < need)
+                    return k3_fail(err, K3_EXIT_BUDGET,
+                                   "--cache-gb %.3g holds %lld expert buffers of %s; a verifying pass of %d ids "
+                                   "(--speculate %d) needs up to %lld (use a smaller --speculate or a larger "
+                                   "--cache-gb)",
+                                   o->cache_gb, (long long)pool, k3_size_str(p->expert_buf), o->pass_tokens,
+                                   o->pass_tokens - 1, (long long)need);
+            }
+            while (pool < batch && p->chunk > floor_chunk) {
+                p->chunk = p->chunk / 2 > floor_chunk ? p->chunk / 2 : floor_chunk;
                 batch = (int64_t)p->chunk * k < most ? (int64_t)p->chunk * k : most;
             }
             if (pool < batch)
@@ -352,21 +384,25 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
     }
 
     p->state = k3_state_size_chunk(c, p->chunk, max_pos);
-    p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total;
+    p->pass_bytes = k3_state_pass_bytes(c, o->pass_tokens);
+    p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total + p->pass_bytes;
     const char *lname;
     uint64_t limit = k3_mem_limit(o->mem_limit, &lname);
     /* without --chunk, a smaller chunk's scratch may fit where the default's does not */
-    while (o->chunk <= 0 && p->chunk > 1 && limit && p->total + K3_PLAN_OVERHEAD > limit) {
-        p->chunk /= 2;
+    int floor_chunk = o->pass_tokens > 1 ? o->pass_tokens : 1;
+    while (o->chunk <= 0 && p->chunk > floor_chunk && limit && p->total + K3_PLAN_OVERHEAD > limit) {
+        p->chunk = p->chunk / 2 > floor_chunk ? p->chunk / 2 : floor_chunk;
         p->state = k3_state_size_chunk(c, p->chunk, max_pos);
-        p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total;
+        p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total + p->pass_bytes;
     }
     if (limit && p->total + K3_PLAN_OVERHEAD > limit)
         return k3_fail(err, K3_EXIT_BUDGET,
-                       "the memory plan needs %s (trunk %s, experts %s, state %s at %lld positions) + %s "
-                       "overhead but %s is %s: choose a smaller --preset, --trunk-gb or --cache-gb, or fewer positions",
+                       "the memory plan needs %s (trunk %s, experts %s, state %s at %lld positions, speculation "
+                       "record %s) + %s overhead but %s is %s: choose a smaller --preset, --trunk-gb or --cache-gb, "
+                       "or fewer positions",
                        k3_size_str(p->total), k3_size_str(p->trunk_bytes), k3_size_str(p->expert_bytes + p->table_bytes),
-                       k3_size_str(p->state.total), (long long)max_pos, k3_size_str(K3_PLAN_OVERHEAD),
+                       k3_size_str(p->state.total), (long long)max_pos, k3_size_str(p->pass_bytes),
+                       k3_size_str(K3_PLAN_OVERHEAD),
                        lname, k3_size_str(limit));
     return K3_OK;
 }
@@ -422,7 +458,8 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
         fprintf(f, "k3:   model-level tensors %s  head, final norms, embedding rows in use (mapped)\n", b);
     if (!p->streamed) {
         mb_cell(b, sizeof b, p->pinned_bytes);
-        fprintf(f, "k3:   trunk resident      %s  %d layers mapped from the shards (no --trunk)\n", b, p->num_layers);
+        fprintf(f, "k3:   trunk resident      %s  %d layers mapped from the shards (no --trunk)%s\n", b, p->num_layers,
+                o->tp_ranks > 1 ? "; this rank's rows of the split matrices" : "");
     } else {
         mb_cell(b, sizeof b, p->pinned_bytes);
         char pl[K3_MAX_LAYERS * 4 + 8], sl[K3_MAX_LAYERS * 4 + 8];
@@ -452,6 +489,11 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
     fprintf(f, "k3:   MLA latent cache    %s  at %lld positions\n", b, (long long)p->max_pos);
     mb_cell(b, sizeof b, p->state.scratch_bytes);
     fprintf(f, "k3:   scratch             %s\n", b);
+    if (p->pass_bytes) {
+        mb_cell(b, sizeof b, p->pass_bytes);
+        fprintf(f, "k3:   speculation record  %s  passes of %d ids (KDA copy + per-id recurrence inputs)\n", b,
+                o->pass_tokens);
+    }
     mb_cell(b, sizeof b, p->total);
     fprintf(f, "k3:   total               %s  (+ %.0f MB fixed overhead: peak RSS stays below %.3f GB)\n", b,
             (double)K3_PLAN_OVERHEAD / 1e6, gb(p->total + K3_PLAN_OVERHEAD));

@@ -4,6 +4,7 @@
 #include "memory/io.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -305,6 +306,41 @@ void k3_trunk_free(k3_trunk *t) {
     free(t);
 }
 
+/* Where a shard's data and holes are (lseek SEEK_DATA / SEEK_HOLE), for the
+ * packer to carry holes over. A filesystem without the two reports all data. */
+typedef struct {
+    int *fd;           /* per shard, opened on first use; -1 unopened */
+    int n;
+    int64_t data_end;  /* the data extent found last ends here (absolute) */
+} hole_map;
+
+static void holes_close(hole_map *h) {
+    for (int i = 0; i < h->n; i++)
+        if (h->fd[i] >= 0) close(h->fd[i]);
+    free(h->fd);
+}
+
+/* Bytes of hole at [off, off + max) of shard s, 0 when off is in data (then
+ * data_len gives the length of the data). Never fails: an unreadable map is
+ * data, which the read that follows reports if need be. */
+static uint64_t hole_len(hole_map *h, st_index *ix, int s, uint64_t off, uint64_t max) {
+    h->data_end = -1;
+    if (h->fd[s] < 0) h->fd[s] = open(st_shard_at(ix, s)->path, O_RDONLY | O_CLOEXEC);
+    if (h->fd[s] < 0 || off > (uint64_t)INT64_MAX) return 0;
+    off_t d = lseek(h->fd[s], (off_t)off, SEEK_DATA);
+    if (d < 0) return errno == ENXIO ? max : 0; /* ENXIO: only a hole past off */
+    if ((uint64_t)d > off) return (uint64_t)d - off < max ? (uint64_t)d - off : max;
+    off_t e = lseek(h->fd[s], (off_t)off, SEEK_HOLE);
+    h->data_end = e > d ? (int64_t)e : -1;
+    return 0;
+}
+
+static uint64_t data_len(const hole_map *h, uint64_t off, uint64_t max) {
+    uint64_t len = h->data_end > 0 && (uint64_t)h->data_end > off ? (uint64_t)h->data_end - off : max;
+    if (len > max) len = max;
+    return len < CHUNK ? len : CHUNK;
+}
+
 int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     st_index *ix;
     int rc = st_open(model_dir, &ix, err);
@@ -378,26 +414,37 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     k3_progress pr;
     k3_progress_start(&pr, "pack-trunk", total, true);
     uint8_t *buf = xmalloc(CHUNK);
-    static const uint8_t zeros[K3_TRUNK_RUN_ALIGN];
+    hole_map holes = {xmalloc_array((size_t)st_nshards(ix), sizeof(int)), st_nshards(ix), -1};
+    for (int i = 0; i < holes.n; i++) holes.fd[i] = -1;
     uint64_t pos = 0, done = 0;
     for (int r = 0; r < t->nruns && !rc; r++) {
         k3_trunk_run *run = &t->runs[r];
-        if (run->offset > pos) rc = k3_atomic_write(&af, zeros, run->offset - pos, err);
+        /* padding is zeros: left as holes, so that a sparse source stays sparse */
+        if (run->offset > pos) rc = k3_atomic_skip(&af, run->offset - pos, err);
         pos = run->offset;
         uint32_t crc = 0;
         for (int i = 0; i < run->ntensors && !rc; i++) {
             const st_tensor *s = members[r][i];
             uint64_t want = run->offset + run->tensors[i].offset;
             if (want > pos) {
-                crc = k3_crc32c(crc, zeros, want - pos);
-                rc = k3_atomic_write(&af, zeros, want - pos, err);
+                crc = k3_crc32c_zeros(crc, want - pos);
+                rc = k3_atomic_skip(&af, want - pos, err);
                 pos = want;
             }
-            for (uint64_t c = 0; c < s->nbytes && !rc; c += CHUNK) {
-                uint64_t len = s->nbytes - c < CHUNK ? s->nbytes - c : CHUNK;
-                rc = st_pread(ix, s->shard, s->offset + c, buf, len, err);
-                if (!rc) rc = k3_atomic_write(&af, buf, len, err);
-                crc = k3_crc32c(crc, buf, len);
+            for (uint64_t c = 0; c < s->nbytes && !rc;) {
+                /* a hole in the source stays a hole: the sparse replica's
+                 * 109 GB of trunk is then packed from its headers alone */
+                uint64_t hole = hole_len(&holes, ix, s->shard, s->offset + c, s->nbytes - c);
+                uint64_t len = hole ? hole : data_len(&holes, s->offset + c, s->nbytes - c);
+                if (hole) {
+                    rc = k3_atomic_skip(&af, len, err);
+                    crc = k3_crc32c_zeros(crc, len);
+                } else {
+                    rc = st_pread(ix, s->shard, s->offset + c, buf, len, err);
+                    if (!rc) rc = k3_atomic_write(&af, buf, len, err);
+                    crc = k3_crc32c(crc, buf, len);
+                }
+                c += len;
                 pos += len;
                 done += len;
                 k3_progress_update(&pr, done);
@@ -406,6 +453,7 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
         run->crc = crc;
     }
     free(buf);
+    holes_close(&holes);
     if (rc) { k3_atomic_abort(&af); goto out_members; }
     k3_progress_finish(&pr);
     /* trunk.bin is written beside the old one, so a failed pack leaves the

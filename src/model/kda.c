@@ -15,6 +15,7 @@
  * is named by k3_fwd_ops (model.h). */
 #include "model/model_impl.h"
 
+#include <assert.h>
 #include <math.h>
 
 #include "kernels/kmath.h" /* km_sigmoid inlined in the elementwise loops (k_sigmoid's bits) */
@@ -42,9 +43,30 @@ static void l2_head(const k3_fwd_ops *fo, float *x, int D, float *rinv) {
     k_l2norm(x, D, 1e-6f);
 }
 
-K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, float *S, float *conv,
-                      const float *x, int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_kda_trace *tr,
-                      k3_ws *ws) {
+/* The recurrence on every sequence: one kernel call when the states lie one
+ * after another (training's zero states), else one call per sequence (a
+ * batch of decode states; the kernel's work per sequence is the same, so are
+ * the bits). */
+static void kda_recur(const k3_kda_state *st, float *o, const float *q, const float *k, const float *v,
+                      const float *g, const float *beta, int nseq, int T, int H, int D, int chunk, float lower,
+                      float *Ssave) {
+    const size_t HDD = (size_t)H * D * D, TP = (size_t)T * H * D, TH = (size_t)T * H;
+    bool packed = true;
+    for (int s = 1; s < nseq && packed; s++) packed = st[s].S == st[0].S + (size_t)s * HDD;
+    if (packed) {
+        k_kda_forward(o, st[0].S, q, k, v, g, beta, nseq, T, H, D, chunk, lower, Ssave);
+        return;
+    }
+    size_t per = Ssave ? HDD * (size_t)((T + k_kda_block_len(chunk, lower) - 1) / k_kda_block_len(chunk, lower)) : 0;
+    for (int s = 0; s < nseq; s++)
+        k_kda_forward(o + s * TP, st[s].S, q + s * TP, k + s * TP, v + s * TP, g + s * TP, beta + s * TH, 1, T, H, D,
+                      chunk, lower, Ssave ? Ssave + s * per : NULL);
+}
+
+K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, const k3_kda_state *st,
+                      const float *x, int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws) {
+    k3_kda_trace *tr = nseq == 1 && !rec ? st[0].trace : NULL; /* a recorded pass (one sequence) */
+    assert(rec || ws); /* without a record the temporaries come from ws */
     const int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     const int N = nseq * T;
     const size_t NP = (size_t)N * P, TP = (size_t)T * P;
@@ -67,9 +89,9 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
     for (int js = 0; js < 3 * nseq; js++) {
         int j = js / nseq, s = js % nseq;
         size_t r0 = (size_t)j * NP + (size_t)s * TP;
-        float *st = conv + ((size_t)s * 3 + j) * P * (K - 1);
-        if (fused) k_shortconv_silu(cv + r0, pre + r0, T, P, w->conv[j], K, st);
-        else k_shortconv(cv + r0, pre + r0, T, P, w->conv[j], K, st);
+        float *hist = st[s].conv + (size_t)j * P * (K - 1);
+        if (fused) k_shortconv_silu(cv + r0, pre + r0, T, P, w->conv[j], K, hist);
+        else k_shortconv(cv + r0, pre + r0, T, P, w->conv[j], K, hist);
     }
     float *q = rec ? rec->q : cv, *k = rec ? rec->k : cv + NP, *v = rec ? rec->v : cv + 2 * NP;
     if (!fused) {
@@ -100,7 +122,7 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
         memcpy(tr->beta + (size_t)tr->row * H, beta, (size_t)N * H * sizeof(float));
     }
     float *o = rec ? rec->o : pre + 2 * NP;
-    k_kda_forward(o, S, q, k, v, g, beta, nseq, T, H, D, chunk, c->gate_lower_bound, rec ? rec->Ssave : NULL);
+    kda_recur(st, o, q, k, v, g, beta, nseq, T, H, D, chunk, c->gate_lower_bound, rec ? rec->Ssave : NULL);
     float *normed = rec ? rec->y : k; /* k is consumed */
     if (rec) {
         /* the same head norm and gate, with the record: sigmoid(gate) kept */
@@ -120,7 +142,7 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
 void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y) {
     k3_ws ws;
     ws_init(&ws, 0);
-    kda_block(c, w, &k3_infer_ops, st->S, st->conv, x, 1, T, y, 0, NULL, NULL, &ws);
+    kda_block(c, w, &k3_infer_ops, st, x, 1, T, y, 0, NULL, &ws);
     ws_free(&ws);
 }
 
@@ -129,7 +151,11 @@ void k3_kda_rec_forward(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops 
     const size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, P = H * D;
     float *S = xcalloc((size_t)nseq * H * D * D, sizeof(float));
     float *conv = xcalloc((size_t)nseq * 3 * P * (size_t)(c->conv_kernel - 1) + 1, sizeof(float));
-    kda_block(c, w, fo, S, conv, x, nseq, T, y, chunk, rec, NULL, NULL);
+    k3_kda_state *st = xmalloc_array((size_t)nseq, sizeof *st);
+    for (int s = 0; s < nseq; s++)
+        st[s] = (k3_kda_state){.S = S + (size_t)s * H * D * D, .conv = conv + (size_t)s * 3 * P * (size_t)(c->conv_kernel - 1)};
+    kda_block(c, w, fo, st, x, nseq, T, y, chunk, rec, NULL);
+    free(st);
     free(S);
     free(conv);
 }

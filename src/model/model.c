@@ -11,6 +11,7 @@
  * prefill, token-by-token decoding and full recomputation agree bit for bit. */
 #include "model/model_impl.h"
 
+#include <assert.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -71,10 +72,11 @@ K3_HOT static void attnres_rows(const float *q, const float *const *src, int nsr
     }
 }
 
+/* alpha, rinv (both NULL or both set): the record training's backward reads. */
 static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T, float *out,
-                    k3_ws *ws) {
-    float *logits = ws_f(ws, (size_t)omp_get_max_threads() * nsrc);
-    attnres_rows(q, src, nsrc, T, c->hidden_size, c->rms_eps, out, NULL, NULL, logits);
+                    float *alpha, float *rinv, k3_ws *ws) {
+    float *logits = alpha ? NULL : ws_f(ws, (size_t)omp_get_max_threads() * nsrc);
+    attnres_rows(q, src, nsrc, T, c->hidden_size, c->rms_eps, out, alpha, rinv, logits);
 }
 
 void k3_attnres_rows(const float *q, const float *const *src, int nsrc, int T, int E, float eps, float *out,
@@ -87,7 +89,7 @@ void k3_attnres_rows(const float *q, const float *const *src, int nsrc, int T, i
 void k3_attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T, float *out) {
     k3_ws ws;
     ws_init(&ws, 0);
-    attnres(c, q, src, nsrc, T, out, &ws);
+    attnres(c, q, src, nsrc, T, out, NULL, NULL, &ws);
     ws_free(&ws);
 }
 
@@ -155,7 +157,10 @@ static int n_boundaries(const k3_config *c) {
 static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
     size_t E = (size_t)c->hidden_size, t = (size_t)T, need = 0, m;
     size_t nsrc = (size_t)n_boundaries(c) + 1;
-    size_t base = 3 * wsz(t * E) + wsz((size_t)omp_get_max_threads() * nsrc) + 2 * WS_ALIGN;
+    /* layer_forward's a, xn, sub and AttnRes logits; graph_forward's
+     * per-sequence state arrays (at most one sequence per row) */
+    size_t base = 3 * wsz(t * E) + wsz((size_t)omp_get_max_threads() * nsrc) + 2 * WS_ALIGN +
+                  t * (sizeof(k3_kda_state) + sizeof(k3_mla_cache) + sizeof(int)) + 3 * WS_ALIGN;
     if (c->n_kda_layers) { /* kda.c's kda_block() */
         size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, P = H * D;
         m = 2 * wsz(3 * t * P) + wsz(t * P) + wsz(t * H) + wsz(t * D);
@@ -198,11 +203,7 @@ static k3_state_plan state_size(const k3_config *c, int chunk, int64_t max_pos) 
     uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
     uint64_t kda_f = (uint64_t)c->kda_heads * c->kda_head_dim * c->kda_head_dim + 3 * P * (uint64_t)(c->conv_kernel - 1);
     uint64_t W = (uint64_t)c->kv_lora_rank + c->qk_rope_dim;
-    int nk = 0, nm = 0;
-    for (int L = 0; L < c->num_layers; L++) {
-        if (c->layer_kind[L] == 'K') nk++;
-        else nm++;
-    }
+    int nk = c->n_kda_layers, nm = c->n_mla_layers; /* counted by the config reader (and --layers) */
     p.kda_bytes = (uint64_t)nk * kda_f * 4;
     uint64_t mla = 0;
     if (max_pos < 0 || !k3_mul_ok(W * 4 * (uint64_t)nm, (uint64_t)max_pos, &mla)) mla = UINT64_MAX / 4;
@@ -237,11 +238,7 @@ int k3_state_new(const k3_model *m, int max_pos, k3_state **out, k3_err *err) {
     s->nbuf = n_boundaries(c) + 1;
     int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
     size_t kda_f = (size_t)H * D * D + 3 * (size_t)P * (K - 1), W = (size_t)c->kv_lora_rank + c->qk_rope_dim;
-    int nk = 0, nm = 0;
-    for (int L = 0; L < c->num_layers; L++) {
-        if (c->layer_kind[L] == 'K') nk++;
-        else nm++;
-    }
+    int nk = c->n_kda_layers, nm = c->n_mla_layers; /* counted by the config reader (and --layers) */
     s->kda_floats = (size_t)nk * kda_f;
     s->mla_floats = (size_t)nm * W * (size_t)max_pos;
     s->kda_mem = xcalloc(s->kda_floats ? s->kda_floats : 1, sizeof(float));
@@ -301,11 +298,7 @@ uint64_t k3_state_scratch_overflow(const k3_state *s) { return s->ws.overflow; }
 /* Snapshots: kda_mem is one block (every KDA layer's S then its conv history),
  * mla_mem is [n_mla][max_pos][W], so both copy as a few memcpy. */
 static size_t row_width(const k3_config *c) { return (size_t)c->kv_lora_rank + c->qk_rope_dim; }
-static int n_mla_layers(const k3_config *c) {
-    int nm = 0;
-    for (int L = 0; L < c->num_layers; L++) nm += c->layer_kind[L] != 'K';
-    return nm;
-}
+static int n_mla_layers(const k3_config *c) { return c->n_mla_layers; }
 
 uint64_t k3_state_kda_floats(const k3_config *c) {
     uint64_t P = (uint64_t)c->kda_heads * c->kda_head_dim;
@@ -491,58 +484,104 @@ static int resident_layer_get(void *ctx, int layer, const k3_layer_w **w, k3_err
 
 const k3_layer_w *k3_model_layer(const k3_model *m, int layer) { return m->layers ? &m->layers[layer] : NULL; }
 
+void k3_model_set_ops(k3_model *m, const k3_fwd_ops *ops) { m->ops = ops; }
+
 void k3_model_set_source(k3_model *m, const k3_weight_source *src) {
     if (src) m->src = *src;
     else m->src = (k3_weight_source){.ctx = m, .layer_get = resident_layer_get};
 }
 
 /* ---- decoder layer (section 6) ----------------------------------------------------------
+ * One pass runs nseq sequences of T positions at once: activations are rows
+ * s*T + t of [nseq*T][E]. Rows are independent everywhere except inside a
+ * sequence (KDA's recurrence and ShortConv, MLA's attention), and every
+ * row's arithmetic is the same whatever else shares the pass (batch products
+ * use the canonical dots per row), so a sequence gives the same bits alone
+ * or in a batch. What the caller fixes: */
+typedef struct {
+    const k3_config *c;
+    float mla_eps;                /* MLA latent-norm epsilon */
+    int kda_chunk;                /* KDA form for this pass: 0 recurrent, > 0 chunkwise */
+    const k3_fwd_ops *fo;         /* products and roundings (k3_infer_ops, or training's) */
+    const k3_weight_source *src;  /* routed experts from here when it serves them; else resident */
+    int nseq, T;
+    k3_ws *ws;
+} fwd_pass;
+
+/* Layer L of the graph:
  * buf[0..nb) are the completed block vectors, buf[nb] the running partial sum;
  * at a boundary layer the partial becomes block nb and buf[nb+1] the new one.
  *   1. a = AttnRes(attn_res, blocks + [p])        (layer 0: a = p, the embedding)
  *   2. if L % S == 0: blocks.append(p); p = empty
  *   3. p += Attn(RMSNorm(a; input_layernorm))    (p = that, when empty)
  *   4. m = AttnRes(mlp_res, blocks + [p])
- *   5. p += MLP(RMSNorm(m; post_attention_layernorm)) */
-static int layer_forward(const k3_config *c, float mla_eps, int kda_chunk, const k3_layer_w *w, int L,
-                         k3_kda_state *ks, k3_mla_cache *mc, int pos0, float **buf, int *nb, int T,
-                         const k3_weight_source *src, k3_ws *ws, k3_err *err) {
-    int E = c->hidden_size;
-    size_t TE = (size_t)T * E;
+ *   5. p += MLP(RMSNorm(m; post_attention_layernorm))
+ * ks / mc / pos0 ([nseq] each): the sequences' KDA states or MLA caches and
+ * positions for this layer. Without a record the partial is updated in
+ * place in buf's own buffers. With one (training: every sequence from
+ * position 0 and a zero state, ks, mc, pos0 NULL) every intermediate goes to
+ * rec, the partial after each block is rec->p_mid / p_out, and buf[nb] is
+ * left pointing at rec->p_out. */
+static int layer_forward(const fwd_pass *p, const k3_layer_w *w, int L, const k3_kda_state *ks, const k3_mla_cache *mc,
+                         const int *pos0, float **buf, int *nb, k3_layer_rec *rec, k3_err *err) {
+    const k3_config *c = p->c;
+    const int E = c->hidden_size, N = p->nseq * p->T;
+    const size_t NE = (size_t)N * E;
+    k3_ws *ws = p->ws;
+    /* a record goes with zero states (training), carried states without one */
+    assert(rec ? !ks && !mc && !pos0 : ks && mc && pos0);
+    assert(*nb < n_boundaries(c) + 1 && (*nb > 0 || L == 0));
     size_t mark = ws->used;
-    float *a = ws_f(ws, TE), *xn = ws_f(ws, TE), *sub = ws_f(ws, TE);
+    float *a = rec ? rec->a : ws_f(ws, NE), *xn = rec ? rec->xin : ws_f(ws, NE), *sub = rec ? rec->p_mid : ws_f(ws, NE);
     size_t inner = ws->used; /* each step below releases its temporaries back to here */
-    bool empty = false;
-    if (*nb > 0) attnres(c, w->attn_res_q, (const float *const *)buf, *nb + 1, T, a, ws);
-    else memcpy(a, buf[0], TE * sizeof(float));
-    ws->used = inner;
-    if (L % c->attn_res_block_size == 0) {
-        (*nb)++;
-        empty = true;
+    const float *ain = buf[0];
+    if (*nb > 0) {
+        attnres(c, w->attn_res_q, (const float *const *)buf, *nb + 1, N, a, rec ? rec->al_a : NULL,
+                rec ? rec->r_a : NULL, ws);
+        ain = a;
     }
-    rmsnorm_rows(xn, a, w->input_norm, T, E, c->rms_eps);
-    if (w->kind == 'K')
-        kda_block(c, &w->kda, &k3_infer_ops, ks->S, ks->conv, xn, 1, T, sub, T > 1 && !ks->trace ? kda_chunk : 0,
-                  NULL, ks->trace, ws);
-    else mla_block(c, mla_eps, &w->mla, &k3_infer_ops, mc, pos0, xn, 1, T, sub, NULL, ws);
     ws->used = inner;
-    float *p = buf[*nb];
-    if (empty) memcpy(p, sub, TE * sizeof(float));
-    else add_rows(p, sub, TE);
-    attnres(c, w->mlp_res_q, (const float *const *)buf, *nb + 1, T, a, ws);
+    const bool boundary = L % c->attn_res_block_size == 0;
+    float *pin = buf[*nb]; /* the partial entering the layer; at a boundary, the block it completes */
+    if (boundary) (*nb)++;
+    k3_rmsnorm_rows(xn, rec ? rec->rin : NULL, ain, w->input_norm, N, E, c->rms_eps);
+    if (w->kind == 'K') {
+        if (ks) kda_block(c, &w->kda, p->fo, ks, xn, p->nseq, p->T, sub, p->kda_chunk, rec ? &rec->kda : NULL, ws);
+        else k3_kda_rec_forward(c, &w->kda, p->fo, p->kda_chunk, xn, p->nseq, p->T, sub, &rec->kda); /* zero states */
+    } else {
+        mla_block(c, p->mla_eps, &w->mla, p->fo, mc, pos0, xn, p->nseq, p->T, sub, rec ? &rec->mla : NULL, ws);
+    }
     ws->used = inner;
-    rmsnorm_rows(xn, a, w->post_norm, T, E, c->rms_eps);
+    float *pm; /* the partial after the attention block */
+    if (rec) {
+        if (!boundary) add_rows(sub, pin, NE);
+        pm = buf[*nb] = sub;
+    } else {
+        pm = buf[*nb];
+        if (boundary) memcpy(pm, sub, NE * sizeof(float));
+        else add_rows(pm, sub, NE);
+    }
+    float *mi = rec ? rec->mm : a, *xm = rec ? rec->xm : xn, *f = rec ? rec->p_out : sub;
+    attnres(c, w->mlp_res_q, (const float *const *)buf, *nb + 1, N, mi, rec ? rec->al_m : NULL, rec ? rec->r_m : NULL,
+            ws);
+    ws->used = inner;
+    k3_rmsnorm_rows(xm, rec ? rec->rm : NULL, mi, w->post_norm, N, E, c->rms_eps);
     if (w->dense) {
-        mlp(c, &w->mlp, xn, T, sub, ws);
+        mlp_block(c, &w->mlp, p->fo, xm, N, f, rec ? &rec->mlp : NULL, ws);
     } else {
         expert_access xa = {.experts = w->moe.experts, .layer = L};
-        if (src && src->experts_get) xa.src = src;
+        if (p->src && p->src->experts_get) xa.src = p->src;
         else if (!w->moe.experts)
             return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: the weight source serves no experts", L);
-        int rc = moe_block(c, &w->moe, &k3_infer_ops, &xa, xn, T, sub, NULL, ws, err);
+        int rc = moe_block(c, &w->moe, p->fo, &xa, xm, N, f, rec ? &rec->moe : NULL, ws, err);
         if (rc) return rc;
     }
-    add_rows(p, sub, TE);
+    if (rec) {
+        add_rows(f, pm, NE);
+        buf[*nb] = f;
+    } else {
+        add_rows(pm, f, NE);
+    }
     ws->used = mark;
     return K3_OK;
 }
@@ -551,49 +590,99 @@ int k3_layer(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_k
              int pos0, float **buf, int *nb, int T, k3_err *err) {
     k3_ws ws;
     ws_init(&ws, 0);
-    int rc = layer_forward(c, mla_eps, 0, w, L, ks, mc, pos0, buf, nb, T, NULL, &ws, err);
+    fwd_pass p = {.c = c, .mla_eps = mla_eps, .fo = &k3_infer_ops, .nseq = 1, .T = T, .ws = &ws};
+    int rc = layer_forward(&p, w, L, ks, mc, &pos0, buf, nb, NULL, err);
     ws_free(&ws);
     return rc;
 }
 
-/* ---- model forward (sections 6 and 12) ---------------------------------------------------- */
-static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, float *logits, bool all,
-                         k3_err *err) {
+/* ---- the model graph (sections 6 and 12) ----------------------------------------------------
+ * Embedding -> the layers -> output AttnRes -> RMSNorm -> lm_head, on a pass
+ * of nseq sequences of T positions. The one loop over the layers: k3_forward
+ * (one sequence), k3_forward_batch (one position of each of nseq sequences)
+ * and training's k3_forward_rec all run it.
+ *   st:     the decode states ([nseq]; NULL with a record: zero states)
+ *   ids:    token of row s*T + t at ids[s*ld + t]
+ *   bufp:   [nbuf] block vector buffers of nseq*T rows (unused with a record)
+ *   logits: NULL; [nseq*T][V] when all; else [nseq][V] for each sequence's
+ *           last position */
+static int graph_forward(k3_model *m, const fwd_pass *p, k3_state *const *st, const int32_t *ids, size_t ld,
+                         float **bufp, float *logits, bool all, k3_model_rec *rec, k3_err *err) {
     const k3_config *c = &m->cfg;
-    int E = c->hidden_size;
-    size_t TE = (size_t)T * E;
-    ws_reset(&s->ws);
-    float *bufp[K3_MAX_LAYERS + 1];
-    for (int i = 0; i < s->nbuf; i++) bufp[i] = s->blk + (size_t)i * s->chunk * E;
+    const int E = c->hidden_size, nseq = p->nseq, T = p->T, N = nseq * T;
+    k3_ws *ws = p->ws;
+    k3_kda_state *ks = NULL;
+    k3_mla_cache *mc = NULL;
+    int *pos0 = NULL;
+    if (st) {
+        ks = ws_get(ws, (size_t)nseq * sizeof *ks);
+        mc = ws_get(ws, (size_t)nseq * sizeof *mc);
+        pos0 = ws_i(ws, (size_t)nseq);
+        for (int q = 0; q < nseq; q++) pos0[q] = st[q]->pos;
+    }
+    if (rec) bufp[0] = rec->h0;
+    assert(!rec != !st && (all || !rec) && nseq >= 1 && T >= 1);
     int nb = 0;
-    if (s->pass.open) /* a recorded pass: this call's rows follow the pass's earlier ones */
-        for (int L = 0; L < c->num_layers; L++)
-            if (s->kda[L].trace) s->kda[L].trace->row = s->pos - s->pass.pos0;
     /* h0 = embed_tokens[token], no scaling */
-    for (int t = 0; t < T; t++) k_mat_row(&m->embed, ids[t], bufp[0] + (size_t)t * E);
+    for (int q = 0; q < nseq; q++)
+        for (int t = 0; t < T; t++) k_mat_row(&m->embed, ids[(size_t)q * ld + t], bufp[0] + ((size_t)q * T + t) * E);
     for (int L = 0; L < c->num_layers; L++) {
         const k3_layer_w *w;
         int rc = m->src.layer_get(m->src.ctx, L, &w, err);
         if (rc) return rc;
-        rc = layer_forward(c, m->mla_eps, m->kda_chunk, w, L, &s->kda[L], &s->mla[L], s->pos, bufp, &nb, T, &m->src,
-                           &s->ws, err);
+        for (int q = 0; st && q < nseq; q++) {
+            ks[q] = st[q]->kda[L];
+            mc[q] = st[q]->mla[L];
+        }
+        rc = layer_forward(p, w, L, ks, mc, pos0, bufp, &nb, rec ? &rec->l[L] : NULL, err);
         if (m->src.layer_put) m->src.layer_put(m->src.ctx, L);
         if (rc) return rc;
+        if (rec) ws_reset(ws); /* a pool-less pass: its heap temporaries go layer by layer */
     }
-    if (logits) {
-        /* x = AttnRes(out, blocks + [partial]); logits = lm_head RMSNorm(x) */
-        float *x = ws_f(&s->ws, TE);
-        attnres(c, m->out_res_q, (const float *const *)bufp, nb + 1, T, x, &s->ws);
-        if (all) {
-            rmsnorm_rows(x, x, m->norm, T, E, c->rms_eps);
-            k_matmul(&m->lm_head, x, T, logits);
-        } else {
-            float *last = x + (size_t)(T - 1) * E;
+    if (!logits) return K3_OK;
+    /* x = AttnRes(out, blocks + [partial]); logits = lm_head RMSNorm(x) */
+    float *x = rec ? rec->xf : ws_f(ws, (size_t)N * E);
+    attnres(c, m->out_res_q, (const float *const *)bufp, nb + 1, N, x, rec ? rec->al_f : NULL, rec ? rec->r_f : NULL,
+            ws);
+    if (all || (T == 1 && nseq > 1)) { /* every row (a batch of single positions: every row is a last one) */
+        float *xn = rec ? rec->xn : x;
+        k3_rmsnorm_rows(xn, rec ? rec->rn : NULL, x, m->norm, N, E, c->rms_eps);
+        k_prod head = {&m->lm_head, xn, N, logits};
+        p->fo->products(&head, 1);
+    } else {
+        for (int q = 0; q < nseq; q++) {
+            float *last = x + ((size_t)q * T + T - 1) * E;
             k_rmsnorm(last, last, m->norm, E, c->rms_eps);
-            k_matvec(&m->lm_head, last, logits);
+            k_prod hp = {&m->lm_head, last, 1, logits + (size_t)q * c->vocab_size};
+            p->fo->products(&hp, 1);
         }
     }
+    return K3_OK;
+}
+
+static int forward_chunk(k3_model *m, k3_state *s, const int32_t *ids, int T, float *logits, bool all,
+                         k3_err *err) {
+    const k3_config *c = &m->cfg;
+    ws_reset(&s->ws);
+    float *bufp[K3_MAX_LAYERS + 1];
+    for (int i = 0; i < s->nbuf; i++) bufp[i] = s->blk + (size_t)i * s->chunk * c->hidden_size;
+    if (s->pass.open) /* a recorded pass: this call's rows follow the pass's earlier ones */
+        for (int L = 0; L < c->num_layers; L++)
+            if (s->kda[L].trace) s->kda[L].trace->row = s->pos - s->pass.pos0;
+    /* a recorded pass runs KDA recurrent: its replay must give the same bits */
+    fwd_pass p = {.c = c, .mla_eps = m->mla_eps, .kda_chunk = T > 1 && !s->pass.open ? m->kda_chunk : 0,
+                  .fo = m->ops ? m->ops : &k3_infer_ops, .src = &m->src, .nseq = 1, .T = T, .ws = &s->ws};
+    int rc = graph_forward(m, &p, &s, ids, (size_t)T, bufp, logits, all, NULL, err);
+    if (rc) return rc;
     s->pos += T;
+    return K3_OK;
+}
+
+static int check_ids(const k3_config *c, const int32_t *ids, int n, k3_err *err) {
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab_size)
+            return k3_fail(err, K3_EXIT_USAGE, "token id %d is outside the vocabulary [0, %d)", ids[i],
+                           c->vocab_size);
     return K3_OK;
 }
 
@@ -601,10 +690,8 @@ int k3_forward(k3_model *m, k3_state *s, const int32_t *ids, int n, float *logit
                k3_err *err) {
     const k3_config *c = &m->cfg;
     if (n < 1) return k3_fail(err, K3_EXIT_USAGE, "no tokens to feed");
-    for (int i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= c->vocab_size)
-            return k3_fail(err, K3_EXIT_USAGE, "token id %d is outside the vocabulary [0, %d)", ids[i],
-                           c->vocab_size);
+    int rc = check_ids(c, ids, n, err);
+    if (rc) return rc;
     if (n > s->max_pos - s->pos)
         return k3_fail(err, K3_EXIT_USAGE, "state is full: %d positions used of %d, %d more requested", s->pos,
                        s->max_pos, n);
@@ -617,10 +704,62 @@ int k3_forward(k3_model *m, k3_state *s, const int32_t *ids, int n, float *logit
         float *lg = NULL;
         if (logits && all_logits) lg = logits + (size_t)c0 * V;
         else if (logits && c0 + T == n) lg = logits;
-        int rc = forward_chunk(m, s, ids + c0, T, lg, all_logits, err);
+        rc = forward_chunk(m, s, ids + c0, T, lg, all_logits, err);
         if (rc) return rc;
     }
     return K3_OK;
+}
+
+int k3_forward_batch(k3_model *m, k3_state *const *states, int nseq, const int32_t *ids, float *logits,
+                     k3_err *err) {
+    const k3_config *c = &m->cfg;
+    if (nseq < 1) return k3_fail(err, K3_EXIT_USAGE, "no sequences to feed");
+    int rc = check_ids(c, ids, nseq, err);
+    if (rc) return rc;
+    int64_t max_pos = 1;
+    for (int q = 0; q < nseq; q++) {
+        const k3_state *s = states[q];
+        if (s->m != m) return k3_fail(err, K3_EXIT_USAGE, "sequence %d: its state belongs to another model", q);
+        if (s->pass.open)
+            return k3_fail(err, K3_EXIT_USAGE, "sequence %d: its state is inside a recorded pass", q);
+        if (s->pos >= s->max_pos)
+            return k3_fail(err, K3_EXIT_USAGE, "sequence %d: state is full (%d positions)", q, s->max_pos);
+        for (int r = 0; r < q; r++)
+            if (states[r] == s) return k3_fail(err, K3_EXIT_USAGE, "sequences %d and %d share one state", r, q);
+        if (s->max_pos > max_pos) max_pos = s->max_pos;
+    }
+    /* the pass's own scratch: nseq rows (the states' scratch is sized for one sequence) */
+    const int nbuf = n_boundaries(c) + 1;
+    k3_ws ws;
+    ws_init(&ws, ws_need(c, nseq, max_pos));
+    float *blk = xmalloc_aligned((size_t)nbuf * nseq * c->hidden_size * sizeof(float));
+    float *bufp[K3_MAX_LAYERS + 1];
+    for (int i = 0; i < nbuf; i++) bufp[i] = blk + (size_t)i * nseq * c->hidden_size;
+    fwd_pass p = {.c = c, .mla_eps = m->mla_eps, .fo = m->ops ? m->ops : &k3_infer_ops, .src = &m->src,
+                  .nseq = nseq, .T = 1, .ws = &ws};
+    rc = graph_forward(m, &p, states, ids, 1, bufp, logits, false, NULL, err);
+    free(blk);
+    ws_free(&ws);
+    if (rc) return rc;
+    for (int q = 0; q < nseq; q++) states[q]->pos++;
+    return K3_OK;
+}
+
+int k3_forward_rec(k3_model *m, const k3_fwd_ops *fo, int kda_chunk, const int32_t *ids, size_t ld, int nseq, int T,
+                   float *logits, k3_model_rec *rec, k3_err *err) {
+    const k3_config *c = &m->cfg;
+    for (int q = 0; q < nseq; q++) {
+        int rc = check_ids(c, ids + (size_t)q * ld, T, err);
+        if (rc) return rc;
+    }
+    k3_ws ws; /* no pool: with a record the blocks take their buffers from it; the rest is small */
+    ws_init(&ws, 0);
+    float *bufp[K3_MAX_LAYERS + 1];
+    fwd_pass p = {.c = c, .mla_eps = m->mla_eps, .kda_chunk = kda_chunk, .fo = fo, .src = &m->src, .nseq = nseq, .T = T,
+              .ws = &ws};
+    int rc = graph_forward(m, &p, NULL, ids, ld, bufp, logits, true, rec, err);
+    ws_free(&ws);
+    return rc;
 }
 
 /* ---- sampling ----------------------------------------------------------------------------- */
@@ -630,6 +769,13 @@ int k3_argmax(const float *logits, int n) {
     for (int i = 1; i < n; i++)
         if (logits[i] > logits[best]) best = i;
     return best;
+}
+
+bool k3_sample_top_p_ok(double v, float *out) {
+    float f = (float)v;
+    if (!(f > 0.0f) || !(v <= 1.0)) return false;
+    *out = f;
+    return true;
 }
 
 void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p, float min_p,
@@ -686,44 +832,41 @@ int k3_logits_check(const float *logits, int vocab, const char *what, size_t fed
 
 static inline bool ranks_before(const float *p, int i, int j) { return p[i] > p[j] || (p[i] == p[j] && i < j); }
 
+/* Puts x into the heap h[0..n) at its root's place (the worst kept at the
+ * root), moving it down past every child that ranks after it. */
+static void sift_down(const float *p, int *h, int n, int x) {
+    int c = 0;
+    for (;;) {
+        int l = 2 * c + 1, w = l;
+        if (l >= n) break;
+        if (l + 1 < n && ranks_before(p, h[l], h[l + 1])) w = l + 1;
+        if (ranks_before(p, h[w], x)) break;
+        h[c] = h[w];
+        c = w;
+    }
+    h[c] = x;
+}
+
 /* The k best ids, in order, into out[0..k): a heap of the best seen with the
  * worst at its root, then heapsort. */
 static void top_k_sorted(const float *p, int V, int k, int *out) {
     int n = 0;
     for (int i = 0; i < V; i++) {
-        int c;
         if (n < k) { /* sift up */
-            c = n++;
+            int c = n++;
             while (c > 0 && ranks_before(p, out[(c - 1) / 2], i)) {
                 out[c] = out[(c - 1) / 2];
                 c = (c - 1) / 2;
             }
-        } else { /* better than the worst kept: it takes the root's place, sift down */
-            if (!ranks_before(p, i, out[0])) continue;
-            c = 0;
-            for (;;) {
-                int l = 2 * c + 1, w = l;
-                if (l >= n) break;
-                if (l + 1 < n && ranks_before(p, out[l], out[l + 1])) w = l + 1;
-                if (ranks_before(p, out[w], i)) break;
-                out[c] = out[w];
-                c = w;
-            }
+            out[c] = i;
+        } else if (ranks_before(p, i, out[0])) { /* better than the worst kept: it takes the root's place */
+            sift_down(p, out, n, i);
         }
-        out[c] = i;
     }
     for (int m = n - 1; m > 0; m--) { /* the worst to the end */
-        int x = out[m], c = 0;
+        int x = out[m];
         out[m] = out[0];
-        for (;;) {
-            int l = 2 * c + 1, w = l;
-            if (l >= m) break;
-            if (l + 1 < m && ranks_before(p, out[l], out[l + 1])) w = l + 1;
-            if (ranks_before(p, out[w], x)) break;
-            out[c] = out[w];
-            c = w;
-        }
-        out[c] = x;
+        sift_down(p, out, m, x);
     }
 }
 
@@ -832,16 +975,7 @@ int k3_sample(k3_sampler *sp, const float *logits) {
 
 /* ---- accounting ----------------------------------------------------------------------------- */
 
-static uint64_t mat_bytes(const k3_mat *w) {
-    if (!w->rows) return 0;
-    uint64_t n = (uint64_t)w->rows * (uint64_t)w->cols;
-    switch (w->type) {
-    case KW_F32: return n * 4;
-    case KW_BF16: return n * 2;
-    case KW_MXFP4: return n / 2 + n / (uint64_t)(w->group > 0 ? w->group : 32);
-    }
-    return 0;
-}
+static uint64_t mat_bytes(const k3_mat *w) { return k_mat_bytes(w, w->rows); }
 
 static uint64_t mlp_bytes(const k3_mlp_w *w) { return mat_bytes(&w->gate) + mat_bytes(&w->up) + mat_bytes(&w->down); }
 

@@ -191,6 +191,15 @@ int k3_state_pass_len(const k3_state *s);
 int k3_forward(k3_model *m, k3_state *s, const int32_t *ids, int n, float *logits, bool all_logits,
                k3_err *err);
 
+/* Batched decoding: one position of each of nseq sequences in one pass
+ * (ids[s] is fed to states[s], at that state's own position; each advances
+ * by one). The layers read every weight once for the whole batch; each
+ * sequence's logits (logits[s][V], or NULL) have exactly the bits
+ * k3_forward(m, states[s], &ids[s], 1, ...) gives. The states must be
+ * distinct and of this model. Errors as k3_forward's (no state changes). */
+int k3_forward_batch(k3_model *m, k3_state *const *states, int nseq, const int32_t *ids, float *logits,
+                     k3_err *err);
+
 /* ---- sampling ------------------------------------------------------------ */
 /* Greedy: the largest logit, lowest index among equals. */
 int k3_argmax(const float *logits, int n);
@@ -209,6 +218,11 @@ typedef struct {
 } k3_sampler;
 void k3_sampler_init(k3_sampler *sp, int vocab, float temperature, int top_k, float top_p,
                      float min_p, uint64_t seed);
+/* The one range check of top_p (`k3 run --top-p`, serve's top_p): (0, 1], on
+ * the float the sampler holds, since a tiny positive number that rounds to
+ * 0.0f would turn the filter off instead of keeping one token. True and *out
+ * set when v is valid. */
+bool k3_sample_top_p_ok(double v, float *out);
 void k3_sampler_free(k3_sampler *sp);
 /* Draws the next id. Reproducible for a seed: the same logits sequence gives the
  * same ids on every machine (own PRNG, f64 cumulative sums in a fixed order). */
@@ -420,8 +434,16 @@ typedef struct {
     /* LatentMoE's routed-expert products (many similar jobs): NULL runs them
      * with products; training's run side by side, one thread each */
     void (*expert_products)(const k_prod *jobs, int njobs);
+    /* products is a collective of every rank of a job (the trunk split over
+     * the ranks, dist/tensor_par.h): each call costs a round of messages, so
+     * the blocks batch the jobs they can into one call */
+    bool collective;
 } k3_fwd_ops;
 extern const k3_fwd_ops k3_infer_ops; /* what k3 run uses */
+/* The products a model's forward takes its trunk matrices (and the head)
+ * through: k3_infer_ops unless set (NULL: back to it). ops must outlive the
+ * model; its products must give k_products' bits (model.h's contract). */
+void k3_model_set_ops(k3_model *m, const k3_fwd_ops *ops);
 
 /* What the KDA block's backward reads, for N = nseq*T rows (H heads of D, P =
  * H*D). The q, k, v projections and their conv outputs are three planes of
@@ -504,6 +526,37 @@ void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cach
 void k3_moe(const k3_config *c, const k3_moe_w *w, const k3_expert_w *experts, const float *x, int T,
             float *y);
 void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y);
+/* What one decoder layer's backward reads (training), for N = nseq*T rows
+ * and m_a / m_m AttnRes sources (the completed blocks plus the partial). */
+typedef struct {
+    float *a, *al_a, *r_a;   /* [N][E] the attention input's AttnRes, [N][m_a] its softmax and the
+                                sources' 1/rms; unused at layer 0, whose input is the embedding */
+    float *xin, *rin;        /* [N][E] the attention block's normed input, [N] 1/rms */
+    float *p_mid, *p_out;    /* [N][E] the partial sum after the attention block, after the MLP block */
+    float *mm, *al_m, *r_m;  /* the MLP input's AttnRes, [N][m_m] */
+    float *xm, *rm;          /* the MLP block's normed input, 1/rms */
+    k3_kda_rec kda;          /* the attention block's record (by kind) */
+    k3_mla_rec mla;
+    k3_mlp_rec mlp;          /* the MLP block's record (dense or MoE) */
+    k3_moe_rec moe;
+} k3_layer_rec;
+/* The whole graph's: the layers' and the model-level stitching's. */
+typedef struct {
+    float *h0;               /* [N][E] embedding rows */
+    k3_layer_rec *l;         /* [num_layers] */
+    float *xf, *al_f, *r_f;  /* the output AttnRes: [N][E], [N][nblocks + 1] x 2 */
+    float *xn, *rn;          /* the final norm's output and 1/rms */
+} k3_model_rec;
+/* Training's forward: the model graph (the same layer loop and stitching as
+ * k3_forward) on nseq sequences of T positions, each from position 0 and a
+ * zero state, with fo's products and roundings, KDA in the form kda_chunk
+ * (0 recurrent, else chunkwise) for every T, the expanded MLA core, every
+ * record in rec, and the logits of every position ([nseq*T][V], by fo's
+ * products). The token of row s*T + t is ids[s*ld + t]. Errors: an id
+ * outside the vocabulary (K3_EXIT_USAGE). */
+int k3_forward_rec(k3_model *m, const k3_fwd_ops *fo, int kda_chunk, const int32_t *ids, size_t ld, int nseq, int T,
+                   float *logits, k3_model_rec *rec, k3_err *err);
+
 /* One decoder layer (section 6) on T positions. buf[0..*nb) hold the completed
  * block vectors and buf[*nb] the running partial sum, each [T][E]; at a block
  * boundary (L % attn_res_block_size == 0) the partial becomes block *nb, *nb

@@ -27,6 +27,7 @@ struct k3_model {
     st_index *ix;             /* safetensors shards, NULL for a blob */
     float *blob;              /* the peer blob, NULL for safetensors */
     k3_weight_source src;     /* where layers and experts come from now */
+    const k3_fwd_ops *ops;    /* the trunk's and the head's products (k3_model_set_ops; NULL: k3_infer_ops) */
 };
 
 /* ---- workspace ------------------------------------------------------------
@@ -116,19 +117,20 @@ struct k3_kda_trace {
 };
 
 /* The KDA block (kda.c) on nseq sequences of T positions (rows s*T + t of x
- * and y, each [.][E]): S [nseq][H][D][D] and conv [nseq][3][P][K-1] are the
- * sequences' states, updated; chunk > 0 runs the chunkwise form. rec (may be
+ * and y, each [.][E]): st[s] is sequence s's state (S [H][D][D], conv
+ * [3][P][K-1]), updated; chunk > 0 runs the chunkwise form. rec (may be
  * NULL) gets what training's backward reads; without it the temporaries come
- * from ws. tr (may be NULL; one sequence, no rec) gets the recurrence's
- * inputs at rows tr->row.. (a recorded pass). */
-void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, float *S, float *conv, const float *x,
-               int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_kda_trace *tr, k3_ws *ws);
+ * from ws. When st[0].trace is set (one sequence, no rec: a recorded pass) it
+ * gets the recurrence's inputs at rows trace->row.. */
+void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, const k3_kda_state *st, const float *x,
+               int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws);
 
 /* The MLA block (mla.c) on nseq sequences of T positions: without a record,
- * one sequence (nseq 1) whose latents go to cache rows pos0.. and the
- * absorbed core; with one, the expanded core and no cache. */
-void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, const k3_fwd_ops *fo, k3_mla_cache *cache,
-               int pos0, const float *x, int nseq, int T, float *y, k3_mla_rec *rec, k3_ws *ws);
+ * sequence s's latents go to cache[s] rows pos0[s].. and the absorbed core
+ * attends over them; with one, the expanded core over each sequence and no
+ * cache (cache, pos0 NULL). */
+void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, const k3_fwd_ops *fo, const k3_mla_cache *cache,
+               const int *pos0, const float *x, int nseq, int T, float *y, k3_mla_rec *rec, k3_ws *ws);
 
 /* The LatentMoE block (moe.c) on T rows: experts from xa (resident, or a
  * weight source); rec (may be NULL) gets what training's backward reads. */

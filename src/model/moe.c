@@ -43,14 +43,33 @@ static void expert_products(const k3_fwd_ops *fo, const k_prod *jobs, int ne, in
  * is the same per-row kernel call as in moe() (k_products gives the bits of
  * k_matvec whatever the grouping), so the bits equal moe()'s and do not
  * depend on the order of arrival (test: stream_expert_arrival_order). */
-K3_HOT static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, const expert_access *xa, const float *x,
-                                 float *y, k3_ws *ws, k3_err *err) {
+K3_HOT static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo,
+                                        const expert_access *xa, const float *x, float *y, k3_ws *ws, k3_err *err) {
     int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
     int S = w->shared.gate.rows;
     const k3_weight_source *src = xa->src;
     float *rl = ws_f(ws, (size_t)N), *wt = ws_f(ws, (size_t)k);
     int *idx = ws_i(ws, (size_t)k), *ids = ws_i(ws, (size_t)k), *slot = ws_i(ws, (size_t)k);
-    k_matvec(&w->router, x, rl);
+    float *z = ws_f(ws, (size_t)l), *sg = S ? ws_f(ws, (size_t)S) : NULL, *su = S ? ws_f(ws, (size_t)S) : NULL;
+    float *sh = S ? ws_f(ws, (size_t)E) : NULL;
+    /* what reads x: W_down and the shared experts' gate and up, and the
+     * router; when the products are a collective (the trunk split over the
+     * ranks) all in one call, before the reads start, else the router alone
+     * first and the rest while the experts are read */
+    const bool batch = fo->collective;
+    k_prod j1[4];
+    int nj = 0;
+    if (batch) j1[nj++] = (k_prod){&w->router, x, 1, rl};
+    else k_matvec(&w->router, x, rl);
+    j1[nj++] = (k_prod){&w->down, x, 1, z};
+    if (S) {
+        j1[nj++] = (k_prod){&w->shared.gate, x, 1, sg};
+        j1[nj++] = (k_prod){&w->shared.up, x, 1, su};
+    }
+    if (batch) {
+        fo->products(j1, nj);
+        if (S) situ_par(c, sg, sg, su, (size_t)S);
+    }
     k_router_topk(rl, w->router_bias, N, k, c->moe_renormalize, c->routed_scaling_factor, idx, wt);
     /* the union, ascending: top-k picks k distinct experts */
     for (int s = 0; s < k; s++) ids[s] = idx[s];
@@ -76,18 +95,12 @@ K3_HOT static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, c
     if (rc) return rc;
 
     /* while the experts are read: W_down and the shared experts */
-    float *z = ws_f(ws, (size_t)l), *sg = S ? ws_f(ws, (size_t)S) : NULL, *su = S ? ws_f(ws, (size_t)S) : NULL;
-    float *sh = S ? ws_f(ws, (size_t)E) : NULL;
-    k_prod j1[3] = {{&w->down, x, 1, z}};
-    int nj = 1;
-    if (S) {
-        j1[nj++] = (k_prod){&w->shared.gate, x, 1, sg};
-        j1[nj++] = (k_prod){&w->shared.up, x, 1, su};
-    }
-    k_products(j1, nj);
-    if (S) {
-        situ_par(c, sg, sg, su, (size_t)S);
-        k_matvec(&w->shared.down, sg, sh);
+    if (!batch) {
+        k_products(j1, nj);
+        if (S) {
+            situ_par(c, sg, sg, su, (size_t)S);
+            k_matvec(&w->shared.down, sg, sh);
+        }
     }
 
     /* each expert as it arrives, into its own slot */
@@ -121,7 +134,10 @@ K3_HOT static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, c
         for (int j = 0; j < l; j++) a[j] = fmaf(p, e[j], a[j]);
     }
     if (w->norm) k_rmsnorm(a, a, w->norm, l, c->rms_eps);
-    k_matmul(&w->up, a, 1, y);
+    k_prod jo[2] = {{&w->up, a, 1, y}}; /* batched: with the shared experts' down */
+    int no = 1;
+    if (S && batch) jo[no++] = (k_prod){&w->shared.down, sg, 1, sh};
+    fo->products(jo, no);
     if (S) add_rows(y, sh, (size_t)E);
     return K3_OK;
 }
@@ -129,7 +145,7 @@ K3_HOT static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, c
 K3_HOT int moe_block(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo, const expert_access *xa,
                      const float *x, int T, float *y, k3_moe_rec *rec, k3_ws *ws, k3_err *err) {
     if (T == 1 && !rec && xa->src && xa->src->experts_start && xa->src->experts_next)
-        return moe_decode_overlapped(c, w, xa, x, y, ws, err);
+        return moe_decode_overlapped(c, w, fo, xa, x, y, ws, err);
     int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
     size_t Ts = (size_t)T, Tk = Ts * (size_t)k;
     int S = w->shared.gate.rows;
@@ -201,17 +217,17 @@ K3_HOT int moe_block(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo
     }
     expert_products(fo, jb, 2 * ns, 0);
     situ_par(c, hh, h1, h3, Tk * I);
-    float *sh = NULL;
+    float *sh = NULL, *sgo = NULL;
     nj = ns;
     for (int i = 0; i < ns; i++) {
         int u = sel[i];
         jb[i] = (k_prod){&ex[i].w2, hh + (size_t)at[u] * I, at[u + 1] - at[u], out + (size_t)at[u] * l};
     }
-    if (S) {
-        float *sgo = rec ? rec->sh.h : sg;
+    if (S) { /* the shared experts' down here, or batched with W_up when the products are a collective */
+        sgo = rec ? rec->sh.h : sg;
         situ_par(c, sgo, sg, su, Ts * S);
         sh = ws_f(ws, Ts * E);
-        jb[nj++] = (k_prod){&w->shared.down, sgo, T, sh};
+        if (!fo->collective) jb[nj++] = (k_prod){&w->shared.down, sgo, T, sh};
     }
     expert_products(fo, jb, ns, nj - ns); /* the routed experts' down, then the shared experts' */
     if (src && src->experts_put) src->experts_put(src->ctx, xa->layer, sid, ns);
@@ -238,8 +254,10 @@ K3_HOT int moe_block(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo
         k3_rmsnorm_rows(rec->un, rec->ru, agg, w->norm, T, l, c->rms_eps);
         agg = rec->un;
     }
-    k_prod up = {&w->up, agg, T, y};
-    fo->products(&up, 1);
+    k_prod up[2] = {{&w->up, agg, T, y}};
+    int nup = 1;
+    if (S && fo->collective) up[nup++] = (k_prod){&w->shared.down, sgo, T, sh};
+    fo->products(up, nup);
     if (S) add_rows(y, sh, Ts * E);
     return K3_OK;
 }

@@ -13,8 +13,10 @@
  * prompt (the second prefill resumes from the state cache) with seed + i;
  * streamed, their chunks follow each other, each with its index. */
 #include "serve/serve_impl.h"
+#include "generate/generate.h"
 #include "model/model.h"
 
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,11 +41,15 @@ typedef struct {
     json_t *lp_all, *lp_pending;
     size_t text_off;       /* completion: bytes of the tokens so far */
     json_t *choices;       /* not streamed: the finished choices */
+    k3_logit_proc proc;    /* the choice's penalties and biases */
+    k3_chat_parser *cp;    /* chat: ids to reasoning, content, calls */
+    tok_stream ts;         /* completions: ids to text */
+    uint8_t *tbuf;
+    size_t tcap;
 } gen_ctx;
 
-/* Valid UTF-8 for JSON: invalid bytes become U+FFFD (only at a flush of
- * bytes that never formed a character). */
-static json_t *json_text(const char *p, size_t n) {
+/* serve_impl.h: valid UTF-8 for JSON, invalid bytes as U+FFFD. */
+json_t *k3_serve_json_text(const char *p, size_t n) {
     json_t *t = json_stringn(p, n);
     if (t) return t;
     k3_sbuf b = {0};
@@ -98,11 +104,11 @@ static void lp_put(gen_ctx *g, json_t *lp, const float *logits, int32_t id) {
             size_t na = 0;
             const uint8_t *a = tok_token_bytes(m->tok, top[i].id, &na);
             if (!a) na = 0;
-            json_array_append_new(alts, json_pack("{s:o, s:f, s:o}", "token", json_text((const char *)a, na), "logprob",
+            json_array_append_new(alts, json_pack("{s:o, s:f, s:o}", "token", k3_serve_json_text((const char *)a, na), "logprob",
                                                   (double)top[i].logprob, "bytes", tok_bytes_json(a, na)));
         }
         json_array_append_new(json_object_get(lp, "content"),
-                              json_pack("{s:o, s:f, s:o, s:o}", "token", json_text((const char *)b, nb), "logprob",
+                              json_pack("{s:o, s:f, s:o, s:o}", "token", k3_serve_json_text((const char *)b, nb), "logprob",
                                         (double)x, "bytes", tok_bytes_json(b, nb), "top_logprobs", alts));
         return;
     }
@@ -110,11 +116,11 @@ static void lp_put(gen_ctx *g, json_t *lp, const float *logits, int32_t id) {
     for (int i = 0; i < k; i++) {
         size_t na = 0;
         const uint8_t *a = tok_token_bytes(m->tok, top[i].id, &na);
-        json_t *t = json_text(a ? (const char *)a : "", a ? na : 0);
+        json_t *t = k3_serve_json_text(a ? (const char *)a : "", a ? na : 0);
         json_object_set_new(alts, json_string_value(t), json_real((double)top[i].logprob));
         json_decref(t);
     }
-    json_array_append_new(json_object_get(lp, "tokens"), json_text((const char *)b, nb));
+    json_array_append_new(json_object_get(lp, "tokens"), k3_serve_json_text((const char *)b, nb));
     json_array_append_new(json_object_get(lp, "token_logprobs"), json_real((double)x));
     json_array_append_new(json_object_get(lp, "top_logprobs"), alts);
     json_array_append_new(json_object_get(lp, "text_offset"), json_integer((json_int_t)g->text_off));
@@ -187,9 +193,9 @@ static void put_text(gen_ctx *g, const char *p, size_t n) {
     if (!g->stream) return;
     if (g->chat) {
         chat_start(g);
-        emit_choice(g, json_pack("{s:o}", "content", json_text(p, n)), NULL);
+        emit_choice(g, json_pack("{s:o}", "content", k3_serve_json_text(p, n)), NULL);
     } else {
-        emit_choice(g, json_text(p, n), NULL);
+        emit_choice(g, k3_serve_json_text(p, n), NULL);
     }
 }
 
@@ -198,7 +204,7 @@ static void reasoning(gen_ctx *g, const char *p, size_t n) {
     k3_sb_put(&g->reasoning, p, n);
     if (!g->stream) return;
     chat_start(g);
-    emit_choice(g, json_pack("{s:o}", "reasoning_content", json_text(p, n)), NULL);
+    emit_choice(g, json_pack("{s:o}", "reasoning_content", k3_serve_json_text(p, n)), NULL);
 }
 
 /* The parser numbers calls within a message (call_1, ...); a conversation
@@ -258,13 +264,13 @@ static void finish_choice(gen_ctx *g, const char *finish) {
         json_t *msg = json_object();
         json_object_set_new(msg, "role", json_string("assistant"));
         bool calls = g->tool_calls && json_array_size(g->tool_calls) > 0;
-        json_object_set_new(msg, "content", g->text.n || !calls ? json_text(g->text.p ? g->text.p : "", g->text.n)
+        json_object_set_new(msg, "content", g->text.n || !calls ? k3_serve_json_text(g->text.p ? g->text.p : "", g->text.n)
                                                                 : json_null());
-        if (g->reasoning.n) json_object_set_new(msg, "reasoning_content", json_text(g->reasoning.p, g->reasoning.n));
+        if (g->reasoning.n) json_object_set_new(msg, "reasoning_content", k3_serve_json_text(g->reasoning.p, g->reasoning.n));
         if (calls) json_object_set(msg, "tool_calls", g->tool_calls);
         json_object_set_new(ch, "message", msg);
     } else {
-        json_object_set_new(ch, "text", json_text(g->text.p ? g->text.p : "", g->text.n));
+        json_object_set_new(ch, "text", k3_serve_json_text(g->text.p ? g->text.p : "", g->text.n));
     }
     json_object_set(ch, "logprobs", g->lp_all ? g->lp_all : json_null());
     json_object_set_new(ch, "finish_reason", json_string(finish));
@@ -297,11 +303,18 @@ static void finish_response(gen_ctx *g) {
     k3_job_finish(s, j, 200);
 }
 
+/* The client's socket still open (not hung up). */
+static bool client_gone_now(const k3_job *j) {
+    if (j->fd < 0) return false;
+    struct pollfd p = {.fd = j->fd, .events = POLLRDHUP};
+    return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL));
+}
+
 static void finish_error(gen_ctx *g, int status, const char *code, const char *msg) {
     k3_serve_error e;
     k3_serve_error_set(&e, status, code, NULL, "%s", msg);
     char *body = k3_serve_error_json(&e);
-    fprintf(stderr, "k3 serve: %s failed: %s\n", g->j->id, msg);
+    if (status != 503) fprintf(stderr, "k3 serve: %s failed: %s\n", g->j->id, msg);
     if (g->stream) {
         /* the 200 and earlier events are gone: the error travels as an event */
         k3_sbuf b = {0};
@@ -317,23 +330,68 @@ static void finish_error(gen_ctx *g, int status, const char *code, const char *m
     k3_job_finish(g->s, g->j, status);
 }
 
-/* One choice: prefill, sample to a stop or the limit. Returns 0, or sets
- * *cancelled / *failed (err, *fail_code) and returns 1. */
+/* The loop's adjust: the request's penalties and biases on a copy. */
+static const float *adjust(void *ctx, const float *logits) {
+    return k3_logit_proc_apply(&((gen_ctx *)ctx)->proc, logits);
+}
+
+/* The loop's on_sample: the id counts for the penalties; its log-probability
+ * (from the row it was sampled from) goes out with the chunk its text makes.
+ * The stop id has no entry. */
+static int on_sample(void *ctx, int32_t id, const float *row, k3_err *err) {
+    (void)err;
+    gen_ctx *g = ctx;
+    const k3_serve_model *m = &g->s->m;
+    k3_logit_proc_accept(&g->proc, id);
+    bool is_stop = g->chat ? k3_chat_is_stop(m->chat, id) : id == m->eos;
+    if (g->j->req.logprobs && !is_stop) lp_add(g, row, id);
+    return K3_OK;
+}
+
+/* The loop's on_token: a chat id through the parser, a completion id
+ * through the text decoder; then the stop strings. A chat's end-of-message id
+ * stops the reply and is kept (fed) unless a stop string ended it first. */
+static int on_token(void *ctx, int32_t id, k3_gen_verdict *verdict, k3_err *err) {
+    gen_ctx *g = ctx;
+    k3_serve_note_token(g->s, g->j);
+    if (g->chat) {
+        k3_chat_delta d;
+        int rc = k3_chat_parser_feed(g->cp, id, &d, err);
+        if (rc) return rc;
+        chat_delta(g, &d);
+        if (d.stop) {
+            *verdict = g->stop.hit ? K3_GEN_STOP : K3_GEN_STOP_KEEP;
+            return K3_OK;
+        }
+    } else {
+        size_t nb = tok_stream_feed(&g->ts, id, g->tbuf, g->tcap);
+        content(g, (const char *)g->tbuf, nb);
+    }
+    if (g->stop.hit) *verdict = K3_GEN_STOP;
+    return K3_OK;
+}
+
+static bool job_cancelled(void *ctx) { return atomic_load(&((gen_ctx *)ctx)->j->cancel) != 0; }
+
+static int job_feed(void *ctx, int32_t id, float *logits, k3_err *err) {
+    const k3_serve_model *m = &((gen_ctx *)ctx)->s->m;
+    return m->step(m->ctx, id, logits, err);
+}
+
+/* One choice: prefill (reusing what the backend kept), then the generation
+ * loop to a stop or the limit. Returns 0, or sets *cancelled / *failed (err,
+ * *fail_code) and returns 1. */
 static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, bool *prefill_cut,
                       const char **fail_code, k3_err *err) {
     k3_serve *s = g->s;
     k3_job *j = g->j;
     const k3_serve_model *m = &s->m;
     const k3_serve_req *r = &j->req;
-    size_t tcap = tok_max_token_bytes(m->tok) + 16;
-    uint8_t *tbuf = xmalloc(tcap);
-    tok_stream ts;
-    tok_stream_init(&ts, m->tok);
+    tok_stream_init(&g->ts, m->tok);
     k3_sampler sp;
     k3_sampler_init(&sp, m->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->seed + (uint64_t)g->index);
-    k3_logit_proc lp;
-    k3_logit_proc_init(&lp, r, m->vocab, j->ids, j->n);
-    k3_chat_parser *cp = g->chat ? k3_chat_parser_new(m->chat, r->thinking) : NULL;
+    k3_logit_proc_init(&g->proc, r, m->vocab, j->ids, j->n);
+    g->cp = g->chat ? k3_chat_parser_new(m->chat, r->thinking) : NULL;
     k3_chat_delta d;
     k3_stopper_init(&g->stop, r->stop, r->nstop);
     g->ngen = 0;
@@ -345,7 +403,6 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
     }
     const char *finish = "length";
     bool stopped = false;
-    int last = -1;
     double t0 = k3_now();
     size_t reused = 0;
     int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &reused, &j->cancel, err);
@@ -357,51 +414,46 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
         *failed = !*cancelled;
     }
     double t1 = k3_now();
-    for (int64_t k = 0; !*failed && !*cancelled && k < j->max_tokens; k++) {
-        if (k3_logits_check(logits, m->vocab, s->model_id, j->n + g->ngen, err)) {
-            *fail_code = "non_finite_logits";
-            *failed = true;
-            break;
-        }
-        const float *seen = k3_logit_proc_apply(&lp, logits);
-        int id = k3_sample(&sp, seen);
-        k3_logit_proc_accept(&lp, id);
-        last = id;
-        g->ngen++;
-        /* the entry goes out with the chunk this id's text makes; the stop id has none */
-        bool is_stop = g->chat ? k3_chat_is_stop(m->chat, id) : id == m->eos;
-        if (r->logprobs && !is_stop) {
-            lp_add(g, seen, id);
-        }
-        if (g->chat) {
-            if (k3_chat_parser_feed(cp, id, &d, err)) { *failed = true; break; }
-            chat_delta(g, &d);
-            if (d.stop) { stopped = true; break; }
-        } else {
-            if (id == m->eos) { stopped = true; break; }
-            size_t nb = tok_stream_feed(&ts, id, tbuf, tcap);
-            content(g, (const char *)tbuf, nb);
-        }
-        if (g->stop.hit) break;
-        if (k + 1 < j->max_tokens) {
-            if (atomic_load(&j->cancel)) { *cancelled = true; break; }
-            if (m->step(m->ctx, id, logits, err)) { *failed = true; break; }
-        }
+    if (!*failed && !*cancelled) {
+        k3_gen_opts go;
+        k3_gen_opts_init(&go);
+        go.max_tokens = j->max_tokens;
+        /* completions stop at the end-of-sequence id; a chat's end is the
+         * parser's. The stop id is part of the history the next prompt
+         * re-renders: the state takes it too */
+        go.eos_id = g->chat ? -1 : m->eos;
+        go.eos_keep = true;
+        go.what = s->model_id;
+        go.prompt_len = j->n;
+        go.max_pos = m->ctx_len;
+        go.ctx = g;
+        go.on_token = on_token;
+        go.cancelled = job_cancelled;
+        go.feed = job_feed;
+        go.adjust = adjust;
+        go.on_sample = on_sample;
+        k3_gen_result res;
+        *failed = k3_generate(NULL, &sp, logits, &go, &res, err) != K3_OK;
+        if (res.end == K3_GEN_END_LOGITS) *fail_code = "non_finite_logits";
+        g->ngen = res.n;
+        *cancelled = res.end == K3_GEN_END_CANCEL;
+        stopped = res.end == K3_GEN_END_STOP || res.end == K3_GEN_END_EOS;
+        k3_gen_result_free(&res);
     }
     double t2 = k3_now();
     if (!*failed && !*cancelled) {
         /* the text held back for an incomplete character, then by the stop strings */
         if (g->chat) {
-            k3_chat_parser_flush(cp, &d);
+            k3_chat_parser_flush(g->cp, &d);
             chat_delta(g, &d);
         } else if (!g->stop.hit) {
-            size_t nb = tok_stream_flush(&ts, tbuf, tcap);
-            content(g, (const char *)tbuf, nb);
+            size_t nb = tok_stream_flush(&g->ts, g->tbuf, g->tcap);
+            content(g, (const char *)g->tbuf, nb);
         }
         flush_text(g);
         if (g->stop.hit || (stopped && !(g->tool_calls && json_array_size(g->tool_calls)))) finish = "stop";
         else if (stopped) finish = "tool_calls";
-        if (m->end) m->end(m->ctx, last, stopped && !g->stop.hit);
+        if (m->end) m->end(m->ctx);
         finish_choice(g, finish);
         if (s->o.verbose)
             fprintf(stderr, "k3 serve: %s: choice %d: %zu prompt tokens (%zu reused) in %.3f s, %zu generated in %.3f s "
@@ -409,8 +461,9 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
                     t2 > t1 && g->ngen > 1 ? (double)(g->ngen - 1) / (t2 - t1) : 0.0, finish);
     }
     g->ngen_all += g->ngen;
-    if (cp) k3_chat_parser_free(cp);
-    k3_logit_proc_free(&lp);
+    if (g->cp) k3_chat_parser_free(g->cp);
+    g->cp = NULL;
+    k3_logit_proc_free(&g->proc);
     k3_sampler_free(&sp);
     k3_stopper_free(&g->stop);
     k3_sb_free(&g->text);
@@ -420,7 +473,6 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
     json_decref(g->lp_all);
     json_decref(g->lp_pending);
     g->lp_all = g->lp_pending = NULL;
-    free(tbuf);
     return *failed || *cancelled;
 }
 
@@ -428,6 +480,8 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     const k3_serve_model *m = &s->m;
     gen_ctx g = {.s = s, .j = j, .chat = j->req.kind == K3_REQ_CHAT, .stream = j->req.stream};
     g.choices = json_array();
+    g.tcap = tok_max_token_bytes(m->tok) + 16;
+    g.tbuf = xmalloc(g.tcap);
     k3_err err = {0};
     float *logits = xmalloc_array((size_t)m->vocab, sizeof(float));
     bool cancelled = false, failed = false, prefill_cut = false;
@@ -437,11 +491,20 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
         if (run_choice(&g, logits, &cancelled, &failed, &prefill_cut, &fail_code, &err)) break;
     pthread_mutex_lock(&s->mu);
     s->n_tokens += g.ngen_all;
+    s->n_prompt += j->n;
+    s->n_cached += g.reused;
+    if (g.reused) s->n_cache_hits++;
+    /* a cancel by the server's stop, not by the client: the client is still
+     * there and gets a well-formed end */
+    bool stopping = cancelled && s->stopping && !client_gone_now(j);
     if (cancelled) s->n_cancelled++;
     else if (failed) s->n_failed++;
     else s->n_ok++;
     pthread_mutex_unlock(&s->mu);
-    if (cancelled && prefill_cut) {
+    if (stopping) {
+        fprintf(stderr, "k3 serve: %s stopped after %zu generated tokens: the server is stopping\n", j->id, g.ngen_all);
+        finish_error(&g, 503, "server_stopping", "the server is stopping");
+    } else if (cancelled && prefill_cut) {
         fprintf(stderr, "k3 serve: %s cancelled: client disconnected during the prefill: %s\n", j->id, err.msg);
         k3_job_finish(s, j, 499);
     } else if (cancelled) {
@@ -453,5 +516,6 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
         finish_response(&g);
     }
     json_decref(g.choices);
+    free(g.tbuf);
     free(logits);
 }

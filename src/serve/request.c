@@ -12,6 +12,7 @@
  * what it would accept but this text-only server cannot honour (an image
  * part) is refused here. */
 #include "serve/serve.h"
+#include "model/model.h"
 
 #include <math.h>
 #include <stdio.h>
@@ -36,12 +37,27 @@ static bool get_num(const json_t *v, double *out) {
     return isfinite(*out);
 }
 
+/* d as short as it reads back exactly: 2.0000001 must not print as "2" in a
+ * message saying it is outside [0, 2] */
+static const char *num_str(double d, char *buf, size_t n) {
+    for (int prec = 6; prec <= 17; prec++) {
+        snprintf(buf, n, "%.*g", prec, d);
+        if (strtod(buf, NULL) == d) break;
+    }
+    return buf;
+}
+
+static int out_of_range(k3_serve_error *e, const char *k, double d, double lo, double hi, bool lo_open) {
+    char b[40];
+    return k3_serve_error_set(e, 400, "invalid_value", k, "%s: %s is outside %s%g, %g]", k, num_str(d, b, sizeof b),
+                              lo_open ? "(" : "[", lo, hi);
+}
+
 /* number in [lo, hi] */
 static int want_num(k3_serve_error *e, const char *k, const json_t *v, double lo, double hi, bool lo_open, double *out) {
     if (!get_num(v, out))
         return k3_serve_error_set(e, 400, "invalid_type", k, "%s: expected a number, got %s", k, jtype(v));
-    if (*out > hi || *out < lo || (lo_open && *out == lo))
-        return k3_serve_error_set(e, 400, "invalid_value", k, "%s: %g is outside %s%g, %g]", k, *out, lo_open ? "(" : "[", lo, hi);
+    if (*out > hi || *out < lo || (lo_open && *out == lo)) return out_of_range(e, k, *out, lo, hi, lo_open);
     return 0;
 }
 
@@ -57,9 +73,13 @@ static int want_int(k3_serve_error *e, const char *k, const json_t *v, json_int_
     } else {
         *out = json_integer_value(v);
     }
-    if (*out < lo || *out > hi)
+    if (*out < lo || *out > hi) {
+        if (hi == INT64_MAX / 4) /* no real upper bound: do not quote one */
+            return k3_serve_error_set(e, 400, "invalid_value", k, "%s: %lld is not a count >= %lld", k, (long long)*out,
+                                      (long long)lo);
         return k3_serve_error_set(e, 400, "invalid_value", k, "%s: %lld is outside [%lld, %lld]", k, (long long)*out, (long long)lo,
                    (long long)hi);
+    }
     return 0;
 }
 
@@ -260,9 +280,12 @@ static int parse_prompt(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
         r->nprompt_ids = n;
         return 0;
     }
-    if (json_is_array(v) && json_array_size(v) > 1)
+    if (json_is_array(v) && (json_array_size(v) > 1 || json_is_array(json_array_get(v, 0))))
         return k3_serve_error_set(e, 400, "unsupported_value", "prompt",
                    "prompt: one prompt per request (a string or an array of token ids); batches are not supported");
+    if (json_is_array(v) && json_array_size(v) > 0)
+        return k3_serve_error_set(e, 400, "invalid_type", "prompt",
+                   "prompt: expected a string or an array of token ids, got an array of %s", jtype(json_array_get(v, 0)));
     return k3_serve_error_set(e, 400, "invalid_type", "prompt", "prompt: expected a string or an array of token ids, got %s%s",
                jtype(v), json_is_array(v) ? " (empty)" : "");
 }
@@ -303,12 +326,24 @@ static int check_tools(k3_serve_error *e, const json_t *tools, const json_t *cho
                 return k3_serve_error_set(e, 400, "invalid_value", "tool_choice",
                            "tool_choice: want \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
                            "\"function\": {\"name\": ...}} (got '%.60s')", c);
+            if (!strcmp(c, "required") && json_array_size(tools) == 0)
+                return k3_serve_error_set(e, 400, "invalid_value", "tool_choice",
+                           "tool_choice: \"required\" needs at least one tool in tools");
         } else if (json_is_object(choice)) {
             const json_t *ty = json_object_get(choice, "type"), *fn = json_object_get(choice, "function");
             const json_t *name = json_is_object(fn) ? json_object_get(fn, "name") : NULL;
             if (!json_is_string(ty) || strcmp(json_string_value(ty), "function") || !json_is_string(name))
                 return k3_serve_error_set(e, 400, "invalid_value", "tool_choice",
                            "tool_choice: an object must be {\"type\": \"function\", \"function\": {\"name\": ...}}");
+            /* as OpenAI: the named function must be one of the request's tools */
+            bool declared = false;
+            for (size_t i = 0; json_is_array(tools) && i < json_array_size(tools) && !declared; i++) {
+                const json_t *n = json_object_get(json_object_get(json_array_get(tools, i), "function"), "name");
+                declared = json_is_string(n) && json_equal(n, name);
+            }
+            if (!declared)
+                return k3_serve_error_set(e, 400, "invalid_value", "tool_choice",
+                           "tool_choice: function '%.100s' is not among the request's tools", json_string_value(name));
         } else {
             return k3_serve_error_set(e, 400, "invalid_type", "tool_choice", "tool_choice: expected a string or an object, got %s",
                        jtype(choice));
@@ -330,7 +365,13 @@ static int check_tools(k3_serve_error *e, const json_t *tools, const json_t *cho
     return 0;
 }
 
-static int parse_kwargs(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
+/* thinking as each spelling gave it (-1: not given); they must agree */
+typedef struct {
+    int v[3];
+    const char *name[3];
+} thinking_votes;
+
+static int parse_kwargs(k3_serve_error *e, const json_t *v, thinking_votes *tv) {
     if (json_is_null(v)) return 0;
     if (!json_is_object(v))
         return k3_serve_error_set(e, 400, "invalid_type", "chat_template_kwargs", "chat_template_kwargs: expected an object, got %s",
@@ -341,8 +382,10 @@ static int parse_kwargs(k3_serve_error *e, const json_t *v, k3_serve_req *r) {
         char where[160];
         snprintf(where, sizeof where, "chat_template_kwargs.%.100s", k);
         if (!strcmp(k, "thinking") || !strcmp(k, "enable_thinking")) {
-            int rc = want_bool(e, where, x, &r->thinking);
+            bool b = false;
+            int rc = want_bool(e, where, x, &b);
             if (rc) return rc;
+            tv->v[k[0] == 't' ? 0 : 1] = b;
         } else {
             return k3_serve_error_set(e, 400, "unknown_parameter", where,
                        "%s: unknown template argument (known: thinking, enable_thinking)", where);
@@ -375,6 +418,8 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
     bool have_prompt = false;
     json_int_t mt = -1, mct = -1;
     int top_lp = -1;
+    thinking_votes tv = {{-1, -1, -1}, {"chat_template_kwargs.thinking", "chat_template_kwargs.enable_thinking",
+                                        "enable_thinking"}};
     const char *k;
     json_t *v;
     json_object_foreach(o, k, v) {
@@ -400,7 +445,11 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
         } else if (!strcmp(k, "top_p")) {
             if (json_is_null(v)) continue;
             if ((rc = want_num(e, k, v, 0, 1, true, &d))) goto out;
-            r->top_p = (float)d;
+            if (!k3_sample_top_p_ok(d, &r->top_p)) {
+                rc = k3_serve_error_set(e, 400, "invalid_value", k, "top_p: %g rounds to 0 as the float the sampler "
+                                        "uses (it would turn the filter off); the smallest is %g", d, 1.401298464324817e-45);
+                goto out;
+            }
         } else if (!strcmp(k, "min_p")) {
             if (json_is_null(v)) continue;
             if ((rc = want_num(e, k, v, 0, 1, false, &d))) goto out;
@@ -465,9 +514,11 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
         } else if (!strcmp(k, "reasoning_effort")) {
             effort = v;
         } else if (!strcmp(k, "chat_template_kwargs")) {
-            if ((rc = parse_kwargs(e, v, r))) goto out;
+            if ((rc = parse_kwargs(e, v, &tv))) goto out;
         } else if (!strcmp(k, "enable_thinking")) {
-            if (!json_is_null(v) && (rc = want_bool(e, k, v, &r->thinking))) goto out;
+            bool b = false;
+            if (!json_is_null(v) && (rc = want_bool(e, k, v, &b))) goto out;
+            if (!json_is_null(v)) tv.v[2] = b;
         } else if (is_one_of(k, OFF_ONLY)) {
             if ((rc = only_off(e, k, v))) goto out;
         } else if (is_one_of(k, IGNORED)) {
@@ -477,6 +528,15 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
             goto out;
         }
     }
+    for (int a = 0; a < 3; a++)
+        for (int b = a + 1; b < 3; b++)
+            if (tv.v[a] >= 0 && tv.v[b] >= 0 && tv.v[a] != tv.v[b]) {
+                rc = k3_serve_error_set(e, 400, "invalid_value", tv.name[b], "%s (%s) contradicts %s (%s): give one",
+                                        tv.name[b], tv.v[b] ? "true" : "false", tv.name[a], tv.v[a] ? "true" : "false");
+                goto out;
+            }
+    for (int a = 0; a < 3; a++)
+        if (tv.v[a] >= 0) r->thinking = tv.v[a];
     if (mt >= 0 && mct >= 0 && mt != mct) {
         rc = k3_serve_error_set(e, 400, "invalid_value", "max_completion_tokens",
                  "max_tokens (%lld) and max_completion_tokens (%lld) disagree: give one", (long long)mt, (long long)mct);

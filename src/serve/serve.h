@@ -23,6 +23,7 @@
 #define K3_SERVE_SERVE_H
 
 #include "chat/chat.h"
+#include "engine/engine.h"
 #include "tokenizer/tokenizer.h"
 #include "util/common.h"
 
@@ -49,13 +50,33 @@ typedef struct {
      * log repeats). */
     int (*prefill)(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused,
                    const atomic_int *cancel, k3_err *err);
-    /* Feeds one more id (the state then holds one more) and fills logits. */
+    /* Feeds one more id (the state then holds one more) and fills logits
+     * (NULL: none wanted, a stop id the next prompt's history will hold).
+     * The generation loop (generate.h) makes every such call. */
     int (*step)(void *ctx, int32_t id, float *logits, k3_err *err);
-    /* Called when a reply ends (not after an error or a cancel): last is the
-     * last sampled id, which was not fed; stopped: it is a stop id (end of
-     * message / sequence), which the next prompt's history will hold. NULL: none. */
-    void (*end)(void *ctx, int32_t last, bool stopped);
+    /* Called when a reply ends (not after an error or a cancel), the state
+     * holding the prompt and the reply as the next prompt will render it.
+     * NULL: none. */
+    void (*end)(void *ctx);
 } k3_serve_model;
+
+/* ---- the model on the engine (backend.c) ----
+ * One session on a state cache shared by every request. Under mpirun every
+ * rank opens one; rank 0 serves and announces each model call to the other
+ * ranks, which make the same calls on their own (k3_serve_backend_follow). */
+typedef struct k3_serve_backend k3_serve_backend;
+
+/* Opens eo's model (with its tokenizer, max_pos ctx), a state of ctx
+ * positions and a state cache of cache_bytes, and fills m with the calls on
+ * them. Under several ranks a rank that cannot fit stops every rank here. */
+int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, k3_serve_backend **out,
+                          k3_serve_model *m, k3_err *err);
+int k3_serve_backend_rank(const k3_serve_backend *b);
+/* A rank after the first: makes rank 0's calls until rank 0 quits. */
+int k3_serve_backend_follow(k3_serve_backend *b);
+/* Rank 0 of several: lets the followers go (code: rank 0's exit code). */
+void k3_serve_backend_quit(k3_serve_backend *b, int code);
+void k3_serve_backend_free(k3_serve_backend *b);
 
 typedef struct {
     const char *host;          /* numeric address or "localhost"; NULL = 127.0.0.1 */
@@ -65,6 +86,9 @@ typedef struct {
     int queue;                 /* jobs that may wait while one computes; more: 429 */
     int64_t max_tokens;        /* the largest max_tokens a request may ask for */
     double keepalive_s;        /* a stream silent this long gets an SSE comment line; 0: never */
+    const char *api_key;       /* NULL: none; else the API routes need "Authorization: Bearer KEY" (401) */
+    const char *const *cors;   /* origins a browser page may call from ("*": any); besides the server's own */
+    size_t ncors;
     bool verbose;              /* log every request */
 } k3_serve_opts;
 

@@ -8,6 +8,14 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+/* A Prometheus histogram of seconds over fixed bounds (server.c). */
+#define K3_HIST_N 14
+typedef struct {
+    uint64_t le[K3_HIST_N];    /* observations <= each bound (cumulative when printed) */
+    uint64_t n;
+    double sum;
+} k3_hist;
+
 typedef struct k3_job k3_job;
 struct k3_job {
     /* set by the connection thread before the job is queued, then read-only */
@@ -18,6 +26,8 @@ struct k3_job {
     char id[48];               /* chatcmpl-... / cmpl-... */
     int64_t created;
     int fd;                    /* the client's socket, watched for a hang-up */
+    double queued_at;          /* k3_now() when it was queued (time to first token counts from there) */
+    double last_token_at;      /* k3_now() of its last sampled token (0: none yet); under k3_serve.mu */
     /* shared, under k3_serve.mu */
     int refs;                  /* the connection and, while queued or running, the worker */
     k3_sbuf out;               /* response bytes the worker produced (append only) */
@@ -49,14 +59,23 @@ struct k3_serve {
     /* requests whose answer has not been sent yet: a stop waits (bounded)
      * for the 503s it hands to queued jobs to reach their clients */
     atomic_int n_open;
-    /* counters for /health (under mu) */
+    /* counters for /health and /metrics (under mu) */
     uint64_t n_ok, n_cancelled, n_refused, n_failed, n_tokens;
+    uint64_t n_prompt, n_cached, n_cache_hits; /* prompt tokens, those a saved state held, requests with any */
+    uint64_t by_status[600];   /* responses by HTTP status */
+    k3_hist ttft, tpot;        /* time to first token, time per later token (seconds) */
     double busy_s;
 };
+
+/* gen.c, once per sampled token: feeds the latency histograms. */
+void k3_serve_note_token(k3_serve *s, k3_job *j);
 
 /* gen.c: computes one job on the worker thread, writing its response into
  * job->out (under s->mu) and setting done. */
 void k3_gen_run(k3_serve *s, k3_job *j);
+/* gen.c: text as a JSON string, its invalid UTF-8 bytes as U+FFFD (decoded
+ * ids need not form whole characters; jansson refuses such strings). */
+json_t *k3_serve_json_text(const char *p, size_t n);
 /* An OpenAI error object as a compact JSON string (malloc'd). */
 char *k3_serve_error_json(const k3_serve_error *e);
 /* Appends bytes to a job's output and wakes its connection. */

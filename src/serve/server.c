@@ -11,12 +11,14 @@
 #include "web/http.h"
 
 #include <errno.h>
+#include <math.h>
 #include <omp.h>
 #include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -79,6 +81,75 @@ static void cond_init_mono(pthread_cond_t *cv) {
     pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
     pthread_cond_init(cv, &a);
     pthread_condattr_destroy(&a);
+}
+
+/* ---- metrics ---- */
+
+/* the histograms' upper bounds, seconds: a decode step of the smallest model
+ * to a first token behind a long prefill and a queue */
+static const double HIST_LE[K3_HIST_N] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                          0.25, 0.5, 1, 2.5, 5, 10, 30};
+
+static void hist_add(k3_hist *h, double v) {
+    for (int i = 0; i < K3_HIST_N; i++)
+        if (v <= HIST_LE[i]) { h->le[i]++; break; }
+    h->n++;
+    h->sum += v;
+}
+
+void k3_serve_note_token(k3_serve *s, k3_job *j) {
+    double now = k3_now();
+    pthread_mutex_lock(&s->mu);
+    if (j->last_token_at > 0) hist_add(&s->tpot, now - j->last_token_at);
+    else hist_add(&s->ttft, now - j->queued_at);
+    j->last_token_at = now;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void prom_hist(k3_sbuf *b, const char *name, const char *help, const k3_hist *h) {
+    k3_sb_printf(b, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int i = 0; i < K3_HIST_N; i++) {
+        cum += h->le[i];
+        k3_sb_printf(b, "%s_bucket{le=\"%g\"} %llu\n", name, HIST_LE[i], (unsigned long long)cum);
+    }
+    k3_sb_printf(b, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.9g\n%s_count %llu\n", name, (unsigned long long)h->n, name,
+                 h->sum, name, (unsigned long long)h->n);
+}
+
+static void prom_one(k3_sbuf *b, const char *name, const char *type, const char *help, double v) {
+    k3_sb_printf(b, "# HELP %s %s\n# TYPE %s %s\n%s %.17g\n", name, help, name, type, name, v);
+}
+
+/* GET /metrics: Prometheus' text format (version 0.0.4) */
+static char *metrics_text(k3_serve *s, size_t *len) {
+    k3_sbuf b = {0};
+    pthread_mutex_lock(&s->mu);
+    k3_sb_printf(&b, "# HELP k3_http_responses_total HTTP responses by status (a stream counts when its 200 is sent)\n"
+                     "# TYPE k3_http_responses_total counter\n");
+    for (int st = 100; st < 600; st++)
+        if (s->by_status[st]) k3_sb_printf(&b, "k3_http_responses_total{status=\"%d\"} %llu\n", st,
+                                           (unsigned long long)s->by_status[st]);
+    k3_sb_printf(&b, "# HELP k3_requests_total generations by outcome\n# TYPE k3_requests_total counter\n"
+                     "k3_requests_total{outcome=\"completed\"} %llu\nk3_requests_total{outcome=\"cancelled\"} %llu\n"
+                     "k3_requests_total{outcome=\"failed\"} %llu\nk3_requests_total{outcome=\"refused\"} %llu\n",
+                 (unsigned long long)s->n_ok, (unsigned long long)s->n_cancelled, (unsigned long long)s->n_failed,
+                 (unsigned long long)s->n_refused);
+    prom_one(&b, "k3_prompt_tokens_total", "counter", "prompt tokens of the generations run", (double)s->n_prompt);
+    prom_one(&b, "k3_prompt_tokens_cached_total", "counter", "prompt tokens a saved state held (not computed)",
+             (double)s->n_cached);
+    prom_one(&b, "k3_cache_hits_total", "counter", "generations that reused a saved state", (double)s->n_cache_hits);
+    prom_one(&b, "k3_generation_tokens_total", "counter", "tokens generated", (double)s->n_tokens);
+    prom_hist(&b, "k3_time_to_first_token_seconds", "from the queue to the first sampled token", &s->ttft);
+    prom_hist(&b, "k3_time_per_output_token_seconds", "between two sampled tokens of a request", &s->tpot);
+    prom_one(&b, "k3_queue_waiting", "gauge", "requests waiting for the worker", s->nwaiting);
+    prom_one(&b, "k3_queue_capacity", "gauge", "places in the queue (k3 serve --queue)", s->o.queue);
+    prom_one(&b, "k3_slots_busy", "gauge", "requests computing", s->running && !s->running->done ? 1 : 0);
+    prom_one(&b, "k3_slots_total", "gauge", "requests that can compute at once", 1);
+    prom_one(&b, "k3_busy_seconds_total", "counter", "seconds the worker computed", s->busy_s);
+    pthread_mutex_unlock(&s->mu);
+    *len = b.n;
+    return b.p ? b.p : xstrdup("");
 }
 
 /* ---- jobs (all under s->mu) ---- */
@@ -177,17 +248,72 @@ typedef struct {
     bool too_big;
 } req_ctx;
 
-enum { R_NONE, R_ASSET, R_HEALTH, R_MODELS, R_MODEL, R_CHAT, R_COMPLETIONS };
+enum { R_NONE, R_ASSET, R_HEALTH, R_METRICS, R_MODELS, R_MODEL, R_CHAT, R_COMPLETIONS, R_TOKENIZE, R_DETOKENIZE };
+
+static int route_of(k3_serve *s, const char *url, size_t *asset) {
+    for (size_t i = 0; i < k3_serve_nassets; i++)
+        if (!strcmp(url, k3_serve_assets[i].path)) {
+            *asset = i;
+            return R_ASSET;
+        }
+    if (!strcmp(url, "/health")) return R_HEALTH;
+    if (!strcmp(url, "/metrics")) return R_METRICS;
+    if (!strcmp(url, "/tokenize")) return R_TOKENIZE;
+    if (!strcmp(url, "/detokenize")) return R_DETOKENIZE;
+    if (!strcmp(url, "/v1/models")) return R_MODELS;
+    if (!strncmp(url, "/v1/models/", 11) && !strcmp(url + 11, s->model_id)) return R_MODEL;
+    if (!strcmp(url, "/v1/chat/completions")) return R_CHAT;
+    if (!strcmp(url, "/v1/completions")) return R_COMPLETIONS;
+    return R_NONE;
+}
+
+static bool is_post_route(int route) {
+    return route == R_CHAT || route == R_COMPLETIONS || route == R_TOKENIZE || route == R_DETOKENIZE;
+}
+
+/* ---- origins (CORS) ---- */
+
+/* A browser names the page that makes a request in Origin. The server's own
+ * page is "http://" + the Host it was reached by; others must be in --cors-origin. */
+static bool own_origin(const char *origin, const char *host) {
+    return host && !strncasecmp(origin, "http://", 7) && !strcasecmp(origin + 7, host);
+}
+
+static bool origin_allowed(const k3_serve *s, const char *origin, const char *host) {
+    if (!origin || own_origin(origin, host)) return true;
+    for (size_t i = 0; i < s->o.ncors; i++)
+        if (!strcmp(s->o.cors[i], "*") || !strcasecmp(s->o.cors[i], origin)) return true;
+    return false;
+}
+
+/* An allowed page of another origin may read the response. */
+static void add_cors(const k3_serve *s, struct MHD_Connection *c, struct MHD_Response *r) {
+    const char *origin = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Origin");
+    const char *host = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host");
+    if (!origin || own_origin(origin, host) || !origin_allowed(s, origin, host)) return;
+    MHD_add_response_header(r, "Access-Control-Allow-Origin", origin);
+    MHD_add_response_header(r, "Vary", "Origin");
+}
+
+static void count_status(k3_serve *s, unsigned code) {
+    pthread_mutex_lock(&s->mu);
+    if (code < 600) s->by_status[code]++;
+    pthread_mutex_unlock(&s->mu);
+}
 
 static enum MHD_Result respond(k3_serve *s, struct MHD_Connection *c, const char *method, const char *url,
                                unsigned code, const char *type, void *body, size_t len,
                                enum MHD_ResponseMemoryMode mode) {
     struct MHD_Response *resp = k3_http_buffer(type, body, len, mode);
     if (resp && code == MHD_HTTP_METHOD_NOT_ALLOWED) {
-        bool post = strstr(url, "completions") != NULL;
-        MHD_add_response_header(resp, "Allow", post ? "POST" : "GET, HEAD");
+        size_t asset;
+        bool post = is_post_route(route_of(s, url, &asset));
+        MHD_add_response_header(resp, "Allow", post ? "POST, OPTIONS" : "GET, HEAD, OPTIONS");
     }
     if (resp && (code == 429 || code == 503)) MHD_add_response_header(resp, "Retry-After", "1");
+    if (resp && code == 401) MHD_add_response_header(resp, "WWW-Authenticate", "Bearer");
+    if (resp) add_cors(s, c, resp);
+    count_status(s, code);
     enum MHD_Result ret = k3_http_queue(c, code, resp);
     if (s->o.verbose) fprintf(stderr, "k3 serve: %u %s %s\n", code, method, url);
     return ret;
@@ -265,9 +391,10 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
             return (ssize_t)k;
         }
         if (j->done) {
-            bool cancelled = atomic_load(&j->cancel);
+            /* cut: the client went away; a stop (503) ended it well-formed */
+            bool cut = atomic_load(&j->cancel) && j->status != 503;
             pthread_mutex_unlock(&s->mu);
-            return cancelled ? MHD_CONTENT_READER_END_WITH_ERROR : MHD_CONTENT_READER_END_OF_STREAM;
+            return cut ? MHD_CONTENT_READER_END_WITH_ERROR : MHD_CONTENT_READER_END_OF_STREAM;
         }
         timed_wait(&j->cv, &s->mu);
         if (!j->done && j->sent == j->out.n && client_gone(j->fd)) cancel_locked(s, j);
@@ -296,8 +423,9 @@ static void err_from_k3(k3_serve_error *e, const k3_err *err, const char *fallba
     k3_serve_error_set(e, 400, "invalid_value", param, "%s", err->msg);
 }
 
-/* Builds the job's prompt ids; 0 or an HTTP status with e set. */
-static int prompt_of(k3_serve *s, k3_job *j, k3_serve_error *e) {
+/* Encodes the job's prompt into its ids (each inside the vocabulary); 0 or
+ * an HTTP status with e set. */
+static int encode_prompt(k3_serve *s, k3_job *j, k3_serve_error *e) {
     const k3_serve_req *r = &j->req;
     k3_err err = {0};
     if (r->kind == K3_REQ_CHAT) {
@@ -345,6 +473,16 @@ static int prompt_of(k3_serve *s, k3_job *j, k3_serve_error *e) {
                     j->ids[i], s->m.vocab);
             return 400;
         }
+    return 0;
+}
+
+/* Builds the job's prompt ids and resolves max_tokens against the limits; 0
+ * or an HTTP status with e set. */
+static int prompt_of(k3_serve *s, k3_job *j, k3_serve_error *e) {
+    int st = encode_prompt(s, j, e);
+    if (st) return st;
+    const k3_serve_req *r = &j->req;
+    const char *param = r->kind == K3_REQ_CHAT ? "messages" : "prompt";
     for (size_t i = 0; i < r->nbias; i++)
         if (r->bias_ids[i] >= s->m.vocab) {
             char where[64];
@@ -412,17 +550,20 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
         k3_serve_error_set(&e, 503, "server_stopping", NULL, "the server is stopping");
         return respond_error(s, c, method, url, &e);
     }
-    if (s->nwaiting >= s->o.queue) {
+    /* --queue places wait while one computes; with the worker idle, one more
+     * (it is about to run), so --queue 0 means one computes and none waits */
+    if (s->nwaiting >= s->o.queue + (s->running ? 0 : 1)) {
         s->n_refused++;
-        int q = s->o.queue;
+        int q = s->o.queue, nw = s->nwaiting;
         job_unref(j);
         pthread_mutex_unlock(&s->mu);
         k3_serve_error_set(&e, 429, "queue_full", NULL,
-                "the server is busy: %d request%s already waiting (k3 serve --queue); retry later", q,
-                q == 1 ? " is" : "s are");
+                "the server is busy: one request computing and %d waiting (k3 serve --queue %d); retry later",
+                nw, q);
         return respond_error(s, c, method, url, &e);
     }
     j->refs++; /* the worker's */
+    j->queued_at = k3_now();
     if (s->tail) s->tail->next = j;
     else s->head = j;
     s->tail = j;
@@ -442,6 +583,8 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
         }
         k3_http_headers(resp, "text/event-stream; charset=utf-8");
         MHD_add_response_header(resp, "X-Accel-Buffering", "no");
+        add_cors(s, c, resp);
+        count_status(s, 200);
         enum MHD_Result ret = k3_http_queue(c, 200, resp);
         if (s->o.verbose) fprintf(stderr, "k3 serve: 200 %s %s (stream %s)\n", method, url, j->id);
         return ret;
@@ -450,8 +593,8 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
         timed_wait(&j->cv, &s->mu);
         if (!j->done && client_gone(j->fd)) cancel_locked(s, j);
     }
-    bool cancelled = atomic_load(&j->cancel);
     int status = j->status;
+    bool cancelled = atomic_load(&j->cancel) && status != 503; /* a stop's 503 is answered */
     char *body = NULL;
     size_t len = j->out.n;
     if (!cancelled) {
@@ -465,20 +608,121 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
                    MHD_RESPMEM_MUST_FREE);
 }
 
+/* ---- /tokenize and /detokenize ---- */
+
+/* POST /tokenize: {"prompt": ...} encoded as /v1/completions encodes it, or
+ * {"messages": ..., "tools": ...} rendered as /v1/chat/completions renders it
+ * (the same validation); {"tokens", "count", "max_model_len"}. */
+static enum MHD_Result tokenize(k3_serve *s, struct MHD_Connection *c, const char *method, const char *url,
+                                const req_ctx *rc) {
+    k3_serve_error e;
+    json_t *o = json_loadb(rc->body.p ? rc->body.p : "", rc->body.n, JSON_REJECT_DUPLICATES, NULL);
+    int kind = json_object_get(o, "messages") ? K3_REQ_CHAT : K3_REQ_COMPLETION;
+    json_decref(o);
+    k3_job *j = job_new();
+    int st = k3_serve_parse(rc->body.p ? rc->body.p : "", rc->body.n, kind, &j->req, &e);
+    if (!st) st = encode_prompt(s, j, &e);
+    json_t *ids = st ? NULL : json_array();
+    for (size_t i = 0; ids && i < j->n; i++) json_array_append_new(ids, json_integer(j->ids[i]));
+    size_t n = j->n;
+    pthread_mutex_lock(&s->mu);
+    job_unref(j);
+    pthread_mutex_unlock(&s->mu);
+    if (st) return respond_error(s, c, method, url, &e);
+    return respond_json(s, c, method, url, json_pack("{s:o, s:I, s:I}", "tokens", ids, "count", (json_int_t)n,
+                                                     "max_model_len", (json_int_t)s->m.ctx_len));
+}
+
+/* POST /detokenize: {"tokens": [ids]} -> {"prompt": text} (bytes that are no
+ * valid UTF-8 as U+FFFD). */
+static enum MHD_Result detokenize(k3_serve *s, struct MHD_Connection *c, const char *method, const char *url,
+                                  const req_ctx *rc) {
+    k3_serve_error e;
+    json_error_t jerr;
+    json_t *o = json_loadb(rc->body.p ? rc->body.p : "", rc->body.n, JSON_REJECT_DUPLICATES, &jerr);
+    json_t *t = json_object_get(o, "tokens");
+    const char *k;
+    json_t *v;
+    int st = 0;
+    if (!json_is_object(o)) {
+        st = k3_serve_error_set(&e, 400, "invalid_json", NULL, "request body: expected a JSON object%s%s",
+                                o ? "" : ": ", o ? "" : jerr.text);
+    } else {
+        json_object_foreach(o, k, v)
+            if (strcmp(k, "tokens") && strcmp(k, "model")) {
+                st = k3_serve_error_set(&e, 400, "unknown_parameter", k, "%.100s: unrecognized field (known: tokens, model)", k);
+                break;
+            }
+        if (!st && !json_is_array(t))
+            st = k3_serve_error_set(&e, 400, t ? "invalid_type" : "missing_required_parameter", "tokens",
+                                    "tokens: expected an array of token ids");
+    }
+    size_t n = st ? 0 : json_array_size(t);
+    int32_t *ids = xmalloc_array(n ? n : 1, sizeof *ids);
+    for (size_t i = 0; !st && i < n; i++) {
+        json_t *x = json_array_get(t, i);
+        if (!json_is_integer(x) || json_integer_value(x) < 0 || json_integer_value(x) >= s->m.vocab)
+            st = k3_serve_error_set(&e, 400, "invalid_value", "tokens", "tokens[%zu]: expected a token id in [0, %d)", i,
+                                    s->m.vocab);
+        else ids[i] = (int32_t)json_integer_value(x);
+    }
+    json_decref(o);
+    uint8_t *text = NULL;
+    size_t len = 0;
+    k3_err err = {0};
+    if (!st && tok_decode(s->m.tok, ids, n, &text, &len, &err))
+        st = k3_serve_error_set(&e, 400, "invalid_value", "tokens", "tokens: %s", err.msg);
+    free(ids);
+    if (st) return respond_error(s, c, method, url, &e);
+    json_t *out = json_pack("{s:o}", "prompt", k3_serve_json_text(text ? (const char *)text : "", len));
+    free(text);
+    return respond_json(s, c, method, url, out);
+}
+
 /* ---- routing ---- */
 
-static int route_of(k3_serve *s, const char *url, size_t *asset) {
-    for (size_t i = 0; i < k3_serve_nassets; i++)
-        if (!strcmp(url, k3_serve_assets[i].path)) {
-            *asset = i;
-            return R_ASSET;
-        }
-    if (!strcmp(url, "/health")) return R_HEALTH;
-    if (!strcmp(url, "/v1/models")) return R_MODELS;
-    if (!strncmp(url, "/v1/models/", 11) && !strcmp(url + 11, s->model_id)) return R_MODEL;
-    if (!strcmp(url, "/v1/chat/completions")) return R_CHAT;
-    if (!strcmp(url, "/v1/completions")) return R_COMPLETIONS;
-    return R_NONE;
+/* An OPTIONS request: what the route accepts, and for an allowed page of
+ * another origin (the browser's preflight) that it may send it. */
+static enum MHD_Result preflight(k3_serve *s, struct MHD_Connection *c, const char *method, const char *url, bool post) {
+    struct MHD_Response *r = k3_http_buffer("text/plain; charset=utf-8", (void *)"", 0, MHD_RESPMEM_PERSISTENT);
+    if (!r) return MHD_NO;
+    const char *methods = post ? "POST, OPTIONS" : "GET, HEAD, OPTIONS";
+    MHD_add_response_header(r, "Allow", methods);
+    if (MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Origin")) {
+        add_cors(s, c, r);
+        MHD_add_response_header(r, "Access-Control-Allow-Methods", methods);
+        /* the headers it asks for (the openai client adds its own x-stainless-*
+         * ones); the origin is allowed, so what it sends is up to it */
+        const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Access-Control-Request-Headers");
+        MHD_add_response_header(r, "Access-Control-Allow-Headers", h && strlen(h) < 2048 ? h : "Authorization, Content-Type");
+        MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+    }
+    count_status(s, 204);
+    enum MHD_Result ret = k3_http_queue(c, 204, r);
+    if (s->o.verbose) fprintf(stderr, "k3 serve: 204 %s %s\n", method, url);
+    return ret;
+}
+
+/* "Authorization: Bearer KEY" with this server's key, compared in a time
+ * that does not depend on where they differ. */
+static bool key_ok(const k3_serve *s, struct MHD_Connection *c) {
+    const char *h = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization");
+    if (!h || strncasecmp(h, "Bearer ", 7)) return false;
+    h += 7;
+    while (*h == ' ') h++;
+    size_t n = strlen(h), m = strlen(s->o.api_key);
+    unsigned diff = n != m;
+    for (size_t i = 0; i < m; i++) diff |= (unsigned char)s->o.api_key[i] ^ (unsigned char)(i < n ? h[i] : 0);
+    return diff == 0;
+}
+
+/* application/json, with or without parameters; none given is taken as JSON
+ * too (a program's request), but a browser always names its body's type */
+static bool json_content(const char *ct) {
+    if (!ct) return true;
+    while (*ct == ' ') ct++;
+    if (strncasecmp(ct, "application/json", 16)) return false;
+    return ct[16] == 0 || ct[16] == ';' || ct[16] == ' ';
 }
 
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
@@ -499,11 +743,32 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
             k3_serve_error_set(&e, 404, "not_found", NULL, "no route %.200s %.300s (see docs/serve.md)", method, url);
             return respond_error(s, c, method, url, &e);
         }
-        bool post = route == R_CHAT || route == R_COMPLETIONS;
+        /* a page of another origin reaches no route unless --cors-origin allows it:
+         * a browser sends a simple (text/plain, form) POST without asking first */
+        const char *origin = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Origin");
+        if (!origin_allowed(s, origin, MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host"))) {
+            k3_serve_error_set(&e, 403, "forbidden_origin", NULL, "requests from the origin '%.200s' are not allowed "
+                    "(k3 serve --cors-origin)", origin);
+            return respond_error(s, c, method, url, &e);
+        }
+        bool post = is_post_route(route);
+        if (!strcmp(method, "OPTIONS")) return preflight(s, c, method, url, post);
         bool ok = post ? !strcmp(method, "POST") : (!strcmp(method, "GET") || !strcmp(method, "HEAD"));
         if (!ok) {
             k3_serve_error_set(&e, 405, "method_not_allowed", NULL, "%.300s accepts %s, not %.100s", url, post ? "POST" : "GET",
                     method);
+            return respond_error(s, c, method, url, &e);
+        }
+        /* the page and /health stay open: a health check carries no key */
+        if (s->o.api_key && route != R_ASSET && route != R_HEALTH && !key_ok(s, c)) {
+            bool given = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Authorization") != NULL;
+            k3_serve_error_set(&e, 401, "invalid_api_key", NULL, given ? "incorrect API key provided"
+                    : "no API key: send the header 'Authorization: Bearer KEY' (k3 serve --api-key)");
+            return respond_error(s, c, method, url, &e);
+        }
+        if (post && !json_content(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Type"))) {
+            k3_serve_error_set(&e, 415, "unsupported_media_type", NULL, "the body must be sent as Content-Type: "
+                    "application/json, not %.100s", MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Type"));
             return respond_error(s, c, method, url, &e);
         }
         const char *cl = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Content-Length");
@@ -540,6 +805,14 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         return respond(s, c, method, url, 200, k3_serve_assets[asset].type, (void *)k3_serve_assets[asset].data,
                        k3_serve_assets[asset].len, MHD_RESPMEM_PERSISTENT);
     case R_HEALTH: return respond_json(s, c, method, url, health(s));
+    case R_METRICS: {
+        size_t len;
+        char *text = metrics_text(s, &len);
+        return respond(s, c, method, url, 200, "text/plain; version=0.0.4; charset=utf-8", text, len,
+                       MHD_RESPMEM_MUST_FREE);
+    }
+    case R_TOKENIZE: return tokenize(s, c, method, url, rc);
+    case R_DETOKENIZE: return detokenize(s, c, method, url, rc);
     case R_MODELS: {
         json_t *o = json_pack("{s:s, s:[o]}", "object", "list", "data", model_object(s));
         return respond_json(s, c, method, url, o);
@@ -624,7 +897,10 @@ void k3_serve_stop(k3_serve *s) {
         k3_serve_error e;
         k3_serve_error_set(&e, 503, "server_stopping", NULL, "the server is stopping");
         char *body = k3_serve_error_json(&e);
+        /* a stream's 200 is sent as soon as it is queued: the error is an event */
+        if (j->req.stream) k3_sb_put(&j->out, "data: ", 6);
         k3_sb_put(&j->out, body, strlen(body));
+        if (j->req.stream) k3_sb_put(&j->out, "\n\ndata: [DONE]\n\n", 16);
         free(body);
         j->status = 503;
         j->done = true;

@@ -384,6 +384,32 @@ int k3_session_feed_rows(k3_session *s, const int32_t *ids, size_t n, float *log
     return feed(s, ids, n, logits, all_rows, prompt, false, err);
 }
 
+int k3_session_recompute(k3_session *s, int32_t id, float *logits, k3_err *err) {
+    if (s->n + 1 > (size_t)k3_state_max_pos(s->st))
+        return k3_fail(err, K3_EXIT_USAGE, "%zu tokens do not fit the state's %d positions", s->n + 1,
+                       k3_state_max_pos(s->st));
+    append_ids(s, &id, 1);
+    s->have_logits = false;
+    int rc;
+    if (s->e) {
+        rc = k3_engine_recompute(s->e, s->st, s->ids, s->n, s->logits, err);
+    } else {
+        k3_state_reset(s->st);
+        rc = K3_OK;
+        for (size_t i = 0; !rc && i < s->n; i += INT_MAX / 2) {
+            size_t t = s->n - i < INT_MAX / 2 ? s->n - i : INT_MAX / 2;
+            rc = k3_forward(s->m, s->st, s->ids + i, (int)t, i + t == s->n ? s->logits : NULL, false, err);
+        }
+    }
+    if (rc) {
+        k3_session_reset(s);
+        return rc;
+    }
+    if (logits) memcpy(logits, s->logits, (size_t)s->V * sizeof *logits);
+    s->have_logits = true;
+    return K3_OK;
+}
+
 /* Puts snapshot x (found and referenced under the lock) into the session's
  * state: the KDA part, the MLA rows the state does not already hold (rows
  * [0, d) are the session's own and equal, since ids[0..d) agree), position. */
@@ -529,7 +555,8 @@ int k3_session_load(k3_session *s, const char *path, uint64_t model_id, char **e
     size_t len = 0;
     if (extra) *extra = NULL;
     if (extra_len) *extra_len = 0;
-    int rc = k3_read_file(path, &data, &len, err);
+    /* a regular file, any size (its header says what it must hold) */
+    int rc = k3_read_file_max(path, UINT64_MAX, true, &data, &len, err);
     if (rc) return rc;
     const uint8_t *h = (const uint8_t *)data;
     const k3_config *cfg = k3_model_config(s->m);

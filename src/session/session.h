@@ -141,6 +141,10 @@ int k3_session_feed(k3_session *s, const int32_t *ids, size_t n, float *logits, 
  * work in the run report. */
 int k3_session_feed_rows(k3_session *s, const int32_t *ids, size_t n, float *logits, bool all_rows, bool prompt,
                          k3_err *err);
+/* Appends id and recomputes the state from position 0 over every id the
+ * session holds (k3 run --full, a check: the logits are bit-identical to
+ * k3_session_feed's). No snapshots are taken. */
+int k3_session_recompute(k3_session *s, int32_t id, float *logits, k3_err *err);
 /* Speculation: a pass whose fed ids may be taken back (model.h,
  * k3_state_pass_*). pass_begin reserves the state's record for passes of up
  * to max_T ids (the first time, or a larger max_T) and opens one at the

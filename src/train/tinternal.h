@@ -33,57 +33,20 @@ struct tm_layer {
     moe_w moe_w;
 };
 
-/* Saved activations. N = B*T rows. The KDA forward is the model graph's
- * (model.h k3_kda_rec names the same arrays). */
-typedef struct {
-    float *pre;   /* [3][N][P] q, k, v projections before the conv */
-    float *cv;    /* [3][N][P] conv outputs before SiLU */
-    float *q, *k; /* [N][P] after SiLU and the per-head L2 norm (q unscaled) */
-    float *rq, *rk; /* [N][H] L2 inverse norms */
-    float *v;     /* [N][P] after SiLU */
-    float *beta;  /* [N][H] */
-    float *fa;    /* [N][D] */
-    float *zb;    /* [N][P] z + dt_bias */
-    float *gl;    /* [N][P] log-decay */
-    float *o;     /* [N][P] recurrent output (pre-norm) */
-    float *ro;    /* [N*H] head norm inverse rms */
-    float *gate;  /* [N][P] sigmoid(g_proj x) */
-    float *y;     /* [N][P] o_proj input */
-    float *Sck;   /* [B][H][nck][D][D] state at every chunk start */
-    size_t Sck_cap; /* floats allocated for Sck */
-} kda_acts;
-
-typedef k3_mla_rec mla_acts; /* the model graph's MLA record (model.h) */
-
-typedef k3_mlp_rec mlp_acts; /* the model graph's MLP record (model.h) */
-
-typedef k3_moe_rec moe_acts; /* the model graph's LatentMoE record (model.h) */
-
-typedef struct {
-    float *a;            /* [N][E] pre-attention AttnRes output (layer 0: NULL, a = p_in) */
-    float *al_a, *r_a;   /* [N][m] */
-    int m_a;
-    float *xin, *rin;    /* [N][E], [N] */
-    float *p_mid, *p_out;/* [N][E] */
-    float *mm, *al_m, *r_m;
-    int m_m;
-    float *xm, *rm;
-    kda_acts kda;
-    mla_acts mla;
-    mlp_acts mlp;
-    moe_acts moe;
-} layer_acts;
+/* Saved activations: the model graph's records (model.h k3_model_rec,
+ * k3_layer_rec, filled by k3_forward_rec), N = B*T rows. */
+typedef k3_kda_rec kda_acts;
+typedef k3_mla_rec mla_acts;
+typedef k3_mlp_rec mlp_acts;
+typedef k3_moe_rec moe_acts;
 
 struct tm_acts {
     int cap;             /* rows allocated */
     int B, T;            /* of the last forward */
     int32_t *tok;        /* [B][T+1] copy */
     int *tgt;            /* [N] */
-    float *h0;           /* [N][E] embedding rows */
-    layer_acts *l;       /* [L] */
-    float *xf, *al_f, *r_f;  /* final AttnRes output and its saved softmax */
-    int m_f;
-    float *xn, *rn;      /* final norm output and inverse rms */
+    k3_model_rec rec;    /* every activation the backward reads (rec.l: [L]) */
+    size_t *ssave_cap;   /* [L] floats allocated for rec.l[l].kda.Ssave (sized by the KDA mode) */
     /* backward scratch */
     float *dblk;         /* [nblocks][N][E] */
     float *d1, *d2, *d3, *d4; /* [N][E] */
@@ -91,11 +54,22 @@ struct tm_acts {
     size_t scratch_n;
 };
 
-/* Per-layer entry points; x is the normed layer input [N][E], out [N][E]. */
+/* AttnRes sources of layer l's two AttnRes (blocks completed before it plus
+ * the partial; 0: layer 0's attention input is the embedding itself) and of
+ * the output AttnRes. */
+static inline int tm_src_attn(int l, int S) { return l ? (l + S - 1) / S + 1 : 0; }
+static inline int tm_src_mlp(int l, int S) { return l / S + 2; }
+
+/* The KDA form the kernels are asked for: 0 (recurrent) or tmodel.kda_chunk,
+ * at most TM_MAX_KDA_CHUNK (tkda.c). */
+int tm_kda_chunk(const tmodel *m);
+
+/* Per-layer backward entry points; x is the normed layer input [N][E]. */
 size_t kda_scratch(const tmodel *m, int N);
-void kda_alloc(const tmodel *m, kda_acts *a, int cap, int B, int T);
+void kda_alloc(const tmodel *m, kda_acts *a, int cap);
+/* Floats of the states the forward saves for B sequences of T (Ssave). */
+size_t kda_ssave_floats(const tmodel *m, int B, int T);
 void kda_free(kda_acts *a);
-void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, float *out, int B, int T);
 /* dx overwritten; scratch of kda_scratch floats. */
 void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, const float *dout,
                   float *dx, int B, int T, float *scratch);
@@ -103,7 +77,6 @@ void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, co
 size_t mla_scratch(const tmodel *m, int N);
 void mla_alloc(const tmodel *m, mla_acts *a, int cap, int B, int T);
 void mla_free(mla_acts *a);
-void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, float *out, int B, int T);
 void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, const float *dout,
                   float *dx, int B, int T, float *scratch);
 
@@ -112,14 +85,15 @@ void mlp_alloc(mlp_acts *a, int cap, int width);
 void mlp_free(mlp_acts *a);
 /* out is overwritten with the sublayer output; the backward overwrites dx
  * (mlp_backward adds to it when accumulate). */
-void mlp_forward(tmodel *m, const mlp_w *w, mlp_acts *a, int width, const float *x, float *out, int N);
 void mlp_backward(tmodel *m, const mlp_w *w, mlp_acts *a, int width, const float *x, const float *dout,
                   float *dx, int N, float *scratch, bool accumulate);
 
 size_t moe_scratch(const tmodel *m, int N);
 void moe_alloc(const tmodel *m, moe_acts *a, int cap);
 void moe_free(moe_acts *a);
-void moe_forward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, float *out, int N);
+/* Training's bookkeeping after a forward: MoE layer ly's expert loads and,
+ * when recording, its Quantile Balancing margins (s - cut per token). */
+void moe_account(tmodel *m, const tm_layer *ly, const moe_acts *a, int N);
 void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, const float *dout,
                   float *dx, int N, float *scratch);
 

@@ -24,13 +24,18 @@
 
 /* The chunk the kernels are asked for: 0 (recurrent) or the flag's,
  * at most TM_MAX_KDA_CHUNK; k_kda_block_len clamps it to the decay bound. */
-static int chunk_arg(const tmodel *m) {
+int tm_kda_chunk(const tmodel *m) {
     if (m->kda_chunk <= 0) return 0;
     return m->kda_chunk < TM_MAX_KDA_CHUNK ? m->kda_chunk : TM_MAX_KDA_CHUNK;
 }
 /* Positions per saved state. */
-static int ck_len(const tmodel *m) { return k_kda_block_len(chunk_arg(m), m->cfg.gate_lower_bound); }
+static int ck_len(const tmodel *m) { return k_kda_block_len(tm_kda_chunk(m), m->cfg.gate_lower_bound); }
 static int nck_of(int T, int C) { return (T + C - 1) / C; }
+
+size_t kda_ssave_floats(const tmodel *m, int B, int T) {
+    const k3_config *c = &m->cfg;
+    return (size_t)B * c->kda_heads * (size_t)nck_of(T, ck_len(m)) * c->kda_head_dim * c->kda_head_dim;
+}
 
 size_t kda_scratch(const tmodel *m, int N) {
     const k3_config *c = &m->cfg;
@@ -38,7 +43,7 @@ size_t kda_scratch(const tmodel *m, int N) {
     return (size_t)N * (16 * P + 4 * (size_t)c->kda_heads + (size_t)c->kda_head_dim);
 }
 
-void kda_alloc(const tmodel *m, kda_acts *a, int cap, int B, int T) {
+void kda_alloc(const tmodel *m, kda_acts *a, int cap) {
     const k3_config *c = &m->cfg;
     const size_t N = (size_t)cap, H = c->kda_heads, D = c->kda_head_dim, P = H * D;
     a->pre = xmalloc_array(N * 3 * P, sizeof(float));
@@ -56,14 +61,11 @@ void kda_alloc(const tmodel *m, kda_acts *a, int cap, int B, int T) {
     a->ro = xmalloc_array(N * H, sizeof(float));
     a->gate = xmalloc_array(N * P, sizeof(float));
     a->y = xmalloc_array(N * P, sizeof(float));
-    a->Sck = NULL; /* sized by the forward (depends on the mode) */
-    a->Sck_cap = 0;
-    (void)B;
-    (void)T;
+    a->Ssave = NULL; /* sized before each forward (depends on the mode) */
 }
 
 void kda_free(kda_acts *a) {
-    free(a->Sck);
+    free(a->Ssave);
     float *b[] = {a->pre, a->cv, a->q, a->k, a->rq, a->rk, a->v, a->beta, a->fa, a->zb, a->gl, a->o,
                   a->ro, a->gate, a->y};
     for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) free(b[i]);
@@ -163,48 +165,6 @@ static float *conv_taps_t(const float *cw, int nch, int K) {
     for (int ch = 0; ch < nch; ch++)
         for (int j = 0; j < K; j++) t[(size_t)j * nch + ch] = cw[(size_t)ch * K + j];
     return t;
-}
-
-/* The model graph's weight view of a layer: F32 matrices onto the arena (the
- * fused q|k|v projection and taps as three row ranges). */
-static k3_kda_w kda_view(const tmodel *m, const kda_w *kw) {
-    const k3_config *c = &m->cfg;
-    const int E = c->hidden_size, H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
-    const float *w = m->w;
-#define MAT(off, r, cl) ((k3_mat){.type = KW_F32, .rows = (r), .cols = (cl), .data = w + (off)})
-    k3_kda_w v = {
-        .q = MAT(kw->qkv, P, E),
-        .k = MAT(kw->qkv + (size_t)P * E, P, E),
-        .v = MAT(kw->qkv + 2 * (size_t)P * E, P, E),
-        .f_a = MAT(kw->f_a, D, E),
-        .f_b = MAT(kw->f_b, P, D),
-        .A_log = (float *)(w + kw->A_log),
-        .dt_bias = (float *)(w + kw->dt_bias),
-        .b = MAT(kw->b_proj, H, E),
-        .g = MAT(kw->g_proj, P, E),
-        .o_norm = (float *)(w + kw->o_norm),
-        .o = MAT(kw->o_proj, E, P),
-    };
-#undef MAT
-    for (int j = 0; j < 3; j++) v.conv[j] = (float *)(w + kw->conv + (size_t)j * P * K);
-    return v;
-}
-
-void kda_forward(tmodel *m, const tm_layer *ly, kda_acts *a, const float *x, float *out, int B, int T) {
-    const k3_config *c = &m->cfg;
-    const int H = c->kda_heads, D = c->kda_head_dim;
-    const int nc = nck_of(T, ck_len(m));
-    size_t need = (size_t)B * H * (size_t)nc * D * D;
-    if (need > a->Sck_cap) {
-        free(a->Sck);
-        a->Sck = xmalloc_array(need, sizeof(float));
-        a->Sck_cap = need;
-    }
-    k3_kda_w v = kda_view(m, &ly->kda);
-    k3_kda_rec r = {.pre = a->pre, .cv = a->cv, .q = a->q, .k = a->k, .rq = a->rq, .rk = a->rk, .v = a->v,
-                    .beta = a->beta, .fa = a->fa, .zb = a->zb, .gl = a->gl, .o = a->o, .ro = a->ro,
-                    .gate = a->gate, .y = a->y, .Ssave = a->Sck};
-    k3_kda_rec_forward(c, &v, &t_fwd_ops, chunk_arg(m), x, B, T, out, &r);
 }
 
 /* Backward of one chunk [t0, t0+len) of one head, walking positions in
@@ -334,7 +294,7 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
             int t0 = ck * CK, len = T - t0 < CK ? T - t0 : CK;
             size_t r0 = ((size_t)b * T + t0) * P + (size_t)h * D;
             size_t b0 = ((size_t)b * T + t0) * H + h;
-            const float *S0 = a->Sck + (((size_t)b * H + h) * nc + ck) * D * D;
+            const float *S0 = a->Ssave + (((size_t)b * H + h) * nc + ck) * D * D;
             if (chunked) {
                 chunk_bwd_cw(ops, &ws, dS, S0, a->q + r0, a->k + r0, a->v + r0, a->gl + r0, a->beta + b0,
                              dof + r0, dq + r0, dk + r0, dv + r0, dgl + r0, dbeta + b0, len, (size_t)P,

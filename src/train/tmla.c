@@ -128,33 +128,6 @@ void t_mla_attend(const k3_config *c, k3_mla_rec *r, int nseq, int T) {
     else k3_mla_attend_expanded(c, r, nseq, T);
 }
 
-/* The model graph's weight view of a layer: F32 matrices onto the arena. */
-static k3_mla_w mla_view(const tmodel *m, const mla_w *mw) {
-    const k3_config *c = &m->cfg;
-    const int E = c->hidden_size, H = c->mla_heads, dq = c->qk_nope_dim + c->qk_rope_dim,
-              dkv = c->qk_nope_dim + c->v_head_dim, HV = H * c->v_head_dim, rq = c->q_lora_rank,
-              rkv = c->kv_lora_rank, W = rkv + c->qk_rope_dim;
-    const float *w = m->w;
-#define MAT(off, r, cl) ((k3_mat){.type = KW_F32, .rows = (r), .cols = (cl), .data = w + (off)})
-    k3_mla_w v = {
-        .q_a = MAT(mw->q_a, rq, E),
-        .q_a_norm = (float *)(w + mw->q_a_norm),
-        .q_b = MAT(mw->q_b, H * dq, rq),
-        .kv_a = MAT(mw->kv_a, W, E),
-        .kv_a_norm = (float *)(w + mw->kv_a_norm),
-        .kv_b = MAT(mw->kv_b, H * dkv, rkv),
-        .o = MAT(mw->o_proj, E, HV),
-        .g = MAT(mw->g_proj, HV, E),
-    };
-#undef MAT
-    return v;
-}
-
-void mla_forward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, float *out, int B, int T) {
-    k3_mla_w v = mla_view(m, &ly->mla);
-    k3_mla_rec_forward(&m->cfg, m->cfg.mla_latent_eps, &v, &t_fwd_ops, x, B, T, out, a);
-}
-
 K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, const float *dout,
                   float *dx, int B, int T, float *scratch) {
     const k3_config *c = &m->cfg;

@@ -48,22 +48,6 @@ void mlp_free(mlp_acts *a) {
     memset(a, 0, sizeof *a);
 }
 
-/* The model graph's weight view: the fused gate|up rows as two matrices. */
-static k3_mlp_w mlp_view(const tmodel *m, const mlp_w *w, int width) {
-    const int E = m->cfg.hidden_size;
-    const float *p = m->w;
-    return (k3_mlp_w){
-        .gate = {.type = KW_F32, .rows = width, .cols = E, .data = p + w->gate_up},
-        .up = {.type = KW_F32, .rows = width, .cols = E, .data = p + w->gate_up + (size_t)width * E},
-        .down = {.type = KW_F32, .rows = E, .cols = width, .data = p + w->down},
-    };
-}
-
-void mlp_forward(tmodel *m, const mlp_w *w, mlp_acts *a, int width, const float *x, float *out, int N) {
-    k3_mlp_w v = mlp_view(m, w, width);
-    k3_mlp_rec_forward(&m->cfg, &v, &t_fwd_ops, x, N, out, a);
-}
-
 void mlp_backward(tmodel *m, const mlp_w *w, mlp_acts *a, int width, const float *x, const float *dout,
                   float *dx, int N, float *scratch, bool accumulate) {
     const k3_config *c = &m->cfg;
@@ -131,29 +115,8 @@ static void dispatch(const int *idx, int N, int k, int Ne, int *off, int *list) 
     free(fill);
 }
 
-void moe_forward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, float *out, int N) {
-    const k3_config *c = &m->cfg;
-    const int E = c->hidden_size, Ne = c->num_experts, k = c->experts_per_token, lat = c->latent_dim,
-              I = c->moe_inter;
-    const moe_w *q = &ly->moe_w;
-    const float *w = m->w;
-    /* the model graph's weight view: F32 matrices onto the arena, each
-     * expert's fused w1|w3 as two */
-#define MAT(off, r, cl) ((k3_mat){.type = KW_F32, .rows = (r), .cols = (cl), .data = w + (off)})
-    k3_expert_w *ex = xmalloc_array((size_t)Ne, sizeof *ex);
-    for (int e = 0; e < Ne; e++)
-        ex[e] = (k3_expert_w){.w1 = MAT(q->w13[e], I, lat), .w3 = MAT(q->w13[e] + (size_t)I * lat, I, lat),
-                              .w2 = MAT(q->w2[e], lat, I)};
-    k3_moe_w v = {.router = MAT(q->router, Ne, E),
-                  .router_bias = m->bias + (size_t)ly->moe * Ne,
-                  .down = MAT(q->lat_down, lat, E),
-                  .norm = (float *)(w + q->lat_norm),
-                  .up = MAT(q->lat_up, E, lat),
-                  .shared = mlp_view(m, &q->shared, c->num_shared_experts * I),
-                  .experts = ex};
-#undef MAT
-    k3_moe_rec_forward(c, &v, &t_fwd_ops, x, N, out, a);
-    free(ex);
+void moe_account(tmodel *m, const tm_layer *ly, const moe_acts *a, int N) {
+    const int Ne = m->cfg.num_experts, k = m->cfg.experts_per_token;
     /* training's bookkeeping: expert loads and Quantile Balancing's margins
      * s - cut against each token's threshold */
     int64_t *load = m->load + (size_t)ly->moe * Ne;

@@ -125,17 +125,6 @@ K3_HOT void t_situ_bwd(float *restrict da, float *restrict du, const float *rest
     }
 }
 
-/* The forward is the model graph's AttnRes (model.c) with the key-norm gain
- * folded into the pseudo-query as the model binds it (gamma * w), recording
- * alpha and the inverse rms for the backward. */
-void t_attnres(float *out, float *alpha, float *r, const float *const *src, int m,
-               const float *gn, const float *w, int n, int dim, float eps) {
-    float *gw = xmalloc_array((size_t)dim, sizeof(float));
-    for (int d = 0; d < dim; d++) gw[d] = w[d] * gn[d];
-    k3_attnres_rows(gw, src, m, n, dim, eps, out, alpha, r);
-    free(gw);
-}
-
 K3_HOT void t_attnres_bwd(float *const *dsrc, float *dgn, float *dw, const float *dout,
                    const float *alpha, const float *r, const float *const *src, int m,
                    const float *gn, const float *w, int n, int dim, float eps) {

@@ -57,13 +57,11 @@ static inline float t_exp(float x) { return km_exp(x); }
 static inline float t_tanh(float x) { return km_tanh(x); }
 static inline float t_sigmoid(float x) { return km_sigmoid(x); }
 
-/* Block AttnRes over m sources (each [n][dim]): per row, k_i = rmsnorm(v_i; gn),
- * s_i = <k_i, w>, a = softmax(s), out = sum_i a_i v_i. Saves alpha[n][m] and the
- * per-source inverse rms r[n][m] for the backward. The forward is the model
- * graph's (model.h k3_attnres_rows). */
-void t_attnres(float *out, float *alpha, float *r, const float *const *src, int m,
-               const float *gn, const float *w, int n, int dim, float eps);
-/* Backward: dsrc[i] += ..., dgn += ..., dw += ... */
+/* Backward of Block AttnRes over m sources (each [n][dim]): per row,
+ * k_i = rmsnorm(v_i; gn), s_i = <k_i, w>, a = softmax(s), out = sum_i a_i v_i;
+ * the forward is the model graph's (model.h k3_attnres_rows, the gain folded
+ * into the query as w * gn), which records alpha[n][m] and the per-source
+ * inverse rms r[n][m]. dsrc[i] += ..., dgn += ..., dw += ... */
 void t_attnres_bwd(float *const *dsrc, float *dgn, float *dw, const float *dout,
                    const float *alpha, const float *r, const float *const *src, int m,
                    const float *gn, const float *w, int n, int dim, float eps);

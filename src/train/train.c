@@ -63,6 +63,10 @@ void tm_bias_name(int layer, char *buf, size_t n) {
     if (r < 0 || (size_t)r >= n) buf[0] = 0;
 }
 
+static int by_name(const void *a, const void *b) {
+    return strcmp(((const tm_name *)a)->name, ((const tm_name *)b)->name);
+}
+
 int tm_build(tmodel *m, const k3_config *c, k3_err *err) {
     memset(m, 0, sizeof *m);
     m->cfg = *c;
@@ -190,6 +194,9 @@ int tm_build(tmodel *m, const k3_config *c, k3_err *err) {
     m->bias = xcalloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)c->num_experts, sizeof(float));
     m->load = xcalloc((size_t)(m->n_moe ? m->n_moe : 1) * (size_t)c->num_experts, sizeof(int64_t));
     m->kda_chunk = 16;
+    m->by_name = xmalloc_array((size_t)m->np, sizeof *m->by_name);
+    for (int i = 0; i < m->np; i++) m->by_name[i] = (tm_name){m->params[i].name, i};
+    qsort(m->by_name, (size_t)m->np, sizeof *m->by_name, by_name);
     return K3_OK;
 }
 
@@ -204,6 +211,7 @@ void tm_free(tmodel *m) {
         free(m->layers[l].moe_w.w2);
     }
     free(m->params);
+    free(m->by_name);
     free(m->layers);
     free(m->moe_layer);
     free(m->w);
@@ -242,10 +250,13 @@ bool tm_all_finite(const tmodel *m, int *bad) {
     return true;
 }
 
+/* A binary search of the name index: the model graph binds every parameter
+ * through tm_lookup on each forward, so a scan of the table per name would
+ * cost np^2 comparisons a step. */
 int tm_find(const tmodel *m, const char *name) {
-    for (int i = 0; i < m->np; i++)
-        if (strcmp(m->params[i].name, name) == 0) return i;
-    return -1;
+    tm_name key = {name, -1};
+    const tm_name *f = m->by_name ? bsearch(&key, m->by_name, (size_t)m->np, sizeof key, by_name) : NULL;
+    return f ? f->i : -1;
 }
 
 float *tm_bias(tmodel *m, int layer) {
@@ -361,16 +372,17 @@ static void acts_free(tmodel *m) {
     tm_acts *a = m->acts;
     if (!a) return;
     for (int l = 0; l < m->cfg.num_layers; l++) {
-        layer_acts *x = &a->l[l];
+        k3_layer_rec *x = &a->rec.l[l];
         float *bufs[] = {x->a, x->al_a, x->r_a, x->xin, x->rin, x->p_mid, x->p_out, x->mm, x->al_m,
                          x->r_m, x->xm, x->rm};
         for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
         if (m->layers[l].kind == 'K') kda_free(&x->kda); else mla_free(&x->mla);
         if (m->layers[l].dense) mlp_free(&x->mlp); else moe_free(&x->moe);
     }
-    free(a->l);
-    float *bufs[] = {a->h0, a->xf, a->al_f, a->r_f, a->xn, a->rn, a->dblk, a->d1, a->d2, a->d3, a->d4,
-                     a->scratch};
+    free(a->rec.l);
+    free(a->ssave_cap);
+    float *bufs[] = {a->rec.h0, a->rec.xf, a->rec.al_f, a->rec.r_f, a->rec.xn, a->rec.rn, a->dblk, a->d1, a->d2,
+                     a->d3, a->d4, a->scratch};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(a->tok);
     free(a->tgt);
@@ -395,32 +407,30 @@ static void acts_ensure(tmodel *m, int B, int T) {
     a->T = T;
     a->tok = xmalloc_array(N + (size_t)B, sizeof(int32_t));
     a->tgt = xmalloc_array(N, sizeof(int));
-    a->h0 = fa(N * E);
-    a->l = xcalloc((size_t)L, sizeof(layer_acts));
+    a->rec.h0 = fa(N * E);
+    a->rec.l = xcalloc((size_t)L, sizeof(k3_layer_rec));
+    a->ssave_cap = xcalloc((size_t)L, sizeof(size_t));
     size_t scr = 0;
     for (int l = 0; l < L; l++) {
-        layer_acts *x = &a->l[l];
-        int nb_before = (l + S - 1) / S;          /* blocks completed before layer l */
-        int nb_after = l / S + 1;
-        x->m_a = nb_before ? nb_before + 1 : 0;
-        x->m_m = nb_after + 1;
-        if (x->m_a) {
+        k3_layer_rec *x = &a->rec.l[l];
+        const int m_a = tm_src_attn(l, S), m_m = tm_src_mlp(l, S);
+        if (m_a) {
             x->a = fa(N * E);
-            x->al_a = fa(N * x->m_a);
-            x->r_a = fa(N * x->m_a);
+            x->al_a = fa(N * m_a);
+            x->r_a = fa(N * m_a);
         }
         x->xin = fa(N * E);
         x->rin = fa(N);
         x->p_mid = fa(N * E);
         x->p_out = fa(N * E);
         x->mm = fa(N * E);
-        x->al_m = fa(N * x->m_m);
-        x->r_m = fa(N * x->m_m);
+        x->al_m = fa(N * m_m);
+        x->r_m = fa(N * m_m);
         x->xm = fa(N * E);
         x->rm = fa(N);
         size_t s1, s2;
         if (m->layers[l].kind == 'K') {
-            kda_alloc(m, &x->kda, (int)N, B, T);
+            kda_alloc(m, &x->kda, (int)N);
             s1 = kda_scratch(m, (int)N);
         } else {
             mla_alloc(m, &x->mla, (int)N, B, T);
@@ -436,12 +446,12 @@ static void acts_ensure(tmodel *m, int B, int T) {
         if (s1 > scr) scr = s1;
         if (s2 > scr) scr = s2;
     }
-    a->m_f = n_blocks(c) + 1;
-    a->xf = fa(N * E);
-    a->al_f = fa(N * a->m_f);
-    a->r_f = fa(N * a->m_f);
-    a->xn = fa(N * E);
-    a->rn = fa(N);
+    const int m_f = n_blocks(c) + 1;
+    a->rec.xf = fa(N * E);
+    a->rec.al_f = fa(N * m_f);
+    a->rec.r_f = fa(N * m_f);
+    a->rec.xn = fa(N * E);
+    a->rec.rn = fa(N);
     a->dblk = fa((size_t)n_blocks(c) * N * E);
     a->d1 = fa(N * E);
     a->d2 = fa(N * E);
@@ -456,73 +466,49 @@ static void acts_ensure(tmodel *m, int B, int T) {
  * layer n*S, i.e. p_out of layer n*S-1. */
 static float *blk(tmodel *m, int b) {
     const int S = m->cfg.attn_res_block_size;
-    return b == 0 ? m->acts->h0 : m->acts->l[b * S - 1].p_out;
+    return b == 0 ? m->acts->rec.h0 : m->acts->rec.l[b * S - 1].p_out;
 }
 
 /* ---- forward --------------------------------------------------------------------- */
 
+/* The model graph on the parameters: the model's binder over tm_lookup (the
+ * matrices are used in place; the norm gains, taps and folded AttnRes
+ * queries are bound afresh, so every forward sees the current parameters),
+ * its one layer loop with training's products and records. */
 double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
     const k3_config *c = &m->cfg;
-    const int E = c->hidden_size, L = c->num_layers, S = c->attn_res_block_size, V = c->vocab_size;
+    const int L = c->num_layers, V = c->vocab_size;
     acts_ensure(m, B, T);
     t_set_bf16(m->bf16);
     tm_acts *a = m->acts;
     const int N = B * T;
     memcpy(a->tok, tokens, sizeof(int32_t) * (size_t)B * (size_t)(T + 1));
     for (int b = 0; b < B; b++)
-        for (int t = 0; t < T; t++) {
-            const int32_t *row = tokens + (size_t)b * (T + 1);
-            memcpy(a->h0 + ((size_t)b * T + t) * E, m->w + m->embed + (size_t)row[t] * E, sizeof(float) * E);
-            a->tgt[b * T + t] = row[t + 1];
-        }
+        for (int t = 0; t < T; t++) a->tgt[b * T + t] = tokens[(size_t)b * (T + 1) + t + 1];
     memset(m->load, 0, sizeof(int64_t) * (size_t)m->n_moe * (size_t)c->num_experts);
     if (m->qb_record && m->qb_n + N > m->qb_cap) {
         m->qb_cap = m->qb_n + N;
         m->qb_marg = xrealloc_array(m->qb_marg, (size_t)m->qb_cap * (size_t)(m->n_moe ? m->n_moe : 1),
                                     sizeof(float) * (size_t)c->num_experts);
     }
-    const float *srcs[TM_MAX_ATTNRES_SOURCES];
-    const float *p_in = a->h0;
-    for (int l = 0; l < L; l++) {
-        const tm_layer *y = &m->layers[l];
-        layer_acts *x = &a->l[l];
-        int nbb = (l + S - 1) / S;
-        const float *ain = p_in;
-        if (x->m_a) {
-            for (int i = 0; i < nbb; i++) srcs[i] = blk(m, i);
-            srcs[nbb] = p_in;
-            t_attnres(x->a, x->al_a, x->r_a, srcs, x->m_a, m->w + y->attn_res_norm, m->w + y->attn_res_proj,
-                      N, E, c->rms_eps);
-            ain = x->a;
+    const size_t ss = kda_ssave_floats(m, B, T);
+    for (int l = 0; l < L; l++)
+        if (m->layers[l].kind == 'K' && ss > a->ssave_cap[l]) {
+            free(a->rec.l[l].kda.Ssave);
+            a->rec.l[l].kda.Ssave = xmalloc_array(ss, sizeof(float));
+            a->ssave_cap[l] = ss;
         }
-        bool boundary = l % S == 0;
-        k3_rmsnorm_rows(x->xin, x->rin, ain, m->w + y->in_norm, N, E, c->rms_eps);
-        if (y->kind == 'K')
-            kda_forward(m, y, &x->kda, x->xin, x->p_mid, B, T);
-        else
-            mla_forward(m, y, &x->mla, x->xin, x->p_mid, B, T);
-        if (!boundary)
-            for (size_t i = 0; i < (size_t)N * E; i++) x->p_mid[i] += p_in[i];
-        int nba = l / S + 1;
-        for (int i = 0; i < nba; i++) srcs[i] = blk(m, i);
-        srcs[nba] = x->p_mid;
-        t_attnres(x->mm, x->al_m, x->r_m, srcs, x->m_m, m->w + y->mlp_res_norm, m->w + y->mlp_res_proj, N, E,
-                  c->rms_eps);
-        k3_rmsnorm_rows(x->xm, x->rm, x->mm, m->w + y->post_norm, N, E, c->rms_eps);
-        if (y->dense)
-            mlp_forward(m, &y->mlp, &x->mlp, c->dense_inter, x->xm, x->p_out, N);
-        else
-            moe_forward(m, y, &x->moe, x->xm, x->p_out, N);
-        for (size_t i = 0; i < (size_t)N * E; i++) x->p_out[i] += x->p_mid[i];
-        p_in = x->p_out;
+    k3_model *g = NULL;
+    k3_err err = {0};
+    int rc = k3_model_open_lookup(c, tm_lookup, m, NULL, &g, &err);
+    if (!rc) rc = k3_forward_rec(g, &t_fwd_ops, tm_kda_chunk(m), tokens, (size_t)T + 1, B, T, m->logits, &a->rec, &err);
+    k3_model_free(g);
+    if (rc) { /* the table's own names and shapes, or ids the data layer checked: a bug otherwise */
+        fprintf(stderr, "k3: train: %s\n", err.msg);
+        exit(rc);
     }
-    int nb = n_blocks(c);
-    for (int i = 0; i < nb; i++) srcs[i] = blk(m, i);
-    srcs[nb] = p_in;
-    t_attnres(a->xf, a->al_f, a->r_f, srcs, a->m_f, m->w + m->out_res_norm, m->w + m->out_res_proj, N, E,
-              c->rms_eps);
-    k3_rmsnorm_rows(a->xn, a->rn, a->xf, m->w + m->norm, N, E, c->rms_eps);
-    t_linear(m->logits, a->xn, m->w + m->head, N, E, V);
+    for (int l = 0; l < L; l++)
+        if (!m->layers[l].dense) moe_account(m, &m->layers[l], &a->rec.l[l].moe, N);
     double loss;
     t_cross_entropy(m->logits, a->tgt, N, V, &loss, NULL, 0.0f);
     if (m->qb_record) m->qb_n += N;
@@ -549,22 +535,24 @@ void tm_backward(tmodel *m, float scale) {
     memset(a->dblk, 0, sizeof(float) * (size_t)nb * NE);
     float *dp = a->d1, *dx = a->d2, *dn = a->d3;
     /* head and final norm */
-    t_linear_dw(g + m->head, m->logits, a->xn, N, E, V);
+    const k3_model_rec *r = &a->rec;
+    t_linear_dw(g + m->head, m->logits, r->xn, N, E, V);
     t_linear_dx(dx, m->logits, m->w + m->head, N, E, V, false);
-    t_rmsnorm_bwd(dn, g + m->norm, dx, a->xf, a->rn, m->w + m->norm, N, E, false);
+    t_rmsnorm_bwd(dn, g + m->norm, dx, r->xf, r->rn, m->w + m->norm, N, E, false);
     /* final AttnRes: sources blocks + last partial */
     const float *srcs[TM_MAX_ATTNRES_SOURCES];
     float *dsrc[TM_MAX_ATTNRES_SOURCES];
     memset(dp, 0, sizeof(float) * NE);
     for (int i = 0; i < nb; i++) { srcs[i] = blk(m, i); dsrc[i] = a->dblk + (size_t)i * NE; }
-    srcs[nb] = a->l[L - 1].p_out;
+    srcs[nb] = r->l[L - 1].p_out;
     dsrc[nb] = dp;
-    t_attnres_bwd(dsrc, g + m->out_res_norm, g + m->out_res_proj, dn, a->al_f, a->r_f, srcs, a->m_f,
+    t_attnres_bwd(dsrc, g + m->out_res_norm, g + m->out_res_proj, dn, r->al_f, r->r_f, srcs, nb + 1,
                   m->w + m->out_res_norm, m->w + m->out_res_proj, N, E, c->rms_eps);
     for (int l = L - 1; l >= 0; l--) {
         const tm_layer *y = &m->layers[l];
-        layer_acts *x = &a->l[l];
-        const float *p_in = l ? a->l[l - 1].p_out : a->h0;
+        k3_layer_rec *x = &a->rec.l[l];
+        const float *p_in = l ? r->l[l - 1].p_out : r->h0;
+        const int m_a = tm_src_attn(l, S);
         /* dp is d p_out; p_out = p_mid + f, so d p_mid = dp and d f = dp */
         if (y->dense)
             mlp_backward(m, &y->mlp, &x->mlp, c->dense_inter, x->xm, dp, dx, N, a->scratch, false);
@@ -575,24 +563,24 @@ void tm_backward(tmodel *m, float scale) {
         for (int i = 0; i < nba; i++) { srcs[i] = blk(m, i); dsrc[i] = a->dblk + (size_t)i * NE; }
         srcs[nba] = x->p_mid;
         dsrc[nba] = dp;
-        t_attnres_bwd(dsrc, g + y->mlp_res_norm, g + y->mlp_res_proj, dn, x->al_m, x->r_m, srcs, x->m_m,
+        t_attnres_bwd(dsrc, g + y->mlp_res_norm, g + y->mlp_res_proj, dn, x->al_m, x->r_m, srcs, tm_src_mlp(l, S),
                       m->w + y->mlp_res_norm, m->w + y->mlp_res_proj, N, E, c->rms_eps);
         /* dp is now d p_mid = d t */
         if (y->kind == 'K')
             kda_backward(m, y, &x->kda, x->xin, dp, dx, B, T, a->scratch);
         else
             mla_backward(m, y, &x->mla, x->xin, dp, dx, B, T, a->scratch);
-        const float *ain = x->m_a ? x->a : p_in;
+        const float *ain = m_a ? x->a : p_in;
         t_rmsnorm_bwd(dn, g + y->in_norm, dx, ain, x->rin, m->w + y->in_norm, N, E, false);
         /* d p_in: at a boundary p_in is block l/S (its gradient so far sits in
          * dblk); otherwise p_mid = p_in + t passes dp through. */
         if (l % S == 0) memcpy(dp, a->dblk + (size_t)(l / S) * NE, sizeof(float) * NE);
-        if (x->m_a) {
+        if (m_a) {
             int nbb = (l + S - 1) / S;
             for (int i = 0; i < nbb; i++) { srcs[i] = blk(m, i); dsrc[i] = a->dblk + (size_t)i * NE; }
             srcs[nbb] = p_in;
             dsrc[nbb] = dp;
-            t_attnres_bwd(dsrc, g + y->attn_res_norm, g + y->attn_res_proj, dn, x->al_a, x->r_a, srcs, x->m_a,
+            t_attnres_bwd(dsrc, g + y->attn_res_norm, g + y->attn_res_proj, dn, x->al_a, x->r_a, srcs, m_a,
                           m->w + y->attn_res_norm, m->w + y->attn_res_proj, N, E, c->rms_eps);
         } else {
             vadd(dp, dn, NE);

@@ -49,10 +49,13 @@ typedef struct {
 typedef struct tm_layer tm_layer;  /* internal */
 typedef struct tm_acts tm_acts;    /* internal */
 
+typedef struct { const char *name; int i; } tm_name; /* one entry of the name index */
+
 typedef struct {
     k3_config cfg;
     int np;
     tparam *params;
+    tm_name *by_name;      /* [np] the parameters in name order (tm_find's binary search) */
     size_t nw;             /* total parameter floats */
     float *w, *g;
     int n_moe;             /* MoE layers, in layer order */

@@ -21,7 +21,9 @@
 
 #include "dist/data_par.h"
 #include "dist/dist.h"
+#include "generate/generate.h"
 #include "model/model.h"
+#include "session/session.h"
 #include "tokenizer/tokenizer.h"
 #include "train/data.h"
 #include "train/export.h"
@@ -379,28 +381,34 @@ static int sample(run *r, int64_t step, k3_err *err) {
     remove_stale_samples(tmp && *tmp ? tmp : "/tmp");
     k3_model *km = NULL;
     k3_state *st = NULL;
+    k3_session *sess = NULL;
     int rc = k3_model_open_lookup(&r->m.cfg, tm_lookup, &r->m, NULL, &km, err);
     if (!rc) rc = k3_state_new(km, n + 1, &st, err);
-    int32_t *ids = xcalloc((size_t)n + 1, sizeof(int32_t));
-    int len = 0;
+    if (!rc) sess = k3_session_new(km, st, NULL);
     float *lg = xmalloc_array((size_t)V, sizeof(float));
     k3_sampler sp;
     k3_sampler_init(&sp, V, SAMPLE_TEMPERATURE, 0, 1.0f, 0.0f, k3_mix64(r->seed ^ k3_mix64((uint64_t)step + 77)));
-    int32_t cur = r->eot >= 0 ? r->eot : 0;
-    while (!rc && len < n) {
-        if ((rc = k3_forward(km, st, &cur, 1, lg, false, err))) break;
-        int id = k3_sample(&sp, lg);
-        if (id == r->eot) break;
-        ids[len++] = cur = id;
+    int32_t first = r->eot >= 0 ? r->eot : 0;
+    k3_gen_result res = {0};
+    if (!rc) rc = k3_session_feed(sess, &first, 1, lg, err);
+    if (!rc) {
+        k3_gen_opts go;
+        k3_gen_opts_init(&go);
+        go.max_tokens = n;
+        go.eos_id = r->eot; /* ends the sample; not part of its text */
+        go.what = "the model being trained";
+        rc = k3_generate(sess, &sp, lg, &go, &res, err);
     }
+    size_t len = res.n - (res.end == K3_GEN_END_EOS);
     k3_sampler_free(&sp);
     free(lg);
+    k3_session_free(sess);
     if (st) k3_state_free(st);
     if (km) k3_model_free(km);
     uint8_t *bytes = NULL;
     size_t bl = 0;
-    if (!rc) rc = tok_decode(r->tok, ids, (size_t)len, &bytes, &bl, err);
-    free(ids);
+    if (!rc) rc = tok_decode(r->tok, res.ids, len, &bytes, &bl, err);
+    k3_gen_result_free(&res);
     if (rc) return rc;
     char *text = utf8_clean(bytes, bl);
     free(bytes);
@@ -408,7 +416,7 @@ static int sample(run *r, int64_t step, k3_err *err) {
     json_object_set_new(rec, "step", json_integer(step));
     json_object_set_new(rec, "time", json_real(wall()));
     json_object_set_new(rec, "text", json_string(text));
-    json_object_set_new(rec, "tokens", json_integer(len));
+    json_object_set_new(rec, "tokens", json_integer((json_int_t)len));
     rc = append_line(r->samples_fd, rec, "samples.jsonl", err);
     json_decref(rec);
     if (!r->o.quiet) printf("sample step %lld: %s\n", (long long)step, text);

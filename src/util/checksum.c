@@ -110,6 +110,33 @@ uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n) {
 uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n) { return ~crc_sw(~crc, data, n); }
 #endif
 
+/* Feeding one zero byte to the CRC register is a linear map over GF(2);
+ * n bytes are its n-th power, by squaring. A map is held as the images of
+ * the 32 single-bit registers. */
+static uint32_t gf2_apply(const uint32_t m[32], uint32_t v) {
+    uint32_t r = 0;
+    for (int i = 0; v; i++, v >>= 1)
+        if (v & 1) r ^= m[i];
+    return r;
+}
+
+uint32_t k3_crc32c_zeros(uint32_t crc, uint64_t n) {
+    uint32_t m[32], sq[32], r = ~crc;
+    for (int i = 0; i < 32; i++) {
+        uint32_t c = 1u << i;
+        for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0x82f63b78u & (0u - (c & 1)));
+        m[i] = c;
+    }
+    while (n) {
+        if (n & 1) r = gf2_apply(m, r);
+        n >>= 1;
+        if (!n) break;
+        for (int i = 0; i < 32; i++) sq[i] = gf2_apply(m, m[i]);
+        memcpy(m, sq, sizeof m);
+    }
+    return ~r;
+}
+
 uint64_t k3_fnv1a64(uint64_t h, const void *data, size_t n) {
     const uint8_t *p = data;
     for (size_t i = 0; i < n; i++) {

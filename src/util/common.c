@@ -210,26 +210,53 @@ bool k3_parse_size(const char *s, uint64_t *out) {
 }
 
 int k3_read_file(const char *path, char **data, size_t *len, k3_err *err) {
+    return k3_read_file_max(path, K3_READ_MAX, false, data, len, err);
+}
+
+int k3_read_file_max(const char *path, uint64_t max, bool regular_only, char **data, size_t *len, k3_err *err) {
     bool std_in = strcmp(path, "-") == 0;
     FILE *f = std_in ? stdin : fopen(path, "rb");
     if (std_in) path = "standard input";
     if (!f) return k3_fail(err, K3_EXIT_USAGE, "%s: cannot open: %s", path, strerror(errno));
     struct stat st;
-    if (fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode)) { /* fopen succeeds on one; fread then fails */
+    const char *bad = NULL;
+    if (fstat(fileno(f), &st) != 0) bad = "cannot stat";
+    else if (S_ISDIR(st.st_mode)) bad = "is a directory, not a file"; /* fopen succeeds on one; fread then fails */
+    else if (regular_only && !S_ISREG(st.st_mode)) bad = "not a regular file";
+    /* a pipe or a terminal is read up to max; a device such as /dev/zero or
+     * /dev/urandom never ends and is no text */
+    else if (!S_ISREG(st.st_mode) && !S_ISFIFO(st.st_mode) && !S_ISSOCK(st.st_mode) && !isatty(fileno(f)))
+        bad = "not a regular file, pipe or terminal";
+    else if (S_ISREG(st.st_mode) && (uint64_t)st.st_size > max) bad = "too large";
+    if (bad) {
         if (!std_in) fclose(f);
-        return k3_fail(err, K3_EXIT_USAGE, "%s: is a directory, not a file", path);
+        if (!strcmp(bad, "too large"))
+            return k3_fail(err, K3_EXIT_USAGE, "%s: %s, over the %s k3 reads of it", path, k3_size_str((uint64_t)st.st_size),
+                           k3_size_str(max));
+        return k3_fail(err, K3_EXIT_USAGE, "%s: %s", path, bad);
     }
     size_t cap = 1 << 16, n = 0;
+    if (S_ISREG(st.st_mode) && (uint64_t)st.st_size < SIZE_MAX - 1 && (size_t)st.st_size + 1 > cap)
+        cap = (size_t)st.st_size + 1;
     char *buf = xmalloc(cap);
+    bool over = false;
+    uint64_t lim = max == UINT64_MAX ? max : max + 1; /* one byte past max tells */
     for (;;) {
         if (n + 1 >= cap) buf = xrealloc(buf, cap *= 2);
-        size_t r = fread(buf + n, 1, cap - n - 1, f);
+        size_t want = cap - n - 1;
+        if ((uint64_t)n + want > lim) want = (size_t)(lim - n);
+        size_t r = want ? fread(buf + n, 1, want, f) : 0;
         n += r;
+        if ((uint64_t)n > max) { over = true; break; }
         if (r == 0) break;
     }
-    int bad = ferror(f), e = errno;
+    int bad_io = ferror(f), e = errno;
     if (!std_in) fclose(f);
-    if (bad) {
+    if (over) {
+        free(buf);
+        return k3_fail(err, K3_EXIT_USAGE, "%s: longer than the %s k3 reads of it", path, k3_size_str(max));
+    }
+    if (bad_io) {
         free(buf);
         return k3_fail(err, K3_EXIT_RUNTIME, "%s: read error: %s", path, strerror(e));
     }
@@ -410,6 +437,20 @@ int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *er
     return K3_OK;
 }
 
+int k3_atomic_skip(k3_atomic_file *af, uint64_t len, k3_err *err) {
+    if (af->inplace) {
+        static const uint8_t zeros[65536];
+        for (uint64_t c = 0; c < len; c += sizeof zeros) {
+            int rc = k3_atomic_write(af, zeros, len - c < sizeof zeros ? (size_t)(len - c) : sizeof zeros, err);
+            if (rc) return rc;
+        }
+        return K3_OK;
+    }
+    if (len > (uint64_t)INT64_MAX || fseeko(af->f, (off_t)len, SEEK_CUR) != 0)
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s: seek failed: %s", af_name(af), strerror(errno));
+    return K3_OK;
+}
+
 static void af_free(k3_atomic_file *af) {
     free(af->path); free(af->tmp); free(af->shown);
     memset(af, 0, sizeof *af);
@@ -419,6 +460,14 @@ int k3_atomic_commit(k3_atomic_file *af, k3_err *err) {
     int rc = K3_OK;
     if (fflush(af->f) != 0)
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: write failed: %s", af_name(af), strerror(errno));
+    /* a file ending in a hole (k3_atomic_skip) gets its size only here; a
+     * writer that went back to patch a header (the token shards) is not at
+     * its end, and the file never shrinks */
+    off_t end = af->inplace ? -1 : ftello(af->f);
+    struct stat st;
+    if (rc == K3_OK && end > 0 && fstat(fileno(af->f), &st) == 0 && end > st.st_size &&
+        ftruncate(fileno(af->f), end) != 0)
+        rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot set size: %s", af_name(af), strerror(errno));
     /* fsync of a pipe or a character device says EINVAL: nothing to sync */
     if (rc == K3_OK && fsync(fileno(af->f)) != 0 && !(af->inplace && (errno == EINVAL || errno == EROFS)))
         rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: flush failed: %s", af_name(af), strerror(errno));

@@ -67,8 +67,17 @@ uint16_t k3_f32_to_bf16(float f);
 float k3_f16_to_f32(uint16_t h);
 uint16_t k3_f32_to_f16(float f);
 
-/* Whole-file read (NUL-terminated for convenience); path "-" reads stdin. */
+/* Whole-file read (NUL-terminated for convenience) of at most max bytes;
+ * path "-" reads stdin. A regular file over max is refused before it is
+ * read, a pipe or terminal once it goes past max; a directory, device (such
+ * as /dev/zero) or other non-regular file is refused, and with regular_only
+ * anything but a regular file (where its size must be known). Those refusals
+ * are K3_EXIT_USAGE, one line naming the path (and the maximum); a read error
+ * is K3_EXIT_RUNTIME. k3_read_file reads texts, manifests and small JSON
+ * files: at most K3_READ_MAX (1 GiB), regular files, pipes or terminals. */
+#define K3_READ_MAX ((uint64_t)1 << 30)
 int k3_read_file(const char *path, char **data, size_t *len, k3_err *err);
+int k3_read_file_max(const char *path, uint64_t max, bool regular_only, char **data, size_t *len, k3_err *err);
 
 /* Atomic write of a small file: temp file in the same directory, fsync,
  * rename over path, fsync the directory. Only regular files (or missing
@@ -88,6 +97,9 @@ typedef struct {
 } k3_atomic_file;
 int k3_atomic_open(k3_atomic_file *af, const char *path, k3_err *err);
 int k3_atomic_write(k3_atomic_file *af, const void *data, size_t len, k3_err *err);
+/* Appends len zero bytes as a hole (no disk blocks) in a regular file; a
+ * device or FIFO written in place gets the zeros written. */
+int k3_atomic_skip(k3_atomic_file *af, uint64_t len, k3_err *err);
 int k3_atomic_commit(k3_atomic_file *af, k3_err *err); /* fsync + rename + dir fsync */
 void k3_atomic_abort(k3_atomic_file *af);              /* unlink the temp file */
 /* Up-front check of an output path (before any long work), K3_EXIT_USAGE
@@ -115,6 +127,8 @@ void k3_remove_flat_dir(const char *dir);
 /* CRC-32C (Castagnoli), hardware-accelerated where the CPU has SSE4.2.
  * Start with crc = 0; feed chunks by passing the previous result. */
 uint32_t k3_crc32c(uint32_t crc, const void *data, size_t n);
+/* k3_crc32c(crc, n zero bytes) in O(log n) time: a hole of any size. */
+uint32_t k3_crc32c_zeros(uint32_t crc, uint64_t n);
 /* FNV-1a 64-bit, for identities of small byte strings (headers, names). */
 uint64_t k3_fnv1a64(uint64_t h, const void *data, size_t n);
 #define K3_FNV_OFFSET 0xcbf29ce484222325ULL

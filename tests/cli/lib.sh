@@ -10,6 +10,13 @@ OUT=tests/out/cli-$(basename "$0" .sh)
 mkdir -p "$OUT"
 _pass=0; _fail=0; _skip=0
 
+# MEM_CAP: a shell prefix capping a command's address space at 2 GB, so that a
+# read of an endless input fails at once instead of exhausting the machine.
+# Empty for the sanitizer build, whose shadow memory reserves terabytes of
+# address space (the command's own timeout still bounds it there).
+MEM_CAP="ulimit -v 2000000;"
+[ "${K3#*asan}" != "$K3" ] && MEM_CAP=""
+
 pass() { echo "PASS $1"; _pass=$((_pass + 1)); }
 fail() { echo "FAIL $1${2:+: $2}"; _fail=$((_fail + 1)); }
 # skip NAME REASON: a check that could not run here; counted apart, never as a pass
@@ -78,6 +85,32 @@ mpi_setup() {
   fi
 }
 
+# expect_rank_killed NAME RANK FAULT CMD...: CMD (an mpirun job) runs with
+# K3_DIST_FAULT=FAULT, which SIGKILLs rank RANK mid-run: the job must end
+# with an error (not hang into its timeout, exit 124) and mpirun's report must
+# name that rank.
+expect_rank_killed() {
+  local name=$1 rank=$2 fault=$3; shift 3
+  K3_DIST_FAULT=$fault "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"
+  local rc=$?
+  [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && pass "$name:exit" || fail "$name:exit" "exit $rc"
+  grep -q "process rank $rank .* exited on signal 9" "$OUT/$name.err" && pass "$name:named" \
+    || fail "$name:named" "$(head -c 300 "$OUT/$name.err")"
+}
+
+# chat_model DIR SEED: a small random chat model with the full Kimi
+# vocabulary (163,840 ids, 5 layers, the Kimi tokenizer's XTML ids), made by
+# tools/gen_checkpoint.py and regenerated only when the command changes.
+# Returns 1 (with a FAIL) when it cannot be made; callers check numpy first.
+chat_model() {
+  local gen="/usr/bin/python3 tools/gen_checkpoint.py $1 --preset tiny --set vocab_size=163840 --set hidden_size=64"
+  gen="$gen --set num_hidden_layers=5 --tokenizer tests/fixtures/tokenizer/kimi --seed $2 --force"
+  if [ "$(cat "$1.stamp" 2>/dev/null)" != "$gen" ] || [ ! -f "$1/config.json" ]; then
+    rm -f "$1.stamp"
+    $gen >"$OUT/gen.log" 2>&1 && echo "$gen" >"$1.stamp" || { fail "generate $1" "$(tail -n 3 "$OUT/gen.log")"; return 1; }
+  fi
+}
+
 # k3 serve's /health at URL as "CANCELLED RUNNING WAITING" (RUNNING True or
 # False). sed, not python: tests poll it to catch a request while it runs, so
 # each poll must be quick also on a loaded machine.
@@ -103,5 +136,19 @@ start_server() {
   done
   return 1
 }
+
+# Kills, on exit, every PID the script adds to PIDS (start_server adds its
+# servers), so a failed or interrupted test leaves no server behind.
+kill_pids_at_exit() {
+  PIDS=()
+  trap 'for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done' EXIT
+}
+
+# The HTTP tests' helpers. req METHOD URL [CURL ARGS]: sets CODE, the body in
+# $OUT/body and the headers in $OUT/head. jget EXPR: a Python expression on
+# the body's JSON as j. check NAME GOT WANTED: passes when they are equal.
+req() { local m=$1 u=$2; shift 2; CODE=$(curl -s --max-time 60 -o "$OUT/body" -D "$OUT/head" -w '%{http_code}' -X "$m" "$@" "$u"); }
+jget() { python3 -c 'import json,sys; j=json.load(open(sys.argv[1])); print(eval(sys.argv[2]))' "$OUT/body" "$1" 2>&1; }
+check() { if [ "$2" = "$3" ]; then pass "$1"; else fail "$1" "got '$(printf %s "$2" | head -c 300)', wanted '$3'"; fi; }
 
 finish() { echo "$_pass passed, $_fail failed, $_skip skipped"; [ "$_fail" -eq 0 ]; }

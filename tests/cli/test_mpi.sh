@@ -35,7 +35,7 @@ while read -r name flags; do
   for R in $RANKS; do
     n=$name-np$R
     expect_exit "$n" 0 $MPI -np $R $K3 run "$M" --ids $IDS --gen 6 --quiet --out "$OUT/$n.json" \
-      --dump-logits "$OUT/$n.bin" $flags
+      --dump-logits "$OUT/$n.bin" $flags </dev/null   # (mpirun would read the list on its stdin)
     got=$(gen_ids "$OUT/$n.json")
     [ "$got" = "$WANT" ] && pass "$n:ids" || fail "$n:ids" "got $got want $WANT"
     cmp -s "$OUT/single.bin" "$OUT/$n.bin" && pass "$n:logits" || fail "$n:logits" "differ from one process's"
@@ -54,7 +54,7 @@ expect_exit talk 0 $MPI -np 3 $K3 run "$M" --ids $IDS --gen 6 --out "$OUT/talk.j
 [ "$(grep -c '' "$OUT/talk.out")" = 1 ] && [ "$(tr -d '\n' <"$OUT/talk.out")" = "${WANT//,/ }" ] \
   && pass talk:one-stdout || fail talk:one-stdout "$(head -c 200 "$OUT/talk.out")"
 [ "$(grep -c '^k3: memory plan' "$OUT/talk.err")" = 1 ] && pass talk:one-report || fail talk:one-report
-grep -q '^k3: expert parallel, decode: 3 ranks hold 16..24 routed experts each; per token 8.0 exchanges,' \
+grep -q '^k3: expert parallel, decode: 3 ranks hold 16..24 routed experts each; per token 54.0 exchanges,' \
   "$OUT/talk.err" && pass talk:figures || fail talk:figures "$(grep 'expert parallel' "$OUT/talk.err")"
 tr -d '[:space:]' <"$OUT/talk.json" | grep -q '"expert_parallel":{"prefill":{.*"decode":{"phase":"decode","ranks":3' \
   && pass talk:json || fail talk:json
@@ -142,10 +142,6 @@ K3_DIST_TIMEOUT=4 K3_DIST_FAULT=hang:1:5 expect_exit rank-hangs 1 $MPI -np 3 $K3
 expect_err_contains rank-hangs "no answer from rank 1"
 # a rank that dies (SIGKILL): mpirun ends the job and its report names the rank
 [ $ASAN = 1 ] && { finish; exit; }
-K3_DIST_FAULT=die:2:5 timeout 120 mpirun --oversubscribe --mca btl self,vader -np 3 $K3 run "$M" --ids $IDS \
-  --gen 6 --quiet >"$OUT/dies.out" 2>"$OUT/dies.err"
-rc=$?
-[ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] && pass rank-dies:exit || fail rank-dies:exit "exit $rc"
-grep -q 'process rank 2 .* exited on signal 9' "$OUT/dies.err" && pass rank-dies:named \
-  || fail rank-dies:named "$(head -c 300 "$OUT/dies.err")"
+expect_rank_killed rank-dies 2 die:2:5 timeout 120 mpirun --oversubscribe --mca btl self,vader -np 3 \
+  $K3 run "$M" --ids $IDS --gen 6 --quiet
 finish

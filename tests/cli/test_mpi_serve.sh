@@ -60,7 +60,7 @@ completions() {
   a=$(jf "$OUT/$t.a.json" 'j["choices"][0]["text"]')
   post "$u" v1/completions "$($PY -c 'import json,sys; print(json.dumps({"prompt": "Once upon a time" + sys.argv[1] + " Then",
     "max_tokens": 16, "temperature": 0}))' "$a")" "$OUT/$t.b.json"
-  curl -s -N --max-time 60 --data-binary '{"prompt":"The little dog","max_tokens":12,"temperature":0,"stream":true}' \
+  curl -H 'Content-Type: application/json' -s -N --max-time 60 --data-binary '{"prompt":"The little dog","max_tokens":12,"temperature":0,"stream":true}' \
     "${u}v1/completions" >"$OUT/$t.s.sse"
   {
     echo "a: $a"
@@ -172,7 +172,7 @@ for name, extra in (("long-stream", {"stream": True}), ("long-plain", {})):
 want=$(jf "$OUT/long-cold.json" 'j["text"]')
 if start_server "$OUT/cut.log" $MPIRUN -q -np 2 "$K3" serve "$MODEL" --port 0 --ctx 4096 --chunk 1 --max-body 1M; then
   MP=$SERVER_PID; R0=$(rank_pid "$MP" 0); R1=$(rank_pid "$MP" 1); PIDS+=($R0 $R1)
-  curl -s -N --max-time 60 --data-binary "@$OUT/long-stream.json" "${SERVER_URL}v1/completions" >"$OUT/cut.sse" &
+  curl -H 'Content-Type: application/json' -s -N --max-time 60 --data-binary "@$OUT/long-stream.json" "${SERVER_URL}v1/completions" >"$OUT/cut.sse" &
   CURL=$!
   for _ in $(seq 500); do [ "$(serve_state "${SERVER_URL%/}" | cut -d' ' -f1,2)" = "0 True" ] && break; sleep 0.02; done
   sleep 0.3

@@ -66,10 +66,10 @@ start_server "$OUT/server.log" "$K3" serve "$NAN" --port 0
 SPID=$SERVER_PID; PORT=$SERVER_PORT
 if [ -z "$PORT" ]; then fail serve-start "$(head -c 600 "$OUT/server.log.err")"; finish; exit 1; fi
 URL=http://127.0.0.1:$PORT
-code=$(curl -s --max-time 60 -o "$OUT/body.json" -w '%{http_code}' --data-binary '{"prompt":"Once upon a time","max_tokens":8}' "$URL/v1/completions")
+code=$(curl -H 'Content-Type: application/json' -s --max-time 60 -o "$OUT/body.json" -w '%{http_code}' --data-binary '{"prompt":"Once upon a time","max_tokens":8}' "$URL/v1/completions")
 got=$($PY -c 'import json,sys; e=json.load(open(sys.argv[1]))["error"]; print(e["type"], e["code"], "logit 5 is not finite" in e["message"])' "$OUT/body.json" 2>&1)
 if [ "$code|$got" = "500|server_error non_finite_logits True" ]; then pass serve-nan; else fail serve-nan "HTTP $code: $(head -c 300 "$OUT/body.json")"; fi
-curl -s -N --max-time 60 --data-binary '{"prompt":"Once upon a time","max_tokens":8,"stream":true}' "$URL/v1/completions" >"$OUT/nan.sse"
+curl -H 'Content-Type: application/json' -s -N --max-time 60 --data-binary '{"prompt":"Once upon a time","max_tokens":8,"stream":true}' "$URL/v1/completions" >"$OUT/nan.sse"
 last=$(grep '^data: ' "$OUT/nan.sse" | tail -n 2 | head -n 1)
 if printf %s "$last" | grep -q '"code":"non_finite_logits"' && tail -n 2 "$OUT/nan.sse" | grep -q '^data: \[DONE\]'; then pass serve-nan-stream
 else fail serve-nan-stream "$(head -c 300 "$OUT/nan.sse")"; fi

@@ -12,9 +12,7 @@
 set -u
 source tests/cli/lib.sh
 MODEL=tests/fixtures/trained-5m
-PIDS=()
-cleanup() { for p in "${PIDS[@]}"; do kill -9 "$p" 2>/dev/null; done; }
-trap cleanup EXIT
+kill_pids_at_exit
 
 PROMPT_FILE=$OUT/prompt.txt
 python3 -c 'print("Once upon a time there was a little dog. " * 1400, end="")' >"$PROMPT_FILE"
@@ -34,7 +32,7 @@ URL=http://127.0.0.1:$PORT
 health() { serve_state "$URL" | cut -d' ' -f1,2; }
 
 # ---- the cut ----
-curl -s -N --max-time 120 --data-binary "@$OUT/stream.json" "$URL/v1/completions" >"$OUT/cut.sse" &
+curl -H 'Content-Type: application/json' -s -N --max-time 120 --data-binary "@$OUT/stream.json" "$URL/v1/completions" >"$OUT/cut.sse" &
 CURL=$!
 for _ in $(seq 500); do [ "$(health)" = "0 True" ] && break; sleep 0.02; done
 sleep 0.3
@@ -55,7 +53,7 @@ if [ "$code" = 200 ]; then pass alive; else fail alive "HTTP $code"; fi
 "$K3" run "$MODEL" --prompt-file "$PROMPT_FILE" --gen 16 --quiet --out "$OUT/cold.json" 2>"$OUT/cold.err"
 want=$(python3 -c 'import json,sys; sys.stdout.write(json.load(open(sys.argv[1]))["text"])' "$OUT/cold.json" 2>/dev/null)
 [ -n "$want" ] || fail cold-run "$(head -c 300 "$OUT/cold.err")"
-code=$(curl -s --max-time 120 -o "$OUT/again.json" -w '%{http_code}' --data-binary "@$OUT/plain.json" "$URL/v1/completions")
+code=$(curl -H 'Content-Type: application/json' -s --max-time 120 -o "$OUT/again.json" -w '%{http_code}' --data-binary "@$OUT/plain.json" "$URL/v1/completions")
 got=$(python3 -c 'import json,sys; sys.stdout.write(json.load(open(sys.argv[1]))["choices"][0]["text"])' "$OUT/again.json" 2>&1)
 cached=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["usage"]["prompt_tokens_details"]["cached_tokens"])' "$OUT/again.json" 2>&1)
 if [ "$code" = 200 ] && [ "$got" = "$want" ]; then pass "again-equals-cold"; else fail again-equals-cold "HTTP $code, got '$(printf %s "$got" | head -c 200)', wanted '$(printf %s "$want" | head -c 200)'"; fi

@@ -95,10 +95,10 @@ special_ids=$("$K3" tokenize "$KIMI" --text "$USER_TEXT" --allow-special)
 case ",$want_ids," in *",$text_ids,"*) pass "inject: the template holds the text's plain ids" ;; *) fail "inject: the template holds the text's plain ids" "$text_ids not in $want_ids" ;; esac
 [ "$text_ids" != "$special_ids" ] && pass "inject: the text does spell specials" || fail "inject: the text does spell specials"
 $PY -c 'import json,sys; r=json.load(open(sys.argv[1])); r.update(max_tokens=12, temperature=0, chat_template_kwargs={"thinking": False}); del r["thinking"]; print(json.dumps(r))' "$OUT/inject.json" >"$OUT/inject.req"
-curl -s --max-time 120 -o "$OUT/inject.out" -w '%{http_code}' --data-binary "@$OUT/inject.req" "${WARM}v1/chat/completions" >"$OUT/inject.code"
+curl -H 'Content-Type: application/json' -s --max-time 120 -o "$OUT/inject.out" -w '%{http_code}' --data-binary "@$OUT/inject.req" "${WARM}v1/chat/completions" >"$OUT/inject.code"
 got=$($PY -c 'import json,sys; j=json.load(open(sys.argv[1])); print(j["usage"]["prompt_tokens"])' "$OUT/inject.out" 2>&1)
 [ "$(cat "$OUT/inject.code")" = 200 ] && [ "$got" = "$n_want" ] && pass "inject: prompt_tokens $got = the template's ids" || fail "inject: prompt_tokens" "HTTP $(cat "$OUT/inject.code"), $got, wanted $n_want"
-curl -s --max-time 120 -o "$OUT/inject2.out" --data-binary "{\"prompt\":[$want_ids],\"max_tokens\":12,\"temperature\":0}" "${WARM}v1/completions"
+curl -H 'Content-Type: application/json' -s --max-time 120 -o "$OUT/inject2.out" --data-binary "{\"prompt\":[$want_ids],\"max_tokens\":12,\"temperature\":0}" "${WARM}v1/completions"
 $PY - "$OUT/inject.out" "$OUT/inject2.out" "$KIMI" "$K3" >"$OUT/inject.cmp" 2>&1 <<'EOF'
 import json, sys
 chat = json.load(open(sys.argv[1]))["choices"][0]["message"]["content"]
@@ -109,21 +109,21 @@ print("ok" if comp.startswith(chat) and len(chat) > 0 else "chat %r / completion
 EOF
 [ "$(cat "$OUT/inject.cmp")" = ok ] && pass "inject: the reply is the one for the plain ids" || fail "inject: the reply" "$(cat "$OUT/inject.cmp")"
 # a template error names the field
-curl -s --max-time 30 -o "$OUT/badrole.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"},{"role":"wizard","content":"x"}]}' "${WARM}v1/chat/completions" >"$OUT/badrole.code"
+curl -H 'Content-Type: application/json' -s --max-time 30 -o "$OUT/badrole.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"},{"role":"wizard","content":"x"}]}' "${WARM}v1/chat/completions" >"$OUT/badrole.code"
 grep -q '"param":"messages\[1\].role"' "$OUT/badrole.out" && [ "$(cat "$OUT/badrole.code")" = 400 ] && pass "template error names messages[1].role" || fail "template error" "$(cat "$OUT/badrole.code") $(head -c 300 "$OUT/badrole.out")"
-curl -s --max-time 30 -o "$OUT/kw.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"chat_template_kwargs":{"thinking":"yes"}}' "${WARM}v1/chat/completions" >"$OUT/kw.code"
+curl -H 'Content-Type: application/json' -s --max-time 30 -o "$OUT/kw.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"chat_template_kwargs":{"thinking":"yes"}}' "${WARM}v1/chat/completions" >"$OUT/kw.code"
 grep -q '"param":"chat_template_kwargs.thinking"' "$OUT/kw.out" && [ "$(cat "$OUT/kw.code")" = 400 ] && pass "thinking: wrong type named" || fail "thinking: wrong type" "$(head -c 300 "$OUT/kw.out")"
 # every reasoning_effort OpenAI documents is accepted (medium, its default,
 # renders no effort message); an unknown one is named
 for e in none minimal low medium high xhigh; do
-  curl -s --max-time 60 -o "$OUT/effort.out" -w '%{http_code}' --data-binary "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"reasoning_effort\":\"$e\",\"max_tokens\":2}" "${WARM}v1/chat/completions" >"$OUT/effort.code"
+  curl -H 'Content-Type: application/json' -s --max-time 60 -o "$OUT/effort.out" -w '%{http_code}' --data-binary "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"reasoning_effort\":\"$e\",\"max_tokens\":2}" "${WARM}v1/chat/completions" >"$OUT/effort.code"
   [ "$(cat "$OUT/effort.code")" = 200 ] && pass "reasoning_effort: $e" || fail "reasoning_effort: $e" "$(head -c 300 "$OUT/effort.out")"
 done
-curl -s --max-time 30 -o "$OUT/effort.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"reasoning_effort":"turbo"}' "${WARM}v1/chat/completions" >"$OUT/effort.code"
+curl -H 'Content-Type: application/json' -s --max-time 30 -o "$OUT/effort.out" -w '%{http_code}' --data-binary '{"messages":[{"role":"user","content":"a"}],"reasoning_effort":"turbo"}' "${WARM}v1/chat/completions" >"$OUT/effort.code"
 grep -q '"param":"reasoning_effort"' "$OUT/effort.out" && [ "$(cat "$OUT/effort.code")" = 400 ] && pass "reasoning_effort: unknown value named" || fail "reasoning_effort: unknown" "$(head -c 300 "$OUT/effort.out")"
 # curl: developer, modalities, logprobs, n, penalties, logit_bias, an image part
 chat_req() { # NAME WANT-CODE JSON-FIELDS: a chat request with those fields added
-  curl -s --max-time 60 -o "$OUT/$1.out" -w '%{http_code}' --data-binary "{\"messages\":[{\"role\":\"developer\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":3,\"temperature\":0$3}" "${WARM}v1/chat/completions" >"$OUT/$1.code"
+  curl -H 'Content-Type: application/json' -s --max-time 60 -o "$OUT/$1.out" -w '%{http_code}' --data-binary "{\"messages\":[{\"role\":\"developer\",\"content\":\"Be brief.\"},{\"role\":\"user\",\"content\":\"hi\"}],\"max_tokens\":3,\"temperature\":0$3}" "${WARM}v1/chat/completions" >"$OUT/$1.code"
   [ "$(cat "$OUT/$1.code")" = "$2" ] && pass "curl: $1" || fail "curl: $1" "HTTP $(cat "$OUT/$1.code"): $(head -c 300 "$OUT/$1.out")"
 }
 chat_req developer 200 ''
@@ -134,7 +134,7 @@ chat_req n-two 200 ',"n":2,"seed":3'
 $PY -c 'import json,sys; j=json.load(open(sys.argv[1])); sys.exit(0 if [c["index"] for c in j["choices"]]==[0,1] else 1)' "$OUT/n-two.out" && pass "curl: two choices" || fail "curl: two choices" "$(head -c 300 "$OUT/n-two.out")"
 chat_req penalties 200 ',"presence_penalty":0.5,"frequency_penalty":0.5,"repetition_penalty":1.1'
 chat_req logit-bias 200 ',"logit_bias":{"1000":-5}'
-curl -s --max-time 30 -o "$OUT/image-part.out" --data-binary '{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x/a.png"}}]}]}' "${WARM}v1/chat/completions"
+curl -H 'Content-Type: application/json' -s --max-time 30 -o "$OUT/image-part.out" --data-binary '{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"http://x/a.png"}}]}]}' "${WARM}v1/chat/completions"
 grep -q '"param":"messages\[0\].content\[0\].type"' "$OUT/image-part.out" && pass "curl: image part named" || fail "curl: image part named" "$(head -c 300 "$OUT/image-part.out")"
 
 # ---- the chat page in Chromium ----

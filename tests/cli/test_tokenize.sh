@@ -73,4 +73,12 @@ expect_err_contains rank_order "order/tiktoken.model:300: rank 300 out of order 
 expect_exit help 0 "$K3" help tokenize
 expect_out_contains help "--allow-special"
 expect_exit help_de 0 "$K3" detokenize --help
+# endless inputs are refused at once (bounded in time and memory), and a
+# request with a key twice is refused as serve refuses it
+for f in file chat; do
+  expect_exit "dev_zero_$f" 2 bash -c "$MEM_CAP timeout 20 '$K3' tokenize '$TOK' --$f /dev/zero"
+  expect_err_contains "dev_zero_$f" "not a regular file"
+done
+printf '{"messages":[{"role":"user","content":"a","content":"b"}]}' >"$OUT/dupkey.json"
+expect_exit chat_duplicate_key 2 "$K3" tokenize "$TOK" --chat "$OUT/dupkey.json"
 finish

@@ -64,6 +64,16 @@ expect_exit write-nodir 2 $K3 verify "$M" --write "$OUT/no/dir/SUMS"
 expect_exit no-dir 2 $K3 verify "$OUT/nothing"
 expect_exit both 2 $K3 verify "$M" --sha256 "$M/SHA256SUMS" --write "$OUT/x"
 expect_exit bad-flag 2 $K3 verify "$M" --bogus
+# one file, two digests: sha256sum -c fails one of the lines, so must verify;
+# the same line twice is still a manifest that checks
+{ cat "$OUT/coreutils.sums"; head -n 1 "$OUT/coreutils.sums" | awk '{ printf "%064d  %s\n", 0, $2 }'; } >"$OUT/conflict.sums"
+expect_exit conflicting-digests 2 $K3 verify "$M" --sha256 "$OUT/conflict.sums"
+expect_err_contains conflicting-digests "another digest"
+{ cat "$OUT/coreutils.sums"; head -n 1 "$OUT/coreutils.sums"; } >"$OUT/repeat.sums"
+expect_exit repeated-line 0 $K3 verify "$M" --sha256 "$OUT/repeat.sums"
+# an endless manifest is refused at once, not read until memory runs out
+expect_exit manifest-dev-zero 2 bash -c "$MEM_CAP timeout 20 $K3 verify '$M' --sha256 /dev/zero"
+expect_err_contains manifest-dev-zero "not a regular file"
 expect_exit help 0 $K3 verify --help
 expect_out_contains help "sha256sum"
 finish

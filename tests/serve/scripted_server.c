@@ -45,7 +45,7 @@ static int sc_step(void *ctx, int32_t id, float *logits, k3_err *err) {
     (void)id; (void)err;
     script *s = ctx;
     s->pos++;
-    one_hot(s, logits);
+    if (logits) one_hot(s, logits);
     return K3_OK;
 }
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Written once: a grep-level check that what the engine has one of stays one.
+# Each check names the functions it looks for; a failure names the file and
+# line of the second copy. (Source text only: no binary runs here.)
+. "$(dirname "$0")/lib.sh"
+
+# hits PATTERN FILES...: the matching lines, "file:line: text", comments left out
+hits() {
+  local pat=$1; shift
+  grep -nHE "$pat" "$@" 2>/dev/null | grep -vE '^[^:]+:[0-9]+:[[:space:]]*(/?\*|//)' || true
+}
+# once NAME PATTERN ALLOWED_FILES_REGEX FILES...: every hit lies in an allowed file
+once() {
+  local name=$1 pat=$2 allow=$3; shift 3
+  local bad
+  bad=$(hits "$pat" "$@" | grep -vE "^($allow):" || true)
+  if [ -z "$bad" ]; then pass "$name"; else fail "$name" "$(echo "$bad" | head -3 | tr '\n' ' ')"; fi
+}
+SRC=$(find src -name '*.c' -o -name '*.h' | sort)
+
+# ---- one layer forward: the decoder layer and the model stitching --------------
+# The layer graph (layer_forward, graph_forward in src/model/model.c) is the
+# only caller of the blocks' forwards; k3 run, batched decoding and k3 train all
+# reach the blocks through it (k3_forward, k3_forward_batch, k3_forward_rec).
+# A second layer loop would call these from somewhere else.
+BLOCK_FWD='\b(kda_block|mla_block|moe_block|mlp_block|layer_forward|graph_forward|k3_kda_rec_forward|k3_mla_rec_forward|k3_moe_rec_forward|k3_mlp_rec_forward|k3_attnres_rows|k3_attnres|k3_layer|k3_kda|k3_mla|k3_moe|k3_mlp)\('
+once layer-forward:callers "$BLOCK_FWD" 'src/model/[a-z_]+\.[ch]' $SRC
+once layer-forward:defined-once '^(static )?int (layer_forward|graph_forward)\(' 'src/model/model\.c' $SRC
+# the model-level stitching: the embedding gather and the head product of a
+# forward live in graph_forward; training has no row copy of the embedding
+once stitching:embedding 'm->embed *\+|w *\+ *m->embed' 'src/train/(optim|ckpt|export)\.c' $(find src/train -name '*.c')
+
+# ---- one binding: the model's binder, no hand-built weight views ----------------
+# A weight view is a k3_mat (or a block's weight struct) filled by hand; the
+# trainer binds its parameters with k3_bind_layer / k3_model_open_lookup over
+# tm_lookup (src/model/weights.c), which is the only place views are made from
+# tensors.
+once binding:no-mat-literals '\(k3_mat\) *\{|\.type *= *KW_F32|\(k3_(kda|mla|moe|mlp|expert)_w\) *\{' 'src/kernels/[a-z_0-9]+\.[ch]|src/model/mla\.c|src/memory/[a-z_]+\.c' $(find src/train src/model src/memory src/cli src/engine -name '*.c')
+once binding:no-view-functions '\b(kda_view|mla_view|mlp_view|moe_view)\(' '' $SRC
+
+# ---- one MLA core per form ----------------------------------------------------
+# The absorbed core (decode: core_absorbed) and the expanded one (prefill and
+# training: k3_mla_attend_expanded) are defined in src/model/mla.c. The causal
+# softmax of the expanded core (k3_causal_softmax_row) is called by those two
+# and by training's BF16 form of the expanded core (attn_fwd_bf16 in
+# src/train/tmla.c, the same core with its two products as BF16 GEMMs: still
+# a second writing of the loop, the one left to merge); any other caller is a
+# new core.
+once mla-core:defined '^(K3_HOT )?(static )?void (core_absorbed|k3_mla_attend_expanded)\(' 'src/model/mla\.c' $(find src -name '*.c')
+once mla-core:softmax-callers 'k3_causal_softmax_row\(' 'src/model/mla\.c|src/model/model\.h|src/train/tmla\.c' $SRC
+n=$(hits 'k3_causal_softmax_row\(' src/train/tmla.c | wc -l)
+[ "$n" -le 1 ] && pass mla-core:bf16-form-once || fail mla-core:bf16-form-once "$n calls in src/train/tmla.c"
+
+# ---- one generation loop ------------------------------------------------------
+# The loop that checks logits, samples, stops and feeds is k3_generate
+# (src/generate/generate.c); k3 run, k3 chat, k3 serve and the trainer's
+# samples pass it callbacks. A second loop would call the sampler
+# (k3_sample) or the logits check (k3_logits_check) itself: both are allowed
+# only there and in the sampler's own file (src/model/model.c, model.h).
+once generation:sample 'k3_sample\(' 'src/generate/generate\.[ch]|src/model/model\.[ch]' $SRC
+once generation:logits-check 'k3_logits_check\(' 'src/generate/generate\.[ch]|src/model/model\.[ch]' $SRC
+
+finish
