@@ -66,7 +66,8 @@ export OMP_NUM_THREADS=$THREADS OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 W=$(mktemp -d)
 trap 'rm -rf "$W"' EXIT
 
-echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores; threads $THREADS"
+flags=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -E '^(avx512f|avx512_bf16|amx_tile)$' | paste -sd' ')
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc --all) cores, ${flags:-no AVX-512}; threads $THREADS"
 echo "load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # ladder ARGS...: the smallest value v on a 1.1x ladder from 1e-6 GB for which
