@@ -4,11 +4,14 @@
  * (src/chat) and hands the ids to a session (src/session), which feeds only
  * what its state has not seen; replies are parsed by token id into reasoning
  * and answer. Standard input that is not a terminal works the same, one
- * message per line (how the tests drive it); there an error in a command ends
- * the chat with its exit code, in a terminal it is printed and the chat goes on. */
+ * message per line (how the tests drive it). A failing line (a refused
+ * message, a /save or --out write that fails) prints one error line and the
+ * chat goes on; the exit status at the end is the first failure's code, so a
+ * script knows (a command's error is never taken for /quit). */
 #include "chat/chat.h"
 #include "cli/commands.h"
 #include "dist/dist.h"
+#include "draft/draft.h"
 #include "engine/engine.h"
 #include "generate/generate.h"
 #include "session/session.h"
@@ -50,23 +53,36 @@ const char *const cmd_chat_help =
     "                       differently from what was generated resumes from the\n"
     "                       deepest snapshot before the difference\n"
     "  --state-grid N       positions between grid snapshots (default 1024)\n"
+    "  --speculate K        speculative decoding: up to K drafted ids (1-16) verified\n"
+    "                       per forward pass; drafts from the whole conversation\n"
+    "                       (n-gram lookup) unless --draft is given. The replies\n"
+    "                       are exactly those without it (docs/speculation.md)\n"
+    "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
+    "                       --speculate defaults to 4 with it; not under mpirun\n"
     "  --load FILE          start from a saved conversation\n"
     "  --cold               re-prefill the whole conversation every turn (for\n"
     "                       comparison: the replies are the same bits)\n"
     "  --out FILE.json      after every turn, write the turns (prompt_ids,\n"
-    "                       generated_ids, reused, ttft_s, tokens_per_s) and the\n"
-    "                       messages\n"
+    "                       generated_ids, reused, ttft_s, tokens_per_s,\n"
+    "                       decode_passes, drafts_proposed, drafts_accepted) and\n"
+    "                       the messages\n"
     "\n" K3_ENGINE_HELP
     "\n"
-    "exit codes: 0 ok, 1 runtime/I-O, 2 usage (a model without a tokenizer or\n"
-    "without the XTML ids, a conversation longer than --max-context), 3 cannot\n"
+    "A line that fails (a refused message or command, a /save, /load or --out\n"
+    "that cannot be done) prints one error line and the chat goes on, the\n"
+    "conversation kept; the exit status at the end is the first failure's code.\n"
+    "\n"
+    "exit codes: 0 ok, 1 runtime/I-O (a file that cannot be written or read),\n"
+    "2 usage (a model without a tokenizer or without the XTML ids, a\n"
+    "conversation longer than --max-context, a refused line), 3 cannot\n"
     "fit the memory budget, 4 checkpoint or session file data error (a session\n"
     "of another model, a corrupt or truncated file)\n";
 
 typedef struct {
     const char *model_dir, *system, *load, *out;
+    const char *draft;     /* --draft DIR */
     bool thinking, cold;
-    int64_t gen, max_ctx, grid;
+    int64_t gen, max_ctx, grid, speculate;
     k3_sample_opts so;     /* sampling flags (engine/engine.h) */
     uint64_t cache_bytes;  /* --state-cache-gb */
     k3_engine_opts eo;
@@ -116,6 +132,14 @@ static int parse_args(int argc, char **argv, chat_args *a) {
             NEED_VALUE();
             k3_err e = {0};
             if (k3_state_cache_parse_gb("chat", v, &a->cache_bytes, &e)) return k3_report(&e);
+        } else if (!strcmp(o, "--speculate")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 0, K3_SPEC_MAX, &n))
+                return k3_usage_error("chat", "--speculate: '%s' is not a count in [0, %d]", v, K3_SPEC_MAX);
+            a->speculate = n;
+        } else if (!strcmp(o, "--draft")) {
+            NEED_VALUE();
+            a->draft = v;
         } else {
             bool used;
             k3_err e = {0};
@@ -127,6 +151,7 @@ static int parse_args(int argc, char **argv, chat_args *a) {
     }
     if (a->eo.mem.list_presets) return K3_OK;
     if (!a->model_dir) return k3_usage_error("chat", "no MODEL_DIR given");
+    if (a->draft && !a->speculate) a->speculate = 4;
     if (a->system) { /* refused like `k3 run --prompt`, never dropped from the conversation */
         size_t sl = strlen(a->system), bad = tok_utf8_check((const uint8_t *)a->system, sl);
         if (bad != sl) return k3_usage_error("chat", "--system: invalid UTF-8 at byte %zu", bad);
@@ -152,6 +177,10 @@ typedef struct {
     k3_state *st;
     k3_state_cache *cache;
     k3_session *s;
+    k3_drafter *drafter;  /* --speculate: n-gram over the session's ids (the whole
+                             rendered conversation) or the draft model */
+    k3_spec *spec;        /* the verifying feed, kept across turns (its controller
+                             goes on adapting); NULL without --speculate */
     uint64_t model_id;
     json_t *messages;   /* the conversation, OpenAI-shaped */
     json_t *turns;      /* for --out */
@@ -311,6 +340,7 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     go.ctx = &cr;
     go.on_token = reply_token;
     go.cancelled = reply_interrupted;
+    go.spec = c->spec;
     k3_gen_result res;
     rc = k3_generate(c->s, &sp, c->logits, &go, &res, err);
     /* the stop id is part of the rendered message: the loop fed it too */
@@ -335,6 +365,10 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
         free(ids);
         json_array_remove(c->messages, json_array_size(c->messages) - 1);
         k3_session_reset(c->s);
+        if (c->spec) { /* a pass the error left open is gone with the reset */
+            k3_spec_free(c->spec);
+            c->spec = k3_spec_new(c->drafter, (int)a->speculate, c->e->vocab);
+        }
         return rc;
     }
     k3_session_snapshot(c->s);
@@ -358,9 +392,13 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     char rr[96];
     if (same == ns) snprintf(rr, sizeof rr, "re-rendered history extends the state");
     else snprintf(rr, sizeof rr, "re-rendered history departs from the state at position %zu", same);
+    char sr[128] = "";
+    if (c->spec)
+        snprintf(sr, sizeof sr, "; %llu passes, %llu of %llu drafts accepted", (unsigned long long)res.passes,
+                 (unsigned long long)res.accepted, (unsigned long long)res.drafted);
     fprintf(stderr,
-            "[turn %d: prompt %zu tokens, reused %zu (%s); first token %.3f s; %zu tokens, %.2f tok/s; %s; %s]\n",
-            c->turn, n, reused, source_name(source), ttft, ng, tps,
+            "[turn %d: prompt %zu tokens, reused %zu (%s); first token %.3f s; %zu tokens, %.2f tok/s%s; %s; %s]\n",
+            c->turn, n, reused, source_name(source), ttft, ng, tps, sr,
             stopped ? "stop" : interrupted ? "interrupted" : finish, rr);
     json_t *t = json_object();
     json_object_set_new(t, "prompt_ids", ids_json(ids, n));
@@ -371,6 +409,9 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     json_object_set_new(t, "ttft_s", json_real(ttft));
     json_object_set_new(t, "tokens_per_s", json_real(tps));
     json_object_set_new(t, "history_matches", json_boolean(same == ns));
+    json_object_set_new(t, "decode_passes", json_integer((json_int_t)res.passes));
+    json_object_set_new(t, "drafts_proposed", json_integer((json_int_t)res.drafted));
+    json_object_set_new(t, "drafts_accepted", json_integer((json_int_t)res.accepted));
     json_array_append_new(c->turns, t);
     free(gids);
     free(ids);
@@ -428,12 +469,16 @@ static int load(chat_ctx *c, const char *path, k3_err *err) {
 static const char *const chat_commands =
     "commands: /reset, /save FILE, /load FILE, /think on|off, /help, /quit\n";
 
-/* A /command line. Returns 1 for /quit. */
-static int command(chat_ctx *c, char *line, k3_err *err) {
+/* A /command line; *quit is set for /quit (K3_OK: a command's error code
+ * can never be read as the request to quit). */
+static int command(chat_ctx *c, char *line, bool *quit, k3_err *err) {
     char *arg = line + strcspn(line, " \t");
     if (*arg) *arg++ = 0;
     arg += strspn(arg, " \t");
-    if (!strcmp(line, "/quit") || !strcmp(line, "/exit")) return 1;
+    if (!strcmp(line, "/quit") || !strcmp(line, "/exit")) {
+        *quit = true;
+        return K3_OK;
+    }
     if (!strcmp(line, "/help")) {
         fputs(chat_commands, stderr);
         return K3_OK;
@@ -458,12 +503,15 @@ static int command(chat_ctx *c, char *line, k3_err *err) {
     return k3_fail(err, K3_EXIT_USAGE, "%s: unknown command (%s)", line, "try /help");
 }
 
-static int chat(const chat_args *a, k3_err *err) {
+/* *reported: the error in err was printed already (a failing line, when the
+ * chat went on to the end of its input). */
+static int chat(const chat_args *a, k3_err *err, bool *reported) {
     chat_ctx c = {.a = a, .thinking = a->thinking};
     k3_engine_opts eo = a->eo;
     eo.model_dir = a->model_dir;
     eo.need_tokenizer = true;
     eo.max_pos = a->max_ctx;
+    if (a->speculate) eo.mem.so.pass_tokens = (int)a->speculate + 1; /* a verifying pass in one chunk */
     int rc = k3_engine_open(&eo, &c.e, err);
     if (rc) return rc;
     /* under mpirun: rank 0 reads the input and talks, every rank computes */
@@ -487,6 +535,12 @@ static int chat(const chat_args *a, k3_err *err) {
     if ((rc = k3_engine_identity(c.e, &c.model_id, err))) goto done;
     c.cache = k3_state_cache_new(cfg, budget, (int)a->grid);
     c.s = k3_session_open(c.e, c.st, c.cache);
+    if (a->draft && c.e->ranks > 1) {
+        rc = k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
+        goto ready;
+    }
+    if ((rc = k3_drafter_for(c.e, a->draft, (int)a->speculate, a->max_ctx, &c.drafter, err))) goto ready;
+    if (c.drafter) c.spec = k3_spec_new(c.drafter, (int)a->speculate, c.e->vocab);
     c.logits = xmalloc_array((size_t)V, sizeof *c.logits);
     c.turns = json_array();
     c.tty_in = isatty(0);
@@ -501,6 +555,7 @@ static int chat(const chat_args *a, k3_err *err) {
                 k3_size_str(budget), k3_size_str(cs.kda_bytes), k3_size_str(cs.row_bytes), cs.grid, c.thinking ? "on" : "off");
     }
     if (a->load) rc = load(&c, a->load, err);
+ready:
     if ((rc = k3_engine_ready(c.e, rc, err))) goto done; /* every rank of a job, or none */
     if (c.tty_in) {
         fputs(chat_commands, stderr);
@@ -512,6 +567,7 @@ static int chat(const chat_args *a, k3_err *err) {
     }
     char *line = NULL;
     size_t cap = 0;
+    int failed = 0; /* the first failing line's code: the exit status at the end */
     for (;;) {
         if (c.tty_in) {
             fputs("> ", stdout);
@@ -527,26 +583,27 @@ static int chat(const chat_args *a, k3_err *err) {
         if (len == 0) continue;
         k3_err e = {0};
         int r;
-        if (line[0] == '/') r = command(&c, line, &e);
+        bool quit = false;
+        if (line[0] == '/') r = command(&c, line, &quit, &e);
         else if (memchr(line, 0, (size_t)len)) r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message holds a NUL byte");
         else if (tok_utf8_check((const uint8_t *)line, (size_t)len) != (size_t)len)
             r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message is not valid UTF-8 (byte %zu)",
                         tok_utf8_check((const uint8_t *)line, (size_t)len));
         else r = turn(&c, line, &e);
         if (c.e->ranks > 1) r = k3_dist_agree(r, &e, "a chat turn"); /* the same next step on every rank */
-        if (r == 1) break;
-        if (r) {
-            if (!c.tty_in) { /* a script: the first error ends it */
-                *err = e;
-                rc = r;
-                break;
-            }
+        if (r) { /* one line; the conversation is kept and the chat goes on */
             k3_report(&e);
-        }
+            if (!failed) failed = r;
+        } else if (quit) break;
     }
     free(line);
     if (!rc && ferror(stdin)) rc = k3_fail(err, K3_EXIT_RUNTIME, "stdin: %s", strerror(errno));
+    if (!rc && failed) {
+        rc = failed;
+        *reported = true;
+    }
 done:
+    k3_spec_free(c.spec);
     k3_session_free(c.s);
     k3_state_cache_free(c.cache);
     if (c.st) k3_engine_state_free(c.e, c.st);
@@ -554,6 +611,7 @@ done:
     json_decref(c.messages);
     json_decref(c.turns);
     k3_chat_free(c.chat);
+    k3_drafter_free(c.drafter);
     k3_engine_free(c.e);
     return rc;
 }
@@ -568,7 +626,8 @@ int cmd_chat(int argc, char **argv) {
         return K3_OK;
     }
     k3_err err = {0};
-    rc = chat(&a, &err);
-    if (rc) return k3_report(&err);
+    bool reported = false;
+    rc = chat(&a, &err, &reported);
+    if (rc) return reported ? rc : k3_report(&err);
     return K3_OK;
 }

@@ -45,7 +45,8 @@ const char *const cmd_run_help =
     "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
     "                       --speculate defaults to 4 with it; not under mpirun\n"
     "  --out FILE.json      write prompt_ids, generated_ids, text, prefill_s,\n"
-    "                       decode_s, tokens_per_s, peak_rss_bytes, threads, ...\n"
+    "                       decode_s, tokens_per_s, peak_rss_bytes, threads,\n"
+    "                       bytes_read_per_token (weights, RAM or disk), ...\n"
     "  --dump-logits FILE   little-endian f32 rows of vocab_size logits, one per\n"
     "                       token fed (the prompt, then the first N-1 generated);\n"
     "                       row i predicts token i+1\n"
@@ -313,6 +314,12 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
     json_object_set_new(o, "drafts_accepted", json_integer((json_int_t)r->res.accepted));
     json_object_set_new(o, "tokens_per_pass",
                         json_real(r->res.passes ? (double)r->res.fed / (double)r->res.passes : 0.0));
+    /* weights read per generated token by the decode calls (runmem.h): a
+     * verifying pass reads them once for all the ids it feeds */
+    k3_runmem_reads rd = k3_runmem_decode_reads(r->rm);
+    double per = ngen ? 1.0 / (double)ngen : 0.0;
+    json_object_set_new(o, "bytes_read_per_token", json_real((double)rd.touched * per));
+    json_object_set_new(o, "disk_bytes_read_per_token", json_real((double)rd.disk * per));
     json_object_set_new(o, "layers", json_integer(k3_model_config(r->m)->num_layers));
     k3_runmem_json(r->rm, o);
     if (r->dist) json_object_set(o, "expert_parallel", r->dist);

@@ -180,6 +180,19 @@ static summary summarise(const k3_runmem *rm) {
     return s;
 }
 
+k3_runmem_reads k3_runmem_decode_reads(const k3_runmem *rm) {
+    k3_runmem_reads r = {0};
+    for (size_t i = 0; i < rm->nsteps; i++) {
+        const step_rec *x = &rm->steps[i];
+        if (x->prefill) continue;
+        r.calls++;
+        r.requests += x->requests;
+        r.disk += x->trunk_read + x->expert_read;
+    }
+    r.touched = r.calls * (rm->plan->layers_all + rm->plan->head_bytes) + r.requests * rm->plan->expert_buf;
+    return r;
+}
+
 void k3_runmem_summary(const k3_runmem *rm, FILE *f) {
     if (!rm->s) return;
     summary s = summarise(rm);

@@ -77,6 +77,19 @@ const k3_weight_source *k3_runmem_source(k3_runmem *rm);
  * and prints its line on f (NULL: record only). */
 void k3_runmem_step(k3_runmem *rm, bool prefill, int ntokens, FILE *f);
 void k3_runmem_summary(const k3_runmem *rm, FILE *f);
+/* The weight bytes the decode forward calls (those recorded with prefill
+ * false: decoded tokens and verifying passes) read, summed from the step
+ * records. disk: bytes read from disk (streamed trunk layers, expert cache
+ * misses: the stream's counters). touched: bytes read from disk or RAM: every
+ * call reads the whole trunk (each layer's trunk tensors and the head, once
+ * per call however many tokens it feeds) and each distinct expert it
+ * requests (one expert counted at the plan's expert buffer, the largest
+ * expert). A pass of T tokens costs one call, so fewer calls per generated
+ * token read fewer bytes per token. */
+typedef struct {
+    uint64_t calls, requests, disk, touched;
+} k3_runmem_reads;
+k3_runmem_reads k3_runmem_decode_reads(const k3_runmem *rm);
 /* Adds "memory": {plan, summary, steps[]} to a run's JSON report. */
 void k3_runmem_json(const k3_runmem *rm, json_t *o);
 void k3_runmem_free(k3_runmem *rm);

@@ -98,6 +98,19 @@ expect_rank_killed() {
     || fail "$name:named" "$(head -c 300 "$OUT/$name.err")"
 }
 
+# chat_model DIR SEED: a small random chat model with the full Kimi
+# vocabulary (163,840 ids, 5 layers, the Kimi tokenizer's XTML ids), made by
+# tools/gen_checkpoint.py and regenerated only when the command changes.
+# Returns 1 (with a FAIL) when it cannot be made; callers check numpy first.
+chat_model() {
+  local gen="/usr/bin/python3 tools/gen_checkpoint.py $1 --preset tiny --set vocab_size=163840 --set hidden_size=64"
+  gen="$gen --set num_hidden_layers=5 --tokenizer tests/fixtures/tokenizer/kimi --seed $2 --force"
+  if [ "$(cat "$1.stamp" 2>/dev/null)" != "$gen" ] || [ ! -f "$1/config.json" ]; then
+    rm -f "$1.stamp"
+    $gen >"$OUT/gen.log" 2>&1 && echo "$gen" >"$1.stamp" || { fail "generate $1" "$(tail -n 3 "$OUT/gen.log")"; return 1; }
+  fi
+}
+
 # k3 serve's /health at URL as "CANCELLED RUNNING WAITING" (RUNNING True or
 # False). sed, not python: tests poll it to catch a request while it runs, so
 # each poll must be quick also on a loaded machine.

@@ -11,7 +11,8 @@
 #  - /save then --load (or /load) in a new process continues bit-identically,
 #    feeding only the new message;
 #  - a corrupt or truncated session file and another model's session: exit 4,
-#    one line; a model whose tokenizer has no XTML ids: exit 2, one line.
+#    one line; a /save, /load or --out that fails (full device, missing
+#    folder, a directory): one line, the chat goes on, the exit status says so; a model whose tokenizer has no XTML ids: exit 2, one line.
 . "$(dirname "$0")/lib.sh"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 PY=/usr/bin/python3
@@ -123,6 +124,13 @@ printf '/load %s\nAnd once more.\n' "$S" >"$OUT/load2.txt"
 expect_exit load_cmd 0 $CHAT --out "$OUT/tload2.json" <"$OUT/load2.txt"
 [ "$(turns "$OUT/tload2.json" generated_ids)" = "$g3" ] && pass load_cmd:same_ids || fail load_cmd:same_ids
 
+# chat_exit NAME CODE CMD...: the exit status only (stderr also holds the turn lines)
+chat_exit() {
+  local name=$1 code=$2; shift 2
+  "$@" >"$OUT/$name.out" 2>"$OUT/$name.err"
+  local rc=$?
+  [ "$rc" -eq "$code" ] && pass "$name" || fail "$name" "exit $rc, wanted $code; stderr: $(head -c 300 "$OUT/$name.err")"
+}
 # refusals
 $PY - "$S" "$OUT/corrupt.k3session" <<'EOF'
 import sys
@@ -136,7 +144,8 @@ head -c 1000 "$S" >"$OUT/short.k3session"
 expect_exit truncated 4 $CHAT --load "$OUT/short.k3session" </dev/null
 expect_err_contains truncated "truncated"
 printf '/load %s\nHi\n' "$OUT/corrupt.k3session" >"$OUT/loadbad.txt"
-expect_exit corrupt_cmd 4 $CHAT <"$OUT/loadbad.txt"
+chat_exit corrupt_cmd 4 $CHAT <"$OUT/loadbad.txt"
+[ "$(grep -c "^\[turn " "$OUT/corrupt_cmd.err")" = 1 ] && pass corrupt_cmd:goes_on || fail corrupt_cmd:goes_on
 expect_exit other_model 4 $K3 chat $M2 --load "$S" </dev/null
 expect_err_contains other_model "another model"
 expect_exit no_tokenizer 2 $K3 chat tests/fixtures/gen/k3_like </dev/null
@@ -149,4 +158,44 @@ expect_err_contains bad_utf8_line "UTF-8"
 expect_exit bad_utf8_system 2 $K3 chat $M --system "$(printf 'caf\xe9')" </dev/null
 expect_err_contains bad_utf8_system "UTF-8"
 expect_exit bad_cmd 2 $CHAT <<<'/frobnicate'
+
+# a line that fails (a /save, /load or --out that cannot be done) prints one
+# error line and the chat goes on with the conversation kept; the exit status
+# at the end is the first failure's code, and /quit is not a failure
+nturns() { grep -c '^\[turn ' "$OUT/$1.err"; }
+nerrs() { grep -c '^k3: ' "$OUT/$1.err"; }
+printf 'Hello there\n/save /dev/full\nWhat is 2+2?\n' >"$OUT/savefull.txt"
+chat_exit save_full 1 $CHAT --out "$OUT/tfull.json" <"$OUT/savefull.txt"
+[ "$(nturns save_full)" = 2 ] && [ "$(nerrs save_full)" = 1 ] && pass save_full:goes_on \
+  || fail save_full:goes_on "$(head -c 400 "$OUT/save_full.err")"
+expect_err_contains save_full "/dev/full"
+# the second reply is turn 2 of the uninterrupted conversation
+[ "$(turns "$OUT/tfull.json" generated_ids)" = "$(turns "$OUT/t1.json" generated_ids | sed -n 1,2p)" ] \
+  && pass save_full:kept || fail save_full:kept
+printf 'Hello there\n/save %s\nWhat is 2+2?\n' "$OUT/no-such-folder/s.k3session" >"$OUT/savemiss.txt"
+chat_exit save_missing_dir 1 $CHAT <"$OUT/savemiss.txt"
+[ "$(nturns save_missing_dir)" = 2 ] && [ "$(nerrs save_missing_dir)" = 1 ] && pass save_missing_dir:goes_on \
+  || fail save_missing_dir:goes_on "$(head -c 400 "$OUT/save_missing_dir.err")"
+printf 'Hello there\n/save %s\nWhat is 2+2?\n' "$OUT" >"$OUT/savedir.txt"
+chat_exit save_dir 2 $CHAT <"$OUT/savedir.txt"
+[ "$(nturns save_dir)" = 2 ] && pass save_dir:goes_on || fail save_dir:goes_on "$(head -c 400 "$OUT/save_dir.err")"
+long=$(printf 'n%.0s' $(seq 300))
+printf 'Hello there\n/save %s/%s\nWhat is 2+2?\n' "$OUT" "$long" >"$OUT/savelong.txt"
+chat_exit save_long_name 1 $CHAT <"$OUT/savelong.txt"
+[ "$(nturns save_long_name)" = 2 ] && pass save_long_name:goes_on || fail save_long_name:goes_on
+printf '/load %s\nHello there\n' "$OUT" >"$OUT/loaddir.txt"
+chat_exit load_dir 2 $CHAT <"$OUT/loaddir.txt"
+[ "$(nturns load_dir)" = 1 ] && [ "$(nerrs load_dir)" = 1 ] && pass load_dir:goes_on \
+  || fail load_dir:goes_on "$(head -c 400 "$OUT/load_dir.err")"
+# --out on a full device: every turn answered, one error line each, exit 1
+chat_exit out_full 1 $CHAT --out /dev/full <"$OUT/three.txt"
+[ "$(nturns out_full)" = 3 ] && [ "$(nerrs out_full)" = 3 ] && pass out_full:goes_on \
+  || fail out_full:goes_on "$(head -c 400 "$OUT/out_full.err")"
+# /quit: ends the chat, exit 0 (or the failure before it)
+printf 'Hello there\n/quit\nWhat is 2+2?\n' >"$OUT/quit.txt"
+expect_exit quit 0 $CHAT <"$OUT/quit.txt"
+[ "$(nturns quit)" = 1 ] && pass quit:stops || fail quit:stops
+printf 'Hello there\n/save /dev/full\n/quit\nWhat is 2+2?\n' >"$OUT/quitfail.txt"
+chat_exit quit_after_failure 1 $CHAT <"$OUT/quitfail.txt"
+[ "$(nturns quit_after_failure)" = 1 ] && pass quit_after_failure:stops || fail quit_after_failure:stops
 finish

@@ -6,7 +6,8 @@
 # n-gram and draft-model drafts, 1 and 2 threads, resident and with the
 # routed experts streamed, drafts capped by the context, under mpirun; the
 # counters in --out say drafts were proposed and accepted; bad combinations
-# are one error line, exit 2. The plain run is the reference: the claim is
+# are one error line, exit 2; bytes_read_per_token drops with perfect drafts.
+# The plain run is the reference: the claim is
 # equality with it, never a value the speculative path computed itself.
 . "$(dirname "$0")/lib.sh"
 M=models/default
@@ -51,6 +52,29 @@ counters draft-greedy
 same draft-sampled --gen 40 --temperature 0.8 --seed 9 -- --speculate 3 --draft "$M"
 # the routed experts read from disk through a cache far smaller than the model
 same ngram-streamed --gen 32 --cache-gb 0.001 -- --speculate 4
+# bytes_read_per_token: the weights a generated token cost. Perfect drafts (the model
+# drafting for itself: every draft accepted) read the weights once a pass of several
+# ids, so far fewer bytes a token than plain decoding; the disk part is the stream's
+# counters of the decode calls (memory.steps), per generated token
+same draft-streamed --gen 32 --cache-gb 0.001 -- --draft "$M"
+python3 - "$OUT/draft-streamed.plain.json" "$OUT/draft-streamed.spec.json" <<'PY' && pass bytes-per-token \
+  || fail bytes-per-token "$(cat "$OUT/bytes.why")"
+import json, sys
+a, b = (json.load(open(p)) for p in sys.argv[1:3])
+why = []
+for name, j in (("plain", a), ("speculative", b)):
+    n = len(j["generated_ids"])
+    disk = sum(s["trunk_bytes"] + s["expert_bytes"] for s in j["memory"]["steps"] if s["kind"] == "token")
+    if not j["bytes_read_per_token"] > 0: why.append("%s: bytes_read_per_token %r" % (name, j["bytes_read_per_token"]))
+    if abs(j["disk_bytes_read_per_token"] * n - disk) > 1e-6 * disk + 1:
+        why.append("%s: disk_bytes_read_per_token %r x %d ids != the decode steps' %d bytes" % (name, j["disk_bytes_read_per_token"], n, disk))
+if b["drafts_accepted"] != b["drafts_proposed"] or b["decode_passes"] * 2 > a["decode_passes"]:
+    why.append("the drafts were not perfect: %d of %d, %d passes" % (b["drafts_accepted"], b["drafts_proposed"], b["decode_passes"]))
+if not b["bytes_read_per_token"] * 2 < a["bytes_read_per_token"]:
+    why.append("speculative %r bytes a token, plain %r" % (b["bytes_read_per_token"], a["bytes_read_per_token"]))
+open(sys.argv[1].rsplit("/", 1)[0] + "/bytes.why", "w").write("; ".join(why))
+sys.exit(1 if why else 0)
+PY
 # more drafts than the context has room for: capped, same output
 same beyond-context --gen 3 -- --speculate 16
 
