@@ -31,8 +31,9 @@
 #   the layer pattern of the peer's 13-layer oracle and of the release, KKKM
 #   repeated, MXFP4 experts; its vocabulary set to models/default's 2,048 ids,
 #   whose tokenizer it takes) streamed at the smallest budgets, greedy, the
-#   same prompts: trunk and expert bytes read per generated token (memory.steps of
-#   --out, the decode steps) plain, with perfect drafts (--draft the same
+#   same prompts: trunk and expert bytes read from disk per decoded token
+#   (memory.steps of --out, the decode steps) and every weight byte a
+#   generated token used from RAM or disk (--out's bytes_read_per_token) plain, with perfect drafts (--draft the same
 #   checkpoint: the draft model is the target, so every draft is the greedy
 #   continuation: the ceiling) and with n-gram drafts.
 #
@@ -52,7 +53,7 @@ while [ $# -gt 0 ]; do
     --seed) SEED=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --bytes-preset) BPRESET=$2; shift 2 ;;
-    --help|-h) sed -n '2,41p' "$0"; exit 0 ;;
+    --help|-h) sed -n '2,/^# A benchmark/p' "$0"; exit 0 ;;
     *) echo "bench/speculate.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -183,7 +184,11 @@ def agg(runs):
     p = sum(j["decode_passes"] for j in runs)
     tb = sum(decode_bytes(j)[0] for j in runs)
     eb = sum(decode_bytes(j)[1] for j in runs)
-    return dict(n=n, tps=n / s if s else 0, tpp=sum(fed(j) for j in runs) / p if p else 0,
+    g = sum(len(j["generated_ids"]) for j in runs)
+    # every weight byte a token used, from RAM or disk (k3's own figure, per id generated)
+    wb = (sum(j["bytes_read_per_token"] * len(j["generated_ids"]) for j in runs) / g
+          if g and all("bytes_read_per_token" in j for j in runs) else float("nan"))
+    return dict(n=n, tps=n / s if s else 0, wb=wb, tpp=sum(fed(j) for j in runs) / p if p else 0,
                 acc=sum(j["drafts_accepted"] for j in runs), prop=sum(j["drafts_proposed"] for j in runs),
                 tb=tb / n if n else 0, eb=eb / n if n else 0)
 
@@ -205,18 +210,20 @@ byt = sorted(g for g in groups if g[0] == "bytes")
 if byt:
     print()
     print("| oracle-shaped, streamed, greedy | prompts | decoded tokens | ids per pass | drafts accepted / proposed "
-          "| trunk bytes / token | expert bytes / token | total bytes / token | vs plain |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| disk: trunk B / token | disk: expert B / token | disk: total B / token | vs plain "
+          "| weights from RAM or disk B / token (bytes_read_per_token) | vs plain |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     plain = agg([r[0] for r in groups[byt[0]]])
     pt = plain["tb"] + plain["eb"]
-    print("| plain | %d | %d | %.2f | - | %.0f | %.0f | %.0f | 1.00 |"
-          % (len(groups[byt[0]]), plain["n"], plain["tpp"], plain["tb"], plain["eb"], pt))
+    print("| plain | %d | %d | %.2f | - | %.0f | %.0f | %.0f | 1.00 | %.0f | 1.00 |"
+          % (len(groups[byt[0]]), plain["n"], plain["tpp"], plain["tb"], plain["eb"], pt, plain["wb"]))
     for g in byt:
         b = agg([r[1] for r in groups[g]])
         t = b["tb"] + b["eb"]
         name = {"perfect": "perfect drafts (--draft = the target)", "ngram": "n-gram drafts"}[g[1]]
-        print("| %s | %d | %d | %.2f | %d / %d | %.0f | %.0f | %.0f | %.2f |"
-              % (name, len(groups[g]), b["n"], b["tpp"], b["acc"], b["prop"], b["tb"], b["eb"], t, t / pt if pt else 0))
+        print("| %s | %d | %d | %.2f | %d / %d | %.0f | %.0f | %.0f | %.2f | %.0f | %.2f |"
+              % (name, len(groups[g]), b["n"], b["tpp"], b["acc"], b["prop"], b["tb"], b["eb"], t, t / pt if pt else 0,
+                 b["wb"], b["wb"] / plain["wb"] if plain["wb"] else 0))
 print()
 print("every speculative run's ids and text equal the plain run's (%d pairs)" % sum(len(v) for v in groups.values()))
 PY
