@@ -135,7 +135,7 @@ def speculation():
     """s/token against generated ids per forward pass (speculation), the seed's
     machine at the laptop, workstation and server presets: the streamed trunk
     is read once a pass (bench/speculate.sh measured it: an oracle-shaped
-    checkpoint streamed read 0.20x the trunk bytes a token at 4.98 ids a pass),
+    checkpoint streamed read 0.20x the trunk bytes a token at 4.97 generated ids a pass),
     the experts each id selects are read as before (the release's 16 of 896 a
     layer overlap little between ids; on the 8-expert oracle shape they did,
     0.57x), and the compute a token is unchanged (no credit for batched

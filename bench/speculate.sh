@@ -24,8 +24,9 @@
 #      smallest --cache-gb that runs a pass of K+1 ids (found first by a
 #      1.1x ladder from 1 kB; plain runs use the same budgets).
 #   Per case: decoded tokens/s over all prompts (the sum of the decoded tokens
-#   over the sum of decode_s from --out), tokens fed per forward pass, drafts
-#   accepted of proposed, and the ratio speculative / plain. Goals (stated by
+#   over the sum of decode_s from --out), generated ids per forward pass
+#   (decoded ids / decode_passes) and ids fed per pass (--out's
+#   tokens_per_pass: rejected drafts included), drafts accepted of proposed, and the ratio speculative / plain. Goals (stated by
 #   the issue that asked for speculation): >= 1.5x streamed, >= 0.95x resident.
 # bytes: an oracle-shaped checkpoint (tools/gen_checkpoint.py --preset tiny,
 #   the layer pattern of the peer's 13-layer oracle and of the release, KKKM
@@ -188,7 +189,10 @@ def agg(runs):
     # every weight byte a token used, from RAM or disk (k3's own figure, per id generated)
     wb = (sum(j["bytes_read_per_token"] * len(j["generated_ids"]) for j in runs) / g
           if g and all("bytes_read_per_token" in j for j in runs) else float("nan"))
+    # fed: ids a forward pass took (rejected drafts included); gpp: generated
+    # ids a pass (each decoded id is fed once: a pass's first or an accepted draft)
     return dict(n=n, tps=n / s if s else 0, wb=wb, tpp=sum(fed(j) for j in runs) / p if p else 0,
+                gpp=n / p if p else 0,
                 acc=sum(j["drafts_accepted"] for j in runs), prop=sum(j["drafts_proposed"] for j in runs),
                 tb=tb / n if n else 0, eb=eb / n if n else 0)
 
@@ -196,33 +200,33 @@ speed = sorted(g for g in groups if g[0] == "speed")
 if speed:
     print()
     print("| case (n-gram drafts, --speculate %s) | sampling | prompts | decoded tokens | plain tok/s "
-          "| speculative tok/s | ratio | ids per pass | drafts accepted / proposed | goal |" % k)
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| speculative tok/s | ratio | generated ids a pass | ids fed a pass | drafts accepted / proposed | goal |" % k)
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for g in sorted(speed, key=lambda g: (g[1] != "resident", g[2])):
         runs = groups[g]
         a, b = agg([r[0] for r in runs]), agg([r[1] for r in runs])
         goal = 1.5 if g[1] == "streamed" else 0.95
         r = b["tps"] / a["tps"] if a["tps"] else 0
-        print("| %s | %s | %d | %d | %.1f | %.1f | %.2fx | %.2f | %d / %d | >= %.2fx: %s |"
-              % (g[1], g[2], len(runs), a["n"], a["tps"], b["tps"], r, b["tpp"], b["acc"], b["prop"], goal,
+        print("| %s | %s | %d | %d | %.1f | %.1f | %.2fx | %.2f | %.2f | %d / %d | >= %.2fx: %s |"
+              % (g[1], g[2], len(runs), a["n"], a["tps"], b["tps"], r, b["gpp"], b["tpp"], b["acc"], b["prop"], goal,
                  "met" if r >= goal else "not met"))
 byt = sorted(g for g in groups if g[0] == "bytes")
 if byt:
     print()
-    print("| oracle-shaped, streamed, greedy | prompts | decoded tokens | ids per pass | drafts accepted / proposed "
+    print("| oracle-shaped, streamed, greedy | prompts | decoded tokens | generated ids a pass | drafts accepted / proposed "
           "| disk: trunk B / token | disk: expert B / token | disk: total B / token | vs plain "
           "| weights from RAM or disk B / token (bytes_read_per_token) | vs plain |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     plain = agg([r[0] for r in groups[byt[0]]])
     pt = plain["tb"] + plain["eb"]
     print("| plain | %d | %d | %.2f | - | %.0f | %.0f | %.0f | 1.00 | %.0f | 1.00 |"
-          % (len(groups[byt[0]]), plain["n"], plain["tpp"], plain["tb"], plain["eb"], pt, plain["wb"]))
+          % (len(groups[byt[0]]), plain["n"], plain["gpp"], plain["tb"], plain["eb"], pt, plain["wb"]))
     for g in byt:
         b = agg([r[1] for r in groups[g]])
         t = b["tb"] + b["eb"]
         name = {"perfect": "perfect drafts (--draft = the target)", "ngram": "n-gram drafts"}[g[1]]
         print("| %s | %d | %d | %.2f | %d / %d | %.0f | %.0f | %.0f | %.2f | %.0f | %.2f |"
-              % (name, len(groups[g]), b["n"], b["tpp"], b["acc"], b["prop"], b["tb"], b["eb"], t, t / pt if pt else 0,
+              % (name, len(groups[g]), b["n"], b["gpp"], b["acc"], b["prop"], b["tb"], b["eb"], t, t / pt if pt else 0,
                  b["wb"], b["wb"] / plain["wb"] if plain["wb"] else 0))
 print()
 print("every speculative run's ids and text equal the plain run's (%d pairs)" % sum(len(v) for v in groups.values()))
