@@ -152,6 +152,10 @@ expect_exit no_tokenizer 2 $K3 chat tests/fixtures/gen/k3_like </dev/null
 expect_exit no_xtml 2 $K3 chat models/default </dev/null
 expect_err_contains no_xtml "XTML"
 expect_exit bad_flag 2 $K3 chat $M --state-cache-gb lots </dev/null
+# --load of a link to an endless device: refused at once, bounded in time and memory
+ln -sf /dev/zero "$OUT/zero.k3session"
+expect_exit load_dev_zero 2 bash -c "$MEM_CAP timeout 20 '$K3' chat '$M' --load '$OUT/zero.k3session' </dev/null"
+expect_err_contains load_dev_zero "not a regular file"
 # invalid UTF-8 is refused with one line, as `k3 run --prompt` refuses it, never sent as an empty message
 expect_exit bad_utf8_line 2 $CHAT < <(printf 'caf\xe9 au lait\n')
 expect_err_contains bad_utf8_line "UTF-8"
