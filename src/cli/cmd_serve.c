@@ -1,21 +1,8 @@
-/* cmd_serve.c: `k3 serve MODEL_DIR`, an OpenAI-compatible HTTP server. The
- * model is opened here through the engine (the memory plan and flags of
- * `k3 run`) with one session on a shared state cache, so every request reuses
- * what an earlier one computed; the HTTP side, the queue and the worker are
- * src/serve/.
- *
- * Under mpirun with several ranks (expert parallel, docs/mpi.md) rank 0 alone
- * listens and runs src/serve/; the other ranks follow it. The model work of
- * the server is three backend calls (prefill, step, end) made by its one
- * worker thread, so before each call rank 0 broadcasts a fixed-size command
- * (and a prefill's ids) and every other rank makes the same call on its own
- * session and state cache. The session's choices (its own state, a snapshot
- * to restore, a cold start, the grid snapshots, evictions) follow from the
- * calls alone, so every rank makes the same forward calls and the exchanges
- * inside the MoE layers line up. A cancelled prefill stops at the same chunk
- * on every rank: the cancel hook, asked between chunks, is itself a
- * broadcast of rank 0's flag. Sampling is rank 0's: a step carries the id. */
-#include "chat/chat.h"
+/* cmd_serve.c: `k3 serve MODEL_DIR`, an OpenAI-compatible HTTP server. This
+ * file parses the flags, handles the stop signals and starts src/serve/: the
+ * model backend (src/serve/backend.c: the engine, one session on a state
+ * cache shared by every request, the ranks that follow rank 0 under mpirun),
+ * then the HTTP server, the queue and the worker. */
 #include "cli/commands.h"
 #include "dist/dist.h"
 #include "engine/engine.h"
@@ -215,151 +202,12 @@ static int parse_args(int argc, char **argv, serve_args *a) {
     return K3_OK;
 }
 
-/* ---- the model backend: one session on the shared state cache ---- */
-
-typedef struct {
-    k3_engine *e;
-    k3_state *st;
-    k3_state_cache *cache;
-    k3_session *sess;
-    k3_chat *chat;
-    int64_t ctx;
-    bool lead;             /* rank 0 of several: broadcasts each call before making it */
-} backend;
-
-/* Rank 0's word to the ranks that follow it (a fixed layout; a prefill's n ids
- * follow in a second broadcast). */
-enum { CMD_PREFILL = 1, CMD_STEP = 2, CMD_END = 3, CMD_QUIT = 4 };
-typedef struct {
-    int32_t op;
-    int32_t n;             /* CMD_PREFILL: ids that follow, 1..ctx */
-    int32_t id;            /* CMD_STEP: the id to feed */
-    int32_t flag;          /* CMD_STEP: no logits wanted; CMD_QUIT: rank 0's exit code */
-} serve_cmd;
-
-static void send_cmd(int op, int32_t n, int32_t id, int32_t flag) {
-    serve_cmd c = {.op = op, .n = n, .id = id, .flag = flag};
-    k3_dist_bcast(&c, sizeof c, true, "k3 serve's next command");
-}
-
-static bool is_cancelled(const void *flag) { return atomic_load((const atomic_int *)flag) != 0; }
-
-/* The cancel hook under several ranks: rank 0 (flag: its job's) hands its
- * answer to the others (flag NULL), so every rank stops at the same chunk. */
-static bool is_cancelled_all(const void *flag) {
-    int32_t c = flag ? is_cancelled(flag) : 0;
-    k3_dist_bcast(&c, sizeof c, true, "k3 serve's prefill (go on or cancel)");
-    return c != 0;
-}
-
-static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
-                      k3_err *err) {
-    backend *b = ctx;
-    bool several = k3_engine_ranks(b->e) > 1;
-    if (b->lead) { /* (n <= ctx: the server checked the prompt against it) */
-        send_cmd(CMD_PREFILL, (int32_t)n, 0, 0);
-        k3_dist_bcast((void *)ids, n * sizeof *ids, true, "k3 serve's prompt ids");
-    }
-    /* asked between the prefill's chunks */
-    k3_session_set_cancel(b->sess, several ? is_cancelled_all : is_cancelled, cancel);
-    int rc = k3_session_prefill(b->sess, ids, n, logits, reused, err);
-    k3_session_set_cancel(b->sess, NULL, NULL);
-    return rc;
-}
-
-static int be_step(void *ctx, int32_t id, float *logits, k3_err *err) {
-    backend *b = ctx;
-    if (b->lead) send_cmd(CMD_STEP, 0, id, logits == NULL);
-    return k3_session_feed(b->sess, &id, 1, logits, err);
-}
-
-/* A reply ended: the state holds the prompt and the reply as the next turn's
- * prompt re-renders it (the generation loop fed a stop id): keep it as a
- * snapshot too (the prompt's end is kept by the prefill). */
-static void be_end(void *ctx) {
-    backend *b = ctx;
-    if (b->lead) send_cmd(CMD_END, 0, 0, 0);
-    k3_session_snapshot(b->sess);
-}
-
-static int open_backend(const serve_args *a, backend *b, k3_serve_model *sm, k3_err *err) {
-    memset(b, 0, sizeof *b);
-    int rc;
-    k3_engine_opts eo = a->eo;
-    eo.need_tokenizer = true;
-    eo.max_pos = a->ctx;
-    if ((rc = k3_engine_open(&eo, &b->e, err))) return rc;
-    uint64_t cache_bytes = a->state_cache_bytes;
-    uint64_t logit_bytes = (uint64_t)k3_engine_vocab(b->e) * sizeof(float);
-    if ((rc = k3_engine_state_new(b->e, a->ctx, cache_bytes + logit_bytes, &b->st, err))) return rc;
-    b->cache = k3_state_cache_new(k3_engine_config(b->e), cache_bytes, 0);
-    b->sess = k3_session_open(b->e, b->st, b->cache);
-    b->ctx = a->ctx;
-    k3_err cerr = {0};
-    if (k3_chat_new(k3_engine_tokenizer(b->e), &b->chat, &cerr)) b->chat = NULL; /* no XTML ids: completions only */
-    memset(sm, 0, sizeof *sm);
-    sm->ctx = b;
-    sm->vocab = k3_engine_vocab(b->e);
-    sm->eos = k3_engine_eos_id(b->e);
-    sm->ctx_len = a->ctx;
-    sm->tok = k3_engine_tokenizer(b->e);
-    sm->chat = b->chat;
-    sm->threads = k3_engine_threads(b->e);
-    sm->prefill = be_prefill;
-    sm->step = be_step;
-    sm->end = be_end;
-    return K3_OK;
-}
-
-static void close_backend(backend *b) {
-    if (b->chat) k3_chat_free(b->chat);
-    if (b->sess) k3_session_free(b->sess);
-    if (b->cache) k3_state_cache_free(b->cache);
-    if (b->st) k3_engine_state_free(b->e, b->st);
-    k3_engine_free(b->e);
-}
-
 static const char *base_name(const char *dir, char *buf, size_t n) {
     snprintf(buf, n, "%s", dir);
     size_t len = strlen(buf);
     while (len > 1 && buf[len - 1] == '/') buf[--len] = 0;
     const char *b = strrchr(buf, '/') ? strrchr(buf, '/') + 1 : buf;
     return *b && strcmp(b, ".") && strcmp(b, "..") ? b : "k3";
-}
-
-/* A rank after the first: makes rank 0's calls, in its order, until it quits.
- * Its own results are dropped (rank 0's are the same bits and answer the
- * client); a failure inside a forward call ends the job (engine.h). */
-static int follow(backend *b) {
-    k3_dist_silence_others();
-    float *logits = xmalloc_array((size_t)k3_engine_vocab(b->e), sizeof *logits);
-    int32_t *ids = xmalloc_array((size_t)b->ctx, sizeof *ids);
-    for (;;) {
-        serve_cmd c;
-        /* unbounded: the next command comes when a client asks */
-        k3_dist_bcast(&c, sizeof c, false, "k3 serve's next command");
-        k3_err e = {0};
-        size_t reused;
-        if (c.op == CMD_QUIT) break;
-        if (c.op == CMD_PREFILL && c.n >= 1 && c.n <= b->ctx) {
-            k3_dist_bcast(ids, (size_t)c.n * sizeof *ids, true, "k3 serve's prompt ids");
-            (void)be_prefill(b, ids, (size_t)c.n, logits, &reused, NULL, &e);
-        } else if (c.op == CMD_STEP && c.id >= 0 && c.id < k3_engine_vocab(b->e)) {
-            (void)be_step(b, c.id, c.flag ? NULL : logits, &e);
-        } else if (c.op == CMD_END) {
-            be_end(b);
-        } else {
-            k3_fail(&e, K3_EXIT_RUNTIME,
-                    "serve: rank 0 sent a command this rank cannot follow (op %d, n %d, id %d): the ranks run "
-                    "different k3 builds", c.op, c.n, c.id);
-            free(ids);
-            free(logits);
-            k3_dist_abort(&e);
-        }
-    }
-    free(ids);
-    free(logits);
-    return K3_OK;
 }
 
 static pthread_t main_thread;
@@ -402,20 +250,14 @@ int cmd_serve(int argc, char **argv) {
         return k3_report(&(k3_err){.code = K3_EXIT_USAGE,
                                    .msg = "serve: this Open MPI does not grant MPI_THREAD_SERIALIZED, which k3 serve's "
                                           "model worker needs under mpirun"});
-    backend b;
+    k3_serve_backend *b;
     k3_serve_model sm;
-    rc = open_backend(&a, &b, &sm, &err);
-    /* a rank whose state or cache cannot fit stops every rank here */
-    if ((rc = k3_engine_ready(b.e, rc, &err))) {
-        close_backend(&b);
-        return k3_report(&err);
-    }
-    if (k3_engine_rank(b.e) > 0) {
-        rc = follow(&b);
-        close_backend(&b);
+    if ((rc = k3_serve_backend_open(&a.eo, a.ctx, a.state_cache_bytes, &b, &sm, &err))) return k3_report(&err);
+    if (k3_serve_backend_rank(b) > 0) {
+        rc = k3_serve_backend_follow(b);
+        k3_serve_backend_free(b);
         return rc;
     }
-    b.lead = ranks > 1;
     char nbuf[4096];
     k3_serve_opts o = {.host = a.host, .port = a.port,
                        .model_id = a.model_name ? a.model_name : base_name(a.eo.model_dir, nbuf, sizeof nbuf),
@@ -424,8 +266,8 @@ int cmd_serve(int argc, char **argv) {
                        .api_key = a.api_key, .cors = a.cors, .ncors = a.ncors, .verbose = a.verbose};
     k3_serve *s;
     if ((rc = k3_serve_start(&o, &sm, &s, &err))) {
-        if (b.lead) send_cmd(CMD_QUIT, 0, 0, rc);
-        close_backend(&b);
+        k3_serve_backend_quit(b, rc);
+        k3_serve_backend_free(b);
         return k3_report(&err);
     }
     if (!k3_http_is_loopback(a.host) && !a.api_key)
@@ -442,8 +284,8 @@ int cmd_serve(int argc, char **argv) {
     /* the worker stops at its next token or prefill chunk (a cancel the
      * other ranks see too) and is joined: then the followers can be let go */
     k3_serve_stop(s);
-    if (b.lead) send_cmd(CMD_QUIT, 0, 0, 0);
-    close_backend(&b);
+    k3_serve_backend_quit(b, 0);
+    k3_serve_backend_free(b);
     printf("k3 serve: stopped (%s)\n", strsignal(sig));
     return K3_OK;
 }

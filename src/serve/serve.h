@@ -23,6 +23,7 @@
 #define K3_SERVE_SERVE_H
 
 #include "chat/chat.h"
+#include "engine/engine.h"
 #include "tokenizer/tokenizer.h"
 #include "util/common.h"
 
@@ -58,6 +59,24 @@ typedef struct {
      * NULL: none. */
     void (*end)(void *ctx);
 } k3_serve_model;
+
+/* ---- the model on the engine (backend.c) ----
+ * One session on a state cache shared by every request. Under mpirun every
+ * rank opens one; rank 0 serves and announces each model call to the other
+ * ranks, which make the same calls on their own (k3_serve_backend_follow). */
+typedef struct k3_serve_backend k3_serve_backend;
+
+/* Opens eo's model (with its tokenizer, max_pos ctx), a state of ctx
+ * positions and a state cache of cache_bytes, and fills m with the calls on
+ * them. Under several ranks a rank that cannot fit stops every rank here. */
+int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, k3_serve_backend **out,
+                          k3_serve_model *m, k3_err *err);
+int k3_serve_backend_rank(const k3_serve_backend *b);
+/* A rank after the first: makes rank 0's calls until rank 0 quits. */
+int k3_serve_backend_follow(k3_serve_backend *b);
+/* Rank 0 of several: lets the followers go (code: rank 0's exit code). */
+void k3_serve_backend_quit(k3_serve_backend *b, int code);
+void k3_serve_backend_free(k3_serve_backend *b);
 
 typedef struct {
     const char *host;          /* numeric address or "localhost"; NULL = 127.0.0.1 */
