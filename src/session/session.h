@@ -172,7 +172,7 @@ int k3_session_last_source(const k3_session *s);
  * e.g. k3 chat's messages) saved atomically (temp file, fsync, rename). Layout
  * (little-endian):
  *   magic "K3SESSN\n" | u32 version (1) | u32 header bytes (64)
- *   u64 model identity | u64 n_ids | u64 state bytes | u64 extra bytes
+ *   u64 model identity (engine.h: k3_engine_identity) | u64 n_ids | u64 state bytes | u64 extra bytes
  *   u32 payload CRC-32C | u32 0 | u64 0 | u32 header CRC-32C (of the 60 bytes before) | u32 0
  *   payload: ids (n_ids x i32) | state (k3_state_save) | extra
  * Load refuses (K3_EXIT_DATA, one line) a file that is truncated, has a bad
