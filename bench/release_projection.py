@@ -4,7 +4,10 @@ K3 release at k3's memory presets, from the bytes a token touches (measured
 on the sparse replica), per-core matrix-vector rates (bench/kernels.c) and
 stated machine figures (memory bandwidth, cores, disk bandwidth).
 
-  bench/release_projection.py [--validate]
+  bench/release_projection.py [--validate | --speculation]
+
+--speculation: only the table of s/token by generated ids per forward pass
+(speculation; the model is in speculation()'s comment).
 
 Per decoded token (docs/release-scale.md measured these on the replica):
   trunk  108.5 GB of BF16 layer weights (93 layers), head 2.35 GB BF16,
@@ -57,7 +60,7 @@ def auto(mem_gb):
     return max(1, int(use * 0.75)), max(1, int(use * 0.25))
 
 
-def project(trunk_gb, cache_gb, mem_bw, cores, disk, eff=0.8):
+def project(trunk_gb, cache_gb, mem_bw, cores, disk, eff=0.8, tpp=1.0):
     avail = trunk_gb - HEAD
     if avail >= TRUNK:
         resident, slots = TRUNK, 0
@@ -68,11 +71,13 @@ def project(trunk_gb, cache_gb, mem_bw, cores, disk, eff=0.8):
     h = hit_rate(cache_gb)
     bw = mem_bw * eff
     tc = (TRUNK + HEAD) / min(cores * BF16_CORE, bw) + EXPERTS / min(cores * MXFP4_CORE, bw)
-    tio = ((TRUNK - resident) + EXPERTS * (1 - h)) / disk
+    # a pass of tpp generated ids reads the streamed trunk once; each id's
+    # experts are its own (16 of 896 a layer: ids of one pass share few)
+    tio = ((TRUNK - resident) / tpp + EXPERTS * (1 - h)) / disk
     lo = max(tc, tio)
     hi = tc + tio if slots == 1 else lo
     return dict(resident=resident, slots=slots, hit=h, tc=tc, tio=tio, lo=lo, hi=hi,
-                read=(TRUNK - resident) + EXPERTS * (1 - h))
+                read=(TRUNK - resident) / tpp + EXPERTS * (1 - h))
 
 
 MACHINES = [
@@ -92,12 +97,16 @@ def fmt(p):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--validate", action="store_true", help="only the check against the replica run")
+    ap.add_argument("--speculation", action="store_true", help="only the table of s/token by tokens per pass")
     a = ap.parse_args()
     p = project(*PRESETS["laptop"], mem_bw=HERE_MEM_BW, cores=2, disk=HERE_HOLE_BW)
     print("validation, laptop preset on the sparse replica here: projected %.1f-%.1f s/token "
           "(compute %.1f, reads %.1f GB at %.1f s); measured: %s"
           % (p["lo"], p["hi"], p["tc"], p["read"], p["tio"], MEASURED))
     if a.validate:
+        return
+    if a.speculation:
+        speculation()
         return
     print()
     print("| machine | preset (trunk+cache GB) | trunk resident GB | expert hit | GB read/token | s/token |")
@@ -114,6 +123,33 @@ def main():
             s = fmt(p0) if d0 == d1 else "%s (%.1f GB/s) / %s (%.1f GB/s)" % (fmt(p0), d0, fmt(p1), d1)
             print("| %s | %s (%g+%g) | %.1f | %.1f%% | %.1f | %s |"
                   % (name, pname, t, c, p0["resident"], 100 * p0["hit"], p0["read"], s))
+
+    print()
+    speculation()
+
+
+TPP = (1, 1.5, 2, 3, 4)
+
+
+def speculation():
+    """s/token against generated ids per forward pass (speculation), the seed's
+    machine at the laptop, workstation and server presets: the streamed trunk
+    is read once a pass (bench/speculate.sh measured it: an oracle-shaped
+    checkpoint streamed read 0.20x the trunk bytes a token at 4.97 generated ids a pass),
+    the experts each id selects are read as before (the release's 16 of 896 a
+    layer overlap little between ids; on the 8-expert oracle shape they did,
+    0.57x), and the compute a token is unchanged (no credit for batched
+    products). Rejected drafts' expert reads are not counted: the ceiling."""
+    print("| preset (trunk+cache GB), seed machine | GB read / token at 1 and 4 ids/pass | "
+          + " | ".join("s/token at %g ids/pass" % t for t in TPP) + " |")
+    print("|---|---|" + "---|" * len(TPP))
+    for pname in ("laptop", "workstation", "server"):
+        t, c = PRESETS[pname]
+        for disk in (3.2, 6.0):
+            cells = [fmt(project(t, c, 300.0, 128, disk, tpp=x)) for x in TPP]
+            p1, p4 = project(t, c, 300.0, 128, disk), project(t, c, 300.0, 128, disk, tpp=4)
+            print("| %s (%g+%g), NVMe %.1f GB/s | %.1f, %.1f | %s |"
+                  % (pname, t, c, disk, p1["read"], p4["read"], " | ".join(cells)))
 
 
 if __name__ == "__main__":

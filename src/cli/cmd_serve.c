@@ -49,6 +49,11 @@ const char *const cmd_serve_help =
     "  --queue N            requests that may wait while one computes (default 16);\n"
     "                       more get 429; 0: one computes and none waits\n"
     "  --max-body BYTES     largest request body (default 8M); larger get 413\n"
+    "  --request-timeout S  a request's headers and body must arrive within S\n"
+    "                       seconds of its first line (a new connection's first\n"
+    "                       line too); a slower client is disconnected (default 30)\n"
+    "  --client-connections N  connections one client address may hold open at\n"
+    "                       once (default 32; 256 in all); more are refused\n"
     "  --sse-keepalive S    a stream without an event for S seconds gets an SSE\n"
     "                       comment line, so read timeouts do not close it during\n"
     "                       a long prefill or wait (default 5; 0: never)\n"
@@ -81,6 +86,8 @@ typedef struct {
     uint64_t max_body;
     uint64_t state_cache_bytes;  /* --state-cache-gb */
     double keepalive_s;
+    double request_timeout_s;      /* --request-timeout (0: the server's default) */
+    unsigned client_connections;   /* --client-connections (0: the server's default) */
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } serve_args;
 
@@ -155,6 +162,16 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             NEED_VALUE();
             if (!k3_parse_i64(v, 0, 100000, &n)) return k3_usage_error("serve", "--queue: '%s' is not in 0..100000", v);
             a->queue = (int)n;
+        } else if (!strcmp(o, "--request-timeout")) {
+            NEED_VALUE();
+            double d;
+            if (!k3_parse_f64(v, &d) || !(d >= 0.5 && d <= 3600))
+                return k3_usage_error("serve", "--request-timeout: '%s' is not a number of seconds in [0.5, 3600]", v);
+            a->request_timeout_s = d;
+        } else if (!strcmp(o, "--client-connections")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 1, 256, &n)) return k3_usage_error("serve", "--client-connections: '%s' is not in 1..256", v);
+            a->client_connections = (unsigned)n;
         } else if (!strcmp(o, "--max-body")) {
             NEED_VALUE();
             if (!k3_parse_size(v, &a->max_body) || a->max_body < 1024 || a->max_body > ((uint64_t)1 << 32))
@@ -263,7 +280,8 @@ int cmd_serve(int argc, char **argv) {
                        .model_id = a.model_name ? a.model_name : base_name(a.eo.model_dir, nbuf, sizeof nbuf),
                        .max_body = (size_t)a.max_body, .queue = a.queue,
                        .max_tokens = a.max_tokens ? a.max_tokens : a.ctx, .keepalive_s = a.keepalive_s,
-                       .api_key = a.api_key, .cors = a.cors, .ncors = a.ncors, .verbose = a.verbose};
+                       .api_key = a.api_key, .cors = a.cors, .ncors = a.ncors, .verbose = a.verbose,
+                       .request_timeout_s = a.request_timeout_s, .client_connections = a.client_connections};
     k3_serve *s;
     if ((rc = k3_serve_start(&o, &sm, &s, &err))) {
         k3_serve_backend_quit(b, rc);

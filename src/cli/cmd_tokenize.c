@@ -149,10 +149,11 @@ int cmd_tokenize(int argc, char **argv) {
         return k3_report(&err);
     }
     /* Long inputs go in chunks cut where the ids cannot change (tok_safe_cut),
-     * printed as they come, with a progress bar. */
+     * with a progress bar; the ids are printed only once all are known, so a
+     * failure prints nothing on stdout (never a partial list). */
     k3_progress pr;
     k3_progress_start(&pr, "tokenize", len, true);
-    if (json) fputs("{\"ids\": [", stdout);
+    int32_t *all = NULL;
     size_t count = 0;
     int rc = K3_OK;
     for (size_t pos = 0; pos < len || (pos == 0 && len == 0);) {
@@ -161,9 +162,14 @@ int cmd_tokenize(int argc, char **argv) {
         size_t n;
         rc = tok_encode(t, in + pos, end - pos, allow, &ids, &n, &err);
         if (rc) break;
-        for (size_t i = 0; i < n; i++) printf(count + i ? (json ? ", %d" : ",%d") : "%d", ids[i]);
+        if (!all) {
+            all = ids;
+        } else {
+            all = xrealloc_array(all, count + n, sizeof *all);
+            if (n) memcpy(all + count, ids, n * sizeof *ids);
+            free(ids);
+        }
         count += n;
-        free(ids);
         pos = end;
         k3_progress_update(&pr, pos);
         if (len == 0) break;
@@ -171,9 +177,12 @@ int cmd_tokenize(int argc, char **argv) {
     k3_progress_finish(&pr);
     free(data);
     tok_free(t);
-    if (rc) return k3_report(&err);
-    if (json) printf("], \"count\": %zu}", count);
-    putchar('\n');
+    if (rc) {
+        free(all);
+        return k3_report(&err);
+    }
+    print_ids(all, count, json);
+    free(all);
     return finish_stdout();
 }
 

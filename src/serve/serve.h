@@ -89,6 +89,8 @@ typedef struct {
     const char *api_key;       /* NULL: none; else the API routes need "Authorization: Bearer KEY" (401) */
     const char *const *cors;   /* origins a browser page may call from ("*": any); besides the server's own */
     size_t ncors;
+    double request_timeout_s;  /* a request's headers and body must arrive within this; 0: 30 */
+    unsigned client_connections; /* open connections one client address may hold; 0: 32 */
     bool verbose;              /* log every request */
 } k3_serve_opts;
 

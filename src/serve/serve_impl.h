@@ -4,6 +4,7 @@
 #define K3_SERVE_IMPL_H
 
 #include "serve/serve.h"
+#include "web/http.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -45,6 +46,7 @@ struct k3_serve {
     k3_serve_model m;
     char model_id[128];
     struct MHD_Daemon *mhd;
+    k3_http_guard *guard;      /* slow clients: the request deadline */
     int listen_fd, port;
     bool loopback;
     int64_t started;

@@ -28,6 +28,7 @@
 
 #define WAIT_MS 100
 #define STOP_DRAIN_MS 2000
+#define IDLE_S 60 /* MHD's timeout: a connection that sends nothing this long is closed */
 #define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))
 
 
@@ -785,6 +786,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         *upload_data_size = 0;
         return MHD_YES;
     }
+    k3_http_guard_arrived(c); /* headers and body are in: computing is not slow input */
     if (rc->too_big) {
         k3_serve_error_set(&e, 413, "request_too_large", NULL, "the request body is over the limit of %zu bytes "
                 "(k3 serve --max-body)", s->o.max_body);
@@ -815,8 +817,9 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
 }
 
 static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
-    (void)c; (void)toe;
+    (void)toe;
     k3_serve *s = cls;
+    k3_http_guard_answered(c); /* the next request's clock starts */
     req_ctx *rc = *con_cls;
     if (!rc) return;
     atomic_fetch_sub(&s->n_open, 1);
@@ -843,6 +846,8 @@ int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **o
     atomic_init(&s->n_open, 0);
     if (s->o.max_body == 0) s->o.max_body = (size_t)8 << 20;
     if (s->o.queue < 0) s->o.queue = 0;
+    if (!(s->o.request_timeout_s > 0)) s->o.request_timeout_s = 30;
+    if (s->o.client_connections == 0) s->o.client_connections = 32;
     if (s->o.max_tokens <= 0) s->o.max_tokens = m->ctx_len;
     snprintf(s->model_id, sizeof s->model_id, "%s", o->model_id && *o->model_id ? o->model_id : "k3");
     s->started = (int64_t)time(NULL);
@@ -863,11 +868,21 @@ int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **o
         return k3_fail(err, K3_EXIT_RUNTIME, "cannot start the worker thread");
     }
     s->worker_started = true;
+    /* a keep-alive connection may sit idle as long as MHD's own timeout allows */
+    if ((rc = k3_http_guard_new(s->o.request_timeout_s, s->o.request_timeout_s > IDLE_S ? s->o.request_timeout_s : IDLE_S,
+                                &s->guard, err))) {
+        k3_serve_stop(s);
+        return rc;
+    }
     s->mhd = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0,
                               NULL, NULL, handle, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,
                               MHD_OPTION_NOTIFY_COMPLETED, completed, s, MHD_OPTION_LISTEN_SOCKET, s->listen_fd,
-                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)256, MHD_OPTION_CONNECTION_TIMEOUT,
-                              (unsigned)60, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)65536, MHD_OPTION_END);
+                              MHD_OPTION_NOTIFY_CONNECTION, k3_http_guard_notify, s->guard,
+                              MHD_OPTION_URI_LOG_CALLBACK, k3_http_guard_uri, s->guard,
+                              MHD_OPTION_CONNECTION_LIMIT, (unsigned)256,
+                              MHD_OPTION_PER_IP_CONNECTION_LIMIT, s->o.client_connections,
+                              MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)IDLE_S,
+                              MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)65536, MHD_OPTION_END);
     if (!s->mhd) {
         k3_serve_stop(s);
         return k3_fail(err, K3_EXIT_RUNTIME, "%s:%d: the HTTP server did not start", host, o->port);
@@ -909,6 +924,7 @@ void k3_serve_stop(k3_serve *s) {
     for (int t = 0; s->mhd && t < STOP_DRAIN_MS && atomic_load(&s->n_open) > 0; t += 10) usleep(10000);
     if (s->mhd) MHD_stop_daemon(s->mhd); /* closes the listening socket */
     else if (s->listen_fd >= 0) close(s->listen_fd);
+    k3_http_guard_free(s->guard);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->work_cv);
     free(s);

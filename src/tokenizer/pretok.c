@@ -131,17 +131,28 @@ int tok_split(const tok_splitter *s, const char *text, size_t len,
     if (!md) return k3_fail(err, K3_EXIT_RUNTIME, "pre-tokenizer: out of memory");
     pcre2_match_context *mc = NULL;
     pcre2_jit_stack *js = NULL;
+    size_t js_max = 0;       /* the private JIT stack's limit (0: the default 32 KiB one) */
+    uint32_t opts = PCRE2_NO_UTF_CHECK;
     int rc = K3_OK;
     size_t pos = 0;
     while (pos < len) {
-        int m = pcre2_match(s->re, (PCRE2_SPTR)text, len, pos, PCRE2_NO_UTF_CHECK, md, mc);
-        if (m == PCRE2_ERROR_JIT_STACKLIMIT && !js) {
-            /* A pathological piece outgrew the default 32 KiB JIT stack:
-             * retry this call with a large private one. */
-            js = pcre2_jit_stack_create(64 * 1024, 64u << 20, NULL);
-            mc = pcre2_match_context_create(NULL);
-            if (!js || !mc) { rc = k3_fail(err, K3_EXIT_RUNTIME, "pre-tokenizer: out of memory"); break; }
-            pcre2_jit_stack_assign(mc, NULL, js);
+        int m = pcre2_match(s->re, (PCRE2_SPTR)text, len, pos, opts, md, mc);
+        if (m == PCRE2_ERROR_JIT_STACKLIMIT) {
+            /* A long piece (a run of millions of letters) outgrew the JIT
+             * stack, which grows with the piece: retry with a private one,
+             * 64 MiB then doubling to 1 GiB (address space, used only as
+             * deep as the match goes); past that the interpreter, which
+             * keeps its backtracking on the heap. Same pattern, same pieces. */
+            pcre2_jit_stack_free(js);
+            js = NULL;
+            js_max = js_max ? js_max * 2 : (size_t)64 << 20;
+            if (!mc && !(mc = pcre2_match_context_create(NULL))) {
+                rc = k3_fail(err, K3_EXIT_RUNTIME, "pre-tokenizer: out of memory");
+                break;
+            }
+            if (js_max > ((size_t)1 << 30)) opts |= PCRE2_NO_JIT;
+            else if ((js = pcre2_jit_stack_create(64 * 1024, js_max, NULL))) pcre2_jit_stack_assign(mc, NULL, js);
+            else opts |= PCRE2_NO_JIT; /* no room for the stack: the interpreter */
             continue;
         }
         if (m < 0) {

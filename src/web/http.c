@@ -5,11 +5,13 @@
 #include <errno.h>
 #include <netdb.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 bool k3_http_is_loopback(const char *host) {
@@ -113,3 +115,120 @@ int k3_http_wait_stop(const sigset_t *stop) {
     while (sigwait(stop, &sig) != 0) {}
     return sig;
 }
+
+/* ---- slow clients ---- */
+typedef struct guard_conn {
+    struct guard_conn *prev, *next;
+    k3_http_guard *g;
+    int fd;
+    double due; /* k3_now() by which the next step must come; 0: none runs */
+    bool dropped;
+} guard_conn;
+
+struct k3_http_guard {
+    pthread_mutex_t mu;
+    pthread_t thread;
+    atomic_bool stop;
+    double request_s, idle_s;
+    guard_conn *head;
+    atomic_uint_fast64_t dropped;
+};
+
+static void *guard_main(void *arg) {
+    k3_http_guard *g = arg;
+    const struct timespec tick = {.tv_sec = 0, .tv_nsec = 250 * 1000 * 1000};
+    while (!atomic_load(&g->stop)) {
+        nanosleep(&tick, NULL);
+        double now = k3_now();
+        pthread_mutex_lock(&g->mu);
+        /* the socket stays open while it is listed: MHD notifies the close
+         * (which unlists it under this lock) before it closes the socket */
+        for (guard_conn *gc = g->head; gc; gc = gc->next)
+            if (gc->due > 0 && now > gc->due) {
+                shutdown(gc->fd, SHUT_RDWR);
+                gc->due = 0;
+                gc->dropped = true;
+                atomic_fetch_add(&g->dropped, 1);
+            }
+        pthread_mutex_unlock(&g->mu);
+    }
+    return NULL;
+}
+
+int k3_http_guard_new(double request_s, double idle_s, k3_http_guard **out, k3_err *err) {
+    k3_http_guard *g = xcalloc(1, sizeof *g);
+    pthread_mutex_init(&g->mu, NULL);
+    atomic_init(&g->stop, false);
+    atomic_init(&g->dropped, 0);
+    g->request_s = request_s;
+    g->idle_s = idle_s;
+    if (pthread_create(&g->thread, NULL, guard_main, g) != 0) {
+        pthread_mutex_destroy(&g->mu);
+        free(g);
+        return k3_fail(err, K3_EXIT_RUNTIME, "cannot start the slow-client watchdog thread");
+    }
+    *out = g;
+    return K3_OK;
+}
+
+void k3_http_guard_free(k3_http_guard *g) {
+    if (!g) return;
+    atomic_store(&g->stop, true);
+    pthread_join(g->thread, NULL);
+    while (g->head) { /* none after MHD_stop_daemon; kept safe regardless */
+        guard_conn *gc = g->head;
+        g->head = gc->next;
+        free(gc);
+    }
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+}
+
+uint64_t k3_http_guard_dropped(const k3_http_guard *g) { return g ? atomic_load(&g->dropped) : 0; }
+
+void k3_http_guard_notify(void *cls, struct MHD_Connection *c, void **socket_ctx,
+                          enum MHD_ConnectionNotificationCode code) {
+    k3_http_guard *g = cls;
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        if (!ci) return;
+        guard_conn *gc = xcalloc(1, sizeof *gc);
+        gc->g = g;
+        gc->fd = ci->connect_fd;
+        pthread_mutex_lock(&g->mu);
+        gc->due = k3_now() + g->request_s;
+        gc->next = g->head;
+        if (g->head) g->head->prev = gc;
+        g->head = gc;
+        pthread_mutex_unlock(&g->mu);
+        *socket_ctx = gc;
+    } else if (code == MHD_CONNECTION_NOTIFY_CLOSED && *socket_ctx) {
+        guard_conn *gc = *socket_ctx;
+        pthread_mutex_lock(&g->mu);
+        if (gc->prev) gc->prev->next = gc->next;
+        else g->head = gc->next;
+        if (gc->next) gc->next->prev = gc->prev;
+        pthread_mutex_unlock(&g->mu);
+        free(gc);
+        *socket_ctx = NULL;
+    }
+}
+
+static void guard_set(struct MHD_Connection *c, int what) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    guard_conn *gc = ci ? ci->socket_context : NULL;
+    if (!gc) return;
+    k3_http_guard *g = gc->g;
+    pthread_mutex_lock(&g->mu);
+    if (!gc->dropped) gc->due = what == 0 ? 0 : k3_now() + (what == 1 ? g->request_s : g->idle_s);
+    pthread_mutex_unlock(&g->mu);
+}
+
+void *k3_http_guard_uri(void *cls, const char *uri, struct MHD_Connection *c) {
+    (void)cls; (void)uri;
+    guard_set(c, 1);
+    return NULL;
+}
+
+void k3_http_guard_arrived(struct MHD_Connection *c) { guard_set(c, 0); }
+void k3_http_guard_answered(struct MHD_Connection *c) { guard_set(c, 2); }

@@ -39,6 +39,34 @@ struct MHD_Response *k3_http_buffer(const char *type, void *body, size_t len, en
 /* Queues r (NULL: MHD_NO, the connection is closed) and releases it. */
 enum MHD_Result k3_http_queue(struct MHD_Connection *c, unsigned code, struct MHD_Response *r);
 
+/* ---- slow clients ----
+ * libmicrohttpd's own timeout counts idleness: a client that sends one
+ * header byte every few seconds is never idle and holds its connection (and,
+ * with enough of them, every connection) forever. A guard gives each request
+ * a deadline instead: a connection must deliver a request's line within
+ * request_s of opening (idle_s of its previous answer: keep-alive), and the
+ * request's headers and body within request_s of its line; one that misses it is shut down (its
+ * socket, so the connection's thread sees the end and closes it). While a
+ * request is answered no deadline runs (a long generation is not slow input).
+ * A watchdog thread checks four times a second. Wiring, all four needed:
+ * MHD_OPTION_NOTIFY_CONNECTION k3_http_guard_notify and
+ * MHD_OPTION_URI_LOG_CALLBACK k3_http_guard_uri (cls: the guard), then
+ * k3_http_guard_arrived from the handler once the body is complete and
+ * k3_http_guard_answered from MHD_OPTION_NOTIFY_COMPLETED. */
+typedef struct k3_http_guard k3_http_guard;
+/* K3_EXIT_RUNTIME when the thread cannot start. */
+int k3_http_guard_new(double request_s, double idle_s, k3_http_guard **out, k3_err *err);
+/* After MHD_stop_daemon (no connection left). NULL: nothing. */
+void k3_http_guard_free(k3_http_guard *g);
+void k3_http_guard_notify(void *cls, struct MHD_Connection *c, void **socket_ctx,
+                          enum MHD_ConnectionNotificationCode code);
+/* Returns NULL (the request's first con_cls stays NULL). */
+void *k3_http_guard_uri(void *cls, const char *uri, struct MHD_Connection *c);
+void k3_http_guard_arrived(struct MHD_Connection *c);
+void k3_http_guard_answered(struct MHD_Connection *c);
+/* Connections shut down for missing a deadline so far. */
+uint64_t k3_http_guard_dropped(const k3_http_guard *g);
+
 /* A server's main thread, before any other thread exists: blocks SIGINT,
  * SIGTERM and SIGHUP (every thread inherits the mask, so they reach only
  * k3_http_wait_stop) and ignores SIGPIPE (a client that hangs up must not

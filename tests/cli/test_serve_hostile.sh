@@ -70,6 +70,64 @@ error_is preflight-refused 403 forbidden_origin
 if grep -qi '^Access-Control-Allow-Origin' "$OUT/head"; then fail preflight-refused-no-cors "$(cat "$OUT/head")"; else pass preflight-refused-no-cors; fi
 stop_wait "$SPID"; check stop "$RC" 0
 
+# ---- slow clients: a request's headers or body that trickle past --request-timeout
+# are cut off while other clients are answered; one address holds at most
+# --client-connections connections ----
+start_server "$OUT/slow.log" "$K3" serve "$MODEL" --port 0 --request-timeout 2 --client-connections 4 \
+  || { fail start-slow "$(head -c 300 "$OUT/slow.log.err")"; finish; exit 1; }
+URL=${SERVER_URL%/}; SPID=$SERVER_PID; PORT=$SERVER_PORT
+# trickle PORT WHAT: WHAT=headers sends a header byte, WHAT=body a body byte,
+# every 0.3 s for up to 12 s; prints "closed SECONDS" when the server hangs up
+cat >"$OUT/trickle.py" <<'EOF2'
+import socket, sys, time
+port, what = int(sys.argv[1]), sys.argv[2]
+s = socket.create_connection(("127.0.0.1", port))
+head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+if what == "body": head += b"Content-Length: 1000\r\n\r\n"
+else: head += b"X-Slow: "
+t0 = time.time()
+s.sendall(head)
+s.settimeout(0.3)
+while time.time() - t0 < 12:
+    try:
+        if s.recv(4096) == b"": print("closed %.1f" % (time.time() - t0)); sys.exit(0)
+    except socket.timeout: pass
+    except OSError: print("closed %.1f" % (time.time() - t0)); sys.exit(0)
+    try: s.sendall(b"a")
+    except OSError: print("closed %.1f" % (time.time() - t0)); sys.exit(0)
+print("open 12")
+EOF2
+for what in headers body; do
+  python3 "$OUT/trickle.py" "$PORT" $what >"$OUT/trickle-$what.out" 2>&1 &
+  TP=$!
+  sleep 0.5
+  # meanwhile another client is answered
+  req POST "$URL/v1/completions" -H "$JSON" --data-binary '{"prompt":"Hi","max_tokens":2}'
+  check "slow-$what-others-served" "$CODE" 200
+  wait "$TP"
+  t=$(sed -nE 's/^closed ([0-9.]+)$/\1/p' "$OUT/trickle-$what.out")
+  if [ -n "$t" ] && python3 -c "import sys; sys.exit(not (1.5 <= float('$t') <= 6))"; then pass "slow-$what-dropped"
+  else fail "slow-$what-dropped" "$(cat "$OUT/trickle-$what.out")"; fi
+done
+# five idle connections from one address: the fifth is closed at once, the
+# first four until their deadline; afterwards a request is served again
+python3 - "$PORT" >"$OUT/perip.out" 2>&1 <<'EOF2'
+import socket, sys, time
+port = int(sys.argv[1])
+conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
+def closed(s, wait):
+    s.settimeout(wait)
+    try: return s.recv(1) == b""
+    except socket.timeout: return False
+    except OSError: return True
+time.sleep(0.3)
+print("fifth-closed", closed(conns[4], 1.0), "first-open", not closed(conns[0], 0.2))
+EOF2
+check per-client-limit "$(cat "$OUT/perip.out")" "fifth-closed True first-open True"
+req POST "$URL/v1/completions" -H "$JSON" --data-binary '{"prompt":"Hi","max_tokens":2}'
+check per-client-after "$CODE" 200
+stop_wait "$SPID"; check slow-stop "$RC" 0
+
 # ---- a stop with requests in flight: each gets a well-formed end ----
 # (a sampled request that runs 400 tokens without meeting the end id, as test_serve.sh finds)
 LONG=
