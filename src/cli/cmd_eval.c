@@ -66,7 +66,9 @@ const char *const cmd_eval_help =
     "                       max_position_embeddings, at most 4096; else 256, the\n"
     "                       k3 train default --seq-len)\n"
     "  --stride S           tokens between window starts, 1..ctx (default: ctx)\n"
-    "  --max-tokens N       score only the first N tokens of the text (N >= 2)\n"
+    "  --max-tokens N       score only the first N tokens of the text (N >= 2);\n"
+    "                       under --compare with two tokenizers those are two\n"
+    "                       spans of text: the output says so (same_span)\n"
     "  --compare A B        score the text with two models, side by side\n"
     "  --json               print a JSON object (nats_per_token, bits_per_byte,\n"
     "                       tokens, bytes, ctx, stride, windows, total_nats,\n"
@@ -84,6 +86,7 @@ typedef struct {
     const char *model;
     double nats;
     int64_t tokens, bytes, windows;
+    int64_t span_bytes;   /* text bytes of the ids scored from (--max-tokens cuts by tokens) */
     int ctx, stride;
 } eval_result;
 
@@ -213,6 +216,13 @@ static int eval_model(const eval_args *a, const char *model_dir, const eval_text
     size_t n = 0;
     if ((rc = encode_text(e, a->text_path, text, &ids, &n, err))) goto out;
     if (a->max_tokens && (int64_t)n > a->max_tokens) n = (size_t)a->max_tokens;
+    {
+        const int nb = tok_n_base(e->tok);
+        for (size_t i = 0; i < n; i++) {
+            size_t bl = 0;
+            if (ids[i] < nb && tok_token_bytes(e->tok, ids[i], &bl)) res->span_bytes += (int64_t)bl;
+        }
+    }
     if (n < 2) {
         rc = k3_fail(err, K3_EXIT_USAGE, "%s: the text is %zu token%s: nothing to score (need at least 2)", a->text_path,
                      n, n == 1 ? "" : "s");
@@ -277,6 +287,7 @@ static json_t *result_json(const eval_result *r, const char *text, const eval_te
     json_object_set_new(o, "bits_per_byte", r->bytes ? json_real(bpb(r)) : json_null());
     json_object_set_new(o, "tokens", json_integer(r->tokens));
     json_object_set_new(o, "bytes", json_integer(r->bytes));
+    json_object_set_new(o, "span_bytes", json_integer(r->span_bytes));
     json_object_set_new(o, "ctx", json_integer(r->ctx));
     json_object_set_new(o, "stride", json_integer(r->stride));
     json_object_set_new(o, "windows", json_integer(r->windows));
@@ -311,6 +322,9 @@ static void print_compare(const eval_result *r, const char *text, const eval_tex
     printf("%-16s %18.6f %18.6f\n", "bits per byte", bpb(&r[0]), bpb(&r[1]));
     printf("%-16s %18lld %18lld\n", "tokens", (long long)r[0].tokens, (long long)r[1].tokens);
     printf("%-16s %18lld %18lld\n", "bytes", (long long)r[0].bytes, (long long)r[1].bytes);
+    if (r[0].span_bytes != r[1].span_bytes) /* two tokenizers: N tokens are not the same text */
+        printf("note: --max-tokens cuts the text after %lld bytes for A and %lld for B: the two scores are of "
+               "different spans, not comparable\n", (long long)r[0].span_bytes, (long long)r[1].span_bytes);
 }
 
 int cmd_eval(int argc, char **argv) {
@@ -389,8 +403,9 @@ int cmd_eval(int argc, char **argv) {
         return k3_report(&err);
     }
     if (a.json) {
-        json_t *o = compare ? json_pack("{s:o, s:o}", "a", result_json(&res[0], a.text_path, &t), "b",
-                                        result_json(&res[1], a.text_path, &t))
+        json_t *o = compare ? json_pack("{s:o, s:o, s:b}", "a", result_json(&res[0], a.text_path, &t), "b",
+                                        result_json(&res[1], a.text_path, &t), "same_span",
+                                        res[0].span_bytes == res[1].span_bytes)
                             : result_json(&res[0], a.text_path, &t);
         char *s = json_dumps(o, JSON_INDENT(1) | JSON_REAL_PRECISION(17));
         json_decref(o);

@@ -95,6 +95,10 @@ int cmd_export(int argc, char **argv) {
     }
     if (npos != 2) return k3_usage_error("export", "want CHECKPOINT and OUT_DIR");
     const char *ckpt_path = pos[0], *out_dir = pos[1];
+    struct stat cst;
+    if (stat(ckpt_path, &cst) == 0 && S_ISDIR(cst.st_mode)) /* a run directory reads as shards of one model */
+        return k3_usage_error("export", "%s is a directory: give the checkpoint file, e.g. %s/latest.safetensors or "
+                              "%s/best.safetensors of a k3 train run", ckpt_path, ckpt_path, ckpt_path);
 
     k3_err err = {0};
     tckpt ck;

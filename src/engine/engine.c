@@ -87,7 +87,7 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
         if (!k3_parse_size(v, &o->max_memory) || !o->max_memory)
             return k3_fail(err, K3_EXIT_USAGE, "%s: --max-memory: '%s' is not a size like 512M or 8G", cmd, v);
     } else {
-        return k3_runmem_parse(&o->mem, argc, argv, i, used, err);
+        return k3_runmem_parse(&o->mem, cmd, argc, argv, i, used, err);
     }
 #undef VALUE
     return K3_OK;

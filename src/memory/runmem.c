@@ -12,7 +12,7 @@ void k3_runmem_args_init(k3_runmem_args *a) {
     a->budget = k3_budget_default();
 }
 
-int k3_runmem_parse(k3_runmem_args *a, int argc, char **argv, int *i, bool *used, k3_err *err) {
+int k3_runmem_parse(k3_runmem_args *a, const char *cmd, int argc, char **argv, int *i, bool *used, k3_err *err) {
     const char *o = argv[*i];
     static const char *const with_value[] = {"--trunk", "--preset", "--trunk-gb", "--cache-gb", "--chunk",
                                              "--cache-policy", "--dump-cache-trace"};
@@ -26,7 +26,7 @@ int k3_runmem_parse(k3_runmem_args *a, int argc, char **argv, int *i, bool *used
     for (size_t k = 0; k < sizeof with_value / sizeof *with_value; k++) mine |= !strcmp(o, with_value[k]);
     if (!mine) return K3_OK;
     *used = true;
-    if (*i + 1 >= argc) return k3_fail(err, K3_EXIT_USAGE, "run: %s needs a value", o);
+    if (*i + 1 >= argc) return k3_fail(err, K3_EXIT_USAGE, "%s: %s needs a value", cmd, o);
     const char *v = argv[++*i];
     if (!strcmp(o, "--trunk")) {
         a->so.trunk_dir = v;
@@ -35,7 +35,7 @@ int k3_runmem_parse(k3_runmem_args *a, int argc, char **argv, int *i, bool *used
         return k3_budget_apply_preset(&a->budget, v, err);
     } else if (!strcmp(o, "--trunk-gb") || !strcmp(o, "--cache-gb")) {
         double g;
-        if (k3_parse_gb(v, &g, err)) return k3_fail(err, K3_EXIT_USAGE, "run: %s: '%s' is not a size in GB >= 0", o, v);
+        if (k3_parse_gb(v, &g, err)) return k3_fail(err, K3_EXIT_USAGE, "%s: %s: '%s' is not a size in GB >= 0", cmd, o, v);
         if (o[2] == 't') a->budget.trunk_gb = g;
         else a->budget.cache_gb = g;
         a->budget.preset = NULL;
@@ -44,12 +44,12 @@ int k3_runmem_parse(k3_runmem_args *a, int argc, char **argv, int *i, bool *used
         char *end;
         errno = 0;
         long c = strtol(v, &end, 10);
-        if (errno || *end || c < 1 || c > 4096) return k3_fail(err, K3_EXIT_USAGE, "run: --chunk: '%s' is not in 1..4096", v);
+        if (errno || *end || c < 1 || c > 4096) return k3_fail(err, K3_EXIT_USAGE, "%s: --chunk: '%s' is not in 1..4096", cmd, v);
         a->so.chunk = (int)c;
     } else if (!strcmp(o, "--cache-policy")) {
         if (!strcmp(v, "lfu")) a->so.policy = XC_LFU;
         else if (!strcmp(v, "lru")) a->so.policy = XC_LRU;
-        else return k3_fail(err, K3_EXIT_USAGE, "run: --cache-policy: '%s' is not lfu or lru", v);
+        else return k3_fail(err, K3_EXIT_USAGE, "%s: --cache-policy: '%s' is not lfu or lru", cmd, v);
     } else {
         a->so.trace_dir = v;
     }

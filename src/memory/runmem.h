@@ -32,7 +32,8 @@ typedef struct {
 void k3_runmem_args_init(k3_runmem_args *a);
 /* If argv[*i] is one of the flags above, consumes it (and its value, moving
  * *i) and sets *used; usage errors return K3_EXIT_USAGE with err filled. */
-int k3_runmem_parse(k3_runmem_args *a, int argc, char **argv, int *i, bool *used, k3_err *err);
+/* cmd: the command the errors name ("run", "serve", ...). */
+int k3_runmem_parse(k3_runmem_args *a, const char *cmd, int argc, char **argv, int *i, bool *used, k3_err *err);
 /* Help lines for the flags (a string literal, to splice into the command's help). */
 #define K3_RUNMEM_HELP \
     "memory (the output ids are the same at every budget):\n" \

@@ -718,6 +718,14 @@ static bool json_content(const char *ct) {
     return ct[16] == 0 || ct[16] == ';' || ct[16] == ' ';
 }
 
+static enum MHD_Result count_length_header(void *cls, enum MHD_ValueKind kind, const char *key, const char *value) {
+    (void)kind; (void)value;
+    int *n = cls;
+    if (!strcasecmp(key, "Content-Length")) n[0]++;
+    if (!strcasecmp(key, "Transfer-Encoding")) n[1]++;
+    return MHD_YES;
+}
+
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                               const char *version, const char *upload_data, size_t *upload_data_size,
                               void **con_cls) {
@@ -730,6 +738,16 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         int route = route_of(s, url, &asset);
         if (s->loopback && !k3_http_host_allowed(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host"))) {
             k3_serve_error_set(&e, 403, "forbidden_host", NULL, "the Host header names no loopback address");
+            return respond_error(s, c, method, url, &e);
+        }
+        /* two lengths (or a length beside chunking) leave the body's end to
+         * whichever a proxy in front believed: refused, as HTTP/1.1 says */
+        int framing[2] = {0, 0};
+        MHD_get_connection_values(c, MHD_HEADER_KIND, count_length_header, framing);
+        if (framing[0] > 1 || (framing[0] && framing[1])) {
+            k3_serve_error_set(&e, 400, "invalid_framing", NULL, framing[0] > 1 ? "the request has %d Content-Length "
+                    "headers: send one" : "the request has both Content-Length and Transfer-Encoding: send one",
+                    framing[0]);
             return respond_error(s, c, method, url, &e);
         }
         if (route == R_NONE) {

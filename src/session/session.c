@@ -88,9 +88,11 @@ static bool chain_matches(const seg *g, const int32_t *ids, int pos) {
 
 int k3_state_cache_parse_gb(const char *cmd, const char *v, uint64_t *bytes, k3_err *err) {
     double gb;
-    if (!k3_parse_f64(v, &gb) || gb < 0 || gb > 1e6)
+    if (!k3_parse_f64(v, &gb) || gb < 0)
         return k3_fail(err, K3_EXIT_USAGE, "%s: --state-cache-gb: '%s' is not a size in GB >= 0 (see 'k3 help %s')",
                        cmd, v, cmd);
+    if (gb > 1e6) /* past a petabyte: a typo, and past it the byte count would not fit */
+        return k3_fail(err, K3_EXIT_USAGE, "%s: --state-cache-gb: %s is over the largest budget, 1000000 GB", cmd, v);
     *bytes = (uint64_t)(gb * 1e9);
     return K3_OK;
 }

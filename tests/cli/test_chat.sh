@@ -152,12 +152,34 @@ expect_exit no_tokenizer 2 $K3 chat tests/fixtures/gen/k3_like </dev/null
 expect_exit no_xtml 2 $K3 chat models/default </dev/null
 expect_err_contains no_xtml "XTML"
 expect_exit bad_flag 2 $K3 chat $M --state-cache-gb lots </dev/null
+# --load of a link to an endless device: refused at once, bounded in time and memory
+ln -sf /dev/zero "$OUT/zero.k3session"
+expect_exit load_dev_zero 2 bash -c "$MEM_CAP timeout 20 '$K3' chat '$M' --load '$OUT/zero.k3session' </dev/null"
+expect_err_contains load_dev_zero "not a regular file"
 # invalid UTF-8 is refused with one line, as `k3 run --prompt` refuses it, never sent as an empty message
 expect_exit bad_utf8_line 2 $CHAT < <(printf 'caf\xe9 au lait\n')
 expect_err_contains bad_utf8_line "UTF-8"
 expect_exit bad_utf8_system 2 $K3 chat $M --system "$(printf 'caf\xe9')" </dev/null
 expect_err_contains bad_utf8_system "UTF-8"
 expect_exit bad_cmd 2 $CHAT <<<'/frobnicate'
+
+# the engine's flags name the command they were given to; a state cache past
+# the largest budget says so
+for c in chat eval serve; do
+  expect_exit "chunk0_$c" 2 $K3 $c $M --chunk 0 </dev/null
+  expect_err_contains "chunk0_$c" "$c: --chunk: '0' is not in 1..4096"
+done
+expect_exit state_cache_huge 2 $K3 chat $M --state-cache-gb 1e30 </dev/null
+expect_err_contains state_cache_huge "over the largest budget"
+# eval --compare --max-tokens with two tokenizers: N tokens are two spans of
+# text, and the output says so (the same tokenizer twice: the same span)
+printf 'Internationalization and extraordinarily unconventional photosynthesis.\n' >"$OUT/span.txt"
+expect_exit compare_spans 0 $K3 eval --compare tests/fixtures/trained-5m $M --text "$OUT/span.txt" --max-tokens 8 --quiet
+expect_out_contains compare_spans "different spans"
+expect_exit compare_spans_json 0 $K3 eval --compare tests/fixtures/trained-5m $M --text "$OUT/span.txt" --max-tokens 8 --quiet --json
+grep -q '"same_span": false' "$OUT/compare_spans_json.out" && pass compare_spans:json || fail compare_spans:json
+expect_exit compare_same 0 $K3 eval --compare $M $M --text "$OUT/span.txt" --max-tokens 8 --quiet
+grep -q 'different spans' "$OUT/compare_same.out" && fail compare_same:no_note || pass compare_same:no_note
 
 # a line that fails (a /save, /load or --out that cannot be done) prints one
 # error line and the chat goes on with the conversation kept; the exit status

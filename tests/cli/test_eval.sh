@@ -106,4 +106,7 @@ expect_exit compare-one 2 $K3 eval --compare "$OUT/model" --text "$OUT/val-joine
 expect_exit bad-flag 2 $K3 eval "$OUT/model" --text "$OUT/val-joined.txt" --bogus
 expect_exit help 0 $K3 eval --help
 expect_out_contains help "bits per byte"
+# an endless text is refused at once, bounded in time and memory
+expect_exit text_dev_zero 2 bash -c "$MEM_CAP timeout 20 '$K3' eval tests/fixtures/trained-5m --text /dev/zero"
+expect_err_contains text_dev_zero "not a regular file"
 finish

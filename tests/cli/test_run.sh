@@ -113,5 +113,8 @@ expect_exit expert-dtype 4 $K3 run "$OUT/expert" --ids 1
 expect_err_contains expert-dtype "experts.3.w2.weight_packed: dtype"
 # --layers 1 needs only layer 0: a broken layer 2 is not read
 expect_exit layers-skip 0 $K3 run "$OUT/missing" --ids 1 --gen 1 --layers 1 --quiet
+# an endless prompt file is refused at once, bounded in time and memory
+expect_exit prompt_file_dev_zero 2 bash -c "$MEM_CAP timeout 20 '$K3' run tests/fixtures/trained-5m --prompt-file /dev/zero"
+expect_err_contains prompt_file_dev_zero "not a regular file"
 
 finish

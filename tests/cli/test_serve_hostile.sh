@@ -126,6 +126,30 @@ EOF2
 check per-client-limit "$(cat "$OUT/perip.out")" "fifth-closed True first-open True"
 req POST "$URL/v1/completions" -H "$JSON" --data-binary '{"prompt":"Hi","max_tokens":2}'
 check per-client-after "$CODE" 200
+# a body framed twice (two Content-Length headers, or one beside chunking): 400 with an error object
+cat >"$OUT/framing.py" <<'EOF2'
+import json, socket, sys
+port, which = int(sys.argv[1]), sys.argv[2]
+b = b'{"prompt":"Hi","max_tokens":2}'
+h = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nConnection: close\r\n"
+h += b"Content-Length: %d\r\n" % len(b)
+h += b"Content-Length: %d\r\n" % len(b) if which == "two" else b"Transfer-Encoding: chunked\r\n"
+s = socket.create_connection(("127.0.0.1", port)); s.settimeout(10)
+s.sendall(h + b"\r\n" + b)
+out = b""
+try:
+    while True:
+        d = s.recv(65536)
+        if not d: break
+        out += d
+except OSError: pass
+head, _, body = out.partition(b"\r\n\r\n")
+try: code = json.loads(body)["error"]["code"]
+except Exception: code = body[:80]
+print(head.split(b"\r\n")[0].decode(errors="replace"), code)
+EOF2
+check two-content-length "$(python3 "$OUT/framing.py" "$PORT" two 2>&1)" "HTTP/1.1 400 Bad Request invalid_framing"
+check length-and-chunked "$(python3 "$OUT/framing.py" "$PORT" te 2>&1)" "HTTP/1.1 400 Bad Request invalid_framing"
 stop_wait "$SPID"; check slow-stop "$RC" 0
 
 # ---- a stop with requests in flight: each gets a well-formed end ----
