@@ -217,10 +217,10 @@ static int eval_model(const eval_args *a, const char *model_dir, const eval_text
     if ((rc = encode_text(e, a->text_path, text, &ids, &n, err))) goto out;
     if (a->max_tokens && (int64_t)n > a->max_tokens) n = (size_t)a->max_tokens;
     {
-        const int nb = tok_n_base(e->tok);
+        const int nb = tok_n_base(k3_engine_tokenizer(e));
         for (size_t i = 0; i < n; i++) {
             size_t bl = 0;
-            if (ids[i] < nb && tok_token_bytes(e->tok, ids[i], &bl)) res->span_bytes += (int64_t)bl;
+            if (ids[i] < nb && tok_token_bytes(k3_engine_tokenizer(e), ids[i], &bl)) res->span_bytes += (int64_t)bl;
         }
     }
     if (n < 2) {
