@@ -16,6 +16,7 @@
 #include "harness.h"
 #include "model/model.h"
 #include "engine/engine.h"
+#include "formats/identity.h"
 #include "session/session.h"
 #include "train/export.h"
 #include "train/train.h"
@@ -428,7 +429,7 @@ TEST(session_engine_streamed_budget_matches_cold) {
     CHECKF(k3_engine_open(&o, &e, &err) == 0, "%s", err.msg);
     k3_state *st;
     CHECKF(k3_engine_state_new(e, 128, 0, &st, &err) == 0, "%s", err.msg);
-    k3_state_cache *sc = k3_state_cache_new(e->cfg, 64 << 20, G);
+    k3_state_cache *sc = k3_state_cache_new(k3_engine_config(e), 64 << 20, G);
     k3_session *s = k3_session_open(e, st, sc);
     int32_t a[70], b[70];
     fill_ids(a, 70, 21);
@@ -490,7 +491,7 @@ TEST(session_prefill_cancel_keeps_a_true_state) {
     k3_state *st, *st2;
     CHECKF(k3_engine_state_new(e, 128, 0, &st, &err) == 0, "%s", err.msg);
     CHECKF(k3_engine_state_new(e, 128, 0, &st2, &err) == 0, "%s", err.msg);
-    k3_state_cache *sc = k3_state_cache_new(e->cfg, 64 << 20, G);
+    k3_state_cache *sc = k3_state_cache_new(k3_engine_config(e), 64 << 20, G);
     k3_session *s = k3_session_open(e, st, sc);
     int32_t a[60];
     fill_ids(a, 60, 33);

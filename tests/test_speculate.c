@@ -251,21 +251,21 @@ TEST(spec_draft_model_follows_the_history) {
     CHECK(k3_drafter_propose(d, h, 10, 4, a, &ga, &err) == 0 && ga == 4);
     /* greedy: feeding the drafts to a plain state gives them back */
     k3_state *s;
-    float *lg = xmalloc_array((size_t)e->vocab, sizeof *lg);
-    CHECK(k3_state_new(e->model, 64, &s, &err) == 0);
-    CHECK(k3_forward(e->model, s, h, 10, lg, false, &err) == 0);
+    float *lg = xmalloc_array((size_t)k3_engine_vocab(e), sizeof *lg);
+    CHECK(k3_state_new(k3_engine_model(e), 64, &s, &err) == 0);
+    CHECK(k3_forward(k3_engine_model(e), s, h, 10, lg, false, &err) == 0);
     for (int i = 0; i < 4; i++) {
-        CHECKF(k3_argmax(lg, e->vocab) == a[i], "draft %d is not the greedy id", i);
-        CHECK(k3_forward(e->model, s, &a[i], 1, lg, false, &err) == 0);
+        CHECKF(k3_argmax(lg, k3_engine_vocab(e)) == a[i], "draft %d is not the greedy id", i);
+        CHECK(k3_forward(k3_engine_model(e), s, &a[i], 1, lg, false, &err) == 0);
     }
     /* the target kept the first draft and then sampled something else */
     h[10] = a[0];
-    h[11] = (a[1] + 1) % e->vocab;
+    h[11] = (a[1] + 1) % k3_engine_vocab(e);
     CHECK(k3_drafter_propose(d, h, 12, 3, a, &ga, &err) == 0);
     CHECK(k3_drafter_propose(f, h, 12, 3, b, &gb, &err) == 0);
     CHECK(ga == 3 && gb == 3 && !memcmp(a, b, sizeof(int32_t) * 3));
     /* and none of them: a history that shares nothing past the old one */
-    h[9] = (h[9] + 1) % e->vocab;
+    h[9] = (h[9] + 1) % k3_engine_vocab(e);
     CHECK(k3_drafter_propose(d, h, 10, 2, a, &ga, &err) == 0);
     CHECK(k3_drafter_propose(f, h, 10, 2, b, &gb, &err) == 0);
     CHECK(ga == 2 && gb == 2 && !memcmp(a, b, sizeof(int32_t) * 2));
@@ -307,11 +307,11 @@ static int32_t *generate(k3_engine *e, const char *draft_dir, int kmax, float te
             fprintf(stderr, "  %s\n", err.msg);
             return NULL;
         }
-        sp = k3_spec_new(d, kmax, e->vocab);
+        sp = k3_spec_new(d, kmax, k3_engine_vocab(e));
     }
     k3_sampler smp;
-    k3_sampler_init(&smp, e->vocab, temp, 0, 1.0f, 0, 7);
-    float *lg = xmalloc_array((size_t)e->vocab, sizeof *lg);
+    k3_sampler_init(&smp, k3_engine_vocab(e), temp, 0, 1.0f, 0, 7);
+    float *lg = xmalloc_array((size_t)k3_engine_vocab(e), sizeof *lg);
     int32_t *ids = xmalloc_array((size_t)ngen, sizeof *ids);
     int rc = k3_session_prefill(s, prompt, (size_t)np, lg, NULL, &err);
     for (int g = 0; !rc && g < ngen; g++) {
@@ -325,7 +325,7 @@ static int32_t *generate(k3_engine *e, const char *draft_dir, int kmax, float te
         free(ids);
         ids = NULL;
     } else {
-        *sbytes = (size_t)k3_state_snapshot_bytes(e->cfg, k3_state_pos(ks));
+        *sbytes = (size_t)k3_state_snapshot_bytes(k3_engine_config(e), k3_state_pos(ks));
         *state = xmalloc(*sbytes);
         k3_state_save(ks, *state);
     }
@@ -348,7 +348,7 @@ static void spec_equals_plain(const char *draft, int threads) {
     k3_err err = {0};
     int32_t *pi = NULL;
     const char *text = "Once upon a time, there was a little girl named Lily. She loved to play. Lily";
-    CHECKF(tok_encode(e->tok, text, strlen(text), false, &pi, &np, &err) == 0, "%s", err.msg);
+    CHECKF(tok_encode(k3_engine_tokenizer(e), text, strlen(text), false, &pi, &np, &err) == 0, "%s", err.msg);
     CHECK(np > 0 && np < 64);
     memcpy(prompt, pi, np * sizeof *pi);
     free(pi);

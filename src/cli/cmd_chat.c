@@ -326,7 +326,7 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     }
     int source = k3_session_last_source(c->s);
     k3_sampler sp;
-    k3_sample_opts_sampler(&a->so, c->e->vocab, (uint64_t)c->turn, &sp);
+    k3_sample_opts_sampler(&a->so, k3_engine_vocab(c->e), (uint64_t)c->turn, &sp);
     k3_chat_parser *p = k3_chat_parser_new(c->chat, c->thinking);
     chat_reply cr = {.c = c, .p = p};
     double t_end;
@@ -367,7 +367,7 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
         k3_session_reset(c->s);
         if (c->spec) { /* a pass the error left open is gone with the reset */
             k3_spec_free(c->spec);
-            c->spec = k3_spec_new(c->drafter, (int)a->speculate, c->e->vocab);
+            c->spec = k3_spec_new(c->drafter, (int)a->speculate, k3_engine_vocab(c->e));
         }
         return rc;
     }
@@ -435,7 +435,7 @@ static int save(chat_ctx *c, const char *path, k3_err *err) {
     json_decref(x);
     if (!txt) return k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot serialise the conversation", path);
     /* (under mpirun every rank prefilled alike; rank 0 writes the file) */
-    rc = c->e->rank == 0 ? k3_session_save(c->s, path, c->model_id, txt, strlen(txt), err) : K3_OK;
+    rc = k3_engine_rank(c->e) == 0 ? k3_session_save(c->s, path, c->model_id, txt, strlen(txt), err) : K3_OK;
     free(txt);
     if (!rc) fprintf(stderr, "[saved %zu tokens to %s]\n", k3_session_len(c->s), path);
     return rc;
@@ -516,31 +516,31 @@ static int chat(const chat_args *a, k3_err *err, bool *reported) {
     if (rc) return rc;
     /* under mpirun: rank 0 reads the input and talks, every rank computes */
     chat_args quiet_rank;
-    if (c.e->rank > 0) {
+    if (k3_engine_rank(c.e) > 0) {
         quiet_rank = *a;
         quiet_rank.out = NULL;
         a = c.a = &quiet_rank;
         k3_dist_silence_others();
     }
     const char *tok_dir = eo.tok_dir ? eo.tok_dir : a->model_dir;
-    if ((rc = k3_chat_new(c.e->tok, &c.chat, err))) {
+    if ((rc = k3_chat_new(k3_engine_tokenizer(c.e), &c.chat, err))) {
         k3_err inner = *err;
         k3_fail(err, rc, "%s: %s", tok_dir, inner.msg);
         goto done;
     }
-    const k3_config *cfg = c.e->cfg;
+    const k3_config *cfg = k3_engine_config(c.e);
     uint64_t budget = a->cold ? 0 : a->cache_bytes;
-    uint64_t V = (uint64_t)c.e->vocab;
+    uint64_t V = (uint64_t)k3_engine_vocab(c.e);
     if ((rc = k3_engine_state_new(c.e, a->max_ctx, budget + V * sizeof(float), &c.st, err))) goto done;
     if ((rc = k3_engine_identity(c.e, &c.model_id, err))) goto done;
     c.cache = k3_state_cache_new(cfg, budget, (int)a->grid);
     c.s = k3_session_open(c.e, c.st, c.cache);
-    if (a->draft && c.e->ranks > 1) {
+    if (a->draft && k3_engine_ranks(c.e) > 1) {
         rc = k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
         goto ready;
     }
     if ((rc = k3_drafter_for(c.e, a->draft, (int)a->speculate, a->max_ctx, &c.drafter, err))) goto ready;
-    if (c.drafter) c.spec = k3_spec_new(c.drafter, (int)a->speculate, c.e->vocab);
+    if (c.drafter) c.spec = k3_spec_new(c.drafter, (int)a->speculate, k3_engine_vocab(c.e));
     c.logits = xmalloc_array((size_t)V, sizeof *c.logits);
     c.turns = json_array();
     c.tty_in = isatty(0);
@@ -551,7 +551,7 @@ static int chat(const chat_args *a, k3_err *err, bool *reported) {
         fprintf(stderr,
                 "k3 chat: %s, %d layers, threads %d; context %lld; state cache %s (a snapshot: %s + %s per position, "
                 "grid %d); thinking %s\n",
-                a->model_dir, cfg->num_layers, c.e->threads, (long long)a->max_ctx,
+                a->model_dir, cfg->num_layers, k3_engine_threads(c.e), (long long)a->max_ctx,
                 k3_size_str(budget), k3_size_str(cs.kda_bytes), k3_size_str(cs.row_bytes), cs.grid, c.thinking ? "on" : "off");
     }
     if (a->load) rc = load(&c, a->load, err);
@@ -590,7 +590,7 @@ ready:
             r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message is not valid UTF-8 (byte %zu)",
                         tok_utf8_check((const uint8_t *)line, (size_t)len));
         else r = turn(&c, line, &e);
-        if (c.e->ranks > 1) r = k3_dist_agree(r, &e, "a chat turn"); /* the same next step on every rank */
+        if (k3_engine_ranks(c.e) > 1) r = k3_dist_agree(r, &e, "a chat turn"); /* the same next step on every rank */
         if (r) { /* one line; the conversation is kept and the chat goes on */
             k3_report(&e);
             if (!failed) failed = r;

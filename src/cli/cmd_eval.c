@@ -168,17 +168,17 @@ static int encode_text(const k3_engine *e, const char *what, const eval_text *t,
     if (t->format == CORPUS_RAW)
         return k3_engine_encode(e, what, t->docs.n ? t->docs.doc[0] : "", t->docs.n ? t->docs.len[0] : 0, true, ids,
                                 n, err);
-    if (!e->tok)
+    if (!k3_engine_tokenizer(e))
         return k3_fail(err, K3_EXIT_USAGE, "%s: no tokenizer (no tiktoken.model in %s): give --tok DIR", what,
-                       e->opts.model_dir);
-    int32_t eot = corpus_separator_id(e->tok);
+                       k3_engine_model_dir(e));
+    int32_t eot = corpus_separator_id(k3_engine_tokenizer(e));
     if (eot < 0)
         return k3_fail(err, K3_EXIT_USAGE,
                        "%s: the tokenizer has neither %s nor an eos_token to separate the %s documents (--format raw "
                        "scores the file as it is)",
                        what, CORPUS_EOT_TEXT, corpus_format_name(t->format));
-    idbuf b = {.vocab = e->vocab, .what = what};
-    int rc = corpus_encode(e->tok, t->docs.doc, t->docs.len, t->docs.n, eot, id_sink, &b, NULL, err);
+    idbuf b = {.vocab = k3_engine_vocab(e), .what = what};
+    int rc = corpus_encode(k3_engine_tokenizer(e), t->docs.doc, t->docs.len, t->docs.n, eot, id_sink, &b, NULL, err);
     if (rc) {
         free(b.v);
         return rc;
@@ -217,10 +217,10 @@ static int eval_model(const eval_args *a, const char *model_dir, const eval_text
     if ((rc = encode_text(e, a->text_path, text, &ids, &n, err))) goto out;
     if (a->max_tokens && (int64_t)n > a->max_tokens) n = (size_t)a->max_tokens;
     {
-        const int nb = tok_n_base(e->tok);
+        const int nb = tok_n_base(k3_engine_tokenizer(e));
         for (size_t i = 0; i < n; i++) {
             size_t bl = 0;
-            if (ids[i] < nb && tok_token_bytes(e->tok, ids[i], &bl)) res->span_bytes += (int64_t)bl;
+            if (ids[i] < nb && tok_token_bytes(k3_engine_tokenizer(e), ids[i], &bl)) res->span_bytes += (int64_t)bl;
         }
     }
     if (n < 2) {
@@ -228,11 +228,11 @@ static int eval_model(const eval_args *a, const char *model_dir, const eval_text
                      n, n == 1 ? "" : "s");
         goto out;
     }
-    const int V = e->vocab;
-    const size_t chunk = (size_t)e->chunk;
+    const int V = k3_engine_vocab(e);
+    const size_t chunk = (size_t)k3_engine_chunk(e);
     if ((rc = k3_engine_state_new(e, ctx, (uint64_t)chunk * (uint64_t)V * sizeof(float), &s, err))) goto out;
     logits = xmalloc_array(chunk * (size_t)V, sizeof(float));
-    const int nbase = tok_n_base(e->tok);
+    const int nbase = tok_n_base(k3_engine_tokenizer(e));
     k3_progress pb;
     k3_progress_start(&pb, "eval", (uint64_t)(n - 1), false);
     if (a->quiet) pb.enabled = false;
@@ -259,7 +259,7 @@ static int eval_model(const eval_args *a, const char *model_dir, const eval_text
                 int32_t t = ids[p + i + 1];
                 res->nats += nll_row(row, V, t);
                 size_t bl = 0;
-                if (t < nbase && tok_token_bytes(e->tok, t, &bl)) res->bytes += (int64_t)bl;
+                if (t < nbase && tok_token_bytes(k3_engine_tokenizer(e), t, &bl)) res->bytes += (int64_t)bl;
                 res->tokens++;
             }
         }

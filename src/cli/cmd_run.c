@@ -2,7 +2,6 @@
  * decode token by token (or recompute the whole prefix each step with --full),
  * streaming text to stdout and a report to stderr. */
 #include "cli/commands.h"
-#include "dist/dist.h"
 #include "draft/draft.h"
 #include "engine/engine.h"
 #include "generate/generate.h"
@@ -138,10 +137,10 @@ static int parse_args(int argc, char **argv, run_args *a) {
 static int prompt_ids(const run_args *a, const k3_engine *e, int32_t **ids, size_t *n, k3_err *err) {
     if (a->ids) {
         if (!*a->ids) return k3_fail(err, K3_EXIT_USAGE, "--ids: empty prompt");
-        return k3_parse_ids(a->ids, e->vocab, ids, n, err);
+        return k3_parse_ids(a->ids, k3_engine_vocab(e), ids, n, err);
     }
     const char *what = a->prompt ? "--prompt" : a->prompt_file;
-    if (!e->tok)
+    if (!k3_engine_tokenizer(e))
         return k3_fail(err, K3_EXIT_USAGE, "%s: no tokenizer (no tiktoken.model in %s): use --ids or --tok DIR", what,
                        a->model_dir);
     char *text = NULL;
@@ -191,7 +190,6 @@ static int64_t prompt_bound(const run_args *a) {
 typedef struct {
     const run_args *a;
     k3_engine *e;
-    k3_model *m;
     k3_state *s;
     k3_session *sess;  /* on s, no state cache */
     k3_tokenizer *tok;
@@ -201,7 +199,6 @@ typedef struct {
     int32_t *seq;      /* prompt + generated */
     size_t nseq, nprompt, nemitted;
     float *logits;     /* [chunk][V] when dumping the prompt, else [V] */
-    k3_runmem *rm;     /* plan, streaming source, run report */
     k3_atomic_file df;
     bool dumping;
     bool all_rows;     /* every prompt row's logits: rank 0 dumps them, and under a split
@@ -242,15 +239,15 @@ static int emit_token(void *ctx, int32_t id, k3_gen_verdict *verdict, k3_err *er
 /* The loop's on_logits: every decode row goes to the dump. */
 static int dump_row(void *ctx, const float *row, k3_err *err) {
     run_ctx *r = ctx;
-    return r->dumping ? dump_rows(&r->df, row, (size_t)k3_model_config(r->m)->vocab_size, err) : K3_OK;
+    return r->dumping ? dump_rows(&r->df, row, (size_t)k3_engine_vocab(r->e), err) : K3_OK;
 }
 
 /* Feeds the prompt in slices (a progress bar for long prompts; when dumping,
  * every prompt row is written without holding [n][V]); the split does not
  * change the logits bits. Leaves the last row's logits in r->logits[0..V). */
 static int prefill(run_ctx *r, k3_err *err) {
-    size_t V = (size_t)k3_model_config(r->m)->vocab_size;
-    const size_t slice = (size_t)k3_runmem_chunk(r->rm); /* --chunk */
+    size_t V = (size_t)k3_engine_vocab(r->e);
+    const size_t slice = (size_t)k3_engine_chunk(r->e); /* --chunk */
     k3_progress pb;
     k3_progress_start(&pb, "prefill", r->nprompt, false);
     if (r->a->quiet) pb.enabled = false;
@@ -316,12 +313,12 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
                         json_real(r->res.passes ? (double)r->res.fed / (double)r->res.passes : 0.0));
     /* weights read per generated token by the decode calls (runmem.h): a
      * verifying pass reads them once for all the ids it feeds */
-    k3_runmem_reads rd = k3_runmem_decode_reads(r->rm);
+    k3_runmem_reads rd = k3_engine_decode_reads(r->e);
     double per = ngen ? 1.0 / (double)ngen : 0.0;
     json_object_set_new(o, "bytes_read_per_token", json_real((double)rd.touched * per));
     json_object_set_new(o, "disk_bytes_read_per_token", json_real((double)rd.disk * per));
-    json_object_set_new(o, "layers", json_integer(k3_model_config(r->m)->num_layers));
-    k3_runmem_json(r->rm, o);
+    json_object_set_new(o, "layers", json_integer(k3_engine_config(r->e)->num_layers));
+    k3_engine_report_json(r->e, o);
     if (r->dist) json_object_set(o, "expert_parallel", r->dist);
     char *txt = json_dumps(o, JSON_INDENT(1));
     json_decref(o);
@@ -350,38 +347,36 @@ static int run(const run_args *a, k3_err *err) {
     /* under mpirun, the ranks after the first compute alongside it silently */
     run_args quiet_rank;
     r.all_rows = a->dump != NULL;
-    if (r.e->rank > 0) {
+    if (k3_engine_rank(r.e) > 0) {
         quiet_rank = *a;
         quiet_rank.quiet = true;
         quiet_rank.out = quiet_rank.dump = NULL;
         a = r.a = &quiet_rank;
     }
-    r.m = r.e->model;
-    r.tok = r.e->tok;
-    r.rm = r.e->rm;
-    r.e->step_log = a->verbose && !a->quiet ? stderr : NULL;
-    int threads = r.e->threads;
-    const k3_config *c = r.e->cfg;
+    r.tok = k3_engine_tokenizer(r.e);
+    k3_engine_set_step_log(r.e, a->verbose && !a->quiet ? stderr : NULL);
+    int threads = k3_engine_threads(r.e);
+    const k3_config *c = k3_engine_config(r.e);
     size_t V = (size_t)c->vocab_size;
     int32_t *pids = NULL;
     if ((rc = prompt_ids(a, r.e, &pids, &r.nprompt, err))) goto ready;
 
     /* the state at the real length, before anything else is allocated */
     int64_t max_pos = (int64_t)r.nprompt + a->gen;
-    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (r.all_rows ? (uint64_t)r.e->chunk : 1);
+    uint64_t logit_bytes = (uint64_t)V * sizeof(float) * (r.all_rows ? (uint64_t)k3_engine_chunk(r.e) : 1);
     if ((rc = k3_engine_state_new(r.e, max_pos, logit_bytes, &r.s, err))) { free(pids); goto ready; }
     r.seq = xmalloc_array((size_t)max_pos, sizeof *r.seq);
     memcpy(r.seq, pids, r.nprompt * sizeof *r.seq);
     free(pids);
     r.nseq = r.nprompt;
     r.sess = k3_session_open(r.e, r.s, NULL);
-    if (a->draft && r.e->ranks > 1) {
+    if (a->draft && k3_engine_ranks(r.e) > 1) {
         rc = k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
         goto ready;
     }
     if ((rc = k3_drafter_for(r.e, a->draft, (int)a->speculate, max_pos, &r.drafter, err))) goto ready;
     if (r.drafter) r.spec = k3_spec_new(r.drafter, (int)a->speculate, (int)V);
-    r.logits = xmalloc_array(V * (r.all_rows ? (size_t)k3_runmem_chunk(r.rm) : 1), sizeof(float));
+    r.logits = xmalloc_array(V * (r.all_rows ? (size_t)k3_engine_chunk(r.e) : 1), sizeof(float));
     if (a->dump) {
         if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto ready;
         r.dumping = true;
@@ -389,20 +384,20 @@ static int run(const run_args *a, k3_err *err) {
 ready: /* every rank of an expert-parallel job is ready, or none starts */
     if ((rc = k3_engine_ready(r.e, rc, err))) goto done;
     if (r.tok) tok_stream_init(&r.ts, r.tok);
-    int eos = c->eos_token_id >= 0 ? c->eos_token_id : (r.tok ? tok_eos_id(r.tok) : -1);
+    int eos = k3_engine_eos_id(r.e);
     if (!a->quiet)
         fprintf(stderr, "model %s: %d layers (%s), vocab %d; prompt %zu tokens; threads %d\n", a->model_dir,
                 c->num_layers, a->full ? "full recompute" : "incremental", c->vocab_size, r.nprompt, threads);
 
-    if (!a->quiet) k3_runmem_print_plan(r.rm, stderr);
+    if (!a->quiet) k3_engine_print_plan(r.e, stderr);
     k3_sampler sp;
     k3_sample_opts_sampler(&a->so, (int)V, 0, &sp);
     double t0 = k3_now();
     const char *stop = "length";
-    k3_dist_stats ds0 = k3_dist_get_stats(), ds1;
+    k3_engine_mark m0 = k3_engine_mark_now(r.e);
     rc = prefill(&r, err);
     double t1 = k3_now(), t2 = t1;
-    ds1 = k3_dist_get_stats();
+    k3_engine_mark m1 = k3_engine_mark_now(r.e);
     if (!rc) {
         k3_gen_opts go;
         k3_gen_opts_init(&go);
@@ -422,16 +417,15 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
         if (r.res.end == K3_GEN_END_EOS) stop = "eos";
     }
     t2 = k3_now();
-    k3_dist_stats ds2 = k3_dist_get_stats();
+    k3_engine_mark m2 = k3_engine_mark_now(r.e);
     k3_sampler_free(&sp);
     /* the other ranks of the job would wait for this one's next exchange */
-    if (rc && r.e->ranks > 1) k3_dist_abort(err);
-    if (rc) goto done;
-    if (r.e->ranks > 1) { /* every rank's exchange figures, for rank 0's report */
+    if ((rc = k3_engine_fail(r.e, rc, err))) goto done;
+    if (k3_engine_ranks(r.e) > 1) { /* every rank's exchange figures, for rank 0's report */
         FILE *rf = a->quiet ? NULL : stderr;
-        json_t *pj = k3_engine_dist_report(r.e, "prefill", &ds0, &ds1, t1 - t0, r.nprompt, rf);
+        json_t *pj = k3_engine_dist_report(r.e, "prefill", &m0, &m1, t1 - t0, r.nprompt, rf);
         size_t steps = r.nseq - r.nprompt > 1 ? r.nseq - r.nprompt - 1 : 0;
-        json_t *dj = k3_engine_dist_report(r.e, "decode", &ds1, &ds2, t2 - t1, steps, rf);
+        json_t *dj = k3_engine_dist_report(r.e, "decode", &m1, &m2, t2 - t1, steps, rf);
         if (pj || dj) {
             r.dist = json_object();
             if (pj) json_object_set_new(r.dist, "prefill", pj);
@@ -451,7 +445,7 @@ ready: /* every rank of an expert-parallel job is ready, or none starts */
     }
     size_t ngen = r.nseq - r.nprompt;
     double prefill_s = t1 - t0, decode_s = t2 - t1;
-    if (!a->quiet) k3_runmem_summary(r.rm, stderr);
+    if (!a->quiet) k3_engine_print_summary(r.e, stderr);
     if (!a->quiet)
         fprintf(stderr,
                 "prefill %zu tokens in %.3f s (%.1f tok/s); generated %zu tokens (stop: %s), decode %.3f s "

@@ -17,7 +17,7 @@
  *
  * Invariants: every rank must make the same forward calls in the same
  * chunks (the engine agrees on the chunk at open); the placement and the
- * model's identity (session.h's k3_model_identity: config, tensor tables,
+ * model's identity (formats/identity.h: config, tensor tables,
  * tokenizer) are checked equal on all ranks. */
 #ifndef K3_DIST_EXPERT_PAR_H
 #define K3_DIST_EXPERT_PAR_H

@@ -163,14 +163,14 @@ int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_d
     d->max_k = max_k < 1 ? 1 : max_k;
     rc = k3_engine_open(&eo, &d->e, err);
     if (!rc)
-        rc = k3_engine_state_new(d->e, max_pos, k3_state_pass_bytes(d->e->cfg, d->max_k) +
-                                               (uint64_t)d->e->vocab * sizeof(float), &d->st, err);
+        rc = k3_engine_state_new(d->e, max_pos, k3_state_pass_bytes(k3_engine_config(d->e), d->max_k) +
+                                               (uint64_t)k3_engine_vocab(d->e) * sizeof(float), &d->st, err);
     if (rc) {
         k3_drafter_free(d);
         return rc;
     }
     d->s = k3_session_open(d->e, d->st, NULL);
-    d->logits = xmalloc_array((size_t)d->e->vocab, sizeof *d->logits);
+    d->logits = xmalloc_array((size_t)k3_engine_vocab(d->e), sizeof *d->logits);
     *out = d;
     return K3_OK;
 }
@@ -194,7 +194,7 @@ static int model_propose(k3_drafter *d, const int32_t *hist, size_t n, int k, in
     if ((size_t)k > room + 1) k = (int)(room + 1);
     if (k > 1 && (rc = k3_session_pass_begin(d->s, k - 1, err))) return rc;
     for (int i = 0; i < k; i++) {
-        int32_t id = k3_argmax(d->logits, d->e->vocab);
+        int32_t id = k3_argmax(d->logits, k3_engine_vocab(d->e));
         if (id >= d->vocab) break;
         out[(*got)++] = id;
         if (i + 1 < k && (rc = k3_session_feed(d->s, &id, 1, d->logits, err))) return rc;
@@ -233,11 +233,12 @@ int k3_drafter_for(const k3_engine *target, const char *draft_dir, int kmax, int
     *out = NULL;
     if (kmax <= 0) return K3_OK;
     if (!draft_dir) {
-        *out = k3_drafter_ngram(target->vocab, 2, 4);
+        *out = k3_drafter_ngram(k3_engine_vocab(target), 2, 4);
         return K3_OK;
     }
-    const char *tok = target->opts.tok_dir ? target->opts.tok_dir : target->opts.model_dir;
-    return k3_drafter_model(&target->opts, draft_dir, tok, target->vocab, max_pos, kmax, out, err);
+    const k3_engine_opts *o = k3_engine_options(target);
+    const char *tok = o->tok_dir ? o->tok_dir : o->model_dir;
+    return k3_drafter_model(o, draft_dir, tok, k3_engine_vocab(target), max_pos, kmax, out, err);
 }
 
 /* ---- drafts per pass ---------------------------------------------------------------------- */

@@ -4,7 +4,7 @@
 #include "dist/dist.h"
 #include "dist/expert_par.h"
 #include "dist/tensor_par.h"
-#include "session/session.h"
+#include "formats/identity.h"
 
 #include <errno.h>
 #include <jansson.h>
@@ -14,6 +14,31 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+
+struct k3_engine {
+    k3_engine_opts opts;
+    k3_model *model;
+    const k3_config *cfg;
+    k3_tokenizer *tok;       /* NULL when the model has none and none was asked for */
+    k3_runmem *rm;           /* the memory plan and the weight source */
+    st_index *ix;            /* the open shards (the identity reads their headers) */
+    int vocab;
+    int chunk;               /* prefill positions per forward call (the plan's) */
+    int threads;             /* what OpenMP will use */
+    int eos_id;              /* config eos_token_id, else the tokenizer's, else -1 */
+    FILE *step_log;          /* a line per forward call (--verbose), or NULL */
+    uint64_t states_bytes;   /* decode states handed out and still live */
+    struct { k3_state *s; uint64_t bytes; } *live;
+    size_t nlive, caplive;
+    /* expert parallelism (under mpirun with several ranks, dist/): this
+     * process is rank `rank` of `ranks` and computes only its share of the
+     * routed experts; every rank makes the same calls and gets the same
+     * logits bits. Only rank 0 should talk to the user. */
+    int rank, ranks;
+    struct k3_ep *ep;        /* the expert-parallel source, or NULL */
+    int32_t *owner;          /* [layers][experts] placement, or NULL */
+    uint8_t *owned;          /* [layers][experts] this rank's share, or NULL */
+};
 
 void k3_engine_opts_init(k3_engine_opts *o) {
     memset(o, 0, sizeof *o);
@@ -181,7 +206,7 @@ static int ep_placement(k3_engine *e, const k3_config *file_cfg, k3_err *err) {
  * the files' bytes themselves (that is its point), not what was parsed. */
 static int ep_check_same(k3_engine *e, const k3_config *cfg, k3_err *err) {
     struct { uint64_t model, place; int32_t chunk, pad; } mine = {0}, *all;
-    int rc = k3_model_identity(e->opts.model_dir, e->opts.tok_dir, 0, &mine.model, err);
+    int rc = k3_model_identity_of(e->opts.model_dir, e->ix, e->opts.tok_dir, 0, &mine.model, err);
     rc = k3_dist_agree(rc, err, "opening the model (identity)");
     if (rc) return rc;
     k3_placement p = {.ranks = e->ranks, .layers = cfg->num_layers, .experts = cfg->num_experts, .owner = e->owner};
@@ -230,6 +255,7 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
         rc = k3_config_first_layers(run_cfg, o->layers, o->model_dir, err);
     }
     if (!rc) rc = st_open(o->model_dir, &ix, err);
+    if (!rc) e->ix = st_retain(ix);
     /* the plan comes first: a run that cannot fit is refused before any
      * weight is read; the model then keeps only its model-level tensors and
      * the plan's source serves the layers and the routed experts. Under
@@ -280,6 +306,7 @@ void k3_engine_free(k3_engine *e) {
     k3_ep_free(e->ep);
     if (e->ranks > 1 && !e->opts.layout_ep) k3_tp_release();
     k3_runmem_free(e->rm);
+    st_close(e->ix);
     free(e->owner);
     free(e->owned);
     free(e);
@@ -382,11 +409,44 @@ int k3_engine_ready(k3_engine *e, int rc, k3_err *err) {
     return e && e->ranks > 1 ? k3_dist_agree(rc, err, "starting the run") : rc;
 }
 
-json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from_stats, const void *to_stats,
-                              double secs, uint64_t steps, FILE *f) {
+int k3_engine_fail(k3_engine *e, int rc, k3_err *err) {
+    if (rc && e && e->ranks > 1) k3_dist_abort(err);
+    return rc;
+}
+
+int k3_engine_identity(const k3_engine *e, uint64_t *out, k3_err *err) {
+    uint64_t salt = (uint64_t)e->cfg->num_layers << 1 | (e->opts.peer_mla_eps ? 1u : 0u);
+    return k3_model_identity_of(e->opts.model_dir, e->ix, e->opts.tok_dir, salt, out, err);
+}
+
+k3_model *k3_engine_model(const k3_engine *e) { return e->model; }
+const k3_config *k3_engine_config(const k3_engine *e) { return e->cfg; }
+k3_tokenizer *k3_engine_tokenizer(const k3_engine *e) { return e->tok; }
+int k3_engine_vocab(const k3_engine *e) { return e->vocab; }
+int k3_engine_chunk(const k3_engine *e) { return e->chunk; }
+int k3_engine_threads(const k3_engine *e) { return e->threads; }
+int k3_engine_eos_id(const k3_engine *e) { return e->eos_id; }
+const char *k3_engine_model_dir(const k3_engine *e) { return e->opts.model_dir; }
+const k3_engine_opts *k3_engine_options(const k3_engine *e) { return &e->opts; }
+int k3_engine_rank(const k3_engine *e) { return e->rank; }
+int k3_engine_ranks(const k3_engine *e) { return e->ranks; }
+void k3_engine_set_step_log(k3_engine *e, FILE *f) { e->step_log = f; }
+
+void k3_engine_print_plan(const k3_engine *e, FILE *f) { k3_runmem_print_plan(e->rm, f); }
+void k3_engine_print_summary(const k3_engine *e, FILE *f) { k3_runmem_summary(e->rm, f); }
+k3_runmem_reads k3_engine_decode_reads(const k3_engine *e) { return k3_runmem_decode_reads(e->rm); }
+void k3_engine_report_json(const k3_engine *e, json_t *o) { k3_runmem_json(e->rm, o); }
+
+k3_engine_mark k3_engine_mark_now(const k3_engine *e) {
+    (void)e;
+    return (k3_engine_mark){.d = k3_dist_get_stats()};
+}
+
+json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_mark *from_mark,
+                              const k3_engine_mark *to_mark, double secs, uint64_t steps, FILE *f) {
     if (!e || e->ranks <= 1) return NULL;
-    const k3_dist_stats *from = from_stats;
-    k3_dist_stats now = *(const k3_dist_stats *)to_stats;
+    const k3_dist_stats *from = &from_mark->d;
+    k3_dist_stats now = to_mark->d;
     struct { uint64_t held, exch, bytes, gath, gbytes, read, whole; double wait, gwait; } mine = {0}, *all;
     const k3_config *c = e->cfg;
     for (size_t i = 0; i < (size_t)c->num_layers * (size_t)c->num_experts; i++)

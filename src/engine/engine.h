@@ -22,6 +22,7 @@
 #ifndef K3_ENGINE_ENGINE_H
 #define K3_ENGINE_ENGINE_H
 
+#include "dist/dist.h"
 #include "memory/runmem.h"
 #include "model/model.h"
 #include "tokenizer/tokenizer.h"
@@ -99,29 +100,44 @@ void k3_sample_opts_sampler(const k3_sample_opts *o, int vocab, uint64_t seed_of
     "  --top-k K, --top-p P, --min-p P   sampling filters (need --temperature > 0)\n" \
     "  --seed S             sampling seed (default 0); same seed, same tokens\n"
 
-typedef struct k3_engine {
-    k3_engine_opts opts;
-    k3_model *model;
-    const k3_config *cfg;
-    k3_tokenizer *tok;       /* NULL when the model has none and none was asked for */
-    k3_runmem *rm;           /* the memory plan and the weight source */
-    int vocab;
-    int chunk;               /* prefill positions per forward call (the plan's) */
-    int threads;             /* what OpenMP will use */
-    int eos_id;              /* config eos_token_id, else the tokenizer's, else -1 */
-    FILE *step_log;          /* a line per forward call (--verbose), or NULL */
-    uint64_t states_bytes;   /* decode states handed out and still live */
-    struct { k3_state *s; uint64_t bytes; } *live;
-    size_t nlive, caplive;
-    /* expert parallelism (under mpirun with several ranks, dist/): this
-     * process is rank `rank` of `ranks` and computes only its share of the
-     * routed experts; every rank makes the same calls and gets the same
-     * logits bits. Only rank 0 should talk to the user. */
-    int rank, ranks;
-    struct k3_ep *ep;        /* the expert-parallel source, or NULL */
-    int32_t *owner;          /* [layers][experts] placement, or NULL */
-    uint8_t *owned;          /* [layers][experts] this rank's share, or NULL */
-} k3_engine;
+/* The engine is opaque: callers reach the model, the plan and the ranks only
+ * through the functions below, so what a run does is decided here once. */
+typedef struct k3_engine k3_engine;
+
+/* What a caller may read of an open engine. The model is for a session
+ * (session.h) and the blocks' sizing helpers; feeding goes through
+ * k3_engine_feed, never k3_forward on it (the plan's report and the ranks'
+ * exchanges are kept there). */
+k3_model *k3_engine_model(const k3_engine *e);
+const k3_config *k3_engine_config(const k3_engine *e);  /* --layers applied */
+k3_tokenizer *k3_engine_tokenizer(const k3_engine *e);  /* NULL: ids only */
+int k3_engine_vocab(const k3_engine *e);
+int k3_engine_chunk(const k3_engine *e);     /* prefill positions per forward call (the plan's) */
+int k3_engine_threads(const k3_engine *e);   /* what OpenMP will use */
+int k3_engine_eos_id(const k3_engine *e);    /* config eos_token_id, else the tokenizer's, else -1 */
+const char *k3_engine_model_dir(const k3_engine *e);
+/* The options it was opened with (a draft model opens its own engine alike). */
+const k3_engine_opts *k3_engine_options(const k3_engine *e);
+/* Under mpirun: this process is rank k3_engine_rank of k3_engine_ranks (one
+ * process: 0 of 1); only rank 0 should talk to the user. */
+int k3_engine_rank(const k3_engine *e);
+int k3_engine_ranks(const k3_engine *e);
+/* A line per forward call on f (--verbose), or none (NULL, the default). */
+void k3_engine_set_step_log(k3_engine *e, FILE *f);
+
+/* The run report of the plan (memory/runmem.h): the plan before the first
+ * feed, the summary after the last, the weight bytes the decode calls read,
+ * the plan's fields into a JSON object (k3 run --out). */
+void k3_engine_print_plan(const k3_engine *e, FILE *f);
+void k3_engine_print_summary(const k3_engine *e, FILE *f);
+k3_runmem_reads k3_engine_decode_reads(const k3_engine *e);
+struct json_t;
+void k3_engine_report_json(const k3_engine *e, struct json_t *o);
+
+/* The checkpoint's identity (formats/identity.h: config.json, the open
+ * index's shards, the tokenizer files), salted with what changes the decode
+ * states (--layers, --peer-mla-eps): a saved session names it. */
+int k3_engine_identity(const k3_engine *e, uint64_t *out, k3_err *err);
 
 /* Memory plan (K3_EXIT_BUDGET when it cannot fit), then the model (top
  * tensors; layers from the plan's source), then the tokenizer. */
@@ -157,11 +173,19 @@ int k3_engine_recompute(k3_engine *e, k3_state *s, const int32_t *ids, size_t n,
  * err naming it. One process: returns rc. After this point a failure on any
  * rank must end the job (k3_dist_abort). */
 int k3_engine_ready(k3_engine *e, int rc, k3_err *err);
+/* After k3_engine_ready: a failure on this rank (rc != 0) ends the whole job
+ * under mpirun (one line naming the rank; the others would wait in the next
+ * exchange); one process: returns rc. */
+int k3_engine_fail(k3_engine *e, int rc, k3_err *err);
+
+/* The exchange counters of this process at one moment (the start or end of
+ * a phase of the run), for k3_engine_dist_report. */
+typedef struct { k3_dist_stats d; } k3_engine_mark;
+k3_engine_mark k3_engine_mark_now(const k3_engine *e);
 
 /* Under expert parallelism, the cost of the exchanges over one phase of the
  * run (e.g. the decode), from every rank: a collective every rank calls with
- * its own k3_dist_get_stats() taken at the phase's start and end (`from`, `to`:
- * k3_dist_stats pointers), the phase's
+ * its own marks taken at the phase's start and end, the phase's
  * seconds and tokens. Prints one line on f (rank 0, f not NULL) and
  * returns a JSON object (rank 0; NULL elsewhere and for one process):
  * {"ranks", "experts_held": [per rank], "exchanges_per_token", "bytes_sent_per_token":
@@ -170,9 +194,8 @@ int k3_engine_ready(k3_engine *e, int rc, k3_err *err);
  * "split_bytes_sent_per_token", "split_share", "trunk_bytes_read_per_token":
  * [per rank] (weight bytes the split products read), "trunk_bytes_one_process_per_token"}.
  * Under tp+ep a second line gives the split trunk's figures. */
-struct json_t;
-struct json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const void *from, const void *to, double secs,
-                                     uint64_t steps, FILE *f);
+struct json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_mark *from,
+                                     const k3_engine_mark *to, double secs, uint64_t steps, FILE *f);
 
 /* Encodes text with the engine's tokenizer (allow_special as tok_encode) and
  * checks every id against the model's vocabulary. what names the input. */

@@ -61,7 +61,7 @@ static bool is_cancelled_all(const void *flag) {
 static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
                       k3_err *err) {
     backend *b = ctx;
-    bool several = b->e->ranks > 1;
+    bool several = k3_engine_ranks(b->e) > 1;
     if (b->lead) { /* (n <= ctx: the server checked the prompt against it) */
         send_cmd(CMD_PREFILL, (int32_t)n, 0, 0);
         k3_dist_bcast((void *)ids, n * sizeof *ids, true, "k3 serve's prompt ids");
@@ -105,21 +105,21 @@ static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_
     eo.need_tokenizer = true;
     eo.max_pos = ctx;
     if ((rc = k3_engine_open(&eo, &b->e, err))) return rc;
-    uint64_t logit_bytes = (uint64_t)b->e->vocab * sizeof(float);
+    uint64_t logit_bytes = (uint64_t)k3_engine_vocab(b->e) * sizeof(float);
     if ((rc = k3_engine_state_new(b->e, ctx, cache_bytes + logit_bytes, &b->st, err))) return rc;
-    b->cache = k3_state_cache_new(b->e->cfg, cache_bytes, 0);
+    b->cache = k3_state_cache_new(k3_engine_config(b->e), cache_bytes, 0);
     b->sess = k3_session_open(b->e, b->st, b->cache);
     b->ctx = ctx;
     k3_err cerr = {0};
-    if (k3_chat_new(b->e->tok, &b->chat, &cerr)) b->chat = NULL; /* no XTML ids: completions only */
+    if (k3_chat_new(k3_engine_tokenizer(b->e), &b->chat, &cerr)) b->chat = NULL; /* no XTML ids: completions only */
     memset(sm, 0, sizeof *sm);
     sm->ctx = b;
-    sm->vocab = b->e->vocab;
-    sm->eos = b->e->eos_id;
+    sm->vocab = k3_engine_vocab(b->e);
+    sm->eos = k3_engine_eos_id(b->e);
     sm->ctx_len = ctx;
-    sm->tok = b->e->tok;
+    sm->tok = k3_engine_tokenizer(b->e);
     sm->chat = b->chat;
-    sm->threads = b->e->threads;
+    sm->threads = k3_engine_threads(b->e);
     sm->prefill = be_prefill;
     sm->step = be_step;
     sm->end = be_end;
@@ -136,12 +136,12 @@ int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_
         *out = NULL;
         return rc;
     }
-    b->lead = b->e->ranks > 1 && b->e->rank == 0;
+    b->lead = k3_engine_ranks(b->e) > 1 && k3_engine_rank(b->e) == 0;
     *out = b;
     return K3_OK;
 }
 
-int k3_serve_backend_rank(const k3_serve_backend *b) { return b->e->rank; }
+int k3_serve_backend_rank(const k3_serve_backend *b) { return k3_engine_rank(b->e); }
 
 void k3_serve_backend_quit(k3_serve_backend *b, int code) {
     if (b->lead) send_cmd(CMD_QUIT, 0, 0, code);
@@ -152,7 +152,7 @@ void k3_serve_backend_quit(k3_serve_backend *b, int code) {
  * client); a failure inside a forward call ends the job (engine.h). */
 int k3_serve_backend_follow(k3_serve_backend *b) {
     k3_dist_silence_others();
-    float *logits = xmalloc_array((size_t)b->e->vocab, sizeof *logits);
+    float *logits = xmalloc_array((size_t)k3_engine_vocab(b->e), sizeof *logits);
     int32_t *ids = xmalloc_array((size_t)b->ctx, sizeof *ids);
     for (;;) {
         serve_cmd c;
@@ -164,7 +164,7 @@ int k3_serve_backend_follow(k3_serve_backend *b) {
         if (c.op == CMD_PREFILL && c.n >= 1 && c.n <= b->ctx) {
             k3_dist_bcast(ids, (size_t)c.n * sizeof *ids, true, "k3 serve's prompt ids");
             (void)be_prefill(b, ids, (size_t)c.n, logits, &reused, NULL, &e);
-        } else if (c.op == CMD_STEP && c.id >= 0 && c.id < b->e->vocab) {
+        } else if (c.op == CMD_STEP && c.id >= 0 && c.id < k3_engine_vocab(b->e)) {
             (void)be_step(b, c.id, c.flag ? NULL : logits, &e);
         } else if (c.op == CMD_END) {
             be_end(b);

@@ -188,7 +188,7 @@ k3_session *k3_session_new(k3_model *m, k3_state *st, k3_state_cache *cache) {
 }
 
 k3_session *k3_session_open(k3_engine *e, k3_state *st, k3_state_cache *cache) {
-    k3_session *s = k3_session_new(e->model, st, cache);
+    k3_session *s = k3_session_new(k3_engine_model(e), st, cache);
     s->e = e;
     return s;
 }
@@ -321,7 +321,7 @@ static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool
             size_t to_grid = (size_t)G - s->n % (size_t)G;
             if (t > to_grid) t = to_grid;
         }
-        if (polled && s->e && t > (size_t)s->e->chunk) t = (size_t)s->e->chunk;
+        if (polled && s->e && t > (size_t)k3_engine_chunk(s->e)) t = (size_t)k3_engine_chunk(s->e);
         if (t > INT_MAX / 2) t = INT_MAX / 2;
         bool last = t == n;
         float *lg = all_rows && logits ? logits + done * V : last && logits ? s->logits : NULL;
@@ -627,115 +627,4 @@ int k3_session_load(k3_session *s, const char *path, uint64_t model_id, char **e
 out:
     free(data);
     return rc;
-}
-
-/* ---- model identity ------------------------------------------------------------------------ */
-static int cmp_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
-
-static int hash_file(uint64_t *h, const char *path, bool optional, k3_err *err) {
-    char *d = NULL;
-    size_t n = 0;
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        if (optional && errno == ENOENT) {
-            *h = k3_fnv1a64(*h, "-", 1);
-            return K3_OK;
-        }
-        return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", path, strerror(errno));
-    }
-    fclose(f);
-    int rc = k3_read_file(path, &d, &n, err);
-    if (rc) return rc;
-    *h = k3_fnv1a64(*h, &n, sizeof n);
-    *h = k3_fnv1a64(*h, d, n);
-    free(d);
-    return K3_OK;
-}
-
-/* A shard's 8-byte length and JSON header (its tensor table) and a sample of its data. */
-static int hash_shard_header(uint64_t *h, const char *path, k3_err *err) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", path, strerror(errno));
-    uint8_t b[8];
-    if (fread(b, 1, 8, f) != 8) {
-        fclose(f);
-        return k3_fail(err, K3_EXIT_DATA, "%s: truncated safetensors header", path);
-    }
-    uint64_t hl = get64(b);
-    if (hl > ((uint64_t)1 << 30)) {
-        fclose(f);
-        return k3_fail(err, K3_EXIT_DATA, "%s: safetensors header of %llu bytes", path, (unsigned long long)hl);
-    }
-    char *j = xmalloc(hl + 1);
-    size_t got = fread(j, 1, hl, f);
-    if (got != hl) {
-        fclose(f);
-        free(j);
-        return k3_fail(err, K3_EXIT_DATA, "%s: truncated safetensors header", path);
-    }
-    *h = k3_fnv1a64(*h, b, 8);
-    *h = k3_fnv1a64(*h, j, hl);
-    free(j);
-    /* the tensor table is the same for every model of one architecture:
-     * a sample of the weights tells two such models apart (first and last
-     * 4 KiB of the data; cheap even for the release's 96 shards) */
-    uint8_t sample[4096];
-    size_t k = fread(sample, 1, sizeof sample, f);
-    *h = k3_fnv1a64(*h, sample, k);
-    if (fseeko(f, -(off_t)sizeof sample, SEEK_END) == 0) {
-        k = fread(sample, 1, sizeof sample, f);
-        *h = k3_fnv1a64(*h, sample, k);
-    }
-    fclose(f);
-    return K3_OK;
-}
-
-int k3_model_identity(const char *model_dir, const char *tok_dir, uint64_t salt, uint64_t *out, k3_err *err) {
-    uint64_t h = k3_fnv1a64(K3_FNV_OFFSET, &salt, sizeof salt);
-    char *p = k3_path_join(model_dir, "config.json");
-    int rc = hash_file(&h, p, false, err);
-    free(p);
-    if (rc) return rc;
-    DIR *d = opendir(model_dir);
-    if (!d) return k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", model_dir, strerror(errno));
-    char **names = NULL;
-    size_t nn = 0, cap = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL) {
-        size_t l = strlen(e->d_name);
-        if (l < 12 || strcmp(e->d_name + l - 12, ".safetensors") != 0) continue;
-        if (nn == cap) {
-            cap = cap ? 2 * cap : 16;
-            names = xrealloc_array(names, cap, sizeof *names);
-        }
-        names[nn++] = xstrdup(e->d_name);
-    }
-    closedir(d);
-    if (nn) qsort(names, nn, sizeof *names, cmp_name);
-    for (size_t i = 0; i < nn; i++) {
-        if (!rc) {
-            h = k3_fnv1a64(h, names[i], strlen(names[i]) + 1);
-            p = k3_path_join(model_dir, names[i]);
-            rc = hash_shard_header(&h, p, err);
-            free(p);
-        }
-        free(names[i]);
-    }
-    free(names);
-    if (rc) return rc;
-    const char *td = tok_dir ? tok_dir : model_dir;
-    static const char *const tf[] = {"tiktoken.model", "tokenizer_config.json"};
-    for (int i = 0; i < 2 && !rc; i++) {
-        p = k3_path_join(td, tf[i]);
-        rc = hash_file(&h, p, true, err);
-        free(p);
-    }
-    if (rc) return rc;
-    *out = h;
-    return K3_OK;
-}
-
-int k3_engine_identity(const k3_engine *e, uint64_t *out, k3_err *err) {
-    uint64_t salt = (uint64_t)e->cfg->num_layers << 1 | (e->opts.peer_mla_eps ? 1u : 0u);
-    return k3_model_identity(e->opts.model_dir, e->opts.tok_dir, salt, out, err);
 }

@@ -172,7 +172,7 @@ int k3_session_last_source(const k3_session *s);
  * e.g. k3 chat's messages) saved atomically (temp file, fsync, rename). Layout
  * (little-endian):
  *   magic "K3SESSN\n" | u32 version (1) | u32 header bytes (64)
- *   u64 model identity | u64 n_ids | u64 state bytes | u64 extra bytes
+ *   u64 model identity (engine.h: k3_engine_identity) | u64 n_ids | u64 state bytes | u64 extra bytes
  *   u32 payload CRC-32C | u32 0 | u64 0 | u32 header CRC-32C (of the 60 bytes before) | u32 0
  *   payload: ids (n_ids x i32) | state (k3_state_save) | extra
  * Load refuses (K3_EXIT_DATA, one line) a file that is truncated, has a bad
@@ -185,17 +185,5 @@ int k3_session_save(const k3_session *s, const char *path, uint64_t model_id, co
  * position (its next prefill feeds only what follows the saved ids). */
 int k3_session_load(k3_session *s, const char *path, uint64_t model_id, char **extra, size_t *extra_len,
                     k3_err *err);
-
-/* The identity a session file is bound to: a 64-bit hash of model_dir's
- * config.json, the header (tensor table) of every *.safetensors shard in name
- * order with the first and last 4 KiB of its data (two models of one
- * architecture have the same tables), the tokenizer files (tiktoken.model, tokenizer_config.json) in tok_dir
- * (NULL: model_dir; absent files count as empty) and salt (the caller mixes in
- * what changes the state's bits or size: the effective layer count, the MLA
- * epsilon choice). Errors: K3_EXIT_RUNTIME / K3_EXIT_DATA for unreadable files. */
-int k3_model_identity(const char *model_dir, const char *tok_dir, uint64_t salt, uint64_t *out, k3_err *err);
-/* k3_model_identity of an open engine, salted with what changes its states:
- * the effective layer count and --peer-mla-eps. */
-int k3_engine_identity(const k3_engine *e, uint64_t *out, k3_err *err);
 
 #endif

@@ -60,4 +60,28 @@ n=$(hits 'k3_causal_softmax_row\(' src/train/tmla.c | wc -l)
 once generation:sample 'k3_sample\(' 'src/generate/generate\.[ch]|src/model/model\.[ch]' $SRC
 once generation:logits-check 'k3_logits_check\(' 'src/generate/generate\.[ch]|src/model/model\.[ch]' $SRC
 
+# ---- a closed engine ----------------------------------------------------------
+# k3_engine is opaque: its definition lives in src/engine/engine.c and every
+# caller goes through engine.h's accessors and operations.
+once engine:opaque '^(typedef )?struct k3_engine *\{' 'src/engine/engine\.c' $SRC
+# Only the engine and a session feed the model for inference (k3_forward,
+# k3_forward_batch): a command that called them would go around the plan's
+# run report and the ranks' exchanges. The trainer's check (export.c
+# compares the exported model's logits) is allowed by name.
+once engine:forward-callers '\bk3_forward(_batch)?\(' \
+  'src/model/[a-z_]+\.[ch]|src/engine/engine\.c|src/session/session\.c|src/train/export\.c' $SRC
+# k3 run parses flags, opens the engine, generates and reports: no memory
+# plan, no ranks, no forward, no state and no model of its own.
+once engine:run-goes-through '\b(k3_runmem_[a-z_]+|k3_dist_[a-z_]+|k3_forward[a-z_]*|k3_state_new|k3_model_open[a-z_]*)\(' \
+  '' src/cli/cmd_run.c
+# No command includes the engine's own parts (the placement, the split trunk,
+# the model's binder interface).
+once engine:cli-includes '#include "(dist/(expert_par|tensor_par)|model/model_impl)\.h"' 'src/cli/cmd_cache_sim\.c' \
+  $(find src/cli -name '*.c' -o -name '*.h')
+# The checkpoint's identity is computed in src/formats from the open index;
+# data flows session -> engine -> model, so the engine includes no session,
+# generation, serve or command header.
+once engine:identity-in-formats '^int k3_model_identity(_of)?\(' 'src/formats/identity\.[ch]' $SRC
+once engine:no-upward-include '#include "(session|generate|serve|cli|draft)/' '' src/engine/engine.c src/engine/engine.h
+
 finish
