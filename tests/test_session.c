@@ -289,6 +289,46 @@ TEST(session_cache_shared_between_sessions) {
     k3_model_free(m);
 }
 
+/* A snapshot keeps the logits of its last id, so a prompt another
+ * conversation already ended at (an exact repeat, a regenerate) resumes at its
+ * very end and feeds nothing; the logits are a cold prefill's, bit for bit.
+ * Failed before snapshots kept logits: the lookup skipped a snapshot at the
+ * prompt's end and the repeat fed from the grid. */
+TEST(session_exact_repeat_feeds_nothing) {
+    k3_model *m = open_model();
+    CHECK(m);
+    const k3_config *c = k3_model_config(m);
+    int V = c->vocab_size;
+    int32_t a[70], b[70];
+    fill_ids(a, 70, 11);
+    fill_ids(b, 70, 12);
+    k3_err err = {0};
+    k3_state_cache *sc = k3_state_cache_new(c, 64 << 20, G);
+    k3_state *st;
+    CHECK(k3_state_new(m, 128, &st, &err) == 0);
+    k3_session *s = k3_session_new(m, st, sc);
+    float *lg = xmalloc_array((size_t)V, sizeof *lg), *want = cold(m, a, 61);
+    size_t reused;
+    CHECK(k3_session_prefill(s, a, 61, lg, &reused, &err) == 0 && reused == 0);
+    CHECK(k3_session_prefill(s, b, 70, lg, &reused, &err) == 0 && reused == 0); /* another conversation */
+    for (int i = 0; i < V; i++) lg[i] = -1.0f;
+    uint64_t hits = k3_state_cache_get_stats(sc).hits;
+    CHECK(k3_session_prefill(s, a, 61, lg, &reused, &err) == 0);
+    CHECKF(reused == 61, "reused %zu of 61", reused);
+    CHECK(same(lg, want, V));
+    CHECK(k3_state_cache_get_stats(sc).hits == hits + 1);
+    /* it goes on as a cold state of a[0..61) would: feed one more id */
+    float *want2 = cold(m, a, 62);
+    CHECK(k3_session_feed(s, a + 61, 1, lg, &err) == 0 && same(lg, want2, V));
+    free(want2);
+    free(want);
+    free(lg);
+    k3_session_free(s);
+    k3_state_free(st);
+    k3_state_cache_free(sc);
+    k3_model_free(m);
+}
+
 /* Under a budget of about three unshared snapshots the cache evicts the least recently
  * used ones and stays within it; a budget of 0 keeps nothing. Reuse stays
  * exact whatever survived. */
@@ -302,7 +342,8 @@ TEST(session_cache_budget_evicts) {
     uint64_t one = k3_state_snapshot_bytes(c, 0);
     k3_err err = {0};
     for (int b = 0; b < 2; b++) {
-        uint64_t budget = b == 0 ? 0 : 3 * one + 64 * (k3_state_row_floats(c) * 4 + 4) + 1024;
+        /* the prompt end keeps its logits too */
+        uint64_t budget = b == 0 ? 0 : 3 * one + (uint64_t)V * 4 + 64 * (k3_state_row_floats(c) * 4 + 4) + 1024;
         k3_state_cache *sc = k3_state_cache_new(c, budget, G);
         k3_state *st;
         CHECK(k3_state_new(m, 128, &st, &err) == 0);
@@ -314,7 +355,7 @@ TEST(session_cache_budget_evicts) {
         CHECKF(cs.bytes <= budget, "budget %llu: holds %llu", (unsigned long long)budget,
                (unsigned long long)cs.bytes);
         if (b == 0) CHECK(cs.snapshots == 0 && cs.taken == 0);
-        else CHECK(cs.snapshots >= 1 && cs.snapshots <= 3 && cs.evicted > 0);
+        else CHECKF(cs.snapshots >= 1 && cs.snapshots <= 3 && cs.evicted > 0, "%d snapshots, %llu evicted, one %llu, V %d", cs.snapshots, (unsigned long long)cs.evicted, (unsigned long long)one, V);
         /* diverge at 50: the grid snapshot at 48 is gone (the conversation's
          * rows are shared, the KDA parts are not, so only the newest
          * snapshots fit), so the prefill is cold */

@@ -26,6 +26,7 @@ typedef struct {
     uint64_t hash;  /* of ids[0..pos) */
     int pos;
     float *kda;     /* the KDA part */
+    float *logits;  /* [vocab] the logits of ids[pos-1], or NULL (a snapshot taken without them) */
     seg *tail;      /* ends at pos */
     uint64_t used;  /* LRU clock */
 } snap;
@@ -33,6 +34,7 @@ typedef struct {
 struct k3_state_cache {
     pthread_mutex_t mu;
     uint64_t kda_floats, row_floats;
+    uint64_t vocab;   /* floats of a snapshot's logits */
     uint64_t budget, bytes;
     int grid;
     snap *v;
@@ -45,6 +47,7 @@ static uint64_t seg_bytes(const k3_state_cache *c, const seg *g) {
 }
 
 static uint64_t kda_bytes(const k3_state_cache *c) { return c->kda_floats * sizeof(float); }
+static uint64_t logit_bytes(const k3_state_cache *c) { return c->vocab * sizeof(float); }
 
 static seg *seg_ref(seg *g) {
     if (g) g->refs++;
@@ -102,6 +105,7 @@ k3_state_cache *k3_state_cache_new(const k3_config *cfg, uint64_t budget_bytes, 
     pthread_mutex_init(&c->mu, NULL);
     c->kda_floats = k3_state_kda_floats(cfg);
     c->row_floats = k3_state_row_floats(cfg);
+    c->vocab = (uint64_t)cfg->vocab_size;
     c->budget = budget_bytes;
     c->grid = grid > 0 ? grid : K3_STATE_CACHE_GRID;
     return c;
@@ -109,6 +113,8 @@ k3_state_cache *k3_state_cache_new(const k3_config *cfg, uint64_t budget_bytes, 
 
 static void drop_snap(k3_state_cache *c, int i) {
     free(c->v[i].kda);
+    if (c->v[i].logits) c->bytes -= logit_bytes(c);
+    free(c->v[i].logits);
     seg_unref(c, c->v[i].tail);
     c->bytes -= kda_bytes(c);
     c->v[i] = c->v[--c->n];
@@ -244,15 +250,27 @@ void k3_session_snapshot(k3_session *s) {
         if (x->pos == p && x->hash == h && chain_matches(x->tail, s->ids, p)) {
             /* already held: refresh it, and grow later snapshots from its chain */
             x->used = ++c->clock;
-            seg_ref(x->tail);
+            seg *tail = seg_ref(x->tail);
             seg_unref(c, s->chain);
-            s->chain = x->tail;
+            s->chain = tail;
+            if (!x->logits && s->have_logits && make_room(c, logit_bytes(c))) {
+                /* it now keeps the logits too; make_room moved entries (the
+                 * session's reference keeps its chain): find it again */
+                for (int k = 0; k < c->n; k++) {
+                    snap *y = &c->v[k];
+                    if (y->pos != p || y->tail != tail || y->logits) continue;
+                    y->logits = xmalloc_array(c->vocab, sizeof *y->logits);
+                    memcpy(y->logits, s->logits, c->vocab * sizeof *y->logits);
+                    c->bytes += logit_bytes(c);
+                    break;
+                }
+            }
             pthread_mutex_unlock(&c->mu);
             return;
         }
     }
     int q = s->chain ? s->chain->end : 0;
-    uint64_t need = kda_bytes(c);
+    uint64_t need = kda_bytes(c) + (s->have_logits ? logit_bytes(c) : 0);
     if (q < p) need += (uint64_t)(p - q) * (c->row_floats * sizeof(float) + sizeof(int32_t)) + sizeof(seg);
     if (!make_room(c, need)) {
         pthread_mutex_unlock(&c->mu);
@@ -289,6 +307,12 @@ void k3_session_snapshot(k3_session *s) {
     x->pos = p;
     x->kda = xmalloc_array(c->kda_floats + 1, sizeof *x->kda);
     k3_state_kda_get(s->st, x->kda);
+    x->logits = NULL;
+    if (s->have_logits) {
+        x->logits = xmalloc_array(c->vocab, sizeof *x->logits);
+        memcpy(x->logits, s->logits, c->vocab * sizeof *x->logits);
+        c->bytes += logit_bytes(c);
+    }
     x->tail = seg_ref(tail);
     x->used = ++c->clock;
     c->bytes += kda_bytes(c);
@@ -445,17 +469,19 @@ int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logit
     size_t own = d == s->n && d < n ? d : 0;
     k3_state_cache *c = s->c;
     bool resumed = false;
-    if (c && n > 1) {
+    if (c) {
         pthread_mutex_lock(&c->mu);
         int best = -1;
         if (c->n > 0) {
-            /* prefix hashes of ids[0..p) for every p a snapshot could have */
-            uint64_t *H = xmalloc_array(n, sizeof *H);
+            /* prefix hashes of ids[0..p) for every p a snapshot could have;
+             * one at n itself serves only with the logits of ids[n-1] */
+            uint64_t *H = xmalloc_array(n + 1, sizeof *H);
             H[0] = K3_FNV_OFFSET;
-            for (size_t p = 1; p < n; p++) H[p] = hash_step(H[p - 1], ids[p - 1]);
+            for (size_t p = 1; p <= n; p++) H[p] = hash_step(H[p - 1], ids[p - 1]);
             for (int i = 0; i < c->n; i++) {
                 snap *x = &c->v[i];
-                if (x->pos < 1 || (size_t)x->pos >= n || (size_t)x->pos <= own) continue;
+                if (x->pos < 1 || (size_t)x->pos > n || (size_t)x->pos <= own) continue;
+                if ((size_t)x->pos == n && !x->logits) continue;
                 if (best >= 0 && x->pos <= c->v[best].pos) continue;
                 if (x->hash != H[x->pos] || !chain_matches(x->tail, ids, x->pos)) continue;
                 best = i;
@@ -468,6 +494,10 @@ int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logit
             c->hits++;
             seg *tail = seg_ref(x->tail);
             restore(s, x->kda, tail, x->pos, d, ids);
+            if ((size_t)x->pos == n) {
+                memcpy(s->logits, x->logits, (size_t)s->V * sizeof *s->logits);
+                s->have_logits = true;
+            }
             seg_unref(c, s->chain);
             s->chain = tail;
             resumed = true;
@@ -485,6 +515,10 @@ int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logit
      * positions the session held), but a cold start drops it */
     size_t from = s->n;
     if (reused) *reused = from;
+    if (from == n) { /* a snapshot of the whole prompt, with its logits */
+        if (logits) memcpy(logits, s->logits, (size_t)s->V * sizeof *logits);
+        return K3_OK;
+    }
     /* cancelled, the session holds ids[0..k) for some k < n, a true state of
      * that prefix; the prompt's end is not snapshotted */
     int rc = feed(s, ids + from, n - from, logits, false, true, true, err);

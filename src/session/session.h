@@ -39,7 +39,10 @@
  *    wrong state;
  *  - prefill feeds at least one token (the logits of the last prompt token
  *    are needed) unless the session already consumed exactly ids[0..n) and
- *    still holds that token's logits.
+ *    still holds that token's logits, or a snapshot of exactly ids[0..n)
+ *    kept them (a snapshot taken while the session held the logits of its
+ *    last id keeps a copy: every prompt end does; grid snapshots, taken
+ *    between forward calls, do not).
  *
  * Snapshots are taken (a) at the end of every prefill (the prompt end: the
  * next turn re-renders the conversation and shares at least this prefix),
@@ -55,7 +58,8 @@
  * MLA layer per position). MLA rows are shared between snapshots of the same
  * conversation: each snapshot stores only the rows past the snapshot it was
  * grown from (a chain of reference-counted segments), so a snapshot costs its
- * KDA part plus the rows no earlier snapshot of its conversation holds.
+ * KDA part plus the rows no earlier snapshot of its conversation holds, plus
+ * vocab floats when it keeps logits.
  * k3_state_snapshot_bytes (model.h) gives the unshared size. The cache evicts
  * the least recently used snapshots to stay within its budget; segments still
  * used by a live session or by a newer snapshot stay until released (they are

@@ -137,6 +137,15 @@ check reuse-same-text "$(jget 'j["choices"][0]["text"]')" "$want"
 cached=$(jget 'j["usage"]["prompt_tokens_details"]["cached_tokens"]')
 if [ "$cached" -ge "$n1" ] 2>/dev/null; then pass "reuse-cached ($cached of $(jget 'j["usage"]["prompt_tokens"]') prompt tokens)"; else fail reuse-cached "cached_tokens $cached, wanted >= $n1"; fi
 
+# an exact repeat after another conversation (a regenerate, another client
+# sending the same request) resumes at the prompt's very end: every prompt
+# token cached, the same text
+req POST /v1/completions "{\"prompt\":\"$P2\",\"max_tokens\":4,\"temperature\":0.9,\"seed\":3}"
+again=$(jget 'j["choices"][0]["text"]')
+req POST /v1/completions '{"prompt":"A different story","max_tokens":4,"temperature":0}'
+req POST /v1/completions "{\"prompt\":\"$P2\",\"max_tokens\":4,\"temperature\":0.9,\"seed\":3}"
+check repeat-all-cached "$(jget 'j["usage"]["prompt_tokens_details"]["cached_tokens"] == j["usage"]["prompt_tokens"]') $(jget 'j["choices"][0]["text"]')" "True $again"
+
 # a response in OpenAI's shape, with usage
 req POST /v1/completions '{"model":"trained-5m","prompt":"The cat","max_tokens":5,"temperature":0}'
 check completion-shape "$CODE $(jget 'j["object"], j["choices"][0]["finish_reason"], j["usage"]["prompt_tokens"] > 0, j["usage"]["completion_tokens"], j["usage"]["total_tokens"] == j["usage"]["prompt_tokens"] + 5, j["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0')" \
