@@ -20,19 +20,9 @@ if ! $PY -c 'import numpy' 2>/dev/null; then
   skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
   finish; exit $?
 fi
-# gen_model DIR SEED: the model, regenerated only when the command changes
-gen_model() {
-  local gen="$PY tools/gen_checkpoint.py $1 --preset tiny --set vocab_size=163840 --set hidden_size=64"
-  gen="$gen --set num_hidden_layers=5 --tokenizer tests/fixtures/tokenizer/kimi --seed $2 --force"
-  if [ "$(cat "$1.stamp" 2>/dev/null)" != "$gen" ] || [ ! -f "$1/config.json" ]; then
-    rm -f "$1.stamp"
-    $gen >"$OUT/gen.log" 2>&1 && echo "$gen" >"$1.stamp" || { fail "generate $1" "$(tail -n 3 "$OUT/gen.log")"; finish; exit 1; }
-  fi
-}
 M=tests/out/chat-model-a
 M2=tests/out/chat-model-b
-gen_model $M 3
-gen_model $M2 4
+chat_model $M 3 && chat_model $M2 4 || { finish; exit 1; }
 
 SAMPLE="--temperature 0.9 --top-k 50 --seed 7"
 CHAT="$K3 chat $M --gen 10 $SAMPLE --system You_are_a_test."

@@ -75,11 +75,7 @@ expect_err_contains placed-wrong-ranks "made for 3 ranks, this job has 2"
 PY=/usr/bin/python3
 if [ $ASAN = 0 ] && $PY -c 'import numpy' 2>/dev/null; then
   CM=tests/out/mpi-chat-model   # the full Kimi vocabulary, 8 experts top-2 (as test_chat.sh's)
-  gen="$PY tools/gen_checkpoint.py $CM --preset tiny --set vocab_size=163840 --set hidden_size=64"
-  gen="$gen --set num_hidden_layers=5 --tokenizer tests/fixtures/tokenizer/kimi --seed 3 --force"
-  if [ "$(cat "$CM.stamp" 2>/dev/null)" != "$gen" ] || [ ! -f "$CM/config.json" ]; then
-    rm -f "$CM.stamp"; $gen >"$OUT/chat-gen.log" 2>&1 && echo "$gen" >"$CM.stamp"
-  fi
+  chat_model $CM 3
   # the turns' ids (and the transcript) of two runs, equal?
   same_chat() { $PY -c '
 import json, sys

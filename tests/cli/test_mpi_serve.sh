@@ -133,11 +133,7 @@ fi
 # ---- chat turns (a generated chat model), stopped with SIGUSR1 to mpirun ------------
 if $PY -c 'import numpy' 2>/dev/null; then
   CM=tests/out/mpi-chat-model   # test_mpi.sh's: the full Kimi vocabulary, 8 experts top-2
-  gen="$PY tools/gen_checkpoint.py $CM --preset tiny --set vocab_size=163840 --set hidden_size=64"
-  gen="$gen --set num_hidden_layers=5 --tokenizer tests/fixtures/tokenizer/kimi --seed 3 --force"
-  if [ "$(cat "$CM.stamp" 2>/dev/null)" != "$gen" ] || [ ! -f "$CM/config.json" ]; then
-    rm -f "$CM.stamp"; $gen >"$OUT/chat-gen.log" 2>&1 && echo "$gen" >"$CM.stamp"
-  fi
+  chat_model $CM 3
   if start_server "$OUT/chat1.log" "$K3" serve "$CM" --port 0; then
     chat one "$SERVER_URL"
     kill -TERM "$SERVER_PID"; wait_exit "$SERVER_PID" 20

@@ -46,11 +46,7 @@ expect_exit run-clean 0 "$K3" run models/default --prompt "Once upon a time" --g
 # ---- k3 chat (a small random chat model with the Kimi vocabulary) ----
 if $PY -c 'import numpy' 2>/dev/null; then
   CM=tests/out/nonfinite-chat-model
-  gen="$PY tools/gen_checkpoint.py $CM --preset tiny --set vocab_size=163840 --set hidden_size=64 --set num_hidden_layers=5 --tokenizer tests/fixtures/tokenizer/kimi --seed 3 --force"
-  if [ "$(cat "$CM.stamp" 2>/dev/null)" != "$gen" ] || [ ! -f "$CM/config.json" ]; then
-    rm -f "$CM.stamp"
-    $gen >"$OUT/gen.log" 2>&1 && echo "$gen" >"$CM.stamp" || fail generate "$(tail -n 3 "$OUT/gen.log")"
-  fi
+  chat_model $CM 3
   NANCHAT=$OUT/nan-chat
   rm -rf "$NANCHAT"; cp -r "$CM" "$NANCHAT"; poison "$NANCHAT" || fail poison-chat
   printf 'Hello there\n' >"$OUT/one.txt"
