@@ -121,12 +121,7 @@ static int64_t config_max_pos(const char *dir) {
 
 /* -ln softmax(row)[target], in double, one fixed order. */
 static double nll_row(const float *row, int V, int target) {
-    double mx = row[0];
-    for (int i = 1; i < V; i++)
-        if (row[i] > mx) mx = row[i];
-    double s = 0;
-    for (int i = 0; i < V; i++) s += exp((double)row[i] - mx);
-    return mx + log(s) - (double)row[target];
+    return k3_log_sum_exp(row, V) - (double)row[target];
 }
 
 static bool row_finite(const float *row, int V, int *bad) {

@@ -911,6 +911,15 @@ static int prefix_sorted(const float *p, int V, float t, int *out, int *tmp) {
     return n;
 }
 
+double k3_log_sum_exp(const float *logits, int vocab) {
+    double mx = logits[0];
+    for (int i = 1; i < vocab; i++)
+        if (logits[i] > mx) mx = logits[i];
+    double s = 0;
+    for (int i = 0; i < vocab; i++) s += exp((double)logits[i] - mx);
+    return mx + log(s);
+}
+
 int k3_sample(k3_sampler *sp, const float *logits) {
     int V = sp->n;
     if (sp->temperature <= 0) return k3_argmax(logits, V);

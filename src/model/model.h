@@ -227,6 +227,9 @@ void k3_sampler_free(k3_sampler *sp);
 /* Draws the next id. Reproducible for a seed: the same logits sequence gives the
  * same ids on every machine (own PRNG, f64 cumulative sums in a fixed order). */
 int k3_sample(k3_sampler *sp, const float *logits);
+/* ln sum_i exp(logits[i]), in double, one fixed order (max first): a row's
+ * log-probabilities are logits[i] minus it (eval's loss, serve's logprobs). */
+double k3_log_sum_exp(const float *logits, int vocab);
 /* What every generator checks before it samples: a non-finite logit (NaN or
  * Inf weights) would make greedy decoding pick token 0 forever and sampling
  * pick garbage. K3_EXIT_DATA naming what (the model), the first such logit

@@ -72,12 +72,7 @@ void k3_logit_proc_free(k3_logit_proc *p) {
 }
 
 float k3_logprobs(const float *logits, int vocab, int32_t id, int k, k3_logprob *top) {
-    float mx = logits[0];
-    for (int i = 1; i < vocab; i++)
-        if (logits[i] > mx) mx = logits[i];
-    double sum = 0;
-    for (int i = 0; i < vocab; i++) sum += exp((double)logits[i] - mx);
-    double lse = (double)mx + log(sum);
+    double lse = k3_log_sum_exp(logits, vocab);
     if (k > K3_SERVE_MAX_LOGPROBS) k = K3_SERVE_MAX_LOGPROBS;
     if (k > vocab) k = vocab;
     /* insertion into a short sorted list: strictly larger moves up, so the
