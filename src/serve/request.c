@@ -234,6 +234,7 @@ static int parse_modalities(k3_serve_error *e, const json_t *v) {
  * served without its vision tower. */
 static int chat_messages(k3_serve_error *e, const json_t *msgs, json_t **out) {
     json_t *copy = json_deep_copy(msgs);
+    if (!copy) return k3_serve_error_set(e, 500, "server_error", NULL, "out of memory copying the messages");
     for (size_t i = 0; i < json_array_size(copy); i++) {
         json_t *m = json_array_get(copy, i);
         if (!json_is_object(m)) continue; /* the template names it */
@@ -247,9 +248,11 @@ static int chat_messages(k3_serve_error *e, const json_t *msgs, json_t **out) {
             if (t && strcmp(t, "text")) {
                 char where[80];
                 snprintf(where, sizeof where, "messages[%zu].content[%zu].type", i, j);
+                /* t lives in copy: the message is written before copy goes */
+                int rc = k3_serve_error_set(e, 400, "unsupported_value", where,
+                                            "%s: '%.40s' parts are not supported: this model reads text only", where, t);
                 json_decref(copy);
-                return k3_serve_error_set(e, 400, "unsupported_value", where,
-                                          "%s: '%.40s' parts are not supported: this model reads text only", where, t);
+                return rc;
             }
         }
     }
