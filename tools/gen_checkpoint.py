@@ -63,7 +63,52 @@ PRESETS = {
         routed_scaling_factor=1.0, moe_renormalize=True, latent_moe_use_norm=True,
         first_k_dense_replace=1, moe_layer_freq=1, attn_res_block_size=4,
         activation_situ_beta=4.0, activation_situ_linear_beta=25.0, hidden_act="situ"),
+    # the released Kimi K3's exact dimensions (../shared/fixtures/k3-release/config.json,
+    # checked against it by --preset release-dims when that file is present); use with
+    # --layers N (the release's first N layers, the last one MLA) and fewer routed experts
+    "release-dims": dict(
+        hidden_size=7168, num_hidden_layers=93, vocab_size=163840, rms_norm_eps=1e-5,
+        num_heads=96, head_dim=128, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+        layer_map=None,
+        num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, mla_use_output_gate=True,
+        num_experts=896, num_experts_per_token=16, num_shared_experts=2,
+        routed_expert_hidden_size=3584, moe_intermediate_size=3072, intermediate_size=33792,
+        routed_scaling_factor=1.0, moe_renormalize=True, latent_moe_use_norm=True,
+        first_k_dense_replace=1, moe_layer_freq=1, attn_res_block_size=12,
+        activation_situ_beta=4.0, activation_situ_linear_beta=25.0, hidden_act="situ"),
 }
+# the released layer pattern: MLA at 1-based layers 4, 8, ..., 92 and 93 (the last)
+PRESETS["release-dims"]["layer_map"] = "".join(
+    "M" if (l + 1) % 4 == 0 or l == 92 else "K" for l in range(93))
+RELEASE_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared",
+                              "fixtures", "k3-release", "config.json")
+
+
+def check_release_dims(spec, path=RELEASE_CONFIG):
+    """Compare the embedded release-dims numbers with the released config when it is
+    present; returns the number of keys compared (0 without the file)."""
+    if not os.path.exists(path):
+        return 0
+    root = json.load(open(path))
+    tc = root.get("text_config", root)
+    lac = tc.get("linear_attn_config", {})
+    n = 0
+    for k, v in spec.items():
+        if k == "layer_map":
+            full = set(lac["full_attn_layers"])
+            want = "".join("M" if l + 1 in full else "K" for l in range(tc["num_hidden_layers"]))
+        elif k in lac and k not in tc:
+            want = lac[k]
+        elif k in tc:
+            want = tc[k]
+        else:
+            raise GenError(f"release-dims: {k} not in {path}")
+        if want != v:
+            raise GenError(f"release-dims: {k} is {v!r} here, {want!r} in {path}")
+        n += 1
+    return n
+
 
 KIMI_VOCAB = 163840          # the Kimi tokenizer's ids fit only a vocabulary this large
 PREFIX = "language_model.model."
@@ -402,6 +447,33 @@ def mx_sample(rng, rows, cols, std):
     return packed, scale
 
 
+BIG = 64 << 20          # elements; larger normal/corr tensors are drawn in chunks
+CHUNK = 16 << 20
+
+
+def value_chunks(t, seed, opts, mx_cache):
+    """The tensor's bytes in pieces: tensors over BIG elements are drawn CHUNK elements
+    at a time from the same generator(s), so no whole float32 copy of a 1.2 G-element
+    head is ever held (smaller tensors, every existing preset's, are drawn as before)."""
+    name, dt, shape, init = t
+    n = int(np.prod(shape))
+    if n <= BIG or init[0] not in ("normal", "corr"):
+        yield values(t, seed, opts, mx_cache)
+        return
+    rng = rng_for(seed, name)
+    other = rng_for(seed, init[1]) if init[0] == "corr" else None
+    for lo in range(0, n, CHUNK):
+        m = min(CHUNK, n - lo)
+        if other is None:
+            a = rng.standard_normal(m, dtype=np.float32) * np.float32(init[1])
+        else:
+            c = init[3]
+            a = (np.float32(c) * other.standard_normal(m, dtype=np.float32) +
+                 np.float32(math.sqrt(1 - c * c)) * rng.standard_normal(m, dtype=np.float32)) \
+                * np.float32(init[2])
+        yield encode(a, dt)
+
+
 def values(t, seed, opts, mx_cache):
     name, dt, shape, init = t
     kind = init[0]
@@ -454,11 +526,13 @@ def write_shard(path, tensors, seed, opts, progress):
         f.write(struct.pack("<Q", len(hj)))
         f.write(hj)
         for t in tensors:
-            b = values(t, seed, opts, mx_cache)
-            if len(b) != tensor_bytes(t):
-                raise GenError(f"internal: {t[0]} produced {len(b)} bytes")
-            f.write(b)
-            progress(len(b))
+            got = 0
+            for b in value_chunks(t, seed, opts, mx_cache):
+                f.write(b)
+                got += len(b)
+                progress(len(b))
+            if got != tensor_bytes(t):
+                raise GenError(f"internal: {t[0]} produced {got} bytes")
         f.flush()
         os.fsync(f.fileno())
 
@@ -603,6 +677,9 @@ def main(argv=None):
     ap.add_argument("--config-json", help="JSON file with a spec dict (overrides the preset)")
     ap.add_argument("--set", action="append", metavar="KEY=VALUE",
                     help="override one spec key (JSON value), e.g. --set num_experts=16")
+    ap.add_argument("--layers", type=int, metavar="N",
+                    help="keep the preset's first N layers (its layer map cut to N, the last "
+                         "layer MLA as in the release, whose last layer is MLA)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--experts", choices=["mxfp4", "dense"], default="mxfp4",
                     help="routed experts MXFP4 (default) or unquantised in the trunk dtype")
@@ -635,6 +712,18 @@ def main(argv=None):
         spec = dict(PRESETS[a.preset])
         if a.config_json:
             spec.update(json.load(open(a.config_json)))
+        if a.preset == "release-dims":
+            n = check_release_dims(spec)
+            print(f"gen_checkpoint: release-dims: {n} keys checked against the released config"
+                  if n else "gen_checkpoint: release-dims: released config not found, "
+                  "using the embedded numbers", file=sys.stderr)
+        if a.layers is not None:
+            if not 1 <= a.layers <= spec["num_hidden_layers"]:
+                raise GenError(f"--layers must be 1..{spec['num_hidden_layers']}")
+            lm = spec["layer_map"][:a.layers]
+            if a.layers > 1:
+                lm = lm[:-1] + "M"
+            spec["num_hidden_layers"], spec["layer_map"] = a.layers, lm
         parse_set(spec, a.set)
         if "layer_map" in spec and len(spec["layer_map"]) != spec["num_hidden_layers"] \
                 and a.set and any(s.startswith("num_hidden_layers=") for s in a.set):

@@ -312,11 +312,53 @@ def load_config(path):
 # ---------------------------------------------------------------------------
 # weights
 
+LAZY_MIN = 16 << 20      # elements: with --lazy, tensors this large are never widened whole
+LAZY_ROWS_BYTES = 256 << 20
+
+
+class LazyMatrix:
+    """A large 2-D tensor left in the (memory-mapped) file: products widen a block of
+    rows to float64 at a time and free it, and row lookups (the embedding) widen only
+    those rows. Each output element is still one float64 dot product, so the results
+    are those of the whole widened matrix."""
+
+    def __init__(self, src, name, dtype):
+        self.src, self.name, self.dtype = src, name, dtype
+        self.shape = torch.Size(src.info(name)[1])
+
+    def dim(self):
+        return len(self.shape)
+
+    def _rows(self, lo, hi):
+        a, dt = self.src.raw(self.name)
+        a = a[lo:hi]
+        if dt == "BF16":
+            a = bf16_to_f32(np.asarray(a))
+        return torch.from_numpy(np.array(a, dtype=np.float64)).to(self.dtype)
+
+    def __getitem__(self, idx):
+        idx = torch.as_tensor(idx).tolist()
+        return torch.stack([self._rows(i, i + 1)[0] for i in idx], 0)
+
+    def rmul(self, x):
+        """x @ self.T, a block of rows at a time."""
+        rows, cols = self.shape
+        step = max(1, LAZY_ROWS_BYTES // (8 * cols))
+        out = torch.empty(x.shape[:-1] + (rows,), dtype=x.dtype)
+        for lo in range(0, rows, step):
+            hi = min(rows, lo + step)
+            out[..., lo:hi] = x @ self._rows(lo, hi).T
+        return out
+
+
 class Weights:
     """Name resolution (released prefix or bare), float64 conversion, MXFP4 experts."""
 
-    def __init__(self, src, cfg, cache_experts=True, dtype=F64):
+    def __init__(self, src, cfg, cache_experts=True, dtype=F64, lazy=False):
         self.src, self.cfg = src, cfg
+        # lazy: keep nothing widened between uses (a release-size model is 40+ GB in
+        # float64); matrices of LAZY_MIN elements or more become LazyMatrix
+        self.lazy = lazy
         # float64 is the reference; float32 exists only to estimate how far an fp32
         # engine can drift on a given model (the fixture conditioning check)
         self.dtype = dtype
@@ -340,10 +382,15 @@ class Weights:
         n = self._resolve(name)
         if n is None:
             raise RefError(f"missing tensor {name}")
-        t = self.src.f64(n).to(self.dtype)
+        big = False
+        if self.lazy and isinstance(self.src, SafetensorsDir):
+            shp = self.src.info(n)[1]
+            big = len(shp) == 2 and int(np.prod(shp)) >= LAZY_MIN
+        t = LazyMatrix(self.src, n, self.dtype) if big else self.src.f64(n).to(self.dtype)
         if shape is not None and list(t.shape) != list(shape):
             raise RefError(f"tensor {name}: shape {list(t.shape)}, want {list(shape)}")
-        self.cache[name] = t
+        if not self.lazy:
+            self.cache[name] = t
         return t
 
     def layer(self, l, rest, shape=None):
@@ -375,13 +422,13 @@ class Weights:
         return t
 
 
-def open_model(path=None, blob=None, cache_experts=True, dtype=F64):
+def open_model(path=None, blob=None, cache_experts=True, dtype=F64, lazy=False):
     if blob:
         fb = FlatBlob(blob)
         cfg = Config(fb.meta, blob)
         return cfg, Weights(fb, cfg, cache_experts, dtype)
     cfg = load_config(path)
-    return cfg, Weights(SafetensorsDir(path), cfg, cache_experts, dtype)
+    return cfg, Weights(SafetensorsDir(path), cfg, cache_experts and not lazy, dtype, lazy)
 
 
 # ---------------------------------------------------------------------------
@@ -412,6 +459,8 @@ def glu_act(cfg, a, u):
 
 
 def linear(x, w):
+    if isinstance(w, LazyMatrix):
+        return w.rmul(x)
     return x @ w.T
 
 
@@ -865,6 +914,9 @@ def main(argv=None):
     r.add_argument("--logits-head", type=int, help="keep only the first N logits per row in --out")
     r.add_argument("--dump-logits", help="write the teacher-forced logits as float32 rows")
     r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--lazy", action="store_true",
+                   help="keep no widened weights: matrices are read from the mapped files and "
+                        "widened a block of rows per product (release-size models)")
     p = sub.add_parser("peer-check", help="validate this reference against ../shared/fixtures/peer")
     p.add_argument("--shared", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                       "..", "..", "shared"))
@@ -880,7 +932,7 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
         if not a.model and not a.blob:
             raise RefError("run: give a model directory or --blob")
-        cfg, W = open_model(a.model, a.blob)
+        cfg, W = open_model(a.model, a.blob, lazy=a.lazy)
         ids = parse_ids(a.ids)
         if not ids:
             raise RefError("--ids: empty prompt")
