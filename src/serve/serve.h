@@ -27,6 +27,7 @@
 #define K3_SERVE_SERVE_H
 
 #include "chat/chat.h"
+#include "draft/draft.h"
 #include "engine/engine.h"
 #include "tokenizer/tokenizer.h"
 #include "util/common.h"
@@ -51,21 +52,33 @@ typedef struct {
      * slot is one conversation state, and every call below names the slot
      * its request runs on. A slot is used by one thread at a time. */
     int slots;
+    /* Speculative decoding (docs/speculation.md): the drafts per pass a
+     * request gets when it names none, and the most it may ask for (its
+     * "speculate" field; the memory plan counts a pass of spec_max + 1 ids).
+     * 0: the model does not speculate (always so with several slots). */
+    int spec_default, spec_max;
     /* Makes slot's state hold exactly ids[0..n) and puts the logits of the
      * last one in logits[vocab]; *reused: how many leading ids were not
      * recomputed (taken from a saved state). *cancel is polled between
      * prefill chunks (then K3_EXIT_RUNTIME, err saying how far the prefill
-     * got, which the log repeats). */
+     * got, which the log repeats). speculate: drafts per pass at most
+     * (0..spec_max) for the steps that follow, until the next prefill. */
     int (*prefill)(void *ctx, int slot, const int32_t *ids, size_t n, float *logits, size_t *reused,
-                   const atomic_int *cancel, k3_err *err);
+                   const atomic_int *cancel, int speculate, k3_err *err);
     /* Feeds one more id (the state then holds one more) and fills logits
      * (NULL: none wanted, a stop id the next prompt's history will hold).
-     * The generation loop (generate.h) makes every such call. */
-    int (*step)(void *ctx, int slot, int32_t id, float *logits, k3_err *err);
+     * The generation loop (generate.h) makes every such call; limit: ids it
+     * may still feed after this one (drafts past it are never verified).
+     * With speculation the id may end a verifying pass and open the next
+     * (k3_spec_feed): the logits are bit for bit those of one id per pass. */
+    int (*step)(void *ctx, int slot, int32_t id, float *logits, int64_t limit, k3_err *err);
     /* Called when a reply ends (not after an error or a cancel), the state
      * holding the prompt and the reply as the next prompt will render it.
      * NULL: none. */
     void (*end)(void *ctx, int slot);
+    /* The speculation counters since the model opened (passes, ids fed,
+     * drafts proposed and accepted). NULL: none. */
+    void (*spec_stats)(void *ctx, k3_spec_stats *out);
     /* How many leading ids of ids[0..n) slot's own state holds; asked only
      * of a free slot, so that a request goes to the free slot that already
      * holds most of its prompt (a retried request finds the slot its cut
@@ -88,14 +101,25 @@ typedef struct {
  * same calls on their own (k3_serve_backend_follow). */
 typedef struct k3_serve_backend k3_serve_backend;
 
+/* Speculation (docs/speculation.md): up to spec_max drafts per pass, a
+ * request's default spec_default, drafted by n-gram lookup over the whole
+ * rendered conversation or, with draft_dir, by that model (the same
+ * tokenizer, else K3_EXIT_USAGE; not under several ranks). */
+typedef struct {
+    int spec_default, spec_max;
+    const char *draft_dir;
+} k3_serve_spec_opts;
+
 /* Opens eo's model (with its tokenizer, max_pos ctx), slots states of ctx
  * positions and a state cache of cache_bytes, and fills m with the calls on
- * them. slots 0: as many as the memory budget holds, up to
- * K3_SERVE_AUTO_SLOTS (1 under several ranks); more than 1 under several
- * ranks is refused (K3_EXIT_USAGE). A slot count that cannot fit: K3_EXIT_BUDGET.
- * Under several ranks a rank that cannot fit stops every rank here. */
+ * them; so: speculation (NULL: none). slots 0: as many as the memory budget
+ * holds, up to K3_SERVE_AUTO_SLOTS; 1 under several ranks or with
+ * speculation, where more is refused (K3_EXIT_USAGE). A slot count that
+ * cannot fit: K3_EXIT_BUDGET. Under several ranks a rank that cannot fit
+ * stops every rank here. */
 #define K3_SERVE_AUTO_SLOTS 8
 int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, int slots,
+                          const k3_serve_spec_opts *so,
                           k3_serve_backend **out, k3_serve_model *m, k3_err *err);
 int k3_serve_backend_rank(const k3_serve_backend *b);
 /* A rank after the first: makes rank 0's calls until rank 0 quits. */
@@ -160,6 +184,7 @@ typedef struct {
     char *stop[K3_SERVE_MAX_STOP];
     size_t nstop;
     int n;                     /* choices, computed one after another (choice i samples with seed + i) */
+    int speculate;             /* drafts per pass (k3's "speculate", 0..K3_SPEC_MAX); -1: the server's default */
     bool logprobs;             /* return each sampled token's log-probability */
     int top_logprobs;          /* and this many most likely alternatives (0..K3_SERVE_MAX_LOGPROBS) */
     /* logit processing before sampling (docs/serve.md); all off: the logits
