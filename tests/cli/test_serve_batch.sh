@@ -10,8 +10,8 @@
 # cached: cached_tokens per request equal too). Also with the weights streamed
 # (--trunk, a tiny --cache-gb), and with one request's client gone after its
 # first event (the others unchanged, the cancel counted). /health reports the
-# slots; mpirun with --parallel 2 is refused. Loopback, every wait bounded.
-# asan
+# slots; --parallel 2 with --speculate and under mpirun is refused.
+# Loopback, every wait bounded.
 set -u
 source tests/cli/lib.sh
 kill_pids_at_exit
@@ -34,6 +34,8 @@ expect_exit help 0 "$K3" serve --help
 expect_out_contains help "--parallel N"
 expect_exit parallel-zero 2 "$K3" serve $M --parallel 0
 expect_exit parallel-word 2 "$K3" serve $M --parallel many
+expect_exit parallel-speculate 2 "$K3" serve $M --parallel 2 --speculate 2
+expect_err_contains parallel-speculate "one request at a time"
 
 $PY - "$OUT/reqs.json" <<'PY'
 import json, sys
