@@ -6,7 +6,7 @@
  * listens and runs the server; the other ranks follow it. The model work of
  * the server is three backend calls (prefill, step, end) made by its one
  * worker thread, so before each call rank 0 broadcasts a fixed-size command
- * (and a prefill's ids) and every other rank makes the same call on its own
+ * (and a prefill's ids and message marks) and every other rank makes the same call on its own
  * session and state cache. The session's choices (its own state, a snapshot
  * to restore, a cold start, the grid snapshots, evictions) follow from the
  * calls alone, so every rank makes the same forward calls and the exchanges
@@ -39,7 +39,7 @@ enum { CMD_PREFILL = 1, CMD_STEP = 2, CMD_END = 3, CMD_QUIT = 4 };
 typedef struct {
     int32_t op;
     int32_t n;             /* CMD_PREFILL: ids that follow, 1..ctx */
-    int32_t id;            /* CMD_STEP: the id to feed */
+    int32_t id;            /* CMD_STEP: the id to feed; CMD_PREFILL: marks that follow the ids, 0..n */
     int32_t flag;          /* CMD_STEP: no logits wanted; CMD_QUIT: rank 0's exit code */
 } serve_cmd;
 
@@ -58,17 +58,18 @@ static bool is_cancelled_all(const void *flag) {
     return c != 0;
 }
 
-static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
-                      k3_err *err) {
+static int be_prefill(void *ctx, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks, float *logits,
+                      size_t *reused, const atomic_int *cancel, k3_err *err) {
     backend *b = ctx;
     bool several = k3_engine_ranks(b->e) > 1;
-    if (b->lead) { /* (n <= ctx: the server checked the prompt against it) */
-        send_cmd(CMD_PREFILL, (int32_t)n, 0, 0);
+    if (b->lead) { /* (n <= ctx: the server checked the prompt against it; marks are at most one per id) */
+        send_cmd(CMD_PREFILL, (int32_t)n, (int32_t)nmarks, 0);
         k3_dist_bcast((void *)ids, n * sizeof *ids, true, "k3 serve's prompt ids");
+        if (nmarks) k3_dist_bcast((void *)marks, nmarks * sizeof *marks, true, "k3 serve's message marks");
     }
     /* asked between the prefill's chunks */
     k3_session_set_cancel(b->sess, several ? is_cancelled_all : is_cancelled, cancel);
-    int rc = k3_session_prefill(b->sess, ids, n, logits, reused, err);
+    int rc = k3_session_prefill_marked(b->sess, ids, n, marks, nmarks, logits, reused, err);
     k3_session_set_cancel(b->sess, NULL, NULL);
     return rc;
 }
@@ -154,6 +155,7 @@ int k3_serve_backend_follow(k3_serve_backend *b) {
     k3_dist_silence_others();
     float *logits = xmalloc_array((size_t)k3_engine_vocab(b->e), sizeof *logits);
     int32_t *ids = xmalloc_array((size_t)b->ctx, sizeof *ids);
+    size_t *marks = xmalloc_array((size_t)b->ctx, sizeof *marks);
     for (;;) {
         serve_cmd c;
         /* unbounded: the next command comes when a client asks */
@@ -161,9 +163,10 @@ int k3_serve_backend_follow(k3_serve_backend *b) {
         k3_err e = {0};
         size_t reused;
         if (c.op == CMD_QUIT) break;
-        if (c.op == CMD_PREFILL && c.n >= 1 && c.n <= b->ctx) {
+        if (c.op == CMD_PREFILL && c.n >= 1 && c.n <= b->ctx && c.id >= 0 && c.id <= c.n) {
             k3_dist_bcast(ids, (size_t)c.n * sizeof *ids, true, "k3 serve's prompt ids");
-            (void)be_prefill(b, ids, (size_t)c.n, logits, &reused, NULL, &e);
+            if (c.id) k3_dist_bcast(marks, (size_t)c.id * sizeof *marks, true, "k3 serve's message marks");
+            (void)be_prefill(b, ids, (size_t)c.n, marks, (size_t)c.id, logits, &reused, NULL, &e);
         } else if (c.op == CMD_STEP && c.id >= 0 && c.id < k3_engine_vocab(b->e)) {
             (void)be_step(b, c.id, c.flag ? NULL : logits, &e);
         } else if (c.op == CMD_END) {
@@ -173,11 +176,13 @@ int k3_serve_backend_follow(k3_serve_backend *b) {
                     "serve: rank 0 sent a command this rank cannot follow (op %d, n %d, id %d): the ranks run "
                     "different k3 builds", c.op, c.n, c.id);
             free(ids);
+            free(marks);
             free(logits);
             k3_dist_abort(&e);
         }
     }
     free(ids);
+    free(marks);
     free(logits);
     return K3_OK;
 }

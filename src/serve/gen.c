@@ -405,7 +405,8 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
     bool stopped = false;
     double t0 = k3_now();
     size_t reused = 0;
-    int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &reused, &j->cancel, err);
+    int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, j->marks, j->nmarks, logits, &reused,
+                                                           &j->cancel, err);
     if (g->index == 0) g->reused = reused;
     /* the backend's message says how far a cancelled prefill got */
     *prefill_cut = rc > 0 && atomic_load(&j->cancel);

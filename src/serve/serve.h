@@ -45,11 +45,13 @@ typedef struct {
     int threads;               /* OpenMP threads the worker computes with (0: default) */
     /* Makes the state hold exactly ids[0..n) and puts the logits of the last
      * one in logits[vocab]; *reused: how many leading ids were not recomputed
-     * (taken from a saved state). *cancel is polled between prefill chunks
-     * (then K3_EXIT_RUNTIME, err saying how far the prefill got, which the
-     * log repeats). */
-    int (*prefill)(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused,
-                   const atomic_int *cancel, k3_err *err);
+     * (taken from a saved state). marks[0..nmarks): increasing offsets in
+     * 1..n where the prompt's messages end (chat; none for completions), kept
+     * so that another prompt sharing ids[0..mark) resumes there. *cancel is
+     * polled between prefill chunks (then K3_EXIT_RUNTIME, err saying how
+     * far the prefill got, which the log repeats). */
+    int (*prefill)(void *ctx, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks, float *logits,
+                   size_t *reused, const atomic_int *cancel, k3_err *err);
     /* Feeds one more id (the state then holds one more) and fills logits
      * (NULL: none wanted, a stop id the next prompt's history will hold).
      * The generation loop (generate.h) makes every such call. */

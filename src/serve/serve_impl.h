@@ -23,6 +23,8 @@ struct k3_job {
     k3_serve_req req;
     int32_t *ids;              /* the prompt */
     size_t n;
+    size_t *marks;             /* chat: where each rendered message ends (snapshotted by the prefill) */
+    size_t nmarks;
     int64_t max_tokens;        /* resolved */
     char id[48];               /* chatcmpl-... / cmpl-... */
     int64_t created;

@@ -168,6 +168,7 @@ static void job_unref(k3_job *j) {
     if (--j->refs > 0) return;
     k3_serve_req_free(&j->req);
     free(j->ids);
+    free(j->marks);
     k3_sb_free(&j->out);
     pthread_cond_destroy(&j->cv);
     free(j);
@@ -437,7 +438,7 @@ static int encode_prompt(k3_serve *s, k3_job *j, k3_serve_error *e) {
                     s->model_id);
             return 400;
         }
-        if (k3_chat_encode(s->m.chat, r->chat, &j->ids, &j->n, &err)) {
+        if (k3_chat_encode_marked(s->m.chat, r->chat, &j->ids, &j->n, &j->marks, &j->nmarks, &err)) {
             err_from_k3(e, &err, "messages");
             /* the template calls the request's reasoning_effort thinking_effort */
             if (!strcmp(e->param, "thinking_effort")) {
