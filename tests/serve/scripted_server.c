@@ -31,9 +31,9 @@ static void one_hot(script *s, float *logits) {
     logits[id] = 200.0f; /* exp(-200) of the rest underflows: the id is drawn at any temperature <= 2 */
 }
 
-static int sc_prefill(void *ctx, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks, float *logits,
-                      size_t *reused, const atomic_int *cancel, int speculate, k3_err *err) {
-    (void)ids; (void)n; (void)marks; (void)nmarks; (void)cancel; (void)speculate; (void)err;
+static int sc_prefill(void *ctx, int slot, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks,
+                      float *logits, size_t *reused, const atomic_int *cancel, int speculate, k3_err *err) {
+    (void)slot; (void)ids; (void)n; (void)marks; (void)nmarks; (void)cancel; (void)speculate; (void)err;
     script *s = ctx;
     s->pos = 0;
     *reused = 0;
