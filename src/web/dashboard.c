@@ -1,7 +1,8 @@
 /* dashboard.c: the HTTP side of `k3 dashboard`.
  *
  * libmicrohttpd runs one internal thread (epoll) that calls `handle` for every
- * request; all run state lives on that thread, so nothing here is locked. The
+ * request; all run state lives on that thread, so nothing here is locked (the
+ * slow-client guard's watchdog, http.h, touches only its own state). The
  * server never writes and never follows a name from the request onto the
  * filesystem: runs are chosen from a table by exact name, and the one route
  * that opens a file by name (/files/) accepts a single plain component, opened

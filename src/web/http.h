@@ -3,7 +3,8 @@
  * DNS rebinding, the security headers every response carries, and the stop
  * signals of a server's main thread. Each server keeps its own routes, its
  * own error bodies (OpenAI's error object, the dashboard's {"error": msg})
- * and its own threading. */
+ * and its own threading. Both use the request checks and the slow-client
+ * guard below. */
 #ifndef K3_WEB_HTTP_H
 #define K3_WEB_HTTP_H
 
