@@ -46,7 +46,7 @@ ASN_LIB  := $(LIB_SRC:%.c=$(BUILD)/asan/%.o)
 REL_TEST := $(TEST_SRC:%.c=$(BUILD)/rel/%.o)
 ASN_TEST := $(TEST_SRC:%.c=$(BUILD)/asan/%.o)
 
-.PHONY: all test clean setup bench bench-report fuzz
+.PHONY: all test clean setup bench bench-report fuzz install uninstall
 all: $(BIN)/k3
 
 $(BIN)/k3: $(BUILD)/rel/src/cli/main.o $(REL_LIB) | $(BIN)
@@ -84,6 +84,21 @@ $(BIN)/serve_scripted: $(BUILD)/rel/tests/serve/scripted_server.o $(REL_LIB) | $
 	$(CC) $(BASE) $(RELFLAGS) -o $@ $^ $(LIBS)
 $(BIN)/serve_scripted-asan: $(BUILD)/asan/tests/serve/scripted_server.o $(ASN_LIB) | $(BIN)
 	$(CC) $(BASE) $(ASNFLAGS) -o $@ $^ $(LIBS)
+
+# `make install` puts the k3 program in $(PREFIX)/bin, the shipped model in
+# $(PREFIX)/share/k3/models/default and the docs in $(PREFIX)/share/doc/k3;
+# DESTDIR stages the tree for a package. Nothing else is needed at run time:
+# the web pages are compiled into the program.
+PREFIX  ?= /usr/local
+DATADIR := $(DESTDIR)$(PREFIX)/share/k3
+install: $(BIN)/k3
+	install -d $(DESTDIR)$(PREFIX)/bin $(DATADIR)/models/default $(DESTDIR)$(PREFIX)/share/doc/k3
+	install -m 755 $(BIN)/k3 $(DESTDIR)$(PREFIX)/bin/k3
+	install -m 644 models/default/* $(DATADIR)/models/default/
+	install -m 644 README.md docs/*.md $(DESTDIR)$(PREFIX)/share/doc/k3/
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/bin/k3
+	rm -rf $(DATADIR) $(DESTDIR)$(PREFIX)/share/doc/k3
 
 clean:
 	rm -rf build bin

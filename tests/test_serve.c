@@ -86,6 +86,13 @@ TEST(serve_parse_client_fields) {
     /* defaults: one choice, nothing processed */
     CHECK(parse("{\"prompt\":\"a\"}", K3_REQ_COMPLETION, &r, &e) == 0);
     CHECK(r.n == 1 && !r.logprobs && r.repetition_penalty == 1.0f && r.presence_penalty == 0 && r.nbias == 0);
+    CHECK(r.speculate == -1); /* the server's default */
+    k3_serve_req_free(&r);
+    /* k3's speculate: drafts per pass, both endpoints (the server checks its own bound) */
+    CHECK(parse("{\"prompt\":\"a\",\"speculate\":16}", K3_REQ_COMPLETION, &r, &e) == 0 && r.speculate == 16);
+    k3_serve_req_free(&r);
+    CHECK(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"speculate\":0}", K3_REQ_CHAT, &r, &e) == 0 &&
+          r.speculate == 0);
     k3_serve_req_free(&r);
     /* the legacy endpoint's logprobs is a count */
     CHECK(parse("{\"prompt\":\"a\",\"logprobs\":3}", K3_REQ_COMPLETION, &r, &e) == 0);
@@ -177,6 +184,9 @@ TEST(serve_parse_errors) {
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"frequency_penalty\":2.5}", "invalid_value", "frequency_penalty"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"presence_penalty\":\"x\"}", "invalid_type", "presence_penalty"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"repetition_penalty\":0}", "invalid_value", "repetition_penalty"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"speculate\":17}", "invalid_value", "speculate"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"speculate\":-1}", "invalid_value", "speculate"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"speculate\":\"4\"}", "invalid_type", "speculate"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":{\"5\":101}}", "invalid_value", "logit_bias.5"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":{\"x\":1}}", "invalid_value", "logit_bias.x"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"logit_bias\":{\"-1\":1}}", "invalid_value", "logit_bias.-1"},

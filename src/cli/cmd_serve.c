@@ -5,6 +5,7 @@
  * then the HTTP server, the queue and the worker. */
 #include "cli/commands.h"
 #include "dist/dist.h"
+#include "draft/draft.h"
 #include "engine/engine.h"
 #include "serve/serve.h"
 #include "session/session.h"
@@ -62,6 +63,16 @@ const char *const cmd_serve_help =
     "                       that extends the previous one reuses its work)\n"
     "  --verbose            log every request and every generation on stderr\n"
     "\n"
+    "speculative decoding (docs/speculation.md):\n"
+    "  --speculate K        up to K drafted ids (1-16) verified per forward pass;\n"
+    "                       drafts from the whole rendered conversation (n-gram\n"
+    "                       lookup) unless --draft is given. K is a request's\n"
+    "                       default and the most its \"speculate\" field may ask\n"
+    "                       (0 turns it off for the request). Replies are exactly\n"
+    "                       those without it; /metrics counts the drafts\n"
+    "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
+    "                       --speculate defaults to 4 with it; not under mpirun\n"
+    "\n"
     K3_ENGINE_HELP
     "\n"
     "Under mpirun (expert parallel, docs/mpi.md) rank 0 serves and the other\n"
@@ -88,6 +99,8 @@ typedef struct {
     double keepalive_s;
     double request_timeout_s;      /* --request-timeout (0: the server's default) */
     unsigned client_connections;   /* --client-connections (0: the server's default) */
+    int speculate;                 /* --speculate K (0: none) */
+    const char *draft;             /* --draft DIR */
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } serve_args;
 
@@ -204,6 +217,15 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             a->cors[a->ncors++] = v;
         } else if (!strcmp(o, "--verbose")) {
             a->verbose = true;
+        } else if (!strcmp(o, "--speculate")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 0, K3_SPEC_MAX, &n))
+                return k3_usage_error("serve", "--speculate: '%s' is not a count in [0, %d]", v, K3_SPEC_MAX);
+            a->speculate = (int)n;
+        } else if (!strcmp(o, "--draft")) {
+            NEED_VALUE();
+            if (!*v) return k3_usage_error("serve", "--draft needs a model directory");
+            a->draft = v;
         } else {
             bool used;
             k3_err e = {0};
@@ -214,6 +236,7 @@ static int parse_args(int argc, char **argv, serve_args *a) {
     }
     if (a->eo.mem.list_presets) return K3_OK;
     if (!a->eo.model_dir) return k3_usage_error("serve", "no MODEL_DIR given");
+    if (a->draft && !a->speculate) a->speculate = 4;
     if (a->max_tokens > a->ctx) return k3_usage_error("serve", "--max-tokens %lld is over --ctx %lld",
                                                       (long long)a->max_tokens, (long long)a->ctx);
     return K3_OK;
@@ -269,7 +292,8 @@ int cmd_serve(int argc, char **argv) {
                                           "model worker needs under mpirun"});
     k3_serve_backend *b;
     k3_serve_model sm;
-    if ((rc = k3_serve_backend_open(&a.eo, a.ctx, a.state_cache_bytes, &b, &sm, &err))) return k3_report(&err);
+    k3_serve_spec_opts so = {.spec_default = a.speculate, .spec_max = a.speculate, .draft_dir = a.draft};
+    if ((rc = k3_serve_backend_open(&a.eo, a.ctx, a.state_cache_bytes, &so, &b, &sm, &err))) return k3_report(&err);
     if (k3_serve_backend_rank(b) > 0) {
         rc = k3_serve_backend_follow(b);
         k3_serve_backend_free(b);

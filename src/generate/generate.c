@@ -47,7 +47,7 @@ static bool has_room(k3_session *s, const k3_gen_opts *o, const k3_gen_result *r
 static int feed(k3_session *s, const k3_gen_opts *o, int32_t id, float *logits, int64_t limit, k3_gen_result *r,
                 k3_err *err) {
     int rc;
-    if (o->feed) rc = o->feed(o->ctx, id, logits, err);
+    if (o->feed) rc = o->feed(o->ctx, id, logits, limit, err);
     else if (o->recompute) rc = k3_session_recompute(s, id, logits, err);
     else if (o->spec && logits) rc = k3_spec_feed(o->spec, s, id, logits, limit, err);
     else if (o->spec && (rc = k3_spec_finish(o->spec, s, err))) return rc;

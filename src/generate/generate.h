@@ -55,7 +55,11 @@
  * feed: a caller whose forward passes must go through something other than
  * its session (k3 serve's lead rank announces every pass to the ranks that
  * follow it; a test double scripts its logits) passes feed, and then session
- * may be NULL; prompt_len then says how many ids the model has consumed. */
+ * may be NULL; prompt_len then says how many ids the model has consumed. The
+ * hook is called once per id as the session would be, with the limit the
+ * verifying feed takes: a hook that speculates (k3 serve's backend) calls
+ * k3_spec_feed itself and closes its pass before the next prompt; the loop's
+ * passes and fed then count hook calls, the hook has the speculator's. */
 #ifndef K3_GENERATE_GENERATE_H
 #define K3_GENERATE_GENERATE_H
 
@@ -95,7 +99,8 @@ typedef struct {
     bool (*cancelled)(void *ctx);
     const float *(*adjust)(void *ctx, const float *logits); /* the row to sample from (logits or the caller's copy) */
     int (*on_sample)(void *ctx, int32_t id, const float *row, k3_err *err); /* before on_token */
-    int (*feed)(void *ctx, int32_t id, float *logits, k3_err *err); /* NULL: the session; logits NULL: none */
+    /* NULL: the session; logits NULL: none; limit: ids the loop may still feed after this one */
+    int (*feed)(void *ctx, int32_t id, float *logits, int64_t limit, k3_err *err);
     struct k3_spec *spec;  /* speculation (draft/draft.h); NULL: one id per pass */
 } k3_gen_opts;
 

@@ -389,9 +389,9 @@ static int on_token(void *ctx, int32_t id, k3_gen_verdict *verdict, k3_err *err)
 
 static bool job_cancelled(void *ctx) { return atomic_load(&((gen_ctx *)ctx)->j->cancel) != 0; }
 
-static int job_feed(void *ctx, int32_t id, float *logits, k3_err *err) {
+static int job_feed(void *ctx, int32_t id, float *logits, int64_t limit, k3_err *err) {
     const k3_serve_model *m = &((gen_ctx *)ctx)->s->m;
-    return m->step(m->ctx, id, logits, err);
+    return m->step(m->ctx, id, logits, limit, err);
 }
 
 /* One choice: prefill (reusing what the backend kept), then the generation
@@ -426,7 +426,8 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
     bool stopped = false;
     double t0 = k3_now();
     size_t reused = 0;
-    int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &reused, &j->cancel, err);
+    int spec = r->speculate >= 0 ? r->speculate : m->spec_default; /* (the server checked it against spec_max) */
+    int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &reused, &j->cancel, spec, err);
     if (g->index == 0) g->reused = reused;
     /* the backend's message says how far a cancelled prefill got */
     *prefill_cut = rc > 0 && atomic_load(&j->cancel);
@@ -510,9 +511,15 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     bool cancelled = false, failed = false, prefill_cut = false;
     const char *fail_code = "internal_error";
     int n = j->req.n > 0 ? j->req.n : 1;
+    k3_spec_stats sp0 = {0}, sp1 = {0};
+    if (m->spec_stats) m->spec_stats(m->ctx, &sp0);
     for (g.index = 0; g.index < n; g.index++)
         if (run_choice(&g, logits, &cancelled, &failed, &prefill_cut, &fail_code, &err)) break;
+    if (m->spec_stats) m->spec_stats(m->ctx, &sp1);
     pthread_mutex_lock(&s->mu);
+    s->n_spec_passes += sp1.passes - sp0.passes;
+    s->n_spec_proposed += sp1.proposed - sp0.proposed;
+    s->n_spec_accepted += sp1.accepted - sp0.accepted;
     s->n_tokens += g.ngen_all;
     s->n_prompt += j->n;
     s->n_cached += g.reused;

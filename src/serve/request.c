@@ -432,6 +432,7 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
     r->max_tokens = -1;
     r->thinking = true;
     r->n = 1;
+    r->speculate = -1;
     r->repetition_penalty = 1.0f;
     json_error_t jerr;
     json_t *o = json_loadb(body, len, JSON_REJECT_DUPLICATES, &jerr);
@@ -503,6 +504,10 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
             if (json_is_null(v)) continue;
             if ((rc = want_int(e, k, v, 1, K3_SERVE_MAX_N, &n))) goto out;
             r->n = (int)n;
+        } else if (!strcmp(k, "speculate")) {
+            if (json_is_null(v)) continue;
+            if ((rc = want_int(e, k, v, 0, K3_SPEC_MAX, &n))) goto out;
+            r->speculate = (int)n;
         } else if (!strcmp(k, "logprobs")) {
             if (json_is_null(v)) continue;
             if (kind == K3_REQ_CHAT) {

@@ -24,6 +24,7 @@
 
 #include "chat/chat.h"
 #include "constrain/constrain.h"
+#include "draft/draft.h"
 #include "engine/engine.h"
 #include "tokenizer/tokenizer.h"
 #include "util/common.h"
@@ -44,21 +45,33 @@ typedef struct {
     const k3_tokenizer *tok;   /* required */
     const k3_chat *chat;       /* NULL: no XTML ids, /v1/chat/completions answers 400 */
     int threads;               /* OpenMP threads the worker computes with (0: default) */
+    /* Speculative decoding (docs/speculation.md): the drafts per pass a
+     * request gets when it names none, and the most it may ask for (its
+     * "speculate" field; the memory plan counts a pass of spec_max + 1 ids).
+     * 0: the model does not speculate. */
+    int spec_default, spec_max;
     /* Makes the state hold exactly ids[0..n) and puts the logits of the last
      * one in logits[vocab]; *reused: how many leading ids were not recomputed
      * (taken from a saved state). *cancel is polled between prefill chunks
      * (then K3_EXIT_RUNTIME, err saying how far the prefill got, which the
-     * log repeats). */
+     * log repeats). speculate: drafts per pass at most (0..spec_max) for the
+     * steps that follow, until the next prefill. */
     int (*prefill)(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused,
-                   const atomic_int *cancel, k3_err *err);
+                   const atomic_int *cancel, int speculate, k3_err *err);
     /* Feeds one more id (the state then holds one more) and fills logits
      * (NULL: none wanted, a stop id the next prompt's history will hold).
-     * The generation loop (generate.h) makes every such call. */
-    int (*step)(void *ctx, int32_t id, float *logits, k3_err *err);
+     * The generation loop (generate.h) makes every such call; limit: ids it
+     * may still feed after this one (drafts past it are never verified).
+     * With speculation the id may end a verifying pass and open the next
+     * (k3_spec_feed): the logits are bit for bit those of one id per pass. */
+    int (*step)(void *ctx, int32_t id, float *logits, int64_t limit, k3_err *err);
     /* Called when a reply ends (not after an error or a cancel), the state
      * holding the prompt and the reply as the next prompt will render it.
      * NULL: none. */
     void (*end)(void *ctx);
+    /* The speculation counters since the model opened (passes, ids fed,
+     * drafts proposed and accepted). NULL: none. */
+    void (*spec_stats)(void *ctx, k3_spec_stats *out);
 } k3_serve_model;
 
 /* ---- the model on the engine (backend.c) ----
@@ -67,11 +80,21 @@ typedef struct {
  * ranks, which make the same calls on their own (k3_serve_backend_follow). */
 typedef struct k3_serve_backend k3_serve_backend;
 
+/* Speculation (docs/speculation.md): up to spec_max drafts per pass, a
+ * request's default spec_default, drafted by n-gram lookup over the whole
+ * rendered conversation or, with draft_dir, by that model (the same
+ * tokenizer, else K3_EXIT_USAGE; not under several ranks). */
+typedef struct {
+    int spec_default, spec_max;
+    const char *draft_dir;
+} k3_serve_spec_opts;
+
 /* Opens eo's model (with its tokenizer, max_pos ctx), a state of ctx
  * positions and a state cache of cache_bytes, and fills m with the calls on
- * them. Under several ranks a rank that cannot fit stops every rank here. */
-int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, k3_serve_backend **out,
-                          k3_serve_model *m, k3_err *err);
+ * them; so: speculation (NULL: none). Under several ranks a rank that cannot
+ * fit stops every rank here. */
+int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, const k3_serve_spec_opts *so,
+                          k3_serve_backend **out, k3_serve_model *m, k3_err *err);
 int k3_serve_backend_rank(const k3_serve_backend *b);
 /* A rank after the first: makes rank 0's calls until rank 0 quits. */
 int k3_serve_backend_follow(k3_serve_backend *b);
@@ -135,6 +158,7 @@ typedef struct {
     char *stop[K3_SERVE_MAX_STOP];
     size_t nstop;
     int n;                     /* choices, computed one after another (choice i samples with seed + i) */
+    int speculate;             /* drafts per pass (k3's "speculate", 0..K3_SPEC_MAX); -1: the server's default */
     bool logprobs;             /* return each sampled token's log-probability */
     int top_logprobs;          /* and this many most likely alternatives (0..K3_SERVE_MAX_LOGPROBS) */
     /* logit processing before sampling (docs/serve.md); all off: the logits

@@ -141,6 +141,11 @@ static char *metrics_text(k3_serve *s, size_t *len) {
              (double)s->n_cached);
     prom_one(&b, "k3_cache_hits_total", "counter", "generations that reused a saved state", (double)s->n_cache_hits);
     prom_one(&b, "k3_generation_tokens_total", "counter", "tokens generated", (double)s->n_tokens);
+    prom_one(&b, "k3_speculative_passes_total", "counter",
+             "forward passes of speculative generations (one per sampled id the drafts missed)", (double)s->n_spec_passes);
+    prom_one(&b, "k3_drafts_proposed_total", "counter", "drafted ids fed to verifying passes", (double)s->n_spec_proposed);
+    prom_one(&b, "k3_drafts_accepted_total", "counter", "drafted ids the sampler agreed with (forward passes saved)",
+             (double)s->n_spec_accepted);
     prom_hist(&b, "k3_time_to_first_token_seconds", "from the queue to the first sampled token", &s->ttft);
     prom_hist(&b, "k3_time_per_output_token_seconds", "between two sampled tokens of a request", &s->tpot);
     prom_one(&b, "k3_queue_waiting", "gauge", "requests waiting for the worker", s->nwaiting);
@@ -497,6 +502,11 @@ static int prompt_of(k3_serve *s, k3_job *j, k3_serve_error *e) {
         k3_serve_error_set(e, 400, "context_length_exceeded", param,
                 "%s: the prompt is %zu tokens, which leaves no room in the context of %lld tokens (k3 serve --ctx)",
                 param, j->n, (long long)s->m.ctx_len);
+        return 400;
+    }
+    if (r->speculate > s->m.spec_max) {
+        k3_serve_error_set(e, 400, "invalid_value", "speculate", "speculate: %d is over this server's bound of %d "
+                "(k3 serve --speculate K)", r->speculate, s->m.spec_max);
         return 400;
     }
     if (r->max_tokens > s->o.max_tokens) {

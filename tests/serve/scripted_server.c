@@ -32,8 +32,8 @@ static void one_hot(script *s, float *logits) {
 }
 
 static int sc_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
-                      k3_err *err) {
-    (void)ids; (void)n; (void)cancel; (void)err;
+                      int speculate, k3_err *err) {
+    (void)ids; (void)n; (void)cancel; (void)speculate; (void)err;
     script *s = ctx;
     s->pos = 0;
     *reused = 0;
@@ -41,8 +41,8 @@ static int sc_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, si
     return K3_OK;
 }
 
-static int sc_step(void *ctx, int32_t id, float *logits, k3_err *err) {
-    (void)id; (void)err;
+static int sc_step(void *ctx, int32_t id, float *logits, int64_t limit, k3_err *err) {
+    (void)id; (void)limit; (void)err;
     script *s = ctx;
     s->pos++;
     if (logits) one_hot(s, logits);

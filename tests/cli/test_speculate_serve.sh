@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# k3 serve --speculate K [--draft DIR] and the request field "speculate": the
+# response bytes are exactly those of a plain server (the reference: a server
+# started without speculation, never a value the speculative path computed
+# itself), every byte but the response id and the creation time:
+#  - chat, three turns of one conversation each re-sending the earlier replies
+#    (the later turns reuse the state the earlier ones left; a reply quoting
+#    an earlier one is drafted from the rendered conversation), with and
+#    without reasoning, greedy and sampled with a seed, with logprobs;
+#  - completions greedy (a second prompt extending the first), sampled with
+#    n = 2 choices, streamed chat and completions with usage;
+#  - n-gram drafts at the server's K and at a request's smaller K, a draft
+#    model (here the model itself: greedy drafts the target mostly accepts),
+#    and 2 ranks under mpirun (n-gram: every rank drafts the same ids);
+#  - /metrics counts the drafts (some proposed and accepted, none without
+#    speculation); bad "speculate" values get 400 naming the field; bad flags
+#    exit 2 (--speculate 17, --draft with another tokenizer or under mpirun).
+# Servers listen on loopback; every wait is bounded.
+# asan
+set -u
+. "$(dirname "$0")/lib.sh"
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+PY=/usr/bin/python3
+if ! $PY -c 'import numpy' 2>/dev/null; then
+  skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
+  finish; exit $?
+fi
+kill_pids_at_exit
+rm -rf "${OUT:?}"/*
+M=tests/out/specserve-chat-model
+chat_model $M 3 || { finish; exit 1; }
+END_ID=$($PY -c 'import json,sys; print(json.load(open(sys.argv[1]))["eos_token_id"])' $M/config.json) # <|im_end|>
+
+# The request set: every response body (streams as their raw events), the
+# response id and creation time replaced, one after another in $2.
+cat >"$OUT/client.py" <<'PY'
+import json, re, sys, urllib.request
+url, out, extra, end = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+log = open(out, "wb")
+
+def post(path, body):
+    body = dict(body, **extra)
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    raw = urllib.request.urlopen(req, timeout=120).read()
+    norm = re.sub(rb'"id":"(chatcmpl|cmpl)-[0-9a-f]+"', b'"id":"ID"', raw)
+    norm = re.sub(rb'"created":[0-9]+', b'"created":0', norm)
+    log.write(norm + b"\n")
+    return raw
+
+def conversation(turns, **kw):
+    msgs = []
+    for q in turns:
+        msgs.append({"role": "user", "content": q})
+        body = dict({"messages": msgs, "max_tokens": 24}, **kw)
+        raw = post("v1/chat/completions", body)
+        if kw.get("stream"):
+            return
+        m = json.loads(raw)["choices"][0]["message"]
+        a = {"role": "assistant", "content": m.get("content") or ""}
+        if m.get("reasoning_content"): a["reasoning_content"] = m["reasoning_content"]
+        msgs.append(a)
+
+say = ["Say one two three four five", "Say one two three four five again", "And once more: one two three four five"]
+conversation(say, temperature=0)
+conversation(say, temperature=0, reasoning_effort="none")
+conversation(say[:2], temperature=0.9, top_k=50, seed=7, reasoning_effort="none")
+conversation(say[:2], temperature=0, reasoning_effort="none", logprobs=True, top_logprobs=2)
+# replies that end at the end-of-message id (a bias makes it come after a few
+# ids), which the state keeps for the next turn: fed after a verifying pass
+conversation(say, temperature=0, reasoning_effort="none", logit_bias={end: 6})
+conversation(say, temperature=0.8, seed=9, reasoning_effort="none", logit_bias={end: 5})
+p = "one two three four five one two three four five one two"
+a = json.loads(post("v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0}))["choices"][0]["text"]
+post("v1/completions", {"prompt": p + a + " " + p, "max_tokens": 24, "temperature": 0})
+post("v1/completions", {"prompt": p, "max_tokens": 20, "temperature": 0.8, "seed": 3, "n": 2})
+conversation(say[:1], temperature=0.7, seed=5, stream=True, stream_options={"include_usage": True})
+post("v1/completions", {"prompt": p, "max_tokens": 20, "temperature": 0, "stream": True,
+                        "stream_options": {"include_usage": True}})
+PY
+
+# metric URL NAME: a counter of /metrics
+metric() { curl -s --max-time 10 "$1metrics" | sed -nE "s/^$2 ([0-9.e+]+)$/\1/p"; }
+post() { req POST "$1$2" -H 'Content-Type: application/json' --data-binary "$3"; }
+
+# run_set TAG EXTRA_JSON CMD...: starts the server CMD, runs the request set
+# (EXTRA_JSON merged into every body) into $OUT/TAG.txt, keeps its drafts
+# counters in DRAFTS ("PROPOSED ACCEPTED"), and stops it with $STOP_SIG
+# (SIGTERM; under mpirun SIGUSR1, which mpirun hands on to rank 0)
+STOP_SIG=TERM
+run_set() {
+  local tag=$1 extra=$2; shift 2
+  if ! start_server "$OUT/$tag.log" "$@"; then fail "$tag:start" "$(head -c 300 "$OUT/$tag.log.err")"; return 1; fi
+  timeout 300 $PY "$OUT/client.py" "$SERVER_URL" "$OUT/$tag.txt" "$extra" "$END_ID" 2>"$OUT/$tag.client.err" \
+    && pass "$tag:requests" || fail "$tag:requests" "$(tail -n 3 "$OUT/$tag.client.err")"
+  DRAFTS="$(metric "$SERVER_URL" k3_drafts_proposed_total) $(metric "$SERVER_URL" k3_drafts_accepted_total)"
+  kill -$STOP_SIG "$SERVER_PID"
+  local i; for i in $(seq 300); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.1; done
+  wait "$SERVER_PID" && pass "$tag:stop" || fail "$tag:stop" "$(tail -n 3 "$OUT/$tag.log.err")"
+}
+# same TAG: TAG's responses are the plain server's, byte for byte
+same() {
+  cmp -s "$OUT/plain.txt" "$OUT/$1.txt" && pass "$1:same" \
+    || fail "$1:same" "$(diff <(tr ',' '\n' <"$OUT/plain.txt") <(tr ',' '\n' <"$OUT/$1.txt") | head -c 400)"
+}
+# drafted TAG: some drafts proposed, some accepted, no more accepted than proposed
+drafted() {
+  local p a; read -r p a <<<"$DRAFTS"
+  [ -n "$p" ] && [ -n "$a" ] && [ "$p" -gt 0 ] && [ "$a" -gt 0 ] && [ "$a" -le "$p" ] && pass "$1:drafted" \
+    || fail "$1:drafted" "proposed '$p', accepted '$a'"
+}
+
+run_set plain '{}' "$K3" serve $M --port 0
+# the reference says something and the later turns reuse state, or the comparisons prove little
+[ "$(grep -c '"cached_tokens":[1-9]' "$OUT/plain.txt")" -ge 5 ] && pass plain:reuse \
+  || fail plain:reuse "$(head -c 300 "$OUT/plain.txt")"
+[ "$(grep -c '"finish_reason":"stop"' "$OUT/plain.txt")" -ge 3 ] && pass plain:stops \
+  || fail plain:stops "$(grep -c '"finish_reason":"stop"' "$OUT/plain.txt") replies end at the end-of-message id"
+check plain:no-drafts "$DRAFTS" "0 0"
+run_set plain-field '{"speculate": 0}' "$K3" serve $M --port 0
+same plain-field
+
+run_set ngram '{}' "$K3" serve $M --port 0 --speculate 4
+same ngram
+drafted ngram
+run_set ngram-k2 '{"speculate": 2}' "$K3" serve $M --port 0 --speculate 4 --threads 2
+same ngram-k2
+drafted ngram-k2
+run_set ngram-off '{"speculate": 0}' "$K3" serve $M --port 0 --speculate 4
+same ngram-off
+check ngram-off:no-drafts "$DRAFTS" "0 0"
+run_set draft '{}' "$K3" serve $M --port 0 --draft $M
+same draft
+drafted draft
+
+# ---- refusals ------------------------------------------------------------------------------
+start_server "$OUT/refusals.log" "$K3" serve $M --port 0 --speculate 3 || fail refusals:start
+U=$SERVER_URL
+for bad in '5:invalid_value' '17:invalid_value' '-1:invalid_value' '"2":invalid_type' '1.5:invalid_type'; do
+  v=${bad%:*}; code=${bad##*:}
+  post "$U" v1/completions "{\"prompt\":\"hi\",\"max_tokens\":2,\"speculate\":$v}"
+  check "refuse-$v:status" "$CODE" 400
+  check "refuse-$v:error" "$(jget '(j["error"]["param"], j["error"]["code"])')" "('speculate', '$code')"
+done
+post "$U" v1/chat/completions '{"messages":[{"role":"user","content":"hi"}],"max_tokens":2,"speculate":3}'
+check field-at-bound "$CODE" 200
+kill -TERM "$SERVER_PID"; wait "$SERVER_PID"
+start_server "$OUT/plain2.log" "$K3" serve $M --port 0 || fail plain2:start
+post "$SERVER_URL" v1/completions '{"prompt":"hi","max_tokens":2,"speculate":1}'
+check plain-refuses:status "$CODE" 400
+case "$(jget 'j["error"]["message"]')" in *"--speculate"*) pass plain-refuses:says-how ;;
+  *) fail plain-refuses:says-how "$(head -c 300 "$OUT/body")" ;; esac
+kill -TERM "$SERVER_PID"; wait "$SERVER_PID"
+expect_exit too-many 2 $K3 serve $M --port 0 --speculate 17
+rm -rf "$OUT/other" && mkdir -p "$OUT/other"
+for f in "$M"/*; do ln -s "$PWD/$f" "$OUT/other/$(basename "$f")"; done
+rm "$OUT/other/tiktoken.model" && head -n -1 "$M/tiktoken.model" >"$OUT/other/tiktoken.model"
+expect_exit other-tokenizer 2 timeout 60 $K3 serve $M --port 0 --draft "$OUT/other"
+expect_err_contains other-tokenizer "tokenizer"
+
+# ---- under mpirun: every rank follows the verifying passes -----------------------------
+[ "${K3#*asan}" != "$K3" ] && { finish; exit; } # the MPI runs: test_mpi*.sh
+mpi_setup
+MPIRUN="mpirun -q --oversubscribe --mca btl self,vader"
+STOP_SIG=USR1
+run_set mpi '{}' $MPIRUN -np 2 "$K3" serve $M --port 0 --speculate 4
+grep -q 'expert parallel over 2 ranks' "$OUT/mpi.log" && pass mpi:ranks || fail mpi:ranks "$(head -c 300 "$OUT/mpi.log")"
+same mpi
+drafted mpi
+expect_exit mpi-draft 2 $MPI -np 2 $K3 serve $M --port 0 --draft $M
+finish
