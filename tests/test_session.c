@@ -579,3 +579,107 @@ TEST(session_prefill_cancel_keeps_a_true_state) {
     k3_engine_free(e);
     k3_model_free(m);
 }
+
+/* Batched decoding through sessions (k3_session_feed_batch), streamed weights
+ * (--cache-gb 0.0002): three sessions at different positions step together
+ * while the batch changes every step (a session joins, leaves, asks for no
+ * logits), and each gives the logits bits of the same ids fed alone to a
+ * twin session (k3_session_feed), holds the same ids, and ends where a cold
+ * k3_forward of its whole sequence ends. A full session in the batch is
+ * refused before anything is fed. */
+TEST(session_feed_batch_same_as_alone) {
+    k3_model *m = open_model();
+    CHECK(m);
+    int V = k3_model_config(m)->vocab_size;
+    k3_engine_opts o;
+    k3_engine_opts_init(&o);
+    char *argv[] = {"test", "--cache-gb", "0.0002", "--chunk", "3", NULL};
+    k3_err err = {0};
+    for (int i = 1; i < 5; i++) {
+        bool used = false;
+        CHECKF(k3_engine_parse_flag(&o, "test", 5, argv, &i, &used, &err) == 0 && used, "%s", err.msg);
+    }
+    o.model_dir = model_dir();
+    o.max_pos = 64;
+    k3_engine *e;
+    CHECKF(k3_engine_open(&o, &e, &err) == 0, "%s", err.msg);
+    enum { NS = 3, STEPS = 9 };
+    k3_state_cache *sc = k3_state_cache_new(k3_engine_config(e), 64 << 20, G);
+    k3_state *bst[NS], *ast[NS];
+    k3_session *bs[NS], *as[NS];
+    int32_t seq[NS][40];
+    const int pre[NS] = {5, 1, 12};
+    float *lb = xmalloc_array((size_t)NS * V, sizeof *lb), *la = xmalloc_array((size_t)V, sizeof *la);
+    for (int q = 0; q < NS; q++) {
+        fill_ids(seq[q], 40, 31 + (uint32_t)q);
+        CHECKF(k3_engine_state_new(e, 64, 0, &bst[q], &err) == 0 && k3_engine_state_new(e, 64, 0, &ast[q], &err) == 0,
+               "%s", err.msg);
+        bs[q] = k3_session_open(e, bst[q], sc);
+        as[q] = k3_session_open(e, ast[q], NULL);
+        CHECK(k3_session_prefill(bs[q], seq[q], (size_t)pre[q], NULL, NULL, &err) == 0);
+        CHECK(k3_session_prefill(as[q], seq[q], (size_t)pre[q], NULL, NULL, &err) == 0);
+    }
+    bool ok = true;
+    for (int t = 0; ok && t < STEPS; t++) {
+        k3_session *in[NS];
+        int32_t ids[NS];
+        float *rows[NS];
+        int n = 0, who[NS];
+        for (int q = 0; q < NS; q++) {
+            if ((t + q) % 4 == 3) continue; /* this one sits the step out */
+            in[n] = bs[q];
+            ids[n] = seq[q][k3_session_len(bs[q])];
+            rows[n] = (t * 7 + q) % 5 == 2 ? NULL : lb + (size_t)n * V; /* no logits wanted */
+            who[n++] = q;
+        }
+        ok = k3_session_feed_batch(in, n, ids, rows, &err) == 0;
+        for (int i = 0; ok && i < n; i++) {
+            k3_session *a = as[who[i]];
+            ok = k3_session_feed(a, &ids[i], 1, rows[i] ? la : NULL, &err) == 0 &&
+                 (!rows[i] || !memcmp(la, rows[i], (size_t)V * sizeof *la)) &&
+                 k3_session_len(a) == k3_session_len(in[i]) &&
+                 !memcmp(k3_session_ids(a), k3_session_ids(in[i]), k3_session_len(a) * sizeof(int32_t));
+            if (!ok) fprintf(stderr, "step %d session %d differs (%s)\n", t, who[i], err.msg);
+        }
+    }
+    CHECK(ok);
+    /* the last step's state: one more id each, alone vs batched, against a cold forward */
+    int32_t last[NS];
+    float *rows[NS];
+    for (int q = 0; q < NS; q++) {
+        last[q] = seq[q][k3_session_len(bs[q])];
+        rows[q] = lb + (size_t)q * V;
+    }
+    CHECK(k3_session_feed_batch(bs, NS, last, rows, &err) == 0);
+    for (int q = 0; q < NS; q++) {
+        float *w = cold(m, seq[q], (int)k3_session_len(bs[q]));
+        CHECK(same(rows[q], w, V));
+        free(w);
+    }
+    /* refused whole: a session given twice, a full session */
+    k3_session *twice[2] = {bs[0], bs[0]};
+    size_t len0 = k3_session_len(bs[0]), len1 = k3_session_len(bs[1]);
+    CHECK(k3_session_feed_batch(twice, 2, last, NULL, &err) == K3_EXIT_USAGE);
+    k3_state *tiny;
+    CHECKF(k3_engine_state_new(e, 2, 0, &tiny, &err) == 0, "%s", err.msg);
+    k3_session *full = k3_session_open(e, tiny, NULL);
+    CHECK(k3_state_max_pos(tiny) <= 40);
+    CHECK(k3_session_prefill(full, seq[0], (size_t)k3_state_max_pos(tiny), NULL, NULL, &err) == 0);
+    k3_session *pair[2] = {bs[1], full};
+    CHECK(k3_session_feed_batch(pair, 2, last, NULL, &err) == K3_EXIT_USAGE);
+    CHECKF(k3_session_len(bs[0]) == len0 && k3_session_len(bs[1]) == len1, "%zu %zu, %zu %zu", k3_session_len(bs[0]),
+           len0, k3_session_len(bs[1]), len1);
+    k3_session_free(full);
+    k3_engine_state_free(e, tiny);
+    for (int q = 0; q < NS; q++) {
+        k3_session_free(bs[q]);
+        k3_session_free(as[q]);
+        k3_engine_state_free(e, bst[q]);
+        k3_engine_state_free(e, ast[q]);
+    }
+    free(lb);
+    free(la);
+    k3_state_cache_free(sc);
+    k3_engine_free(e);
+    k3_model_free(m);
+}

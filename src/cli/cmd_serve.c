@@ -1,8 +1,8 @@
 /* cmd_serve.c: `k3 serve MODEL_DIR`, an OpenAI-compatible HTTP server. This
  * file parses the flags, handles the stop signals and starts src/serve/: the
- * model backend (src/serve/backend.c: the engine, one session on a state
+ * model backend (src/serve/backend.c: the engine, one session per slot on a state
  * cache shared by every request, the ranks that follow rank 0 under mpirun),
- * then the HTTP server, the queue and the worker. */
+ * then the HTTP server, the queue and the slots' workers. */
 #include "cli/commands.h"
 #include "dist/dist.h"
 #include "draft/draft.h"
@@ -27,7 +27,9 @@ const char *const cmd_serve_help =
     "POST /v1/chat/completions (XTML chat template; reasoning_content, tools,\n"
     "streaming), POST /v1/completions (a text prompt, as `k3 run --prompt`),\n"
     "GET /health, GET /metrics (Prometheus), POST /tokenize and /detokenize, and a\n"
-    "chat page at /. One worker computes; requests wait in a bounded queue.\n"
+    "chat page at /. Up to --parallel requests compute together (their next\n"
+    "tokens in one pass; each gets the bytes it gets alone); more wait in a\n"
+    "bounded queue.\n"
     "docs/serve.md has the API, the limits and the error codes.\n"
     "\n"
     "server:\n"
@@ -47,8 +49,14 @@ const char *const cmd_serve_help =
     "                       (default 4096); counted in the memory plan\n"
     "  --max-tokens N       the largest max_tokens a request may ask (default: --ctx);\n"
     "                       also the default when a request gives none\n"
-    "  --queue N            requests that may wait while one computes (default 16);\n"
-    "                       more get 429; 0: one computes and none waits\n"
+    "  --parallel N         requests that compute at once, each on its own state\n"
+    "                       (a slot): their decode steps go through one forward\n"
+    "                       pass and a new prompt's prefill goes chunk by chunk\n"
+    "                       (--chunk) between them. Default: as many states of\n"
+    "                       --ctx positions as the memory budget holds, up to 8;\n"
+    "                       1 under mpirun, where more is refused (exit 2)\n"
+    "  --queue N            requests that may wait while every slot computes\n"
+    "                       (default 16); more get 429; 0: none waits\n"
     "  --max-body BYTES     largest request body (default 8M); larger get 413\n"
     "  --request-timeout S  a request's headers and body must arrive within S\n"
     "                       seconds of its first line (a new connection's first\n"
@@ -69,7 +77,8 @@ const char *const cmd_serve_help =
     "                       lookup) unless --draft is given. K is a request's\n"
     "                       default and the most its \"speculate\" field may ask\n"
     "                       (0 turns it off for the request). Replies are exactly\n"
-    "                       those without it; /metrics counts the drafts\n"
+    "                       those without it; /metrics counts the drafts. A\n"
+    "                       server that speculates has one slot (--parallel 1)\n"
     "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
     "                       --speculate defaults to 4 with it; not under mpirun\n"
     "\n"
@@ -92,6 +101,7 @@ typedef struct {
     const char *cors[MAX_CORS];
     size_t ncors;
     int port, queue;
+    int parallel;          /* --parallel (0: what the budget holds) */
     bool verbose;
     int64_t ctx, max_tokens;
     uint64_t max_body;
@@ -171,6 +181,10 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             NEED_VALUE();
             if (!k3_parse_i64(v, 1, INT_MAX / 2, &n)) return k3_usage_error("serve", "--max-tokens: '%s' is not a count >= 1", v);
             a->max_tokens = n;
+        } else if (!strcmp(o, "--parallel")) {
+            NEED_VALUE();
+            if (!k3_parse_i64(v, 1, 256, &n)) return k3_usage_error("serve", "--parallel: '%s' is not in 1..256", v);
+            a->parallel = (int)n;
         } else if (!strcmp(o, "--queue")) {
             NEED_VALUE();
             if (!k3_parse_i64(v, 0, 100000, &n)) return k3_usage_error("serve", "--queue: '%s' is not in 0..100000", v);
@@ -286,6 +300,9 @@ int cmd_serve(int argc, char **argv) {
 
     k3_err err = {0};
     int ranks = k3_dist_size();
+    if (ranks > 1 && a.parallel > 1)
+        return k3_usage_error("serve", "--parallel %d: under mpirun (%d ranks) k3 serve computes one request at a "
+                              "time; leave --parallel out (it is 1 there)", a.parallel, ranks);
     if (ranks > 1 && !k3_dist_any_thread())
         return k3_report(&(k3_err){.code = K3_EXIT_USAGE,
                                    .msg = "serve: this Open MPI does not grant MPI_THREAD_SERIALIZED, which k3 serve's "
@@ -293,7 +310,8 @@ int cmd_serve(int argc, char **argv) {
     k3_serve_backend *b;
     k3_serve_model sm;
     k3_serve_spec_opts so = {.spec_default = a.speculate, .spec_max = a.speculate, .draft_dir = a.draft};
-    if ((rc = k3_serve_backend_open(&a.eo, a.ctx, a.state_cache_bytes, &so, &b, &sm, &err))) return k3_report(&err);
+    if ((rc = k3_serve_backend_open(&a.eo, a.ctx, a.state_cache_bytes, a.parallel, &so, &b, &sm, &err)))
+        return k3_report(&err);
     if (k3_serve_backend_rank(b) > 0) {
         rc = k3_serve_backend_follow(b);
         k3_serve_backend_free(b);
@@ -318,8 +336,9 @@ int cmd_serve(int argc, char **argv) {
     bool v6 = strchr(a.host, ':') != NULL;
     char par[64] = "";
     if (ranks > 1) snprintf(par, sizeof par, ", expert parallel over %d ranks", ranks);
-    printf("k3 serve: model '%s' (%s%s), http://%s%s%s:%d/ (Ctrl-C stops)\n", o.model_id,
-           sm.chat ? "chat and completions" : "completions only: the tokenizer has no XTML ids", par, v6 ? "[" : "",
+    printf("k3 serve: model '%s' (%s%s, %d slot%s), http://%s%s%s:%d/ (Ctrl-C stops)\n", o.model_id,
+           sm.chat ? "chat and completions" : "completions only: the tokenizer has no XTML ids", par, sm.slots,
+           sm.slots == 1 ? "" : "s", v6 ? "[" : "",
            a.host, v6 ? "]" : "", k3_serve_port(s));
     fflush(stdout);
     int sig = k3_http_wait_stop(&stop);

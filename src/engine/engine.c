@@ -372,6 +372,15 @@ int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, floa
     return K3_OK;
 }
 
+int k3_engine_feed_batch(k3_engine *e, k3_state *const *states, int n, const int32_t *ids, float *logits,
+                         k3_err *err) {
+    int rc = k3_forward_batch(e->model, states, n, ids, logits, err);
+    if (rc && e->ranks > 1) k3_dist_abort(err); /* the others wait in this call's exchanges */
+    if (rc) return rc;
+    k3_runmem_step(e->rm, false, n, e->step_log);
+    return K3_OK;
+}
+
 int k3_engine_recompute(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, k3_err *err) {
     k3_state_reset(s);
     size_t slice = (size_t)e->chunk;

@@ -161,6 +161,14 @@ void k3_engine_state_free(k3_engine *e, k3_state *s);
 int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, bool all_logits,
                    bool prefill, k3_progress *progress, k3_err *err);
 
+/* Batched decoding: ids[q] fed to states[q] (n distinct states, each at its
+ * own position) in one pass over the weights (model.h's k3_forward_batch);
+ * logits: [n][V] rows (NULL: none), row q with exactly the bits
+ * k3_engine_feed of ids[q] alone on states[q] gives, whatever the other rows
+ * are. The run report counts one decode call of n tokens. */
+int k3_engine_feed_batch(k3_engine *e, k3_state *const *states, int n, const int32_t *ids, float *logits,
+                         k3_err *err);
+
 /* Resets s and feeds ids[0..n) again in the plan's chunks; the run report
  * counts it as one decode step of one token (k3 run --full recomputes the
  * whole prefix for every generated token). logits: the last token's [V]. */

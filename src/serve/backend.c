@@ -1,28 +1,43 @@
 /* backend.c: the model side of `k3 serve` (serve.h's k3_serve_model) on the
- * engine: one session over a state cache shared by every request, so a
- * request reuses what an earlier one computed.
+ * engine: one session per slot over a state cache shared by every request,
+ * so a request reuses what an earlier one computed, on any slot.
  *
  * Under mpirun with several ranks (expert parallel, docs/mpi.md) rank 0 alone
- * listens and runs the server; the other ranks follow it. The model work of
- * the server is three backend calls (prefill, step, end) made by its one
- * worker thread, so before each call rank 0 broadcasts a fixed-size command
- * (and a prefill's ids) and every other rank makes the same call on its own
- * session and state cache. The session's choices (its own state, a snapshot
- * to restore, a cold start, the grid snapshots, evictions) follow from the
- * calls alone, so every rank makes the same forward calls and the exchanges
- * inside the MoE layers line up. A cancelled prefill stops at the same chunk
- * on every rank: the cancel hook, asked between chunks, is itself a
- * broadcast of rank 0's flag. Sampling is rank 0's: a step carries the id.
+ * listens and runs the server with one slot; the other ranks follow it. The
+ * model work of the server is three backend calls (prefill, step, end) made
+ * by its one worker thread, so before each call rank 0 broadcasts a
+ * fixed-size command (and a prefill's ids) and every other rank makes the
+ * same call on its own session and state cache. The session's choices (its
+ * own state, a snapshot to restore, a cold start, the grid snapshots,
+ * evictions) follow from the calls alone, so every rank makes the same
+ * forward calls and the exchanges inside the MoE layers line up. A cancelled
+ * prefill stops at the same chunk on every rank: the cancel hook, asked
+ * between chunks, is itself a broadcast of rank 0's flag. Sampling is rank
+ * 0's: a step carries the id.
  *
- * Speculation: a prefill carries the request's drafts per pass and opens a
- * verifying feed (draft.h) for the steps that follow; each step goes through
- * it (k3_spec_feed, with the step's limit), and the next prefill or the
- * reply's end closes its last pass, so the session holds exactly the ids of
- * plain decoding whenever it is snapshot or reused. The followers make the
- * same calls with the same ids, limits and drafts per pass; their n-gram
+ * Speculation (one slot): a prefill carries the request's drafts per pass
+ * and opens a verifying feed (draft.h) for the steps that follow; each step
+ * goes through it (k3_spec_feed, with the step's limit), and the next prefill
+ * or the reply's end closes its last pass, so the session holds exactly the
+ * ids of plain decoding whenever it is snapshot or reused. The followers make
+ * the same calls with the same ids, limits and drafts per pass; their n-gram
  * drafter reads the same session ids, so it drafts the same ids and every
  * rank makes the same verifying passes (a draft model runs on one rank only:
- * refused under several). */
+ * refused under several). A batched step cannot hold a verifying pass, so a
+ * server that speculates has one slot.
+ *
+ * Several slots (one process): each slot has its own session and state, and
+ * one model thread makes every forward call. A slot's worker posts its call
+ * (a prefill or a step) and waits. The model thread runs the posted steps as
+ * one batched pass once no busy slot is still between calls (sampling,
+ * writing its response), so the next ids of all busy slots go together; it
+ * runs a posted prefill with the hook that polls the cancel flag, and before
+ * each chunk of the prefill that hook first runs the other slots' posted
+ * steps: a long prompt delays their tokens by one chunk at a time. Which rows
+ * share a pass never changes a row's bits (k3_session_feed_batch) and each
+ * slot's calls are made in its own order, so a request gets the bytes it gets
+ * alone. A cut (cancelled) prefill leaves a snapshot of what it fed in the
+ * shared cache, so its retry resumes on whichever slot it lands. */
 #include "chat/chat.h"
 #include "dist/dist.h"
 #include "draft/draft.h"
@@ -30,22 +45,59 @@
 #include "serve/serve.h"
 #include "session/session.h"
 
+#include <omp.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+struct k3_serve_backend;
+
+/* Where a slot is, for the model thread (under backend.mu): no request; a
+ * request between model calls; a step or a prefill posted; being computed. */
+enum { SLOT_IDLE, SLOT_THINK, SLOT_STEP, SLOT_PREFILL, SLOT_RUN };
+
+typedef struct {
+    struct k3_serve_backend *b;
+    k3_state *st;
+    k3_session *sess;
+    /* under backend.mu: the phase and the call its worker posted */
+    int phase;
+    uint64_t ticket;       /* posting order: prefills run first come, first served */
+    int32_t id;
+    float *logits;
+    const int32_t *ids;
+    size_t n, *reused;
+    const atomic_int *cancel;
+    bool done;
+    int rc;
+    k3_err err;
+} slot;
+
 struct k3_serve_backend {
     k3_engine *e;
-    k3_state *st;
     k3_state_cache *cache;
-    k3_session *sess;
+    slot *sl;
+    int nslots;
     k3_chat *chat;
     int64_t ctx;
     bool lead;             /* rank 0 of several: broadcasts each call before making it */
-    k3_drafter *drafter;   /* speculation: n-gram or the draft model; NULL: none */
+    /* speculation (one slot) */
+    k3_drafter *drafter;   /* n-gram or the draft model; NULL: none */
     int spec_max;
     k3_spec *spec;         /* the verifying feed of the current generation; NULL: plain steps */
     k3_spec_stats done;    /* the counters of the generations before it */
+    /* several slots: the model thread and the calls posted to it */
+    pthread_t model;
+    bool model_started, quit;
+    pthread_mutex_t mu;
+    pthread_cond_t work_cv;  /* the model thread waits here */
+    pthread_cond_t done_cv;  /* the workers wait here */
+    uint64_t tickets;
+    k3_session **bs;       /* [nslots] one batch: sessions, ids, logit rows, slots */
+    int32_t *bid;
+    float **blog;
+    int *bslot;
 };
 typedef struct k3_serve_backend backend;
 
@@ -74,12 +126,26 @@ static bool is_cancelled_all(const void *flag) {
     return c != 0;
 }
 
+/* A prefill on one slot's session, the hook asked between its chunks; a cut
+ * one leaves what it fed as a snapshot (a true state of a prefix of the
+ * prompt), so the same prompt again resumes there on any slot. */
+static int prefill_on(k3_session *sess, const int32_t *ids, size_t n, float *logits, size_t *reused,
+                      bool (*hook)(const void *), const void *hook_ctx, k3_err *err) {
+    k3_session_set_cancel(sess, hook, hook_ctx);
+    int rc = k3_session_prefill(sess, ids, n, logits, reused, err);
+    k3_session_set_cancel(sess, NULL, NULL);
+    if (rc == K3_EXIT_RUNTIME && k3_session_len(sess) > 0 && k3_session_len(sess) < n) k3_session_snapshot(sess);
+    return rc;
+}
+
+/* ---- one slot: the calls made on the worker's own thread ---- */
+
 /* Ends the current generation's verifying feed: its open pass keeps the ids
  * consumed (the session then holds plain decoding's), its counters join the
  * totals. */
 static int spec_close(backend *b, k3_err *err) {
     if (!b->spec) return K3_OK;
-    int rc = k3_spec_finish(b->spec, b->sess, err);
+    int rc = k3_spec_finish(b->spec, b->sl[0].sess, err);
     k3_spec_stats st = k3_spec_get_stats(b->spec);
     b->done.passes += st.passes;
     b->done.fed += st.fed;
@@ -90,13 +156,9 @@ static int spec_close(backend *b, k3_err *err) {
     return rc;
 }
 
-static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
-                      int speculate, k3_err *err) {
-    backend *b = ctx;
+static int one_prefill(backend *b, const int32_t *ids, size_t n, float *logits, size_t *reused,
+                       const atomic_int *cancel, int speculate, k3_err *err) {
     bool several = k3_engine_ranks(b->e) > 1;
-    if (speculate < 0 || speculate > b->spec_max)
-        return k3_fail(err, K3_EXIT_USAGE, "serve: %d drafts per pass asked, this model speculates 0..%d", speculate,
-                       b->spec_max);
     if (b->lead) { /* (n <= ctx: the server checked the prompt against it) */
         send_cmd(CMD_PREFILL, (int32_t)n, speculate, 0);
         k3_dist_bcast((void *)ids, n * sizeof *ids, true, "k3 serve's prompt ids");
@@ -104,30 +166,176 @@ static int be_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, si
     /* a generation that ended in an error or a cancel left its pass open */
     int rc = spec_close(b, err);
     if (rc) return rc;
-    /* asked between the prefill's chunks */
-    k3_session_set_cancel(b->sess, several ? is_cancelled_all : is_cancelled, cancel);
-    rc = k3_session_prefill(b->sess, ids, n, logits, reused, err);
-    k3_session_set_cancel(b->sess, NULL, NULL);
+    rc = prefill_on(b->sl[0].sess, ids, n, logits, reused, several ? is_cancelled_all : is_cancelled, cancel, err);
     if (!rc && speculate > 0) b->spec = k3_spec_new(b->drafter, speculate, k3_engine_vocab(b->e));
     return rc;
 }
 
-static int be_step(void *ctx, int32_t id, float *logits, int64_t limit, k3_err *err) {
-    backend *b = ctx;
+static int one_step(backend *b, int32_t id, float *logits, int64_t limit, k3_err *err) {
+    k3_session *sess = b->sl[0].sess;
     /* drafts per pass never exceed K3_SPEC_MAX: a larger limit is the same */
     if (limit > K3_SPEC_MAX) limit = K3_SPEC_MAX;
     if (limit < 0) limit = 0;
     if (b->lead) send_cmd(CMD_STEP, (int32_t)limit, id, logits == NULL);
-    if (!b->spec) return k3_session_feed(b->sess, &id, 1, logits, err);
-    if (logits) return k3_spec_feed(b->spec, b->sess, id, logits, limit, err);
-    int rc = k3_spec_finish(b->spec, b->sess, err); /* a kept stop id: after the ids the pass consumed */
-    return rc ? rc : k3_session_feed(b->sess, &id, 1, NULL, err);
+    if (!b->spec) return k3_session_feed(sess, &id, 1, logits, err);
+    if (logits) return k3_spec_feed(b->spec, sess, id, logits, limit, err);
+    int rc = k3_spec_finish(b->spec, sess, err); /* a kept stop id: after the ids the pass consumed */
+    return rc ? rc : k3_session_feed(sess, &id, 1, NULL, err);
+}
+
+/* ---- several slots: the model thread ---- */
+
+/* The steps are ready to go as one pass: some are posted and no busy slot is
+ * still between calls (it would post its step a moment later). */
+static bool steps_ready(const backend *b) {
+    bool any = false;
+    for (int q = 0; q < b->nslots; q++) {
+        if (b->sl[q].phase == SLOT_THINK) return false;
+        any = any || b->sl[q].phase == SLOT_STEP;
+    }
+    return any;
+}
+
+static void call_done(slot *x, int rc, const k3_err *err) {
+    x->rc = rc;
+    if (rc) x->err = *err;
+    x->done = true;
+    x->phase = SLOT_THINK;
+}
+
+/* Runs every posted step in one pass. Under mu (released while computing). */
+static void run_steps(backend *b) {
+    int n = 0;
+    for (int q = 0; q < b->nslots; q++) {
+        slot *x = &b->sl[q];
+        if (x->phase != SLOT_STEP) continue;
+        x->phase = SLOT_RUN;
+        b->bs[n] = x->sess;
+        b->bid[n] = x->id;
+        b->blog[n] = x->logits;
+        b->bslot[n++] = q;
+    }
+    pthread_mutex_unlock(&b->mu);
+    k3_err err = {0};
+    int rc = k3_session_feed_batch(b->bs, n, b->bid, b->blog, &err);
+    if (rc == K3_EXIT_USAGE) {
+        /* one row cannot go (checked before anything was fed): each alone,
+         * with its own answer and the same bits */
+        for (int i = 0; i < n; i++) {
+            slot *x = &b->sl[b->bslot[i]];
+            x->rc = k3_session_feed(x->sess, &x->id, 1, x->logits, &x->err);
+        }
+    }
+    pthread_mutex_lock(&b->mu);
+    for (int i = 0; i < n; i++) {
+        slot *x = &b->sl[b->bslot[i]];
+        if (rc == K3_EXIT_USAGE) call_done(x, x->rc, &x->err);
+        else call_done(x, rc, &err);
+    }
+    pthread_cond_broadcast(&b->done_cv);
+}
+
+/* The prefill hook on the model thread: the other slots' steps go first
+ * (waiting for the busy ones to post theirs), then the cancel flag. */
+static bool prefill_turn(const void *ctx) {
+    const slot *x = ctx;
+    backend *b = x->b;
+    pthread_mutex_lock(&b->mu);
+    for (;;) {
+        bool think = false;
+        for (int q = 0; q < b->nslots; q++) think = think || b->sl[q].phase == SLOT_THINK;
+        if (!think || b->quit) break;
+        pthread_cond_wait(&b->work_cv, &b->mu);
+    }
+    if (steps_ready(b)) run_steps(b);
+    pthread_mutex_unlock(&b->mu);
+    return is_cancelled(x->cancel);
+}
+
+/* Runs slot x's posted prefill. Under mu (released while computing). */
+static void run_prefill(backend *b, slot *x) {
+    x->phase = SLOT_RUN;
+    pthread_mutex_unlock(&b->mu);
+    k3_err err = {0};
+    int rc = prefill_on(x->sess, x->ids, x->n, x->logits, x->reused, prefill_turn, x, &err);
+    pthread_mutex_lock(&b->mu);
+    call_done(x, rc, &err);
+    pthread_cond_broadcast(&b->done_cv);
+}
+
+static void *model_main(void *arg) {
+    backend *b = arg;
+    int threads = k3_engine_threads(b->e);
+    if (threads > 0) omp_set_num_threads(threads);
+    pthread_mutex_lock(&b->mu);
+    for (;;) {
+        if (steps_ready(b)) {
+            run_steps(b);
+            continue;
+        }
+        slot *first = NULL;
+        for (int q = 0; q < b->nslots; q++)
+            if (b->sl[q].phase == SLOT_PREFILL && (!first || b->sl[q].ticket < first->ticket)) first = &b->sl[q];
+        if (first) {
+            run_prefill(b, first);
+            continue;
+        }
+        if (b->quit) break;
+        pthread_cond_wait(&b->work_cv, &b->mu);
+    }
+    pthread_mutex_unlock(&b->mu);
+    return NULL;
+}
+
+/* A worker posts its slot's call and waits for the model thread to make it. */
+static int post(backend *b, slot *x, int phase, k3_err *err) {
+    x->phase = phase;
+    x->ticket = ++b->tickets;
+    x->done = false;
+    pthread_cond_broadcast(&b->work_cv);
+    while (!x->done) pthread_cond_wait(&b->done_cv, &b->mu);
+    if (x->rc) *err = x->err;
+    return x->rc;
+}
+
+/* ---- the calls of serve.h's k3_serve_model ---- */
+
+static int be_prefill(void *ctx, int q, const int32_t *ids, size_t n, float *logits, size_t *reused,
+                      const atomic_int *cancel, int speculate, k3_err *err) {
+    backend *b = ctx;
+    if (speculate < 0 || speculate > b->spec_max)
+        return k3_fail(err, K3_EXIT_USAGE, "serve: %d drafts per pass asked, this model speculates 0..%d", speculate,
+                       b->spec_max);
+    if (b->nslots == 1) return one_prefill(b, ids, n, logits, reused, cancel, speculate, err);
+    slot *x = &b->sl[q];
+    pthread_mutex_lock(&b->mu);
+    x->ids = ids;
+    x->n = n;
+    x->logits = logits;
+    x->reused = reused;
+    x->cancel = cancel;
+    int rc = post(b, x, SLOT_PREFILL, err);
+    pthread_mutex_unlock(&b->mu);
+    return rc;
+}
+
+static int be_step(void *ctx, int q, int32_t id, float *logits, int64_t limit, k3_err *err) {
+    backend *b = ctx;
+    if (b->nslots == 1) return one_step(b, id, logits, limit, err);
+    slot *x = &b->sl[q];
+    pthread_mutex_lock(&b->mu);
+    x->id = id;
+    x->logits = logits;
+    int rc = post(b, x, SLOT_STEP, err);
+    pthread_mutex_unlock(&b->mu);
+    return rc;
 }
 
 /* A reply ended: the state holds the prompt and the reply as the next turn's
  * prompt re-renders it (the generation loop fed a stop id): keep it as a
- * snapshot too (the prompt's end is kept by the prefill). */
-static void be_end(void *ctx) {
+ * snapshot too (the prompt's end is kept by the prefill). The slot is
+ * between calls: the model thread does not touch its state now. */
+static void be_end(void *ctx, int q) {
     backend *b = ctx;
     if (b->lead) send_cmd(CMD_END, 0, 0, 0);
     k3_err e = {0};
@@ -135,7 +343,7 @@ static void be_end(void *ctx) {
         fprintf(stderr, "k3 serve: closing a verifying pass: %s\n", e.msg);
         return;
     }
-    k3_session_snapshot(b->sess);
+    k3_session_snapshot(b->sl[q].sess);
 }
 
 static void be_spec_stats(void *ctx, k3_spec_stats *out) {
@@ -149,36 +357,110 @@ static void be_spec_stats(void *ctx, k3_spec_stats *out) {
     out->accepted += st.accepted;
 }
 
+static size_t be_holds(void *ctx, int q, const int32_t *ids, size_t n) {
+    backend *b = ctx;
+    const k3_session *s = b->sl[q].sess;
+    const int32_t *have = k3_session_ids(s);
+    size_t len = k3_session_len(s), d = 0;
+    while (d < len && d < n && have[d] == ids[d]) d++;
+    return d;
+}
+
+static void be_busy(void *ctx, int q, bool busy) {
+    backend *b = ctx;
+    if (b->nslots == 1) return;
+    pthread_mutex_lock(&b->mu);
+    b->sl[q].phase = busy ? SLOT_THINK : SLOT_IDLE;
+    pthread_cond_broadcast(&b->work_cv); /* a slot that leaves may let the others' steps go */
+    pthread_mutex_unlock(&b->mu);
+}
+
 void k3_serve_backend_free(k3_serve_backend *b) {
     if (!b) return;
+    if (b->model_started) {
+        pthread_mutex_lock(&b->mu);
+        b->quit = true;
+        pthread_cond_broadcast(&b->work_cv);
+        pthread_mutex_unlock(&b->mu);
+        pthread_join(b->model, NULL);
+    }
+    if (b->nslots > 1 || b->model_started) {
+        pthread_mutex_destroy(&b->mu);
+        pthread_cond_destroy(&b->work_cv);
+        pthread_cond_destroy(&b->done_cv);
+    }
     k3_spec_free(b->spec);
     k3_drafter_free(b->drafter);
     if (b->chat) k3_chat_free(b->chat);
-    if (b->sess) k3_session_free(b->sess);
+    for (int q = 0; b->sl && q < b->nslots; q++) {
+        if (b->sl[q].sess) k3_session_free(b->sl[q].sess);
+        if (b->sl[q].st) k3_engine_state_free(b->e, b->sl[q].st);
+    }
+    free(b->sl);
+    free(b->bs);
+    free(b->bid);
+    free(b->blog);
+    free(b->bslot);
     if (b->cache) k3_state_cache_free(b->cache);
-    if (b->st) k3_engine_state_free(b->e, b->st);
     k3_engine_free(b->e);
     free(b);
 }
 
-static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_bytes, const k3_serve_spec_opts *so,
-                        backend *b, k3_serve_model *sm, k3_err *err) {
+/* The slots' states: slots of them, or (slots 0) as many as the budget holds
+ * up to K3_SERVE_AUTO_SLOTS, each counted with the cache and the logit rows
+ * of the slots before it. */
+static int open_slots(backend *b, int slots, uint64_t cache_bytes, k3_err *err) {
+    uint64_t logit_bytes = (uint64_t)k3_engine_vocab(b->e) * sizeof(float);
+    int want = slots > 0 ? slots : K3_SERVE_AUTO_SLOTS;
+    b->sl = xcalloc((size_t)want, sizeof *b->sl);
+    for (int q = 0; q < want; q++) {
+        /* a slot's session keeps a row and its worker another */
+        uint64_t extra = cache_bytes + 2 * (uint64_t)(q + 1) * logit_bytes;
+        k3_err e = {0};
+        int rc = k3_engine_state_new(b->e, b->ctx, extra, &b->sl[q].st, &e);
+        if (rc == K3_EXIT_BUDGET && slots == 0 && q > 0) break; /* what fits */
+        if (rc) {
+            if (slots > 1 && rc == K3_EXIT_BUDGET)
+                return k3_fail(err, rc, "serve: --parallel %d: slot %d of %d does not fit: %s", slots, q + 1, slots,
+                               e.msg);
+            *err = e;
+            return rc;
+        }
+        b->nslots = q + 1;
+    }
+    for (int q = 0; q < b->nslots; q++) {
+        b->sl[q].b = b;
+        b->sl[q].sess = k3_session_open(b->e, b->sl[q].st, b->cache);
+    }
+    return K3_OK;
+}
+
+static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_bytes, int slots,
+                        const k3_serve_spec_opts *so, backend *b, k3_serve_model *sm, k3_err *err) {
     int rc;
     k3_engine_opts eo = *opts;
     eo.need_tokenizer = true;
     eo.max_pos = ctx;
     int spec_max = so ? so->spec_max : 0;
+    if (spec_max && slots > 1)
+        return k3_fail(err, K3_EXIT_USAGE, "serve: --parallel %d with --speculate: a server that speculates computes "
+                       "one request at a time (leave --parallel out: it is 1 then)", slots);
+    if (spec_max) slots = 1;
     if (spec_max) eo.mem.so.pass_tokens = spec_max + 1; /* a verifying pass in one chunk */
     if ((rc = k3_engine_open(&eo, &b->e, err))) return rc;
     if (so && so->draft_dir && k3_engine_ranks(b->e) > 1)
         return k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
     if ((rc = k3_drafter_for(b->e, so ? so->draft_dir : NULL, spec_max, ctx, &b->drafter, err))) return rc;
     b->spec_max = spec_max;
-    uint64_t logit_bytes = (uint64_t)k3_engine_vocab(b->e) * sizeof(float);
-    if ((rc = k3_engine_state_new(b->e, ctx, cache_bytes + logit_bytes, &b->st, err))) return rc;
-    b->cache = k3_state_cache_new(k3_engine_config(b->e), cache_bytes, 0);
-    b->sess = k3_session_open(b->e, b->st, b->cache);
+    if (k3_engine_ranks(b->e) > 1) {
+        if (slots > 1)
+            return k3_fail(err, K3_EXIT_USAGE, "serve: --parallel %d: under mpirun (%d ranks) k3 serve computes one "
+                           "request at a time (--parallel 1, the default there)", slots, k3_engine_ranks(b->e));
+        slots = 1;
+    }
     b->ctx = ctx;
+    b->cache = k3_state_cache_new(k3_engine_config(b->e), cache_bytes, 0);
+    if ((rc = open_slots(b, slots, cache_bytes, err))) return rc;
     k3_err cerr = {0};
     if (k3_chat_new(k3_engine_tokenizer(b->e), &b->chat, &cerr)) b->chat = NULL; /* no XTML ids: completions only */
     memset(sm, 0, sizeof *sm);
@@ -189,19 +471,35 @@ static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_
     sm->tok = k3_engine_tokenizer(b->e);
     sm->chat = b->chat;
     sm->threads = k3_engine_threads(b->e);
+    sm->slots = b->nslots;
     sm->prefill = be_prefill;
     sm->step = be_step;
     sm->end = be_end;
+    sm->holds = be_holds;
+    sm->busy = be_busy;
     sm->spec_max = spec_max;
     sm->spec_default = so ? so->spec_default : 0;
     sm->spec_stats = be_spec_stats;
+    if (b->nslots > 1) {
+        size_t n = (size_t)b->nslots;
+        b->bs = xmalloc_array(n, sizeof *b->bs);
+        b->bid = xmalloc_array(n, sizeof *b->bid);
+        b->blog = xmalloc_array(n, sizeof *b->blog);
+        b->bslot = xmalloc_array(n, sizeof *b->bslot);
+        pthread_mutex_init(&b->mu, NULL);
+        pthread_cond_init(&b->work_cv, NULL);
+        pthread_cond_init(&b->done_cv, NULL);
+        if (pthread_create(&b->model, NULL, model_main, b) != 0)
+            return k3_fail(err, K3_EXIT_RUNTIME, "serve: cannot start the model thread");
+        b->model_started = true;
+    }
     return K3_OK;
 }
 
-int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, const k3_serve_spec_opts *so,
-                          k3_serve_backend **out, k3_serve_model *sm, k3_err *err) {
+int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, int slots,
+                          const k3_serve_spec_opts *so, k3_serve_backend **out, k3_serve_model *sm, k3_err *err) {
     backend *b = xcalloc(1, sizeof *b);
-    int rc = open_backend(eo, ctx, cache_bytes, so, b, sm, err);
+    int rc = open_backend(eo, ctx, cache_bytes, slots, so, b, sm, err);
     /* a rank whose state or cache cannot fit stops every rank here */
     if ((rc = k3_engine_ready(b->e, rc, err))) {
         k3_serve_backend_free(b);
@@ -235,11 +533,11 @@ int k3_serve_backend_follow(k3_serve_backend *b) {
         if (c.op == CMD_QUIT) break;
         if (c.op == CMD_PREFILL && c.n >= 1 && c.n <= b->ctx && c.id >= 0 && c.id <= b->spec_max) {
             k3_dist_bcast(ids, (size_t)c.n * sizeof *ids, true, "k3 serve's prompt ids");
-            (void)be_prefill(b, ids, (size_t)c.n, logits, &reused, NULL, c.id, &e);
+            (void)one_prefill(b, ids, (size_t)c.n, logits, &reused, NULL, c.id, &e);
         } else if (c.op == CMD_STEP && c.id >= 0 && c.id < k3_engine_vocab(b->e) && c.n >= 0) {
-            (void)be_step(b, c.id, c.flag ? NULL : logits, c.n, &e);
+            (void)one_step(b, c.id, c.flag ? NULL : logits, c.n, &e);
         } else if (c.op == CMD_END) {
-            be_end(b);
+            be_end(b, 0);
         } else {
             k3_fail(&e, K3_EXIT_RUNTIME,
                     "serve: rank 0 sent a command this rank cannot follow (op %d, n %d, id %d): the ranks run "
@@ -253,4 +551,3 @@ int k3_serve_backend_follow(k3_serve_backend *b) {
     free(logits);
     return K3_OK;
 }
-

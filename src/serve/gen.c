@@ -1,4 +1,4 @@
-/* gen.c: one job on the worker thread: prefill (reusing what the backend
+/* gen.c: one job on its slot's worker thread: prefill (reusing what the backend
  * kept), sample token by token exactly as `k3 run` does (same sampler, same
  * seed, same stop at the end-of-sequence id), and write the response in
  * OpenAI's shape into the job: a JSON body at the end, or one server-sent
@@ -391,7 +391,7 @@ static bool job_cancelled(void *ctx) { return atomic_load(&((gen_ctx *)ctx)->j->
 
 static int job_feed(void *ctx, int32_t id, float *logits, int64_t limit, k3_err *err) {
     const k3_serve_model *m = &((gen_ctx *)ctx)->s->m;
-    return m->step(m->ctx, id, logits, limit, err);
+    return m->step(m->ctx, ((gen_ctx *)ctx)->j->slot, id, logits, limit, err);
 }
 
 /* One choice: prefill (reusing what the backend kept), then the generation
@@ -408,8 +408,12 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
     k3_sampler_init(&sp, m->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->seed + (uint64_t)g->index);
     k3_logit_proc_init(&g->proc, r, m->vocab, j->ids, j->n);
     if (r->schema && g->chat) {
-        if (!s->tb) s->tb = k3_tokbytes_new(m->tok); /* once, on the worker that alone uses it */
-        g->con = k3_constraint_new(r->schema, s->tb, m->chat, m->vocab, r->thinking);
+        /* made once, by the first slot that needs it; read-only after */
+        pthread_mutex_lock(&s->mu);
+        if (!s->tb) s->tb = k3_tokbytes_new(m->tok);
+        const k3_tokbytes *tb = s->tb;
+        pthread_mutex_unlock(&s->mu);
+        g->con = k3_constraint_new(r->schema, tb, m->chat, m->vocab, r->thinking);
         g->dead = false;
     }
     g->cp = g->chat ? k3_chat_parser_new(m->chat, r->thinking) : NULL;
@@ -427,7 +431,8 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
     double t0 = k3_now();
     size_t reused = 0;
     int spec = r->speculate >= 0 ? r->speculate : m->spec_default; /* (the server checked it against spec_max) */
-    int rc = atomic_load(&j->cancel) ? -1 : m->prefill(m->ctx, j->ids, j->n, logits, &reused, &j->cancel, spec, err);
+    int rc = atomic_load(&j->cancel) ? -1
+                                     : m->prefill(m->ctx, j->slot, j->ids, j->n, logits, &reused, &j->cancel, spec, err);
     if (g->index == 0) g->reused = reused;
     /* the backend's message says how far a cancelled prefill got */
     *prefill_cut = rc > 0 && atomic_load(&j->cancel);
@@ -475,7 +480,7 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
         flush_text(g);
         if (g->stop.hit || (stopped && !(g->tool_calls && json_array_size(g->tool_calls)))) finish = "stop";
         else if (stopped) finish = "tool_calls";
-        if (m->end) m->end(m->ctx);
+        if (m->end) m->end(m->ctx, j->slot);
         finish_choice(g, finish);
         if (s->o.verbose)
             fprintf(stderr, "k3 serve: %s: choice %d: %zu prompt tokens (%zu reused) in %.3f s, %zu generated in %.3f s "

@@ -6,19 +6,23 @@
  * Threads. libmicrohttpd runs one thread per connection; those threads parse
  * and validate a request, tokenize its prompt (the tokenizer and the chat
  * template are read-only and safe to share) and put a job on a bounded queue
- * (full: 429). One worker thread owns the model and computes every job in
- * turn; it writes the response bytes (a JSON body, or server-sent events) into
- * the job, and the connection's thread copies them to the socket. Every wait
- * is a timed wait that also watches the client's socket and the server's stop
- * flag: a client that goes away cancels its job (queued: dropped; running: the
- * worker stops at the next token or prefill chunk), and no thread waits on a
- * job that can no longer finish.
+ * (full: 429). Each model slot (k3 serve --parallel N) has a worker thread;
+ * a waiting job goes to the free slot whose state holds most of its prompt.
+ * A worker writes the response bytes (a JSON body, or server-sent events)
+ * into the job, and the connection's thread copies them to the socket. Every
+ * wait is a timed wait that also watches the client's socket and the server's
+ * stop flag: a client that goes away cancels its job (queued: dropped;
+ * running: its worker stops at the next token or prefill chunk), and no
+ * thread waits on a job that can no longer finish.
  *
  * Invariants: a request is refused with its error (400/404/405/413/429) before
- * it reaches the worker whenever that can be known from the request alone
+ * it reaches a worker whenever that can be known from the request alone
  * (shape, types, prompt length against the context); the model is only touched
- * by the worker thread; a job's output is append-only and the connection sends
- * it in order, so a stream is exactly the events the worker produced. */
+ * through the model calls of the slots' workers; a job's output is append-only
+ * and the connection sends it in order, so a stream is exactly the events the
+ * worker produced; a request's response does not depend on which other
+ * requests computed beside it (the batched decode gives each row its own bits,
+ * each request samples with its own sampler). */
 #ifndef K3_SERVE_SERVE_H
 #define K3_SERVE_SERVE_H
 
@@ -35,7 +39,7 @@
 
 #include <jansson.h>
 
-/* ---- the model side, called on the worker thread only ---- */
+/* ---- the model side, called on the slots' worker threads ---- */
 
 typedef struct {
     void *ctx;
@@ -44,19 +48,23 @@ typedef struct {
     int64_t ctx_len;           /* positions one conversation may hold (prompt + generated) */
     const k3_tokenizer *tok;   /* required */
     const k3_chat *chat;       /* NULL: no XTML ids, /v1/chat/completions answers 400 */
-    int threads;               /* OpenMP threads the worker computes with (0: default) */
+    int threads;               /* OpenMP threads the model computes with (0: default) */
+    /* Requests that may compute at once (>= 1), each on its own slot: a
+     * slot is one conversation state, and every call below names the slot
+     * its request runs on. A slot is used by one thread at a time. */
+    int slots;
     /* Speculative decoding (docs/speculation.md): the drafts per pass a
      * request gets when it names none, and the most it may ask for (its
      * "speculate" field; the memory plan counts a pass of spec_max + 1 ids).
-     * 0: the model does not speculate. */
+     * 0: the model does not speculate (always so with several slots). */
     int spec_default, spec_max;
-    /* Makes the state hold exactly ids[0..n) and puts the logits of the last
-     * one in logits[vocab]; *reused: how many leading ids were not recomputed
-     * (taken from a saved state). *cancel is polled between prefill chunks
-     * (then K3_EXIT_RUNTIME, err saying how far the prefill got, which the
-     * log repeats). speculate: drafts per pass at most (0..spec_max) for the
-     * steps that follow, until the next prefill. */
-    int (*prefill)(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused,
+    /* Makes slot's state hold exactly ids[0..n) and puts the logits of the
+     * last one in logits[vocab]; *reused: how many leading ids were not
+     * recomputed (taken from a saved state). *cancel is polled between
+     * prefill chunks (then K3_EXIT_RUNTIME, err saying how far the prefill
+     * got, which the log repeats). speculate: drafts per pass at most
+     * (0..spec_max) for the steps that follow, until the next prefill. */
+    int (*prefill)(void *ctx, int slot, const int32_t *ids, size_t n, float *logits, size_t *reused,
                    const atomic_int *cancel, int speculate, k3_err *err);
     /* Feeds one more id (the state then holds one more) and fills logits
      * (NULL: none wanted, a stop id the next prompt's history will hold).
@@ -64,20 +72,34 @@ typedef struct {
      * may still feed after this one (drafts past it are never verified).
      * With speculation the id may end a verifying pass and open the next
      * (k3_spec_feed): the logits are bit for bit those of one id per pass. */
-    int (*step)(void *ctx, int32_t id, float *logits, int64_t limit, k3_err *err);
+    int (*step)(void *ctx, int slot, int32_t id, float *logits, int64_t limit, k3_err *err);
     /* Called when a reply ends (not after an error or a cancel), the state
      * holding the prompt and the reply as the next prompt will render it.
      * NULL: none. */
-    void (*end)(void *ctx);
+    void (*end)(void *ctx, int slot);
     /* The speculation counters since the model opened (passes, ids fed,
      * drafts proposed and accepted). NULL: none. */
     void (*spec_stats)(void *ctx, k3_spec_stats *out);
+    /* How many leading ids of ids[0..n) slot's own state holds; asked only
+     * of a free slot, so that a request goes to the free slot that already
+     * holds most of its prompt (a retried request finds the slot its cut
+     * prefill left). NULL: every slot is as good. */
+    size_t (*holds)(void *ctx, int slot, const int32_t *ids, size_t n);
+    /* A request starts (busy) or has ended (!busy) on slot: between the two
+     * it makes the calls above. With several slots one pass decodes the next
+     * id of every busy slot, so the model side waits for each busy slot's
+     * next call (NULL: none). */
+    void (*busy)(void *ctx, int slot, bool busy);
 } k3_serve_model;
 
 /* ---- the model on the engine (backend.c) ----
- * One session on a state cache shared by every request. Under mpirun every
- * rank opens one; rank 0 serves and announces each model call to the other
- * ranks, which make the same calls on their own (k3_serve_backend_follow). */
+ * One session and state per slot, all on one state cache shared by every
+ * request. With several slots the decode steps of the busy slots go through
+ * one forward pass (k3_session_feed_batch: each row the bits it has alone),
+ * and a prefill is fed one engine chunk at a time with the others' decode
+ * passes between its chunks. Under mpirun every rank opens one slot; rank 0
+ * serves and announces each model call to the other ranks, which make the
+ * same calls on their own (k3_serve_backend_follow). */
 typedef struct k3_serve_backend k3_serve_backend;
 
 /* Speculation (docs/speculation.md): up to spec_max drafts per pass, a
@@ -89,11 +111,16 @@ typedef struct {
     const char *draft_dir;
 } k3_serve_spec_opts;
 
-/* Opens eo's model (with its tokenizer, max_pos ctx), a state of ctx
+/* Opens eo's model (with its tokenizer, max_pos ctx), slots states of ctx
  * positions and a state cache of cache_bytes, and fills m with the calls on
- * them; so: speculation (NULL: none). Under several ranks a rank that cannot
- * fit stops every rank here. */
-int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, const k3_serve_spec_opts *so,
+ * them; so: speculation (NULL: none). slots 0: as many as the memory budget
+ * holds, up to K3_SERVE_AUTO_SLOTS; 1 under several ranks or with
+ * speculation, where more is refused (K3_EXIT_USAGE). A slot count that
+ * cannot fit: K3_EXIT_BUDGET. Under several ranks a rank that cannot fit
+ * stops every rank here. */
+#define K3_SERVE_AUTO_SLOTS 8
+int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, int slots,
+                          const k3_serve_spec_opts *so,
                           k3_serve_backend **out, k3_serve_model *m, k3_err *err);
 int k3_serve_backend_rank(const k3_serve_backend *b);
 /* A rank after the first: makes rank 0's calls until rank 0 quits. */
@@ -107,7 +134,7 @@ typedef struct {
     int port;                  /* 0 = any free port (see k3_serve_port) */
     const char *model_id;      /* the name /v1/models lists and requests may give */
     size_t max_body;           /* request body bytes; larger: 413 */
-    int queue;                 /* jobs that may wait while one computes; more: 429 */
+    int queue;                 /* jobs that may wait while every slot computes; more: 429 */
     int64_t max_tokens;        /* the largest max_tokens a request may ask for */
     double keepalive_s;        /* a stream silent this long gets an SSE comment line; 0: never */
     const char *api_key;       /* NULL: none; else the API routes need "Authorization: Bearer KEY" (401) */
@@ -120,7 +147,7 @@ typedef struct {
 
 typedef struct k3_serve k3_serve;
 
-/* Binds, starts the worker and the HTTP server. The model must outlive the server. */
+/* Binds, starts the slots' workers and the HTTP server. The model must outlive the server. */
 int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **out, k3_err *err);
 int k3_serve_port(const k3_serve *s);
 /* Cancels what runs and waits, refuses what waits (503), stops, frees. */

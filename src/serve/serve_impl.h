@@ -1,4 +1,4 @@
-/* serve_impl.h: what server.c (HTTP, queue) and gen.c (the worker's jobs)
+/* serve_impl.h: what server.c (HTTP, queue, slots) and gen.c (a slot's jobs)
  * share. Not a public header. */
 #ifndef K3_SERVE_IMPL_H
 #define K3_SERVE_IMPL_H
@@ -27,10 +27,11 @@ struct k3_job {
     char id[48];               /* chatcmpl-... / cmpl-... */
     int64_t created;
     int fd;                    /* the client's socket, watched for a hang-up */
+    int slot;                  /* the model slot it computes on (set when a worker takes it) */
     double queued_at;          /* k3_now() when it was queued (time to first token counts from there) */
     double last_token_at;      /* k3_now() of its last sampled token (0: none yet); under k3_serve.mu */
     /* shared, under k3_serve.mu */
-    int refs;                  /* the connection and, while queued or running, the worker */
+    int refs;                  /* the connection and, while queued or running, the workers' */
     k3_sbuf out;               /* response bytes the worker produced (append only) */
     size_t sent;               /* bytes of out the connection has taken */
     int status;                /* HTTP status of a non-streamed response (set when done) */
@@ -41,6 +42,16 @@ struct k3_job {
     atomic_int cancel;         /* 1: the client went away (or the server stops) */
 };
 
+/* A model slot's worker thread and the job it computes (under k3_serve.mu). */
+typedef struct {
+    struct k3_serve *s;
+    int index;
+    pthread_t thread;
+    bool started;
+    k3_job *job;               /* NULL: free */
+    pthread_cond_t cv;         /* signalled when a job is handed to it, or at the stop */
+} k3_serve_slot;
+
 struct k3_serve {
     k3_serve_opts o;
     k3_serve_model m;
@@ -50,13 +61,12 @@ struct k3_serve {
     int listen_fd, port;
     bool loopback;
     int64_t started;
-    pthread_t worker;
-    bool worker_started;
     pthread_mutex_t mu;
-    pthread_cond_t work_cv;    /* the worker waits here for a job */
+    k3_serve_slot *slots;      /* [m.slots]: a worker thread each */
+    int nbusy;                 /* slots computing a job */
+    double busy_from;          /* k3_now() when nbusy last rose from 0 */
     k3_job *head, *tail;       /* waiting jobs */
     int nwaiting;
-    k3_job *running;
     bool stopping;
     /* requests whose answer has not been sent yet: a stop waits (bounded)
      * for the 503s it hands to queued jobs to reach their clients */
@@ -67,14 +77,14 @@ struct k3_serve {
     uint64_t n_spec_passes, n_spec_proposed, n_spec_accepted; /* speculation: verifying passes, drafts fed, kept */
     uint64_t by_status[600];   /* responses by HTTP status */
     k3_hist ttft, tpot;        /* time to first token, time per later token (seconds) */
-    double busy_s;
-    k3_tokbytes *tb;           /* the tokenizer's ids by bytes, for structured output (worker; made at first use) */
+    double busy_s;             /* seconds some slot computed */
+    k3_tokbytes *tb;           /* the tokenizer's ids by bytes, for structured output (made at first use, under mu; then read-only) */
 };
 
 /* gen.c, once per sampled token: feeds the latency histograms. */
 void k3_serve_note_token(k3_serve *s, k3_job *j);
 
-/* gen.c: computes one job on the worker thread, writing its response into
+/* gen.c: computes one job on its slot's worker thread, writing its response into
  * job->out (under s->mu) and setting done. */
 void k3_gen_run(k3_serve *s, k3_job *j);
 /* gen.c: text as a JSON string, its invalid UTF-8 bytes as U+FFFD (decoded

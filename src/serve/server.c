@@ -1,5 +1,5 @@
 /* server.c: the HTTP side of `k3 serve`: routes, request bodies, the bounded
- * job queue, the worker thread, and the hand-over of a job's bytes to its
+ * job queue, the slots' worker threads, and the hand-over of a job's bytes to its
  * connection (a whole body, or server-sent events as they are produced).
  *
  * libmicrohttpd runs a thread per connection, so a connection's thread may
@@ -86,6 +86,16 @@ static void cond_init_mono(pthread_cond_t *cv) {
 
 /* ---- metrics ---- */
 
+/* Slots whose job is still computing (a cancelled one until it stops). Under s->mu. */
+static int slots_busy(const k3_serve *s) {
+    int n = 0;
+    for (int q = 0; q < s->m.slots; q++) n += s->slots[q].job && !s->slots[q].job->done;
+    return n;
+}
+
+static double busy_seconds(const k3_serve *s) { return s->busy_s + (s->nbusy ? k3_now() - s->busy_from : 0); }
+
+
 /* the histograms' upper bounds, seconds: a decode step of the smallest model
  * to a first token behind a long prefill and a queue */
 static const double HIST_LE[K3_HIST_N] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -148,11 +158,11 @@ static char *metrics_text(k3_serve *s, size_t *len) {
              (double)s->n_spec_accepted);
     prom_hist(&b, "k3_time_to_first_token_seconds", "from the queue to the first sampled token", &s->ttft);
     prom_hist(&b, "k3_time_per_output_token_seconds", "between two sampled tokens of a request", &s->tpot);
-    prom_one(&b, "k3_queue_waiting", "gauge", "requests waiting for the worker", s->nwaiting);
+    prom_one(&b, "k3_queue_waiting", "gauge", "requests waiting for a slot", s->nwaiting);
     prom_one(&b, "k3_queue_capacity", "gauge", "places in the queue (k3 serve --queue)", s->o.queue);
-    prom_one(&b, "k3_slots_busy", "gauge", "requests computing", s->running && !s->running->done ? 1 : 0);
-    prom_one(&b, "k3_slots_total", "gauge", "requests that can compute at once", 1);
-    prom_one(&b, "k3_busy_seconds_total", "counter", "seconds the worker computed", s->busy_s);
+    prom_one(&b, "k3_slots_busy", "gauge", "requests computing", slots_busy(s));
+    prom_one(&b, "k3_slots_total", "gauge", "requests that can compute at once (k3 serve --parallel)", s->m.slots);
+    prom_one(&b, "k3_busy_seconds_total", "counter", "seconds some slot computed", busy_seconds(s));
     pthread_mutex_unlock(&s->mu);
     *len = b.n;
     return b.p ? b.p : xstrdup("");
@@ -218,29 +228,52 @@ static void cancel_locked(k3_serve *s, k3_job *j) {
     }
 }
 
-/* ---- the worker ---- */
+/* ---- the slots' workers ---- */
 
-static void *worker_main(void *arg) {
-    k3_serve *s = arg;
-    if (s->m.threads > 0) omp_set_num_threads(s->m.threads);
-    pthread_mutex_lock(&s->mu);
-    for (;;) {
-        while (!s->head && !s->stopping) pthread_cond_wait(&s->work_cv, &s->mu);
-        if (!s->head) break;
+/* Hands waiting jobs to free slots, first come first served; each to the
+ * free slot whose state holds most of its prompt (the lowest among equals),
+ * so a conversation's next turn, or a retry of a cut prefill, finds its work
+ * where it was left. Under s->mu. */
+static void dispatch(k3_serve *s) {
+    while (s->head) {
         k3_job *j = s->head;
+        int best = -1;
+        size_t held = 0;
+        for (int q = 0; q < s->m.slots; q++) {
+            if (s->slots[q].job) continue;
+            size_t h = s->m.holds ? s->m.holds(s->m.ctx, q, j->ids, j->n) : 0;
+            if (best < 0 || h > held) best = q, held = h;
+        }
+        if (best < 0) return;
         s->head = j->next;
         if (!s->head) s->tail = NULL;
         j->next = NULL;
         s->nwaiting--;
-        s->running = j;
+        j->slot = best;
+        s->slots[best].job = j;
+        if (s->nbusy++ == 0) s->busy_from = k3_now();
+        pthread_cond_signal(&s->slots[best].cv);
+    }
+}
+
+static void *worker_main(void *arg) {
+    k3_serve_slot *w = arg;
+    k3_serve *s = w->s;
+    if (s->m.threads > 0) omp_set_num_threads(s->m.threads);
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (!w->job && !s->stopping) pthread_cond_wait(&w->cv, &s->mu);
+        if (!w->job) break;
+        k3_job *j = w->job;
         pthread_mutex_unlock(&s->mu);
-        double t0 = k3_now();
+        if (s->m.busy) s->m.busy(s->m.ctx, w->index, true);
         k3_gen_run(s, j);
-        double dt = k3_now() - t0;
+        if (s->m.busy) s->m.busy(s->m.ctx, w->index, false);
         pthread_mutex_lock(&s->mu);
-        s->busy_s += dt;
-        s->running = NULL;
+        if (--s->nbusy == 0) s->busy_s += k3_now() - s->busy_from;
+        w->job = NULL;
         job_unref(j);
+        dispatch(s);
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
@@ -354,10 +387,11 @@ static json_t *health(k3_serve *s) {
     pthread_mutex_lock(&s->mu);
     json_t *o = json_pack("{s:s, s:s, s:b, s:{s:i, s:i}, s:b, s:{s:I, s:I, s:I, s:I}, s:I, s:f}", "status",
                           s->stopping ? "stopping" : "ok", "model", s->model_id, "chat", s->m.chat != NULL, "queue",
-                          "waiting", s->nwaiting, "capacity", s->o.queue, "running", s->running && !s->running->done, "requests",
+                          "waiting", s->nwaiting, "capacity", s->o.queue, "running", slots_busy(s) > 0, "requests",
                           "completed", (json_int_t)s->n_ok, "cancelled", (json_int_t)s->n_cancelled, "refused",
                           (json_int_t)s->n_refused, "failed", (json_int_t)s->n_failed, "generated_tokens",
-                          (json_int_t)s->n_tokens, "busy_s", s->busy_s);
+                          (json_int_t)s->n_tokens, "busy_s", busy_seconds(s));
+    json_object_set_new(o, "slots", json_pack("{s:i, s:i}", "busy", slots_busy(s), "total", s->m.slots));
     pthread_mutex_unlock(&s->mu);
     return o;
 }
@@ -561,16 +595,16 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
         k3_serve_error_set(&e, 503, "server_stopping", NULL, "the server is stopping");
         return respond_error(s, c, method, url, &e);
     }
-    /* --queue places wait while one computes; with the worker idle, one more
-     * (it is about to run), so --queue 0 means one computes and none waits */
-    if (s->nwaiting >= s->o.queue + (s->running ? 0 : 1)) {
+    /* --queue places wait while every slot computes (a free slot takes the
+     * job at once), so --queue 0 means none waits */
+    if (s->nbusy >= s->m.slots && s->nwaiting >= s->o.queue) {
         s->n_refused++;
-        int q = s->o.queue, nw = s->nwaiting;
+        int q = s->o.queue, nw = s->nwaiting, nb = s->nbusy;
         job_unref(j);
         pthread_mutex_unlock(&s->mu);
         k3_serve_error_set(&e, 429, "queue_full", NULL,
-                "the server is busy: one request computing and %d waiting (k3 serve --queue %d); retry later",
-                nw, q);
+                "the server is busy: %d request%s computing and %d waiting (k3 serve --parallel %d --queue %d); "
+                "retry later", nb, nb == 1 ? "" : "s", nw, s->m.slots, q);
         return respond_error(s, c, method, url, &e);
     }
     j->refs++; /* the worker's */
@@ -579,7 +613,7 @@ static enum MHD_Result completion(k3_serve *s, struct MHD_Connection *c, const c
     else s->head = j;
     s->tail = j;
     s->nwaiting++;
-    pthread_cond_signal(&s->work_cv);
+    dispatch(s);
 
     if (j->req.stream) {
         pthread_mutex_unlock(&s->mu);
@@ -889,21 +923,26 @@ int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **o
     s->started = (int64_t)time(NULL);
     const char *host = o->host ? o->host : "127.0.0.1";
     s->loopback = k3_http_is_loopback(host);
+    if (s->m.slots < 1) s->m.slots = 1;
     pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->work_cv, NULL);
+    s->slots = xcalloc((size_t)s->m.slots, sizeof *s->slots);
+    for (int q = 0; q < s->m.slots; q++) {
+        s->slots[q].s = s;
+        s->slots[q].index = q;
+        pthread_cond_init(&s->slots[q].cv, NULL);
+    }
     int rc = k3_http_listen(host, o->port, &s->listen_fd, &s->port, err);
     if (rc) {
-        pthread_mutex_destroy(&s->mu);
-        pthread_cond_destroy(&s->work_cv);
-        free(s);
+        k3_serve_stop(s);
         return rc;
     }
-    if (pthread_create(&s->worker, NULL, worker_main, s) != 0) {
-        close(s->listen_fd);
-        free(s);
-        return k3_fail(err, K3_EXIT_RUNTIME, "cannot start the worker thread");
+    for (int q = 0; q < s->m.slots; q++) {
+        if (pthread_create(&s->slots[q].thread, NULL, worker_main, &s->slots[q]) != 0) {
+            k3_serve_stop(s);
+            return k3_fail(err, K3_EXIT_RUNTIME, "cannot start the worker thread of slot %d", q);
+        }
+        s->slots[q].started = true;
     }
-    s->worker_started = true;
     /* a keep-alive connection may sit idle as long as MHD's own timeout allows */
     if ((rc = k3_http_guard_new(s->o.request_timeout_s, s->o.request_timeout_s > IDLE_S ? s->o.request_timeout_s : IDLE_S,
                                 &s->guard, err))) {
@@ -933,7 +972,8 @@ void k3_serve_stop(k3_serve *s) {
     if (!s) return;
     pthread_mutex_lock(&s->mu);
     s->stopping = true;
-    if (s->running) atomic_store(&s->running->cancel, 1);
+    for (int q = 0; q < s->m.slots; q++)
+        if (s->slots[q].job) atomic_store(&s->slots[q].job->cancel, 1);
     while (s->head) {
         k3_job *j = s->head;
         dequeue(s, j);
@@ -950,9 +990,10 @@ void k3_serve_stop(k3_serve *s) {
         pthread_cond_broadcast(&j->cv);
         job_unref(j);
     }
-    pthread_cond_broadcast(&s->work_cv);
+    for (int q = 0; q < s->m.slots; q++) pthread_cond_broadcast(&s->slots[q].cv);
     pthread_mutex_unlock(&s->mu);
-    if (s->worker_started) pthread_join(s->worker, NULL);
+    for (int q = 0; q < s->m.slots; q++)
+        if (s->slots[q].started) pthread_join(s->slots[q].thread, NULL);
     /* MHD_stop_daemon closes every connection at once: give the connection
      * threads that were just handed a 503 (and the cut streams) up to
      * STOP_DRAIN_MS to send it, so a queued client reads "stopping", not a
@@ -963,6 +1004,7 @@ void k3_serve_stop(k3_serve *s) {
     k3_http_guard_free(s->guard);
     k3_tokbytes_free(s->tb);
     pthread_mutex_destroy(&s->mu);
-    pthread_cond_destroy(&s->work_cv);
+    for (int q = 0; q < s->m.slots; q++) pthread_cond_destroy(&s->slots[q].cv);
+    free(s->slots);
     free(s);
 }

@@ -145,6 +145,16 @@ int k3_session_feed(k3_session *s, const int32_t *ids, size_t n, float *logits, 
  * work in the run report. */
 int k3_session_feed_rows(k3_session *s, const int32_t *ids, size_t n, float *logits, bool all_rows, bool prompt,
                          k3_err *err);
+/* Batched decoding: appends ids[q] to sessions ss[q] (n distinct sessions on
+ * one engine or model) in one forward pass (k3_engine_feed_batch), and writes
+ * each one's logits to logits[q] ([V]; logits or logits[q] NULL: none, and
+ * that session then holds none, as k3_session_feed without logits). Each
+ * session ends exactly as k3_session_feed of its id alone leaves it: the same
+ * logits bits, state, ids and grid snapshots, whatever the other sessions
+ * are. A session inside a pass, full, or an id outside the vocabulary:
+ * K3_EXIT_USAGE and no session changed; an error of the forward pass resets
+ * every session of the batch. */
+int k3_session_feed_batch(k3_session *const *ss, int n, const int32_t *ids, float *const *logits, k3_err *err);
 /* Appends id and recomputes the state from position 0 over every id the
  * session holds (k3 run --full, a check: the logits are bit-identical to
  * k3_session_feed's). No snapshots are taken. */

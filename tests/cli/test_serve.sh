@@ -356,19 +356,28 @@ wait_state "$((c0 + 1)) True 0"
 kill -9 "$CURL" 2>/dev/null; wait "$CURL" 2>/dev/null
 wait_state "$((c0 + 2)) False 0"
 check disconnect-nonstream "$state" "$((c0 + 2)) False 0"
-# one that gives up while it waits in the queue behind another
-curl -H 'Content-Type: application/json' -s -N --max-time 60 --data-binary "{$LONG,\"stream\":true}" "$URL/v1/completions" >"$OUT/first.sse" &
-CURL=$!
-for _ in $(seq 200); do [ -s "$OUT/first.sse" ] && break; sleep 0.05; done
+# one that gives up while it waits in the queue behind a long stream on
+# every slot (k3 serve --parallel: /health says how many)
+SLOTS=$(curl -s --max-time 10 "$URL/health" | sed -nE 's/.*"total": *([0-9]+).*/\1/p')
+[ -n "$SLOTS" ] && [ "$SLOTS" -ge 1 ] && pass "slots ($SLOTS)" || { fail slots "/health: $(curl -s --max-time 10 "$URL/health")"; SLOTS=1; }
+busy_all() { # waits up to 10 s for every slot to compute
+  for _ in $(seq 500); do curl -s --max-time 5 "$URL/health" | grep -q "\"busy\": *$SLOTS," && return; sleep 0.02; done
+}
+FIRST=()
+for i in $(seq "$SLOTS"); do
+  curl -H 'Content-Type: application/json' -s -N --max-time 60 --data-binary "{$LONG,\"stream\":true}" "$URL/v1/completions" >"$OUT/first$i.sse" &
+  FIRST+=($!)
+done
+busy_all
 curl -H 'Content-Type: application/json' -s --max-time 60 --data-binary "{$LONG}" "$URL/v1/completions" >/dev/null 2>&1 &
 CURL2=$!
 wait_state "$((c0 + 2)) True 1"
 kill -9 "$CURL2" 2>/dev/null; wait "$CURL2" 2>/dev/null
 for _ in $(seq 100); do grep -q 'cancelled while queued' "$OUT/server.log.err" && break; sleep 0.1; done
 if grep -q 'cancelled while queued: client disconnected' "$OUT/server.log.err"; then pass disconnect-queued; else fail disconnect-queued "$(tail -c 300 "$OUT/server.log.err")"; fi
-kill -9 "$CURL" 2>/dev/null; wait "$CURL" 2>/dev/null
-wait_state "$((c0 + 4)) False 0"
-check disconnect-all-counted "$state" "$((c0 + 4)) False 0"
+for p in "${FIRST[@]}"; do kill -9 "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+wait_state "$((c0 + 3 + SLOTS)) False 0"
+check disconnect-all-counted "$state" "$((c0 + 3 + SLOTS)) False 0"
 
 # ---- load: 8 concurrent clients, 200 requests: each answered or refused with 429 ----
 rss() { awk '/^VmRSS/ {print $2}' "/proc/$SPID/status"; }
@@ -392,10 +401,10 @@ req GET /health ""
 check load-health "$(jget 'j["queue"]["waiting"], j["running"], j["requests"]["refused"] >= '"$n429")" "(0, False, True)"
 
 # ---- a stream that waits long for its first event gets SSE keep-alive comments ----
-# (after --sse-keepalive 0.1 s without an event): four long requests ahead of
-# it (one computing, three waiting: the queue holds four)
+# (after --sse-keepalive 0.1 s without an event): long requests ahead of it
+# on every slot and three waiting (the queue holds four)
 KA=()
-for i in 1 2 3 4; do
+for i in $(seq $((SLOTS + 3))); do
   curl -H 'Content-Type: application/json' -s -o /dev/null --max-time 120 --data-binary "{$LONG}" "$URL/v1/completions" & KA+=($!)
   sleep 0.1
 done
@@ -409,10 +418,16 @@ else
   fail keep-alive "$(head -c 300 "$OUT/ka.sse")"
 fi
 
-# ---- clean stop, also while a request streams and another waits ----
+# ---- clean stop, also while requests stream on every slot and another waits ----
 curl -H 'Content-Type: application/json' -s -N --max-time 60 --data-binary "{$LONG,\"stream\":true}" "$URL/v1/completions" >"$OUT/atstop.sse" &
 CURL=$!
+OTHERS=()
+for i in $(seq 2 "$SLOTS"); do
+  curl -H 'Content-Type: application/json' -s -N --max-time 60 --data-binary "{$LONG,\"stream\":true}" "$URL/v1/completions" >/dev/null &
+  OTHERS+=($!)
+done
 for _ in $(seq 200); do [ -s "$OUT/atstop.sse" ] && break; sleep 0.05; done
+busy_all
 curl -H 'Content-Type: application/json' -s --max-time 60 -o "$OUT/atstop2.out" -w '%{http_code}' --data-binary "{$LONG}" "$URL/v1/completions" >"$OUT/atstop2.code" &
 CURL2=$!
 # stop only once the second request is in the queue (a fixed sleep lost the
@@ -421,6 +436,7 @@ for _ in $(seq 400); do curl -s --max-time 5 "$URL/health" | grep -q '"waiting":
 stop_wait "$SPID"
 check stop-exit "$RC" 0
 wait "$CURL" 2>/dev/null; wait "$CURL2" 2>/dev/null
+for p in "${OTHERS[@]}"; do wait "$p" 2>/dev/null; done
 # the running stream ends well-formed: its events so far, an error event saying the server stops, [DONE]
 if tail -n 4 "$OUT/atstop.sse" | grep -q '^data: {"error":.*"server_stopping"' && tail -n 2 "$OUT/atstop.sse" | grep -q '^data: \[DONE\]'; then pass stop-ends-stream; else fail stop-ends-stream "$(tail -c 300 "$OUT/atstop.sse")"; fi
 check stop-refuses-queued "$(cat "$OUT/atstop2.code")" 503

@@ -66,7 +66,8 @@ req POST "$URL/v1/completions" -H "$JSON" -H "$AUTH" --data-binary "$BODY"
 req POST "$URL/v1/completions" -H "$JSON" -H "$AUTH" --data-binary '{"prompt":"Once upon a time there was a dog","max_tokens":3}'
 req GET "$URL/metrics" -H "$AUTH"
 check metrics-type "$CODE $(grep -i '^Content-Type' "$OUT/head" | tr -d '\r' | cut -d' ' -f2-)" "200 text/plain; version=0.0.4; charset=utf-8"
-python3 - "$OUT/m0.txt" "$OUT/body" >"$OUT/prom.out" 2>&1 <<'PY'
+SLOTS=$(curl -s --max-time 10 "$URL/health" | sed -nE 's/.*"total": *([0-9]+).*/\1/p')
+python3 - "$OUT/m0.txt" "$OUT/body" "$SLOTS" >"$OUT/prom.out" 2>&1 <<'PY'
 import re, sys
 def parse(path):
     """Prometheus text format 0.0.4: # HELP/# TYPE lines, then name{labels} value."""
@@ -93,9 +94,9 @@ for h in ("k3_time_to_first_token_seconds", "k3_time_per_output_token_seconds"):
     assert buckets == sorted(buckets) and b[h + '_bucket{le="+Inf"}'] == b[h + "_count"], h
 print(d('k3_http_responses_total{status="200"}') >= 2, d("k3_generation_tokens_total"), d("k3_time_to_first_token_seconds_count"),
       d("k3_time_per_output_token_seconds_count"), d("k3_prompt_tokens_total") > 0, d("k3_cache_hits_total") >= 1,
-      b["k3_slots_total"], "k3_queue_waiting" in b, b['k3_http_responses_total{status="401"}'] >= 4)
+      b["k3_slots_total"] == float(sys.argv[3]), "k3_queue_waiting" in b, b['k3_http_responses_total{status="401"}'] >= 4)
 PY
-check metrics-parse "$(cat "$OUT/prom.out")" "True 6.0 2.0 4.0 True True 1.0 True True"
+check metrics-parse "$(cat "$OUT/prom.out")" "True 6.0 2.0 4.0 True True True True True"
 
 # ---- /tokenize and /detokenize ----
 ids=$("$K3" tokenize "$MODEL" --text "Once upon a time" 2>/dev/null | tr -d '[:space:]')

@@ -22,7 +22,8 @@ stop_wait() { # PID: SIGTERM, up to 20 s; RC
 }
 
 # ---- --queue 0: an idle server takes a request, a busy one answers 429 ----
-start_server "$OUT/q0.log" "$K3" serve "$MODEL" --port 0 --queue 0 || { fail start-q0 "$(head -c 300 "$OUT/q0.log.err")"; finish; exit 1; }
+# (one slot: one long request makes it busy; test_serve_batch.sh has several)
+start_server "$OUT/q0.log" "$K3" serve "$MODEL" --port 0 --queue 0 --parallel 1 || { fail start-q0 "$(head -c 300 "$OUT/q0.log.err")"; finish; exit 1; }
 URL=${SERVER_URL%/}; SPID=$SERVER_PID
 req POST "$URL/v1/completions" -H "$JSON" --data-binary '{"prompt":"Once upon a time","max_tokens":4,"temperature":0}'
 check queue0-idle-serves "$CODE" 200
@@ -153,6 +154,7 @@ check length-and-chunked "$(python3 "$OUT/framing.py" "$PORT" te 2>&1)" "HTTP/1.
 stop_wait "$SPID"; check slow-stop "$RC" 0
 
 # ---- a stop with requests in flight: each gets a well-formed end ----
+# (one slot, so that two wait behind the running one)
 # (a sampled request that runs 400 tokens without meeting the end id, as test_serve.sh finds)
 LONG=
 for seed in 1 2 3 4 5 6 7 8; do
@@ -165,7 +167,7 @@ done
 python3 -c 'import json; print(json.dumps({"prompt": "Once upon a time there was a little dog. " * 1400, "max_tokens": 16}))' >"$OUT/longp.json"
 LONGP=$(sed 's/^{//; s/}$//' "$OUT/longp.json")
 for round in stream plain; do
-  start_server "$OUT/st.log" "$K3" serve "$MODEL" --port 0 --threads 1 --chunk 4 --ctx 16384 --max-body 1M || { fail "start-$round" "$(head -c 300 "$OUT/st.log.err")"; continue; }
+  start_server "$OUT/st.log" "$K3" serve "$MODEL" --port 0 --threads 1 --chunk 4 --ctx 16384 --max-body 1M --parallel 1 || { fail "start-$round" "$(head -c 300 "$OUT/st.log.err")"; continue; }
   URL=${SERVER_URL%/}; SPID=$SERVER_PID
   # the running one (streamed in the first round, not in the second), then a queued stream and a queued plain one
   if [ $round = stream ]; then extra=',"stream":true'; else extra=''; fi
