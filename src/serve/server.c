@@ -1002,6 +1002,7 @@ void k3_serve_stop(k3_serve *s) {
     if (s->mhd) MHD_stop_daemon(s->mhd); /* closes the listening socket */
     else if (s->listen_fd >= 0) close(s->listen_fd);
     k3_http_guard_free(s->guard);
+    k3_tokbytes_free(s->tb);
     pthread_mutex_destroy(&s->mu);
     for (int q = 0; q < s->m.slots; q++) pthread_cond_destroy(&s->slots[q].cv);
     free(s->slots);
