@@ -27,6 +27,7 @@
 #define K3_SERVE_SERVE_H
 
 #include "chat/chat.h"
+#include "constrain/constrain.h"
 #include "draft/draft.h"
 #include "engine/engine.h"
 #include "tokenizer/tokenizer.h"
@@ -207,6 +208,8 @@ typedef struct {
     json_t *chat;              /* the template's request: messages (role developer
                                   renamed system), tools, tool_choice,
                                   response_format, thinking, thinking_effort */
+    k3_jschema *schema;        /* response_format json_object/json_schema: the reply
+                                  is held to it (constrain.h); NULL: free text */
 } k3_serve_req;
 
 /* Parses and validates a request body for kind. Returns 0, or the HTTP status
