@@ -4,12 +4,16 @@
 # snapshots, the default state cache) against one that prefills every request
 # cold (--state-cache-gb 0), measured in one run.
 #
-#   bench/bench_prefix.sh [MODEL_DIR] [--convs N] [--words W] [--threads T]
+#   bench/bench_prefix.sh [MODEL_DIR] [--convs N] [--sentences S] [--threads T]
 #
-# Defaults: tests/out/chat-model-a (test_chat.sh's random chat model with the
-# Kimi tokenizer; models/default has no chat template), 10 conversations, a
-# system prompt of about 700 tokens, 1 thread. Each conversation is the same
-# system message plus its own short user message, sent once to each server as
+# Defaults: tests/out/bench-prefix-chat, a random chat model with the Kimi
+# tokenizer (models/default has no chat template), made by
+#   tools/gen_checkpoint.py tests/out/bench-prefix-chat --preset tiny
+#     --set vocab_size=163840 --set hidden_size=256 --set num_hidden_layers=9
+#     --tokenizer tests/fixtures/tokenizer/kimi --seed 5
+# 10 conversations, a system prompt of 44 sentences (about 760 tokens), 1
+# thread. Each conversation is the same system message plus its own short
+# user message, sent once to each server as
 # a non-streamed request for 1 token at temperature 0, so the request's wall
 # time is its time to first token (prefill, one sample, HTTP). Printed: the
 # system prompt's tokens, the median TTFT of conversations 2..N on each server
@@ -18,13 +22,13 @@
 # quiet machine (the load average is printed).
 set -eu
 cd "$(dirname "$0")/.."
-MODEL=tests/out/chat-model-a CONVS=10 WORDS=70 THREADS=1
+MODEL=tests/out/bench-prefix-chat CONVS=10 SENT=44 THREADS=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --convs) CONVS=$2; shift 2 ;;
-    --words) WORDS=$2; shift 2 ;;
+    --sentences) SENT=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
-    --help|-h) sed -n '2,18p' "$0"; exit 0 ;;
+    --help|-h) sed -n '2,22p' "$0"; exit 0 ;;
     -*) echo "bench_prefix: unknown option $1" >&2; exit 2 ;;
     *) MODEL=$1; shift ;;
   esac
@@ -44,10 +48,10 @@ start() { # NAME ARGS...: a server on a free port; its URL in $TMP/NAME.url
   done
   echo "bench_prefix: $name server did not start: $(head -c 300 "$TMP/$name.err")" >&2; exit 1
 }
-python3 - "$TMP" "$CONVS" "$WORDS" <<'PY'
+python3 - "$TMP" "$CONVS" "$SENT" <<'PY'
 import json, sys
-tmp, convs, words = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-system = " ".join("Guideline %d: answer carefully, cite the source, stay kind and brief." % i for i in range(words // 7 + 1))
+tmp, convs, sent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+system = " ".join("Guideline %d: answer carefully, cite the source, stay kind and brief." % i for i in range(sent))
 json.dump({"messages": [{"role": "system", "content": system}], "add_generation_prompt": False}, open(tmp + "/sys.json", "w"))
 for i in range(convs):
     json.dump({"messages": [{"role": "system", "content": system},
