@@ -71,6 +71,55 @@ TEST(chat_template_matches_release_encoder_on_26_cases) {
     tok_free(t);
 }
 
+/* The message ends k3_chat_encode_marked reports are exactly the offsets
+ * just past each <|end_of_msg|> of the release encoder's ids (the fixtures'
+ * 26 cases), and the ids are k3_chat_encode's. */
+TEST(chat_marked_ends_follow_each_end_of_msg) {
+    k3_tokenizer *t = kimi_tok();
+    k3_chat *c = kimi_chat(t);
+    CHECK(c);
+    int32_t eom = k3_chat_markup(c).end_of_msg;
+    char *data;
+    size_t len;
+    k3_err err = {0};
+    CHECK(k3_read_file(t_repo("tests/fixtures/xtml/cases.jsonl"), &data, &len, &err) == 0);
+    int cases = 0, ok = 0;
+    size_t total = 0;
+    for (char *line = data, *next; line && *line; line = next) {
+        next = strchr(line, '\n');
+        if (next) *next++ = 0;
+        json_error_t je;
+        json_t *cs = json_loads(line, 0, &je);
+        CHECKF(cs, "line %d: %s", cases + 1, je.text);
+        size_t nwant;
+        int64_t *want = tj_ints(json_object_get(cs, "ids"), &nwant);
+        int32_t *ids = NULL;
+        size_t n = 0, *ends = NULL, nends = 0;
+        cases++;
+        if (k3_chat_encode_marked(c, json_object_get(cs, "request"), &ids, &n, &ends, &nends, &err) == 0 &&
+            n == nwant) {
+            bool good = true;
+            size_t k = 0;
+            for (size_t i = 0; i < nwant; i++) {
+                good = good && ids[i] == want[i];
+                if (want[i] == eom) good = good && k < nends && ends[k++] == i + 1;
+            }
+            good = good && k == nends;
+            ok += good;
+            total += nends;
+        }
+        free(ids);
+        free(ends);
+        free(want);
+        json_decref(cs);
+    }
+    free(data);
+    CHECKF(cases == 26 && ok == 26, "%d of %d cases with the right ends", ok, cases);
+    CHECK(total > 26); /* the cases hold conversations, not only single messages */
+    k3_chat_free(c);
+    tok_free(t);
+}
+
 /* The markup ids resolve by name in both spellings. The Kimi config's ids
  * are those of tests/fixtures/xtml/SOURCE.md's table. */
 TEST(chat_markup_ids_by_name_kimi_spelling) {

@@ -329,6 +329,61 @@ TEST(session_exact_repeat_feeds_nothing) {
     k3_model_free(m);
 }
 
+/* A marked prefill snapshots the message boundaries it feeds past, so a new
+ * conversation sharing only the system prompt (ids[0..37)) resumes at its
+ * end, off the grid; without the marks it starts cold (the control: the same
+ * prompts, the same cache). The logits, of the split feed and of the resumed
+ * one, are a cold prefill's, bit for bit. */
+TEST(session_marked_boundary_resumes_new_conversation) {
+    k3_model *m = open_model();
+    CHECK(m);
+    const k3_config *c = k3_model_config(m);
+    int V = c->vocab_size;
+    int32_t a[60], b[60];
+    fill_ids(a, 60, 21);
+    fill_ids(b, 60, 22);
+    memcpy(b, a, 37 * sizeof *a); /* the shared system prompt */
+    const size_t marks[] = {37, 50, 60};
+    float *want_a = cold(m, a, 60), *want_b = cold(m, b, 55);
+    k3_err err = {0};
+    for (int marked = 0; marked < 2; marked++) {
+        k3_state_cache *sc = k3_state_cache_new(c, 64 << 20, 1000); /* no grid point inside */
+        k3_state *st;
+        CHECK(k3_state_new(m, 128, &st, &err) == 0);
+        k3_session *s = k3_session_new(m, st, sc);
+        float *lg = xmalloc_array((size_t)V, sizeof *lg);
+        size_t reused = 99;
+        CHECK(k3_session_prefill_marked(s, a, 60, marks, marked ? 3 : 0, lg, &reused, &err) == 0 && reused == 0);
+        CHECK(same(lg, want_a, V));
+        /* 37 and 50 (60 is the prompt end, taken either way) */
+        CHECKF(k3_state_cache_get_stats(sc).taken == (marked ? 3u : 1u), "marked %d: %llu taken", marked,
+               (unsigned long long)k3_state_cache_get_stats(sc).taken);
+        CHECK(k3_session_prefill(s, b, 55, lg, &reused, &err) == 0);
+        CHECKF(reused == (marked ? 37u : 0u), "marked %d: reused %zu", marked, reused);
+        CHECK(k3_session_last_source(s) == (marked ? 2 : 0));
+        CHECK(same(lg, want_b, V));
+        free(lg);
+        k3_session_free(s);
+        k3_state_free(st);
+        k3_state_cache_free(sc);
+    }
+    /* marks must be increasing offsets inside the prompt */
+    k3_state *st;
+    CHECK(k3_state_new(m, 128, &st, &err) == 0);
+    k3_session *s = k3_session_new(m, st, NULL);
+    const size_t bad[][2] = {{0, 5}, {5, 5}, {9, 7}, {5, 61}};
+    for (int i = 0; i < 4; i++) {
+        CHECK(k3_session_prefill_marked(s, a, 60, bad[i], 2, NULL, NULL, &err) == K3_EXIT_USAGE);
+        CHECKF(strstr(err.msg, "increasing offsets"), "%s", err.msg);
+    }
+    CHECK(k3_session_len(s) == 0);
+    k3_session_free(s);
+    k3_state_free(st);
+    free(want_a);
+    free(want_b);
+    k3_model_free(m);
+}
+
 /* Under a budget of about three unshared snapshots the cache evicts the least recently
  * used ones and stays within it; a budget of 0 keeps nothing. Reuse stays
  * exact whatever survived. */

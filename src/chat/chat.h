@@ -67,6 +67,14 @@ k3_chat_ids k3_chat_markup(const k3_chat *c);
  * e.g. "messages[2].role: want one of system, user, assistant, tool".
  * *ids is malloc'd. */
 int k3_chat_encode(const k3_chat *c, const json_t *request, int32_t **ids, size_t *n, k3_err *err);
+/* k3_chat_encode that also reports where each rendered message ends: *ends
+ * (malloc'd, *nends entries, increasing) holds the offset just past every
+ * <|end_of_msg|> the template wrote (tool declarations, the effort and
+ * tool-choice messages, and each of the request's messages), so ids[0..end)
+ * is the conversation up to that message: the boundaries a state cache
+ * snapshots (k3_session_prefill_marked). */
+int k3_chat_encode_marked(const k3_chat *c, const json_t *request, int32_t **ids, size_t *n, size_t **ends,
+                          size_t *nends, k3_err *err);
 /* K3_EXIT_USAGE "request.FIELD: unknown field" for a top-level field that
  * k3_chat_encode does not read (for strict callers such as the CLI). */
 int k3_chat_check_fields(const json_t *request, k3_err *err);

@@ -525,6 +525,8 @@ typedef struct {
     size_t n, cap;
     const json_t *prompts; /* image_prompts or NULL */
     size_t next_prompt;
+    size_t *ends;          /* NULL: not wanted; else where each message ended */
+    size_t nends, cends;
     k3_err *err;
 } enc_t;
 
@@ -608,7 +610,17 @@ static int open_simple(enc_t *e, const char *tag) { return open_tag(e, tag) || s
 static int close_tag(enc_t *e, const char *tag) {
     return mark(e, e->c->ids.close) || text(e, tag) || sep(e);
 }
-static int end_message(enc_t *e) { return close_tag(e, "message") || mark(e, e->c->ids.end_of_msg); }
+static int end_message(enc_t *e) {
+    if (close_tag(e, "message") || mark(e, e->c->ids.end_of_msg)) return e->err->code;
+    if (e->ends) {
+        if (e->nends == e->cends) {
+            e->cends *= 2;
+            e->ends = xrealloc_array(e->ends, e->cends, sizeof *e->ends);
+        }
+        e->ends[e->nends++] = e->n;
+    }
+    return K3_OK;
+}
 
 /* A message role="system" type=TYPE carrying the encoder's own text. */
 static int internal_system(enc_t *e, const char *type, const char *body) {
@@ -855,16 +867,30 @@ static int render(enc_t *e, const json_t *req, bool thinking, bool gen_prompt) {
     return K3_OK;
 }
 
-int k3_chat_encode(const k3_chat *c, const json_t *request, int32_t **ids, size_t *n, k3_err *err) {
+int k3_chat_encode_marked(const k3_chat *c, const json_t *request, int32_t **ids, size_t *n, size_t **ends,
+                          size_t *nends, k3_err *err) {
     bool thinking = true, gen_prompt = true;
     if (validate(request, &thinking, &gen_prompt, err)) return err->code;
     const json_t *prompts = json_object_get(request, "image_prompts");
     enc_t e = {.c = c, .prompts = json_is_array(prompts) ? prompts : NULL, .err = err};
+    if (ends) {
+        e.cends = 16;
+        e.ends = xmalloc_array(e.cends, sizeof *e.ends);
+    }
     if (render(&e, request, thinking, gen_prompt)) {
         free(e.ids);
+        free(e.ends);
         return err->code;
     }
     *ids = e.ids ? e.ids : xmalloc(sizeof **ids);
     *n = e.n;
+    if (ends) {
+        *ends = e.ends;
+        *nends = e.nends;
+    }
     return K3_OK;
+}
+
+int k3_chat_encode(const k3_chat *c, const json_t *request, int32_t **ids, size_t *n, k3_err *err) {
+    return k3_chat_encode_marked(c, request, ids, n, NULL, NULL, err);
 }

@@ -200,9 +200,12 @@ static json_t *request(chat_ctx *c, bool gen_prompt) {
     return r;
 }
 
-static int render(chat_ctx *c, bool gen_prompt, int32_t **ids, size_t *n, k3_err *err) {
+/* marks (may be NULL): where each message ends (the state cache keeps those
+ * boundaries: after /reset the system prompt's end is resumed, not re-fed) */
+static int render(chat_ctx *c, bool gen_prompt, int32_t **ids, size_t *n, size_t **marks, size_t *nmarks,
+                  k3_err *err) {
     json_t *r = request(c, gen_prompt);
-    int rc = k3_chat_encode(c->chat, r, ids, n, err);
+    int rc = k3_chat_encode_marked(c->chat, r, ids, n, marks, nmarks, err);
     json_decref(r);
     return rc;
 }
@@ -303,14 +306,15 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     json_object_set_new(um, "content", json_string(text));
     json_array_append_new(c->messages, um);
     int32_t *ids = NULL;
-    size_t n = 0;
-    int rc = render(c, true, &ids, &n, err);
+    size_t n = 0, *marks = NULL, nmarks = 0;
+    int rc = render(c, true, &ids, &n, &marks, &nmarks, err);
     if (!rc && (int64_t)n >= a->max_ctx)
         rc = k3_fail(err, K3_EXIT_USAGE, "conversation is %zu tokens, --max-context is %lld: /reset or restart with "
                      "a larger --max-context", n, (long long)a->max_ctx);
     if (rc) {
         json_array_remove(c->messages, json_array_size(c->messages) - 1);
         free(ids);
+        free(marks);
         return rc;
     }
     int64_t gen = a->gen;
@@ -318,7 +322,8 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     if (a->cold) k3_session_reset(c->s);
     size_t reused = 0;
     double t0 = k3_now();
-    rc = k3_session_prefill(c->s, ids, n, c->logits, &reused, err);
+    rc = k3_session_prefill_marked(c->s, ids, n, marks, nmarks, c->logits, &reused, err);
+    free(marks);
     if (rc) {
         json_array_remove(c->messages, json_array_size(c->messages) - 1);
         free(ids);
@@ -377,7 +382,7 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
     /* does the history, re-rendered, hold exactly the tokens generated? */
     int32_t *hist = NULL;
     size_t nh = 0, same = 0;
-    rc = render(c, false, &hist, &nh, err);
+    rc = render(c, false, &hist, &nh, NULL, NULL, err);
     size_t ns = k3_session_len(c->s);
     const int32_t *sid = k3_session_ids(c->s);
     while (!rc && same < nh && same < ns && hist[same] == sid[same]) same++;
@@ -423,7 +428,7 @@ static int save(chat_ctx *c, const char *path, k3_err *err) {
      * conversation's next turn feeds only the new message */
     int32_t *hist = NULL;
     size_t nh = 0;
-    int rc = render(c, false, &hist, &nh, err);
+    int rc = render(c, false, &hist, &nh, NULL, NULL, err);
     if (!rc && nh > 0) rc = k3_session_prefill(c->s, hist, nh, NULL, NULL, err);
     free(hist);
     if (rc) return rc;

@@ -11,7 +11,8 @@
 
 const char *const cmd_dashboard_help =
     "usage: k3 dashboard --run-dir DIR [--run-dir DIR ...] [--port N] [--host ADDR]\n"
-    "                    [--stale-after SECONDS] [--verbose]\n"
+    "                    [--stale-after SECONDS] [--request-timeout S]\n"
+    "                    [--client-connections N] [--verbose]\n"
     "\n"
     "Serves a web page that follows training runs as they happen: step and ETA,\n"
     "status, train and validation loss, learning rate, tokens/s, peak memory,\n"
@@ -30,6 +31,11 @@ const char *const cmd_dashboard_help =
     "                     seconds (or 5 median steps, if longer; 5 times that in\n"
     "                     an evaluation, sample or checkpoint) is shown as stale\n"
     "                     (default 120)\n"
+    "  --request-timeout S  a request's headers must arrive within S seconds of\n"
+    "                     its first line (a new connection's first line too); a\n"
+    "                     slower client is disconnected (default 30)\n"
+    "  --client-connections N  connections one client address may hold open at\n"
+    "                     once (default 32; 128 in all); more are refused\n"
     "  --verbose          log every request to stderr\n"
     "\n"
     "Prints the page's address, then serves until Ctrl-C (SIGINT) or SIGTERM.\n"
@@ -64,6 +70,18 @@ int cmd_dashboard(int argc, char **argv) {
             if (!has_val || *argv[i + 1] == 0 || *end || !(v > 0 && v < 1e9))
                 return k3_usage_error("dashboard", "--stale-after needs a positive number of seconds");
             o.stale_after_s = v;
+            i++;
+        } else if (!strcmp(a, "--request-timeout")) {
+            double v;
+            if (!has_val || !k3_parse_f64(argv[i + 1], &v) || !(v >= 0.5 && v <= 3600))
+                return k3_usage_error("dashboard", "--request-timeout needs a number of seconds in [0.5, 3600]");
+            o.request_timeout_s = v;
+            i++;
+        } else if (!strcmp(a, "--client-connections")) {
+            int64_t v;
+            if (!has_val || !k3_parse_i64(argv[i + 1], 1, 128, &v))
+                return k3_usage_error("dashboard", "--client-connections needs an integer in [1, 128]");
+            o.client_connections = (unsigned)v;
             i++;
         } else if (!strcmp(a, "--verbose")) {
             o.verbose = true;

@@ -6,8 +6,8 @@
  * listens and runs the server with one slot; the other ranks follow it. The
  * model work of the server is three backend calls (prefill, step, end) made
  * by its one worker thread, so before each call rank 0 broadcasts a
- * fixed-size command (and a prefill's ids) and every other rank makes the
- * same call on its own session and state cache. The session's choices (its
+ * fixed-size command (and a prefill's ids and message marks) and every
+ * other rank makes the same call on its own session and state cache. The session's choices (its
  * own state, a snapshot to restore, a cold start, the grid snapshots,
  * evictions) follow from the calls alone, so every rank makes the same
  * forward calls and the exchanges inside the MoE layers line up. A cancelled
@@ -68,6 +68,8 @@ typedef struct {
     float *logits;
     const int32_t *ids;
     size_t n, *reused;
+    const size_t *marks;   /* where the prompt's messages end */
+    size_t nmarks;
     const atomic_int *cancel;
     bool done;
     int rc;
@@ -108,7 +110,8 @@ typedef struct {
     int32_t op;
     int32_t n;             /* CMD_PREFILL: ids that follow, 1..ctx; CMD_STEP: the limit (at most K3_SPEC_MAX) */
     int32_t id;            /* CMD_STEP: the id to feed; CMD_PREFILL: drafts per pass */
-    int32_t flag;          /* CMD_STEP: no logits wanted; CMD_QUIT: rank 0's exit code */
+    int32_t flag;          /* CMD_STEP: no logits wanted; CMD_QUIT: rank 0's exit code;
+                              CMD_PREFILL: message marks that follow the ids, 0..n */
 } serve_cmd;
 
 static void send_cmd(int op, int32_t n, int32_t id, int32_t flag) {
@@ -129,10 +132,10 @@ static bool is_cancelled_all(const void *flag) {
 /* A prefill on one slot's session, the hook asked between its chunks; a cut
  * one leaves what it fed as a snapshot (a true state of a prefix of the
  * prompt), so the same prompt again resumes there on any slot. */
-static int prefill_on(k3_session *sess, const int32_t *ids, size_t n, float *logits, size_t *reused,
-                      bool (*hook)(const void *), const void *hook_ctx, k3_err *err) {
+static int prefill_on(k3_session *sess, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks,
+                      float *logits, size_t *reused, bool (*hook)(const void *), const void *hook_ctx, k3_err *err) {
     k3_session_set_cancel(sess, hook, hook_ctx);
-    int rc = k3_session_prefill(sess, ids, n, logits, reused, err);
+    int rc = k3_session_prefill_marked(sess, ids, n, marks, nmarks, logits, reused, err);
     k3_session_set_cancel(sess, NULL, NULL);
     if (rc == K3_EXIT_RUNTIME && k3_session_len(sess) > 0 && k3_session_len(sess) < n) k3_session_snapshot(sess);
     return rc;
@@ -156,17 +159,19 @@ static int spec_close(backend *b, k3_err *err) {
     return rc;
 }
 
-static int one_prefill(backend *b, const int32_t *ids, size_t n, float *logits, size_t *reused,
-                       const atomic_int *cancel, int speculate, k3_err *err) {
+static int one_prefill(backend *b, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks, float *logits,
+                       size_t *reused, const atomic_int *cancel, int speculate, k3_err *err) {
     bool several = k3_engine_ranks(b->e) > 1;
-    if (b->lead) { /* (n <= ctx: the server checked the prompt against it) */
-        send_cmd(CMD_PREFILL, (int32_t)n, speculate, 0);
+    if (b->lead) { /* (n <= ctx: the server checked the prompt against it; marks are at most one per id) */
+        send_cmd(CMD_PREFILL, (int32_t)n, speculate, (int32_t)nmarks);
         k3_dist_bcast((void *)ids, n * sizeof *ids, true, "k3 serve's prompt ids");
+        if (nmarks) k3_dist_bcast((void *)marks, nmarks * sizeof *marks, true, "k3 serve's message marks");
     }
     /* a generation that ended in an error or a cancel left its pass open */
     int rc = spec_close(b, err);
     if (rc) return rc;
-    rc = prefill_on(b->sl[0].sess, ids, n, logits, reused, several ? is_cancelled_all : is_cancelled, cancel, err);
+    rc = prefill_on(b->sl[0].sess, ids, n, marks, nmarks, logits, reused, several ? is_cancelled_all : is_cancelled,
+                    cancel, err);
     if (!rc && speculate > 0) b->spec = k3_spec_new(b->drafter, speculate, k3_engine_vocab(b->e));
     return rc;
 }
@@ -257,7 +262,7 @@ static void run_prefill(backend *b, slot *x) {
     x->phase = SLOT_RUN;
     pthread_mutex_unlock(&b->mu);
     k3_err err = {0};
-    int rc = prefill_on(x->sess, x->ids, x->n, x->logits, x->reused, prefill_turn, x, &err);
+    int rc = prefill_on(x->sess, x->ids, x->n, x->marks, x->nmarks, x->logits, x->reused, prefill_turn, x, &err);
     pthread_mutex_lock(&b->mu);
     call_done(x, rc, &err);
     pthread_cond_broadcast(&b->done_cv);
@@ -300,17 +305,19 @@ static int post(backend *b, slot *x, int phase, k3_err *err) {
 
 /* ---- the calls of serve.h's k3_serve_model ---- */
 
-static int be_prefill(void *ctx, int q, const int32_t *ids, size_t n, float *logits, size_t *reused,
-                      const atomic_int *cancel, int speculate, k3_err *err) {
+static int be_prefill(void *ctx, int q, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks,
+                      float *logits, size_t *reused, const atomic_int *cancel, int speculate, k3_err *err) {
     backend *b = ctx;
     if (speculate < 0 || speculate > b->spec_max)
         return k3_fail(err, K3_EXIT_USAGE, "serve: %d drafts per pass asked, this model speculates 0..%d", speculate,
                        b->spec_max);
-    if (b->nslots == 1) return one_prefill(b, ids, n, logits, reused, cancel, speculate, err);
+    if (b->nslots == 1) return one_prefill(b, ids, n, marks, nmarks, logits, reused, cancel, speculate, err);
     slot *x = &b->sl[q];
     pthread_mutex_lock(&b->mu);
     x->ids = ids;
     x->n = n;
+    x->marks = marks;
+    x->nmarks = nmarks;
     x->logits = logits;
     x->reused = reused;
     x->cancel = cancel;
@@ -524,6 +531,7 @@ int k3_serve_backend_follow(k3_serve_backend *b) {
     k3_dist_silence_others();
     float *logits = xmalloc_array((size_t)k3_engine_vocab(b->e), sizeof *logits);
     int32_t *ids = xmalloc_array((size_t)b->ctx, sizeof *ids);
+    size_t *marks = xmalloc_array((size_t)b->ctx, sizeof *marks);
     for (;;) {
         serve_cmd c;
         /* unbounded: the next command comes when a client asks */
@@ -531,9 +539,11 @@ int k3_serve_backend_follow(k3_serve_backend *b) {
         k3_err e = {0};
         size_t reused;
         if (c.op == CMD_QUIT) break;
-        if (c.op == CMD_PREFILL && c.n >= 1 && c.n <= b->ctx && c.id >= 0 && c.id <= b->spec_max) {
+        if (c.op == CMD_PREFILL && c.n >= 1 && c.n <= b->ctx && c.id >= 0 && c.id <= b->spec_max && c.flag >= 0 &&
+            c.flag <= c.n) {
             k3_dist_bcast(ids, (size_t)c.n * sizeof *ids, true, "k3 serve's prompt ids");
-            (void)one_prefill(b, ids, (size_t)c.n, logits, &reused, NULL, c.id, &e);
+            if (c.flag) k3_dist_bcast(marks, (size_t)c.flag * sizeof *marks, true, "k3 serve's message marks");
+            (void)one_prefill(b, ids, (size_t)c.n, marks, (size_t)c.flag, logits, &reused, NULL, c.id, &e);
         } else if (c.op == CMD_STEP && c.id >= 0 && c.id < k3_engine_vocab(b->e) && c.n >= 0) {
             (void)one_step(b, c.id, c.flag ? NULL : logits, c.n, &e);
         } else if (c.op == CMD_END) {
@@ -543,11 +553,13 @@ int k3_serve_backend_follow(k3_serve_backend *b) {
                     "serve: rank 0 sent a command this rank cannot follow (op %d, n %d, id %d): the ranks run "
                     "different k3 builds", c.op, c.n, c.id);
             free(ids);
+            free(marks);
             free(logits);
             k3_dist_abort(&e);
         }
     }
     free(ids);
+    free(marks);
     free(logits);
     return K3_OK;
 }

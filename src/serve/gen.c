@@ -16,6 +16,7 @@
 #include "generate/generate.h"
 #include "model/model.h"
 
+#include <math.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,6 +43,8 @@ typedef struct {
     size_t text_off;       /* completion: bytes of the tokens so far */
     json_t *choices;       /* not streamed: the finished choices */
     k3_logit_proc proc;    /* the choice's penalties and biases */
+    k3_constraint *con;    /* response_format: the reply's shape (NULL: free text) */
+    bool dead;             /* con allowed no id at the last step */
     k3_chat_parser *cp;    /* chat: ids to reasoning, content, calls */
     tok_stream ts;         /* completions: ids to text */
     uint8_t *tbuf;
@@ -95,6 +98,10 @@ static void lp_put(gen_ctx *g, json_t *lp, const float *logits, int32_t id) {
     k3_logprob top[K3_SERVE_MAX_LOGPROBS];
     int k = g->j->req.top_logprobs;
     float x = k3_logprobs(logits, m->vocab, id, k, top);
+    /* an id structured output masked: OpenAI's stand-in for minus infinity
+     * (JSON has no infinities) */
+    for (int i = 0; i < k; i++)
+        if (!isfinite(top[i].logprob)) top[i].logprob = -9999.0f;
     size_t nb = 0;
     const uint8_t *b = tok_token_bytes(m->tok, id, &nb);
     if (!b) nb = 0;
@@ -330,18 +337,27 @@ static void finish_error(gen_ctx *g, int status, const char *code, const char *m
     k3_job_finish(g->s, g->j, status);
 }
 
-/* The loop's adjust: the request's penalties and biases on a copy. */
+/* The loop's adjust: the request's penalties and biases on a copy, then
+ * the structured output's mask. Without either the loop samples from its
+ * own row, bit for bit. */
 static const float *adjust(void *ctx, const float *logits) {
-    return k3_logit_proc_apply(&((gen_ctx *)ctx)->proc, logits);
+    gen_ctx *g = ctx;
+    const float *row = k3_logit_proc_apply(&g->proc, logits);
+    if (!g->con) return row;
+    const float *masked = k3_constraint_apply(g->con, row);
+    g->dead = !masked;
+    return masked ? masked : row;
 }
 
 /* The loop's on_sample: the id counts for the penalties; its log-probability
  * (from the row it was sampled from) goes out with the chunk its text makes.
  * The stop id has no entry. */
 static int on_sample(void *ctx, int32_t id, const float *row, k3_err *err) {
-    (void)err;
     gen_ctx *g = ctx;
     const k3_serve_model *m = &g->s->m;
+    if (g->dead) return k3_fail(err, K3_EXIT_RUNTIME, "structured output: no token of the vocabulary continues the reply");
+    int rc = g->con ? k3_constraint_accept(g->con, id, err) : K3_OK;
+    if (rc) return rc;
     k3_logit_proc_accept(&g->proc, id);
     bool is_stop = g->chat ? k3_chat_is_stop(m->chat, id) : id == m->eos;
     if (g->j->req.logprobs && !is_stop) lp_add(g, row, id);
@@ -391,6 +407,15 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
     k3_sampler sp;
     k3_sampler_init(&sp, m->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->seed + (uint64_t)g->index);
     k3_logit_proc_init(&g->proc, r, m->vocab, j->ids, j->n);
+    if (r->schema && g->chat) {
+        /* made once, by the first slot that needs it; read-only after */
+        pthread_mutex_lock(&s->mu);
+        if (!s->tb) s->tb = k3_tokbytes_new(m->tok);
+        const k3_tokbytes *tb = s->tb;
+        pthread_mutex_unlock(&s->mu);
+        g->con = k3_constraint_new(r->schema, tb, m->chat, m->vocab, r->thinking);
+        g->dead = false;
+    }
     g->cp = g->chat ? k3_chat_parser_new(m->chat, r->thinking) : NULL;
     k3_chat_delta d;
     k3_stopper_init(&g->stop, r->stop, r->nstop);
@@ -407,7 +432,8 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
     size_t reused = 0;
     int spec = r->speculate >= 0 ? r->speculate : m->spec_default; /* (the server checked it against spec_max) */
     int rc = atomic_load(&j->cancel) ? -1
-                                     : m->prefill(m->ctx, j->slot, j->ids, j->n, logits, &reused, &j->cancel, spec, err);
+                                     : m->prefill(m->ctx, j->slot, j->ids, j->n, j->marks, j->nmarks, logits,
+                                                           &reused, &j->cancel, spec, err);
     if (g->index == 0) g->reused = reused;
     /* the backend's message says how far a cancelled prefill got */
     *prefill_cut = rc > 0 && atomic_load(&j->cancel);
@@ -466,6 +492,8 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
     if (g->cp) k3_chat_parser_free(g->cp);
     g->cp = NULL;
     k3_logit_proc_free(&g->proc);
+    k3_constraint_free(g->con);
+    g->con = NULL;
     k3_sampler_free(&sp);
     k3_stopper_free(&g->stop);
     k3_sb_free(&g->text);

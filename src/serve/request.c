@@ -368,6 +368,32 @@ static int check_tools(k3_serve_error *e, const json_t *tools, const json_t *cho
     return 0;
 }
 
+/* response_format json_object / json_schema: the schema the reply is held
+ * to (constrain.h), compiled here so that a keyword the machine cannot
+ * enforce is a 400 naming it before the job is queued. The schema is where
+ * the template finds it: json_schema.schema, else json_schema.json_schema. */
+static int compile_format(k3_serve_error *e, const json_t *rfmt, k3_serve_req *r) {
+    if (!rfmt || json_is_null(rfmt)) return 0;
+    const char *t = json_string_value(json_object_get(rfmt, "type"));
+    if (strcmp(t, "json_object") && strcmp(t, "json_schema")) return 0;
+    const json_t *schema = NULL;
+    const char *at = "response_format.json_schema.schema";
+    if (!strcmp(t, "json_schema")) {
+        const json_t *js = json_object_get(rfmt, "json_schema");
+        schema = json_object_get(js, "schema");
+        if (!schema && (schema = json_object_get(js, "json_schema"))) at = "response_format.json_schema.json_schema";
+        if (!schema)
+            return k3_serve_error_set(e, 400, "missing_required_parameter", "response_format",
+                                      "response_format.json_schema.schema: required (the schema the reply must match)");
+    }
+    char where[512];
+    k3_err err = {0};
+    if (k3_jschema_compile(schema, &r->schema, where, sizeof where, &err))
+        return k3_serve_error_set(e, 400, "unsupported_value", "response_format", "%s%s%.400s: %s", at, *where ? "." : "",
+                                  where, err.msg);
+    return 0;
+}
+
 /* thinking as each spelling gave it (-1: not given); they must agree */
 typedef struct {
     int v[3];
@@ -590,6 +616,7 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
         goto out;
     }
     if ((rc = check_tools(e, tools, tool_choice, rfmt))) goto out;
+    if ((rc = compile_format(e, rfmt, r))) goto out;
     const char *effort_as = "";
     if (effort && !json_is_null(effort)) {
         if (!json_is_string(effort)) {
@@ -631,6 +658,7 @@ void k3_serve_req_free(k3_serve_req *r) {
     free(r->bias_ids);
     free(r->bias);
     json_decref(r->chat);
+    k3_jschema_free(r->schema);
     int kind = r->kind;
     memset(r, 0, sizeof *r);
     r->kind = kind;

@@ -27,6 +27,7 @@
 #define K3_SERVE_SERVE_H
 
 #include "chat/chat.h"
+#include "constrain/constrain.h"
 #include "draft/draft.h"
 #include "engine/engine.h"
 #include "tokenizer/tokenizer.h"
@@ -59,12 +60,15 @@ typedef struct {
     int spec_default, spec_max;
     /* Makes slot's state hold exactly ids[0..n) and puts the logits of the
      * last one in logits[vocab]; *reused: how many leading ids were not
-     * recomputed (taken from a saved state). *cancel is polled between
-     * prefill chunks (then K3_EXIT_RUNTIME, err saying how far the prefill
-     * got, which the log repeats). speculate: drafts per pass at most
-     * (0..spec_max) for the steps that follow, until the next prefill. */
-    int (*prefill)(void *ctx, int slot, const int32_t *ids, size_t n, float *logits, size_t *reused,
-                   const atomic_int *cancel, int speculate, k3_err *err);
+     * recomputed (taken from a saved state). marks[0..nmarks): increasing
+     * offsets in 1..n where the prompt's messages end (chat; none for
+     * completions), kept so that another prompt sharing ids[0..mark) resumes
+     * there. *cancel is polled between prefill chunks (then K3_EXIT_RUNTIME,
+     * err saying how far the prefill got, which the log repeats). speculate:
+     * drafts per pass at most (0..spec_max) for the steps that follow, until
+     * the next prefill. */
+    int (*prefill)(void *ctx, int slot, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks,
+                   float *logits, size_t *reused, const atomic_int *cancel, int speculate, k3_err *err);
     /* Feeds one more id (the state then holds one more) and fills logits
      * (NULL: none wanted, a stop id the next prompt's history will hold).
      * The generation loop (generate.h) makes every such call; limit: ids it
@@ -204,6 +208,8 @@ typedef struct {
     json_t *chat;              /* the template's request: messages (role developer
                                   renamed system), tools, tool_choice,
                                   response_format, thinking, thinking_effort */
+    k3_jschema *schema;        /* response_format json_object/json_schema: the reply
+                                  is held to it (constrain.h); NULL: free text */
 } k3_serve_req;
 
 /* Parses and validates a request body for kind. Returns 0, or the HTTP status

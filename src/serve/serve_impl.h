@@ -23,6 +23,8 @@ struct k3_job {
     k3_serve_req req;
     int32_t *ids;              /* the prompt */
     size_t n;
+    size_t *marks;             /* chat: where each rendered message ends (snapshotted by the prefill) */
+    size_t nmarks;
     int64_t max_tokens;        /* resolved */
     char id[48];               /* chatcmpl-... / cmpl-... */
     int64_t created;
@@ -78,6 +80,7 @@ struct k3_serve {
     uint64_t by_status[600];   /* responses by HTTP status */
     k3_hist ttft, tpot;        /* time to first token, time per later token (seconds) */
     double busy_s;             /* seconds some slot computed */
+    k3_tokbytes *tb;           /* the tokenizer's ids by bytes, for structured output (made at first use, under mu; then read-only) */
 };
 
 /* gen.c, once per sampled token: feeds the latency histograms. */

@@ -183,6 +183,7 @@ static void job_unref(k3_job *j) {
     if (--j->refs > 0) return;
     k3_serve_req_free(&j->req);
     free(j->ids);
+    free(j->marks);
     k3_sb_free(&j->out);
     pthread_cond_destroy(&j->cv);
     free(j);
@@ -361,7 +362,7 @@ static enum MHD_Result respond(k3_serve *s, struct MHD_Connection *c, const char
 static enum MHD_Result respond_error(k3_serve *s, struct MHD_Connection *c, const char *method, const char *url,
                                      const k3_serve_error *e) {
     char *j = k3_serve_error_json(e);
-    if (!s->o.verbose && e->status >= 500) fprintf(stderr, "k3 serve: %d %s %s: %s\n", e->status, method, url, e->message);
+    if (!s->o.verbose && (!e->type || !strcmp(e->type, "server_error"))) fprintf(stderr, "k3 serve: %d %s %s: %s\n", e->status, method, url, e->message);
     return respond(s, c, method, url, (unsigned)e->status, "application/json; charset=utf-8", j, strlen(j),
                    MHD_RESPMEM_MUST_FREE);
 }
@@ -476,7 +477,7 @@ static int encode_prompt(k3_serve *s, k3_job *j, k3_serve_error *e) {
                     s->model_id);
             return 400;
         }
-        if (k3_chat_encode(s->m.chat, r->chat, &j->ids, &j->n, &err)) {
+        if (k3_chat_encode_marked(s->m.chat, r->chat, &j->ids, &j->n, &j->marks, &j->nmarks, &err)) {
             err_from_k3(e, &err, "messages");
             /* the template calls the request's reasoning_effort thinking_effort */
             if (!strcmp(e->param, "thinking_effort")) {
@@ -781,11 +782,18 @@ static enum MHD_Result count_length_header(void *cls, enum MHD_ValueKind kind, c
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                               const char *version, const char *upload_data, size_t *upload_data_size,
                               void **con_cls) {
-    (void)version;
     k3_serve *s = cls;
     req_ctx *rc = *con_cls;
     k3_serve_error e;
     if (!rc) {
+        const char *code;
+        char why[200];
+        unsigned bad = k3_http_check_request(c, version, &code, why, sizeof why);
+        if (bad) {
+            k3_serve_error_set(&e, (int)bad, code, NULL, "%s", why);
+            e.type = "invalid_request_error"; /* 501 and 505 too: the client's request, not a server fault */
+            return respond_error(s, c, method, url, &e);
+        }
         size_t asset = 0;
         int route = route_of(s, url, &asset);
         if (s->loopback && !k3_http_host_allowed(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host"))) {
@@ -957,7 +965,7 @@ int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **o
                               MHD_OPTION_CONNECTION_LIMIT, (unsigned)256,
                               MHD_OPTION_PER_IP_CONNECTION_LIMIT, s->o.client_connections,
                               MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)IDLE_S,
-                              MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)65536, MHD_OPTION_END);
+                              MHD_OPTION_CONNECTION_MEMORY_LIMIT, K3_HTTP_MEMORY, MHD_OPTION_END);
     if (!s->mhd) {
         k3_serve_stop(s);
         return k3_fail(err, K3_EXIT_RUNTIME, "%s:%d: the HTTP server did not start", host, o->port);
@@ -1002,6 +1010,7 @@ void k3_serve_stop(k3_serve *s) {
     if (s->mhd) MHD_stop_daemon(s->mhd); /* closes the listening socket */
     else if (s->listen_fd >= 0) close(s->listen_fd);
     k3_http_guard_free(s->guard);
+    k3_tokbytes_free(s->tb);
     pthread_mutex_destroy(&s->mu);
     for (int q = 0; q < s->m.slots; q++) pthread_cond_destroy(&s->slots[q].cv);
     free(s->slots);

@@ -173,6 +173,7 @@ struct k3_session {
     const void *cancel_ctx;
     bool in_pass;      /* k3_session_pass_begin .. _end */
     size_t pass_n0;    /* ids held at pass_begin */
+    size_t prompt_from, prompt_n; /* the prefill in progress: reused ids, prompt length (its cancel message) */
 };
 
 k3_session *k3_session_new(k3_model *m, k3_state *st, k3_state_cache *cache) {
@@ -334,12 +335,12 @@ static int feed(k3_session *s, const int32_t *ids, size_t n, float *logits, bool
                 k3_err *err) {
     int G = s->c && s->c->budget > 0 ? s->c->grid : 0;
     polled = polled && s->cancelled;
-    size_t from = s->n, done = 0, V = (size_t)s->V;
+    size_t done = 0, V = (size_t)s->V;
     s->have_logits = false;
     while (n > 0) {
         if (polled && s->cancelled(s->cancel_ctx))
             return k3_fail(err, K3_EXIT_RUNTIME, "cancelled after %zu of %zu prompt tokens (%zu reused)", s->n,
-                           s->n + n, from);
+                           s->prompt_n, s->prompt_from);
         size_t t = n;
         if (G > 0) {
             size_t to_grid = (size_t)G - s->n % (size_t)G;
@@ -493,8 +494,17 @@ static void restore(k3_session *s, const float *kda, seg *tail, int pos, size_t 
 }
 
 int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logits, size_t *reused, k3_err *err) {
+    return k3_session_prefill_marked(s, ids, n, NULL, 0, logits, reused, err);
+}
+
+int k3_session_prefill_marked(k3_session *s, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks,
+                              float *logits, size_t *reused, k3_err *err) {
     if (reused) *reused = 0;
     if (n == 0) return k3_fail(err, K3_EXIT_USAGE, "empty prompt");
+    for (size_t i = 0; i < nmarks; i++)
+        if (marks[i] == 0 || marks[i] > n || (i > 0 && marks[i] <= marks[i - 1]))
+            return k3_fail(err, K3_EXIT_USAGE, "prefill mark %zu (%zu): want increasing offsets in 1..%zu", i,
+                           marks[i], n);
     if (s->in_pass) return k3_fail(err, K3_EXIT_USAGE, "a prefill inside an open pass (end it first)");
     if (n > (size_t)k3_state_max_pos(s->st))
         return k3_fail(err, K3_EXIT_USAGE, "prompt of %zu tokens does not fit the state's %d positions", n,
@@ -557,13 +567,23 @@ int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logit
      * positions the session held), but a cold start drops it */
     size_t from = s->n;
     if (reused) *reused = from;
+    s->prompt_from = from;
+    s->prompt_n = n;
     if (from == n) { /* a snapshot of the whole prompt, with its logits */
         if (logits) memcpy(logits, s->logits, (size_t)s->V * sizeof *logits);
         return K3_OK;
     }
-    /* cancelled, the session holds ids[0..k) for some k < n, a true state of
-     * that prefix; the prompt's end is not snapshotted */
-    int rc = feed(s, ids + from, n - from, logits, false, true, true, err);
+    /* each marked boundary past the resume point ends one feed and is
+     * snapshotted (a split the model's arithmetic contract makes invisible in
+     * the bits); cancelled, the session holds ids[0..k) for some k < n, a true
+     * state of that prefix, and the prompt's end is not snapshotted */
+    for (size_t i = 0; i < nmarks; i++) {
+        if (marks[i] <= s->n || marks[i] >= n) continue;
+        int rc = feed(s, ids + s->n, marks[i] - s->n, NULL, false, true, true, err);
+        if (rc) return rc;
+        k3_session_snapshot(s);
+    }
+    int rc = feed(s, ids + s->n, n - s->n, logits, false, true, true, err);
     if (rc) return rc;
     k3_session_snapshot(s);
     return K3_OK;

@@ -47,7 +47,9 @@
  * Snapshots are taken (a) at the end of every prefill (the prompt end: the
  * next turn re-renders the conversation and shares at least this prefix),
  * (b) when the caller marks a turn end (k3_session_snapshot, after a reply),
- * (c) whenever the position reaches a multiple of the cache's grid G while
+ * (b') at the boundaries a marked prefill names (k3_session_prefill_marked:
+ * message ends, so a new conversation with the same system prompt resumes
+ * at its end), (c) whenever the position reaches a multiple of the cache's grid G while
  * feeding (K3_STATE_CACHE_GRID by default), so a prompt that diverges inside
  * a long stretch (an edited earlier message, a re-rendered reply that differs
  * from what was generated) loses at most G tokens of work.
@@ -127,6 +129,17 @@ void k3_session_reset(k3_session *s);
  * (K3_EXIT_USAGE, session unchanged); those of the forward pass, after which
  * the session is reset. */
 int k3_session_prefill(k3_session *s, const int32_t *ids, size_t n, float *logits, size_t *reused, k3_err *err);
+/* k3_session_prefill that also snapshots the state at each marked boundary
+ * it feeds past: marks[0..nmarks) are increasing offsets in 1..n (else
+ * K3_EXIT_USAGE, session unchanged), e.g. where each message of a rendered
+ * conversation ends (k3_chat_encode_marked), so that another prompt sharing
+ * ids[0..mark) (the same system prompt, the same earlier messages) resumes
+ * there. A mark at or before the resume point, or at n (the prompt end is
+ * snapshotted anyway), takes nothing. Each mark taken ends one forward call
+ * (the feed is split there: the same bits, at most one more call per mark)
+ * and costs one snapshot's KDA part in the cache (LRU like the others). */
+int k3_session_prefill_marked(k3_session *s, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks,
+                              float *logits, size_t *reused, k3_err *err);
 /* A hook k3_session_prefill asks before each forward call of its feeding
  * (each at most the engine's prefill chunk); NULL: none. Once cancelled(ctx)
  * is true the prefill stops with K3_EXIT_RUNTIME ("cancelled after K of N

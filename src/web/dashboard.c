@@ -1,7 +1,8 @@
 /* dashboard.c: the HTTP side of `k3 dashboard`.
  *
  * libmicrohttpd runs one internal thread (epoll) that calls `handle` for every
- * request; all run state lives on that thread, so nothing here is locked. The
+ * request; all run state lives on that thread, so nothing here is locked (the
+ * slow-client guard's watchdog, http.h, touches only its own state). The
  * server never writes and never follows a name from the request onto the
  * filesystem: runs are chosen from a table by exact name, and the one route
  * that opens a file by name (/files/) accepts a single plain component, opened
@@ -28,6 +29,7 @@
 #define MAX_STATE_BYTES ((off_t)16 << 20)
 #define MAX_FILE_BYTES ((off_t)256 << 20)
 #define RESCAN_INTERVAL_S 2.0
+#define IDLE_S 15 /* MHD's timeout: a connection that sends nothing this long is closed */
 /* 15 significant digits: Unix times keep their milliseconds, and a value the
  * trainer wrote with %.9g reads back as written. */
 #define JSON_FLAGS (JSON_COMPACT | JSON_REAL_PRECISION(15))
@@ -49,6 +51,7 @@ typedef struct {
 
 struct k3_dashboard {
     struct MHD_Daemon *mhd;
+    k3_http_guard *guard; /* slow clients (http.h) */
     int listen_fd, port;
     bool loopback, verbose;
     double stale_after;
@@ -467,8 +470,14 @@ static json_t *run_summary(k3_dashboard *d, run_t *r) {
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                               const char *version, const char *upload_data, size_t *upload_data_size,
                               void **con_cls) {
-    (void)version; (void)upload_data;
+    (void)upload_data;
     k3_dashboard *d = cls;
+    if (*con_cls == NULL) {
+        const char *code;
+        char why[200];
+        unsigned bad = k3_http_check_request(c, version, &code, why, sizeof why);
+        if (bad) return respond_error(d, c, url, bad, why);
+    }
     if (strcmp(method, "GET") && strcmp(method, "HEAD")) {
         *upload_data_size = 0; /* never read a body */
         return respond_error(d, c, url, MHD_HTTP_METHOD_NOT_ALLOWED, "method not allowed");
@@ -484,6 +493,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         *upload_data_size = 0;
         return MHD_YES;
     }
+    k3_http_guard_arrived(c); /* the request is in: answering is not slow input */
     if (d->loopback && !k3_http_host_allowed(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host")))
         return respond_error(d, c, url, 403, "Host header names no loopback address");
 
@@ -537,6 +547,11 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     json_t *o = r->state ? json_copy(r->state) : json_object();
     json_object_set_new(o, "dashboard", derive(d, r, ioerr));
     return respond_json(d, c, url, o);
+}
+
+static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    (void)cls; (void)con_cls; (void)toe;
+    k3_http_guard_answered(c); /* the next request's clock starts */
 }
 
 static void mhd_log(void *cls, const char *fmt, va_list ap) {
@@ -598,12 +613,24 @@ int k3_dashboard_start(const k3_dashboard_opts *o, k3_dashboard **out, k3_err *e
         return rc;
     }
     d->last_scan = k3_now();
+    double request_s = o->request_timeout_s > 0 ? o->request_timeout_s : 30;
+    /* a keep-alive connection may sit idle as long as MHD's own timeout allows */
+    rc = k3_http_guard_new(request_s, request_s > IDLE_S ? request_s : IDLE_S, &d->guard, err);
+    if (rc != K3_OK) {
+        k3_dashboard_stop(d);
+        return rc;
+    }
     d->mhd = MHD_start_daemon(MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL, handle, d,
                               MHD_OPTION_EXTERNAL_LOGGER, mhd_log, d,
+                              MHD_OPTION_NOTIFY_COMPLETED, completed, d,
                               MHD_OPTION_LISTEN_SOCKET, d->listen_fd,
+                              MHD_OPTION_NOTIFY_CONNECTION, k3_http_guard_notify, d->guard,
+                              MHD_OPTION_URI_LOG_CALLBACK, k3_http_guard_uri, d->guard,
                               MHD_OPTION_CONNECTION_LIMIT, (unsigned)128,
-                              MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)15,
-                              MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)16384,
+                              MHD_OPTION_PER_IP_CONNECTION_LIMIT,
+                              o->client_connections ? o->client_connections : 32u,
+                              MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)IDLE_S,
+                              MHD_OPTION_CONNECTION_MEMORY_LIMIT, K3_HTTP_MEMORY,
                               MHD_OPTION_END);
     if (!d->mhd) {
         k3_dashboard_stop(d);
@@ -620,6 +647,7 @@ void k3_dashboard_stop(k3_dashboard *d) {
     if (!d) return;
     if (d->mhd) MHD_stop_daemon(d->mhd); /* closes the listening socket too */
     else if (d->listen_fd >= 0) close(d->listen_fd);
+    k3_http_guard_free(d->guard);
     for (size_t i = 0; i < d->nruns; i++) free_run(d->runs[i]);
     free(d->runs);
     for (size_t i = 0; i < d->nparents; i++) free(d->parents[i]);

@@ -33,6 +33,8 @@ typedef struct {
     size_t ndirs;
     double stale_after_s;    /* minimum silence before a running run is stale */
     bool verbose;            /* log requests and server messages to stderr */
+    double request_timeout_s; /* a request's line, headers and body must arrive within this; 0: 30 */
+    unsigned client_connections; /* open connections one client address may hold; 0: 32 */
 } k3_dashboard_opts;
 
 typedef struct k3_dashboard k3_dashboard;

@@ -123,6 +123,7 @@ typedef struct guard_conn {
     int fd;
     double due; /* k3_now() by which the next step must come; 0: none runs */
     bool dropped;
+    size_t uri_len; /* the current request's target as sent, query included */
 } guard_conn;
 
 struct k3_http_guard {
@@ -214,9 +215,13 @@ void k3_http_guard_notify(void *cls, struct MHD_Connection *c, void **socket_ctx
     }
 }
 
-static void guard_set(struct MHD_Connection *c, int what) {
+static guard_conn *guard_of(struct MHD_Connection *c) {
     const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
-    guard_conn *gc = ci ? ci->socket_context : NULL;
+    return ci ? ci->socket_context : NULL;
+}
+
+static void guard_set(struct MHD_Connection *c, int what) {
+    guard_conn *gc = guard_of(c);
     if (!gc) return;
     k3_http_guard *g = gc->g;
     pthread_mutex_lock(&g->mu);
@@ -225,9 +230,42 @@ static void guard_set(struct MHD_Connection *c, int what) {
 }
 
 void *k3_http_guard_uri(void *cls, const char *uri, struct MHD_Connection *c) {
-    (void)cls; (void)uri;
+    (void)cls;
     guard_set(c, 1);
+    /* the handler gets the target unescaped and without its query: its
+     * length as sent is known only here (the connection's own thread) */
+    guard_conn *gc = guard_of(c);
+    if (gc) gc->uri_len = uri ? strlen(uri) : 0;
     return NULL;
+}
+
+unsigned k3_http_check_request(struct MHD_Connection *c, const char *version, const char **code, char *msg,
+                               size_t cap) {
+    if (!version || (strcmp(version, "HTTP/1.1") && strcmp(version, "HTTP/1.0"))) {
+        *code = "http_version_not_supported";
+        snprintf(msg, cap, "HTTP version '%.20s' is not supported: send HTTP/1.1 or HTTP/1.0", version ? version : "");
+        return 505;
+    }
+    guard_conn *gc = guard_of(c);
+    if (gc && gc->uri_len > K3_HTTP_MAX_URI) {
+        *code = "uri_too_long";
+        snprintf(msg, cap, "the request target is %zu bytes, over the limit of %zu", gc->uri_len, K3_HTTP_MAX_URI);
+        return 414;
+    }
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+    if (ci && ci->header_size > K3_HTTP_MAX_HEAD) {
+        *code = "request_header_fields_too_large";
+        snprintf(msg, cap, "the request line and headers are %zu bytes, over the limit of %zu", ci->header_size,
+                 K3_HTTP_MAX_HEAD);
+        return 431;
+    }
+    const char *te = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Transfer-Encoding");
+    if (te && strcasecmp(te, "chunked")) {
+        *code = "unsupported_transfer_encoding";
+        snprintf(msg, cap, "a Transfer-Encoding other than chunked is not supported: send chunked, or a Content-Length");
+        return 501;
+    }
+    return 0;
 }
 
 void k3_http_guard_arrived(struct MHD_Connection *c) { guard_set(c, 0); }

@@ -3,7 +3,8 @@
  * DNS rebinding, the security headers every response carries, and the stop
  * signals of a server's main thread. Each server keeps its own routes, its
  * own error bodies (OpenAI's error object, the dashboard's {"error": msg})
- * and its own threading. */
+ * and its own threading. Both use the request checks and the slow-client
+ * guard below. */
 #ifndef K3_WEB_HTTP_H
 #define K3_WEB_HTTP_H
 
@@ -38,6 +39,26 @@ void k3_http_headers(struct MHD_Response *r, const char *type);
 struct MHD_Response *k3_http_buffer(const char *type, void *body, size_t len, enum MHD_ResponseMemoryMode mode);
 /* Queues r (NULL: MHD_NO, the connection is closed) and releases it. */
 enum MHD_Result k3_http_queue(struct MHD_Connection *c, unsigned code, struct MHD_Response *r);
+
+/* ---- what libmicrohttpd passes that k3 refuses itself ----
+ * libmicrohttpd answers a request it cannot hold in a connection's memory
+ * (K3_HTTP_MEMORY: request line and headers) with its own HTML page, before
+ * any k3 code runs. The memory is sized far above the limits below, so that
+ * every request within it reaches the server, which refuses it with its own
+ * error body. What libmicrohttpd still answers itself (docs/serve.md): a head
+ * over K3_HTTP_MEMORY, a version other than HTTP/1.x, a malformed request
+ * line or Content-Length, bad chunk syntax. */
+#define K3_HTTP_MAX_URI ((size_t)8 << 10)   /* the request target, query included */
+#define K3_HTTP_MAX_HEAD ((size_t)32 << 10) /* request line and headers */
+#define K3_HTTP_MEMORY ((size_t)256 << 10)  /* MHD_OPTION_CONNECTION_MEMORY_LIMIT */
+/* The first thing wrong with a request's line and headers, checked on the
+ * handler's first call: 505 (a version other than HTTP/1.0 and HTTP/1.1),
+ * 414 (a target over K3_HTTP_MAX_URI; needs the guard's URI callback, below),
+ * 431 (a head over K3_HTTP_MAX_HEAD), 501 (a Transfer-Encoding other than
+ * chunked, whose body's end libmicrohttpd cannot find). Returns the status
+ * with *code (an error code name) and msg[0..cap) set, or 0. */
+unsigned k3_http_check_request(struct MHD_Connection *c, const char *version, const char **code, char *msg,
+                               size_t cap);
 
 /* ---- slow clients ----
  * libmicrohttpd's own timeout counts idleness: a client that sends one

@@ -6,6 +6,8 @@
 # The reference for every reply is `k3 run --ids` on that turn's whole prompt
 # (a cold prefill of the conversation, another code path), same sampling seed.
 #  - turn 2 and 3 report reused tokens and give the cold run's ids;
+#  - after /reset a conversation with the same system prompt resumes at the
+#    system message's end (a message-boundary snapshot) and equals a cold run;
 #  - 1 vs 2 threads, --cold and a streamed budget (--trunk, tiny --cache-gb)
 #    give the same ids;
 #  - /save then --load (or /load) in a new process continues bit-identically,
@@ -92,6 +94,24 @@ expect_exit think_cold 0 $K3 run $M --ids "${tpr[1]}" --gen 10 --temperature 0.9
   --out "$OUT/think_cold.json"
 want=$(tr -d '[:space:]' <"$OUT/think_cold.json" | grep -o '"generated_ids":\[[0-9,]*\]' | grep -o '[0-9,]*\]' | tr -d ']')
 case ",$want," in ",${tge[1]},"*) pass think_off:ids_equal_cold ;; *) fail think_off:ids_equal_cold "${tge[1]} vs $want" ;; esac
+
+# /reset then a new conversation with the same system prompt: turn 1 left a
+# snapshot at the system message's end (a message boundary), so the new
+# conversation resumes there (reused = the system message's token count, far
+# below the 1024 grid) and its greedy reply equals a cold run's
+SYSP=$($PY -c 'print(" ".join("Be kind and brief, rule %d." % i for i in range(30)))')
+$PY -c 'import json,sys; json.dump({"messages":[{"role":"system","content":sys.argv[1]}],"add_generation_prompt":False},open(sys.argv[2],"w"))' \
+  "$SYSP" "$OUT/sysp.json"
+NSYS=$($K3 tokenize $M --chat "$OUT/sysp.json" | tr ',' '\n' | grep -c .)
+printf 'Hello there\n/reset\nWhat is 2+2?\n' >"$OUT/reset.txt"
+expect_exit reset 0 $K3 chat $M --gen 10 --temperature 0 --system "$SYSP" --out "$OUT/tr.json" <"$OUT/reset.txt"
+mapfile -t rre < <(turns "$OUT/tr.json" reused)
+mapfile -t rpr < <(turns "$OUT/tr.json" prompt_ids)
+mapfile -t rge < <(turns "$OUT/tr.json" generated_ids)
+[ "${rre[1]}" = "$NSYS" ] && pass "reset:resumes_system_prompt($NSYS)" || fail reset:resumes_system_prompt "reused ${rre[1]}, system message $NSYS tokens"
+expect_exit reset_cold 0 $K3 run $M --ids "${rpr[1]}" --gen 10 --temperature 0 --quiet --out "$OUT/reset_cold.json"
+want=$(tr -d '[:space:]' <"$OUT/reset_cold.json" | grep -o '"generated_ids":\[[0-9,]*\]' | grep -o '[0-9,]*\]' | tr -d ']')
+case ",$want," in ",${rge[1]},"*) pass reset:ids_equal_cold ;; *) fail reset:ids_equal_cold "${rge[1]} vs $want" ;; esac
 
 # save after two turns, continue in a new process
 S=$OUT/conv.k3session

@@ -3,7 +3,8 @@
 # k3 dashboard against synthetic run directories (tests/dashboard/fake-trainer.sh
 # writes one while we read): endpoints, since= filtering, partial last lines,
 # replaced and corrupt files, path traversal and symlinks, malformed requests,
-# a 10,000-request load loop (server RSS must not grow), clean stop on signals.
+# slow clients (a deadline, a per-client connection limit), a 10,000-request
+# load loop (server RSS must not grow), clean stop on signals.
 set -u
 source tests/cli/lib.sh
 CC=${CC:-cc}
@@ -244,10 +245,12 @@ rawok raw-huge-clen 'GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 999999
 rawok raw-truncated 'GET /api/st'                                             '^$'
 rawok raw-bad-escape 'GET /files/%%zz%%00%%ff?run=gamma HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n' '^HTTP/1.1 4[0-9][0-9]'
 long=$(head -c 20000 /dev/zero | tr '\0' 'a')
-rawok raw-long-url  "GET /$long HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"         '^(HTTP/1.1 4[0-9][0-9] .*|)$'
-rawok raw-long-hdr  "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: $long\r\n\r\n" '^(HTTP/1.1 4[0-9][0-9] .*|)$'
-many=$(for i in $(seq 600); do printf 'X-H%d: v\\r\\n' "$i"; done)
-rawok raw-many-hdrs "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n$many\r\n"         '^(HTTP/1.1 4[0-9][0-9] .*|)$'
+rawok raw-long-url  "GET /$long HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"         '^HTTP/1.1 414'
+# a head within 32 KiB is served; one over it is refused (431)
+rawok raw-long-hdr-ok "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nX-Big: $long\r\n\r\n" '^HTTP/1.1 200'
+rawok raw-long-hdr  "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: $long$long\r\n\r\n" '^HTTP/1.1 431'
+many=$(for i in $(seq 3000); do printf 'X-H%d: v\\r\\n' "$i"; done)
+rawok raw-many-hdrs "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n$many\r\n"         '^HTTP/1.1 431'
 head -c 8192 /dev/urandom >"$OUT/junk"
 timeout 10 "$CLIENT" "$PORT" raw <"$OUT/junk" >/dev/null 2>&1
 get /api/runs
@@ -310,6 +313,36 @@ if start_dash "$OUT/server3.log" --run-dir "$OUT/empty/new-run"; then
   ok empty-run-exit0 is "$RC" 0
 else
   fail "empty-run-start" "$(cat "$OUT/server3.log.err")"
+fi
+
+# ---- slow clients: a request's headers (or a GET's body) that trickle past
+# --request-timeout are cut off while others are answered; one address holds
+# at most --client-connections connections. HTTP libmicrohttpd would take (or
+# answer with its own HTML page): the dashboard's own error object ----
+expect_exit dash-bad-timeout 2 "$K3" dashboard --run-dir "$OUT/runs" --request-timeout 0
+expect_exit dash-bad-conns 2 "$K3" dashboard --run-dir "$OUT/runs" --client-connections 0
+if start_dash "$OUT/server4.log" --run-dir "$OUT/runs" --request-timeout 2 --client-connections 4; then
+  for what in headers body; do
+    python3 tests/cli/raw_http.py "$PORT" trickle $what /api/runs >"$OUT/trickle-$what.out" 2>&1 &
+    TP=$!
+    sleep 0.5
+    get /api/runs
+    ok "slow-$what-others-served" is "$CODE" 200
+    wait "$TP"
+    t=$(sed -nE 's/^closed ([0-9.]+)$/\1/p' "$OUT/trickle-$what.out")
+    if [ -n "$t" ] && python3 -c "import sys; sys.exit(not (1.5 <= float('$t') <= 6))"; then pass "slow-$what-dropped"
+    else fail "slow-$what-dropped" "$(cat "$OUT/trickle-$what.out")"; fi
+  done
+  check per-client-limit "$(python3 tests/cli/raw_http.py "$PORT" perip 4 2>&1)" "last-closed True first-open True"
+  get /api/runs
+  ok per-client-after is "$CODE" 200
+  for c in dash-version-1.7:505 dash-uri-20k:414 dash-header-100k:431; do
+    check "http-${c%%:*}" "$(python3 tests/cli/raw_http.py "$PORT" ask "${c%%:*}" 2>&1)" "1 ${c##*:} application/json msg"
+  done
+  stop_wait "$DPID" TERM
+  ok slow-exit0 is "$RC" 0
+else
+  fail "slow-start" "$(cat "$OUT/server4.log.err")"
 fi
 PORT=$MAIN_PORT DPID=$MAIN_PID
 

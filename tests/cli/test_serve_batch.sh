@@ -11,7 +11,9 @@
 # (--trunk, a tiny --cache-gb), and with one request's client gone after its
 # first event (the others unchanged, the cancel counted). /health reports the
 # slots; --parallel 2 with --speculate and under mpirun is refused.
-# Loopback, every wait bounded.
+# Loopback, every wait bounded. About 8 minutes under the sanitizer on a
+# loaded 2-core machine.
+# asan
 set -u
 source tests/cli/lib.sh
 kill_pids_at_exit

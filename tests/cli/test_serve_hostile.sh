@@ -77,29 +77,8 @@ stop_wait "$SPID"; check stop "$RC" 0
 start_server "$OUT/slow.log" "$K3" serve "$MODEL" --port 0 --request-timeout 2 --client-connections 4 \
   || { fail start-slow "$(head -c 300 "$OUT/slow.log.err")"; finish; exit 1; }
 URL=${SERVER_URL%/}; SPID=$SERVER_PID; PORT=$SERVER_PORT
-# trickle PORT WHAT: WHAT=headers sends a header byte, WHAT=body a body byte,
-# every 0.3 s for up to 12 s; prints "closed SECONDS" when the server hangs up
-cat >"$OUT/trickle.py" <<'EOF2'
-import socket, sys, time
-port, what = int(sys.argv[1]), sys.argv[2]
-s = socket.create_connection(("127.0.0.1", port))
-head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-if what == "body": head += b"Content-Length: 1000\r\n\r\n"
-else: head += b"X-Slow: "
-t0 = time.time()
-s.sendall(head)
-s.settimeout(0.3)
-while time.time() - t0 < 12:
-    try:
-        if s.recv(4096) == b"": print("closed %.1f" % (time.time() - t0)); sys.exit(0)
-    except socket.timeout: pass
-    except OSError: print("closed %.1f" % (time.time() - t0)); sys.exit(0)
-    try: s.sendall(b"a")
-    except OSError: print("closed %.1f" % (time.time() - t0)); sys.exit(0)
-print("open 12")
-EOF2
 for what in headers body; do
-  python3 "$OUT/trickle.py" "$PORT" $what >"$OUT/trickle-$what.out" 2>&1 &
+  python3 tests/cli/raw_http.py "$PORT" trickle $what >"$OUT/trickle-$what.out" 2>&1 &
   TP=$!
   sleep 0.5
   # meanwhile another client is answered
@@ -112,19 +91,8 @@ for what in headers body; do
 done
 # five idle connections from one address: the fifth is closed at once, the
 # first four until their deadline; afterwards a request is served again
-python3 - "$PORT" >"$OUT/perip.out" 2>&1 <<'EOF2'
-import socket, sys, time
-port = int(sys.argv[1])
-conns = [socket.create_connection(("127.0.0.1", port)) for _ in range(5)]
-def closed(s, wait):
-    s.settimeout(wait)
-    try: return s.recv(1) == b""
-    except socket.timeout: return False
-    except OSError: return True
-time.sleep(0.3)
-print("fifth-closed", closed(conns[4], 1.0), "first-open", not closed(conns[0], 0.2))
-EOF2
-check per-client-limit "$(cat "$OUT/perip.out")" "fifth-closed True first-open True"
+python3 tests/cli/raw_http.py "$PORT" perip 4 >"$OUT/perip.out" 2>&1
+check per-client-limit "$(cat "$OUT/perip.out")" "last-closed True first-open True"
 req POST "$URL/v1/completions" -H "$JSON" --data-binary '{"prompt":"Hi","max_tokens":2}'
 check per-client-after "$CODE" 200
 # a body framed twice (two Content-Length headers, or one beside chunking): 400 with an error object
@@ -151,6 +119,17 @@ print(head.split(b"\r\n")[0].decode(errors="replace"), code)
 EOF2
 check two-content-length "$(python3 "$OUT/framing.py" "$PORT" two 2>&1)" "HTTP/1.1 400 Bad Request invalid_framing"
 check length-and-chunked "$(python3 "$OUT/framing.py" "$PORT" te 2>&1)" "HTTP/1.1 400 Bad Request invalid_framing"
+# HTTP that libmicrohttpd lets through (or would answer with its own HTML
+# page) within its connection memory: one OpenAI error object, once
+for c in version-1.7:505:http_version_not_supported uri-20k:414:uri_too_long uri-100k:414:uri_too_long \
+         query-9k:414:uri_too_long header-100k:431:request_header_fields_too_large \
+         headers-40k:431:request_header_fields_too_large te-gzip:501:unsupported_transfer_encoding; do
+  IFS=: read -r name st code <<<"$c"
+  check "http-$name" "$(python3 tests/cli/raw_http.py "$PORT" ask "$name" 2>&1)" "1 $st application/json $code"
+done
+# just within the limits: served
+check http-query-7k "$(python3 tests/cli/raw_http.py "$PORT" ask query-7k 2>&1)" "1 200 application/json -"
+check http-header-30k "$(python3 tests/cli/raw_http.py "$PORT" ask header-30k 2>&1)" "1 200 application/json -"
 stop_wait "$SPID"; check slow-stop "$RC" 0
 
 # ---- a stop with requests in flight: each gets a well-formed end ----

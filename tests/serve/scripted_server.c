@@ -31,9 +31,9 @@ static void one_hot(script *s, float *logits) {
     logits[id] = 200.0f; /* exp(-200) of the rest underflows: the id is drawn at any temperature <= 2 */
 }
 
-static int sc_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, size_t *reused, const atomic_int *cancel,
-                      int speculate, k3_err *err) {
-    (void)ids; (void)n; (void)cancel; (void)speculate; (void)err;
+static int sc_prefill(void *ctx, int slot, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks,
+                      float *logits, size_t *reused, const atomic_int *cancel, int speculate, k3_err *err) {
+    (void)slot; (void)ids; (void)n; (void)marks; (void)nmarks; (void)cancel; (void)speculate; (void)err;
     script *s = ctx;
     s->pos = 0;
     *reused = 0;
@@ -41,8 +41,8 @@ static int sc_prefill(void *ctx, const int32_t *ids, size_t n, float *logits, si
     return K3_OK;
 }
 
-static int sc_step(void *ctx, int32_t id, float *logits, int64_t limit, k3_err *err) {
-    (void)id; (void)limit; (void)err;
+static int sc_step(void *ctx, int slot, int32_t id, float *logits, int64_t limit, k3_err *err) {
+    (void)slot; (void)id; (void)limit; (void)err;
     script *s = ctx;
     s->pos++;
     if (logits) one_hot(s, logits);
@@ -69,7 +69,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     k3_serve_model m = {.ctx = &s, .vocab = s.vocab, .eos = -1, .ctx_len = 8192, .tok = tok, .chat = chat,
-                        .threads = 1, .prefill = sc_prefill, .step = sc_step};
+                        .threads = 1, .slots = 1, .prefill = sc_prefill, .step = sc_step};
     k3_serve_opts o = {.host = "127.0.0.1", .port = 0, .model_id = "scripted", .queue = 4, .max_tokens = 1024};
     k3_serve *srv;
     if (k3_serve_start(&o, &m, &srv, &err)) {
