@@ -17,11 +17,7 @@
 #    folder, a directory): one line, the chat goes on, the exit status says so; a model whose tokenizer has no XTML ids: exit 2, one line.
 . "$(dirname "$0")/lib.sh"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-PY=/usr/bin/python3
-if ! $PY -c 'import numpy' 2>/dev/null; then
-  skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
-  finish; exit $?
-fi
+need_chat_python
 M=tests/out/chat-model-a
 M2=tests/out/chat-model-b
 chat_model $M 3 && chat_model $M2 4 || { finish; exit 1; }

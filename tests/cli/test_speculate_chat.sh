@@ -11,11 +11,7 @@
 #  - --draft with another tokenizer: exit 2; --draft under mpirun: exit 2.
 . "$(dirname "$0")/lib.sh"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-PY=/usr/bin/python3
-if ! $PY -c 'import numpy' 2>/dev/null; then
-  skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
-  finish; exit $?
-fi
+need_chat_python
 M=tests/out/chat-model-a
 chat_model $M 3 || { finish; exit 1; }
 # the user repeats a phrase, so the n-gram lookup over the conversation has drafts to offer

@@ -20,11 +20,7 @@
 set -u
 . "$(dirname "$0")/lib.sh"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-PY=/usr/bin/python3
-if ! $PY -c 'import numpy' 2>/dev/null; then
-  skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
-  finish; exit $?
-fi
+need_chat_python
 kill_pids_at_exit
 rm -rf "${OUT:?}"/*
 M=tests/out/specserve-chat-model
