@@ -86,16 +86,18 @@ $(BIN)/serve_scripted-asan: $(BUILD)/asan/tests/serve/scripted_server.o $(ASN_LI
 	$(CC) $(BASE) $(ASNFLAGS) -o $@ $^ $(LIBS)
 
 # `make install` puts the k3 program in $(PREFIX)/bin, the shipped model in
-# $(PREFIX)/share/k3/models/default and the docs in $(PREFIX)/share/doc/k3;
+# $(PREFIX)/share/k3/models/default and the docs in $(PREFIX)/share/doc/k3 (laid
+# out as in the tree, so the README's links to docs/ resolve);
 # DESTDIR stages the tree for a package. Nothing else is needed at run time:
 # the web pages are compiled into the program.
 PREFIX  ?= /usr/local
 DATADIR := $(DESTDIR)$(PREFIX)/share/k3
 install: $(BIN)/k3
-	install -d $(DESTDIR)$(PREFIX)/bin $(DATADIR)/models/default $(DESTDIR)$(PREFIX)/share/doc/k3
+	install -d $(DESTDIR)$(PREFIX)/bin $(DATADIR)/models/default $(DESTDIR)$(PREFIX)/share/doc/k3/docs
 	install -m 755 $(BIN)/k3 $(DESTDIR)$(PREFIX)/bin/k3
 	install -m 644 models/default/* $(DATADIR)/models/default/
-	install -m 644 README.md docs/*.md $(DESTDIR)$(PREFIX)/share/doc/k3/
+	install -m 644 README.md $(DESTDIR)$(PREFIX)/share/doc/k3/
+	install -m 644 $(wildcard docs/*.md docs/*.svg docs/*.png) $(DESTDIR)$(PREFIX)/share/doc/k3/docs/
 uninstall:
 	rm -f $(DESTDIR)$(PREFIX)/bin/k3
 	rm -rf $(DATADIR) $(DESTDIR)$(PREFIX)/share/doc/k3
