@@ -98,13 +98,13 @@ expect_rank_killed() {
     || fail "$name:named" "$(head -c 300 "$OUT/$name.err")"
 }
 
-# need_chat_python: sets PY to the system python3 that tools/gen_checkpoint.py
-# runs under; when it has no numpy (so no chat model can be made) the script
-# reports one skip and ends here.
+# need_chat_python [NAME]: sets PY to the system python3 that
+# tools/gen_checkpoint.py runs under; when it has no numpy (so no chat model
+# can be made) the script reports one skip (NAME, default chat) and ends here.
 need_chat_python() {
   PY=/usr/bin/python3
   if ! $PY -c 'import numpy' 2>/dev/null; then
-    skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
+    skip "${1:-chat}" "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
     finish; exit $?
   fi
 }

@@ -17,11 +17,7 @@
 set -u
 source tests/cli/lib.sh
 kill_pids_at_exit
-PY=/usr/bin/python3
-if ! $PY -c 'import numpy' 2>/dev/null; then
-  skip batch "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
-  finish; exit $?
-fi
+need_chat_python batch
 M=tests/out/chat-model-batch
 chat_model $M 9 || { finish; exit 1; }
 stop_wait() { # PID: SIGTERM, up to 20 s, then RC (124 after a SIGKILL)

@@ -12,11 +12,7 @@
 # bounded.
 . "$(dirname "$0")/lib.sh"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-PY=/usr/bin/python3
-if ! $PY -c 'import numpy' 2>/dev/null; then
-  skip structured "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
-  finish; exit $?
-fi
+need_chat_python structured
 M=tests/out/chat-model-a
 chat_model $M 3 || { finish; exit 1; }
 kill_pids_at_exit
