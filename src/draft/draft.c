@@ -291,6 +291,7 @@ struct k3_spec {
     bool open;
     int32_t *hist;     /* the session's ids and the id to feed, for the drafter */
     size_t hcap;
+    float *logits;     /* between k3_spec_begin and k3_spec_fed: where the sampled id's row goes */
     k3_spec_stats st;
 };
 
@@ -321,8 +322,10 @@ int k3_spec_finish(k3_spec *sp, k3_session *s, k3_err *err) {
     return k3_session_pass_end(s, (size_t)sp->j, err);
 }
 
-int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_err *err) {
+int k3_spec_begin(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_spec_pass *out,
+                  k3_err *err) {
     const size_t V = (size_t)sp->V;
+    memset(out, 0, sizeof *out);
     if (sp->open && sp->j <= sp->k && id == sp->draft[sp->j - 1]) { /* accepted: its row is there */
         memcpy(logits, sp->rows + (size_t)sp->j * V, V * sizeof *logits);
         sp->j++;
@@ -349,15 +352,32 @@ int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t 
     }
     sp->st.passes++;
     sp->st.fed += (uint64_t)got + 1;
-    if (got == 0) return k3_session_feed(s, &id, 1, logits, err);
     sp->draft[0] = id;
-    if ((rc = k3_session_pass_begin(s, got + 1, err))) return rc;
-    if ((rc = k3_session_feed_rows(s, sp->draft, (size_t)got + 1, sp->rows, true, false, err))) return rc;
-    memmove(sp->draft, sp->draft + 1, (size_t)got * sizeof *sp->draft); /* draft[i]: the (i+1)-th draft */
-    memcpy(logits, sp->rows, V * sizeof *logits);
     sp->k = got;
+    sp->logits = logits;
+    out->ids = sp->draft;
+    out->n = got + 1;
+    /* no drafts: a plain feed of id, its row straight to the caller */
+    out->rows = got ? sp->rows : logits;
+    if (got) rc = k3_session_pass_begin(s, got + 1, err);
+    return rc;
+}
+
+void k3_spec_fed(k3_spec *sp) {
+    if (sp->k == 0) return;
+    const size_t V = (size_t)sp->V;
+    memmove(sp->draft, sp->draft + 1, (size_t)sp->k * sizeof *sp->draft); /* draft[i]: the (i+1)-th draft */
+    memcpy(sp->logits, sp->rows, V * sizeof *sp->logits);
     sp->j = 1;
     sp->open = true;
-    sp->st.proposed += (uint64_t)got;
+    sp->st.proposed += (uint64_t)sp->k;
+}
+
+int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_err *err) {
+    k3_spec_pass p;
+    int rc = k3_spec_begin(sp, s, id, logits, limit, &p, err);
+    if (rc || p.n == 0) return rc;
+    if ((rc = k3_session_feed_rows(s, p.ids, (size_t)p.n, p.rows, true, false, err))) return rc;
+    k3_spec_fed(sp);
     return K3_OK;
 }
