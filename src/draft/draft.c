@@ -20,6 +20,7 @@ struct k3_drafter {
     size_t slots, used;
     /* draft model */
     k3_engine *e;
+    bool sibling;      /* e is another drafter's (k3_drafter_sibling) */
     k3_state *st;
     k3_session *s;
     float *logits;
@@ -138,6 +139,16 @@ static int tok_hash(const char *dir, uint64_t *h, k3_err *err) {
     return data_tokenizer_hash(dir, h, err);
 }
 
+/* The draft model's own state and session on d->e, for histories of max_pos. */
+static int model_session(k3_drafter *d, int64_t max_pos, k3_err *err) {
+    int rc = k3_engine_state_new(d->e, max_pos, k3_state_pass_bytes(k3_engine_config(d->e), d->max_k) +
+                                                 (uint64_t)k3_engine_vocab(d->e) * sizeof(float), &d->st, err);
+    if (rc) return rc;
+    d->s = k3_session_open(d->e, d->st, NULL);
+    d->logits = xmalloc_array((size_t)k3_engine_vocab(d->e), sizeof *d->logits);
+    return K3_OK;
+}
+
 int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_dir, int vocab, int64_t max_pos,
                      int max_k, k3_drafter **out, k3_err *err) {
     *out = NULL;
@@ -162,16 +173,32 @@ int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_d
     d->vocab = vocab;
     d->max_k = max_k < 1 ? 1 : max_k;
     rc = k3_engine_open(&eo, &d->e, err);
-    if (!rc)
-        rc = k3_engine_state_new(d->e, max_pos, k3_state_pass_bytes(k3_engine_config(d->e), d->max_k) +
-                                               (uint64_t)k3_engine_vocab(d->e) * sizeof(float), &d->st, err);
+    if (!rc) rc = model_session(d, max_pos, err);
     if (rc) {
         k3_drafter_free(d);
         return rc;
     }
-    d->s = k3_session_open(d->e, d->st, NULL);
-    d->logits = xmalloc_array((size_t)k3_engine_vocab(d->e), sizeof *d->logits);
     *out = d;
+    return K3_OK;
+}
+
+int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err *err) {
+    *out = NULL;
+    if (!d->e) {
+        *out = k3_drafter_ngram(d->vocab, d->min_n, d->max_n);
+        return K3_OK;
+    }
+    k3_drafter *x = xcalloc(1, sizeof *x);
+    x->vocab = d->vocab;
+    x->max_k = d->max_k;
+    x->e = d->e;
+    x->sibling = true;
+    int rc = model_session(x, max_pos, err);
+    if (rc) {
+        k3_drafter_free(x);
+        return rc;
+    }
+    *out = x;
     return K3_OK;
 }
 
@@ -210,10 +237,8 @@ void k3_drafter_free(k3_drafter *d) {
     free(d->key);
     free(d->end);
     k3_session_free(d->s);
-    if (d->e) {
-        k3_engine_state_free(d->e, d->st);
-        k3_engine_free(d->e);
-    }
+    if (d->e && d->st) k3_engine_state_free(d->e, d->st);
+    if (d->e && !d->sibling) k3_engine_free(d->e);
     free(d->logits);
     free(d);
 }

@@ -54,6 +54,11 @@ int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_d
                      int max_k, k3_drafter **out, k3_err *err);
 
 void k3_drafter_free(k3_drafter *d);
+/* A drafter like d for another history (k3 serve: one per slot): a fresh
+ * n-gram index, or the same draft model (d's engine, shared: the drafters'
+ * calls must not overlap, and d is freed after it) with its own state and
+ * session for histories of max_pos. */
+int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err *err);
 
 /* Up to k drafts following hist[0..n) (n >= 1) into out; *got: how many
  * (0 when the drafter has none). Errors: the draft model's. */
