@@ -84,8 +84,8 @@ for f in pydantic v1 v2; do
     skip docs-example:pydantic "no python3 pydantic (Debian's python3-pydantic: scripts/setup.sh --test)"; continue
   fi
   rm -f "$OUT/example-$f.log"
-  FAKE_OPENAI_MODELS=$f FAKE_OPENAI_MAX_TOKENS=8 FAKE_OPENAI_LOG="$OUT/example-$f.log" PYTHONPATH=tests/cli/fake_openai \
-    timeout 300 $PY "$OUT/example.py" >"$OUT/example-$f.out" 2>&1
+  FAKE_OPENAI_MODELS=$f FAKE_OPENAI_MAX_TOKENS=8 FAKE_OPENAI_LOG="$OUT/example-$f.log" \
+    PYTHONPATH=tests/cli/fake_openai PYTHONDONTWRITEBYTECODE=1 timeout 300 $PY "$OUT/example.py" >"$OUT/example-$f.out" 2>&1
   rc=$?
   [ $rc = 0 ] && pass "docs-example:$f:runs" || { fail "docs-example:$f:runs" "exit $rc: $(tail -c 300 "$OUT/example-$f.out")"; continue; }
   got=$($PY - "$OUT/example-$f.log" "$OUT/example-$f.out" <<'PY'
