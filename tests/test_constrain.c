@@ -368,6 +368,24 @@ TEST(constrain_raw_string_mask_equals_feeding_each_id) {
         CHECKF(count == want_count && count > 0, "case %zu: %zu allowed, want %zu", i, count, want_count);
         k3_jschema_free(sc);
     }
+    /* forced text: the ids whose bytes are a prefix of it, against a pass
+     * over every id */
+    static const char *const FORCED[] = {"call tool=\"", "get_weather\" index=\"1\"", "argument key=\"",
+                                         "\xe4\xbd\xa0\xe5\xa5\xbd \"&amp;\"", "response", "x"};
+    for (size_t i = 0; i < sizeof FORCED / sizeof *FORCED; i++) {
+        size_t fl = strlen(FORCED[i]);
+        memset(allow, 0, (size_t)nb);
+        size_t count = k3_tokbytes_prefixes(tb, (const uint8_t *)FORCED[i], fl, nb, allow), want_count = 0;
+        for (int32_t id = 0; id < nb; id++) {
+            size_t n;
+            const uint8_t *p = tok_token_bytes(t, id, &n);
+            bool want = p && n && n <= fl && !memcmp(p, FORCED[i], n);
+            want_count += want;
+            CHECKF(allow[id] == want, "'%s': id %d ('%.*s') %d, want %d", FORCED[i], id, (int)n, (const char *)p,
+                   allow[id], want);
+        }
+        CHECKF(count == want_count && count > 0, "'%s': %zu ids, want %zu", FORCED[i], count, want_count);
+    }
     /* what the raw text spells: its JSON form is the enum value's */
     char where[64];
     k3_jschema *sc = compile("{\"enum\":[\"a\\\"b\",\"x\\u0001\",\"t\\tu\"]}", where, sizeof where, &err);

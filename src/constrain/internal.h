@@ -91,6 +91,11 @@ void k3_jstate_hold(k3_jstate *st, uint8_t types, bool raw);
  * would complete the value. */
 bool k3_jstate_raw_done(const k3_jstate *st);
 
+/* Sets allow[id] for each base id below limit whose bytes are a non-empty
+ * prefix of s[0..n) (the ids that may spell forced text); returns how many
+ * it newly set. */
+size_t k3_tokbytes_prefixes(const k3_tokbytes *tb, const uint8_t *s, size_t n, int32_t limit, uint8_t *allow);
+
 #define K3_JHASH_INIT 0xcbf29ce484222325ULL
 static inline uint64_t k3_jhash_byte(uint64_t h, uint8_t b) { return (h ^ b) * 0x100000001b3ULL; }
 

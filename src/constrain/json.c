@@ -553,6 +553,28 @@ void k3_tokbytes_free(k3_tokbytes *tb) {
     free(tb);
 }
 
+/* The ids whose bytes are exactly s[0..l): each found by bisection in the
+ * sorted order (bytes, then length), so a forced or chosen text costs a few
+ * lookups per prefix instead of a pass over the vocabulary. */
+size_t k3_tokbytes_prefixes(const k3_tokbytes *tb, const uint8_t *s, size_t n, int32_t limit, uint8_t *allow) {
+    size_t count = 0;
+    for (size_t l = 1; l <= n && l <= tb->maxlen; l++) {
+        size_t lo = 0, hi = tb->n;
+        while (lo < hi) { /* first entry not below s[0..l) */
+            size_t mid = lo + (hi - lo) / 2, m = tb->len[mid] < l ? tb->len[mid] : l;
+            int c = memcmp(tb->p[mid], s, m);
+            if (c < 0 || (c == 0 && tb->len[mid] < l)) lo = mid + 1;
+            else hi = mid;
+        }
+        for (; lo < tb->n && tb->len[lo] == l && !memcmp(tb->p[lo], s, l); lo++)
+            if (tb->ord[lo] < limit && !allow[tb->ord[lo]]) {
+                allow[tb->ord[lo]] = 1;
+                count++;
+            }
+    }
+    return count;
+}
+
 /* Walks the ids in byte order keeping the states along the last path
  * tried: an id resumes from the bytes it shares with that path, and an id
  * that shares a rejected byte is rejected without a step. */

@@ -201,13 +201,7 @@ static size_t allow_mask(k3_constraint *c) {
             return 1;
         }
         const char *rest = f->text + c->fpos;
-        size_t nrest = strlen(rest);
-        for (int32_t id = 0; id < c->nbase; id++) {
-            size_t n;
-            const uint8_t *p = bytes(c, id, &n);
-            if (p && n <= nrest && !memcmp(p, rest, n)) count += a[id] = 1;
-        }
-        return count;
+        return k3_tokbytes_prefixes(c->tb, (const uint8_t *)rest, strlen(rest), c->nbase, a);
     }
     case ST_JSON:
         count = k3_jstate_mask(&c->js, c->tb, a);
@@ -217,13 +211,10 @@ static size_t allow_mask(k3_constraint *c) {
         }
         return count;
     case ST_CHOOSE:
-        for (int32_t id = 0; id < c->nbase; id++) {
-            size_t n;
-            const uint8_t *p = bytes(c, id, &n);
-            for (size_t i = 0; p && i < c->ncand && !a[id]; i++)
-                if (c->alive[i] && n <= c->clen[i] - c->cpos && !memcmp(p, c->ctext[i] + c->cpos, n))
-                    count += a[id] = 1;
-        }
+        for (size_t i = 0; i < c->ncand; i++)
+            if (c->alive[i])
+                count += k3_tokbytes_prefixes(c->tb, (const uint8_t *)c->ctext[i] + c->cpos, c->clen[i] - c->cpos,
+                                              c->nbase, a);
         return count;
     case ST_ARGS:
         if (arg_left(c)) count += a[c->ids.open] = 1;
