@@ -31,8 +31,8 @@
  *    declared parameter at most once, every required one present, T one of
  *    the parameter's types (string number boolean null array object), and
  *    VALUE the value as the parser reads it back: a string's raw text for
- *    type="string", else JSON, masked by the machine on the parameter's
- *    schema. Names are spelled as the template spells attributes (& and "
+ *    type="string" (valid UTF-8 without NUL; fed to the machine as its JSON
+ *    escapes), else JSON, masked by the machine on the parameter's schema. Names are spelled as the template spells attributes (& and "
  *    as &amp; &quot;). One call per reply.
  *
  * Bounds (everything a client controls is bounded): schema nesting
