@@ -236,7 +236,7 @@ for choice in ("required", "named"):
         for seed in range(n_req):
             tc = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
             body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": tc,
-                    "temperature": 2, "seed": seed, "max_tokens": 200 if asan else 300, "enable_thinking": think,
+                    "temperature": 2, "seed": seed, "max_tokens": 300, "enable_thinking": think,
                     "logit_bias": BIAS}
             tag = "tool %s:think=%d:seed=%d" % (choice, think, seed)
             st, text = post(body)
@@ -245,7 +245,7 @@ for choice in ("required", "named"):
             ch = json.loads(text)["choices"][0]
             stats[ch["finish_reason"]] = stats.get(ch["finish_reason"], 0) + 1
             check_call(tag, ch, "get_weather" if choice == "named" else None)
-out(stats["tool_calls"] >= 4 * n_req * 2 // 3, "complete calls", "finish counts %s" % stats)
+out(stats["tool_calls"] >= 4 * n_req // 2, "complete calls", "finish counts %s" % stats)
 
 # streamed: the call deltas give the non-streamed call, finish tool_calls
 body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": "required",
