@@ -84,4 +84,28 @@ once engine:cli-includes '#include "(dist/(expert_par|tensor_par)|model/model_im
 once engine:identity-in-formats '^int k3_model_identity(_of)?\(' 'src/formats/identity\.[ch]' $SRC
 once engine:no-upward-include '#include "(session|generate|serve|cli|draft)/' '' src/engine/engine.c src/engine/engine.h
 
+# ---- one public header per module -----------------------------------------------
+# A module's private headers (internal.h, *internal.h, *_impl.h, and the old
+# kernels/kmath.h) are the seams between its own files; other modules see it
+# only through its public header. Allowed outside src/MOD: the white-box unit
+# tests and benchmarks named for the module (tests/test_MOD.c,
+# tests/test_MOD_*.c, bench/MOD.c) and the kernels' product benchmark
+# (bench/gemm.c times the SIMD tiles).
+private_includes() {
+  local f mod bad=""
+  while IFS= read -r hit; do
+    f=${hit%%:*}
+    mod=$(echo "$hit" | sed -E 's/.*#include "([a-z_0-9]+)\/.*/\1/')
+    case $f in
+      src/$mod/*) continue ;;
+      tests/test_$mod.c | tests/test_${mod}_*.c | bench/$mod.c) continue ;;
+    esac
+    [ "$mod/$f" = kernels/bench/gemm.c ] && continue
+    bad="$bad$hit"$'\n'
+  done < <(hits '#include "[a-z_0-9]+/[a-z_0-9]*(internal|_impl|kmath)\.h"' \
+             $(find src tests bench -name '*.c' -o -name '*.h' | sort))
+  if [ -z "$bad" ]; then pass modules:private-headers; else fail modules:private-headers "$(echo "$bad" | head -3 | cut -c1-120 | tr '\n' ' ')"; fi
+}
+private_includes
+
 finish
