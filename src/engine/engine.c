@@ -414,8 +414,19 @@ int k3_engine_encode(const k3_engine *e, const char *what, const char *text, siz
     return rc;
 }
 
-int k3_engine_ready(k3_engine *e, int rc, k3_err *err) {
-    return e && e->ranks > 1 ? k3_dist_agree(rc, err, "starting the run") : rc;
+int k3_engine_agree(k3_engine *e, int rc, k3_err *err, const char *what) {
+    return e && e->ranks > 1 ? k3_dist_agree(rc, err, what) : rc;
+}
+
+int k3_engine_ready(k3_engine *e, int rc, k3_err *err) { return k3_engine_agree(e, rc, err, "starting the run"); }
+
+long long k3_engine_getline(k3_engine *e, char **line, size_t *cap, FILE *f) {
+    (void)e; /* k3_dist_getline is getline for one process */
+    return k3_dist_getline(line, cap, f);
+}
+
+void k3_engine_silence_others(const k3_engine *e) {
+    if (e->rank > 0) k3_dist_silence_others();
 }
 
 int k3_engine_fail(k3_engine *e, int rc, k3_err *err) {

@@ -71,9 +71,12 @@ once engine:opaque '^(typedef )?struct k3_engine *\{' 'src/engine/engine\.c' $SR
 once engine:forward-callers '\bk3_forward(_batch)?\(' \
   'src/model/[a-z_]+\.[ch]|src/engine/engine\.c|src/session/session\.c|src/train/export\.c' $SRC
 # k3 run parses flags, opens the engine, generates and reports: no memory
-# plan, no ranks, no forward, no state and no model of its own.
-once engine:run-goes-through '\b(k3_runmem_[a-z_]+|k3_dist_[a-z_]+|k3_forward[a-z_]*|k3_state_new|k3_model_open[a-z_]*)\(' \
-  '' src/cli/cmd_run.c
+# plan, no ranks, no forward, no state and no model of its own. k3 chat
+# alike: its input reaches the ranks through the engine (k3_engine_getline,
+# k3_engine_agree).
+RUN_OWN='\b(k3_runmem_[a-z_]+|k3_dist_[a-z_]+|k3_forward[a-z_]*|k3_state_new|k3_model_open[a-z_]*)\('
+once engine:run-goes-through "$RUN_OWN" '' src/cli/cmd_run.c
+once engine:chat-goes-through "$RUN_OWN" '' src/cli/cmd_chat.c
 # No command includes the engine's own parts (the placement, the split trunk,
 # the model's binder interface).
 once engine:cli-includes '#include "(dist/(expert_par|tensor_par)|model/model_impl)\.h"' 'src/cli/cmd_cache_sim\.c' \
