@@ -74,7 +74,8 @@ done
 # model-level tensors, as one process's plan gives them, plus 2.3 times the largest
 # layer's run over R), so a rank's reads per token are its share of the whole stack
 TRUNK=$MODEL-trunk
-[ -e "$TRUNK/trunk.json" ] || bin/k3 pack-trunk "$MODEL" "$TRUNK" >/dev/null
+# (packed again unless of the format version this k3 reads: K3_TRUNK_VERSION, src/memory/trunk.h)
+grep -q '"version": 2,' "$TRUNK/trunk.json" 2>/dev/null || bin/k3 pack-trunk "$MODEL" "$TRUNK" >/dev/null
 bin/k3 run "$MODEL" --ids "$IDS" --gen 2 --quiet --threads "$THREADS" --trunk "$TRUNK" --out "$W/plan.json"
 tgb() {
   $PY - "$W/plan.json" "$TRUNK/trunk.json" "$1" <<'PY'
