@@ -162,12 +162,12 @@ static int load_tokenizer(k3_engine *e, k3_err *err) {
 }
 
 /* Expert parallelism, before the plan: the placement and this rank's share
- * (which the plan then sizes). file_cfg: config.json as read. */
-static int ep_placement(k3_engine *e, const k3_config *file_cfg, k3_err *err) {
+ * (which the plan then sizes). run_cfg: the config as the run sees it
+ * (k3_config_first_layers applied: --layers). */
+static int ep_placement(k3_engine *e, const k3_config *run_cfg, k3_err *err) {
     const k3_engine_opts *o = &e->opts;
-    k3_config c = *file_cfg;
+    k3_config c = *run_cfg;
     int rc;
-    if (o->layers > 0 && o->layers < c.num_layers) c.num_layers = o->layers;
     int moe = 0;
     for (int L = 0; L < c.num_layers; L++) moe += !c.layer_dense[L];
     if (c.num_experts <= 0 || !moe)
@@ -249,11 +249,11 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
     k3_config *file_cfg = xmalloc(sizeof *file_cfg), *run_cfg = xmalloc(sizeof *run_cfg);
     st_index *ix = NULL;
     int rc = k3_config_load(o->model_dir, file_cfg, err);
-    if (!rc && e->ranks > 1) rc = ep_placement(e, file_cfg, err);
     if (!rc) {
         *run_cfg = *file_cfg;
         rc = k3_config_first_layers(run_cfg, o->layers, o->model_dir, err);
     }
+    if (!rc && e->ranks > 1) rc = ep_placement(e, run_cfg, err);
     if (!rc) rc = st_open(o->model_dir, &ix, err);
     if (!rc) e->ix = st_retain(ix);
     /* the plan comes first: a run that cannot fit is refused before any
@@ -414,8 +414,19 @@ int k3_engine_encode(const k3_engine *e, const char *what, const char *text, siz
     return rc;
 }
 
-int k3_engine_ready(k3_engine *e, int rc, k3_err *err) {
-    return e && e->ranks > 1 ? k3_dist_agree(rc, err, "starting the run") : rc;
+int k3_engine_agree(k3_engine *e, int rc, k3_err *err, const char *what) {
+    return e && e->ranks > 1 ? k3_dist_agree(rc, err, what) : rc;
+}
+
+int k3_engine_ready(k3_engine *e, int rc, k3_err *err) { return k3_engine_agree(e, rc, err, "starting the run"); }
+
+long long k3_engine_getline(k3_engine *e, char **line, size_t *cap, FILE *f) {
+    (void)e; /* k3_dist_getline is getline for one process */
+    return k3_dist_getline(line, cap, f);
+}
+
+void k3_engine_silence_others(const k3_engine *e) {
+    if (e->rank > 0) k3_dist_silence_others();
 }
 
 int k3_engine_fail(k3_engine *e, int rc, k3_err *err) {

@@ -181,6 +181,19 @@ int k3_engine_recompute(k3_engine *e, k3_state *s, const int32_t *ids, size_t n,
  * err naming it. One process: returns rc. After this point a failure on any
  * rank must end the job (k3_dist_abort). */
 int k3_engine_ready(k3_engine *e, int rc, k3_err *err);
+/* The same agreement over any later step every rank takes together (a chat
+ * turn): all return the lowest failing rank's code, err naming it, what
+ * naming the step; one process: returns rc. */
+int k3_engine_agree(k3_engine *e, int rc, k3_err *err, const char *what);
+/* An interactive command under mpirun (k3 chat): rank 0 reads the input and
+ * talks, every rank computes the same turns. k3_engine_getline: rank 0's
+ * next line of f on every rank (getline's contract: the length, -1 at the
+ * end or on an error); the other ranks do not read f, and they wait without
+ * a bound (a person types). k3_engine_silence_others: on the ranks after the
+ * first, stdout and stderr go to /dev/null (the job's error lines still come
+ * out); rank 0 and one process: nothing. */
+long long k3_engine_getline(k3_engine *e, char **line, size_t *cap, FILE *f);
+void k3_engine_silence_others(const k3_engine *e);
 /* After k3_engine_ready: a failure on this rank (rc != 0) ends the whole job
  * under mpirun (one line naming the rank; the others would wait in the next
  * exchange); one process: returns rc. */

@@ -192,8 +192,7 @@ static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_e
     int k;
     if (layer >= 0) return k3_fail(err, K3_EXIT_RUNTIME, "top_lookup: layer %d", layer);
     if (!strcmp(name, K3N_HEAD)) /* beside the model, not under its prefix */
-        k = snprintf(s->top_name, sizeof s->top_name, "%s" K3N_HEAD,
-                     !strcmp(s->prefix, K3N_PREFIX_PLAIN) ? "" : K3N_HEAD_PARENT);
+        k = snprintf(s->top_name, sizeof s->top_name, "%s", k3_names_head(s->prefix));
     else
         k = snprintf(s->top_name, sizeof s->top_name, "%s%s", s->prefix, name);
     if (k < 0 || (size_t)k >= sizeof s->top_name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
@@ -533,7 +532,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
     s->o = *o;
     s->ix = ix;
     s->trunk = trunk;
-    s->prefix = k3s_name_prefix(ix);
+    s->prefix = k3_names_prefix(ix);
     s->tfd = -1;
     s->tdepth = o->trunk_depth > 0 ? o->trunk_depth : 4;
     s->piece_bytes = o->trunk_piece >= K3_DIO_ALIGN ? o->trunk_piece / K3_DIO_ALIGN * K3_DIO_ALIGN : (2u << 20);

@@ -22,11 +22,9 @@ typedef struct {
     uint64_t need;              /* buffer bytes */
 } xlayout;
 
-/* Fills x for expert e of layer L (prefix: k3s_name_prefix), checking every
+/* Fills x for expert e of layer L (prefix: k3_names_prefix), checking every
  * tensor's shape and dtype against the config as the binder would. */
 int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int L, int e, xlayout *x, k3_err *err);
-/* "language_model.model." (the release) or "model." (plain checkpoints). */
-const char *k3s_name_prefix(const st_index *ix);
 /* The model.h dtype of a shard dtype; -1 for one K3 does not use. */
 int k3s_tdtype(st_dtype d, k3_tdtype *out);
 /* x rounded up to the O_DIRECT alignment. */

@@ -35,11 +35,6 @@ void k3_stream_opts_init(k3_stream_opts *o) {
 uint64_t k3s_align4k(uint64_t x) { return (x + K3_DIO_ALIGN - 1) & ~(uint64_t)(K3_DIO_ALIGN - 1); }
 static double gb(uint64_t b) { return (double)b / 1e9; }
 
-const char *k3s_name_prefix(const st_index *ix) {
-    if (!st_find(ix, K3N_PREFIX K3N_EMBED) && st_find(ix, K3N_PREFIX_PLAIN K3N_EMBED)) return K3N_PREFIX_PLAIN;
-    return K3N_PREFIX;
-}
-
 int k3s_tdtype(st_dtype d, k3_tdtype *out) {
     switch (d) {
     case ST_F32: *out = KT_F32; return 0;
@@ -441,7 +436,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
      * expert-parallel job) */
     p->total_experts = 0;
     int most = 0; /* the most held in one layer: what one batch can need */
-    const char *prefix = k3s_name_prefix(ix);
+    const char *prefix = k3_names_prefix(ix);
     for (int L = 0; L < c->num_layers; L++) {
         if (c->layer_dense[L]) continue;
         int here = 0;
