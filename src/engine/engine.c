@@ -458,8 +458,7 @@ k3_runmem_reads k3_engine_decode_reads(const k3_engine *e) { return k3_runmem_de
 void k3_engine_report_json(const k3_engine *e, json_t *o) { k3_runmem_json(e->rm, o); }
 
 k3_engine_mark k3_engine_mark_now(const k3_engine *e) {
-    (void)e;
-    return (k3_engine_mark){.d = k3_dist_get_stats()};
+    return (k3_engine_mark){.d = k3_dist_get_stats(), .trunk_disk = e && e->rm ? k3_runmem_trunk_read(e->rm) : 0};
 }
 
 json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_mark *from_mark,
@@ -467,7 +466,7 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
     if (!e || e->ranks <= 1) return NULL;
     const k3_dist_stats *from = &from_mark->d;
     k3_dist_stats now = to_mark->d;
-    struct { uint64_t held, exch, bytes, gath, gbytes, read, whole; double wait, gwait; } mine = {0}, *all;
+    struct { uint64_t held, exch, bytes, gath, gbytes, read, whole, disk; double wait, gwait; } mine = {0}, *all;
     const k3_config *c = e->cfg;
     for (size_t i = 0; i < (size_t)c->num_layers * (size_t)c->num_experts; i++)
         mine.held += e->owned[i] && !c->layer_dense[i / (size_t)c->num_experts];
@@ -479,6 +478,7 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
     mine.read = now.split_read - from->split_read;
     mine.whole = now.split_whole - from->split_whole;
     mine.gwait = now.split_wait_s - from->split_wait_s;
+    mine.disk = to_mark->trunk_disk - from_mark->trunk_disk;
     all = xmalloc_array((size_t)e->ranks, sizeof *all);
     k3_dist_allgather(&mine, sizeof mine, all, "the run report");
     json_t *o = NULL;
@@ -486,8 +486,8 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
         double st = steps ? (double)steps : 1;
         o = json_object();
         json_t *held = json_array(), *bytes = json_array(), *share = json_array(), *wait = json_array();
-        json_t *gbytes = json_array(), *gshare = json_array(), *tread = json_array();
-        double maxb = 0, maxs = 0, maxgb = 0, maxgs = 0, maxr = 0, minr = 1e300;
+        json_t *gbytes = json_array(), *gshare = json_array(), *tread = json_array(), *tdisk = json_array();
+        double maxb = 0, maxs = 0, maxgb = 0, maxgs = 0, maxr = 0, minr = 1e300, maxd = 0, mind = 1e300, sumd = 0;
         uint64_t minh = UINT64_MAX, maxh = 0;
         for (int r = 0; r < e->ranks; r++) {
             if (all[r].held < minh) minh = all[r].held;
@@ -507,6 +507,11 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
             if (gs > maxgs) maxgs = gs;
             if (rd > maxr) maxr = rd;
             if (rd < minr) minr = rd;
+            double dk = (double)all[r].disk / st;
+            json_array_append_new(tdisk, json_real(dk));
+            if (dk > maxd) maxd = dk;
+            if (dk < mind) mind = dk;
+            sumd += dk;
         }
         json_object_set_new(o, "phase", json_string(phase));
         json_object_set_new(o, "ranks", json_integer(e->ranks));
@@ -533,6 +538,9 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
             json_decref(gshare);
             json_decref(tread);
         }
+        bool streamed = e->opts.mem.so.trunk_dir != NULL;
+        if (streamed) json_object_set_new(o, "trunk_disk_bytes_per_token", tdisk);
+        else json_decref(tdisk);
         if (f)
             fprintf(f,
                     "k3: expert parallel, %s: %d ranks hold %llu..%llu routed experts each; per token %.1f exchanges, "
@@ -546,6 +554,11 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
                     "the time\n",
                     phase, minr / 1e6, maxr / 1e6, (double)all[0].whole / st / 1e6, (double)all[0].gath / st,
                     maxgb / 1e3, 100 * maxgs);
+        if (f && streamed)
+            fprintf(f,
+                    "k3: packed trunk, %s: each rank read %.3f..%.3f MB of streamed layers from disk per token "
+                    "(%.3f MB together)\n",
+                    phase, mind / 1e6, maxd / 1e6, sumd / 1e6);
     }
     free(all);
     return o;

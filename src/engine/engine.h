@@ -201,7 +201,10 @@ int k3_engine_fail(k3_engine *e, int rc, k3_err *err);
 
 /* The exchange counters of this process at one moment (the start or end of
  * a phase of the run), for k3_engine_dist_report. */
-typedef struct { k3_dist_stats d; } k3_engine_mark;
+typedef struct {
+    k3_dist_stats d;
+    uint64_t trunk_disk;  /* streamed trunk bytes read from disk so far (k3_runmem_trunk_read) */
+} k3_engine_mark;
 k3_engine_mark k3_engine_mark_now(const k3_engine *e);
 
 /* Under expert parallelism, the cost of the exchanges over one phase of the
@@ -213,8 +216,11 @@ k3_engine_mark k3_engine_mark_now(const k3_engine *e);
  * [per rank], "exchange_share": [per rank], ..., "layout" ("tp+ep" or "ep"),
  * "split_gathers_per_token" (of the exchanges, the split trunk's gathers),
  * "split_bytes_sent_per_token", "split_share", "trunk_bytes_read_per_token":
- * [per rank] (weight bytes the split products read), "trunk_bytes_one_process_per_token"}.
- * Under tp+ep a second line gives the split trunk's figures. */
+ * [per rank] (weight bytes the split products read), "trunk_bytes_one_process_per_token",
+ * and with a packed trunk (--trunk) "trunk_disk_bytes_per_token": [per rank] (the
+ * streamed layers' bytes each rank read from disk, its share under tp+ep)}.
+ * Under tp+ep a second line gives the split trunk's figures, with --trunk a
+ * third the disk's. */
 struct json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_mark *from,
                                      const k3_engine_mark *to, double secs, uint64_t steps, FILE *f);
 
