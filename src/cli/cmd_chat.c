@@ -10,7 +10,6 @@
  * script knows (a command's error is never taken for /quit). */
 #include "chat/chat.h"
 #include "cli/commands.h"
-#include "dist/dist.h"
 #include "draft/draft.h"
 #include "engine/engine.h"
 #include "generate/generate.h"
@@ -526,7 +525,7 @@ static int chat(const chat_args *a, k3_err *err, bool *reported) {
         quiet_rank = *a;
         quiet_rank.out = NULL;
         a = c.a = &quiet_rank;
-        k3_dist_silence_others();
+        k3_engine_silence_others(c.e);
     }
     const char *tok_dir = eo.tok_dir ? eo.tok_dir : a->model_dir;
     if ((rc = k3_chat_new(k3_engine_tokenizer(c.e), &c.chat, err))) {
@@ -586,7 +585,7 @@ ready:
             fflush(stdout);
         }
         interrupted = 0;
-        ssize_t len = (ssize_t)k3_dist_getline(&line, &cap, stdin); /* rank 0's line, on every rank */
+        ssize_t len = (ssize_t)k3_engine_getline(c.e, &line, &cap, stdin); /* rank 0's line, on every rank */
         if (len < 0) {
             if (interrupted) clearerr(stdin), fputc('\n', stdout);
             break;
@@ -602,7 +601,7 @@ ready:
             r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message is not valid UTF-8 (byte %zu)",
                         tok_utf8_check((const uint8_t *)line, (size_t)len));
         else r = turn(&c, line, &e);
-        if (k3_engine_ranks(c.e) > 1) r = k3_dist_agree(r, &e, "a chat turn"); /* the same next step on every rank */
+        r = k3_engine_agree(c.e, r, &e, "a chat turn"); /* the same next step on every rank */
         if (r) { /* one line; the conversation is kept and the chat goes on */
             k3_report(&e);
             if (!failed) failed = r;
