@@ -73,10 +73,13 @@ struct st_index {
 
 size_t st_count(const st_index *ix) { return ix->n; }
 
-/* An arena's kept bytes, plus, per block, the rest of the (huge) page its
- * last record was written into: the kernel faults huge pages whole. */
+/* An arena's kept bytes, plus, per block, the rest of the page its last
+ * record was written into: the kernel faults a huge page (big blocks ask for
+ * them, safetensors_header.c) whole. */
 static uint64_t arena_footprint(const st_arena *a) {
-    return (uint64_t)a->used + (uint64_t)a->nb * ((uint64_t)2 << 20);
+    uint64_t b = a->used;
+    for (size_t i = 0; i < a->nb; i++) b += a->b[i].len >= ((size_t)8 << 20) ? (uint64_t)2 << 20 : 4096;
+    return b;
 }
 
 uint64_t st_footprint(const st_index *ix) {
