@@ -12,7 +12,9 @@
 # sent, the share of the decode time each rank spent inside them (posting,
 # transfer and waiting for slower ranks), the trunk's weight bytes each rank's
 # products read against one process's, with the tokens/s and a check that the
-# ids equal the single process's. Then bin/bench_exchange times one exchange alone (the release's
+# ids equal the single process's; then the same with the trunk packed and streamed
+# (--trunk): each rank's streamed bytes read from disk per token against one
+# process's. Then bin/bench_exchange times one exchange alone (the release's
 # decode block at each rank count, and fixed sizes), and k3 cache-sim spreads
 # the peer's expert trace of the real release over 2..32 ranks. Everything
 # goes to one JSON file (default bench/.cache/mpi.json) for
@@ -67,6 +69,31 @@ for R in $(seq 1 "$MAXR"); do
   fi
   $MPI -np "$R" bin/bench_exchange --config "$RELEASE/config.json" --iters 400 >"$W/exch$R.jsonl"
 done
+# the packed streamed trunk (k3 pack-trunk, --trunk): every layer streamed through two
+# ring slots of the rank's largest share and nothing pinned (--trunk-gb: the plan's
+# model-level tensors, as one process's plan gives them, plus 2.3 times the largest
+# layer's run over R), so a rank's reads per token are its share of the whole stack
+TRUNK=$MODEL-trunk
+# (packed again unless of the format version this k3 reads: K3_TRUNK_VERSION, src/memory/trunk.h)
+grep -q '"version": 2,' "$TRUNK/trunk.json" 2>/dev/null || bin/k3 pack-trunk "$MODEL" "$TRUNK" >/dev/null
+bin/k3 run "$MODEL" --ids "$IDS" --gen 2 --quiet --threads "$THREADS" --trunk "$TRUNK" --out "$W/plan.json"
+tgb() {
+  $PY - "$W/plan.json" "$TRUNK/trunk.json" "$1" <<'PY'
+import json, sys
+head = json.load(open(sys.argv[1]))["memory"]["plan"]["head_bytes"]
+big = max(r["bytes"] for r in json.load(open(sys.argv[2]))["runs"] if r["layer"] >= 0)
+print((head + 2.3 * big / int(sys.argv[3]) + 4e6) / 1e9)
+PY
+}
+for R in $(seq 1 "$MAXR"); do
+  if [ "$R" = 1 ]; then
+    bin/k3 run "$MODEL" --ids "$IDS" --gen "$GEN" --quiet --threads "$THREADS" --out "$W/st1.json" \
+      --trunk "$TRUNK" --trunk-gb "$(tgb 1)" --cache-gb 2
+  else
+    $MPI -np "$R" bin/k3 run "$MODEL" --ids "$IDS" --gen "$GEN" --quiet --threads "$THREADS" --out "$W/st$R.json" \
+      --trunk "$TRUNK" --trunk-gb "$(tgb "$R")" --cache-gb 2
+  fi
+done
 for R in 2 4 8 16 32; do
   bin/k3 cache-sim "$TRACE" --placement $R --model "$RELEASE" --placement-out "$W/place$R.json" \
     >"$W/place$R.txt"
@@ -103,6 +130,23 @@ for r in range(1, maxr + 1):
               f"{'same' if row['same_ids'] else 'DIFF':>4}{'  (oversubscribed)' if row['oversubscribed'] else ''}")
     for line in open(f"{w}/exch{r}.jsonl"):
         res["exchange"].append(json.loads(line))
+print("\nstreamed (--trunk, every layer through the ring): streamed trunk bytes read from disk per decoded token")
+print(f"{'ranks':>5} {'tok/s':>8} {'pinned':>6} {'MB per rank min..max':>21} {'of one':>13} {'all ranks':>9} {'ids':>4}")
+res["streamed"] = []
+one = None
+for r in range(1, maxr + 1):
+    j = json.load(open(f"{w}/st{r}.json"))
+    toks = [s["trunk_bytes"] for s in j["memory"]["steps"] if s["kind"] == "token"]
+    disk = [sum(toks) / len(toks)] if r == 1 else j["expert_parallel"]["decode"]["trunk_disk_bytes_per_token"]
+    if one is None: one = disk[0]
+    row = {"ranks": r, "tokens_per_s": j["tokens_per_s"], "pinned_layers": j["memory"]["plan"]["pinned_layers"],
+           "ring_slots": j["memory"]["plan"]["ring_slots"], "trunk_disk_bytes_per_token": disk,
+           "one_process_bytes_per_token": one, "same_ids": j["generated_ids"] == ids1,
+           "oversubscribed": r * int(j["threads"]) > ncpu}
+    res["streamed"].append(row)
+    print(f"{r:>5} {row['tokens_per_s']:>8.2f} {row['pinned_layers']:>6} {min(disk)/1e6:>10.2f}..{max(disk)/1e6:>9.2f} "
+          f"{min(disk)/one:>6.3f}..{max(disk)/one:>5.3f} {sum(disk)/one:>9.3f} {'same' if row['same_ids'] else 'DIFF':>4}"
+          f"{'  (oversubscribed)' if row['oversubscribed'] else ''}")
 print("\none exchange alone (bench_exchange; the release's decode block: ceil(16/R) x 3584 f32 per rank):")
 for e in res["exchange"]:
     if e["ranks"] > 1 and e["model_block"]:

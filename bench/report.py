@@ -116,6 +116,17 @@ def opens(path):
     return r.returncode == 0
 
 
+TRUNK_VERSION = 2  # the packed trunk's format version this k3 reads (K3_TRUNK_VERSION, src/memory/trunk.h)
+
+
+def trunk_version(index):
+    try:
+        with open(index) as f:
+            return json.load(f).get("version")
+    except (OSError, ValueError):
+        return None
+
+
 def packed_trunk(cache, name, model):
     """CACHE/name: `k3 pack-trunk model`, redone when the model's stamp changes."""
     path = os.path.join(cache, name)
@@ -127,7 +138,8 @@ def packed_trunk(cache, name, model):
             have = f.read().strip()
     except OSError:
         have = None
-    if have == want and os.path.isfile(os.path.join(path, "trunk.json")):
+    index = os.path.join(path, "trunk.json")
+    if have == want and os.path.isfile(index) and trunk_version(index) == TRUNK_VERSION:
         return path
     log("packing the trunk of %s into %s (once; cached)" % (model, path))
     if os.path.exists(stamp):

@@ -13,8 +13,9 @@ BUILD_PKGS="build-essential pkg-config libjansson-dev libpcre2-dev libmicrohttpd
 # Tests: PyTorch + NumPy for the reference tools (fixtures are committed, so these
 # are only needed to regenerate them), Node.js/npm for the tiktoken cross-check,
 # Chromium (driven by npm playwright-core) for the dashboard end-to-end test,
-# curl for the dashboard's HTTP tests, util-linux for prlimit.
-TEST_PKGS="python3 python3-numpy util-linux nodejs clang chromium curl"
+# curl for the dashboard's HTTP tests, util-linux for prlimit, pydantic (v1 on
+# Debian 12) for the reply objects of the docs' Python client example.
+TEST_PKGS="python3 python3-numpy python3-pydantic util-linux nodejs clang chromium curl"
 
 want="$BUILD_PKGS"
 case "${1:-}" in

@@ -10,7 +10,6 @@
 #include "tjson.h"
 #include "kernels/internal.h"
 #include "kernels/kernels.h"
-#include "kernels/kmath.h"
 #include "util/common.h"
 
 #include <malloc.h>

@@ -64,7 +64,7 @@ TEST(trunk_pack_layout_bytes_and_crc) {
     /* runs: the model-level run plus one per layer, each on 4 KiB */
     CHECK(k3_trunk_run_for(t, K3_TRUNK_MODEL_RUN) != NULL);
     for (int L = 0; L < t->nruns - 1; L++) CHECKF(k3_trunk_run_for(t, L) != NULL, "layer %d", L);
-    size_t packed = 0;
+    size_t packed = 0, multi = 0;
     for (int r = 0; r < t->nruns; r++) {
         const k3_trunk_run *run = &t->runs[r];
         CHECKF(run->offset % 4096 == 0, "run %d at %llu", r, (unsigned long long)run->offset);
@@ -80,6 +80,17 @@ TEST(trunk_pack_layout_bytes_and_crc) {
             char *src = malloc(s->nbytes ? s->nbytes : 1);
             CHECK(st_read(ix, s, src, &err) == 0);
             bool same = memcmp(src, bin + run->offset + tt->offset, s->nbytes) == 0;
+            /* a checksum per 16 rows of a matrix's first dimension (one for a
+             * vector or a matrix of 16 rows or fewer), over the source's bytes */
+            int64_t rows = tt->rank >= 2 ? tt->shape[0] : 1;
+            uint64_t gb = rows > 16 ? s->nbytes / (uint64_t)rows * 16 : s->nbytes;
+            int64_t ng = rows > 16 ? (rows + 15) / 16 : 1;
+            CHECKF(tt->ngran == ng, "%s: %lld granules, want %lld", tt->name, (long long)tt->ngran, (long long)ng);
+            for (int64_t g = 0; g < ng && tt->ngran == ng; g++) {
+                uint64_t o = (uint64_t)g * gb, len = s->nbytes - o < gb ? s->nbytes - o : gb;
+                CHECKF(k3_crc32c(0, src + o, len) == tt->gcrc[g], "%s granule %lld", tt->name, (long long)g);
+            }
+            multi += ng > 1;
             free(src);
             CHECKF(same, "%s differs from the source", tt->name);
             packed++;
@@ -90,6 +101,7 @@ TEST(trunk_pack_layout_bytes_and_crc) {
     for (size_t i = 0; i < st_count(ix); i++)
         if (!strstr(st_at(ix, i)->name, ".experts.")) want++;
     CHECKF(packed == want, "%zu packed of %zu", packed, want);
+    CHECKF(multi > 10, "%zu matrices of several granules", multi);
     free(bin);
     k3_trunk_free(t);
     st_close(ix);
@@ -314,6 +326,42 @@ TEST(trunk_identity_batched_reads_same_value) {
 /* A trunk.json written before identity schemes existed (no "identity_scheme",
  * an FNV-1a identity) is still accepted for its checkpoint, and refused for
  * another. */
+/* Writes an edited index with a valid table checksum (the canonical form:
+ * compact, sorted keys, without the checksum itself); takes root. */
+static int write_signed_index(const char *json, json_t *root) {
+    json_object_del(root, "table_crc32c");
+    char *canon = json_dumps(root, JSON_COMPACT | JSON_SORT_KEYS);
+    char crc[9];
+    snprintf(crc, sizeof crc, "%08x", k3_crc32c(0, canon, strlen(canon)));
+    free(canon);
+    json_object_set_new(root, "table_crc32c", json_string(crc));
+    char *text = json_dumps(root, JSON_INDENT(1));
+    json_decref(root);
+    k3_err err = {0};
+    int rc = k3_write_file_atomic(json, text, strlen(text), &err);
+    free(text);
+    return rc;
+}
+
+/* An index of format version 1 (no per-rows checksums) is refused with a
+ * line saying to pack again, even with a valid table checksum. */
+TEST(trunk_version_1_refused) {
+    const char *model = t_repo("tests/fixtures/gen/k3_like");
+    char dir[1024], json[1100];
+    snprintf(dir, sizeof dir, "%s/trunk", t_outdir());
+    snprintf(json, sizeof json, "%s/trunk.json", dir);
+    k3_err err = {0};
+    CHECKF(k3_trunk_pack(model, dir, &err) == 0, "%s", err.msg);
+    json_t *root = json_load_file(json, 0, NULL);
+    CHECK(root != NULL);
+    CHECK(json_integer_value(json_object_get(root, "version")) == 2);
+    json_object_set_new(root, "version", json_integer(1));
+    CHECK(write_signed_index(json, root) == 0);
+    k3_trunk *t = NULL;
+    CHECK(k3_trunk_open(dir, NULL, &t, &err) == K3_EXIT_DATA);
+    CHECKF(strstr(err.msg, "version 1") && strstr(err.msg, "pack it again"), "%s", err.msg);
+}
+
 TEST(trunk_old_identity_scheme_accepted) {
     const char *model = t_repo("tests/fixtures/gen/k3_like");
     char dir[1024], json[1100];
@@ -333,21 +381,9 @@ TEST(trunk_old_identity_scheme_accepted) {
     CHECK(at != NULL && sch != NULL);
     memcpy(at, v1, 16);
     memcpy(sch, "\"identity_schemX\"", 17); /* an unknown key: as if absent */
-    /* the edited index must still carry a valid table checksum (the canonical
-     * form: compact, sorted keys, without the checksum itself) */
     json_t *root = json_loads(text, 0, NULL);
-    CHECK(root != NULL);
     free(text);
-    json_object_del(root, "table_crc32c");
-    char *canon = json_dumps(root, JSON_COMPACT | JSON_SORT_KEYS);
-    char crc[9];
-    snprintf(crc, sizeof crc, "%08x", k3_crc32c(0, canon, strlen(canon)));
-    free(canon);
-    json_object_set_new(root, "table_crc32c", json_string(crc));
-    text = json_dumps(root, JSON_INDENT(1));
-    json_decref(root);
-    CHECK(k3_write_file_atomic(json, text, strlen(text), &err) == 0);
-    free(text);
+    CHECK(root != NULL && write_signed_index(json, root) == 0);
     k3_trunk *t = NULL;
     CHECKF(k3_trunk_open(dir, ix, &t, &err) == 0, "%s", err.msg);
     CHECK(t->identity_scheme == 1);

@@ -10,7 +10,6 @@
  * script knows (a command's error is never taken for /quit). */
 #include "chat/chat.h"
 #include "cli/commands.h"
-#include "dist/dist.h"
 #include "draft/draft.h"
 #include "engine/engine.h"
 #include "generate/generate.h"
@@ -59,7 +58,8 @@ const char *const cmd_chat_help =
     "                       are exactly those without it (docs/speculation.md)\n"
     "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
     "                       --speculate defaults to 4 with it; not under mpirun\n"
-    "  --load FILE          start from a saved conversation\n"
+    "  --load FILE          start from a saved conversation: its messages, thinking\n"
+    "                       setting and turn count (over --system and --think)\n"
     "  --cold               re-prefill the whole conversation every turn (for\n"
     "                       comparison: the replies are the same bits)\n"
     "  --out FILE.json      after every turn, write the turns (prompt_ids,\n"
@@ -466,8 +466,8 @@ static int load(chat_ctx *c, const char *path, k3_err *err) {
     c->thinking = json_is_true(th);
     c->turn = (int)json_integer_value(tn);
     json_decref(x);
-    fprintf(stderr, "[loaded %zu tokens, %zu messages from %s]\n", k3_session_len(c->s),
-            json_array_size(c->messages), path);
+    fprintf(stderr, "[loaded %zu tokens, %zu messages, %d turn%s from %s; thinking %s]\n", k3_session_len(c->s),
+            json_array_size(c->messages), c->turn, c->turn == 1 ? "" : "s", path, c->thinking ? "on" : "off");
     return K3_OK;
 }
 
@@ -525,12 +525,17 @@ static int chat(const chat_args *a, k3_err *err, bool *reported) {
         quiet_rank = *a;
         quiet_rank.out = NULL;
         a = c.a = &quiet_rank;
-        k3_dist_silence_others();
+        k3_engine_silence_others(c.e);
     }
     const char *tok_dir = eo.tok_dir ? eo.tok_dir : a->model_dir;
     if ((rc = k3_chat_new(k3_engine_tokenizer(c.e), &c.chat, err))) {
+        /* the way out: a checkpoint that has them, and what this one can still do */
         k3_err inner = *err;
-        k3_fail(err, rc, "%s: %s", tok_dir, inner.msg);
+        k3_fail(err, rc,
+                "%s: %s; chat needs a checkpoint whose tokenizer has them: the Kimi K3 release, or a small random one "
+                "from `python3 tools/gen_checkpoint.py DIR --preset tiny --set vocab_size=163840` (docs/chat.md). "
+                "This model still runs with `k3 run` and `k3 serve` (/v1/completions)",
+                tok_dir, inner.msg);
         goto done;
     }
     const k3_config *cfg = k3_engine_config(c.e);
@@ -551,7 +556,9 @@ static int chat(const chat_args *a, k3_err *err, bool *reported) {
     c.tty_in = isatty(0);
     c.tty_out = isatty(1);
     reset_conversation(&c);
-    if (c.tty_in) { /* a script gets only the per-turn lines, so an error stays one line */
+    if (a->load) rc = load(&c, a->load, err);
+    /* after --load: the banner states the loaded conversation's thinking, not the flag's */
+    if (!rc && c.tty_in) { /* a script gets only the per-turn lines, so an error stays one line */
         k3_state_cache_stats cs = k3_state_cache_get_stats(c.cache);
         fprintf(stderr,
                 "k3 chat: %s, %d layers, threads %d; context %lld; state cache %s (a snapshot: %s + %s per position, "
@@ -559,7 +566,6 @@ static int chat(const chat_args *a, k3_err *err, bool *reported) {
                 a->model_dir, cfg->num_layers, k3_engine_threads(c.e), (long long)a->max_ctx,
                 k3_size_str(budget), k3_size_str(cs.kda_bytes), k3_size_str(cs.row_bytes), cs.grid, c.thinking ? "on" : "off");
     }
-    if (a->load) rc = load(&c, a->load, err);
 ready:
     if ((rc = k3_engine_ready(c.e, rc, err))) goto done; /* every rank of a job, or none */
     if (c.tty_in) {
@@ -579,7 +585,7 @@ ready:
             fflush(stdout);
         }
         interrupted = 0;
-        ssize_t len = (ssize_t)k3_dist_getline(&line, &cap, stdin); /* rank 0's line, on every rank */
+        ssize_t len = (ssize_t)k3_engine_getline(c.e, &line, &cap, stdin); /* rank 0's line, on every rank */
         if (len < 0) {
             if (interrupted) clearerr(stdin), fputc('\n', stdout);
             break;
@@ -595,7 +601,7 @@ ready:
             r = k3_fail(&e, K3_EXIT_USAGE, "stdin: a message is not valid UTF-8 (byte %zu)",
                         tok_utf8_check((const uint8_t *)line, (size_t)len));
         else r = turn(&c, line, &e);
-        if (k3_engine_ranks(c.e) > 1) r = k3_dist_agree(r, &e, "a chat turn"); /* the same next step on every rank */
+        r = k3_engine_agree(c.e, r, &e, "a chat turn"); /* the same next step on every rank */
         if (r) { /* one line; the conversation is kept and the chat goes on */
             k3_report(&e);
             if (!failed) failed = r;

@@ -43,7 +43,7 @@ const char *const cmd_train_help =
     "  --eval-interval N          validation loss every N steps (250) and at the end\n"
     "  --eval-tokens N            validation tokens per evaluation (65536)\n"
     "  --checkpoint-interval N    latest.safetensors every N steps (= eval interval)\n"
-    "  --sample-interval N        generate a sample every N steps (500)\n"
+    "  --sample-interval N        generate a sample every N steps (500) and at the end\n"
     "  --sample-tokens N          tokens per sample (128)\n"
     "  --skip-samples             no samples\n"
     "  --seed S                   initialisation and data order (1337)\n"

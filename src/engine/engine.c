@@ -162,12 +162,12 @@ static int load_tokenizer(k3_engine *e, k3_err *err) {
 }
 
 /* Expert parallelism, before the plan: the placement and this rank's share
- * (which the plan then sizes). file_cfg: config.json as read. */
-static int ep_placement(k3_engine *e, const k3_config *file_cfg, k3_err *err) {
+ * (which the plan then sizes). run_cfg: the config as the run sees it
+ * (k3_config_first_layers applied: --layers). */
+static int ep_placement(k3_engine *e, const k3_config *run_cfg, k3_err *err) {
     const k3_engine_opts *o = &e->opts;
-    k3_config c = *file_cfg;
+    k3_config c = *run_cfg;
     int rc;
-    if (o->layers > 0 && o->layers < c.num_layers) c.num_layers = o->layers;
     int moe = 0;
     for (int L = 0; L < c.num_layers; L++) moe += !c.layer_dense[L];
     if (c.num_experts <= 0 || !moe)
@@ -249,11 +249,11 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
     k3_config *file_cfg = xmalloc(sizeof *file_cfg), *run_cfg = xmalloc(sizeof *run_cfg);
     st_index *ix = NULL;
     int rc = k3_config_load(o->model_dir, file_cfg, err);
-    if (!rc && e->ranks > 1) rc = ep_placement(e, file_cfg, err);
     if (!rc) {
         *run_cfg = *file_cfg;
         rc = k3_config_first_layers(run_cfg, o->layers, o->model_dir, err);
     }
+    if (!rc && e->ranks > 1) rc = ep_placement(e, run_cfg, err);
     if (!rc) rc = st_open(o->model_dir, &ix, err);
     if (!rc) e->ix = st_retain(ix);
     /* the plan comes first: a run that cannot fit is refused before any
@@ -414,8 +414,19 @@ int k3_engine_encode(const k3_engine *e, const char *what, const char *text, siz
     return rc;
 }
 
-int k3_engine_ready(k3_engine *e, int rc, k3_err *err) {
-    return e && e->ranks > 1 ? k3_dist_agree(rc, err, "starting the run") : rc;
+int k3_engine_agree(k3_engine *e, int rc, k3_err *err, const char *what) {
+    return e && e->ranks > 1 ? k3_dist_agree(rc, err, what) : rc;
+}
+
+int k3_engine_ready(k3_engine *e, int rc, k3_err *err) { return k3_engine_agree(e, rc, err, "starting the run"); }
+
+long long k3_engine_getline(k3_engine *e, char **line, size_t *cap, FILE *f) {
+    (void)e; /* k3_dist_getline is getline for one process */
+    return k3_dist_getline(line, cap, f);
+}
+
+void k3_engine_silence_others(const k3_engine *e) {
+    if (e->rank > 0) k3_dist_silence_others();
 }
 
 int k3_engine_fail(k3_engine *e, int rc, k3_err *err) {
@@ -447,8 +458,7 @@ k3_runmem_reads k3_engine_decode_reads(const k3_engine *e) { return k3_runmem_de
 void k3_engine_report_json(const k3_engine *e, json_t *o) { k3_runmem_json(e->rm, o); }
 
 k3_engine_mark k3_engine_mark_now(const k3_engine *e) {
-    (void)e;
-    return (k3_engine_mark){.d = k3_dist_get_stats()};
+    return (k3_engine_mark){.d = k3_dist_get_stats(), .trunk_disk = e && e->rm ? k3_runmem_trunk_read(e->rm) : 0};
 }
 
 json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_mark *from_mark,
@@ -456,7 +466,7 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
     if (!e || e->ranks <= 1) return NULL;
     const k3_dist_stats *from = &from_mark->d;
     k3_dist_stats now = to_mark->d;
-    struct { uint64_t held, exch, bytes, gath, gbytes, read, whole; double wait, gwait; } mine = {0}, *all;
+    struct { uint64_t held, exch, bytes, gath, gbytes, read, whole, disk; double wait, gwait; } mine = {0}, *all;
     const k3_config *c = e->cfg;
     for (size_t i = 0; i < (size_t)c->num_layers * (size_t)c->num_experts; i++)
         mine.held += e->owned[i] && !c->layer_dense[i / (size_t)c->num_experts];
@@ -468,6 +478,7 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
     mine.read = now.split_read - from->split_read;
     mine.whole = now.split_whole - from->split_whole;
     mine.gwait = now.split_wait_s - from->split_wait_s;
+    mine.disk = to_mark->trunk_disk - from_mark->trunk_disk;
     all = xmalloc_array((size_t)e->ranks, sizeof *all);
     k3_dist_allgather(&mine, sizeof mine, all, "the run report");
     json_t *o = NULL;
@@ -475,8 +486,8 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
         double st = steps ? (double)steps : 1;
         o = json_object();
         json_t *held = json_array(), *bytes = json_array(), *share = json_array(), *wait = json_array();
-        json_t *gbytes = json_array(), *gshare = json_array(), *tread = json_array();
-        double maxb = 0, maxs = 0, maxgb = 0, maxgs = 0, maxr = 0, minr = 1e300;
+        json_t *gbytes = json_array(), *gshare = json_array(), *tread = json_array(), *tdisk = json_array();
+        double maxb = 0, maxs = 0, maxgb = 0, maxgs = 0, maxr = 0, minr = 1e300, maxd = 0, mind = 1e300, sumd = 0;
         uint64_t minh = UINT64_MAX, maxh = 0;
         for (int r = 0; r < e->ranks; r++) {
             if (all[r].held < minh) minh = all[r].held;
@@ -496,6 +507,11 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
             if (gs > maxgs) maxgs = gs;
             if (rd > maxr) maxr = rd;
             if (rd < minr) minr = rd;
+            double dk = (double)all[r].disk / st;
+            json_array_append_new(tdisk, json_real(dk));
+            if (dk > maxd) maxd = dk;
+            if (dk < mind) mind = dk;
+            sumd += dk;
         }
         json_object_set_new(o, "phase", json_string(phase));
         json_object_set_new(o, "ranks", json_integer(e->ranks));
@@ -522,6 +538,9 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
             json_decref(gshare);
             json_decref(tread);
         }
+        bool streamed = e->opts.mem.so.trunk_dir != NULL;
+        if (streamed) json_object_set_new(o, "trunk_disk_bytes_per_token", tdisk);
+        else json_decref(tdisk);
         if (f)
             fprintf(f,
                     "k3: expert parallel, %s: %d ranks hold %llu..%llu routed experts each; per token %.1f exchanges, "
@@ -535,6 +554,11 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
                     "the time\n",
                     phase, minr / 1e6, maxr / 1e6, (double)all[0].whole / st / 1e6, (double)all[0].gath / st,
                     maxgb / 1e3, 100 * maxgs);
+        if (f && streamed)
+            fprintf(f,
+                    "k3: packed trunk, %s: each rank read %.3f..%.3f MB of streamed layers from disk per token "
+                    "(%.3f MB together)\n",
+                    phase, mind / 1e6, maxd / 1e6, sumd / 1e6);
     }
     free(all);
     return o;

@@ -181,6 +181,19 @@ int k3_engine_recompute(k3_engine *e, k3_state *s, const int32_t *ids, size_t n,
  * err naming it. One process: returns rc. After this point a failure on any
  * rank must end the job (k3_dist_abort). */
 int k3_engine_ready(k3_engine *e, int rc, k3_err *err);
+/* The same agreement over any later step every rank takes together (a chat
+ * turn): all return the lowest failing rank's code, err naming it, what
+ * naming the step; one process: returns rc. */
+int k3_engine_agree(k3_engine *e, int rc, k3_err *err, const char *what);
+/* An interactive command under mpirun (k3 chat): rank 0 reads the input and
+ * talks, every rank computes the same turns. k3_engine_getline: rank 0's
+ * next line of f on every rank (getline's contract: the length, -1 at the
+ * end or on an error); the other ranks do not read f, and they wait without
+ * a bound (a person types). k3_engine_silence_others: on the ranks after the
+ * first, stdout and stderr go to /dev/null (the job's error lines still come
+ * out); rank 0 and one process: nothing. */
+long long k3_engine_getline(k3_engine *e, char **line, size_t *cap, FILE *f);
+void k3_engine_silence_others(const k3_engine *e);
 /* After k3_engine_ready: a failure on this rank (rc != 0) ends the whole job
  * under mpirun (one line naming the rank; the others would wait in the next
  * exchange); one process: returns rc. */
@@ -188,7 +201,10 @@ int k3_engine_fail(k3_engine *e, int rc, k3_err *err);
 
 /* The exchange counters of this process at one moment (the start or end of
  * a phase of the run), for k3_engine_dist_report. */
-typedef struct { k3_dist_stats d; } k3_engine_mark;
+typedef struct {
+    k3_dist_stats d;
+    uint64_t trunk_disk;  /* streamed trunk bytes read from disk so far (k3_runmem_trunk_read) */
+} k3_engine_mark;
 k3_engine_mark k3_engine_mark_now(const k3_engine *e);
 
 /* Under expert parallelism, the cost of the exchanges over one phase of the
@@ -200,8 +216,11 @@ k3_engine_mark k3_engine_mark_now(const k3_engine *e);
  * [per rank], "exchange_share": [per rank], ..., "layout" ("tp+ep" or "ep"),
  * "split_gathers_per_token" (of the exchanges, the split trunk's gathers),
  * "split_bytes_sent_per_token", "split_share", "trunk_bytes_read_per_token":
- * [per rank] (weight bytes the split products read), "trunk_bytes_one_process_per_token"}.
- * Under tp+ep a second line gives the split trunk's figures. */
+ * [per rank] (weight bytes the split products read), "trunk_bytes_one_process_per_token",
+ * and with a packed trunk (--trunk) "trunk_disk_bytes_per_token": [per rank] (the
+ * streamed layers' bytes each rank read from disk, its share under tp+ep)}.
+ * Under tp+ep a second line gives the split trunk's figures, with --trunk a
+ * third the disk's. */
 struct json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_mark *from,
                                      const k3_engine_mark *to, double secs, uint64_t steps, FILE *f);
 

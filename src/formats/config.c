@@ -28,6 +28,7 @@
  * use_full_rank_gate (must be true: the low-rank KDA gate is unsupported),
  * quantization_config (MXFP4 group size). */
 #include "formats/config.h"
+#include "formats/names.h"
 #include "formats/safetensors.h"
 
 #include <jansson.h>
@@ -547,10 +548,19 @@ static const st_tensor *find_any(const st_index *ix, const char *a, const char *
     return t ? t : st_find(ix, b);
 }
 
+const char *k3_names_prefix(const st_index *ix) {
+    if (!st_find(ix, K3N_PREFIX K3N_EMBED) && st_find(ix, K3N_PREFIX_PLAIN K3N_EMBED)) return K3N_PREFIX_PLAIN;
+    return K3N_PREFIX;
+}
+
+const char *k3_names_head(const char *prefix) {
+    return !strcmp(prefix, K3N_PREFIX_PLAIN) ? K3N_HEAD : K3N_HEAD_FULL;
+}
+
 int k3_config_check_index(const k3_config *c, const st_index *ix, k3_err *err) {
     struct { const char *a, *b, *what; } mats[] = {
-        {"language_model.model.embed_tokens.weight", "model.embed_tokens.weight", "embedding"},
-        {"language_model.lm_head.weight", "lm_head.weight", "lm_head"},
+        {K3N_PREFIX K3N_EMBED, K3N_PREFIX_PLAIN K3N_EMBED, "embedding"},
+        {K3N_HEAD_FULL, K3N_HEAD, "lm_head"},
     };
     for (int i = 0; i < 2; i++) {
         const st_tensor *t = find_any(ix, mats[i].a, mats[i].b);

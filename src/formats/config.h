@@ -78,5 +78,12 @@ void k3_config_layer_map(const k3_config *cfg, char *buf, size_t n);
  * divide by the MXFP4 group. K3_EXIT_DATA on mismatch. */
 typedef struct st_index st_index;
 int k3_config_check_index(const k3_config *cfg, const st_index *ix, k3_err *err);
+/* The prefix a checkpoint's model tensors live under (formats/names.h):
+ * K3N_PREFIX, or K3N_PREFIX_PLAIN when only the plain spelling of the
+ * embedding is there. The one probe: the binder and streaming both use it. */
+const char *k3_names_prefix(const st_index *ix);
+/* The head's full name under that prefix: K3N_HEAD_FULL beside the released
+ * model, K3N_HEAD beside the plain one. */
+const char *k3_names_head(const char *prefix);
 
 #endif

@@ -105,11 +105,4 @@ static inline float k_tree16(float *acc) {
     return acc[0];
 }
 
-/* The chunk form's two helpers, shared with training's backward:
- * dst[c][r] = src[r][c] (src row stride lds), and C[M][N] (ldc) = 0 then
- * += A B through ops->gemm_acc (one fma chain per element over k in order). */
-void k_kda_transpose(float *dst, const float *src, int rows, int cols, size_t lds);
-void k_kda_mm0(const k_vops *ops, float *Cm, int ldc, int M, int N, const float *A, int sam, int sak, int K,
-               const float *Bm, int ldb);
-
 #endif

@@ -1,12 +1,12 @@
 /* kda.c: the Kimi Delta Attention kernels (spec section 8): depthwise causal
  * ShortConv with SiLU, the decay gate, the recurrent delta rule, its chunkwise
- * UT/WY form (prefill and training), and the head-wise output norm + gate.
+ * UT/WY form (prefill and training) with training's backward of a chunk,
+ * and the head-wise output norm + gate.
  *
  * Each kernel is written once over the primitive table (internal.h), so the
  * scalar and AVX-512 paths give the same bits. Heads are independent; threads
  * split heads, never a head's arithmetic. */
 #include "kernels/internal.h"
-#include "kernels/kmath.h"
 #include "util/common.h"
 
 #include <math.h>
@@ -147,13 +147,16 @@ void k_kda_cws_init(k_kda_cws *w, int C, int D) {
 
 void k_kda_cws_free(k_kda_cws *w) { free(w->buf); }
 
-void k_kda_transpose(float *dst, const float *src, int rows, int cols, size_t lds) {
+/* The chunk form's two helpers: dst[c][r] = src[r][c] (src row stride lds),
+ * and C[M][N] (ldc) = 0 then += A B through ops->gemm_acc (one fma chain per
+ * element over k in order). */
+static void k_kda_transpose(float *dst, const float *src, int rows, int cols, size_t lds) {
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) dst[(size_t)c * rows + r] = src[(size_t)r * lds + c];
 }
 
-void k_kda_mm0(const k_vops *ops, float *Cm, int ldc, int M, int N, const float *A, int sam, int sak, int K,
-                const float *Bm, int ldb) {
+static void k_kda_mm0(const k_vops *ops, float *Cm, int ldc, int M, int N, const float *A, int sam, int sak,
+                      int K, const float *Bm, int ldb) {
     for (int m = 0; m < M; m++) memset(Cm + (size_t)m * ldc, 0, sizeof(float) * (size_t)N);
     if (K > 0) ops->gemm_acc(Cm, ldc, M, N, A, sam, sak, K, Bm, ldb);
 }
@@ -214,6 +217,90 @@ static void chunk_fwd(const k_vops *ops, k_kda_cws *w, float *o, float *S, const
     const float *eGl = w->eG + (size_t)(L - 1) * D;
     for (int i = 0; i < D; i++) ops->scale(S + (size_t)i * D, S + (size_t)i * D, eGl[i], D);
     ops->gemm_acc(S, D, D, D, w->KC, 1, D, L, w->W, D);
+}
+
+/* Training's backward of one chunk (kernels.h), next to the forward it
+ * inverts: it walks chunk_fwd's products in reverse. */
+K3_HOT void k_kda_chunk_bwd(k_kda_cws *w, float *dS, const float *S0, const float *q, const float *k,
+                            const float *v, const float *gl, const float *beta, const float *dout, float *dq,
+                            float *dk, float *dv, float *dgl, float *dbeta, int L, size_t st, size_t sb) {
+    const k_vops *ops = k_ops();
+    const int D = w->D, C = w->C;
+    const float qs = 1.0f / sqrtf((float)D);
+    k_kda_chunk_prep(w, q, k, v, gl, beta, L, st, sb, S0);
+    const float *eGl = w->eG + (size_t)(L - 1) * D;
+    /* S = diag(e^G_L) S0 + KC^T W */
+    k_kda_transpose(w->dST, dS, D, D, (size_t)D);
+    k_kda_mm0(ops, w->dKC, D, L, D, w->W, D, 1, D, w->dST, D);   /* W dS^T */
+    k_kda_mm0(ops, w->dW, D, L, D, w->KC, D, 1, D, dS, D);       /* KC dS */
+    memset(w->dG, 0, sizeof(float) * (size_t)L * D);
+    float *dGl = w->dG + (size_t)(L - 1) * D;
+    for (int i = 0; i < D; i++) {
+        float sdot = ops->dot(S0 + (size_t)i * D, dS + (size_t)i * D, D);
+        dGl[i] = eGl[i] * sdot;
+        ops->scale(w->dS0 + (size_t)i * D, dS + (size_t)i * D, eGl[i], D);
+    }
+    for (int t = 0; t < L - 1; t++) { /* the last row's factor is e^0 */
+        const float *dkc = w->dKC + (size_t)t * D, *kc = w->KC + (size_t)t * D;
+        float *dG = w->dG + (size_t)t * D;
+        for (int i = 0; i < D; i++) {
+            float pr = dkc[i] * kc[i];
+            dG[i] -= pr;
+            dGl[i] += pr;
+        }
+    }
+    /* O = QG S0 + Bm W */
+    k_kda_transpose(w->S0T, S0, D, D, (size_t)D);
+    k_kda_mm0(ops, w->dQG, D, L, D, dout, (int)st, 1, D, w->S0T, D);            /* dO S0^T */
+    ops->gemm_acc(w->dS0, D, D, D, w->QG, 1, D, L, dout, (int)st);        /* += QG^T dO */
+    k_kda_transpose(w->WT, w->W, L, D, (size_t)D);                              /* [D][L] */
+    k_kda_mm0(ops, w->dBm, C, L, L, dout, (int)st, 1, D, w->WT, L);             /* dO W^T */
+    float *dbd = w->bd; /* reused: bd is read below before being overwritten */
+    for (int t = 0; t < L; t++) {
+        for (int u = t; u < L; u++) w->dBm[(size_t)t * C + u] = 0.0f;
+        ops->axpy(w->dW + (size_t)t * D, w->bd[t], dout + t * st, D);     /* += diag(bd) dO */
+        dbd[t] = ops->dot(dout + t * st, w->W + (size_t)t * D, D);
+    }
+    ops->gemm_acc(w->dW, D, L, D, w->Bm, 1, C, L, dout, (int)st);         /* += Bm^T dO */
+    /* W = beta Z, Z = V - KG S0 - A W (reverse substitution) */
+    memcpy(w->E, w->dW, sizeof(float) * (size_t)L * D);
+    for (int t = L - 1; t >= 0; t--) {
+        float *e = w->E + (size_t)t * D, *nz = w->nZ + (size_t)t * D;
+        float bt = beta[t * sb];
+        dbeta[t * sb] = ops->dot(e, w->Z + (size_t)t * D, D);
+        ops->scale(nz, e, -bt, D);                                         /* -dZ_t */
+        for (int u = 0; u < t; u++) ops->axpy(w->E + (size_t)u * D, w->Am[(size_t)t * C + u], nz, D);
+    }
+    k_kda_mm0(ops, w->dA, C, L, L, w->nZ, D, 1, D, w->WT, L);                   /* -dZ W^T */
+    for (int t = 0; t < L; t++)
+        for (int u = t; u < L; u++) w->dA[(size_t)t * C + u] = 0.0f;
+    for (int t = 0; t < L; t++) ops->scale(dv + t * st, w->nZ + (size_t)t * D, -1.0f, D);
+    k_kda_mm0(ops, w->dKG, D, L, D, w->nZ, D, 1, D, w->S0T, D);                 /* -dZ S0^T */
+    ops->gemm_acc(w->dS0, D, D, D, w->KG, 1, D, L, w->nZ, D);             /* -= KG^T dZ */
+    /* A = strict_tril(KG KN^T), Bm = tril(QG KN^T) */
+    ops->gemm_acc(w->dKG, D, L, D, w->dA, C, 1, L, w->KN, D);             /* += dA KN */
+    k_kda_mm0(ops, w->dKN, D, L, D, w->dA, 1, C, L, w->KG, D);                  /* dA^T KG */
+    ops->gemm_acc(w->dQG, D, L, D, w->dBm, C, 1, L, w->KN, D);            /* += dBm KN */
+    ops->gemm_acc(w->dKN, D, L, D, w->dBm, 1, C, L, w->QG, D);            /* += dBm^T QG */
+    /* the e^(+-G) factors: dK, dQ and dG; then dg = reverse cumulative sum of dG */
+    for (int t = 0; t < L; t++) {
+        size_t r = (size_t)t * D;
+        float *dG = w->dG + r, *dkt = dk + t * st, *dqt = dq + t * st;
+        const float *eG = w->eG + r, *eN = w->eN + r;
+        for (int i = 0; i < D; i++) {
+            dkt[i] = w->dKG[r + i] * eG[i] + w->dKN[r + i] * eN[i] + w->dKC[r + i] * (eN[i] * eGl[i]) +
+                     dbd[t] * (q[t * st + i] * qs);
+            dqt[i] = (w->dQG[r + i] * eG[i] + dbd[t] * k[t * st + i]) * qs;
+            dG[i] += w->dQG[r + i] * w->QG[r + i] + w->dKG[r + i] * w->KG[r + i] - w->dKN[r + i] * w->KN[r + i];
+        }
+    }
+    for (int t = L - 1; t >= 0; t--) {
+        float *dgt = dgl + t * st;
+        const float *dG = w->dG + (size_t)t * D;
+        if (t == L - 1) memcpy(dgt, dG, sizeof(float) * (size_t)D);
+        else ops->vadd(dgt, dgl + (t + 1) * st, dG, D);
+    }
+    memcpy(dS, w->dS0, sizeof(float) * (size_t)D * D);
 }
 
 void k_kda_chunked(float *o, float *S, const float *q, const float *k, const float *v,

@@ -3,7 +3,6 @@
  * internal.h). The scalar code here IS the definition of the results; the
  * SIMD files must reproduce it bit for bit. */
 #include "kernels/internal.h"
-#include "kernels/kmath.h"
 #include "util/common.h"
 
 #include <math.h>

@@ -1,6 +1,6 @@
 /* kernels_avx2.c: the AVX2 + FMA primitive table, for x86-64 CPUs without
  * AVX-512 (Haswell to Alder Lake, Zen 1-3). Every function repeats the
- * scalar reference of kernels.c / kmath.h operation for operation, so the
+ * scalar reference of kernels.c / kernels.h (km_*) operation for operation, so the
  * bits are identical:
  *  - a canonical 16-lane dot accumulator is two ymm registers, lo = lanes
  *    0-7 and hi = lanes 8-15; a 16-element block j..j+15 feeds j..j+7 to lo
@@ -8,7 +8,7 @@
  *  - tails keep the canonical lane of every element: dots finish in scalar
  *    fmaf on the spilled lanes (a masked fma(0,0,acc) would turn a -0 lane
  *    into +0), elementwise loops use masked loads and stores;
- *  - exp / tanh / sigmoid are the kmath.h algorithms lane by lane.
+ *  - exp / tanh / sigmoid are the km_* algorithms of kernels.h lane by lane.
  * A slot left NULL here runs the scalar primitive (kernels.c merges the
  * tables), so a primitive added later stays correct on this path.
  *
@@ -17,7 +17,6 @@
 #if defined(__x86_64__)
 
 #include "kernels/internal.h"
-#include "kernels/kmath.h"
 
 #include "util/common.h"
 
@@ -50,7 +49,7 @@ INL void spill(float *acc, __m256 lo, __m256 hi) {
     _mm256_storeu_ps(acc + 8, hi);
 }
 
-/* ---- math, lane by lane as kmath.h ------------------------------------------------ */
+/* ---- math, lane by lane as km_* --------------------------------------------------- */
 
 INL __m256 v_exp(__m256 x) {
     __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);

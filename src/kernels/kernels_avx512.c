@@ -1,16 +1,15 @@
 /* kernels_avx512.c: the AVX-512 primitive table. Every function repeats the
- * scalar reference of kernels.c / kmath.h operation for operation, so the
+ * scalar reference of kernels.c / kernels.h (km_*) operation for operation, so the
  * bits are identical: 16-lane dots use one zmm accumulator (lane l holds
  * elements l, l+16, ...), tails use masked FMAs that leave unused lanes
  * untouched, and the same 8-4-2-1 tree closes every dot. exp/tanh/sigmoid
- * are the kmath.h algorithms lane by lane.
+ * are the km_* algorithms of kernels.h lane by lane.
  *
  * The functions carry target attributes and are reached only through
  * k_ops() after a CPUID check, so the binary still runs without AVX-512. */
 #if defined(__x86_64__)
 
 #include "kernels/internal.h"
-#include "kernels/kmath.h"
 
 #include "util/common.h"
 
@@ -32,7 +31,7 @@ INL float tree(__m512 v) {
     return _mm_cvtss_f32(d);
 }
 
-/* ---- math, lane by lane as kmath.h ------------------------------------------------ */
+/* ---- math, lane by lane as km_* --------------------------------------------------- */
 
 INL __m512 v_exp(__m512 x) {
     __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);

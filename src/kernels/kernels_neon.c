@@ -1,6 +1,6 @@
 /* kernels_neon.c: the NEON primitive table for ARM64 (AArch64: Apple
  * silicon, Graviton, Ampere, Raspberry Pi 4/5). Every function repeats the
- * scalar reference of kernels.c / kmath.h operation for operation, so the
+ * scalar reference of kernels.c / kernels.h (km_*) operation for operation, so the
  * bits are identical to the scalar path and to the x86 paths:
  *  - a canonical 16-lane dot accumulator is four q registers, a[0] = lanes
  *    0-3, a[1] = 4-7, a[2] = 8-11, a[3] = 12-15; the tree's levels are
@@ -10,7 +10,7 @@
  *    canonical lane of every element (dots finish in scalar fmaf on the
  *    spilled lanes; elementwise loops run the last partial vector on a
  *    zero-padded copy and store only the live lanes);
- *  - exp / tanh / sigmoid are the kmath.h algorithms lane by lane
+ *  - exp / tanh / sigmoid are the km_* algorithms of kernels.h lane by lane
  *    (vrndnq_f32 is nearbyintf in the default rounding mode).
  * A slot left NULL here runs the scalar primitive (kernels.c merges the
  * tables). NEON is part of the AArch64 base architecture, so this file needs
@@ -18,7 +18,6 @@
 #if defined(__aarch64__)
 
 #include "kernels/internal.h"
-#include "kernels/kmath.h"
 
 #include "util/common.h"
 
@@ -45,7 +44,7 @@ INL void spill4(float *acc, const v4 *a) {
 
 INL v4 vset(float x) { return vdupq_n_f32(x); }
 
-/* ---- math, lane by lane as kmath.h ------------------------------------------------ */
+/* ---- math, lane by lane as km_* --------------------------------------------------- */
 
 INL v4 v_exp(v4 x) {
     uint32x4_t nan = vmvnq_u32(vceqq_f32(x, x));

@@ -193,6 +193,8 @@ k3_runmem_reads k3_runmem_decode_reads(const k3_runmem *rm) {
     return r;
 }
 
+uint64_t k3_runmem_trunk_read(const k3_runmem *rm) { return rm->s ? k3_stream_get_stats(rm->s).trunk_read : 0; }
+
 void k3_runmem_summary(const k3_runmem *rm, FILE *f) {
     if (!rm->s) return;
     summary s = summarise(rm);

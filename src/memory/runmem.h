@@ -91,6 +91,8 @@ typedef struct {
     uint64_t calls, requests, disk, touched;
 } k3_runmem_reads;
 k3_runmem_reads k3_runmem_decode_reads(const k3_runmem *rm);
+/* Bytes of streamed trunk layers read from disk so far (0: trunk resident). */
+uint64_t k3_runmem_trunk_read(const k3_runmem *rm);
 /* Adds "memory": {plan, summary, steps[]} to a run's JSON report. */
 void k3_runmem_json(const k3_runmem *rm, json_t *o);
 void k3_runmem_free(k3_runmem *rm);

@@ -21,7 +21,8 @@
 typedef struct {
     k3_stream *s;
     const k3_trunk_run *run;   /* NULL: map from the shards */
-    const uint8_t *base;       /* the run's bytes */
+    const k3s_share *sh;       /* what of the run is in base */
+    const uint8_t *base;       /* the share's bytes */
     char name[512];
 } bind_ctx;
 
@@ -49,7 +50,7 @@ static int bind_lookup(void *vctx, int layer, const char *name, k3_tensor *t, k3
             if (tt->rank > 4) return k3_fail(err, K3_EXIT_DATA, "%s: rank %d is not used by K3", c->name, tt->rank);
             t->rank = tt->rank;
             for (int d = 0; d < tt->rank; d++) t->shape[d] = tt->shape[d];
-            t->data = c->base + tt->offset;
+            t->data = k3s_share_at(c->sh, c->base, i);
             return K3_OK;
         }
         return 1;
@@ -65,20 +66,27 @@ static int bind_lookup(void *vctx, int layer, const char *name, k3_tensor *t, k3
 
 static int bind_from(k3_stream *s, int L, const k3_trunk_run *run, const uint8_t *base, k3_layer_w *w,
                      k3_owned *owned, k3_err *err) {
-    bind_ctx c = {.s = s, .run = run, .base = base};
+    bind_ctx c = {.s = s, .run = run, .sh = run ? &s->share[L] : NULL, .base = base};
     return k3_bind_layer_no_experts(&s->cfg, L, bind_lookup, &c, w, owned, err);
 }
 
-/* Reads a trunk run into buf (aligned, k3s_align4k(run->bytes) long) in pieces
- * kept in flight together, then checks its CRC-32C (pinning at open). */
+/* The checksum failure of a share read (k3s_share_check's tensor i). */
+static int share_failed(k3_stream *s, const k3_trunk_run *run, int i, k3_err *err) {
+    return k3_fail(err, K3_EXIT_DATA, "%s: layer %d: %s fails its checksum (re-pack the trunk)", s->trunk->bin_path,
+                   run->layer, run->tensors[i].name);
+}
+
+/* Reads this process's share of a trunk run (s->share[L]) into buf
+ * (share.need bytes, aligned) in pieces kept in flight together, then checks
+ * the granules it holds (pinning at open). */
 static int read_run(k3_stream *s, k3_io *io, const k3_trunk_run *run, uint8_t *buf, k3_err *err) {
-    uint64_t P = s->piece_bytes;
-    size_t n = (size_t)((run->bytes + P - 1) / P);
+    const k3s_share *sh = &s->share[run->layer];
+    size_t n = (size_t)k3s_share_pieces(sh, s->piece_bytes);
     k3_io_req *rq = xcalloc(n ? n : 1, sizeof *rq);
     for (size_t i = 0; i < n; i++) {
-        uint64_t off = (uint64_t)i * P;
-        rq[i] = (k3_io_req){.fd = s->tfd, .offset = run->offset + off,
-                            .len = run->bytes - off < P ? run->bytes - off : P, .buf = buf + off};
+        uint64_t off, len, pos;
+        k3s_share_piece(sh, s->piece_bytes, (int)i, &off, &len, &pos);
+        rq[i] = (k3_io_req){.fd = s->tfd, .offset = run->offset + off, .len = len, .buf = buf + pos};
     }
     int rc = k3_io_read(io, rq, n, err);
     free(rq);
@@ -87,10 +95,8 @@ static int read_run(k3_stream *s, k3_io *io, const k3_trunk_run *run, uint8_t *b
         snprintf(m, sizeof m, "%s", err->msg);
         return k3_fail(err, rc, "%s: layer %d: %s", s->trunk->bin_path, run->layer, m);
     }
-    if (k3_crc32c(0, buf, run->bytes) != run->crc)
-        return k3_fail(err, K3_EXIT_DATA, "%s: the run for layer %d fails its checksum (re-pack the trunk)",
-                       s->trunk->bin_path, run->layer);
-    return K3_OK;
+    int bad = k3s_share_check(run, sh, buf);
+    return bad < 0 ? K3_OK : share_failed(s, run, bad, err);
 }
 
 /* ---- run 0: the model-level tensors -------------------------------------------------
@@ -186,8 +192,7 @@ static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_e
     int k;
     if (layer >= 0) return k3_fail(err, K3_EXIT_RUNTIME, "top_lookup: layer %d", layer);
     if (!strcmp(name, K3N_HEAD)) /* beside the model, not under its prefix */
-        k = snprintf(s->top_name, sizeof s->top_name, "%s" K3N_HEAD,
-                     !strcmp(s->prefix, K3N_PREFIX_PLAIN) ? "" : K3N_HEAD_PARENT);
+        k = snprintf(s->top_name, sizeof s->top_name, "%s", k3_names_head(s->prefix));
     else
         k = snprintf(s->top_name, sizeof s->top_name, "%s%s", s->prefix, name);
     if (k < 0 || (size_t)k >= sizeof s->top_name) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long");
@@ -272,7 +277,7 @@ static int rank_of(const k3_stream *s, int L) {
     return s->nslots;
 }
 
-static uint64_t span_of(const ring_slot *sl) { return sl->run ? k3s_align4k(sl->run->bytes) : 0; }
+static uint64_t span_of(const ring_slot *sl) { return sl->run ? sl->sh->need : 0; }
 
 static bool overlaps(uint64_t a0, uint64_t a1, uint64_t b0, uint64_t b1) { return a0 < b1 && b0 < a1; }
 
@@ -289,7 +294,8 @@ static void assign_reads(k3_stream *s) {
         if (!f) return;
         slot_unbind(f);
         const k3_trunk_run *run = k3_trunk_run_for(s->trunk, x);
-        uint64_t a = k3s_align4k(run->bytes);
+        const k3s_share *sh = &s->share[x];
+        uint64_t a = sh->need;
         f->base = 0;
         if (s->shared) { /* the end of the buffer that overlaps the other layer least */
             const ring_slot *o = f == &s->slot[0] ? &s->slot[1] : &s->slot[0];
@@ -303,16 +309,16 @@ static void assign_reads(k3_stream *s) {
         f->layer = x;
         f->state = SLOT_READING;
         f->run = run;
-        f->npiece = (int)((run->bytes + s->piece_bytes - 1) / s->piece_bytes);
-        f->nsent = f->ndone = f->ncrc = 0;
-        f->crc = 0;
+        f->sh = sh;
+        f->npiece = k3s_share_pieces(sh, s->piece_bytes);
+        f->nsent = f->ndone = 0;
         f->failed = false;
         memset(f->piece_st, PIECE_UNSENT, (size_t)s->maxpiece);
         for (int k = 0; k < f->npiece; k++) {
-            uint64_t off = (uint64_t)k * s->piece_bytes;
-            f->piece[k] = (k3_io_req){.fd = s->tfd, .offset = run->offset + off,
-                                      .len = run->bytes - off < s->piece_bytes ? run->bytes - off : s->piece_bytes,
-                                      .buf = f->buf + f->base + off};
+            uint64_t off, len, pos;
+            k3s_share_piece(sh, s->piece_bytes, k, &off, &len, &pos);
+            f->piece[k] = (k3_io_req){.fd = s->tfd, .offset = run->offset + off, .len = len,
+                                      .buf = f->buf + f->base + pos};
         }
     }
 }
@@ -324,7 +330,7 @@ static bool piece_free(k3_stream *s, ring_slot *sl, int k) {
     if (!s->shared) return true;
     ring_slot *o = sl == &s->slot[0] ? &s->slot[1] : &s->slot[0];
     if (o->state == SLOT_EMPTY || !o->run) return true;
-    uint64_t p0 = sl->base + (uint64_t)k * s->piece_bytes, p1 = p0 + k3_dio_span(0, sl->piece[k].len);
+    uint64_t p0 = (uint64_t)((uint8_t *)sl->piece[k].buf - sl->buf), p1 = p0 + k3_dio_span(0, sl->piece[k].len);
     if (!overlaps(p0, p1, o->base, o->base + span_of(o))) return true;
     if (o->in_use || o->nsent > o->ndone || rank_of(s, o->layer) < rank_of(s, sl->layer)) return false;
     slot_unbind(o);
@@ -355,20 +361,15 @@ static void piece_failed(ring_slot *sl, const k3_err *e) {
     sl->failed = true;
 }
 
-/* Not under mu (the slot is the I/O thread's while READING): CRC of the
- * pieces that have arrived in order; at the end, the check and the binding. */
+/* Not under mu (the slot is the I/O thread's while READING): once every
+ * piece has arrived, the checksums of the granules read, and the binding. */
 static bool slot_progress(k3_stream *s, ring_slot *sl) {
-    while (!sl->failed && sl->ncrc < sl->npiece && sl->piece_st[sl->ncrc] == PIECE_DONE) {
-        const k3_io_req *q = &sl->piece[sl->ncrc];
-        sl->crc = k3_crc32c(sl->crc, q->data, q->len);
-        sl->ncrc++;
-    }
-    bool finished = sl->failed ? sl->ndone == sl->nsent : sl->ncrc == sl->npiece;
+    bool finished = sl->failed ? sl->ndone == sl->nsent : sl->ndone == sl->npiece;
     if (!finished || sl->failed) return finished;
     k3_err e = {0};
-    if (sl->crc != sl->run->crc) {
-        k3_fail(&e, K3_EXIT_DATA, "%s: the run for layer %d fails its checksum (re-pack the trunk)",
-                s->trunk->bin_path, sl->layer);
+    int bad = k3s_share_check(sl->run, sl->sh, sl->buf + sl->base);
+    if (bad >= 0) {
+        share_failed(s, sl->run, bad, &e);
         piece_failed(sl, &e);
     } else if (bind_from(s, sl->layer, sl->run, sl->buf + sl->base, &sl->w, &sl->owned, &e)) {
         k3_owned_free(&sl->owned);
@@ -531,7 +532,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
     s->o = *o;
     s->ix = ix;
     s->trunk = trunk;
-    s->prefix = k3s_name_prefix(ix);
+    s->prefix = k3_names_prefix(ix);
     s->tfd = -1;
     s->tdepth = o->trunk_depth > 0 ? o->trunk_depth : 4;
     s->piece_bytes = o->trunk_piece >= K3_DIO_ALIGN ? o->trunk_piece / K3_DIO_ALIGN * K3_DIO_ALIGN : (2u << 20);
@@ -553,6 +554,15 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         s->tio = k3_io_new(s->tdepth, o->direct);
         if ((rc = k3_io_open(s->tio, trunk->bin_path, &s->tfd, NULL, err))) goto fail;
         if ((rc = load_run0(s, err))) goto fail;
+        s->share = xcalloc((size_t)NL, sizeof *s->share);
+        for (int L = 0; L < NL; L++) {
+            const k3_trunk_run *run = k3_trunk_run_for(trunk, L);
+            if (!run) {
+                rc = k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: no run for layer %d", trunk->dir, L);
+                goto fail;
+            }
+            k3s_share_make(run, o, &s->share[L]);
+        }
         uint64_t total = 0, done = 0;
         for (int L = 0; L < cfg->num_layers; L++)
             if (plan->pin[L]) total += plan->layer_bytes[L];
@@ -561,17 +571,21 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         for (int L = 0; L < cfg->num_layers; L++) {
             if (!plan->pin[L]) continue;
             const k3_trunk_run *run = k3_trunk_run_for(trunk, L);
-            s->pin_buf[L] = k3_dio_alloc(k3s_align4k(run->bytes));
+            s->pin_buf[L] = k3_dio_alloc(s->share[L].need ? s->share[L].need : K3_DIO_ALIGN);
             if ((rc = read_run(s, s->tio, run, s->pin_buf[L], err))) goto fail;
             if ((rc = bind_from(s, L, run, s->pin_buf[L], &s->lw[L], &s->owned, err))) goto fail;
             s->have[L] = true;
-            done += run->bytes;
+            done += s->share[L].bytes;
             k3_progress_update(&pr, done);
         }
         k3_progress_finish(&pr);
         s->nslots = plan->ring_slots;
         s->want = succ(s, cfg->num_layers - 1); /* the first streamed layer */
-        s->maxpiece = (int)((plan->slot_bytes + s->piece_bytes - 1) / s->piece_bytes);
+        s->maxpiece = 1;
+        for (int L = 0; L < NL; L++) {
+            int np = plan->pin[L] ? 0 : k3s_share_pieces(&s->share[L], s->piece_bytes);
+            if (np > s->maxpiece) s->maxpiece = np;
+        }
         /* one slot in the plan: two records over one buffer, when two layers stream */
         int streamed = cfg->num_layers - plan->pinned;
         if (s->nslots == 1 && streamed >= 2) {
@@ -717,6 +731,8 @@ void k3_stream_free(k3_stream *s) {
     if (s->emb_map) munmap(s->emb_map, s->emb_map_len);
     for (int L = 0; L < s->cfg.num_layers; L++) free(s->pin_buf[L]);
     free(s->pin_buf);
+    for (int L = 0; s->share && L < s->cfg.num_layers; L++) k3s_share_free(&s->share[L]);
+    free(s->share);
     free(s->lw);
     free(s->have);
     if (s->tfd >= 0) close(s->tfd);

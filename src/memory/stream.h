@@ -4,7 +4,8 @@
  *  - the dense trunk: resident from the shards (mapped), or, with a packed
  *    trunk (k3 pack-trunk), pinned layers (spread through the stack) held in memory and the
  *    rest streamed through ring slots: layer L+1 is read (O_DIRECT, CRC-32C
- *    checked) on an I/O thread while layer L computes, and bound in place;
+ *    checked per 16 rows) on an I/O thread while layer L computes, and bound
+ *    in place (under a trunk split by rows, only this rank's share of it);
  *  - the routed experts: never mapped; the union a forward call selects in a
  *    layer is fetched as one batch of reads sorted by file offset (io_uring),
  *    straight from the shards (one read per expert when its tensors form one
@@ -62,7 +63,8 @@ typedef struct {
                                 NULL: all. Only these are planned for and ever requested. */
     int tp_rank, tp_ranks;   /* tp_ranks > 1: this process is rank tp_rank of a job whose trunk
                                 matrices are split by output rows (dist/tensor_par.h): the
-                                resident plan counts its share of their pages (k_row_share) */
+                                plan counts its share of their rows (k_row_share), and with a
+                                packed trunk only that share of each layer is read and held */
 } k3_stream_opts;
 
 void k3_stream_opts_init(k3_stream_opts *o);

@@ -35,11 +35,6 @@ void k3_stream_opts_init(k3_stream_opts *o) {
 uint64_t k3s_align4k(uint64_t x) { return (x + K3_DIO_ALIGN - 1) & ~(uint64_t)(K3_DIO_ALIGN - 1); }
 static double gb(uint64_t b) { return (double)b / 1e9; }
 
-const char *k3s_name_prefix(const st_index *ix) {
-    if (!st_find(ix, K3N_PREFIX K3N_EMBED) && st_find(ix, K3N_PREFIX_PLAIN K3N_EMBED)) return K3N_PREFIX_PLAIN;
-    return K3N_PREFIX;
-}
-
 int k3s_tdtype(st_dtype d, k3_tdtype *out) {
     switch (d) {
     case ST_F32: *out = KT_F32; return 0;
@@ -157,19 +152,134 @@ static uint64_t copies_of(const char *name, int rank, const int64_t *shape, st_d
     return 0;
 }
 
-/* A mapped tensor's bytes this process touches: under a split trunk
- * (o->tp_ranks > 1) a matrix the products split by output rows is touched
- * only in its rows' share (k_row_share, the products' own split); what
- * stays whole on every rank (MLA's kv_b, read per head by the absorbed core;
- * F16 matrices, widened whole at bind; vectors) counts whole. */
+bool k3s_tp_rows(const k3_stream_opts *o, const char *name, int rank, const int64_t *shape, st_dtype dt, int *r0,
+                 int *r1) {
+    if (o->tp_ranks <= 1 || rank != 2 || shape[0] <= 1 || shape[0] > INT_MAX || dt == ST_F16 ||
+        strstr(name, "kv_b_proj") || strstr(name, "conv1d") || strstr(name, "_res_proj.") || strstr(name, K3N_EMBED))
+        return false;
+    k_row_share((int)shape[0], o->tp_rank, o->tp_ranks, r0, r1);
+    return true;
+}
+
+/* A mapped tensor's bytes this process touches: under a split trunk only
+ * its rows' share of a matrix the products split (k3s_tp_rows). */
 static uint64_t touched(const k3_stream_opts *o, const st_tensor *t) {
-    if (o->tp_ranks <= 1 || t->rank != 2 || t->shape[0] <= 1 || t->shape[0] > INT_MAX || t->dtype == ST_F16 ||
-        strstr(t->name, "kv_b_proj") || strstr(t->name, "conv1d") || strstr(t->name, "_res_proj.") ||
-        strstr(t->name, K3N_EMBED))
-        return t->nbytes;
     int r0, r1;
-    k_row_share((int)t->shape[0], o->tp_rank, o->tp_ranks, &r0, &r1);
+    if (!k3s_tp_rows(o, t->name, t->rank, t->shape, t->dtype, &r0, &r1)) return t->nbytes;
     return t->nbytes / (uint64_t)t->shape[0] * (uint64_t)(r1 - r0);
+}
+
+/* ---- a rank's share of a packed run ---------------------------------------------- */
+
+typedef struct { uint64_t a, b; int i; } want_range;
+
+static int cmp_range(const void *x, const void *y) {
+    const want_range *p = x, *q = y;
+    return p->a < q->a ? -1 : p->a > q->a ? 1 : p->i - q->i;
+}
+
+void k3s_share_make(const k3_trunk_run *run, const k3_stream_opts *o, k3s_share *sh) {
+    int nt = run->ntensors;
+    size_t cap = (size_t)(nt ? nt : 1);
+    memset(sh, 0, sizeof *sh);
+    sh->tpos = xcalloc(cap, sizeof *sh->tpos);
+    sh->g0 = xcalloc(cap, sizeof *sh->g0);
+    sh->g1 = xcalloc(cap, sizeof *sh->g1);
+    sh->ext = xcalloc(cap, sizeof *sh->ext);
+    want_range *w = xcalloc(cap, sizeof *w);
+    int nw = 0;
+    for (int i = 0; i < nt; i++) {
+        const k3_trunk_tensor *t = &run->tensors[i];
+        uint64_t gb, a = t->offset, b = t->offset + t->nbytes;
+        int64_t ng = k3_trunk_granule(t, &gb);
+        int r0, r1;
+        sh->g0[i] = 0;
+        sh->g1[i] = ng;
+        if (ng > 1 && k3s_tp_rows(o, t->name, t->rank, t->shape, t->dtype, &r0, &r1)) {
+            /* the share is whole granules: k_row_share deals whole runs of
+             * K3_TRUNK_CRC_ROWS rows, the last part ending at the last row */
+            uint64_t rb = t->nbytes / (uint64_t)t->shape[0];
+            a = t->offset + (uint64_t)r0 * rb;
+            b = t->offset + (uint64_t)r1 * rb;
+            sh->g0[i] = r0 / K3_TRUNK_CRC_ROWS;
+            sh->g1[i] = r1 > r0 ? (r1 + K3_TRUNK_CRC_ROWS - 1) / K3_TRUNK_CRC_ROWS : sh->g0[i];
+        }
+        if (a < b) w[nw++] = (want_range){a, b, i};
+    }
+    qsort(w, (size_t)nw, sizeof *w, cmp_range);
+    int *at = xcalloc(cap, sizeof *at);
+    for (int k = 0; k < nw; k++) {
+        uint64_t a = w[k].a & ~(uint64_t)(K3_DIO_ALIGN - 1), b = k3s_align4k(w[k].b);
+        if (b > run->bytes) b = run->bytes;
+        k3s_extent *e = sh->n ? &sh->ext[sh->n - 1] : NULL;
+        if (e && a <= e->off + e->len) {
+            if (b > e->off + e->len) e->len = b - e->off;
+        } else {
+            sh->ext[sh->n++] = (k3s_extent){.off = a, .len = b - a};
+        }
+        at[w[k].i] = sh->n - 1;
+    }
+    for (int k = 0; k < sh->n; k++) {
+        sh->ext[k].pos = sh->need;
+        sh->need += k3s_align4k(sh->ext[k].len);
+        sh->bytes += sh->ext[k].len;
+    }
+    for (int k = 0; k < nw; k++) {
+        const k3s_extent *e = &sh->ext[at[w[k].i]];
+        sh->tpos[w[k].i] = (int64_t)e->pos + (int64_t)run->tensors[w[k].i].offset - (int64_t)e->off;
+    }
+    free(at);
+    free(w);
+}
+
+void k3s_share_free(k3s_share *sh) {
+    free(sh->ext);
+    free(sh->tpos);
+    free(sh->g0);
+    free(sh->g1);
+    memset(sh, 0, sizeof *sh);
+}
+
+int k3s_share_pieces(const k3s_share *sh, uint64_t piece) {
+    int64_t n = 0;
+    for (int k = 0; k < sh->n; k++) n += (int64_t)((sh->ext[k].len + piece - 1) / piece);
+    return (int)n;
+}
+
+void k3s_share_piece(const k3s_share *sh, uint64_t piece, int k, uint64_t *off, uint64_t *len, uint64_t *pos) {
+    for (int x = 0; x < sh->n; x++) {
+        const k3s_extent *e = &sh->ext[x];
+        int64_t np = (int64_t)((e->len + piece - 1) / piece);
+        if (k >= np) {
+            k -= (int)np;
+            continue;
+        }
+        uint64_t d = (uint64_t)k * piece;
+        *off = e->off + d;
+        *len = e->len - d < piece ? e->len - d : piece;
+        *pos = e->pos + d;
+        return;
+    }
+    *off = *len = *pos = 0;
+}
+
+const uint8_t *k3s_share_at(const k3s_share *sh, const uint8_t *buf, int i) {
+    /* (integer arithmetic: the address may lie before buf) */
+    return (const uint8_t *)((uintptr_t)buf + (uintptr_t)sh->tpos[i]);
+}
+
+int k3s_share_check(const k3_trunk_run *run, const k3s_share *sh, const uint8_t *buf) {
+    for (int i = 0; i < run->ntensors; i++) {
+        const k3_trunk_tensor *t = &run->tensors[i];
+        uint64_t gb;
+        k3_trunk_granule(t, &gb);
+        const uint8_t *base = k3s_share_at(sh, buf, i);
+        for (int64_t g = sh->g0[i]; g < sh->g1[i]; g++) {
+            uint64_t o = (uint64_t)g * gb, n = t->nbytes - o < gb ? t->nbytes - o : gb;
+            if (k3_crc32c(0, base + o, n) != t->gcrc[g]) return i;
+        }
+    }
+    return -1;
 }
 
 static int layer_sizes(const k3_config *c, st_index *ix, const k3_trunk *trunk, const k3_stream_opts *o,
@@ -180,7 +290,10 @@ static int layer_sizes(const k3_config *c, st_index *ix, const k3_trunk *trunk, 
             if (!r)
                 return k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: no run for layer %d (packed from another model?)",
                                trunk->dir, L);
-            p->layer_bytes[L] = r->bytes;
+            k3s_share sh; /* this rank's share of the run (all of it with one process) */
+            k3s_share_make(r, o, &sh);
+            p->layer_bytes[L] = sh.bytes;
+            k3s_share_free(&sh);
             for (int i = 0; i < r->ntensors; i++)
                 p->bind_bytes[L] += copies_of(r->tensors[i].name, r->tensors[i].rank, r->tensors[i].shape,
                                               r->tensors[i].dtype);
@@ -327,7 +440,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
      * expert-parallel job) */
     p->total_experts = 0;
     int most = 0; /* the most held in one layer: what one batch can need */
-    const char *prefix = k3s_name_prefix(ix);
+    const char *prefix = k3_names_prefix(ix);
     for (int L = 0; L < c->num_layers; L++) {
         if (c->layer_dense[L]) continue;
         int here = 0;

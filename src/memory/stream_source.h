@@ -24,11 +24,11 @@ typedef struct {
     k3_err err;                /* when FAILED */
     /* the read in progress (touched by the I/O thread only while READING) */
     const k3_trunk_run *run;
-    uint64_t base;             /* where the run starts in buf (shared ring: 0 or the far end) */
+    const k3s_share *sh;       /* what of the run this process reads */
+    uint64_t base;             /* where the share starts in buf (shared ring: 0 or the far end) */
     k3_io_req *piece;          /* [maxpiece] */
     uint8_t *piece_st;         /* PIECE_UNSENT, PIECE_SENT or PIECE_DONE */
-    int npiece, nsent, ndone, ncrc;
-    uint32_t crc;
+    int npiece, nsent, ndone;
     bool failed;
 } ring_slot;
 
@@ -48,6 +48,7 @@ struct k3_stream {
     size_t emb_map_len;
     const uint8_t *emb;        /* the embedding table inside emb_map */
     char top_name[512];
+    k3s_share *share;          /* [num_layers] with a packed trunk: what of each run is read */
     /* resident or pinned layers */
     k3_layer_w *lw;
     bool *have;

@@ -287,17 +287,36 @@ static int cmp_tensor_src(const void *a, const void *b) {
 
 static uint32_t table_crc(json_t *root);
 
+int64_t k3_trunk_granule(const k3_trunk_tensor *t, uint64_t *bytes) {
+    if (t->rank < 2 || t->shape[0] <= K3_TRUNK_CRC_ROWS || t->nbytes % (uint64_t)t->shape[0]) {
+        *bytes = t->nbytes;
+        return 1;
+    }
+    *bytes = t->nbytes / (uint64_t)t->shape[0] * K3_TRUNK_CRC_ROWS;
+    return (t->shape[0] + K3_TRUNK_CRC_ROWS - 1) / K3_TRUNK_CRC_ROWS;
+}
+
 static json_t *tensor_json(const k3_trunk_tensor *t) {
     json_t *shape = json_array();
     for (int i = 0; i < t->rank; i++) json_array_append_new(shape, json_integer(t->shape[i]));
-    return json_pack("{s:s, s:s, s:o, s:I, s:I}", "name", t->name, "dtype", st_dtype_name(t->dtype), "shape",
-                     shape, "offset", (json_int_t)t->offset, "bytes", (json_int_t)t->nbytes);
+    char *hex = xmalloc_array((size_t)t->ngran * 8 + 1, 1);
+    for (int64_t g = 0; g < t->ngran; g++) snprintf(hex + g * 8, 9, "%08x", t->gcrc[g]);
+    hex[t->ngran * 8] = 0;
+    /* (the checksums before the offset: an index stays greppable by its offsets) */
+    json_t *j = json_pack("{s:s, s:s, s:o, s:s, s:I, s:I}", "name", t->name, "dtype", st_dtype_name(t->dtype),
+                          "shape", shape, "rows_crc32c", hex, "offset", (json_int_t)t->offset, "bytes",
+                          (json_int_t)t->nbytes);
+    free(hex);
+    return j;
 }
 
 void k3_trunk_free(k3_trunk *t) {
     if (!t) return;
     for (int r = 0; r < t->nruns; r++) {
-        for (int i = 0; i < t->runs[r].ntensors; i++) free(t->runs[r].tensors[i].name);
+        for (int i = 0; i < t->runs[r].ntensors; i++) {
+            free(t->runs[r].tensors[i].name);
+            free(t->runs[r].tensors[i].gcrc);
+        }
         free(t->runs[r].tensors);
     }
     free(t->runs);
@@ -400,6 +419,9 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
             in = align_up(in, K3_TRUNK_TENSOR_ALIGN);
             tt->offset = in;
             tt->nbytes = s->nbytes;
+            uint64_t gb;
+            tt->ngran = k3_trunk_granule(tt, &gb);
+            tt->gcrc = xcalloc((size_t)tt->ngran, sizeof *tt->gcrc);
             in += s->nbytes;
         }
         run->bytes = in;
@@ -431,6 +453,9 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
                 rc = k3_atomic_skip(&af, want - pos, err);
                 pos = want;
             }
+            k3_trunk_tensor *tt = &run->tensors[i];
+            uint64_t gb;
+            k3_trunk_granule(tt, &gb);
             for (uint64_t c = 0; c < s->nbytes && !rc;) {
                 /* a hole in the source stays a hole: the sparse replica's
                  * 109 GB of trunk is then packed from its headers alone */
@@ -443,6 +468,12 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
                     rc = st_pread(ix, s->shard, s->offset + c, buf, len, err);
                     if (!rc) rc = k3_atomic_write(&af, buf, len, err);
                     crc = k3_crc32c(crc, buf, len);
+                }
+                /* the same bytes into their granules' checksums */
+                for (uint64_t d = 0; d < len && gb;) {
+                    uint64_t at = c + d, g = at / gb, n = (g + 1) * gb - at < len - d ? (g + 1) * gb - at : len - d;
+                    tt->gcrc[g] = hole ? k3_crc32c_zeros(tt->gcrc[g], n) : k3_crc32c(tt->gcrc[g], buf + d, n);
+                    d += n;
                 }
                 c += len;
                 pos += len;
@@ -473,7 +504,7 @@ int k3_trunk_pack(const char *model_dir, const char *trunk_dir, k3_err *err) {
     /* write trunk.json last: its presence marks a complete pack */
     json_t *root = json_object(), *runs = json_array();
     json_object_set_new(root, "format", json_string("k3-trunk"));
-    json_object_set_new(root, "version", json_integer(1));
+    json_object_set_new(root, "version", json_integer(K3_TRUNK_VERSION));
     json_object_set_new(root, "source_identity", json_string(t->identity));
     json_object_set_new(root, "identity_scheme", json_integer(K3_IDENTITY_SCHEME));
     json_object_set_new(root, "file", json_string("trunk.bin"));
@@ -546,8 +577,17 @@ int k3_trunk_open(const char *trunk_dir, st_index *ix, k3_trunk **out, k3_err *e
     json_t *runs = NULL;
     if (json_unpack_ex(root, &je, 0, "{s:s, s:I, s:s, s:s, s:I, s:o}", "format", &fmt, "version", &version,
                        "source_identity", &ident, "file", &file, "file_size", &fsize, "runs", &runs) ||
-        strcmp(fmt, "k3-trunk") || version != 1 || strlen(ident) != 16 || !json_is_array(runs) || strchr(file, '/')) {
-        rc = k3_fail(err, K3_EXIT_DATA, "%s: not a k3 trunk index (format k3-trunk version 1)", jpath);
+        strcmp(fmt, "k3-trunk") || strlen(ident) != 16 || !json_is_array(runs) || strchr(file, '/')) {
+        rc = k3_fail(err, K3_EXIT_DATA, "%s: not a k3 trunk index (format k3-trunk)", jpath);
+        goto out;
+    }
+    if (version != K3_TRUNK_VERSION) {
+        rc = k3_fail(err, K3_EXIT_DATA,
+                     version < K3_TRUNK_VERSION
+                         ? "%s: k3-trunk version %lld, packed by an older k3 (version %d checksums every %d rows of a "
+                           "matrix, so a rank can read its rows alone): pack it again (k3 pack-trunk MODEL_DIR TRUNK_DIR)"
+                         : "%s: k3-trunk version %lld is newer than this k3 reads (%d, %d rows a checksum)",
+                     jpath, (long long)version, K3_TRUNK_VERSION, K3_TRUNK_CRC_ROWS);
         goto out;
     }
     {
@@ -602,11 +642,11 @@ int k3_trunk_open(const char *trunk_dir, st_index *ix, k3_trunk **out, k3_err *e
         run->tensors = xcalloc((size_t)(run->ntensors ? run->ntensors : 1), sizeof *run->tensors);
         for (int i = 0; i < run->ntensors; i++) {
             json_t *jt = json_array_get(ts, (size_t)i), *shape = NULL;
-            const char *name, *dt;
+            const char *name, *dt, *hex;
             json_int_t to, tb;
             k3_trunk_tensor *tt = &run->tensors[i];
-            if (json_unpack(jt, "{s:s, s:s, s:o, s:I, s:I}", "name", &name, "dtype", &dt, "shape", &shape, "offset",
-                            &to, "bytes", &tb) ||
+            if (json_unpack(jt, "{s:s, s:s, s:o, s:s, s:I, s:I}", "name", &name, "dtype", &dt, "shape", &shape,
+                            "rows_crc32c", &hex, "offset", &to, "bytes", &tb) ||
                 dtype_from(dt) == ST_NDTYPES || !json_is_array(shape) || json_array_size(shape) > ST_MAX_RANK ||
                 to < 0 || tb < 0 || (uint64_t)to + (uint64_t)tb > run->bytes) {
                 rc = k3_fail(err, K3_EXIT_DATA, "%s: run %d tensor %d is malformed", jpath, r, i);
@@ -618,6 +658,20 @@ int k3_trunk_open(const char *trunk_dir, st_index *ix, k3_trunk **out, k3_err *e
             for (int d = 0; d < tt->rank; d++) tt->shape[d] = json_integer_value(json_array_get(shape, (size_t)d));
             tt->offset = (uint64_t)to;
             tt->nbytes = (uint64_t)tb;
+            uint64_t gb;
+            tt->ngran = k3_trunk_granule(tt, &gb);
+            if (strlen(hex) != (size_t)tt->ngran * 8 || strspn(hex, "0123456789abcdef") != strlen(hex)) {
+                rc = k3_fail(err, K3_EXIT_DATA, "%s: run %d tensor %s: rows_crc32c holds %zu hex digits, not %lld",
+                             jpath, r, tt->name, strlen(hex), (long long)tt->ngran * 8);
+                break;
+            }
+            tt->gcrc = xmalloc_array((size_t)tt->ngran, sizeof *tt->gcrc);
+            for (int64_t g = 0; g < tt->ngran; g++) {
+                char h[9];
+                memcpy(h, hex + g * 8, 8);
+                h[8] = 0;
+                tt->gcrc[g] = (uint32_t)strtoul(h, NULL, 16);
+            }
         }
     }
     if (!rc && ix) rc = k3_trunk_check_source(t, ix, err);
@@ -740,6 +794,9 @@ int k3_trunk_verify(const char *trunk_dir, const char *model_dir, k3_err *err) {
                 crc = k3_crc32c(crc, a, len);
                 pos += len;
             }
+            uint64_t gb;
+            k3_trunk_granule(tt, &gb);
+            uint32_t gcrc = 0;
             for (uint64_t c = 0; c < tt->nbytes && !rc; c += CHUNK) {
                 uint64_t len = tt->nbytes - c < CHUNK ? tt->nbytes - c : CHUNK;
                 if (fseeko(f, (off_t)(run->offset + tt->offset + c), SEEK_SET) || fread(a, 1, len, f) != len) {
@@ -753,6 +810,18 @@ int k3_trunk_verify(const char *trunk_dir, const char *model_dir, k3_err *err) {
                     break;
                 }
                 crc = k3_crc32c(crc, a, len);
+                /* each granule's checksum, as a reader of some rows checks it */
+                for (uint64_t d = 0; d < len && !rc;) {
+                    uint64_t at = c + d, g = at / gb, n = (g + 1) * gb - at < len - d ? (g + 1) * gb - at : len - d;
+                    gcrc = k3_crc32c(gcrc, a + d, n);
+                    d += n;
+                    if (at + n == (g + 1) * gb || at + n == tt->nbytes) {
+                        if (gcrc != tt->gcrc[g])
+                            rc = k3_fail(err, K3_EXIT_DATA, "%s: tensor %s: rows %lld.. fail their checksum",
+                                         t->bin_path, tt->name, (long long)g * K3_TRUNK_CRC_ROWS);
+                        gcrc = 0;
+                    }
+                }
                 pos += len;
                 done += len;
                 k3_progress_update(&pr, done);

@@ -7,7 +7,10 @@
  * 64-byte boundary, so that one aligned O_DIRECT read brings a whole layer and
  * its tensors can be used in place. TRUNK_DIR/trunk.json indexes the runs
  * (offset, bytes, CRC-32C), the tensors inside them (name, dtype, shape,
- * offset within the run) and the source checkpoint's identity (a hash over
+ * offset within the run, and a CRC-32C of every K3_TRUNK_CRC_ROWS rows of
+ * the tensor's first dimension, so a reader that reads only some rows of a
+ * matrix, a rank of a job that splits the trunk by rows, checks what it
+ * read) and the source checkpoint's identity (a hash over
  * every shard's name, size and header bytes and a sample of every trunk
  * tensor's data), so a trunk packed from a different checkpoint is refused. The
  * index carries table_crc32c, a CRC-32C of itself in canonical form, and at
@@ -24,6 +27,12 @@
 #define K3_TRUNK_RUN_ALIGN 4096u
 #define K3_TRUNK_TENSOR_ALIGN 64u
 #define K3_TRUNK_MODEL_RUN (-1)
+/* Format version: 2 added the per-rows checksums; version 1 indexes are
+ * refused with a line saying to pack again. */
+#define K3_TRUNK_VERSION 2
+/* Rows of a matrix (its first dimension) under one checksum: the kernels'
+ * row run, so a share of rows that k_row_share deals out is whole granules. */
+#define K3_TRUNK_CRC_ROWS 16
 
 typedef struct {
     char *name;        /* full released name */
@@ -32,6 +41,8 @@ typedef struct {
     int64_t shape[ST_MAX_RANK];
     uint64_t offset;   /* within the run */
     uint64_t nbytes;
+    int64_t ngran;     /* checksummed granules (k3_trunk_granule) */
+    uint32_t *gcrc;    /* [ngran] CRC-32C of each granule's bytes */
 } k3_trunk_tensor;
 
 typedef struct {
@@ -66,6 +77,11 @@ int k3_trunk_layer_of(const char *name);
 int k3_checkpoint_identity(st_index *ix, char out[17], k3_err *err);
 typedef struct { uint64_t reads, bytes; } k3_identity_stats;  /* what it read */
 int k3_checkpoint_identity_ex(st_index *ix, int scheme, char out[17], k3_identity_stats *stats, k3_err *err);
+
+/* Granules of a tensor: K3_TRUNK_CRC_ROWS rows of its first dimension each
+ * (the last may be shorter) for rank >= 2, else the whole tensor; returns
+ * their count and sets *bytes to a full granule's bytes. */
+int64_t k3_trunk_granule(const k3_trunk_tensor *t, uint64_t *bytes);
 
 /* Packs model_dir's trunk into trunk_dir (created if needed). Progress on
  * stderr. Atomic: trunk.bin and trunk.json appear only when complete. */

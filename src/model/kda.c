@@ -18,7 +18,6 @@
 #include <assert.h>
 #include <math.h>
 
-#include "kernels/kmath.h" /* km_sigmoid inlined in the elementwise loops (k_sigmoid's bits) */
 
 /* SiLU of n values from x into y (y may be x). */
 K3_HOT static void silu_into(const k3_fwd_ops *fo, float *y, const float *x, size_t n) {

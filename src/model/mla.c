@@ -25,7 +25,6 @@
 #include <math.h>
 #include <omp.h>
 
-#include "kernels/kmath.h" /* km_exp, km_sigmoid inlined in the loops (k_sigmoid's bits) */
 
 /* A view of rows [r0, r0+n) of a float matrix (never MXFP4 here). */
 static k3_mat mat_rows(const k3_mat *W, int r0, int n) {

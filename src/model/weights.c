@@ -502,11 +502,8 @@ int k3_model_open_index(const char *dir, const k3_config *cfg, st_index *ix, con
     if (rc) goto fail;
     apply_opts(m, opts);
     m->ix = st_retain(ix);
-    st_ctx c = {.ix = m->ix, .prefix = K3N_PREFIX, .head = K3N_HEAD_FULL};
-    if (!st_find(m->ix, "language_model.model.embed_tokens.weight") && st_find(m->ix, "model.embed_tokens.weight")) {
-        c.prefix = K3N_PREFIX_PLAIN;
-        c.head = K3N_HEAD;
-    }
+    st_ctx c = {.ix = m->ix, .prefix = k3_names_prefix(m->ix)};
+    c.head = k3_names_head(c.prefix);
     if ((rc = bind_all(m, st_lookup, &c, opts && opts->top_only, err))) goto fail;
     k3_model_set_source(m, NULL);
     *out = m;

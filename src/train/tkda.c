@@ -10,7 +10,8 @@
  *    checkpoint (the kernel's step, same bits) and walks it in reverse.
  *  - C > 0: the chunkwise (UT / WY) form of kernels/kda.c, chunks of C
  *    positions clamped so |gate_lower_bound| C <= 80 (C = 16 for the K3
- *    bound -5); the backward recomputes a chunk's products from its saved
+ *    bound -5); the backward (k_kda_chunk_bwd, in the kernels beside the
+ *    forward it inverts) recomputes a chunk's products from its saved
  *    entering state (k_kda_chunk_prep) and walks them in reverse. The two
  *    forms agree to f32 rounding (test train_kda_chunked_matches_recurrent).
  * Memory for the saved states: B*H*(T/C)*D*D floats per layer. */
@@ -19,7 +20,6 @@
 #include <math.h>
 #include <string.h>
 
-#include "kernels/internal.h"
 #include "kernels/kernels.h"
 
 /* The chunk the kernels are asked for: 0 (recurrent) or the flag's,
@@ -70,93 +70,6 @@ void kda_free(kda_acts *a) {
                   a->ro, a->gate, a->y};
     for (size_t i = 0; i < sizeof b / sizeof b[0]; i++) free(b[i]);
     memset(a, 0, sizeof *a);
-}
-
-/* ---- chunkwise backward ---------------------------------------------------------------- */
-
-/* Backward of one chunk: dS is d(loss)/d(state after the chunk) on entry and
- * d/d(S0) on return; dout rows (stride st) are d/d(o). Writes dq, dk, dv, dgl
- * (stride st) and dbeta (stride sb). */
-K3_HOT static void chunk_bwd_cw(const k_vops *ops, k_kda_cws *w, float *dS, const float *S0, const float *q,
-                         const float *k, const float *v, const float *gl, const float *beta,
-                         const float *dout, float *dq, float *dk, float *dv, float *dgl, float *dbeta, int L,
-                         size_t st, size_t sb) {
-    const int D = w->D, C = w->C;
-    const float qs = 1.0f / sqrtf((float)D);
-    k_kda_chunk_prep(w, q, k, v, gl, beta, L, st, sb, S0);
-    const float *eGl = w->eG + (size_t)(L - 1) * D;
-    /* S = diag(e^G_L) S0 + KC^T W */
-    k_kda_transpose(w->dST, dS, D, D, (size_t)D);
-    k_kda_mm0(ops, w->dKC, D, L, D, w->W, D, 1, D, w->dST, D);   /* W dS^T */
-    k_kda_mm0(ops, w->dW, D, L, D, w->KC, D, 1, D, dS, D);       /* KC dS */
-    memset(w->dG, 0, sizeof(float) * (size_t)L * D);
-    float *dGl = w->dG + (size_t)(L - 1) * D;
-    for (int i = 0; i < D; i++) {
-        float sdot = ops->dot(S0 + (size_t)i * D, dS + (size_t)i * D, D);
-        dGl[i] = eGl[i] * sdot;
-        ops->scale(w->dS0 + (size_t)i * D, dS + (size_t)i * D, eGl[i], D);
-    }
-    for (int t = 0; t < L - 1; t++) { /* the last row's factor is e^0 */
-        const float *dkc = w->dKC + (size_t)t * D, *kc = w->KC + (size_t)t * D;
-        float *dG = w->dG + (size_t)t * D;
-        for (int i = 0; i < D; i++) {
-            float pr = dkc[i] * kc[i];
-            dG[i] -= pr;
-            dGl[i] += pr;
-        }
-    }
-    /* O = QG S0 + Bm W */
-    k_kda_transpose(w->S0T, S0, D, D, (size_t)D);
-    k_kda_mm0(ops, w->dQG, D, L, D, dout, (int)st, 1, D, w->S0T, D);            /* dO S0^T */
-    ops->gemm_acc(w->dS0, D, D, D, w->QG, 1, D, L, dout, (int)st);        /* += QG^T dO */
-    k_kda_transpose(w->WT, w->W, L, D, (size_t)D);                              /* [D][L] */
-    k_kda_mm0(ops, w->dBm, C, L, L, dout, (int)st, 1, D, w->WT, L);             /* dO W^T */
-    float *dbd = w->bd; /* reused: bd is read below before being overwritten */
-    for (int t = 0; t < L; t++) {
-        for (int u = t; u < L; u++) w->dBm[(size_t)t * C + u] = 0.0f;
-        ops->axpy(w->dW + (size_t)t * D, w->bd[t], dout + t * st, D);     /* += diag(bd) dO */
-        dbd[t] = ops->dot(dout + t * st, w->W + (size_t)t * D, D);
-    }
-    ops->gemm_acc(w->dW, D, L, D, w->Bm, 1, C, L, dout, (int)st);         /* += Bm^T dO */
-    /* W = beta Z, Z = V - KG S0 - A W (reverse substitution) */
-    memcpy(w->E, w->dW, sizeof(float) * (size_t)L * D);
-    for (int t = L - 1; t >= 0; t--) {
-        float *e = w->E + (size_t)t * D, *nz = w->nZ + (size_t)t * D;
-        float bt = beta[t * sb];
-        dbeta[t * sb] = ops->dot(e, w->Z + (size_t)t * D, D);
-        ops->scale(nz, e, -bt, D);                                         /* -dZ_t */
-        for (int u = 0; u < t; u++) ops->axpy(w->E + (size_t)u * D, w->Am[(size_t)t * C + u], nz, D);
-    }
-    k_kda_mm0(ops, w->dA, C, L, L, w->nZ, D, 1, D, w->WT, L);                   /* -dZ W^T */
-    for (int t = 0; t < L; t++)
-        for (int u = t; u < L; u++) w->dA[(size_t)t * C + u] = 0.0f;
-    for (int t = 0; t < L; t++) ops->scale(dv + t * st, w->nZ + (size_t)t * D, -1.0f, D);
-    k_kda_mm0(ops, w->dKG, D, L, D, w->nZ, D, 1, D, w->S0T, D);                 /* -dZ S0^T */
-    ops->gemm_acc(w->dS0, D, D, D, w->KG, 1, D, L, w->nZ, D);             /* -= KG^T dZ */
-    /* A = strict_tril(KG KN^T), Bm = tril(QG KN^T) */
-    ops->gemm_acc(w->dKG, D, L, D, w->dA, C, 1, L, w->KN, D);             /* += dA KN */
-    k_kda_mm0(ops, w->dKN, D, L, D, w->dA, 1, C, L, w->KG, D);                  /* dA^T KG */
-    ops->gemm_acc(w->dQG, D, L, D, w->dBm, C, 1, L, w->KN, D);            /* += dBm KN */
-    ops->gemm_acc(w->dKN, D, L, D, w->dBm, 1, C, L, w->QG, D);            /* += dBm^T QG */
-    /* the e^(+-G) factors: dK, dQ and dG; then dg = reverse cumulative sum of dG */
-    for (int t = 0; t < L; t++) {
-        size_t r = (size_t)t * D;
-        float *dG = w->dG + r, *dkt = dk + t * st, *dqt = dq + t * st;
-        const float *eG = w->eG + r, *eN = w->eN + r;
-        for (int i = 0; i < D; i++) {
-            dkt[i] = w->dKG[r + i] * eG[i] + w->dKN[r + i] * eN[i] + w->dKC[r + i] * (eN[i] * eGl[i]) +
-                     dbd[t] * (q[t * st + i] * qs);
-            dqt[i] = (w->dQG[r + i] * eG[i] + dbd[t] * k[t * st + i]) * qs;
-            dG[i] += w->dQG[r + i] * w->QG[r + i] + w->dKG[r + i] * w->KG[r + i] - w->dKN[r + i] * w->KN[r + i];
-        }
-    }
-    for (int t = L - 1; t >= 0; t--) {
-        float *dgt = dgl + t * st;
-        const float *dG = w->dG + (size_t)t * D;
-        if (t == L - 1) memcpy(dgt, dG, sizeof(float) * (size_t)D);
-        else ops->vadd(dgt, dgl + (t + 1) * st, dG, D);
-    }
-    memcpy(dS, w->dS0, sizeof(float) * (size_t)D * D);
 }
 
 /* ShortConv taps [ch][K] -> [K][ch], so a tap runs over a contiguous row. */
@@ -276,7 +189,6 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
      * chunkwise backward */
     const int CK = ck_len(m), nc = nck_of(T, CK);
     const bool chunked = m->kda_chunk > 0;
-    const k_vops *ops = k_ops();
 #pragma omp parallel for schedule(static)
     for (int bh = 0; bh < B * H; bh++) {
         int b = bh / H, h = bh % H;
@@ -296,9 +208,9 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
             size_t b0 = ((size_t)b * T + t0) * H + h;
             const float *S0 = a->Ssave + (((size_t)b * H + h) * nc + ck) * D * D;
             if (chunked) {
-                chunk_bwd_cw(ops, &ws, dS, S0, a->q + r0, a->k + r0, a->v + r0, a->gl + r0, a->beta + b0,
-                             dof + r0, dq + r0, dk + r0, dv + r0, dgl + r0, dbeta + b0, len, (size_t)P,
-                             (size_t)H);
+                k_kda_chunk_bwd(&ws, dS, S0, a->q + r0, a->k + r0, a->v + r0, a->gl + r0, a->beta + b0,
+                                dof + r0, dq + r0, dk + r0, dv + r0, dgl + r0, dbeta + b0, len, (size_t)P,
+                                (size_t)H);
                 continue;
             }
             memcpy(S, S0, sizeof(float) * (size_t)D * D);

@@ -16,7 +16,7 @@
 #include <stdlib.h>
 #include <stdbool.h>
 
-#include "kernels/kmath.h"
+#include "kernels/kernels.h"
 #include "model/model.h"
 
 /* Products of the training GEMM (kernels.h); BF16 mode (t_set_bf16) rounds
@@ -50,7 +50,7 @@ void t_situ(float *restrict h, const float *restrict a, const float *restrict u,
 void t_situ_bwd(float *restrict da, float *restrict du, const float *restrict dh, const float *restrict a,
                 const float *restrict u, size_t m, float b1, float b2);
 
-/* exp / tanh / sigmoid from the kernels' kmath.h: built from IEEE-exact
+/* exp / tanh / sigmoid from the kernels (km_*, kernels.h): built from IEEE-exact
  * operations only, so loops of them vectorise with the scalar bits and do
  * not depend on the libm version. */
 static inline float t_exp(float x) { return km_exp(x); }

@@ -1000,7 +1000,10 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
         bool last = s == r.end;
         if (r.stop) { stopped = true; last = true; }
         if (s % r.o.eval_interval == 0 || (last && s == r.total)) rc = evaluate(&r, s, err);
-        if (!rc && !r.o.skip_samples && r.o.sample_interval > 0 && s % r.o.sample_interval == 0)
+        /* and one at the end, as for the evaluation, so the run's latest sample
+         * is of its final weights (not at --stop-at: a resumed run's samples
+         * stay those of the run straight through) */
+        if (!rc && !r.o.skip_samples && r.o.sample_interval > 0 && (s % r.o.sample_interval == 0 || (last && s == r.total)))
             rc = sample(&r, s, err);
         if (!rc && (s % r.o.checkpoint_interval == 0 || last)) rc = checkpoint(&r, s, err);
         rc = sync_ranks(&r, rc, false, "an evaluation, sample or checkpoint", err);

@@ -11,7 +11,8 @@
 #  - 1 vs 2 threads, --cold and a streamed budget (--trunk, tiny --cache-gb)
 #    give the same ids;
 #  - /save then --load (or /load) in a new process continues bit-identically,
-#    feeding only the new message;
+#    feeding only the new message; a session saved with thinking off loads
+#    with it off, and the loaded line and the banner say so;
 #  - a corrupt or truncated session file and another model's session: exit 4,
 #    one line; a /save, /load or --out that fails (full device, missing
 #    folder, a directory): one line, the chat goes on, the exit status says so; a model whose tokenizer has no XTML ids: exit 2, one line.
@@ -129,6 +130,22 @@ lr=$(turns "$OUT/tload.json" reused)
 printf '/load %s\nAnd once more.\n' "$S" >"$OUT/load2.txt"
 expect_exit load_cmd 0 $CHAT --out "$OUT/tload2.json" <"$OUT/load2.txt"
 [ "$(turns "$OUT/tload2.json" generated_ids)" = "$g3" ] && pass load_cmd:same_ids || fail load_cmd:same_ids
+# a conversation saved with /think off loads with thinking off, and says so:
+# on the loaded line and, in a terminal (script(1) gives chat a pty), in the
+# banner, which must not state --think's default
+ST=$OUT/think-off.k3session
+rm -f "$ST"
+printf 'Hello there\n/think off\n/save %s\n' "$ST" >"$OUT/saveoff.txt"
+expect_exit save_think_off 0 $CHAT <"$OUT/saveoff.txt"
+expect_exit load_think_off 0 $CHAT --load "$ST" </dev/null
+expect_err_contains load_think_off "3 messages, 1 turn from $ST; thinking off]"
+if command -v script >/dev/null; then
+  printf '/quit\n' | script -qec "$CHAT --load '$ST'" /dev/null >"$OUT/load_banner.out" 2>&1
+  grep -q '^k3 chat: .*; thinking off' "$OUT/load_banner.out" && pass load:banner_thinking_off \
+    || fail load:banner_thinking_off "$(grep '^k3 chat: ' "$OUT/load_banner.out")"
+else
+  skip load:banner_thinking_off "no script(1) to give k3 chat a terminal"
+fi
 
 # chat_exit NAME CODE CMD...: the exit status only (stderr also holds the turn lines)
 chat_exit() {
@@ -157,6 +174,9 @@ expect_err_contains other_model "another model"
 expect_exit no_tokenizer 2 $K3 chat tests/fixtures/gen/k3_like </dev/null
 expect_exit no_xtml 2 $K3 chat models/default </dev/null
 expect_err_contains no_xtml "XTML"
+# ... and says what to use instead: lib.sh's chat_model is that recipe at smaller dimensions
+expect_err_contains no_xtml "the Kimi K3 release, or a small random one from \`python3 tools/gen_checkpoint.py DIR --preset tiny --set vocab_size=163840\`"
+[ "$(wc -l <"$OUT/no_xtml.err")" = 1 ] && pass no_xtml:one_line || fail no_xtml:one_line "$(cat "$OUT/no_xtml.err")"
 expect_exit bad_flag 2 $K3 chat $M --state-cache-gb lots </dev/null
 # --load of a link to an endless device: refused at once, bounded in time and memory
 ln -sf /dev/zero "$OUT/zero.k3session"

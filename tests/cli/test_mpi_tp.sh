@@ -4,7 +4,9 @@
 # logits bytes of 1, 2, 3 and 4 ranks equal one process's, resident and with a
 # streamed trunk, and with the experts-only layout (ep); the run report's
 # per-rank trunk bytes are the rank's share (together exactly one process's,
-# each about 1/R); the memory plan counts a rank's share (a --trunk-gb one
+# each about 1/R); with a packed streamed trunk each rank reads from disk only its
+# rows' share (together about one process's reads, each about 1/R) and checks
+# their 16-row checksums; the memory plan counts a rank's share (a --trunk-gb one
 # process cannot fit runs on 2 ranks; the rank whose share does not fit is
 # named, exit 3); a rank killed or hanging in the middle of a token ends the
 # job. Every run is bounded by `timeout`.
@@ -34,7 +36,7 @@ while read -r name ranks flags; do
   done
 done <<'LIST'
 tp      1,2,3,4
-tptrunk 4       --trunk TRUNK --trunk-gb 0.00012 --cache-gb 0.00002
+tptrunk 1,2,3,4 --trunk TRUNK --trunk-gb 0.00012 --cache-gb 0.00002
 tpchunk 3       --cache-gb 0.00012 --chunk 3
 ep      4       --parallel-layout ep
 LIST
@@ -61,6 +63,82 @@ sys.exit(0 if d["layout"] == "ep" and "trunk_bytes_read_per_token" not in d and 
 expect_exit talk 0 $MPI -np 2 $K3 run "$M" --ids $IDS --gen 6
 expect_err_contains talk "k3: tensor parallel, decode: the trunk's matrices read"
 expect_err_contains talk "this rank's rows of the split matrices"
+
+# ---- a packed trunk: each rank reads only its rows' share of every streamed layer ----------
+# A model whose matrices span many 16-row runs (hidden 512; k3_like's are 48-64 rows, so
+# a rank's share of one is a page or two), made by tools/gen_checkpoint.py; four layers
+# of about 3.4 MB. Each run streams every layer through one ring slot (--trunk-gb: the
+# head, about 0.53 MB, plus 1.3 slots of a rank's largest share: nothing pinned), so a
+# rank's reads per token are its share of the whole stack: with the rows split, about
+# 1/R of one process's plus what every rank reads whole (MLA's kv_b, norms, conv taps)
+# and the page rounding of each share.
+PY=/usr/bin/python3
+if $PY -c 'import numpy' 2>/dev/null; then
+  BM=$OUT/mid; BT=$OUT/midt
+  $PY tools/gen_checkpoint.py "$BM" --preset tiny --set hidden_size=512 --set num_heads=8 --set head_dim=64 \
+    --set num_hidden_layers=4 --set layer_map=KKKM --set first_k_dense_replace=0 --set num_attention_heads=8 \
+    --set q_lora_rank=512 --set kv_lora_rank=256 --set qk_nope_head_dim=64 --set v_head_dim=64 --seed 3 --force \
+    >"$OUT/gen.log" 2>&1 || fail gen-mid "$(tail -n 3 "$OUT/gen.log")"
+  expect_exit pack-mid 0 $K3 pack-trunk "$BM" "$BT"
+  gb() { $PY -c "print((0.6 + 1.3 * (3.5 / $1 + 0.6)) / 1000)"; }   # GB for R ranks
+  expect_exit mid-one 0 $K3 run "$BM" --ids $IDS --gen 6 --quiet --out "$OUT/mid-one.json" --dump-logits "$OUT/mid-one.bin"
+  for R in 1 2 3 4; do
+    n=midtrunk-np$R
+    expect_exit "$n" 0 $MPI -np $R $K3 run "$BM" --ids $IDS --gen 6 --quiet --out "$OUT/$n.json" \
+      --dump-logits "$OUT/$n.bin" --trunk "$BT" --trunk-gb "$(gb $R)" --cache-gb 0.0001 </dev/null
+    cmp -s "$OUT/mid-one.bin" "$OUT/$n.bin" && pass "$n:logits" || fail "$n:logits" "differ from one process's"
+  done
+  # the plan counts a rank's share of the streamed layers: the ring slot 2 ranks fit
+  # is too small for one process's largest layer
+  expect_exit mid-plan-one 3 $K3 run "$BM" --ids $IDS --gen 2 --quiet --trunk "$BT" --trunk-gb "$(gb 2)" --cache-gb 0.0001
+  expect_err_contains mid-plan-one "one ring slot"
+  # one process's streamed reads per decoded token against each rank's
+  for R in 2 3 4; do
+    $PY - "$OUT/midtrunk-np1.json" "$OUT/midtrunk-np$R.json" $R "$OUT/disk$R.txt" <<'PY' && pass "disk-share-np$R" || fail "disk-share-np$R" "$(cat "$OUT/disk$R.txt")"
+import json, sys
+one = json.load(open(sys.argv[1]))
+toks = [s["trunk_bytes"] for s in one["memory"]["steps"] if s["kind"] == "token"]
+whole = sum(toks) / len(toks)
+j = json.load(open(sys.argv[2]))
+R = int(sys.argv[3])
+d = j["expert_parallel"]["decode"]
+disk = d["trunk_disk_bytes_per_token"]
+rows, rows_one = d["trunk_bytes_read_per_token"], d["trunk_bytes_one_process_per_token"]
+ok = (one["memory"]["plan"]["pinned_layers"] == 0 and j["memory"]["plan"]["pinned_layers"] == 0 and len(disk) == R
+      and whole > 3e6
+      # every byte is read by some rank, and little twice (what stays whole, page rounding)
+      and 0.99 * whole <= sum(disk) <= 1.35 * whole
+      # each rank about 1/R (no rank reads the whole stack, none skips its share; the
+      # margin: what stays whole, uneven shares, and parts of a layer the one-slot
+      # ring reads again when the next layer needs its room first)
+      and max(disk) <= 1.5 * whole / R and min(disk) >= 0.8 * whole / R
+      # the split products' own count: the rows' shares add up exactly
+      and abs(sum(rows) - rows_one) < 1e-6 * rows_one and max(rows) <= 1.35 * rows_one / R)
+open(sys.argv[4], "w").write(
+    f"one process {whole:.0f} B a token; ranks {disk}; rows {rows} of {rows_one}")
+sys.exit(0 if ok else 1)
+PY
+  done
+  expect_exit mid-talk 0 $MPI -np 2 $K3 run "$BM" --ids $IDS --gen 4 --trunk "$BT" --trunk-gb "$(gb 2)" --cache-gb 0.0001 </dev/null
+  expect_err_contains mid-talk "k3: packed trunk, decode: each rank read"
+  # a flipped byte in rows 384.. of layer 1's q_proj (512 rows): the rank that holds
+  # them reads and checks them (their 16-row checksum) and the job ends, naming it
+  cp "$BT/trunk.bin" "$OUT/midt.bin.good"
+  OFF=$($PY -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+r = [r for r in d['runs'] if r['layer'] == 1][0]
+t = [t for t in r['tensors'] if t['name'].endswith('layers.1.self_attn.q_proj.weight')][0]
+print(r['offset'] + t['offset'] + t['bytes'] * 3 // 4)" "$BT/trunk.json")
+  printf '\x5a' | dd of="$BT/trunk.bin" bs=1 seek="$OFF" conv=notrunc status=none
+  expect_exit flip-np2 4 $MPI -np 2 $K3 run "$BM" --ids $IDS --gen 2 --quiet --trunk "$BT" --trunk-gb "$(gb 2)" \
+    --cache-gb 0.0001 </dev/null
+  expect_err_contains flip-np2 "rank 1 of 2"
+  expect_err_contains flip-np2 "layers.1.self_attn.q_proj.weight fails its checksum"
+  cp "$OUT/midt.bin.good" "$BT/trunk.bin"
+else
+  skip disk-share "python3 with numpy missing: the model cannot be generated (scripts/setup.sh --test)"
+fi
 
 # ---- the memory plan counts a rank's share ---------------------------------------------
 expect_exit plan-one 3 $K3 run "$M" --ids $IDS --gen 2 --trunk-gb 0.0004

@@ -8,7 +8,9 @@
 # alone), and its reply equals a cold server's for the same request (bit-
 # identical logits, greedy). /v1/completions has no message boundaries: a
 # prompt sharing only part of an earlier one reuses grid and prompt-end
-# snapshots only (docs/serve.md). Every wait bounded.
+# snapshots only (docs/serve.md). docs/serve.md's Python client example runs
+# against the server (through tests/cli/fake_openai) under real pydantic and
+# both majors' ways of keeping extra fields. Every wait bounded.
 set -u
 source tests/cli/lib.sh
 PY=/usr/bin/python3
@@ -58,4 +60,49 @@ body "$LONG first" >"$OUT/c1.json"; body "$LONG second" >"$OUT/c2.json"
 curl -s --max-time 60 -H 'Content-Type: application/json' -o "$OUT/c1.out" --data-binary "@$OUT/c1.json" "${WARM}v1/completions"
 curl -s --max-time 60 -H 'Content-Type: application/json' -o "$OUT/c2.out" --data-binary "@$OUT/c2.json" "${WARM}v1/completions"
 check completions-no-boundary "$(field "$OUT/c2.out" 'j["usage"]["prompt_tokens_details"]["cached_tokens"]')" 0
+
+# docs/serve.md's Python client example, as written there, against this server
+# through tests/cli/fake_openai (the openai package's calls, its reply objects
+# built with real pydantic when installed (Debian's is v1), and shaped as
+# each pydantic major keeps extra fields). Under each: it reads the first
+# reply's reasoning_content (an extra field), prints it and sends it back,
+# and its second turn reuses at least the whole first prompt.
+$PY - docs/serve.md "$WARM" "$(basename "$M")" "$OUT/example.py" <<'PY'
+import sys
+doc, url, model, out = sys.argv[1:5]
+lines = open(doc).read().split("and from Python with the official client", 1)[1].split("\n")[1:]
+while lines and not lines[0].strip(): lines.pop(0)
+code = []
+for l in lines:
+    if l.strip() and not l.startswith("    "): break
+    code.append(l[4:])
+src = "\n".join(code).replace("http://127.0.0.1:8000/v1", url + "v1").replace('"MODEL"', repr(model))
+open(out, "w").write(src)
+PY
+for f in pydantic v1 v2; do
+  if [ $f = pydantic ] && ! $PY -c 'import pydantic' 2>/dev/null; then
+    skip docs-example:pydantic "no python3 pydantic (Debian's python3-pydantic: scripts/setup.sh --test)"; continue
+  fi
+  rm -f "$OUT/example-$f.log"
+  FAKE_OPENAI_MODELS=$f FAKE_OPENAI_MAX_TOKENS=8 FAKE_OPENAI_LOG="$OUT/example-$f.log" \
+    PYTHONPATH=tests/cli/fake_openai PYTHONDONTWRITEBYTECODE=1 timeout 300 $PY "$OUT/example.py" >"$OUT/example-$f.out" 2>&1
+  rc=$?
+  [ $rc = 0 ] && pass "docs-example:$f:runs" || { fail "docs-example:$f:runs" "exit $rc: $(tail -c 300 "$OUT/example-$f.out")"; continue; }
+  got=$($PY - "$OUT/example-$f.log" "$OUT/example-$f.out" <<'PY'
+import json, sys
+calls = [json.loads(l) for l in open(sys.argv[1])]
+out = open(sys.argv[2]).read()
+first = calls[0]["response"]
+reasoning = first["choices"][0]["message"].get("reasoning_content")
+sent = calls[1]["request"]["messages"][1]
+ok = []
+ok.append("reasoning read" if reasoning and out.startswith(reasoning + "\n---\n") else "reasoning not printed")
+ok.append("sent back" if reasoning and sent.get("reasoning_content") == reasoning else "not sent back: %r" % sent)
+p1, c2 = first["usage"]["prompt_tokens"], calls[1]["response"]["usage"]["prompt_tokens_details"]["cached_tokens"]
+ok.append("turn 2 reuses turn 1's prompt" if c2 >= p1 else "turn 2 cached %d < turn 1's prompt %d" % (c2, p1))
+print("; ".join(ok))
+PY
+)
+  check "docs-example:$f" "$got" "reasoning read; sent back; turn 2 reuses turn 1's prompt"
+done
 finish

@@ -51,6 +51,12 @@ cmp -s "$A/latest.safetensors" "$B/latest.safetensors" && pass resume_bit_identi
 cmp -s "$A/best.safetensors" "$B/best.safetensors" && pass resume_best_identical || fail resume_best_identical
 diff <(grep -o '"train_loss":[^,]*' "$A/metrics.jsonl") <(grep -o '"train_loss":[^,]*' "$B/metrics.jsonl") >/dev/null \
   && pass resume_same_losses || fail resume_same_losses
+# a run that ends between sample intervals also samples its last step, so the
+# run directory's (and the dashboard's) latest sample is of the final weights
+SE=$OUT/sample_end; rm -rf "$SE"
+expect_exit sample_at_end 0 $K3 train $COMMON --output-dir "$SE" --steps 3 --eval-interval 3 --eval-tokens 512 \
+  --sample-interval 2 --sample-tokens 4
+check sample_at_end:steps "$(grep -o '"step": *[0-9]*' "$SE/samples.jsonl" | grep -o '[0-9]*$' | tr '\n' ' ')" "0 2 3 "
 
 # --init: a new run from a checkpoint's weights. Its first evaluation is the
 # source's evaluation at that step (the weights were read, not initialised),

@@ -71,9 +71,12 @@ once engine:opaque '^(typedef )?struct k3_engine *\{' 'src/engine/engine\.c' $SR
 once engine:forward-callers '\bk3_forward(_batch)?\(' \
   'src/model/[a-z_]+\.[ch]|src/engine/engine\.c|src/session/session\.c|src/train/export\.c' $SRC
 # k3 run parses flags, opens the engine, generates and reports: no memory
-# plan, no ranks, no forward, no state and no model of its own.
-once engine:run-goes-through '\b(k3_runmem_[a-z_]+|k3_dist_[a-z_]+|k3_forward[a-z_]*|k3_state_new|k3_model_open[a-z_]*)\(' \
-  '' src/cli/cmd_run.c
+# plan, no ranks, no forward, no state and no model of its own. k3 chat
+# alike: its input reaches the ranks through the engine (k3_engine_getline,
+# k3_engine_agree).
+RUN_OWN='\b(k3_runmem_[a-z_]+|k3_dist_[a-z_]+|k3_forward[a-z_]*|k3_state_new|k3_model_open[a-z_]*)\('
+once engine:run-goes-through "$RUN_OWN" '' src/cli/cmd_run.c
+once engine:chat-goes-through "$RUN_OWN" '' src/cli/cmd_chat.c
 # No command includes the engine's own parts (the placement, the split trunk,
 # the model's binder interface).
 once engine:cli-includes '#include "(dist/(expert_par|tensor_par)|model/model_impl)\.h"' 'src/cli/cmd_cache_sim\.c' \
@@ -83,5 +86,29 @@ once engine:cli-includes '#include "(dist/(expert_par|tensor_par)|model/model_im
 # generation, serve or command header.
 once engine:identity-in-formats '^int k3_model_identity(_of)?\(' 'src/formats/identity\.[ch]' $SRC
 once engine:no-upward-include '#include "(session|generate|serve|cli|draft)/' '' src/engine/engine.c src/engine/engine.h
+
+# ---- one public header per module -----------------------------------------------
+# A module's private headers (internal.h, *internal.h, *_impl.h, and the old
+# kernels/kmath.h) are the seams between its own files; other modules see it
+# only through its public header. Allowed outside src/MOD: the white-box unit
+# tests and benchmarks named for the module (tests/test_MOD.c,
+# tests/test_MOD_*.c, bench/MOD.c) and the kernels' product benchmark
+# (bench/gemm.c times the SIMD tiles).
+private_includes() {
+  local f mod bad=""
+  while IFS= read -r hit; do
+    f=${hit%%:*}
+    mod=$(echo "$hit" | sed -E 's/.*#include "([a-z_0-9]+)\/.*/\1/')
+    case $f in
+      src/$mod/*) continue ;;
+      tests/test_$mod.c | tests/test_${mod}_*.c | bench/$mod.c) continue ;;
+    esac
+    [ "$mod/$f" = kernels/bench/gemm.c ] && continue
+    bad="$bad$hit"$'\n'
+  done < <(hits '#include "[a-z_0-9]+/[a-z_0-9]*(internal|_impl|kmath)\.h"' \
+             $(find src tests bench -name '*.c' -o -name '*.h' | sort))
+  if [ -z "$bad" ]; then pass modules:private-headers; else fail modules:private-headers "$(echo "$bad" | head -3 | cut -c1-120 | tr '\n' ' ')"; fi
+}
+private_includes
 
 finish
