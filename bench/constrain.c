@@ -2,7 +2,9 @@
  * Kimi tokenizer's 163,840-entry vocabulary: k3_jstate_mask, then the row
  * written with -INFINITY where masked (what k3_constraint_apply adds to a
  * decode step), for the states a reply passes through: before a value,
- * inside a free string (most ids allowed), at a declared key, in a number.
+ * inside a free string (most ids allowed), at a declared key, in a number;
+ * then a whole k3_constraint_apply in a tool call (tool_choice): choosing
+ * among 8 or 128 tool names, and inside a raw string argument.
  * CPU time of this thread, best of 5 rounds of 50.
  *
  *   make bin/bench_constrain && bin/bench_constrain [TOK_DIR] */
@@ -63,6 +65,70 @@ int main(int argc, char **argv) {
         }
         printf("%-22s %10zu %12.3f\n", S[s].name, count, best * 1e3);
     }
+    /* tool calls: the reply driven to the state by the ids of its text */
+    k3_chat *chat = NULL;
+    if (k3_chat_new(t, &chat, &err)) {
+        fprintf(stderr, "k3: %s\n", err.msg);
+        return K3_EXIT_USAGE;
+    }
+    k3_chat_ids m = k3_chat_markup(chat);
+    for (int ntools = 8; ntools <= K3_CALL_MAX_TOOLS; ntools *= 16) {
+        json_t *tools = json_array();
+        for (int i = 0; i < ntools; i++) {
+            char nm[32];
+            snprintf(nm, sizeof nm, "lookup_%d", i);
+            json_array_append_new(tools, json_pack("{s:s, s:{s:s, s:{s:s, s:{s:{s:s}}, s:[s]}}}", "type", "function",
+                                                   "function", "name", nm, "parameters", "type", "object",
+                                                   "properties", "q", "type", "string", "required", "q"));
+        }
+        k3_callspec *cs = NULL;
+        if (k3_callspec_compile(tools, NULL, &cs, where, sizeof where, &err)) return K3_EXIT_RUNTIME;
+        k3_constraint *c = k3_constraint_new_call(cs, tb, chat, vocab, false);
+        const struct { int32_t id; const char *text; } path[] = {
+            {m.close, NULL}, {-1, "response"}, {m.sep, NULL}, {m.open, NULL}, {-1, "tools"}, {m.sep, NULL},
+            {m.open, NULL}, {-1, "call tool=\""}, {-2, NULL}, {-1, "lookup_3\" index=\"1\""}, {m.sep, NULL},
+            {m.open, NULL}, {-1, "argument key=\"q\" type=\"string\""}, {m.sep, NULL}, {-1, "Ann"}, {-2, NULL}};
+        const char *const names[] = {"choosing a tool", "raw string argument"};
+        int at = 0;
+        for (size_t p = 0; p < sizeof path / sizeof *path; p++) {
+            if (path[p].id == -2) {
+                double best = 1e30;
+                size_t count = 0;
+                for (int r = 0; r < 5; r++) {
+                    double a = cpu_now();
+                    for (int k = 0; k < 50; k++) {
+                        const float *w = k3_constraint_apply(c, row);
+                        if (!w) return K3_EXIT_RUNTIME;
+                        if (k == 0) {
+                            count = 0;
+                            for (int i = 0; i < vocab; i++) count += w[i] > -INFINITY;
+                        }
+                    }
+                    double dt = (cpu_now() - a) / 50;
+                    if (dt < best) best = dt;
+                }
+                char label[64];
+                snprintf(label, sizeof label, "%s (%d tools)", names[at++], ntools);
+                printf("%-36s %10zu %12.3f\n", label, count, best * 1e3);
+                continue;
+            }
+            int32_t one = path[p].id, *v = &one;
+            size_t k = 1;
+            if (path[p].text && tok_encode(t, path[p].text, strlen(path[p].text), false, &v, &k, &err)) return K3_EXIT_RUNTIME;
+            for (size_t i = 0; i < k; i++) {
+                k3_constraint_apply(c, row);
+                if (k3_constraint_accept(c, v[i], &err)) {
+                    fprintf(stderr, "k3: %s\n", err.msg);
+                    return K3_EXIT_RUNTIME;
+                }
+            }
+            if (v != &one) free(v);
+        }
+        k3_constraint_free(c);
+        k3_callspec_free(cs);
+        json_decref(tools);
+    }
+    k3_chat_free(chat);
     free(allow);
     free(row);
     free(work);

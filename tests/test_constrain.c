@@ -6,9 +6,10 @@
  * accepted, and schema cases are written out by hand from JSON Schema's
  * rules. The mask is checked against feeding each of the Kimi tokenizer's
  * 163,840 ids on its own. */
-#include "constrain/constrain.h"
+#include "constrain/internal.h" /* k3_jstate_hold: a raw string argument */
 #include "harness.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -328,4 +329,428 @@ TEST(constrain_mask_equals_feeding_each_id) {
     k3_jschema_free(sc);
     k3_tokbytes_free(tb);
     tok_free(t);
+}
+
+/* The same for a tool call's string argument, written raw (quotes,
+ * backslashes and control characters are its text), also when an enum
+ * holds it to values that need escapes as JSON. */
+TEST(constrain_raw_string_mask_equals_feeding_each_id) {
+    k3_tokenizer *t = NULL;
+    k3_err err = {0};
+    CHECKF(tok_load(t_repo("tests/fixtures/tokenizer/kimi"), &t, &err) == 0, "%s", err.msg);
+    k3_tokbytes *tb = k3_tokbytes_new(t);
+    static const struct {
+        const char *schema, *prefix;
+    } C[] = {{"{\"type\":\"string\"}", ""},
+             {"{\"type\":\"string\"}", "a\"b\\"},
+             {"{\"type\":\"string\"}", "\xe2\x82"},
+             {"{\"enum\":[\"a\\\"b\",\"a\\nc\",\"x\\u0001\",3]}", "a"},
+             {"{\"enum\":[\"a\\\"b\",\"a\\nc\",\"x\\u0001\",3]}", "x"}};
+    int nb = tok_n_base(t);
+    uint8_t *allow = xmalloc((size_t)nb);
+    for (size_t i = 0; i < sizeof C / sizeof *C; i++) {
+        char where[64];
+        k3_jschema *sc = compile(C[i].schema, where, sizeof where, &err);
+        CHECK(sc);
+        k3_jstate st;
+        k3_jstate_init(&st, sc);
+        k3_jstate_hold(&st, T_STR, true);
+        CHECKF(k3_jstate_feed(&st, (const uint8_t *)C[i].prefix, strlen(C[i].prefix)), "%s", C[i].prefix);
+        size_t count = k3_jstate_mask(&st, tb, allow), want_count = 0;
+        for (int32_t id = 0; id < nb; id++) {
+            size_t n;
+            const uint8_t *p = tok_token_bytes(t, id, &n);
+            k3_jstate c = st;
+            bool want = p && n && k3_jstate_feed(&c, p, n);
+            want_count += want;
+            CHECKF(allow[id] == want, "case %zu: id %d mask %d, feeding it %d", i, id, allow[id], want);
+        }
+        CHECKF(count == want_count && count > 0, "case %zu: %zu allowed, want %zu", i, count, want_count);
+        k3_jschema_free(sc);
+    }
+    /* forced text: the ids whose bytes are a prefix of it, against a pass
+     * over every id */
+    static const char *const FORCED[] = {"call tool=\"", "get_weather\" index=\"1\"", "argument key=\"",
+                                         "\xe4\xbd\xa0\xe5\xa5\xbd \"&amp;\"", "response", "x"};
+    for (size_t i = 0; i < sizeof FORCED / sizeof *FORCED; i++) {
+        size_t fl = strlen(FORCED[i]);
+        memset(allow, 0, (size_t)nb);
+        size_t count = k3_tokbytes_prefixes(tb, (const uint8_t *)FORCED[i], fl, nb, allow), want_count = 0;
+        for (int32_t id = 0; id < nb; id++) {
+            size_t n;
+            const uint8_t *p = tok_token_bytes(t, id, &n);
+            bool want = p && n && n <= fl && !memcmp(p, FORCED[i], n);
+            want_count += want;
+            CHECKF(allow[id] == want, "'%s': id %d ('%.*s') %d, want %d", FORCED[i], id, (int)n, (const char *)p,
+                   allow[id], want);
+        }
+        CHECKF(count == want_count && count > 0, "'%s': %zu ids, want %zu", FORCED[i], count, want_count);
+    }
+    /* what the raw text spells: its JSON form is the enum value's */
+    char where[64];
+    k3_jschema *sc = compile("{\"enum\":[\"a\\\"b\",\"x\\u0001\",\"t\\tu\"]}", where, sizeof where, &err);
+    static const struct {
+        const char *raw;
+        bool ok;
+    } R[] = {{"a\"b", true}, {"x\x01", true}, {"t\tu", true}, {"a\\\"b", false}, {"x", false}, {"a\"bc", false}};
+    for (size_t i = 0; i < sizeof R / sizeof *R; i++) {
+        k3_jstate st;
+        k3_jstate_init(&st, sc);
+        k3_jstate_hold(&st, T_STR, true);
+        bool ok = k3_jstate_feed(&st, (const uint8_t *)R[i].raw, strlen(R[i].raw)) && k3_jstate_raw_done(&st);
+        CHECKF(ok == R[i].ok, "raw '%s': want %s", R[i].raw, R[i].ok ? "complete" : "refused");
+    }
+    k3_jschema_free(sc);
+    free(allow);
+    k3_tokbytes_free(tb);
+    tok_free(t);
+}
+
+/* ---- tool calls ----
+ *
+ * The reference is the chat module's renderer: an assistant message with a
+ * tool call rendered into the history gives the prompt followed by exactly
+ * the ids a model writes for that call (docs/chat.md), so the constraint
+ * must accept those ids, end there, and refuse the same message changed
+ * where the tool's schema or the choice forbids it. Walks sampled under the
+ * mask go the other way: the parser reads each back as a call whose
+ * arguments are checked below against the schema by hand. */
+
+static const char *const CALL_TOOLS =
+    "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"parameters\":{\"type\":\"object\","
+    "\"properties\":{\"city\":{\"type\":\"string\"},\"days\":{\"type\":\"integer\"},\"unit\":{\"enum\":[\"c\",\"f\"]},"
+    "\"hourly\":{\"type\":\"boolean\"},\"fields\":{\"type\":\"array\",\"items\":{\"type\":\"string\"}},"
+    "\"opt\":{\"type\":[\"number\",\"null\"]},\"tag\":{\"type\":[\"string\",\"integer\"],\"enum\":[\"a&b\",7]}},"
+    "\"required\":[\"city\",\"days\"],\"additionalProperties\":false}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"say \\\"hi\\\" & go\",\"strict\":true,\"parameters\":{\"type\":"
+    "\"object\",\"properties\":{\"q\":{\"type\":\"string\"}},\"required\":[\"q\"]}}},"
+    "{\"type\":\"function\",\"function\":{\"name\":\"noargs\"}}]";
+
+typedef struct {
+    k3_tokenizer *t;
+    k3_chat *chat;
+    k3_tokbytes *tb;
+    json_t *tools;
+    k3_callspec *any;
+} call_fix;
+
+static bool call_fix_open(call_fix *f) {
+    k3_err err = {0};
+    memset(f, 0, sizeof *f);
+    if (tok_load(t_repo("tests/fixtures/tokenizer/kimi"), &f->t, &err) || k3_chat_new(f->t, &f->chat, &err)) {
+        fprintf(stderr, "%s\n", err.msg);
+        return false;
+    }
+    f->tb = k3_tokbytes_new(f->t);
+    f->tools = json_loads(CALL_TOOLS, 0, NULL);
+    char where[256];
+    if (!f->tools || k3_callspec_compile(f->tools, NULL, &f->any, where, sizeof where, &err)) {
+        fprintf(stderr, "%s: %s\n", where, err.msg);
+        return false;
+    }
+    return true;
+}
+
+static void call_fix_close(call_fix *f) {
+    k3_callspec_free(f->any);
+    json_decref(f->tools);
+    k3_tokbytes_free(f->tb);
+    k3_chat_free(f->chat);
+    tok_free(f->t);
+}
+
+/* The ids the template renders for an assistant message (after the
+ * generation prefix). */
+static int32_t *rendered_reply(const call_fix *f, const char *assistant, bool thinking, size_t *n) {
+    char body[4096];
+    snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"user\",\"content\":\"Go.\"}],\"thinking\":%s}",
+             thinking ? "true" : "false");
+    json_t *req = json_loads(body, 0, NULL);
+    json_object_set(req, "tools", f->tools);
+    int32_t *prompt = NULL, *hist = NULL;
+    size_t np = 0, nh = 0;
+    k3_err err = {0};
+    json_t *msg = json_loads(assistant, 0, NULL);
+    if (!req || !msg || k3_chat_encode(f->chat, req, &prompt, &np, &err)) abort();
+    json_array_append_new(json_object_get(req, "messages"), msg);
+    json_object_set_new(req, "add_generation_prompt", json_false());
+    if (k3_chat_encode(f->chat, req, &hist, &nh, &err) || nh < np || memcmp(hist, prompt, np * sizeof *prompt)) abort();
+    *n = nh - np;
+    memmove(hist, hist + np, *n * sizeof *hist);
+    free(prompt);
+    json_decref(req);
+    return hist;
+}
+
+/* Feeds ids through c as a sampler would (each must be allowed by the mask
+ * and accepted): how many were; *ended: after them no id is allowed. */
+static size_t feed_reply(k3_constraint *c, const int32_t *g, size_t n, int vocab, bool *ended) {
+    float *row = xcalloc((size_t)vocab, sizeof *row);
+    size_t i = 0;
+    k3_err err = {0};
+    for (; i < n; i++) {
+        const float *m = k3_constraint_apply(c, row);
+        if (!m || m[g[i]] == -INFINITY || k3_constraint_accept(c, g[i], &err)) break;
+    }
+    *ended = i == n && !k3_constraint_apply(c, row);
+    free(row);
+    return i;
+}
+
+TEST(constrain_call_accepts_the_rendered_call) {
+    call_fix f;
+    CHECK(call_fix_open(&f));
+    static const struct {
+        const char *msg;
+        bool thinking;
+    } OK[] = {
+        {"{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":"
+         "{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris \\\"x\\\" \\\\ a&b\\n\\t\\u0001 \\u00e9\\ud83d\\ude00\","
+         "\"days\":3}}}]}", false},
+        {"{\"role\":\"assistant\",\"reasoning_content\":\"Let me see.\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c1\","
+         "\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"arguments\":{\"unit\":\"f\",\"days\":-12,"
+         "\"hourly\":false,\"fields\":[\"t\",\"wind \\\"w\\\"\"],\"opt\":null,\"city\":\"\",\"tag\":\"a&b\"}}}]}", true},
+        {"{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":"
+         "{\"name\":\"get_weather\",\"arguments\":{\"opt\":1.5e-07,\"days\":0,\"city\":\"x\",\"tag\":7}}}]}", false},
+        {"{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":"
+         "{\"name\":\"say \\\"hi\\\" & go\",\"arguments\":{\"q\":\"<|close|> spelled\"}}}]}", true},
+        {"{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c1\",\"type\":\"function\",\"function\":"
+         "{\"name\":\"noargs\",\"arguments\":{}}}]}", false},
+    };
+    for (size_t i = 0; i < sizeof OK / sizeof *OK; i++) {
+        size_t n;
+        int32_t *g = rendered_reply(&f, OK[i].msg, OK[i].thinking, &n);
+        json_t *m = json_loads(OK[i].msg, 0, NULL);
+        json_t *fn = json_object_get(json_array_get(json_object_get(m, "tool_calls"), 0), "function");
+        const char *name = json_string_value(json_object_get(fn, "name"));
+        k3_callspec *one = NULL;
+        k3_err err = {0};
+        CHECK(k3_callspec_compile(f.tools, name, &one, NULL, 0, &err) == 0);
+        for (int named = 0; named < 2; named++) {
+            k3_constraint *c = k3_constraint_new_call(named ? one : f.any, f.tb, f.chat, tok_vocab_size(f.t),
+                                                      OK[i].thinking);
+            bool ended;
+            size_t got = feed_reply(c, g, n, tok_vocab_size(f.t), &ended);
+            CHECKF(got == n && ended, "case %zu (%s): refused id %zu of %zu, ended %d", i, named ? "named" : "required",
+                   got, n, ended);
+            k3_constraint_free(c);
+        }
+        /* the parser reads the ids back as that call */
+        k3_chat_parser *p = k3_chat_parser_new(f.chat, OK[i].thinking);
+        k3_chat_delta d;
+        for (size_t j = 0; j < n; j++) CHECK(k3_chat_parser_feed(p, g[j], &d, &err) == 0);
+        const char *fin;
+        json_t *back = k3_chat_parser_message(p, false, &fin);
+        json_t *call = json_array_get(json_object_get(back, "tool_calls"), 0);
+        json_t *args = json_loads(json_string_value(json_object_get(json_object_get(call, "function"), "arguments")),
+                                  0, NULL);
+        CHECKF(!strcmp(fin, "tool_calls") &&
+                   !strcmp(json_string_value(json_object_get(json_object_get(call, "function"), "name")), name) &&
+                   json_equal(args, json_object_get(fn, "arguments")),
+               "case %zu read back as %s", i, json_dumps(back, 0));
+        json_decref(args);
+        json_decref(back);
+        k3_chat_parser_free(p);
+        k3_callspec_free(one);
+        json_decref(m);
+        free(g);
+    }
+    call_fix_close(&f);
+}
+
+TEST(constrain_call_refuses_what_the_schema_or_choice_forbids) {
+    call_fix f;
+    CHECK(call_fix_open(&f));
+    k3_callspec *weather = NULL;
+    k3_err err = {0};
+    CHECK(k3_callspec_compile(f.tools, "get_weather", &weather, NULL, 0, &err) == 0);
+#define W(args) "{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\"," \
+                "\"function\":{\"name\":\"get_weather\",\"arguments\":" args "}}]}"
+    static const struct {
+        const char *msg, *why;
+        bool named;
+    } BAD[] = {
+        {W("{\"city\":\"x\"}"), "a required argument missing", false},
+        {W("{\"city\":\"x\",\"days\":\"3\"}"), "a string for an integer", false},
+        {W("{\"city\":\"x\",\"days\":1.5}"), "a real for an integer", false},
+        {W("{\"city\":\"x\",\"days\":1,\"unit\":\"k\"}"), "a value not in the enum", false},
+        {W("{\"city\":\"x\",\"days\":1,\"tag\":8}"), "an integer not in the enum", false},
+        {W("{\"city\":\"x\",\"days\":1,\"zzz\":1}"), "an undeclared argument", false},
+        {W("{\"city\":3,\"days\":1}"), "a number for a string", false},
+        {W("{\"city\":\"x\",\"days\":1,\"fields\":[1]}"), "an array item of the wrong type", false},
+        {"{\"role\":\"assistant\",\"content\":\"Sure.\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\","
+         "\"function\":{\"name\":\"noargs\",\"arguments\":{}}}]}", "content before the call", false},
+        {"{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\","
+         "\"function\":{\"name\":\"noargs\",\"arguments\":{}}}]}", "another tool than the named one", true},
+        {"{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\","
+         "\"function\":{\"name\":\"nope\",\"arguments\":{}}}]}", "an undeclared tool", false},
+        {"{\"role\":\"assistant\",\"content\":\"hello\"}", "no call", false},
+        {"{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\","
+         "\"function\":{\"name\":\"noargs\",\"arguments\":{}}},{\"id\":\"d\",\"type\":\"function\","
+         "\"function\":{\"name\":\"noargs\",\"arguments\":{}}}]}", "a second call", false},
+    };
+#undef W
+    for (size_t i = 0; i < sizeof BAD / sizeof *BAD; i++) {
+        size_t n;
+        int32_t *g = rendered_reply(&f, BAD[i].msg, false, &n);
+        k3_constraint *c = k3_constraint_new_call(BAD[i].named ? weather : f.any, f.tb, f.chat, tok_vocab_size(f.t),
+                                                  false);
+        bool ended;
+        size_t got = feed_reply(c, g, n, tok_vocab_size(f.t), &ended);
+        CHECKF(got < n, "%s: accepted", BAD[i].why);
+        k3_constraint_free(c);
+        free(g);
+    }
+    k3_callspec_free(weather);
+    call_fix_close(&f);
+}
+
+TEST(constrain_call_refuses_parameters_it_cannot_enforce) {
+    static const struct {
+        const char *tools, *name, *where, *says;
+    } C[] = {
+        {"[{\"type\":\"function\",\"function\":{\"name\":\"a\",\"parameters\":{\"type\":\"object\",\"properties\":"
+         "{\"age\":{\"type\":\"integer\",\"minimum\":0}}}}}]", NULL, "tools[0].function.parameters.properties.age.minimum",
+         "'minimum'"},
+        {"[{\"type\":\"function\",\"function\":{\"name\":\"a\"}},{\"type\":\"function\",\"function\":{\"name\":\"b\","
+         "\"parameters\":{\"type\":\"string\"}}}]", NULL, "tools[1].function.parameters", "object schema"},
+        {"[{\"type\":\"function\",\"function\":{\"name\":\"a\"}},{\"type\":\"function\",\"function\":{\"name\":\"a\"}}]",
+         NULL, "tools[1].function.name", "twice"},
+        {"[{\"type\":\"function\",\"function\":{\"name\":\"a\"}},{\"type\":\"function\",\"function\":{\"name\":\"a\"}}]",
+         "a", "tools[1].function.name", "twice"},
+    };
+    for (size_t i = 0; i < sizeof C / sizeof *C; i++) {
+        json_t *tools = json_loads(C[i].tools, 0, NULL);
+        k3_callspec *cs = NULL;
+        char where[256];
+        k3_err err = {0};
+        CHECK(tools && k3_callspec_compile(tools, C[i].name, &cs, where, sizeof where, &err) == K3_EXIT_USAGE && !cs);
+        CHECKF(!strcmp(where, C[i].where) && strstr(err.msg, C[i].says), "case %zu: '%s: %s'", i, where, err.msg);
+        json_decref(tools);
+    }
+    /* a named tool's neighbours are not compiled: their keywords do not matter */
+    json_t *tools = json_loads(C[0].tools, 0, NULL);
+    json_array_append_new(tools, json_pack("{s:s, s:{s:s}}", "type", "function", "function", "name", "b"));
+    k3_callspec *cs = NULL;
+    k3_err err = {0};
+    CHECK(k3_callspec_compile(tools, "b", &cs, NULL, 0, &err) == 0 && cs);
+    k3_callspec_free(cs);
+    json_decref(tools);
+    /* more tools than a choice is enforced among */
+    tools = json_array();
+    for (int i = 0; i <= K3_CALL_MAX_TOOLS; i++)
+        json_array_append_new(tools, json_pack("{s:s, s:{s:s++}}", "type", "function", "function", "name", "t",
+                                               i % 2 ? "x" : "y", ""));
+    CHECK(k3_callspec_compile(tools, NULL, &cs, NULL, 0, &err) == K3_EXIT_USAGE && strstr(err.msg, "at most"));
+    json_decref(tools);
+}
+
+/* get_weather's arguments by JSON Schema's rules for its schema, written
+ * out by hand (not the module's validator). */
+static bool weather_args_ok(const json_t *a) {
+    if (!json_is_object(a) || !json_is_string(json_object_get(a, "city")) || !json_is_integer(json_object_get(a, "days")))
+        return false;
+    const char *k;
+    json_t *v;
+    json_object_foreach((json_t *)a, k, v) {
+        if (!strcmp(k, "city") || !strcmp(k, "days")) continue;
+        if (!strcmp(k, "unit")) {
+            if (!json_is_string(v) || (strcmp(json_string_value(v), "c") && strcmp(json_string_value(v), "f")))
+                return false;
+        } else if (!strcmp(k, "hourly")) {
+            if (!json_is_boolean(v)) return false;
+        } else if (!strcmp(k, "fields")) {
+            if (!json_is_array(v)) return false;
+            for (size_t i = 0; i < json_array_size(v); i++)
+                if (!json_is_string(json_array_get(v, i))) return false;
+        } else if (!strcmp(k, "opt")) {
+            if (!json_is_number(v) && !json_is_null(v)) return false;
+        } else if (!strcmp(k, "tag")) {
+            if (!(json_is_string(v) && !strcmp(json_string_value(v), "a&b")) &&
+                !(json_is_integer(v) && json_integer_value(v) == 7))
+                return false;
+        } else {
+            return false;
+        }
+    }
+    return true;
+}
+
+/* Replies sampled under the mask from random rows (the markup ids raised
+ * now and then so that values end): every finished one reads back as a
+ * call of a declared tool with valid arguments, and rendering that call
+ * gives ids the constraint accepts again. */
+TEST(constrain_call_walks_read_back_valid) {
+    call_fix f;
+    CHECK(call_fix_open(&f));
+    int vocab = tok_vocab_size(f.t), finished = 0, weather = 0;
+    k3_chat_ids ids = k3_chat_markup(f.chat);
+    float *row = xmalloc_array((size_t)vocab, sizeof *row), *pool = xmalloc_array(2 * (size_t)vocab, sizeof *pool);
+    uint64_t seed = 7;
+    for (size_t i = 0; i < 2 * (size_t)vocab; i++) pool[i] = (float)(k3_rng_next(&seed) >> 40);
+    k3_callspec *named = NULL;
+    k3_err cerr = {0};
+    CHECK(k3_callspec_compile(f.tools, "get_weather", &named, NULL, 0, &cerr) == 0);
+    for (int walk = 0; walk < 16; walk++) {
+        bool thinking = walk % 4 == 3;
+        k3_constraint *c = k3_constraint_new_call(walk % 2 ? named : f.any, f.tb, f.chat, vocab, thinking);
+        k3_chat_parser *p = k3_chat_parser_new(f.chat, thinking);
+        k3_chat_delta d;
+        k3_err err = {0};
+        bool stop = false;
+        for (int step = 0; step < 300 && !stop; step++) {
+            memcpy(row, pool + rnd(&seed, (uint64_t)vocab), (size_t)vocab * sizeof *row);
+            float hi = (float)(1ULL << 25);
+            if (rnd(&seed, 4) == 0) row[ids.close] = hi;
+            if (rnd(&seed, 3) == 0) row[ids.open] = hi;
+            const float *m = k3_constraint_apply(c, row);
+            CHECK(m);
+            int32_t best = 0;
+            for (int i = 1; i < vocab; i++)
+                if (m[i] > m[best]) best = i;
+            CHECK(m[best] > -INFINITY && k3_constraint_accept(c, best, &err) == 0);
+            CHECK(k3_chat_parser_feed(p, best, &d, &err) == 0);
+            stop = d.stop;
+        }
+        const char *fin;
+        json_t *msg = k3_chat_parser_message(p, !stop, &fin);
+        if (stop) {
+            finished++;
+            json_t *call = json_array_get(json_object_get(msg, "tool_calls"), 0);
+            const char *name = json_string_value(json_object_get(json_object_get(call, "function"), "name"));
+            json_t *args = json_loads(json_string_value(json_object_get(json_object_get(call, "function"), "arguments")),
+                                      0, NULL);
+            CHECKF(!strcmp(fin, "tool_calls") && json_array_size(json_object_get(msg, "tool_calls")) == 1 && args,
+                   "walk %d: %s", walk, json_dumps(msg, 0));
+            bool ok = false;
+            if (name && !strcmp(name, "get_weather")) ok = weather_args_ok(args), weather++;
+            else if (name && !strcmp(name, "say \"hi\" & go")) ok = json_is_string(json_object_get(args, "q"));
+            else if (name && !strcmp(name, "noargs")) ok = json_object_size(args) == 0;
+            CHECKF(ok && (walk % 2 == 0 || !strcmp(name, "get_weather")), "walk %d: %s", walk, json_dumps(msg, 0));
+            /* the call rendered back is accepted again */
+            json_t *again = json_pack("{s:s, s:s, s:[{s:s, s:s, s:{s:s, s:O}}]}", "role", "assistant", "content", "",
+                                      "tool_calls", "id", "c", "type", "function", "function", "name", name,
+                                      "arguments", args);
+            if (thinking) json_object_set(again, "reasoning_content", json_object_get(msg, "reasoning_content"));
+            char *text = json_dumps(again, 0);
+            size_t n;
+            int32_t *g = rendered_reply(&f, text, thinking, &n);
+            k3_constraint *c2 = k3_constraint_new_call(f.any, f.tb, f.chat, vocab, thinking);
+            bool ended;
+            CHECKF(feed_reply(c2, g, n, vocab, &ended) == n && ended, "walk %d rendered back: %s", walk, text);
+            k3_constraint_free(c2);
+            free(g);
+            free(text);
+            json_decref(again);
+            json_decref(args);
+        }
+        json_decref(msg);
+        k3_chat_parser_free(p);
+        k3_constraint_free(c);
+    }
+    CHECKF(finished >= 8 && weather >= 4, "%d of 16 walks finished, %d called get_weather", finished, weather);
+    k3_callspec_free(named);
+    free(pool);
+    free(row);
+    call_fix_close(&f);
 }

@@ -51,6 +51,14 @@ TEST(serve_parse_fields) {
     CHECKF(parse(b, K3_REQ_CHAT, &r, &e) == 0, "%s", e.message);
     CHECK(json_object_get(r.chat, "tool_choice") && json_object_get(r.chat, "response_format"));
     CHECK(json_object_get(r.chat, "model") == NULL && json_object_get(r.chat, "temperature") == NULL);
+    CHECK(r.call != NULL); /* a named function is enforced */
+    k3_serve_req_free(&r);
+    /* auto (or no tool_choice) enforces nothing, and does not compile the tools */
+    b = "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\",\"function\":"
+        "{\"name\":\"f\",\"parameters\":{\"type\":\"object\",\"properties\":{\"a\":{\"minimum\":0}}}}}],"
+        "\"tool_choice\":\"auto\"}";
+    CHECKF(parse(b, K3_REQ_CHAT, &r, &e) == 0, "%s", e.message);
+    CHECK(r.call == NULL && r.schema == NULL);
     k3_serve_req_free(&r);
     /* enable_thinking is the other spelling */
     CHECK(parse("{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"chat_template_kwargs\":{\"enable_thinking\":false}}",
@@ -231,6 +239,9 @@ TEST(serve_parse_errors) {
         {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":\"banana\"}", "invalid_value", "tool_choice"},
         {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":{\"type\":\"function\"}}", "invalid_value", "tool_choice"},
         {K3_REQ_CHAT, "{\"messages\":[{}],\"tool_choice\":3}", "invalid_type", "tool_choice"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"parameters\":"
+         "{\"type\":\"object\",\"properties\":{\"a\":{\"minimum\":0}}}}}],\"tool_choice\":\"required\"}",
+         "unsupported_value", "tools"},
         {K3_REQ_CHAT, "{\"messages\":[{}],\"response_format\":{\"type\":\"yaml\"}}", "invalid_value", "response_format"},
         {K3_REQ_CHAT, "{\"messages\":[{}],\"response_format\":{\"type\":\"json_schema\"}}", "invalid_value",
          "response_format"},

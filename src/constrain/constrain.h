@@ -21,6 +21,19 @@
  *    precomputed once per tokenizer: the base ids sorted by bytes, so tokens
  *    that share a prefix share its work and a rejected prefix rejects them
  *    all at once).
+ *  - k3_callspec: the tools a reply must call (tool_choice "required" or a
+ *    named function). The reply is then the template's assistant tool call
+ *    (docs/chat.md): an empty response channel, then
+ *      [open]tools[sep] [open]call tool="NAME" index="1"[sep]
+ *      ([open]argument key="K" type="T"[sep] VALUE [close]argument[sep])*
+ *      [close]call[sep] [close]tools[sep] [close]message[sep] [end_of_msg]
+ *    with NAME one of the tools (masked among their names), each K a
+ *    declared parameter at most once, every required one present, T one of
+ *    the parameter's types (string number boolean null array object), and
+ *    VALUE the value as the parser reads it back: a string's raw text for
+ *    type="string" (valid UTF-8 without NUL; fed to the machine as its JSON
+ *    escapes), else JSON, masked by the machine on the parameter's schema. Names are spelled as the template spells attributes (& and "
+ *    as &amp; &quot;). One call per reply.
  *
  * Bounds (everything a client controls is bounded): schema nesting
  * K3_JSCHEMA_MAX_DEPTH, nodes K3_JSCHEMA_MAX_NODES, properties per object and
@@ -93,6 +106,8 @@ typedef struct {
     uint16_t hexv;
     uint32_t hi;     /* string: the high surrogate awaiting its low half */
     uint16_t root;   /* node of the top value */
+    uint8_t rtypes;  /* the top value's types are held to these (0: as the schema says) */
+    uint8_t raw;     /* the top value is a string written raw: bytes are its text, not JSON */
     int16_t depth;
     k3_jframe f[K3_JSON_MAX_DEPTH]; /* only f[0..depth) is meaningful (copies copy that much) */
 } k3_jstate;
@@ -114,12 +129,31 @@ void k3_tokbytes_free(k3_tokbytes *tb);
  * 0; returns how many. An id with no bytes is never allowed. */
 size_t k3_jstate_mask(const k3_jstate *st, const k3_tokbytes *tb, uint8_t *allow);
 
+/* ---- the tools a reply must call ---- */
+#define K3_CALL_MAX_TOOLS 128  /* tools one reply may choose among */
+#define K3_CALL_MAX_NAME 1024  /* bytes of a tool or parameter name as an attribute */
+typedef struct k3_callspec k3_callspec;
+/* tools: the request's array ({type: "function", function: {name,
+ * parameters}}); name: the one to call, NULL for any of them. Each callable
+ * tool's parameters (absent or null: none) must be an object schema of the
+ * k3_jschema subset; a refusal is K3_EXIT_USAGE with where naming the path
+ * ("tools[2].function.parameters.properties.age.minimum"), as is a name
+ * declared twice, too long, or more than K3_CALL_MAX_TOOLS tools to choose
+ * among. Parameters are written only from properties (additionalProperties
+ * admits no extra argument). */
+int k3_callspec_compile(const json_t *tools, const char *name, k3_callspec **out, char *where, size_t nwhere,
+                        k3_err *err);
+void k3_callspec_free(k3_callspec *cs);
+
 /* ---- one chat reply ---- */
 typedef struct k3_constraint k3_constraint;
 /* schema: the compiled response_format (json_object or json_schema);
  * thinking: the generation prefix opened the think channel. */
 k3_constraint *k3_constraint_new(const k3_jschema *schema, const k3_tokbytes *tb, const k3_chat *chat, int vocab,
                                  bool thinking);
+/* A reply that is a call of one of cs's tools (the shape above). */
+k3_constraint *k3_constraint_new_call(const k3_callspec *cs, const k3_tokbytes *tb, const k3_chat *chat, int vocab,
+                                      bool thinking);
 void k3_constraint_free(k3_constraint *c);
 /* The row to sample from: row with every id that cannot continue the reply
  * at -INFINITY (a copy; row is not changed). NULL when no id can (the

@@ -46,6 +46,56 @@ struct k3_tokbytes {
     size_t maxlen;
 };
 
+/* The T_* bits of a JSON value's kind (a number is both). */
+static inline uint8_t k3_jkind_bits(const json_t *v) {
+    switch (json_typeof(v)) {
+    case JSON_OBJECT: return T_OBJ;
+    case JSON_ARRAY: return T_ARR;
+    case JSON_STRING: return T_STR;
+    case JSON_INTEGER:
+    case JSON_REAL: return T_NUM | T_INT;
+    case JSON_TRUE:
+    case JSON_FALSE: return T_BOOL;
+    default: return T_NULL;
+    }
+}
+
+/* The argument type names of the template (docs/chat.md) and their bits. */
+#define K3_NCALL_TYPES 6
+extern const struct k3_call_type {
+    const char *attr; /* the type attribute's value and its closing quote: string" */
+    uint8_t bits;
+} k3_call_types[K3_NCALL_TYPES];
+
+typedef struct {
+    char *head;          /* NAME" index="1" (the header after tool=") */
+    uint32_t nhead;
+    k3_jschema *params;  /* NULL: no parameters */
+    uint16_t nargs;      /* the root's properties */
+    char **khead;        /* per property: KEY" type=" */
+    uint32_t *nkhead;
+    uint8_t *ntypes;     /* per property: bit i set: k3_call_types[i] may be written */
+    uint64_t required;
+} k3_calltool;
+
+struct k3_callspec {
+    k3_calltool *t;
+    size_t n;
+};
+
+/* Holds a fresh state's top value to types (T_* bits); raw: the value is a
+ * string whose fed bytes are its text, unquoted and unescaped (a tool
+ * call's string argument), so any UTF-8 without NUL is text. */
+void k3_jstate_hold(k3_jstate *st, uint8_t types, bool raw);
+/* done() for a held state: a raw string is complete where its closing quote
+ * would complete the value. */
+bool k3_jstate_raw_done(const k3_jstate *st);
+
+/* Sets allow[id] for each base id below limit whose bytes are a non-empty
+ * prefix of s[0..n) (the ids that may spell forced text); returns how many
+ * it newly set. */
+size_t k3_tokbytes_prefixes(const k3_tokbytes *tb, const uint8_t *s, size_t n, int32_t limit, uint8_t *allow);
+
 #define K3_JHASH_INIT 0xcbf29ce484222325ULL
 static inline uint64_t k3_jhash_byte(uint64_t h, uint8_t b) { return (h ^ b) * 0x100000001b3ULL; }
 

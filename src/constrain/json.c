@@ -303,19 +303,24 @@ static void start_lit(k3_jstate *st, uint16_t nd, uint8_t list, uint64_t cand) {
 
 static bool value_start(k3_jstate *st, uint16_t nd, uint8_t b) {
     const jnode *n = node(st, nd);
+    uint8_t types = n->types & (st->depth == 0 && st->rtypes ? st->rtypes : T_ANY);
     if (n->nlit) {
-        start_lit(st, nd, L_ENUM, all_bits(n->nlit));
+        uint64_t cand = 0;
+        for (size_t j = 0; j < n->nlit; j++)
+            if (k3_jkind_bits(n->litv[j]) & types) cand |= 1ULL << j;
+        if (!cand) return false;
+        start_lit(st, nd, L_ENUM, cand);
         return lit_byte(st, b);
     }
     switch (b) {
     case '{':
     case '[':
-        if (!(n->types & (b == '{' ? T_OBJ : T_ARR)) || st->depth >= K3_JSON_MAX_DEPTH) return false;
+        if (!(types & (b == '{' ? T_OBJ : T_ARR)) || st->depth >= K3_JSON_MAX_DEPTH) return false;
         st->f[st->depth++] = (k3_jframe){.node = nd, .kind = b == '{' ? K_OBJ : K_ARR,
                                          .phase = b == '{' ? O_START : A_START};
         return true;
     case '"':
-        if (!(n->types & T_STR)) return false;
+        if (!(types & T_STR)) return false;
         st->sk = SK_STR;
         st->sp = S_BODY;
         st->key = 0;
@@ -326,14 +331,14 @@ static bool value_start(k3_jstate *st, uint16_t nd, uint8_t b) {
     case 't':
     case 'f':
     case 'n': {
-        uint64_t c = (n->types & T_BOOL ? 3 : 0) | (n->types & T_NULL ? 4 : 0);
+        uint64_t c = (types & T_BOOL ? 3 : 0) | (types & T_NULL ? 4 : 0);
         if (!c) return false;
         start_lit(st, nd, L_WORDS, c);
         return lit_byte(st, b);
     }
     default:
         if (b != '-' && (b < '0' || b > '9')) return false;
-        if (!(n->types & (T_NUM | T_INT))) return false;
+        if (!(types & (T_NUM | T_INT))) return false;
         st->sk = SK_NUM;
         st->snode = nd;
         st->sp = N_MINUS;
@@ -412,7 +417,7 @@ static bool struct_byte(k3_jstate *st, uint8_t b) {
     }
 }
 
-static bool step(k3_jstate *st, uint8_t b) {
+static bool step_json(k3_jstate *st, uint8_t b) {
     switch (st->sk) {
     case SK_STR: return str_byte(st, b);
     case SK_NUM: {
@@ -428,6 +433,39 @@ static bool step(k3_jstate *st, uint8_t b) {
     }
     default: return struct_byte(st, b);
     }
+}
+
+/* A byte: raw string text is written as its JSON form, escaped as
+ * json_dumps escapes (so an enum value matches its compact text). */
+static bool step(k3_jstate *st, uint8_t b) {
+    if (!st->raw) return step_json(st, b);
+    static const char SHORT[] = {['\b'] = 'b', ['\f'] = 'f', ['\n'] = 'n', ['\r'] = 'r', ['\t'] = 't',
+                                 ['"'] = '"', ['\\'] = '\\'};
+    if (b >= sizeof SHORT || !SHORT[b]) {
+        if (b >= 0x20) return step_json(st, b);
+        static const char HEX[] = "0123456789ABCDEF";
+        const uint8_t u[6] = {'\\', 'u', '0', '0', (uint8_t)HEX[b >> 4], (uint8_t)HEX[b & 15]};
+        for (int i = 0; i < 6; i++)
+            if (!step_json(st, u[i])) return false;
+        return true;
+    }
+    return step_json(st, '\\') && step_json(st, (uint8_t)SHORT[b]);
+}
+
+void k3_jstate_hold(k3_jstate *st, uint8_t types, bool raw) {
+    st->rtypes = raw ? T_STR : types;
+    if (raw) {
+        step_json(st, '"');
+        st->raw = 1;
+    }
+}
+
+bool k3_jstate_raw_done(const k3_jstate *st) {
+    if (!st->raw) return k3_jstate_done(st);
+    k3_jstate c;
+    k3_jstate_copy(&c, st);
+    c.raw = 0;
+    return step_json(&c, '"') && k3_jstate_done(&c);
 }
 
 bool k3_jstate_feed(k3_jstate *st, const uint8_t *b, size_t n) {
@@ -513,6 +551,28 @@ void k3_tokbytes_free(k3_tokbytes *tb) {
     free(tb->lcp);
     free(tb->plain);
     free(tb);
+}
+
+/* The ids whose bytes are exactly s[0..l): each found by bisection in the
+ * sorted order (bytes, then length), so a forced or chosen text costs a few
+ * lookups per prefix instead of a pass over the vocabulary. */
+size_t k3_tokbytes_prefixes(const k3_tokbytes *tb, const uint8_t *s, size_t n, int32_t limit, uint8_t *allow) {
+    size_t count = 0;
+    for (size_t l = 1; l <= n && l <= tb->maxlen; l++) {
+        size_t lo = 0, hi = tb->n;
+        while (lo < hi) { /* first entry not below s[0..l) */
+            size_t mid = lo + (hi - lo) / 2, m = tb->len[mid] < l ? tb->len[mid] : l;
+            int c = memcmp(tb->p[mid], s, m);
+            if (c < 0 || (c == 0 && tb->len[mid] < l)) lo = mid + 1;
+            else hi = mid;
+        }
+        for (; lo < tb->n && tb->len[lo] == l && !memcmp(tb->p[lo], s, l); lo++)
+            if (tb->ord[lo] < limit && !allow[tb->ord[lo]]) {
+                allow[tb->ord[lo]] = 1;
+                count++;
+            }
+    }
+    return count;
 }
 
 /* Walks the ids in byte order keeping the states along the last path

@@ -43,7 +43,7 @@ typedef struct {
     size_t text_off;       /* completion: bytes of the tokens so far */
     json_t *choices;       /* not streamed: the finished choices */
     k3_logit_proc proc;    /* the choice's penalties and biases */
-    k3_constraint *con;    /* response_format: the reply's shape (NULL: free text) */
+    k3_constraint *con;    /* response_format or an enforced tool_choice: the reply's shape (NULL: free text) */
     bool dead;             /* con allowed no id at the last step */
     k3_chat_parser *cp;    /* chat: ids to reasoning, content, calls */
     tok_stream ts;         /* completions: ids to text */
@@ -407,13 +407,14 @@ static int run_choice(gen_ctx *g, float *logits, bool *cancelled, bool *failed, 
     k3_sampler sp;
     k3_sampler_init(&sp, m->vocab, r->temperature, r->top_k, r->top_p, r->min_p, r->seed + (uint64_t)g->index);
     k3_logit_proc_init(&g->proc, r, m->vocab, j->ids, j->n);
-    if (r->schema && g->chat) {
+    if ((r->schema || r->call) && g->chat) {
         /* made once, by the first slot that needs it; read-only after */
         pthread_mutex_lock(&s->mu);
         if (!s->tb) s->tb = k3_tokbytes_new(m->tok);
         const k3_tokbytes *tb = s->tb;
         pthread_mutex_unlock(&s->mu);
-        g->con = k3_constraint_new(r->schema, tb, m->chat, m->vocab, r->thinking);
+        g->con = r->call ? k3_constraint_new_call(r->call, tb, m->chat, m->vocab, r->thinking)
+                         : k3_constraint_new(r->schema, tb, m->chat, m->vocab, r->thinking);
         g->dead = false;
     }
     g->cp = g->chat ? k3_chat_parser_new(m->chat, r->thinking) : NULL;

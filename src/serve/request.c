@@ -394,6 +394,20 @@ static int compile_format(k3_serve_error *e, const json_t *rfmt, k3_serve_req *r
     return 0;
 }
 
+/* tool_choice "required" or {"type": "function", "function": {"name"}}:
+ * the tools the reply must call (constrain.h), compiled here so that a
+ * parameters keyword the mask cannot enforce is a 400 naming its path. */
+static int compile_call(k3_serve_error *e, const json_t *tools, const json_t *choice, k3_serve_req *r) {
+    const char *name = NULL;
+    if (json_is_object(choice)) name = json_string_value(json_object_get(json_object_get(choice, "function"), "name"));
+    else if (!json_is_string(choice) || strcmp(json_string_value(choice), "required")) return 0;
+    char where[512];
+    k3_err err = {0};
+    if (k3_callspec_compile(tools, name, &r->call, where, sizeof where, &err))
+        return k3_serve_error_set(e, 400, "unsupported_value", "tools", "%.400s: %s", where, err.msg);
+    return 0;
+}
+
 /* thinking as each spelling gave it (-1: not given); they must agree */
 typedef struct {
     int v[3];
@@ -617,6 +631,7 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
     }
     if ((rc = check_tools(e, tools, tool_choice, rfmt))) goto out;
     if ((rc = compile_format(e, rfmt, r))) goto out;
+    if ((rc = compile_call(e, tools, tool_choice, r))) goto out;
     const char *effort_as = "";
     if (effort && !json_is_null(effort)) {
         if (!json_is_string(effort)) {
@@ -659,6 +674,7 @@ void k3_serve_req_free(k3_serve_req *r) {
     free(r->bias);
     json_decref(r->chat);
     k3_jschema_free(r->schema);
+    k3_callspec_free(r->call);
     int kind = r->kind;
     memset(r, 0, sizeof *r);
     r->kind = kind;

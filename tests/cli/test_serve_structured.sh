@@ -8,8 +8,14 @@
 # server's); with thinking on the answer after the reasoning does; a reply cut
 # by max_tokens says "length"; a streamed reply concatenates to the same
 # content; response_format "text" leaves the reply as without it; a schema
-# keyword the server cannot enforce is a 400 naming it. Loopback, every wait
-# bounded.
+# keyword the server cannot enforce is a 400 naming it. tool_choice
+# "required" or a named function: every reply that ends on its own is one
+# call (finish "tool_calls") of a declared tool (the named one when named)
+# whose arguments parse and match the tool's parameters (python's jsonschema
+# when this python has it, else the validator below); streamed, the call
+# deltas give the same call; "auto" replies as with tool_choice absent; an
+# unenforceable parameters keyword is a 400 naming its path. Loopback, every
+# wait bounded.
 . "$(dirname "$0")/lib.sh"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 need_chat_python structured
@@ -174,6 +180,112 @@ for schema, says in REFUSED:
         "refused " + says, "%d %s" % (st, t))
 st, t = post({"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
 out(st == 400 and "json_schema.schema: required" in t, "refused no schema", "%d %s" % (st, t))
+
+# tool_choice: required / named, enforced as the template's call form
+try:
+    import jsonschema
+except ImportError:
+    jsonschema = None
+OPEN = 163587  # <|open|> (<|im_user|>)
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]},
+        "fields": {"type": "array", "items": {"enum": ["t", "wind"]}}, "opt": {"type": ["number", "null"]},
+        "tag": {"type": ["string", "integer"], "enum": ["a&b", 7]}},
+        "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "look \"it\" up", "strict": True, "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"}}, "required": ["q"]}}},
+    {"type": "function", "function": {"name": "noargs"}},
+]
+PARAMS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object", "properties": {},
+          "additionalProperties": False}) for t in TOOLS}
+# raised <|open|> and <|close|> end values and argument lists within the
+# budget (a raw string argument ends only at <|close|>); the mask keeps both
+# out wherever they would break the call
+BIAS = {str(CLOSE): 20, str(OPEN): 20}
+
+def check_call(tag, ch, want_name):
+    fin, msg = ch["finish_reason"], ch["message"]
+    if fin == "length":
+        out(True, tag + ":length"); return None
+    calls = msg.get("tool_calls") or []
+    if fin != "tool_calls" or len(calls) != 1:
+        out(False, tag, "finish %s, message %r" % (fin, msg)); return None
+    fn = calls[0]["function"]
+    name = fn["name"]
+    if name not in PARAMS or (want_name and name != want_name):
+        out(False, tag + ":name", repr(name)); return None
+    try:
+        args = json.loads(fn["arguments"])
+    except Exception as e:
+        out(False, tag + ":parses", "%s: %r" % (e, fn["arguments"])); return None
+    ok = valid(PARAMS[name], args) and isinstance(args, dict)
+    if jsonschema is not None:
+        try:
+            jsonschema.validate(args, PARAMS[name])
+        except jsonschema.ValidationError:
+            ok = False
+    out(ok, tag + ":valid", "%r against %s" % (args, name))
+    out(msg.get("content") in (None, ""), tag + ":no content", repr(msg.get("content")))
+    return calls[0]
+
+stats = {"tool_calls": 0, "length": 0}
+n_req = 2 if asan else 4
+for choice in ("required", "named"):
+    for think in (False, True):
+        for seed in range(n_req):
+            tc = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
+            body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": tc,
+                    "temperature": 2, "seed": seed, "max_tokens": 300, "enable_thinking": think,
+                    "logit_bias": BIAS}
+            tag = "tool %s:think=%d:seed=%d" % (choice, think, seed)
+            st, text = post(body)
+            if st != 200:
+                out(False, tag, "status %d %s" % (st, text)); continue
+            ch = json.loads(text)["choices"][0]
+            stats[ch["finish_reason"]] = stats.get(ch["finish_reason"], 0) + 1
+            check_call(tag, ch, "get_weather" if choice == "named" else None)
+out(stats["tool_calls"] >= 4 * n_req // 2, "complete calls", "finish counts %s" % stats)
+
+# streamed: the call deltas give the non-streamed call, finish tool_calls
+body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": "required",
+        "temperature": 2, "seed": 3, "max_tokens": 300, "enable_thinking": False, "logit_bias": BIAS}
+st, whole = post(body)
+body["stream"] = True
+st2, sse = post(body)
+calls, fins = [], []
+for line in sse.splitlines():
+    if line.startswith("data: ") and line != "data: [DONE]":
+        for c in json.loads(line[6:]).get("choices", []):
+            calls += c.get("delta", {}).get("tool_calls") or []
+            if c.get("finish_reason"): fins.append(c["finish_reason"])
+w = json.loads(whole)["choices"][0] if st == 200 else {}
+wc = (w.get("message", {}).get("tool_calls") or [{}])[0].get("function")
+out(st == 200 and st2 == 200 and len(calls) == 1 and calls[0]["function"] == wc and fins == ["tool_calls"] and
+    w.get("finish_reason") == "tool_calls", "tool stream equals", "%r %r vs %r" % (calls, fins, w))
+
+# auto (and tools with no tool_choice): nothing enforced, the reply is the
+# one without the field
+for seed in range(2):
+    base = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "temperature": 2, "seed": seed,
+            "max_tokens": 40, "enable_thinking": seed == 1, "logit_bias": BIAS, "logprobs": True}
+    st, a = post(base)
+    st2, b = post(dict(base, tool_choice="auto"))
+    ma = json.loads(a)["choices"][0] if st == 200 else None
+    mb = json.loads(b)["choices"][0] if st2 == 200 else None
+    out(ma is not None and ma == mb, "tool_choice auto unchanged:seed=%d" % seed, "%r vs %r" % (ma, mb))
+
+# refusals: 400 naming the parameters keyword's path, param "tools"
+bad = [dict(TOOLS[0], function=dict(TOOLS[0]["function"], parameters={"type": "object", "properties": {
+    "days": {"type": "integer", "minimum": 1}}}))]
+for tc in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    st, t = post({"messages": msgs, "tools": bad, "tool_choice": tc})
+    e = json.loads(t).get("error", {}) if t.startswith("{") else {}
+    out(st == 400 and e.get("param") == "tools" and
+        "tools[0].function.parameters.properties.days.minimum" in e.get("message", ""),
+        "tool refused minimum:%s" % ("named" if isinstance(tc, dict) else tc), "%d %s" % (st, t))
+st, t = post({"messages": msgs, "tools": bad, "tool_choice": "auto", "max_tokens": 2})
+out(st == 200, "tool auto not compiled", "%d %s" % (st, t))
 PY
 rc=$?
 while read -r verdict rest; do
