@@ -22,6 +22,39 @@ function bubble(role) {
   return el;
 }
 
+// The folded think channel of one reply. While reasoning streams in, the box
+// is open under a "thinking…" summary so it can be read live; when the answer
+// starts (or the reply ends) it folds, its summary saying how it ended.
+function thinkingBox() {
+  const details = document.createElement("details");
+  details.className = "reasoning";
+  details.hidden = true;
+  const summary = document.createElement("summary");
+  const text = document.createElement("div");
+  text.className = "text";
+  details.append(summary, text);
+  let live = false;
+  return {
+    details,
+    stream(reasoning) {
+      if (!live && details.hidden) {
+        live = true;
+        details.hidden = false;
+        details.open = true;
+        summary.textContent = "thinking…";
+      }
+      text.textContent = reasoning;
+    },
+    end(label) {
+      if (!live) return;
+      live = false;
+      details.open = false;
+      summary.textContent = label;
+      details.classList.toggle("cut", label !== "reasoning");
+    },
+  };
+}
+
 function scrollDown() { window.scrollTo(0, document.body.scrollHeight); }
 
 async function init() {
@@ -71,19 +104,14 @@ async function send(text) {
   const userEl = bubble("user");
   userEl.textContent = text;
   const el = bubble("assistant");
-  const details = document.createElement("details");
-  details.className = "reasoning";
-  details.hidden = true;
-  const summary = document.createElement("summary");
-  summary.textContent = "reasoning";
-  const rtext = document.createElement("div");
-  rtext.className = "text";
-  details.append(summary, rtext);
   const content = document.createElement("div");
   content.className = "content";
   const meta = document.createElement("div");
   meta.className = "meta";
-  el.append(details, content, meta);
+  // A completion model has no think channel: no box at all.
+  const box = chat ? thinkingBox() : null;
+  if (box) el.append(box.details);
+  el.append(content, meta);
   scrollDown();
 
   const thinking = $("thinking").checked;
@@ -124,14 +152,14 @@ async function send(text) {
       if (!c) return;
       if (c.finish_reason) finish = c.finish_reason;
       const piece = chat ? c.delta || {} : { content: c.text };
-      if (piece.reasoning_content) {
+      if (piece.reasoning_content && box) {
         if (!tFirst) tFirst = performance.now();
         reasoning += piece.reasoning_content;
-        details.hidden = false;
-        rtext.textContent = reasoning;
+        box.stream(reasoning);
       }
       if (piece.content) {
         if (!tFirst) tFirst = performance.now();
+        if (box && !answer) box.end("reasoning");
         answer += piece.content;
         content.textContent = answer;
       }
@@ -151,6 +179,8 @@ async function send(text) {
     meta.textContent = ttft + n + " tokens in " + secs.toFixed(2) + " s" +
       (usage ? ", " + usage.prompt_tokens_details.cached_tokens + " of " + usage.prompt_tokens +
         " prompt tokens reused" : "") + (finish ? " (" + finish + ")" : "");
+    // the token limit ended the think channel before it closed: no answer came
+    if (box && reasoning && !answer) box.end(finish === "length" ? "reasoning cut" : "reasoning");
     if (chat) {
       history.push({ role: "user", content: text });
       const m = { role: "assistant", content: answer };
@@ -159,6 +189,7 @@ async function send(text) {
     }
     setStatus("ready");
   } catch (e) {
+    if (box && reasoning && !answer) box.end(e.name === "AbortError" ? "reasoning stopped" : "reasoning");
     if (e.name === "AbortError") {
       meta.textContent = "stopped";
       setStatus("stopped");
