@@ -5,7 +5,10 @@
 // Type a message, send it, watch the reply stream in with its reasoning
 // readable in an open <details> before the reply ends, folded once it ends
 // (labelled "reasoning cut" when the token limit closed it); turn thinking
-// off and see no reasoning. With COMPLETION_URL (a k3 serve on a model with no
+// off and see no reasoning. The conversation survives a reload; regenerate
+// resends the same messages and replaces the last reply; editing the first
+// message resends from there; copy fills the clipboard; "new chat" forgets
+// the conversation, also after a reload. With COMPLETION_URL (a k3 serve on a model with no
 // chat template) also: its page shows no thinking box at all.
 // Prints PASS/FAIL lines and "N passed, N failed".
 import { check, out, runPage } from './page.mjs';
@@ -15,6 +18,8 @@ const url = process.env.SERVE_URL;
 
 await runPage({ viewport: { width: 1100, height: 900 } }, async (page, problems) => {
   const streams = [];
+  const sent = []; // the chat requests' bodies, in order
+  page.on('request', (r) => { if (r.url().endsWith('/v1/chat/completions')) sent.push(r.postDataJSON()); });
   page.on('response', (r) => { if (r.url().endsWith('/v1/chat/completions')) streams.push(r.headers()['content-type'] || ''); });
 
   const resp = await page.goto(url, { waitUntil: 'load' });
@@ -49,7 +54,7 @@ await runPage({ viewport: { width: 1100, height: 900 } }, async (page, problems)
     const d = m.querySelector('details.reasoning');
     return { hidden: d.hidden, open: d.open, reasoning: d.querySelector('.text').textContent,
       summary: d.querySelector('summary').textContent, meta: m.querySelector('.meta').textContent,
-      error: m.classList.contains('error'), user: document.querySelector('.msg.user').textContent,
+      error: m.classList.contains('error'), user: document.querySelector('.msg.user .text').textContent,
       updates: window.__updates, live: window.__live, content: m.querySelector('.content').textContent };
   });
   check('user message shown', first.user === 'Hello! Who are you?', first.user);
@@ -100,6 +105,70 @@ await runPage({ viewport: { width: 1100, height: 900 } }, async (page, problems)
   const label4 = await page.evaluate(() => [...document.querySelectorAll('.msg.assistant summary')].pop().textContent);
   check('3-token limit: "reasoning cut"', !fourth.error && fourth.content === '' && fourth.meta.endsWith('(length)') &&
     label4 === 'reasoning cut', `${label4} / ${fourth.meta}`);
+
+  // ---- the conversation survives a reload ----
+  const snapshot = () => page.evaluate(() => [...document.querySelectorAll('#log .msg')].map((m) =>
+    m.classList.contains('user') ? 'U:' + m.querySelector('.text').textContent
+      : 'A:' + (m.querySelector('details .text')?.textContent ?? '') + '|' + (m.querySelector('summary')?.textContent ?? '') +
+        '|' + m.querySelector('.content').textContent + '|' + m.querySelector('.meta').textContent));
+  const ready = () => page.waitForFunction(() => document.querySelector('#status').textContent === 'ready', null,
+    { timeout: 30000 });
+  const before = await snapshot();
+  await page.reload({ waitUntil: 'load' });
+  await ready();
+  const after = await snapshot();
+  check('reload keeps the conversation', before.length === 8 && JSON.stringify(after) === JSON.stringify(before),
+    `${before.length} messages before, ${after.length} after`);
+
+  // ---- regenerate: the same messages again, the last reply replaced ----
+  const lastReply = () => page.evaluate(() => {
+    const m = [...document.querySelectorAll('.msg.assistant')].pop();
+    return (m.querySelector('details .text')?.textContent ?? '') + '|' + m.querySelector('.content').textContent;
+  });
+  const old = await lastReply();
+  const nSent = sent.length;
+  await page.fill('#max_tokens', '24');
+  check('regenerate only on the last reply', await page.locator('.msg.assistant .regenerate').count() === 1);
+  await page.click('.msg.assistant .regenerate');
+  await page.waitForFunction(() => {
+    const m = document.querySelectorAll('.msg.assistant');
+    return m.length === 4 && m[3].querySelector('.meta').textContent.length > 0;
+  }, null, { timeout: 120000 });
+  const regen = await lastReply();
+  check('regenerate resends the same messages', sent.length === nSent + 1 &&
+    JSON.stringify(sent[nSent].messages) === JSON.stringify(sent[nSent - 1].messages), `${sent.length - nSent} requests`);
+  check('regenerate replaces the last reply', await page.locator('.msg').count() === 8 && regen !== old &&
+    !regen.startsWith(old), `${old} -> ${regen}`);
+
+  // ---- edit the first message: the conversation restarts from it ----
+  await page.locator('.msg.user .edit').first().click();
+  await page.fill('.msg.user textarea.edit', 'Edited question');
+  await page.click('.msg.user .edit-send');
+  await page.waitForFunction(() => {
+    const m = document.querySelectorAll('.msg.assistant');
+    return m.length === 1 && m[0].querySelector('.meta').textContent.length > 0;
+  }, null, { timeout: 120000 });
+  const edited = await snapshot();
+  const last = sent[sent.length - 1].messages;
+  check('edit resends from the edited message', edited.length === 2 && edited[0] === 'U:Edited question' &&
+    JSON.stringify(last) === JSON.stringify([{ role: 'user', content: 'Edited question' }]), JSON.stringify(last));
+
+  // ---- copy ----
+  await page.context().grantPermissions(['clipboard-read', 'clipboard-write'], { origin: new URL(url).origin });
+  await page.click('.msg.user .copy');
+  check('copy puts the message on the clipboard',
+    await page.evaluate(() => navigator.clipboard.readText()) === 'Edited question');
+  await page.click('.msg.assistant .copy');
+  const clip = await page.evaluate(() => navigator.clipboard.readText());
+  check('copy puts the reply on the clipboard', clip === await page.textContent('.msg.assistant .content'), clip);
+
+  // ---- new chat forgets, also across a reload ----
+  await page.click('#reset');
+  const cleared = await page.evaluate(() => document.querySelectorAll('#log .msg').length);
+  await page.reload({ waitUntil: 'load' });
+  await ready();
+  check('new chat clears it, also after a reload', cleared === 0 &&
+    await page.evaluate(() => document.querySelectorAll('#log .msg').length) === 0);
 
   const curl = process.env.COMPLETION_URL;
   if (curl) {
