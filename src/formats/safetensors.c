@@ -72,6 +72,23 @@ struct st_index {
 };
 
 size_t st_count(const st_index *ix) { return ix->n; }
+
+/* An arena's kept bytes, plus, per block, the rest of the page its last
+ * record was written into: the kernel faults a huge page (big blocks ask for
+ * them, safetensors_header.c) whole. */
+static uint64_t arena_footprint(const st_arena *a) {
+    uint64_t b = a->used;
+    for (size_t i = 0; i < a->nb; i++) b += a->b[i].len >= ((size_t)8 << 20) ? (uint64_t)2 << 20 : 4096;
+    return b;
+}
+
+uint64_t st_footprint(const st_index *ix) {
+    uint64_t b = sizeof *ix + arena_footprint(&ix->mem.t) + arena_footprint(&ix->mem.h) +
+                 arena_footprint(&ix->mem.names) + ix->tp_blk.len + ix->slots_blk.len;
+    b += (uint64_t)ix->nshards * (sizeof *ix->shards + sizeof *ix->priv + sizeof *ix->first);
+    for (int i = 0; i < ix->nshards; i++) b += strlen(ix->shards[i].path) + 1;
+    return b;
+}
 const st_tensor *st_at(const st_index *ix, size_t i) { return i < ix->n ? ix->tp[i] : NULL; }
 int st_nshards(const st_index *ix) { return ix->nshards; }
 const st_shard *st_shard_at(const st_index *ix, int i) {

@@ -94,14 +94,16 @@ static void arena_take(st_arena *a, size_t n) {
     if (n > a->left) n = a->left;
     a->top += n;
     a->left -= n;
+    a->used += n;
 }
 
 /* Moves every block of from into to (which then frees them). */
 static void arena_move(st_arena *to, st_arena *from) {
     for (size_t i = 0; i < from->nb; i++) arena_push(to, from->b[i]);
+    to->used += from->used;
     free(from->b);
     from->b = NULL;
-    from->nb = from->capb = from->left = 0;
+    from->nb = from->capb = from->left = from->used = 0;
     from->top = NULL;
 }
 

@@ -64,6 +64,7 @@ typedef struct {
     char *top;         /* free room of the last block */
     size_t left;
     size_t grain;      /* reserve blocks for this many requests like the current one (0: 1) */
+    size_t used;       /* bytes handed out and kept: what the tables touch (st_footprint) */
 } st_arena;
 
 /* One parsing thread's arenas: tensor records, name hashes, names. */

@@ -240,6 +240,7 @@ void k3_runmem_json(const k3_runmem *rm, json_t *o) {
     json_object_set_new(plan, "mla_cache_bytes", json_integer((json_int_t)p->state.mla_bytes));
     json_object_set_new(plan, "scratch_bytes", json_integer((json_int_t)p->state.scratch_bytes));
     json_object_set_new(plan, "speculation_record_bytes", json_integer((json_int_t)p->pass_bytes));
+    json_object_set_new(plan, "index_bytes", json_integer((json_int_t)p->index_bytes));
     json_object_set_new(plan, "total_bytes", json_integer((json_int_t)p->total));
     json_object_set_new(plan, "overhead_bytes", json_integer((json_int_t)K3_PLAN_OVERHEAD));
     json_t *mem = json_object();

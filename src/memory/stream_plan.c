@@ -387,6 +387,10 @@ static bool fit_trunk(const k3_config *c, k3_mem_plan *p, double limit, bool spr
     return false;
 }
 
+static uint64_t plan_total(const k3_mem_plan *p) {
+    return p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total + p->pass_bytes + p->index_bytes;
+}
+
 int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const k3_stream_opts *o,
                  int64_t max_pos, k3_mem_plan *p, k3_err *err) {
     memset(p, 0, sizeof *p);
@@ -498,7 +502,8 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
 
     p->state = k3_state_size_chunk(c, p->chunk, max_pos);
     p->pass_bytes = k3_state_pass_bytes(c, o->pass_tokens);
-    p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total + p->pass_bytes;
+    p->index_bytes = st_footprint(ix);
+    p->total = plan_total(p);
     const char *lname;
     uint64_t limit = k3_mem_limit(o->mem_limit, &lname);
     /* without --chunk, a smaller chunk's scratch may fit where the default's does not */
@@ -506,16 +511,16 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
     while (o->chunk <= 0 && p->chunk > floor_chunk && limit && p->total + K3_PLAN_OVERHEAD > limit) {
         p->chunk = p->chunk / 2 > floor_chunk ? p->chunk / 2 : floor_chunk;
         p->state = k3_state_size_chunk(c, p->chunk, max_pos);
-        p->total = p->trunk_bytes + p->expert_bytes + p->table_bytes + p->state.total + p->pass_bytes;
+        p->total = plan_total(p);
     }
     if (limit && p->total + K3_PLAN_OVERHEAD > limit)
         return k3_fail(err, K3_EXIT_BUDGET,
                        "the memory plan needs %s (trunk %s, experts %s, state %s at %lld positions, speculation "
-                       "record %s) + %s overhead but %s is %s: choose a smaller --preset, --trunk-gb or --cache-gb, "
+                       "record %s, checkpoint index %s) + %s overhead but %s is %s: choose a smaller --preset, --trunk-gb or --cache-gb, "
                        "or fewer positions",
                        k3_size_str(p->total), k3_size_str(p->trunk_bytes), k3_size_str(p->expert_bytes + p->table_bytes),
                        k3_size_str(p->state.total), (long long)max_pos, k3_size_str(p->pass_bytes),
-                       k3_size_str(K3_PLAN_OVERHEAD),
+                       k3_size_str(p->index_bytes), k3_size_str(K3_PLAN_OVERHEAD),
                        lname, k3_size_str(limit));
     return K3_OK;
 }
@@ -596,6 +601,8 @@ void k3_plan_print(const k3_mem_plan *p, const k3_stream_opts *o, FILE *f) {
             xc_policy_name(o->policy), p->batch_experts, p->chunk);
     mb_cell(b, sizeof b, p->table_bytes);
     fprintf(f, "k3:   cache tables        %s\n", b);
+    mb_cell(b, sizeof b, p->index_bytes);
+    fprintf(f, "k3:   checkpoint index    %s  tensor records and names of every shard\n", b);
     mb_cell(b, sizeof b, p->state.kda_bytes);
     fprintf(f, "k3:   KDA state           %s\n", b);
     mb_cell(b, sizeof b, p->state.mla_bytes);
