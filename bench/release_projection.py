@@ -4,7 +4,7 @@ K3 release at k3's memory presets, from the bytes a token touches (measured
 on the sparse replica), per-core matrix-vector rates (bench/kernels.c) and
 stated machine figures (memory bandwidth, cores, disk bandwidth).
 
-  bench/release_projection.py [--validate | --speculation] [--layers FILE [--context N]]
+  bench/release_projection.py [--validate | --speculation] [--layers FILE [--context N] [--cpu-time]]
 
 --speculation: only the table of s/token by generated ids per forward pass
 (speculation; the model is in speculation()'s comment).
@@ -32,7 +32,9 @@ kind at the release's dimensions, timed on this machine). Prints the
 per-token compute those figures add up to (each block's best seconds x its
 layer count, at each measured MLA context, plus the head), and uses it as
 this machine's t_compute in place of bytes / rates (at --context, default
-the shortest measured): what the per-layer rates say beside what the
+the shortest measured; --cpu-time: the blocks' CPU seconds / threads instead
+of their best wall seconds, the figure to use when other jobs shared the
+cores during the run): what the per-layer rates say beside what the
 whole-token byte model says. The other machines keep the byte model.
 Plain python3, no numpy.
 """
@@ -155,19 +157,21 @@ def main():
     ap.add_argument("--speculation", action="store_true", help="only the table of s/token by tokens per pass")
     ap.add_argument("--layers", metavar="FILE", help="bin/bench_layers --json output: this machine's compute")
     ap.add_argument("--context", type=int, help="with --layers: the MLA context whose figures set t_compute")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="with --layers: CPU seconds / threads instead of best wall seconds (a loaded machine)")
     a = ap.parse_args()
     here_tc = None
-    if a.context is not None and not a.layers:
-        ap.error("--context needs --layers")
+    if (a.context is not None or a.cpu_time) and not a.layers:
+        ap.error("--context and --cpu-time need --layers")
     if a.layers:
         j, blocks, mla, per_ctx = load_layers(a.layers)
         ctx = a.context if a.context is not None else min(per_ctx)
         if ctx not in per_ctx:
             ap.error("--context %d was not measured (measured: %s)" % (ctx, ", ".join(map(str, sorted(per_ctx)))))
         print_layers(a.layers, j, blocks, mla, per_ctx)
-        here_tc = per_ctx[ctx][0]
-        print("this machine's t_compute below: the per-layer figures at context %d, %.1f s "
-              "(the byte model gives %.1f s)" % (ctx, here_tc, project(*PRESETS["laptop"], mem_bw=HERE_MEM_BW,
+        here_tc = per_ctx[ctx][1 if a.cpu_time else 0]
+        print("this machine's t_compute below: the per-layer figures at context %d (%s), %.1f s "
+              "(the byte model gives %.1f s)" % (ctx, "CPU time / threads" if a.cpu_time else "best wall", here_tc, project(*PRESETS["laptop"], mem_bw=HERE_MEM_BW,
                                                                      cores=2, disk=HERE_HOLE_BW)["tc"]))
         print()
     p = project(*PRESETS["laptop"], mem_bw=HERE_MEM_BW, cores=2, disk=HERE_HOLE_BW, tc=here_tc)

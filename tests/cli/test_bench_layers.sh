@@ -46,7 +46,12 @@ check bytes "$got" "kda:26400 mla@1:24576 mla@16:24576 dense_mlp:27648 moe:38016
 
 expect_exit projection 0 $PY bench/release_projection.py --layers "$OUT/l.json" --context 16 --validate
 expect_out_contains projection "| mla@16 |"
-expect_out_contains projection "the per-layer figures at context 16"
+expect_out_contains projection "the per-layer figures at context 16 (best wall)"
+expect_exit projcpu 0 $PY bench/release_projection.py --layers "$OUT/l.json" --cpu-time --validate
+expect_out_contains projcpu "the per-layer figures at context 1 (CPU time / threads)"
+"$PY" bench/release_projection.py --cpu-time >"$OUT/nolayers.out" 2>&1
+rc=$?
+check nolayers "$rc" 2
 "$PY" bench/release_projection.py --layers "$OUT/l.json" --context 5 >"$OUT/ctx.out" 2>&1
 rc=$?
 check badcontext "$rc" 2
