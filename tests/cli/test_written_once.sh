@@ -47,7 +47,7 @@ once binding:no-view-functions '\b(kda_view|mla_view|mlp_view|moe_view)\(' '' $S
 # a second writing of the loop, the one left to merge); any other caller is a
 # new core.
 once mla-core:defined '^(K3_HOT )?(static )?void (core_absorbed|k3_mla_attend_expanded)\(' 'src/model/mla\.c' $(find src -name '*.c')
-once mla-core:softmax-callers 'k3_causal_softmax_row\(' 'src/model/mla\.c|src/model/model\.h|src/train/tmla\.c' $SRC
+once mla-core:softmax-callers 'k3_causal_softmax_row\(' 'src/model/mla\.c|src/model/records\.h|src/train/tmla\.c' $SRC
 n=$(hits 'k3_causal_softmax_row\(' src/train/tmla.c | wc -l)
 [ "$n" -le 1 ] && pass mla-core:bf16-form-once || fail mla-core:bf16-form-once "$n calls in src/train/tmla.c"
 
