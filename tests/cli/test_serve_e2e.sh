@@ -11,7 +11,8 @@
 #    the unchanged HTTP server of src/serve/), errors;
 #  - curl: user text that spells special tokens stays text (its ids are the
 #    plain-text encoding), a chat request whose template fails names the field;
-#  - headless Chromium (tests/e2e/serve_page.test.mjs): the chat page.
+#  - headless Chromium (tests/e2e/serve_page.test.mjs): the chat page, on
+#    the chat model and on the shipped smol model (no chat template).
 # Release build only (no "# asan" line: the browser and the client run long
 # enough under the sanitizer build to time out on two shared cores). Every
 # wait is bounded.
@@ -138,7 +139,8 @@ curl -H 'Content-Type: application/json' -s --max-time 30 -o "$OUT/image-part.ou
 grep -q '"param":"messages\[0\].content\[0\].type"' "$OUT/image-part.out" && pass "curl: image part named" || fail "curl: image part named" "$(head -c 300 "$OUT/image-part.out")"
 
 # ---- the chat page in Chromium ----
-SERVE_URL=$WARM E2E_OUT=$OUT CHROMIUM=$CHROMIUM e2e_node page "$OUT/page.log" "$E2E/serve_page.test.mjs"
+start_server "$OUT/completion.log" "$K3" serve tests/fixtures/trained-5m --port 0 || { fail start-completion "$(cat "$OUT/completion.log.err")"; finish; exit 1; }
+SERVE_URL=$WARM COMPLETION_URL=$SERVER_URL E2E_OUT=$OUT CHROMIUM=$CHROMIUM e2e_node page "$OUT/page.log" "$E2E/serve_page.test.mjs"
 
 kill -TERM "$WPID"; for _ in $(seq 200); do kill -0 "$WPID" 2>/dev/null || break; sleep 0.1; done
 wait "$WPID" 2>/dev/null; rc=$?
