@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # bench/serve_parallel.sh: k3 serve with several requests at once, --parallel
 # P (their decode steps in one forward pass) against --parallel 1 (one after
-# another), measured in one run.
+# another), with and without --speculate K, measured in one run.
 #
-#   bench/serve_parallel.sh [MODEL_DIR] [--clients "1 4 8"] [--parallel "1 8"] [--reqs R] [--gen G] [--threads T]
+#   bench/serve_parallel.sh [MODEL_DIR] [--clients "1 4 8"] [--parallel "1 8"] [--speculate "0"]
+#                           [--reqs R] [--gen G] [--temperature T] [--threads T]
 #
-# Defaults: models/default, clients 1, 4 and 8, --parallel 1 and 8, R 3
+# Defaults: models/default, clients 1, 4 and 8, --parallel 1 and 8, no
+# speculation (a list of K: each server with --speculate K, 0 none), R 3
 # requests per client one after another, G 100 tokens each (temperature 0.8,
 # a seed per request), 2 threads. For each server and client count, C clients
 # (the npm openai client, tests/e2e/node_modules: `npm ci` there, as the e2e
@@ -16,15 +18,17 @@
 # load average and the CPU are printed).
 set -eu
 cd "$(dirname "$0")/.."
-MODEL=models/default CLIENTS="1 4 8" PARS="1 8" REQS=3 GEN=100 THREADS=2
+MODEL=models/default CLIENTS="1 4 8" PARS="1 8" SPECS=0 REQS=3 GEN=100 TEMP=0.8 THREADS=2
 while [ $# -gt 0 ]; do
   case "$1" in
     --clients) CLIENTS=$2; shift 2 ;;
     --parallel) PARS=$2; shift 2 ;;
+    --speculate) SPECS=$2; shift 2 ;;
+    --temperature) TEMP=$2; shift 2 ;;
     --reqs) REQS=$2; shift 2 ;;
     --gen) GEN=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
-    --help|-h) sed -n '2,18p' "$0"; exit 0 ;;
+    --help|-h) sed -n '2,20p' "$0"; exit 0 ;;
     -*) echo "serve_parallel: unknown option $1" >&2; exit 2 ;;
     *) MODEL=$1; shift ;;
   esac
@@ -38,10 +42,12 @@ OUT=$(mktemp -d)
 SPID=
 trap '[ -n "$SPID" ] && kill $SPID 2>/dev/null; rm -rf "$OUT"' EXIT
 echo "# $(lscpu | sed -nE 's/^Model name: *//p'), $(nproc) CPUs, load average $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "# $MODEL, --threads $THREADS, $REQS requests of $GEN tokens per client"
+echo "# $MODEL, --threads $THREADS, $REQS requests of $GEN tokens per client, temperature $TEMP"
+for K in $SPECS; do
 for P in $PARS; do
   for C in $CLIENTS; do
-    "$K3" serve "$MODEL" --port 0 --parallel "$P" --threads "$THREADS" --state-cache-gb 0 --queue 64 \
+    spec=(); [ "$K" != 0 ] && spec=(--speculate "$K")
+    "$K3" serve "$MODEL" --port 0 --parallel "$P" "${spec[@]}" --threads "$THREADS" --state-cache-gb 0 --queue 64 \
       >"$OUT/serve.log" 2>"$OUT/serve.err" &
     SPID=$!
     URL=
@@ -51,8 +57,12 @@ for P in $PARS; do
       sleep 0.1
     done
     [ -n "$URL" ] || { echo "serve_parallel: the server did not start" >&2; exit 1; }
-    line=$(timeout 900 node bench/serve_parallel.mjs "$URL" "$C" "$REQS" "$GEN")
-    echo "parallel $P: $line"
+    line=$(timeout 900 node bench/serve_parallel.mjs "$URL" "$C" "$REQS" "$GEN" "$TEMP")
+    drafts=
+    [ "$K" != 0 ] && drafts=", drafts proposed/accepted $(curl -s --max-time 10 "${URL}metrics" |
+      sed -nE 's/^k3_drafts_(proposed|accepted)_total ([0-9]+)$/\2/p' | paste -sd/)"
+    echo "parallel $P speculate $K: $line$drafts"
     kill "$SPID"; wait "$SPID" 2>/dev/null || true; SPID=
   done
+done
 done

@@ -416,3 +416,189 @@ TEST(spec_memory_plan_holds_the_pass) {
     CHECKF(strstr(err.msg, "speculation record") != NULL, "%s", err.msg);
     st_close(ix);
 }
+
+/* Several sequences in one pass with several ids each (k3_forward_batch_rows):
+ * three states at different positions feed 1..5 ids per step, some inside a
+ * recorded pass that is then cut back, others plainly; every row has the
+ * bits of the same ids fed alone (k3_forward, every row), and at the end each
+ * state's bytes equal plain token-by-token decoding of the ids it kept. With
+ * --kda-chunk the plain multi-id rows run chunkwise, as alone (whose last
+ * bits differ from token by token: the state is compared with alone's). */
+static void batch_rows_equal_alone(int kda_chunk) {
+    k3_model *m = open_model(t_fixture("peer/tiny-checkpoint"), kda_chunk);
+    CHECK(m);
+    const int V = k3_model_config(m)->vocab_size;
+    enum { NS = 3, STEPS = 4 };
+    static const int pre[NS] = {5, 1, 9};
+    static const int counts[STEPS][NS] = {{3, 1, 4}, {1, 5, 2}, {2, 2, 1}, {4, 1, 3}};
+    static const int pass_of[STEPS][NS] = {{1, 0, 1}, {0, 1, 1}, {1, 1, 0}, {0, 0, 1}}; /* a recorded pass */
+    static const int keep[STEPS][NS] = {{1, 0, 4}, {0, 2, 0}, {2, 1, 0}, {0, 0, 2}};  /* ids it keeps */
+    k3_state *bs[NS], *as[NS];
+    int32_t hist[NS][64]; /* the ids each state holds */
+    int len[NS];
+    k3_err err = {0};
+    for (int q = 0; q < NS; q++) {
+        bs[q] = plain(m, pre[q], NULL);
+        as[q] = plain(m, pre[q], NULL);
+        CHECK(bs[q] && as[q]);
+        CHECK(k3_state_pass_reserve(bs[q], 8, &err) == 0 && k3_state_pass_reserve(as[q], 8, &err) == 0);
+        memcpy(hist[q], seq, (size_t)pre[q] * sizeof *seq);
+        len[q] = pre[q];
+    }
+    float *rows = xmalloc_array((size_t)16 * V, sizeof(float)), *one = xmalloc_array((size_t)8 * V, sizeof(float));
+    for (int t = 0; t < STEPS; t++) {
+        int32_t ids[16];
+        int at = 0;
+        for (int q = 0; q < NS; q++) {
+            for (int i = 0; i < counts[t][q]; i++) ids[at + i] = seq[(len[q] + 3 * q + 5 * t + i) % 24];
+            if (pass_of[t][q]) CHECK(k3_state_pass_begin(bs[q], &err) == 0 && k3_state_pass_begin(as[q], &err) == 0);
+            at += counts[t][q];
+        }
+        CHECKF(k3_forward_batch_rows(m, bs, NS, counts[t], ids, rows, &err) == 0, "%s", err.msg);
+        at = 0;
+        for (int q = 0; q < NS; q++) {
+            int c = counts[t][q];
+            CHECK(k3_forward(m, as[q], ids + at, c, one, true, &err) == 0);
+            CHECKF(!memcmp(one, rows + (size_t)at * V, (size_t)c * V * sizeof(float)),
+                   "kda_chunk %d step %d sequence %d: batched rows differ from alone", kda_chunk, t, q);
+            CHECK(k3_state_pos(as[q]) == k3_state_pos(bs[q]));
+            int kept = c;
+            if (pass_of[t][q]) {
+                kept = keep[t][q];
+                CHECK(k3_state_pass_end(bs[q], kept, &err) == 0 && k3_state_pass_end(as[q], kept, &err) == 0);
+            }
+            memcpy(hist[q] + len[q], ids + at, (size_t)kept * sizeof *ids);
+            len[q] += kept;
+            at += c;
+        }
+    }
+    for (int q = 0; q < NS; q++) {
+        k3_state *p = NULL;
+        CHECK(k3_state_new(m, 64, &p, &err) == 0);
+        for (int i = 0; i < len[q]; i++) CHECK(k3_forward(m, p, &hist[q][i], 1, NULL, false, &err) == 0);
+        size_t nx, ny;
+        void *x = save(m, bs[q], &nx), *y = save(m, kda_chunk ? as[q] : p, &ny);
+        CHECKF(nx == ny && !memcmp(x, y, nx), "kda_chunk %d sequence %d: state differs from plain decoding", kda_chunk,
+               q);
+        free(x);
+        free(y);
+        k3_state_free(p);
+        k3_state_free(bs[q]);
+        k3_state_free(as[q]);
+    }
+    /* refused before anything is fed: a count of 0, a pass past its record */
+    k3_state *s1 = plain(m, 2, NULL), *s2 = plain(m, 2, NULL);
+    CHECK(s1 && s2);
+    k3_state *two[2] = {s1, s2};
+    int bad[2] = {1, 0}, big[2] = {1, 3};
+    CHECK(k3_forward_batch_rows(m, two, 2, bad, seq, rows, &err) == K3_EXIT_USAGE);
+    CHECK(k3_state_pass_reserve(s2, 2, &err) == 0 && k3_state_pass_begin(s2, &err) == 0);
+    CHECK(k3_forward_batch_rows(m, two, 2, big, seq, rows, &err) == K3_EXIT_USAGE);
+    CHECK(k3_state_pos(s1) == 2 && k3_state_pos(s2) == 2);
+    k3_state_free(s1);
+    k3_state_free(s2);
+    free(rows);
+    free(one);
+    k3_model_free(m);
+}
+
+TEST(spec_batch_rows_equal_alone) { batch_rows_equal_alone(0); }
+TEST(spec_batch_rows_equal_alone_kda_chunk) { batch_rows_equal_alone(16); }
+
+/* Speculating sessions decoded together (k3_spec_begin, one
+ * k3_session_feed_batch_rows for every session's pass, k3_spec_fed), on
+ * streamed weights: each session's ids and final state equal plain decoding
+ * of its prompt alone (one id per pass, no drafts), greedy and sampled, and
+ * some drafts were accepted (rows taken from a batched pass). */
+TEST(spec_batched_sessions_equal_plain) {
+    k3_engine_opts o;
+    k3_engine_opts_init(&o);
+    char *argv[] = {"test", "--cache-gb", "0.001", "--chunk", "16", NULL};
+    k3_err err = {0};
+    for (int i = 1; i < 5; i++) {
+        bool used = false;
+        CHECKF(k3_engine_parse_flag(&o, "test", 5, argv, &i, &used, &err) == 0 && used, "%s", err.msg);
+    }
+    o.model_dir = t_repo("models/default");
+    o.max_pos = 256;
+    o.mem.so.pass_tokens = 5;
+    k3_engine *e = NULL;
+    CHECKF(k3_engine_open(&o, &e, &err) == 0, "%s", err.msg);
+    const int V = k3_engine_vocab(e);
+    enum { NS = 3, NGEN = 28, K = 4 };
+    static const char *texts[NS] = {"Once upon a time, there was a little girl named Lily. She loved to play. Lily",
+                                    "Tom had a red ball. Tom had a red ball. Tom",
+                                    "The cat sat on the mat. The dog sat on the"};
+    static const float temps[NS] = {0.0f, 0.8f, 0.0f};
+    k3_state *ks[NS];
+    k3_session *s[NS];
+    k3_drafter *d[NS];
+    k3_spec *sp[NS];
+    k3_sampler smp[NS];
+    int32_t *prompt[NS], got[NS][NGEN];
+    size_t np[NS];
+    float *lg[NS];
+    for (int q = 0; q < NS; q++) {
+        CHECKF(tok_encode(k3_engine_tokenizer(e), texts[q], strlen(texts[q]), false, &prompt[q], &np[q], &err) == 0,
+               "%s", err.msg);
+        CHECK(k3_engine_state_new(e, 256, 0, &ks[q], &err) == 0);
+        s[q] = k3_session_open(e, ks[q], NULL);
+        CHECK(k3_drafter_for(e, NULL, K, 256, &d[q], &err) == 0);
+        sp[q] = k3_spec_new(d[q], K, V);
+        k3_sampler_init(&smp[q], V, temps[q], 0, 1.0f, 0, 7);
+        lg[q] = xmalloc_array((size_t)V, sizeof(float));
+        CHECK(k3_session_prefill(s[q], prompt[q], np[q], lg[q], NULL, &err) == 0);
+    }
+    uint64_t passes = 0, accepted = 0;
+    for (int g = 0; g < NGEN; g++) {
+        k3_session *bs[NS];
+        int counts[NS], nb = 0, who[NS];
+        int32_t ids[NS * (K + 1)];
+        float *rows[NS];
+        size_t at = 0;
+        for (int q = 0; q < NS; q++) {
+            got[q][g] = k3_sample(&smp[q], lg[q]);
+            if (g + 1 == NGEN) continue;
+            k3_spec_pass p;
+            CHECKF(k3_spec_begin(sp[q], s[q], got[q][g], lg[q], NGEN - g - 2, &p, &err) == 0, "%s", err.msg);
+            if (p.n == 0) continue; /* an accepted draft: its row is there */
+            memcpy(ids + at, p.ids, (size_t)p.n * sizeof *ids);
+            at += (size_t)p.n;
+            bs[nb] = s[q];
+            counts[nb] = p.n;
+            rows[nb] = p.rows;
+            who[nb++] = q;
+        }
+        if (nb == 0) continue;
+        CHECKF(k3_session_feed_batch_rows(bs, nb, counts, ids, rows, &err) == 0, "%s", err.msg);
+        passes++;
+        for (int i = 0; i < nb; i++) k3_spec_fed(sp[who[i]]);
+    }
+    for (int q = 0; q < NS; q++) {
+        CHECK(k3_spec_finish(sp[q], s[q], &err) == 0);
+        k3_spec_stats st = k3_spec_get_stats(sp[q]);
+        void *sa = NULL;
+        size_t na = 0;
+        k3_spec_stats none;
+        int32_t *want = generate(e, NULL, 0, temps[q], prompt[q], (int)np[q], NGEN, &sa, &na, &none);
+        CHECK(want);
+        CHECKF(!memcmp(want, got[q], sizeof got[q]), "session %d: batched speculative ids differ from plain", q);
+        size_t nb = (size_t)k3_state_snapshot_bytes(k3_engine_config(e), k3_state_pos(ks[q]));
+        void *sb = xmalloc(nb);
+        k3_state_save(ks[q], sb);
+        CHECKF(na == nb && !memcmp(sa, sb, na), "session %d: the state after the loop differs from plain", q);
+        accepted += st.accepted;
+        free(want);
+        free(sa);
+        free(sb);
+        free(prompt[q]);
+        free(lg[q]);
+        k3_sampler_free(&smp[q]);
+        k3_spec_free(sp[q]);
+        k3_drafter_free(d[q]);
+        k3_session_free(s[q]);
+        k3_engine_state_free(e, ks[q]);
+    }
+    CHECKF(accepted > 0 && passes > 0, "%llu batched passes, no draft accepted", (unsigned long long)passes);
+    k3_engine_free(e);
+}

@@ -20,6 +20,7 @@ struct k3_drafter {
     size_t slots, used;
     /* draft model */
     k3_engine *e;
+    bool sibling;      /* e is another drafter's (k3_drafter_sibling) */
     k3_state *st;
     k3_session *s;
     float *logits;
@@ -138,6 +139,16 @@ static int tok_hash(const char *dir, uint64_t *h, k3_err *err) {
     return data_tokenizer_hash(dir, h, err);
 }
 
+/* The draft model's own state and session on d->e, for histories of max_pos. */
+static int model_session(k3_drafter *d, int64_t max_pos, k3_err *err) {
+    int rc = k3_engine_state_new(d->e, max_pos, k3_state_pass_bytes(k3_engine_config(d->e), d->max_k) +
+                                                 (uint64_t)k3_engine_vocab(d->e) * sizeof(float), &d->st, err);
+    if (rc) return rc;
+    d->s = k3_session_open(d->e, d->st, NULL);
+    d->logits = xmalloc_array((size_t)k3_engine_vocab(d->e), sizeof *d->logits);
+    return K3_OK;
+}
+
 int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_dir, int vocab, int64_t max_pos,
                      int max_k, k3_drafter **out, k3_err *err) {
     *out = NULL;
@@ -162,16 +173,32 @@ int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_d
     d->vocab = vocab;
     d->max_k = max_k < 1 ? 1 : max_k;
     rc = k3_engine_open(&eo, &d->e, err);
-    if (!rc)
-        rc = k3_engine_state_new(d->e, max_pos, k3_state_pass_bytes(k3_engine_config(d->e), d->max_k) +
-                                               (uint64_t)k3_engine_vocab(d->e) * sizeof(float), &d->st, err);
+    if (!rc) rc = model_session(d, max_pos, err);
     if (rc) {
         k3_drafter_free(d);
         return rc;
     }
-    d->s = k3_session_open(d->e, d->st, NULL);
-    d->logits = xmalloc_array((size_t)k3_engine_vocab(d->e), sizeof *d->logits);
     *out = d;
+    return K3_OK;
+}
+
+int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err *err) {
+    *out = NULL;
+    if (!d->e) {
+        *out = k3_drafter_ngram(d->vocab, d->min_n, d->max_n);
+        return K3_OK;
+    }
+    k3_drafter *x = xcalloc(1, sizeof *x);
+    x->vocab = d->vocab;
+    x->max_k = d->max_k;
+    x->e = d->e;
+    x->sibling = true;
+    int rc = model_session(x, max_pos, err);
+    if (rc) {
+        k3_drafter_free(x);
+        return rc;
+    }
+    *out = x;
     return K3_OK;
 }
 
@@ -210,10 +237,8 @@ void k3_drafter_free(k3_drafter *d) {
     free(d->key);
     free(d->end);
     k3_session_free(d->s);
-    if (d->e) {
-        k3_engine_state_free(d->e, d->st);
-        k3_engine_free(d->e);
-    }
+    if (d->e && d->st) k3_engine_state_free(d->e, d->st);
+    if (d->e && !d->sibling) k3_engine_free(d->e);
     free(d->logits);
     free(d);
 }
@@ -291,6 +316,7 @@ struct k3_spec {
     bool open;
     int32_t *hist;     /* the session's ids and the id to feed, for the drafter */
     size_t hcap;
+    float *logits;     /* between k3_spec_begin and k3_spec_fed: where the sampled id's row goes */
     k3_spec_stats st;
 };
 
@@ -321,8 +347,10 @@ int k3_spec_finish(k3_spec *sp, k3_session *s, k3_err *err) {
     return k3_session_pass_end(s, (size_t)sp->j, err);
 }
 
-int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_err *err) {
+int k3_spec_begin(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_spec_pass *out,
+                  k3_err *err) {
     const size_t V = (size_t)sp->V;
+    memset(out, 0, sizeof *out);
     if (sp->open && sp->j <= sp->k && id == sp->draft[sp->j - 1]) { /* accepted: its row is there */
         memcpy(logits, sp->rows + (size_t)sp->j * V, V * sizeof *logits);
         sp->j++;
@@ -349,15 +377,32 @@ int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t 
     }
     sp->st.passes++;
     sp->st.fed += (uint64_t)got + 1;
-    if (got == 0) return k3_session_feed(s, &id, 1, logits, err);
     sp->draft[0] = id;
-    if ((rc = k3_session_pass_begin(s, got + 1, err))) return rc;
-    if ((rc = k3_session_feed_rows(s, sp->draft, (size_t)got + 1, sp->rows, true, false, err))) return rc;
-    memmove(sp->draft, sp->draft + 1, (size_t)got * sizeof *sp->draft); /* draft[i]: the (i+1)-th draft */
-    memcpy(logits, sp->rows, V * sizeof *logits);
     sp->k = got;
+    sp->logits = logits;
+    out->ids = sp->draft;
+    out->n = got + 1;
+    /* no drafts: a plain feed of id, its row straight to the caller */
+    out->rows = got ? sp->rows : logits;
+    if (got) rc = k3_session_pass_begin(s, got + 1, err);
+    return rc;
+}
+
+void k3_spec_fed(k3_spec *sp) {
+    if (sp->k == 0) return;
+    const size_t V = (size_t)sp->V;
+    memmove(sp->draft, sp->draft + 1, (size_t)sp->k * sizeof *sp->draft); /* draft[i]: the (i+1)-th draft */
+    memcpy(sp->logits, sp->rows, V * sizeof *sp->logits);
     sp->j = 1;
     sp->open = true;
-    sp->st.proposed += (uint64_t)got;
+    sp->st.proposed += (uint64_t)sp->k;
+}
+
+int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_err *err) {
+    k3_spec_pass p;
+    int rc = k3_spec_begin(sp, s, id, logits, limit, &p, err);
+    if (rc || p.n == 0) return rc;
+    if ((rc = k3_session_feed_rows(s, p.ids, (size_t)p.n, p.rows, true, false, err))) return rc;
+    k3_spec_fed(sp);
     return K3_OK;
 }

@@ -54,6 +54,11 @@ int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_d
                      int max_k, k3_drafter **out, k3_err *err);
 
 void k3_drafter_free(k3_drafter *d);
+/* A drafter like d for another history (k3 serve: one per slot): a fresh
+ * n-gram index, or the same draft model (d's engine, shared: the drafters'
+ * calls must not overlap, and d is freed after it) with its own state and
+ * session for histories of max_pos. */
+int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err *err);
 
 /* Up to k drafts following hist[0..n) (n >= 1) into out; *got: how many
  * (0 when the drafter has none). Errors: the draft model's. */
@@ -101,6 +106,23 @@ k3_spec *k3_spec_new(k3_drafter *d, int kmax, int vocab);
 void k3_spec_free(k3_spec *sp);
 /* limit: drafts worth verifying (ids the loop may still feed after id). */
 int k3_spec_feed(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_err *err);
+/* k3_spec_feed in two halves around its forward, for a caller that feeds
+ * several sessions' passes in one (k3_session_feed_batch_rows; k3 serve
+ * --parallel with --speculate): begin does everything before the forward
+ * (the accepted draft's row, the end of the open pass, the drafts, the new
+ * pass's begin) and says in pass what to feed: nothing (n 0: id was
+ * accepted, logits holds its row), or ids[0..n) to s with every row to
+ * rows ([n][V]); after that feed k3_spec_fed finishes (logits gets id's
+ * row). k3_spec_feed is begin, k3_session_feed_rows, fed. A failed feed
+ * resets the session (session.h) and leaves no pass open. */
+typedef struct {
+    const int32_t *ids;  /* the sampled id, then the drafts (the verifier's until k3_spec_fed) */
+    int n;               /* ids to feed; 0: none */
+    float *rows;         /* where the forward writes the n rows */
+} k3_spec_pass;
+int k3_spec_begin(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_spec_pass *pass,
+                  k3_err *err);
+void k3_spec_fed(k3_spec *sp);
 int k3_spec_finish(k3_spec *sp, k3_session *s, k3_err *err);
 k3_spec_stats k3_spec_get_stats(const k3_spec *sp);
 

@@ -372,13 +372,26 @@ int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, floa
     return K3_OK;
 }
 
-int k3_engine_feed_batch(k3_engine *e, k3_state *const *states, int n, const int32_t *ids, float *logits,
-                         k3_err *err) {
-    int rc = k3_forward_batch(e->model, states, n, ids, logits, err);
+int k3_engine_feed_batch_rows(k3_engine *e, k3_state *const *states, int n, const int *counts, const int32_t *ids,
+                              float *logits, k3_err *err) {
+    int64_t rows = 0;
+    for (int q = 0; q < n; q++) rows += counts ? counts[q] : 1;
+    /* a pass over streamed weights holds the experts of at most one chunk of
+     * rows (one id per state: the server's slots, fewer than a chunk) */
+    if (counts && rows > e->chunk)
+        return k3_fail(err, K3_EXIT_USAGE, "a batch of %lld tokens exceeds the plan's chunk of %d", (long long)rows,
+                       e->chunk);
+    int rc = counts ? k3_forward_batch_rows(e->model, states, n, counts, ids, logits, err)
+                    : k3_forward_batch(e->model, states, n, ids, logits, err);
     if (rc && e->ranks > 1) k3_dist_abort(err); /* the others wait in this call's exchanges */
     if (rc) return rc;
-    k3_runmem_step(e->rm, false, n, e->step_log);
+    k3_runmem_step(e->rm, false, (int)rows, e->step_log);
     return K3_OK;
+}
+
+int k3_engine_feed_batch(k3_engine *e, k3_state *const *states, int n, const int32_t *ids, float *logits,
+                         k3_err *err) {
+    return k3_engine_feed_batch_rows(e, states, n, NULL, ids, logits, err);
 }
 
 int k3_engine_recompute(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, float *logits, k3_err *err) {

@@ -168,6 +168,14 @@ int k3_engine_feed(k3_engine *e, k3_state *s, const int32_t *ids, size_t n, floa
  * are. The run report counts one decode call of n tokens. */
 int k3_engine_feed_batch(k3_engine *e, k3_state *const *states, int n, const int32_t *ids, float *logits,
                          k3_err *err);
+/* The same with counts[q] >= 1 ids of state q (model.h's
+ * k3_forward_batch_rows; counts NULL: one each): ids and the [rows][V]
+ * logits (every row) one state after another. With counts, a batch of more
+ * rows than the plan's chunk (k3_engine_chunk) is refused (K3_EXIT_USAGE, nothing fed):
+ * streamed weights hold one chunk's experts. The run report counts one decode
+ * call of every row. */
+int k3_engine_feed_batch_rows(k3_engine *e, k3_state *const *states, int n, const int *counts, const int32_t *ids,
+                              float *logits, k3_err *err);
 
 /* Resets s and feeds ids[0..n) again in the plan's chunks; the run report
  * counts it as one decode step of one token (k3 run --full recomputes the

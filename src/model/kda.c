@@ -42,14 +42,34 @@ static void l2_head(const k3_fwd_ops *fo, float *x, int D, float *rinv) {
     k_l2norm(x, D, 1e-6f);
 }
 
+/* Sequence s's first row: s T, or with lengths the rows of those before it. */
+static size_t first_row(const int *len, int s, int T) {
+    if (!len) return (size_t)s * (size_t)T;
+    size_t r = 0;
+    for (int i = 0; i < s; i++) r += (size_t)len[i];
+    return r;
+}
+
 /* The recurrence on every sequence: one kernel call when the states lie one
  * after another (training's zero states), else one call per sequence (a
  * batch of decode states; the kernel's work per sequence is the same, so are
- * the bits). */
+ * the bits). With lengths (len) each sequence runs the form it
+ * runs alone: chunkwise only for several positions outside a recorded pass
+ * (model.c's forward_chunk makes the same choice). */
 static void kda_recur(const k3_kda_state *st, float *o, const float *q, const float *k, const float *v,
-                      const float *g, const float *beta, int nseq, int T, int H, int D, int chunk, float lower,
-                      float *Ssave) {
-    const size_t HDD = (size_t)H * D * D, TP = (size_t)T * H * D, TH = (size_t)T * H;
+                      const float *g, const float *beta, int nseq, int T, const int *len, int H, int D, int chunk,
+                      float lower, float *Ssave) {
+    const size_t HDD = (size_t)H * D * D, P = (size_t)H * D;
+    if (len) {
+        for (int s = 0; s < nseq; s++) {
+            size_t a = first_row(len, s, T);
+            int cs = len[s] > 1 && !st[s].trace ? chunk : 0;
+            k_kda_forward(o + a * P, st[s].S, q + a * P, k + a * P, v + a * P, g + a * P, beta + a * H, 1, len[s], H,
+                          D, cs, lower, NULL);
+        }
+        return;
+    }
+    const size_t TP = (size_t)T * P, TH = (size_t)T * H;
     bool packed = true;
     for (int s = 1; s < nseq && packed; s++) packed = st[s].S == st[0].S + (size_t)s * HDD;
     if (packed) {
@@ -62,13 +82,35 @@ static void kda_recur(const k3_kda_state *st, float *o, const float *q, const fl
                       chunk, lower, Ssave ? Ssave + s * per : NULL);
 }
 
+/* A recorded pass's rows of one sequence (n rows from row a0 of the block's
+ * buffers): the pre-conv inputs (three planes NP floats apart), then what the
+ * recurrence consumes; what a replay of a prefix needs. */
+static void trace_pre(k3_kda_trace *tr, const float *pre, size_t NP, size_t a0, size_t n, size_t P) {
+    for (size_t j = 0; j < 3; j++)
+        memcpy(tr->pre + (j * (size_t)tr->max_T + (size_t)tr->row) * P, pre + j * NP + a0 * P, n * P * sizeof(float));
+}
+
+static void trace_rows(k3_kda_trace *tr, const float *q, const float *k, const float *v, const float *g,
+                       const float *beta, size_t a0, size_t n, size_t P, size_t H) {
+    size_t r = (size_t)tr->row * P;
+    memcpy(tr->q + r, q + a0 * P, n * P * sizeof(float));
+    memcpy(tr->k + r, k + a0 * P, n * P * sizeof(float));
+    memcpy(tr->v + r, v + a0 * P, n * P * sizeof(float));
+    memcpy(tr->g + r, g + a0 * P, n * P * sizeof(float));
+    memcpy(tr->beta + (size_t)tr->row * H, beta + a0 * H, n * H * sizeof(float));
+}
+
 K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, const k3_kda_state *st,
-                      const float *x, int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws) {
-    k3_kda_trace *tr = nseq == 1 && !rec ? st[0].trace : NULL; /* a recorded pass (one sequence) */
+                      const float *x, int nseq, int T, const int *len, float *y, int chunk, k3_kda_rec *rec,
+                      k3_ws *ws) {
     assert(rec || ws); /* without a record the temporaries come from ws */
+    assert(!len || (!rec && ws));
     const int H = c->kda_heads, D = c->kda_head_dim, P = H * D, K = c->conv_kernel;
-    const int N = nseq * T;
-    const size_t NP = (size_t)N * P, TP = (size_t)T * P;
+    /* with lengths, sequence s has len[s] rows from first_row(len, s, T) */
+    const int N = len ? (int)first_row(len, nseq, T) : nseq * T;
+    bool traced = false; /* a recorded pass (k3_state_pass_begin) on some sequence */
+    for (int s = 0; s < nseq && !rec; s++) traced = traced || st[s].trace;
+    const size_t NP = (size_t)N * P;
     /* without a record, buffers are reused once consumed: z and g in the
      * pre-conv planes, o in the third, the normed output in k */
     float *pre = rec ? rec->pre : ws_f(ws, 3 * NP), *cv = rec ? rec->cv : ws_f(ws, 3 * NP);
@@ -78,19 +120,18 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
     k_prod jobs[6] = {{&w->q, x, N, pre},  {&w->k, x, N, pre + NP}, {&w->v, x, N, pre + 2 * NP},
                       {&w->g, x, N, gate}, {&w->b, x, N, beta},     {&w->f_a, x, N, fa}};
     fo->products(jobs, 6);
-    if (tr) /* the pre-conv inputs, before the planes are reused below */
-        for (int j = 0; j < 3; j++)
-            memcpy(tr->pre + ((size_t)j * tr->max_T + tr->row) * P, pre + (size_t)j * NP, NP * sizeof(float));
+    for (int s = 0; traced && s < nseq; s++) /* before the planes are reused below */
+        if (st[s].trace) trace_pre(st[s].trace, pre, NP, first_row(len, s, T), (size_t)(len ? len[s] : T), (size_t)P);
     /* ShortConv per plane and sequence, each from its carried history; the
      * SiLU in the same task unless the pre-SiLU values are recorded */
     const bool fused = !rec && !fo->train_rounding;
 #pragma omp parallel for schedule(static) if (PAR_ROWS(N, P))
     for (int js = 0; js < 3 * nseq; js++) {
-        int j = js / nseq, s = js % nseq;
-        size_t r0 = (size_t)j * NP + (size_t)s * TP;
+        int j = js / nseq, s = js % nseq, Ts = len ? len[s] : T;
+        size_t a = (size_t)j * NP + first_row(len, s, T) * P;
         float *hist = st[s].conv + (size_t)j * P * (K - 1);
-        if (fused) k_shortconv_silu(cv + r0, pre + r0, T, P, w->conv[j], K, hist);
-        else k_shortconv(cv + r0, pre + r0, T, P, w->conv[j], K, hist);
+        if (fused) k_shortconv_silu(cv + a, pre + a, Ts, P, w->conv[j], K, hist);
+        else k_shortconv(cv + a, pre + a, Ts, P, w->conv[j], K, hist);
     }
     float *q = rec ? rec->q : cv, *k = rec ? rec->k : cv + NP, *v = rec ? rec->v : cv + 2 * NP;
     if (!fused) {
@@ -112,16 +153,12 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
     for (int n = 0; n < N; n++)
         k_kda_gate(g + (size_t)n * P, rec ? z + (size_t)n * P : NULL, z + (size_t)n * P, w->A_log, w->dt_bias, H, D,
                    c->gate_lower_bound);
-    if (tr) { /* what the recurrence consumes, for a replay of a prefix */
-        size_t r0 = (size_t)tr->row * P;
-        memcpy(tr->q + r0, q, NP * sizeof(float));
-        memcpy(tr->k + r0, k, NP * sizeof(float));
-        memcpy(tr->v + r0, v, NP * sizeof(float));
-        memcpy(tr->g + r0, g, NP * sizeof(float));
-        memcpy(tr->beta + (size_t)tr->row * H, beta, (size_t)N * H * sizeof(float));
-    }
+    for (int s = 0; traced && s < nseq; s++)
+        if (st[s].trace)
+            trace_rows(st[s].trace, q, k, v, g, beta, first_row(len, s, T), (size_t)(len ? len[s] : T), (size_t)P,
+                       (size_t)H);
     float *o = rec ? rec->o : pre + 2 * NP;
-    kda_recur(st, o, q, k, v, g, beta, nseq, T, H, D, chunk, c->gate_lower_bound, rec ? rec->Ssave : NULL);
+    kda_recur(st, o, q, k, v, g, beta, nseq, T, len, H, D, chunk, c->gate_lower_bound, rec ? rec->Ssave : NULL);
     float *normed = rec ? rec->y : k; /* k is consumed */
     if (rec) {
         /* the same head norm and gate, with the record: sigmoid(gate) kept */
@@ -141,7 +178,7 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
 void k3_kda(const k3_config *c, const k3_kda_w *w, k3_kda_state *st, const float *x, int T, float *y) {
     k3_ws ws;
     ws_init(&ws, 0);
-    kda_block(c, w, &k3_infer_ops, st, x, 1, T, y, 0, NULL, &ws);
+    kda_block(c, w, &k3_infer_ops, st, x, 1, T, NULL, y, 0, NULL, &ws);
     ws_free(&ws);
 }
 
@@ -153,7 +190,7 @@ void k3_kda_rec_forward(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops 
     k3_kda_state *st = xmalloc_array((size_t)nseq, sizeof *st);
     for (int s = 0; s < nseq; s++)
         st[s] = (k3_kda_state){.S = S + (size_t)s * H * D * D, .conv = conv + (size_t)s * 3 * P * (size_t)(c->conv_kernel - 1)};
-    kda_block(c, w, fo, st, x, nseq, T, y, chunk, rec, NULL);
+    kda_block(c, w, fo, st, x, nseq, T, NULL, y, chunk, rec, NULL);
     free(st);
     free(S);
     free(conv);

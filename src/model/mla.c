@@ -153,13 +153,16 @@ K3_HOT void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, 
 }
 
 K3_HOT void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, const k3_fwd_ops *fo,
-                      const k3_mla_cache *cache, const int *pos0, const float *x, int nseq, int T, float *y,
-                      k3_mla_rec *rec, k3_ws *ws) {
+                      const k3_mla_cache *cache, const int *pos0, const float *x, int nseq, int T, const int *len,
+                      float *y, k3_mla_rec *rec, k3_ws *ws) {
     int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
     int rq = c->q_lora_rank, rkv = c->kv_lora_rank, dq = dn + dr, W = rkv + dr;
-    const int N = nseq * T;
+    int N = nseq * T; /* with lengths, sequence s has len[s] rows after those before it */
+    if (len)
+        for (int s = N = 0; s < nseq; s++) N += len[s];
     const size_t Ns = (size_t)N, NHV = Ns * H * dv;
     assert(rec || (cache && pos0 && ws)); /* the absorbed core needs each sequence's cache */
+    assert(!len || !rec);
     float *q = rec ? rec->q : ws_f(ws, Ns * H * dq);
     float *cq = rq > 0 ? (rec ? rec->cq_pre : ws_f(ws, Ns * rq)) : NULL, *cc = rec ? rec->ckv : ws_f(ws, Ns * W);
     float *gate = w->g.rows ? (rec ? rec->gate : ws_f(ws, NHV)) : NULL;
@@ -187,16 +190,18 @@ K3_HOT void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, cons
         att = rec->o;
     } else { /* the latent norm into each sequence's cache; the absorbed core, a sequence at a time */
         att = ws_f(ws, NHV);
+        size_t r0 = 0;
         for (int s = 0; s < nseq; s++) {
-            const size_t r0 = (size_t)s * T;
-            for (int t = 0; t < T; t++) {
+            const int Ts = len ? len[s] : T;
+            for (int t = 0; t < Ts; t++) {
                 float *lat = cache[s].latent + (size_t)(pos0[s] + t) * W;
                 k_rmsnorm(lat, cc + (r0 + t) * W, w->kv_a_norm, rkv, eps_lat);
                 memcpy(lat + rkv, cc + (r0 + t) * W + rkv, (size_t)dr * sizeof(float));
             }
             size_t mark = ws->used;
-            core_absorbed(c, w, &cache[s], pos0[s], q + r0 * H * dq, T, att + r0 * H * dv, ws);
+            core_absorbed(c, w, &cache[s], pos0[s], q + r0 * H * dq, Ts, att + r0 * H * dv, ws);
             ws->used = mark;
+            r0 += (size_t)Ts;
         }
     }
     float *ya = rec ? rec->y : att; /* o_proj's input */
@@ -216,11 +221,11 @@ void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cach
             const float *x, int T, float *y) {
     k3_ws ws;
     ws_init(&ws, 0);
-    mla_block(c, latent_eps, w, &k3_infer_ops, cache, &pos0, x, 1, T, y, NULL, &ws);
+    mla_block(c, latent_eps, w, &k3_infer_ops, cache, &pos0, x, 1, T, NULL, y, NULL, &ws);
     ws_free(&ws);
 }
 
 void k3_mla_rec_forward(const k3_config *c, float latent_eps, const k3_mla_w *w, const k3_fwd_ops *fo,
                         const float *x, int nseq, int T, float *y, k3_mla_rec *rec) {
-    mla_block(c, latent_eps, w, fo, NULL, NULL, x, nseq, T, y, rec, NULL);
+    mla_block(c, latent_eps, w, fo, NULL, NULL, x, nseq, T, NULL, y, rec, NULL);
 }

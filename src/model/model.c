@@ -12,6 +12,7 @@
 #include "model/model_impl.h"
 
 #include <assert.h>
+#include <limits.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -505,8 +506,12 @@ typedef struct {
     const k3_fwd_ops *fo;         /* products and roundings (k3_infer_ops, or training's) */
     const k3_weight_source *src;  /* routed experts from here when it serves them; else resident */
     int nseq, T;
+    const int *len;               /* NULL: T positions per sequence; else len[s] each, T their sum (no record) */
     k3_ws *ws;
 } fwd_pass;
+
+/* Rows of a pass: its sequences' positions, one sequence after another. */
+static int pass_rows(const fwd_pass *p) { return p->len ? p->T : p->nseq * p->T; }
 
 /* Layer L of the graph:
  * buf[0..nb) are the completed block vectors, buf[nb] the running partial sum;
@@ -525,7 +530,7 @@ typedef struct {
 static int layer_forward(const fwd_pass *p, const k3_layer_w *w, int L, const k3_kda_state *ks, const k3_mla_cache *mc,
                          const int *pos0, float **buf, int *nb, k3_layer_rec *rec, k3_err *err) {
     const k3_config *c = p->c;
-    const int E = c->hidden_size, N = p->nseq * p->T;
+    const int E = c->hidden_size, N = pass_rows(p);
     const size_t NE = (size_t)N * E;
     k3_ws *ws = p->ws;
     /* a record goes with zero states (training), carried states without one */
@@ -546,10 +551,11 @@ static int layer_forward(const fwd_pass *p, const k3_layer_w *w, int L, const k3
     if (boundary) (*nb)++;
     k3_rmsnorm_rows(xn, rec ? rec->rin : NULL, ain, w->input_norm, N, E, c->rms_eps);
     if (w->kind == 'K') {
-        if (ks) kda_block(c, &w->kda, p->fo, ks, xn, p->nseq, p->T, sub, p->kda_chunk, rec ? &rec->kda : NULL, ws);
+        if (ks)
+            kda_block(c, &w->kda, p->fo, ks, xn, p->nseq, p->T, p->len, sub, p->kda_chunk, rec ? &rec->kda : NULL, ws);
         else k3_kda_rec_forward(c, &w->kda, p->fo, p->kda_chunk, xn, p->nseq, p->T, sub, &rec->kda); /* zero states */
     } else {
-        mla_block(c, p->mla_eps, &w->mla, p->fo, mc, pos0, xn, p->nseq, p->T, sub, rec ? &rec->mla : NULL, ws);
+        mla_block(c, p->mla_eps, &w->mla, p->fo, mc, pos0, xn, p->nseq, p->T, p->len, sub, rec ? &rec->mla : NULL, ws);
     }
     ws->used = inner;
     float *pm; /* the partial after the attention block */
@@ -598,18 +604,18 @@ int k3_layer(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_k
 
 /* ---- the model graph (sections 6 and 12) ----------------------------------------------------
  * Embedding -> the layers -> output AttnRes -> RMSNorm -> lm_head, on a pass
- * of nseq sequences of T positions. The one loop over the layers: k3_forward
- * (one sequence), k3_forward_batch (one position of each of nseq sequences)
- * and training's k3_forward_rec all run it.
+ * of nseq sequences of T positions (or of p->len[s] each). The one loop over
+ * the layers: k3_forward (one sequence), k3_forward_batch(_rows) (positions
+ * of each of nseq sequences) and training's k3_forward_rec all run it.
  *   st:     the decode states ([nseq]; NULL with a record: zero states)
- *   ids:    token of row s*T + t at ids[s*ld + t]
- *   bufp:   [nbuf] block vector buffers of nseq*T rows (unused with a record)
- *   logits: NULL; [nseq*T][V] when all; else [nseq][V] for each sequence's
+ *   ids:    token of row s*T + t at ids[s*ld + t] (with len: of row r at ids[r])
+ *   bufp:   [nbuf] block vector buffers of every row (unused with a record)
+ *   logits: NULL; [rows][V] when all; else [nseq][V] for each sequence's
  *           last position */
 static int graph_forward(k3_model *m, const fwd_pass *p, k3_state *const *st, const int32_t *ids, size_t ld,
                          float **bufp, float *logits, bool all, k3_model_rec *rec, k3_err *err) {
     const k3_config *c = &m->cfg;
-    const int E = c->hidden_size, nseq = p->nseq, T = p->T, N = nseq * T;
+    const int E = c->hidden_size, nseq = p->nseq, T = p->T, N = pass_rows(p);
     k3_ws *ws = p->ws;
     k3_kda_state *ks = NULL;
     k3_mla_cache *mc = NULL;
@@ -621,11 +627,14 @@ static int graph_forward(k3_model *m, const fwd_pass *p, k3_state *const *st, co
         for (int q = 0; q < nseq; q++) pos0[q] = st[q]->pos;
     }
     if (rec) bufp[0] = rec->h0;
-    assert(!rec != !st && (all || !rec) && nseq >= 1 && T >= 1);
+    assert(!rec != !st && (all || !rec) && nseq >= 1 && T >= 1 && (!p->len || (all && !rec)));
     int nb = 0;
     /* h0 = embed_tokens[token], no scaling */
-    for (int q = 0; q < nseq; q++)
-        for (int t = 0; t < T; t++) k_mat_row(&m->embed, ids[(size_t)q * ld + t], bufp[0] + ((size_t)q * T + t) * E);
+    if (p->len)
+        for (int r = 0; r < N; r++) k_mat_row(&m->embed, ids[r], bufp[0] + (size_t)r * E);
+    else
+        for (int q = 0; q < nseq; q++)
+            for (int t = 0; t < T; t++) k_mat_row(&m->embed, ids[(size_t)q * ld + t], bufp[0] + ((size_t)q * T + t) * E);
     for (int L = 0; L < c->num_layers; L++) {
         const k3_layer_w *w;
         int rc = m->src.layer_get(m->src.ctx, L, &w, err);
@@ -710,39 +719,64 @@ int k3_forward(k3_model *m, k3_state *s, const int32_t *ids, int n, float *logit
     return K3_OK;
 }
 
-int k3_forward_batch(k3_model *m, k3_state *const *states, int nseq, const int32_t *ids, float *logits,
-                     k3_err *err) {
+/* The batched forward: n[q] positions of sequence q (n NULL: one each), ids
+ * and the [rows][V] logits one sequence after another. */
+static int forward_batch(k3_model *m, k3_state *const *states, int nseq, const int *n, const int32_t *ids,
+                         float *logits, k3_err *err) {
     const k3_config *c = &m->cfg;
     if (nseq < 1) return k3_fail(err, K3_EXIT_USAGE, "no sequences to feed");
-    int rc = check_ids(c, ids, nseq, err);
-    if (rc) return rc;
-    int64_t max_pos = 1;
+    int64_t max_pos = 1, rows = 0;
     for (int q = 0; q < nseq; q++) {
         const k3_state *s = states[q];
+        int nq = n ? n[q] : 1;
         if (s->m != m) return k3_fail(err, K3_EXIT_USAGE, "sequence %d: its state belongs to another model", q);
-        if (s->pass.open)
-            return k3_fail(err, K3_EXIT_USAGE, "sequence %d: its state is inside a recorded pass", q);
-        if (s->pos >= s->max_pos)
-            return k3_fail(err, K3_EXIT_USAGE, "sequence %d: state is full (%d positions)", q, s->max_pos);
+        if (nq < 1) return k3_fail(err, K3_EXIT_USAGE, "sequence %d: no tokens to feed", q);
+        if (nq > s->max_pos - s->pos)
+            return k3_fail(err, K3_EXIT_USAGE, "sequence %d: state is full: %d positions used of %d, %d more requested",
+                           q, s->pos, s->max_pos, nq);
+        if (s->pass.open && nq > s->pass.max_T - (s->pos - s->pass.pos0))
+            return k3_fail(err, K3_EXIT_USAGE, "sequence %d: a pass of %d tokens would exceed its record of %d", q,
+                           s->pos - s->pass.pos0 + nq, s->pass.max_T);
         for (int r = 0; r < q; r++)
             if (states[r] == s) return k3_fail(err, K3_EXIT_USAGE, "sequences %d and %d share one state", r, q);
         if (s->max_pos > max_pos) max_pos = s->max_pos;
+        rows += nq;
+        if (rows > INT_MAX / 2) return k3_fail(err, K3_EXIT_USAGE, "a batch of more than %d tokens", INT_MAX / 2);
     }
-    /* the pass's own scratch: nseq rows (the states' scratch is sized for one sequence) */
+    int rc = check_ids(c, ids, (int)rows, err);
+    if (rc) return rc;
+    /* the pass's own scratch: every row (the states' scratch is sized for one sequence) */
     const int nbuf = n_boundaries(c) + 1;
     k3_ws ws;
-    ws_init(&ws, ws_need(c, nseq, max_pos));
-    float *blk = xmalloc_aligned((size_t)nbuf * nseq * c->hidden_size * sizeof(float));
+    ws_init(&ws, ws_need(c, (int)rows, max_pos));
+    float *blk = xmalloc_aligned((size_t)nbuf * (size_t)rows * c->hidden_size * sizeof(float));
     float *bufp[K3_MAX_LAYERS + 1];
-    for (int i = 0; i < nbuf; i++) bufp[i] = blk + (size_t)i * nseq * c->hidden_size;
-    fwd_pass p = {.c = c, .mla_eps = m->mla_eps, .fo = m->ops ? m->ops : &k3_infer_ops, .src = &m->src,
-                  .nseq = nseq, .T = 1, .ws = &ws};
-    rc = graph_forward(m, &p, states, ids, 1, bufp, logits, false, NULL, err);
+    for (int i = 0; i < nbuf; i++) bufp[i] = blk + (size_t)i * (size_t)rows * c->hidden_size;
+    for (int q = 0; q < nseq; q++) { /* a recorded pass: this call's rows follow the pass's earlier ones */
+        k3_state *s = states[q];
+        for (int L = 0; s->pass.open && L < c->num_layers; L++)
+            if (s->kda[L].trace) s->kda[L].trace->row = s->pos - s->pass.pos0;
+    }
+    fwd_pass p = {.c = c, .mla_eps = m->mla_eps, .kda_chunk = n ? m->kda_chunk : 0,
+                  .fo = m->ops ? m->ops : &k3_infer_ops, .src = &m->src, .nseq = nseq, .T = n ? (int)rows : 1,
+                  .len = n, .ws = &ws};
+    rc = graph_forward(m, &p, states, ids, 1, bufp, logits, n != NULL, NULL, err);
     free(blk);
     ws_free(&ws);
     if (rc) return rc;
-    for (int q = 0; q < nseq; q++) states[q]->pos++;
+    for (int q = 0; q < nseq; q++) states[q]->pos += n ? n[q] : 1;
     return K3_OK;
+}
+
+int k3_forward_batch(k3_model *m, k3_state *const *states, int nseq, const int32_t *ids, float *logits,
+                     k3_err *err) {
+    return forward_batch(m, states, nseq, NULL, ids, logits, err);
+}
+
+int k3_forward_batch_rows(k3_model *m, k3_state *const *states, int nseq, const int *n, const int32_t *ids,
+                          float *logits, k3_err *err) {
+    if (!n) return k3_fail(err, K3_EXIT_USAGE, "no token counts");
+    return forward_batch(m, states, nseq, n, ids, logits, err);
 }
 
 int k3_forward_rec(k3_model *m, const k3_fwd_ops *fo, int kda_chunk, const int32_t *ids, size_t ld, int nseq, int T,

@@ -196,9 +196,20 @@ int k3_forward(k3_model *m, k3_state *s, const int32_t *ids, int n, float *logit
  * by one). The layers read every weight once for the whole batch; each
  * sequence's logits (logits[s][V], or NULL) have exactly the bits
  * k3_forward(m, states[s], &ids[s], 1, ...) gives. The states must be
- * distinct and of this model. Errors as k3_forward's (no state changes). */
+ * distinct and of this model; one inside a recorded pass records its
+ * position as k3_forward does. Errors as k3_forward's (no state changes). */
 int k3_forward_batch(k3_model *m, k3_state *const *states, int nseq, const int32_t *ids, float *logits,
                      k3_err *err);
+/* The same with n[s] >= 1 positions of sequence s (a verifying pass of a
+ * sampled id and its drafts, a prefill chunk): ids holds the sequences' ids
+ * one after another (sum of n), and logits (NULL: none) gets every row,
+ * [sum n][V] in the same order. Sequence s's rows, state and pass record are
+ * exactly those of k3_forward(m, states[s], its ids, n[s], rows, true, ...)
+ * alone, whatever the other sequences are (the KDA form included: chunkwise
+ * with --kda-chunk only for several positions outside a recorded pass, as
+ * k3_forward chooses). */
+int k3_forward_batch_rows(k3_model *m, k3_state *const *states, int nseq, const int *n, const int32_t *ids,
+                          float *logits, k3_err *err);
 
 /* ---- sampling ------------------------------------------------------------ */
 /* Greedy: the largest logit, lowest index among equals. */

@@ -117,20 +117,23 @@ struct k3_kda_trace {
 };
 
 /* The KDA block (kda.c) on nseq sequences of T positions (rows s*T + t of x
- * and y, each [.][E]): st[s] is sequence s's state (S [H][D][D], conv
- * [3][P][K-1]), updated; chunk > 0 runs the chunkwise form. rec (may be
+ * and y, each [.][E]), or, with len (no rec), of len[s] positions each, one
+ * after another: st[s] is sequence s's state (S [H][D][D], conv [3][P][K-1]),
+ * updated; chunk > 0 runs the chunkwise form (with len: for a sequence of
+ * several positions outside a recorded pass, as it would alone). rec (may be
  * NULL) gets what training's backward reads; without it the temporaries come
- * from ws. When st[0].trace is set (one sequence, no rec: a recorded pass) it
+ * from ws. A sequence whose st[s].trace is set (no rec: a recorded pass)
  * gets the recurrence's inputs at rows trace->row.. */
 void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, const k3_kda_state *st, const float *x,
-               int nseq, int T, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws);
+               int nseq, int T, const int *len, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws);
 
-/* The MLA block (mla.c) on nseq sequences of T positions: without a record,
- * sequence s's latents go to cache[s] rows pos0[s].. and the absorbed core
- * attends over them; with one, the expanded core over each sequence and no
- * cache (cache, pos0 NULL). */
+/* The MLA block (mla.c) on nseq sequences of T positions (or, with len and no
+ * record, of len[s] positions each): without a record, sequence s's latents
+ * go to cache[s] rows pos0[s].. and the absorbed core attends over them; with
+ * one, the expanded core over each sequence and no cache (cache, pos0 NULL). */
 void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, const k3_fwd_ops *fo, const k3_mla_cache *cache,
-               const int *pos0, const float *x, int nseq, int T, float *y, k3_mla_rec *rec, k3_ws *ws);
+               const int *pos0, const float *x, int nseq, int T, const int *len, float *y, k3_mla_rec *rec,
+               k3_ws *ws);
 
 /* The LatentMoE block (moe.c) on T rows: experts from xa (resident, or a
  * weight source); rec (may be NULL) gets what training's backward reads. */

@@ -15,16 +15,16 @@
  * between chunks, is itself a broadcast of rank 0's flag. Sampling is rank
  * 0's: a step carries the id.
  *
- * Speculation (one slot): a prefill carries the request's drafts per pass
- * and opens a verifying feed (draft.h) for the steps that follow; each step
+ * Speculation: a prefill carries the request's drafts per pass and opens a
+ * verifying feed (draft.h) on its slot for the steps that follow; each step
  * goes through it (k3_spec_feed, with the step's limit), and the next prefill
  * or the reply's end closes its last pass, so the session holds exactly the
- * ids of plain decoding whenever it is snapshot or reused. The followers make
- * the same calls with the same ids, limits and drafts per pass; their n-gram
- * drafter reads the same session ids, so it drafts the same ids and every
- * rank makes the same verifying passes (a draft model runs on one rank only:
- * refused under several). A batched step cannot hold a verifying pass, so a
- * server that speculates has one slot.
+ * ids of plain decoding whenever it is snapshot or reused. Each slot has its
+ * own drafter (n-gram, or its own session of the one draft model). The
+ * followers make the same calls with the same ids, limits and drafts per
+ * pass; their n-gram drafter reads the same session ids, so it drafts the
+ * same ids and every rank makes the same verifying passes (a draft model runs
+ * on one rank only: refused under several).
  *
  * Several slots (one process): each slot has its own session and state, and
  * one model thread makes every forward call. A slot's worker posts its call
@@ -37,7 +37,13 @@
  * share a pass never changes a row's bits (k3_session_feed_batch) and each
  * slot's calls are made in its own order, so a request gets the bytes it gets
  * alone. A cut (cancelled) prefill leaves a snapshot of what it fed in the
- * shared cache, so its retry resumes on whichever slot it lands. */
+ * shared cache, so its retry resumes on whichever slot it lands. With
+ * speculation a slot's step in that pass is its verifying feed's: the
+ * model thread makes each slot's k3_spec_begin (an accepted draft needs no
+ * forward), feeds every slot's sampled id and drafts in one pass
+ * (k3_session_feed_batch_rows: a row's bits never depend on its neighbours,
+ * and a cut-back pass is each session's own), then k3_spec_fed; passes of
+ * more ids than the plan's chunk are split. */
 #include "chat/chat.h"
 #include "dist/dist.h"
 #include "draft/draft.h"
@@ -57,7 +63,7 @@ struct k3_serve_backend;
  * request between model calls; a step or a prefill posted; being computed. */
 enum { SLOT_IDLE, SLOT_THINK, SLOT_STEP, SLOT_PREFILL, SLOT_RUN };
 
-typedef struct {
+typedef struct slot_s {
     struct k3_serve_backend *b;
     k3_state *st;
     k3_session *sess;
@@ -71,9 +77,15 @@ typedef struct {
     const size_t *marks;   /* where the prompt's messages end */
     size_t nmarks;
     const atomic_int *cancel;
+    int64_t limit;         /* a step's: ids the generation may still feed after it */
     bool done;
     int rc;
     k3_err err;
+    /* speculation */
+    k3_drafter *drafter;   /* this slot's; NULL: the server does not speculate */
+    k3_spec *spec;         /* the verifying feed of the slot's generation; NULL: plain steps */
+    k3_spec_stats seen;    /* (several slots, under mu) spec's counters after its last step */
+    k3_spec_pass pass;     /* run_steps: what this slot's step feeds */
 } slot;
 
 struct k3_serve_backend {
@@ -84,11 +96,8 @@ struct k3_serve_backend {
     k3_chat *chat;
     int64_t ctx;
     bool lead;             /* rank 0 of several: broadcasts each call before making it */
-    /* speculation (one slot) */
-    k3_drafter *drafter;   /* n-gram or the draft model; NULL: none */
-    int spec_max;
-    k3_spec *spec;         /* the verifying feed of the current generation; NULL: plain steps */
-    k3_spec_stats done;    /* the counters of the generations before it */
+    int spec_max;          /* drafts per pass at most (0: no speculation) */
+    k3_spec_stats done;    /* the counters of the closed verifying feeds (several slots: under mu) */
     /* several slots: the model thread and the calls posted to it */
     pthread_t model;
     bool model_started, quit;
@@ -100,6 +109,8 @@ struct k3_serve_backend {
     int32_t *bid;
     float **blog;
     int *bslot;
+    int *bn;               /* [nslots] ids per session; bid then holds (K + 1) per slot */
+    struct slot_s **bgo;   /* [nslots] the slots of one pass */
 };
 typedef struct k3_serve_backend backend;
 
@@ -143,19 +154,26 @@ static int prefill_on(k3_session *sess, const int32_t *ids, size_t n, const size
 
 /* ---- one slot: the calls made on the worker's own thread ---- */
 
-/* Ends the current generation's verifying feed: its open pass keeps the ids
- * consumed (the session then holds plain decoding's), its counters join the
- * totals. */
-static int spec_close(backend *b, k3_err *err) {
-    if (!b->spec) return K3_OK;
-    int rc = k3_spec_finish(b->spec, b->sl[0].sess, err);
-    k3_spec_stats st = k3_spec_get_stats(b->spec);
-    b->done.passes += st.passes;
-    b->done.fed += st.fed;
-    b->done.proposed += st.proposed;
-    b->done.accepted += st.accepted;
-    k3_spec_free(b->spec);
-    b->spec = NULL;
+static void stats_add(k3_spec_stats *to, const k3_spec_stats *st) {
+    to->passes += st->passes;
+    to->fed += st->fed;
+    to->proposed += st->proposed;
+    to->accepted += st->accepted;
+}
+
+/* Ends slot x's verifying feed: its open pass keeps the ids consumed (the
+ * session then holds plain decoding's), its counters join the totals. Made
+ * by the slot's own thread between its calls. */
+static int spec_close(backend *b, slot *x, k3_err *err) {
+    if (!x->spec) return K3_OK;
+    int rc = k3_spec_finish(x->spec, x->sess, err);
+    k3_spec_stats st = k3_spec_get_stats(x->spec);
+    if (b->nslots > 1) pthread_mutex_lock(&b->mu);
+    stats_add(&b->done, &st);
+    memset(&x->seen, 0, sizeof x->seen);
+    k3_spec_free(x->spec);
+    x->spec = NULL;
+    if (b->nslots > 1) pthread_mutex_unlock(&b->mu);
     return rc;
 }
 
@@ -168,24 +186,25 @@ static int one_prefill(backend *b, const int32_t *ids, size_t n, const size_t *m
         if (nmarks) k3_dist_bcast((void *)marks, nmarks * sizeof *marks, true, "k3 serve's message marks");
     }
     /* a generation that ended in an error or a cancel left its pass open */
-    int rc = spec_close(b, err);
+    int rc = spec_close(b, &b->sl[0], err);
     if (rc) return rc;
     rc = prefill_on(b->sl[0].sess, ids, n, marks, nmarks, logits, reused, several ? is_cancelled_all : is_cancelled,
                     cancel, err);
-    if (!rc && speculate > 0) b->spec = k3_spec_new(b->drafter, speculate, k3_engine_vocab(b->e));
+    if (!rc && speculate > 0) b->sl[0].spec = k3_spec_new(b->sl[0].drafter, speculate, k3_engine_vocab(b->e));
     return rc;
 }
 
+/* Drafts per pass never exceed K3_SPEC_MAX: a larger limit is the same. */
+static int64_t step_limit(int64_t limit) { return limit > K3_SPEC_MAX ? K3_SPEC_MAX : limit < 0 ? 0 : limit; }
+
 static int one_step(backend *b, int32_t id, float *logits, int64_t limit, k3_err *err) {
-    k3_session *sess = b->sl[0].sess;
-    /* drafts per pass never exceed K3_SPEC_MAX: a larger limit is the same */
-    if (limit > K3_SPEC_MAX) limit = K3_SPEC_MAX;
-    if (limit < 0) limit = 0;
+    slot *x = &b->sl[0];
+    limit = step_limit(limit);
     if (b->lead) send_cmd(CMD_STEP, (int32_t)limit, id, logits == NULL);
-    if (!b->spec) return k3_session_feed(sess, &id, 1, logits, err);
-    if (logits) return k3_spec_feed(b->spec, sess, id, logits, limit, err);
-    int rc = k3_spec_finish(b->spec, sess, err); /* a kept stop id: after the ids the pass consumed */
-    return rc ? rc : k3_session_feed(sess, &id, 1, NULL, err);
+    if (!x->spec) return k3_session_feed(x->sess, &id, 1, logits, err);
+    if (logits) return k3_spec_feed(x->spec, x->sess, id, logits, limit, err);
+    int rc = k3_spec_finish(x->spec, x->sess, err); /* a kept stop id: after the ids the pass consumed */
+    return rc ? rc : k3_session_feed(x->sess, &id, 1, NULL, err);
 }
 
 /* ---- several slots: the model thread ---- */
@@ -203,39 +222,81 @@ static bool steps_ready(const backend *b) {
 
 static void call_done(slot *x, int rc, const k3_err *err) {
     x->rc = rc;
-    if (rc) x->err = *err;
+    if (rc && err != &x->err) x->err = *err;
     x->done = true;
     x->phase = SLOT_THINK;
 }
 
-/* Runs every posted step in one pass. Under mu (released while computing). */
+/* Slot x's part of a batched step before the forward: x->pass says what it
+ * feeds (n 0: nothing, its step is done; x->rc set on an error). Plain, one
+ * id; speculating, its verifying feed's pass (a kept stop id: the open pass
+ * closed first, then the id without logits). */
+static void step_begin(slot *x) {
+    x->rc = K3_OK;
+    x->pass = (k3_spec_pass){.ids = &x->id, .n = 1, .rows = x->logits};
+    if (!x->spec) return;
+    if (x->logits) x->rc = k3_spec_begin(x->spec, x->sess, x->id, x->logits, x->limit, &x->pass, &x->err);
+    else x->rc = k3_spec_finish(x->spec, x->sess, &x->err);
+    if (x->rc) x->pass.n = 0;
+}
+
+/* Feeds slots sl[0..n) (each with x->pass.n ids) in one pass; each slot's
+ * rc says how it went. One that cannot go (K3_EXIT_USAGE, checked before
+ * anything was fed) sends each alone, with its own answer and the same bits. */
+static void feed_group(backend *b, slot *const *sl, int n, bool multi) {
+    size_t at = 0;
+    for (int i = 0; i < n; i++) {
+        b->bs[i] = sl[i]->sess;
+        b->blog[i] = sl[i]->pass.rows;
+        b->bn[i] = sl[i]->pass.n;
+        memcpy(b->bid + at, sl[i]->pass.ids, (size_t)sl[i]->pass.n * sizeof *b->bid);
+        at += (size_t)sl[i]->pass.n;
+    }
+    k3_err err = {0};
+    int rc = k3_session_feed_batch_rows(b->bs, n, multi ? b->bn : NULL, b->bid, b->blog, &err);
+    for (int i = 0; i < n; i++) {
+        slot *x = sl[i];
+        if (rc == K3_EXIT_USAGE)
+            x->rc = k3_session_feed_rows(x->sess, x->pass.ids, (size_t)x->pass.n, x->pass.rows, x->pass.rows != NULL,
+                                         false, &x->err);
+        else if ((x->rc = rc))
+            x->err = err;
+        if (!x->rc && x->spec && x->logits) k3_spec_fed(x->spec);
+    }
+}
+
+/* Runs every posted step in one pass (with speculation, in passes of at most
+ * the plan's chunk of ids). Under mu (released while computing). */
 static void run_steps(backend *b) {
     int n = 0;
     for (int q = 0; q < b->nslots; q++) {
         slot *x = &b->sl[q];
         if (x->phase != SLOT_STEP) continue;
         x->phase = SLOT_RUN;
-        b->bs[n] = x->sess;
-        b->bid[n] = x->id;
-        b->blog[n] = x->logits;
         b->bslot[n++] = q;
     }
     pthread_mutex_unlock(&b->mu);
-    k3_err err = {0};
-    int rc = k3_session_feed_batch(b->bs, n, b->bid, b->blog, &err);
-    if (rc == K3_EXIT_USAGE) {
-        /* one row cannot go (checked before anything was fed): each alone,
-         * with its own answer and the same bits */
-        for (int i = 0; i < n; i++) {
-            slot *x = &b->sl[b->bslot[i]];
-            x->rc = k3_session_feed(x->sess, &x->id, 1, x->logits, &x->err);
+    slot **go = b->bgo;
+    int ng = 0, chunk = k3_engine_chunk(b->e), rows = 0;
+    bool multi = false;
+    for (int i = 0; i < n; i++) {
+        slot *x = &b->sl[b->bslot[i]];
+        step_begin(x);
+        if (x->pass.n == 0) continue; /* an accepted draft, or an error */
+        multi = multi || x->pass.n > 1;
+        if (multi && ng > 0 && rows + x->pass.n > chunk) {
+            feed_group(b, go, ng, true);
+            ng = rows = 0;
         }
+        go[ng++] = x;
+        rows += x->pass.n;
     }
+    if (ng > 0) feed_group(b, go, ng, multi);
     pthread_mutex_lock(&b->mu);
     for (int i = 0; i < n; i++) {
         slot *x = &b->sl[b->bslot[i]];
-        if (rc == K3_EXIT_USAGE) call_done(x, x->rc, &x->err);
-        else call_done(x, rc, &err);
+        if (x->spec) x->seen = k3_spec_get_stats(x->spec);
+        call_done(x, x->rc, &x->err);
     }
     pthread_cond_broadcast(&b->done_cv);
 }
@@ -313,6 +374,9 @@ static int be_prefill(void *ctx, int q, const int32_t *ids, size_t n, const size
                        b->spec_max);
     if (b->nslots == 1) return one_prefill(b, ids, n, marks, nmarks, logits, reused, cancel, speculate, err);
     slot *x = &b->sl[q];
+    /* the slot is between calls: its last generation's pass is closed here */
+    int rc = spec_close(b, x, err);
+    if (rc) return rc;
     pthread_mutex_lock(&b->mu);
     x->ids = ids;
     x->n = n;
@@ -321,8 +385,9 @@ static int be_prefill(void *ctx, int q, const int32_t *ids, size_t n, const size
     x->logits = logits;
     x->reused = reused;
     x->cancel = cancel;
-    int rc = post(b, x, SLOT_PREFILL, err);
+    rc = post(b, x, SLOT_PREFILL, err);
     pthread_mutex_unlock(&b->mu);
+    if (!rc && speculate > 0) x->spec = k3_spec_new(x->drafter, speculate, k3_engine_vocab(b->e));
     return rc;
 }
 
@@ -333,6 +398,7 @@ static int be_step(void *ctx, int q, int32_t id, float *logits, int64_t limit, k
     pthread_mutex_lock(&b->mu);
     x->id = id;
     x->logits = logits;
+    x->limit = step_limit(limit);
     int rc = post(b, x, SLOT_STEP, err);
     pthread_mutex_unlock(&b->mu);
     return rc;
@@ -346,7 +412,7 @@ static void be_end(void *ctx, int q) {
     backend *b = ctx;
     if (b->lead) send_cmd(CMD_END, 0, 0, 0);
     k3_err e = {0};
-    if (spec_close(b, &e)) { /* the next prefill starts from what the session holds */
+    if (spec_close(b, &b->sl[q], &e)) { /* the next prefill starts from what the session holds */
         fprintf(stderr, "k3 serve: closing a verifying pass: %s\n", e.msg);
         return;
     }
@@ -355,13 +421,18 @@ static void be_end(void *ctx, int q) {
 
 static void be_spec_stats(void *ctx, k3_spec_stats *out) {
     backend *b = ctx;
+    if (b->nslots == 1) {
+        *out = b->done;
+        if (b->sl[0].spec) {
+            k3_spec_stats st = k3_spec_get_stats(b->sl[0].spec);
+            stats_add(out, &st);
+        }
+        return;
+    }
+    pthread_mutex_lock(&b->mu);
     *out = b->done;
-    if (!b->spec) return;
-    k3_spec_stats st = k3_spec_get_stats(b->spec);
-    out->passes += st.passes;
-    out->fed += st.fed;
-    out->proposed += st.proposed;
-    out->accepted += st.accepted;
+    for (int q = 0; q < b->nslots; q++) stats_add(out, &b->sl[q].seen);
+    pthread_mutex_unlock(&b->mu);
 }
 
 static size_t be_holds(void *ctx, int q, const int32_t *ids, size_t n) {
@@ -396,10 +467,10 @@ void k3_serve_backend_free(k3_serve_backend *b) {
         pthread_cond_destroy(&b->work_cv);
         pthread_cond_destroy(&b->done_cv);
     }
-    k3_spec_free(b->spec);
-    k3_drafter_free(b->drafter);
     if (b->chat) k3_chat_free(b->chat);
-    for (int q = 0; b->sl && q < b->nslots; q++) {
+    for (int q = b->nslots - 1; b->sl && q >= 0; q--) { /* slot 0's drafter goes last: the others share its model */
+        k3_spec_free(b->sl[q].spec);
+        k3_drafter_free(b->sl[q].drafter);
         if (b->sl[q].sess) k3_session_free(b->sl[q].sess);
         if (b->sl[q].st) k3_engine_state_free(b->e, b->sl[q].st);
     }
@@ -408,6 +479,8 @@ void k3_serve_backend_free(k3_serve_backend *b) {
     free(b->bid);
     free(b->blog);
     free(b->bslot);
+    free(b->bn);
+    free(b->bgo);
     if (b->cache) k3_state_cache_free(b->cache);
     k3_engine_free(b->e);
     free(b);
@@ -418,11 +491,15 @@ void k3_serve_backend_free(k3_serve_backend *b) {
  * of the slots before it. */
 static int open_slots(backend *b, int slots, uint64_t cache_bytes, k3_err *err) {
     uint64_t logit_bytes = (uint64_t)k3_engine_vocab(b->e) * sizeof(float);
+    /* speculating, a slot past the first (the plan counts one) also keeps a
+     * pass's rollback record and its rows */
+    uint64_t spec_bytes = b->spec_max ? k3_state_pass_bytes(k3_engine_config(b->e), b->spec_max + 1) +
+                                            (uint64_t)(b->spec_max + 1) * logit_bytes : 0;
     int want = slots > 0 ? slots : K3_SERVE_AUTO_SLOTS;
     b->sl = xcalloc((size_t)want, sizeof *b->sl);
     for (int q = 0; q < want; q++) {
         /* a slot's session keeps a row and its worker another */
-        uint64_t extra = cache_bytes + 2 * (uint64_t)(q + 1) * logit_bytes;
+        uint64_t extra = cache_bytes + 2 * (uint64_t)(q + 1) * logit_bytes + (uint64_t)q * spec_bytes;
         k3_err e = {0};
         int rc = k3_engine_state_new(b->e, b->ctx, extra, &b->sl[q].st, &e);
         if (rc == K3_EXIT_BUDGET && slots == 0 && q > 0) break; /* what fits */
@@ -449,15 +526,10 @@ static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_
     eo.need_tokenizer = true;
     eo.max_pos = ctx;
     int spec_max = so ? so->spec_max : 0;
-    if (spec_max && slots > 1)
-        return k3_fail(err, K3_EXIT_USAGE, "serve: --parallel %d with --speculate: a server that speculates computes "
-                       "one request at a time (leave --parallel out: it is 1 then)", slots);
-    if (spec_max) slots = 1;
     if (spec_max) eo.mem.so.pass_tokens = spec_max + 1; /* a verifying pass in one chunk */
     if ((rc = k3_engine_open(&eo, &b->e, err))) return rc;
     if (so && so->draft_dir && k3_engine_ranks(b->e) > 1)
         return k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
-    if ((rc = k3_drafter_for(b->e, so ? so->draft_dir : NULL, spec_max, ctx, &b->drafter, err))) return rc;
     b->spec_max = spec_max;
     if (k3_engine_ranks(b->e) > 1) {
         if (slots > 1)
@@ -468,6 +540,9 @@ static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_
     b->ctx = ctx;
     b->cache = k3_state_cache_new(k3_engine_config(b->e), cache_bytes, 0);
     if ((rc = open_slots(b, slots, cache_bytes, err))) return rc;
+    if ((rc = k3_drafter_for(b->e, so ? so->draft_dir : NULL, spec_max, ctx, &b->sl[0].drafter, err))) return rc;
+    for (int q = 1; q < b->nslots && b->sl[0].drafter; q++)
+        if ((rc = k3_drafter_sibling(b->sl[0].drafter, ctx, &b->sl[q].drafter, err))) return rc;
     k3_err cerr = {0};
     if (k3_chat_new(k3_engine_tokenizer(b->e), &b->chat, &cerr)) b->chat = NULL; /* no XTML ids: completions only */
     memset(sm, 0, sizeof *sm);
@@ -490,7 +565,9 @@ static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_
     if (b->nslots > 1) {
         size_t n = (size_t)b->nslots;
         b->bs = xmalloc_array(n, sizeof *b->bs);
-        b->bid = xmalloc_array(n, sizeof *b->bid);
+        b->bid = xmalloc_array(n * (size_t)(spec_max + 1), sizeof *b->bid);
+        b->bn = xmalloc_array(n, sizeof *b->bn);
+        b->bgo = xmalloc_array(n, sizeof *b->bgo);
         b->blog = xmalloc_array(n, sizeof *b->blog);
         b->bslot = xmalloc_array(n, sizeof *b->bslot);
         pthread_mutex_init(&b->mu, NULL);

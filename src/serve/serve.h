@@ -56,7 +56,7 @@ typedef struct {
     /* Speculative decoding (docs/speculation.md): the drafts per pass a
      * request gets when it names none, and the most it may ask for (its
      * "speculate" field; the memory plan counts a pass of spec_max + 1 ids).
-     * 0: the model does not speculate (always so with several slots). */
+     * 0: the model does not speculate. */
     int spec_default, spec_max;
     /* Makes slot's state hold exactly ids[0..n) and puts the logits of the
      * last one in logits[vocab]; *reused: how many leading ids were not
@@ -98,7 +98,8 @@ typedef struct {
 /* ---- the model on the engine (backend.c) ----
  * One session and state per slot, all on one state cache shared by every
  * request. With several slots the decode steps of the busy slots go through
- * one forward pass (k3_session_feed_batch: each row the bits it has alone),
+ * one forward pass (k3_session_feed_batch_rows: each row the bits it has
+ * alone; speculating, each slot's verifying pass of its id and drafts),
  * and a prefill is fed one engine chunk at a time with the others' decode
  * passes between its chunks. Under mpirun every rank opens one slot; rank 0
  * serves and announces each model call to the other ranks, which make the
@@ -117,8 +118,8 @@ typedef struct {
 /* Opens eo's model (with its tokenizer, max_pos ctx), slots states of ctx
  * positions and a state cache of cache_bytes, and fills m with the calls on
  * them; so: speculation (NULL: none). slots 0: as many as the memory budget
- * holds, up to K3_SERVE_AUTO_SLOTS; 1 under several ranks or with
- * speculation, where more is refused (K3_EXIT_USAGE). A slot count that
+ * holds, up to K3_SERVE_AUTO_SLOTS; 1 under several ranks, where more is
+ * refused (K3_EXIT_USAGE). A slot count that
  * cannot fit: K3_EXIT_BUDGET. Under several ranks a rank that cannot fit
  * stops every rank here. */
 #define K3_SERVE_AUTO_SLOTS 8

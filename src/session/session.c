@@ -411,46 +411,65 @@ int k3_session_feed_rows(k3_session *s, const int32_t *ids, size_t n, float *log
     return feed(s, ids, n, logits, all_rows, prompt, false, err);
 }
 
-int k3_session_feed_batch(k3_session *const *ss, int n, const int32_t *ids, float *const *logits, k3_err *err) {
+int k3_session_feed_batch_rows(k3_session *const *ss, int n, const int *counts, const int32_t *ids,
+                               float *const *rows, k3_err *err) {
     if (n < 1) return k3_fail(err, K3_EXIT_USAGE, "no sessions to feed");
     k3_session *s0 = ss[0];
     bool want = false;
+    size_t total = 0, V = (size_t)s0->V;
     for (int q = 0; q < n; q++) {
         k3_session *s = ss[q];
+        size_t c = counts ? (size_t)counts[q] : 1;
         if (s->e != s0->e || s->m != s0->m)
             return k3_fail(err, K3_EXIT_USAGE, "batch: session %d belongs to another model", q);
         for (int r = 0; r < q; r++)
             if (ss[r] == s) return k3_fail(err, K3_EXIT_USAGE, "batch: sessions %d and %d are one session", r, q);
-        if (s->in_pass) return k3_fail(err, K3_EXIT_USAGE, "batch: session %d is inside a pass", q);
-        if (s->n >= (size_t)k3_state_max_pos(s->st))
+        if (counts && counts[q] < 1) return k3_fail(err, K3_EXIT_USAGE, "batch: no ids for session %d", q);
+        if (s->n + c > (size_t)k3_state_max_pos(s->st))
             return k3_fail(err, K3_EXIT_USAGE, "batch: session %d is full (%d positions)", q, k3_state_max_pos(s->st));
-        if (ids[q] < 0 || ids[q] >= s->V)
-            return k3_fail(err, K3_EXIT_USAGE, "batch: token id %d is outside the vocabulary [0, %d)", ids[q], s->V);
-        want = want || (logits && logits[q]);
+        /* feed() would stop at a grid line to snapshot there: several ids
+         * outside a pass must not cross one */
+        int G = s->c && s->c->budget > 0 ? s->c->grid : 0;
+        if (c > 1 && !s->in_pass && G > 0 && s->n % (size_t)G + c > (size_t)G)
+            return k3_fail(err, K3_EXIT_USAGE, "batch: session %d's %zu ids cross a snapshot line (every %d)", q, c, G);
+        for (size_t i = 0; i < c; i++)
+            if (ids[total + i] < 0 || ids[total + i] >= s->V)
+                return k3_fail(err, K3_EXIT_USAGE, "batch: token id %d is outside the vocabulary [0, %d)",
+                               ids[total + i], s->V);
+        total += c;
+        want = want || (rows && rows[q]);
     }
     k3_state **st = xmalloc_array((size_t)n, sizeof *st);
     for (int q = 0; q < n; q++) st[q] = ss[q]->st;
-    size_t V = (size_t)s0->V;
-    float *rows = want ? xmalloc_array((size_t)n * V, sizeof *rows) : NULL;
-    int rc = s0->e ? k3_engine_feed_batch(s0->e, st, n, ids, rows, err) : k3_forward_batch(s0->m, st, n, ids, rows, err);
+    float *all = want ? xmalloc_array(total * V, sizeof *all) : NULL;
+    int rc;
+    if (s0->e) rc = k3_engine_feed_batch_rows(s0->e, st, n, counts, ids, all, err);
+    else rc = counts ? k3_forward_batch_rows(s0->m, st, n, counts, ids, all, err) : k3_forward_batch(s0->m, st, n, ids, all, err);
     free(st);
+    size_t at = 0;
     for (int q = 0; q < n; q++) {
         k3_session *s = ss[q];
+        size_t c = counts ? (size_t)counts[q] : 1;
         if (rc) {
             k3_session_reset(s);
             continue;
         }
-        append_ids(s, &ids[q], 1);
-        s->have_logits = logits && logits[q];
+        append_ids(s, ids + at, c);
+        s->have_logits = rows && rows[q];
         if (s->have_logits) {
-            memcpy(s->logits, rows + (size_t)q * V, V * sizeof *rows);
-            memcpy(logits[q], s->logits, V * sizeof *rows);
+            memcpy(rows[q], all + at * V, c * V * sizeof *all);
+            memcpy(s->logits, all + (at + c - 1) * V, V * sizeof *all);
         }
+        at += c;
         int G = s->c && s->c->budget > 0 ? s->c->grid : 0;
-        if (G > 0 && s->n % (size_t)G == 0) k3_session_snapshot(s);
+        if (G > 0 && s->n % (size_t)G == 0 && !s->in_pass) k3_session_snapshot(s);
     }
-    free(rows);
+    free(all);
     return rc;
+}
+
+int k3_session_feed_batch(k3_session *const *ss, int n, const int32_t *ids, float *const *logits, k3_err *err) {
+    return k3_session_feed_batch_rows(ss, n, NULL, ids, logits, err);
 }
 
 int k3_session_recompute(k3_session *s, int32_t id, float *logits, k3_err *err) {

@@ -164,10 +164,22 @@ int k3_session_feed_rows(k3_session *s, const int32_t *ids, size_t n, float *log
  * that session then holds none, as k3_session_feed without logits). Each
  * session ends exactly as k3_session_feed of its id alone leaves it: the same
  * logits bits, state, ids and grid snapshots, whatever the other sessions
- * are. A session inside a pass, full, or an id outside the vocabulary:
- * K3_EXIT_USAGE and no session changed; an error of the forward pass resets
- * every session of the batch. */
+ * are (a session inside a pass records its id as k3_session_feed does). A
+ * full session or an id outside the vocabulary: K3_EXIT_USAGE and no session
+ * changed; an error of the forward pass resets every session of the batch. */
 int k3_session_feed_batch(k3_session *const *ss, int n, const int32_t *ids, float *const *logits, k3_err *err);
+/* The same with counts[q] >= 1 ids for session ss[q] (counts NULL: one
+ * each; engine.h's k3_engine_feed_batch_rows): ids holds them one session
+ * after another, and rows[q] (rows or rows[q] NULL: none) gets every row of
+ * session q, [counts[q]][V]. Each session ends exactly as
+ * k3_session_feed_rows(ss[q], its ids, counts[q], rows[q], true, false)
+ * alone leaves it: the same rows bits, state, ids, pass record (a
+ * verifying pass of several sessions in one pass over the weights) and grid
+ * snapshots. Besides k3_session_feed_batch's refusals: several ids outside a
+ * pass that would cross a grid line (feeding alone stops there to snapshot),
+ * and a batch of more ids than the engine's chunk. */
+int k3_session_feed_batch_rows(k3_session *const *ss, int n, const int *counts, const int32_t *ids,
+                               float *const *rows, k3_err *err);
 /* Appends id and recomputes the state from position 0 over every id the
  * session holds (k3 run --full, a check: the logits are bit-identical to
  * k3_session_feed's). No snapshots are taken. */

@@ -10,7 +10,8 @@
 # cached: cached_tokens per request equal too). Also with the weights streamed
 # (--trunk, a tiny --cache-gb), and with one request's client gone after its
 # first event (the others unchanged, the cancel counted). /health reports the
-# slots; --parallel 2 with --speculate and under mpirun is refused.
+# slots; --parallel 2 under mpirun is refused (--parallel with --speculate:
+# test_speculate_serve.sh).
 # Loopback, every wait bounded. About 8 minutes under the sanitizer on a
 # loaded 2-core machine.
 # asan
@@ -32,8 +33,6 @@ expect_exit help 0 "$K3" serve --help
 expect_out_contains help "--parallel N"
 expect_exit parallel-zero 2 "$K3" serve $M --parallel 0
 expect_exit parallel-word 2 "$K3" serve $M --parallel many
-expect_exit parallel-speculate 2 "$K3" serve $M --parallel 2 --speculate 2
-expect_err_contains parallel-speculate "one request at a time"
 
 $PY - "$OUT/reqs.json" <<'PY'
 import json, sys

@@ -12,6 +12,10 @@
 #  - n-gram drafts at the server's K and at a request's smaller K, a draft
 #    model (here the model itself: greedy drafts the target mostly accepts),
 #    and 2 ranks under mpirun (n-gram: every rank drafts the same ids);
+#  - four requests sent at once to a --parallel 4 server that speculates
+#    (n-gram, and the draft model: one per slot), their verifying passes
+#    batched in one pass over the weights: each response is the one that
+#    request gets alone from a plain --parallel 1 server;
 #  - /metrics counts the drafts (some proposed and accepted, none without
 #    speculation); bad "speculate" values get 400 naming the field; bad flags
 #    exit 2 (--speculate 17, --draft with another tokenizer or under mpirun).
@@ -127,6 +131,66 @@ check ngram-off:no-drafts "$DRAFTS" "0 0"
 run_set draft '{}' "$K3" serve $M --port 0 --draft $M
 same draft
 drafted draft
+
+# ---- several slots: the verifying passes of concurrent requests in one pass -------------------
+# together.py URL OUT MODE: a chat reply and a completion (one after the
+# other), then four requests that quote them, so that n-gram drafts find
+# their continuations (chat greedy and seeded-sampled, completions greedy, a
+# streamed chat), one after another (MODE alone) or all at once (together);
+# the normalised bodies (the four's cached_tokens too) in a fixed order in OUT
+cat >"$OUT/together.py" <<'PY'
+import json, re, sys, threading, urllib.request
+url, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+def call(path, body):
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    raw = urllib.request.urlopen(req, timeout=120).read()
+    raw = re.sub(rb'"id":"(chatcmpl|cmpl)-[0-9a-f]+"', b'"id":"ID"', raw)
+    return re.sub(rb'"created":[0-9]+', b'"created":0', raw)
+say, p = "Say one two three four five", "one two three four five one two three four five one two"
+first = [call("v1/chat/completions", {"messages": [{"role": "user", "content": say}], "max_tokens": 24,
+                                      "temperature": 0, "reasoning_effort": "none"}),
+         call("v1/completions", {"prompt": p, "max_tokens": 24, "temperature": 0})]
+A = json.loads(first[0])["choices"][0]["message"]["content"]
+a = json.loads(first[1])["choices"][0]["text"]
+def chat(q, **kw):
+    msgs = [{"role": "user", "content": say}, {"role": "assistant", "content": A}, {"role": "user", "content": q}]
+    return ("v1/chat/completions", dict({"messages": msgs, "max_tokens": 32, "reasoning_effort": "none"}, **kw))
+reqs = [chat(say + " again", temperature=0),
+        chat("again please", temperature=0.9, top_k=50, seed=11),
+        ("v1/completions", {"prompt": p + a + " " + p, "max_tokens": 32, "temperature": 0}),
+        chat("once more", temperature=0, stream=True)]
+got = [None] * len(reqs)
+# how much of a prompt another request's state held depends on which of the
+# concurrent ones got there first, not on speculation
+def one(i): got[i] = re.sub(rb'"cached_tokens":[0-9]+', b'"cached_tokens":N', call(*reqs[i]))
+if mode == "alone":
+    for i in range(len(reqs)): one(i)
+else:
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in ts: t.start()
+    for t in ts: t.join()
+open(out, "wb").write(b"\n".join(first + [g or b"MISSING" for g in got]) + b"\n")
+PY
+# together TAG MODE CMD...: starts CMD, runs together.py into $OUT/TAG.txt, stops it
+together() {
+  local tag=$1 mode=$2; shift 2
+  if ! start_server "$OUT/$tag.log" "$@"; then fail "$tag:start" "$(head -c 300 "$OUT/$tag.log.err")"; return 1; fi
+  timeout 300 $PY "$OUT/together.py" "$SERVER_URL" "$OUT/$tag.txt" "$mode" 2>"$OUT/$tag.client.err" \
+    && pass "$tag:requests" || fail "$tag:requests" "$(tail -n 3 "$OUT/$tag.client.err")"
+  DRAFTS="$(metric "$SERVER_URL" k3_drafts_proposed_total) $(metric "$SERVER_URL" k3_drafts_accepted_total)"
+  kill -TERM "$SERVER_PID"; wait "$SERVER_PID" && pass "$tag:stop" || fail "$tag:stop" "$(tail -n 3 "$OUT/$tag.log.err")"
+}
+together alone alone "$K3" serve $M --port 0 --parallel 1
+together par-ngram together "$K3" serve $M --port 0 --parallel 4 --speculate 4
+cmp -s "$OUT/alone.txt" "$OUT/par-ngram.txt" && pass par-ngram:same \
+  || fail par-ngram:same "$(diff <(tr ',' '\n' <"$OUT/alone.txt") <(tr ',' '\n' <"$OUT/par-ngram.txt") | head -c 400)"
+drafted par-ngram
+grep -q '4 slots' "$OUT/par-ngram.log" && pass par-ngram:slots \
+  || fail par-ngram:slots "$(head -c 300 "$OUT/par-ngram.log")"
+together par-draft together "$K3" serve $M --port 0 --parallel 4 --draft $M
+cmp -s "$OUT/alone.txt" "$OUT/par-draft.txt" && pass par-draft:same \
+  || fail par-draft:same "$(diff <(tr ',' '\n' <"$OUT/alone.txt") <(tr ',' '\n' <"$OUT/par-draft.txt") | head -c 400)"
+drafted par-draft
 
 # ---- refusals ------------------------------------------------------------------------------
 start_server "$OUT/refusals.log" "$K3" serve $M --port 0 --speculate 3 || fail refusals:start
