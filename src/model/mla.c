@@ -71,21 +71,41 @@ static void core_absorbed(const k3_config *c, const k3_mla_w *w, const k3_mla_ca
         k_gemm_acc(qabs + (size_t)h * Ts * rkv, rkv, T, rkv, q + (size_t)h * dq, H * dq, dn, &bm, 0);
     }
     k3_mat lat_m = {.type = KW_F32, .rows = nmax, .cols = W, .data = cache->latent};
-    if (T == 1) { /* decoding: the heads in parallel */
+    if (T == 1) { /* decoding: the heads in parallel, the cache in blocks */
         int ngrp = (H + 3) / 4, n = pos0 + 1;
+        /* Each head's scores, softmax and weighted sum are the ones of a whole
+         * row at a time (a score is its row's own canonical dot; a ctx element
+         * gets its fmas over p in order whatever the blocks), so the cache is
+         * read in blocks of rows that stay in L2 while every head of the
+         * thread uses them: twice a layer instead of about once per head. A
+         * block is a multiple of 16 rows, so the dot kernels group rows as
+         * over the whole cache. Threads split the heads (in groups of 4),
+         * never the positions. */
+        int blk = (int)((256 * 1024) / ((size_t)W * sizeof(float))) / 16 * 16;
+        if (blk < 16) blk = 16;
 #pragma omp parallel if ((double)H * n * (W + rkv) > 262144.0)
         {
-#pragma omp for schedule(static)
-            for (int h = 0; h < H; h++)
-                mla_scores(score + (size_t)h * nmax, score + (size_t)(H + h) * nmax, qabs + (size_t)h * rkv,
-                           q + (size_t)h * dq + dn, cache->latent, W, rkv, dr, n, scale);
-            /* ctx_h = sum_p s_h[p] c_kv(p): all heads share the latent rows, so
-             * they run as one product (each element: fmas over p in order) */
-#pragma omp for schedule(static)
-            for (int g = 0; g < ngrp; g++) {
-                int h0 = 4 * g, hn = H - h0 < 4 ? H - h0 : 4;
-                k_gemm_acc(ctx + (size_t)h0 * rkv, rkv, hn, rkv, score + (size_t)h0 * nmax, nmax, n, &lat_m, 0);
+            int nt = omp_get_num_threads(), id = omp_get_thread_num();
+            int h0 = 4 * (int)((int64_t)ngrp * id / nt), h1 = 4 * (int)((int64_t)ngrp * (id + 1) / nt);
+            if (h1 > H) h1 = H;
+            for (int p0 = 0; p0 < n; p0 += blk) {
+                int pn = n - p0 < blk ? n - p0 : blk;
+                const float *lb = cache->latent + (size_t)p0 * W;
+                for (int h = h0; h < h1; h++) {
+                    float *sc = score + (size_t)h * nmax + p0, *sr = score + (size_t)(H + h) * nmax + p0;
+                    k_dots(sc, qabs + (size_t)h * rkv, lb, (size_t)W, pn, rkv);
+                    k_dots(sr, q + (size_t)h * dq + dn, lb + rkv, (size_t)W, pn, dr);
+                    for (int p = 0; p < pn; p++) sc[p] = (sc[p] + sr[p]) * scale;
+                }
             }
+            for (int h = h0; h < h1; h++) k_softmax(score + (size_t)h * nmax, n);
+            /* ctx_h = sum_p s_h[p] c_kv(p): all the thread's heads on each block */
+            if (h1 > h0)
+                for (int p0 = 0; p0 < n; p0 += blk) {
+                    int pn = n - p0 < blk ? n - p0 : blk;
+                    k_gemm_acc(ctx + (size_t)h0 * rkv, rkv, h1 - h0, rkv, score + (size_t)h0 * nmax + p0, nmax, pn,
+                               &lat_m, p0);
+                }
         }
     } else { /* prefill: the positions in parallel (one thread team), all heads of a position together */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if ((double)H * T * nmax * (W + rkv) > 524288.0)
