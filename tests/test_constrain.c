@@ -292,6 +292,23 @@ TEST(constrain_schema_refuses_what_it_cannot_enforce) {
     k3_sb_free(&b);
 }
 
+/* The mask of st (allow, one byte per base id) against the plain
+ * definition: each id's bytes fed on their own to a copy of st. */
+static void mask_equals_feeding(const k3_jstate *st, const k3_tokenizer *t, const k3_tokbytes *tb, uint8_t *allow,
+                                const char *label) {
+    size_t count = k3_jstate_mask(st, tb, allow), want_count = 0;
+    for (int32_t id = 0; id < tok_n_base(t); id++) {
+        size_t n;
+        const uint8_t *p = tok_token_bytes(t, id, &n);
+        k3_jstate c = *st;
+        bool want = p && n && k3_jstate_feed(&c, p, n);
+        want_count += want;
+        CHECKF(allow[id] == want, "%s: id %d ('%.*s') mask %d, feeding it %d", label, id, (int)n,
+               p ? (const char *)p : "", allow[id], want);
+    }
+    CHECKF(count == want_count && count > 0, "%s: %zu allowed, want %zu", label, count, want_count);
+}
+
 /* The mask against the plain definition: each id fed on its own. */
 TEST(constrain_mask_equals_feeding_each_id) {
     k3_tokenizer *t = NULL;
@@ -313,17 +330,7 @@ TEST(constrain_mask_equals_feeding_each_id) {
         k3_jstate st;
         k3_jstate_init(&st, sc);
         CHECKF(k3_jstate_feed(&st, (const uint8_t *)PREFIXES[i], strlen(PREFIXES[i])), "%s", PREFIXES[i]);
-        size_t count = k3_jstate_mask(&st, tb, allow), want_count = 0;
-        for (int32_t id = 0; id < nb; id++) {
-            size_t n;
-            const uint8_t *p = tok_token_bytes(t, id, &n);
-            k3_jstate c = st;
-            bool want = p && n && k3_jstate_feed(&c, p, n);
-            want_count += want;
-            CHECKF(allow[id] == want, "after '%s': id %d ('%.*s') mask %d, feeding it %d", PREFIXES[i], id, (int)n,
-                   (const char *)p, allow[id], want);
-        }
-        CHECKF(count == want_count && count > 0, "after '%s': %zu allowed, want %zu", PREFIXES[i], count, want_count);
+        mask_equals_feeding(&st, t, tb, allow, PREFIXES[i]);
     }
     free(allow);
     k3_jschema_free(sc);
@@ -356,16 +363,9 @@ TEST(constrain_raw_string_mask_equals_feeding_each_id) {
         k3_jstate_init(&st, sc);
         k3_jstate_hold(&st, T_STR, true);
         CHECKF(k3_jstate_feed(&st, (const uint8_t *)C[i].prefix, strlen(C[i].prefix)), "%s", C[i].prefix);
-        size_t count = k3_jstate_mask(&st, tb, allow), want_count = 0;
-        for (int32_t id = 0; id < nb; id++) {
-            size_t n;
-            const uint8_t *p = tok_token_bytes(t, id, &n);
-            k3_jstate c = st;
-            bool want = p && n && k3_jstate_feed(&c, p, n);
-            want_count += want;
-            CHECKF(allow[id] == want, "case %zu: id %d mask %d, feeding it %d", i, id, allow[id], want);
-        }
-        CHECKF(count == want_count && count > 0, "case %zu: %zu allowed, want %zu", i, count, want_count);
+        char label[32];
+        snprintf(label, sizeof label, "case %zu", i);
+        mask_equals_feeding(&st, t, tb, allow, label);
         k3_jschema_free(sc);
     }
     /* forced text: the ids whose bytes are a prefix of it, against a pass

@@ -48,6 +48,15 @@ static char *slurp(const char *path, size_t *n) {
     return d;
 }
 
+/* Packs model into this test's trunk/ (dir) and names one of its files
+ * (file = dir/name). */
+static int pack_trunk_here(const char *model, char *dir, size_t dn, char *file, size_t fn, const char *name,
+                        k3_err *err) {
+    snprintf(dir, dn, "%s/trunk", t_outdir());
+    snprintf(file, fn, "%s/%s", dir, name);
+    return k3_trunk_pack(model, dir, err);
+}
+
 TEST(trunk_pack_layout_bytes_and_crc) {
     const char *model = t_repo("tests/fixtures/gen/k3_like");
     char dir[1024];
@@ -111,10 +120,8 @@ TEST(trunk_pack_layout_bytes_and_crc) {
 TEST(trunk_verify_catches_flipped_byte) {
     const char *model = t_repo("tests/fixtures/gen/k3_like");
     char dir[1024], bin[1100];
-    snprintf(dir, sizeof dir, "%s/trunk", t_outdir());
-    snprintf(bin, sizeof bin, "%s/trunk.bin", dir);
     k3_err err = {0};
-    CHECKF(k3_trunk_pack(model, dir, &err) == 0, "%s", err.msg);
+    CHECKF(pack_trunk_here(model, dir, sizeof dir, bin, sizeof bin, "trunk.bin", &err) == 0, "%s", err.msg);
     FILE *f = fopen(bin, "r+b");
     CHECK(f != NULL);
     fseek(f, 4096 + 100, SEEK_SET);
@@ -348,10 +355,8 @@ static int write_signed_index(const char *json, json_t *root) {
 TEST(trunk_version_1_refused) {
     const char *model = t_repo("tests/fixtures/gen/k3_like");
     char dir[1024], json[1100];
-    snprintf(dir, sizeof dir, "%s/trunk", t_outdir());
-    snprintf(json, sizeof json, "%s/trunk.json", dir);
     k3_err err = {0};
-    CHECKF(k3_trunk_pack(model, dir, &err) == 0, "%s", err.msg);
+    CHECKF(pack_trunk_here(model, dir, sizeof dir, json, sizeof json, "trunk.json", &err) == 0, "%s", err.msg);
     json_t *root = json_load_file(json, 0, NULL);
     CHECK(root != NULL);
     CHECK(json_integer_value(json_object_get(root, "version")) == 2);
@@ -365,10 +370,8 @@ TEST(trunk_version_1_refused) {
 TEST(trunk_old_identity_scheme_accepted) {
     const char *model = t_repo("tests/fixtures/gen/k3_like");
     char dir[1024], json[1100];
-    snprintf(dir, sizeof dir, "%s/trunk", t_outdir());
-    snprintf(json, sizeof json, "%s/trunk.json", dir);
     k3_err err = {0};
-    CHECKF(k3_trunk_pack(model, dir, &err) == 0, "%s", err.msg);
+    CHECKF(pack_trunk_here(model, dir, sizeof dir, json, sizeof json, "trunk.json", &err) == 0, "%s", err.msg);
     st_index *ix;
     CHECK(st_open(model, &ix, &err) == 0);
     char v1[17], v2[17];
@@ -400,10 +403,8 @@ TEST(trunk_old_identity_scheme_accepted) {
 TEST(trunk_index_without_checksum_refused) {
     const char *model = t_repo("tests/fixtures/gen/k3_like");
     char dir[1024], json[1100];
-    snprintf(dir, sizeof dir, "%s/trunk", t_outdir());
-    snprintf(json, sizeof json, "%s/trunk.json", dir);
     k3_err err = {0};
-    CHECKF(k3_trunk_pack(model, dir, &err) == 0, "%s", err.msg);
+    CHECKF(pack_trunk_here(model, dir, sizeof dir, json, sizeof json, "trunk.json", &err) == 0, "%s", err.msg);
     char *text;
     size_t n;
     CHECK(k3_read_file(json, &text, &n, &err) == 0);
@@ -420,10 +421,8 @@ TEST(trunk_index_without_checksum_refused) {
 TEST(trunk_interrupted_pack_is_not_a_trunk) {
     const char *model = t_repo("tests/fixtures/gen/k3_like");
     char dir[1024], json[1100];
-    snprintf(dir, sizeof dir, "%s/trunk", t_outdir());
-    snprintf(json, sizeof json, "%s/trunk.json", dir);
     k3_err err = {0};
-    CHECKF(k3_trunk_pack(model, dir, &err) == 0, "%s", err.msg);
+    CHECKF(pack_trunk_here(model, dir, sizeof dir, json, sizeof json, "trunk.json", &err) == 0, "%s", err.msg);
     unlink(json); /* what a kill between the data and the index leaves */
     k3_trunk *t = NULL;
     CHECK(k3_trunk_open(dir, NULL, &t, &err) == K3_EXIT_USAGE);
