@@ -15,7 +15,7 @@
  * 96 MXFP4 experts). Not a test: numbers depend on the machine and its load. */
 #include "bench.h"
 #include "kernels/kernels.h"
-#include "model/model.h"
+#include "model/source.h"
 
 #include <jansson.h>
 #include <omp.h>

@@ -5,7 +5,8 @@
  * Expected values all come from the peer's independent PyTorch reference. */
 #include "harness.h"
 #include "tjson.h"
-#include "model/model.h"
+#include "model/records.h"
+#include "model/source.h"
 
 #include <math.h>
 #include <omp.h>

@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "harness.h"
-#include "model/model.h"
+#include "model/records.h"
 #include "train/tinternal.h"
 
 static uint64_t rs = 88172645463325252ull;

@@ -6,7 +6,7 @@
  * cache trace (`k3 cache-sim TRACE --placement R ...`) that spreads each
  * layer's hottest experts evenly. The trunk runs on every rank.
  *
- * The expert-parallel source wraps the engine's weight source (model.h): it
+ * The expert-parallel source wraps the engine's weight source (model/source.h): it
  * answers expert_owned from the placement and experts_combine with one
  * exchange per MoE layer and forward call: each rank sends the output rows
  * of the selected experts it owns, every rank receives the others' rows, and
@@ -24,7 +24,7 @@
 
 #include "formats/config.h"
 #include "memory/cache.h"
-#include "model/model.h"
+#include "model/source.h"
 
 typedef struct {
     int ranks, layers, experts;

@@ -2,7 +2,7 @@
  * by output rows.
  *
  * The model takes every trunk matrix product through a table of operations
- * (k3_fwd_ops, model.h): Y = X W^T for a batch of jobs. k3_tp_ops() is that
+ * (k3_fwd_ops, model/source.h): Y = X W^T for a batch of jobs. k3_tp_ops() is that
  * table for a job of several ranks: each rank computes only its share of
  * every job's output rows (rows [r0, r1) of W, k_row_share: whole 16-row
  * runs dealt out evenly, uneven shares included) and one gather per call
@@ -30,7 +30,7 @@
 #ifndef K3_DIST_TENSOR_PAR_H
 #define K3_DIST_TENSOR_PAR_H
 
-#include "model/model.h"
+#include "model/source.h"
 
 /* The split products for this job's ranks (one process: the canonical ones). */
 const k3_fwd_ops *k3_tp_ops(void);

@@ -5,6 +5,7 @@
 #include "dist/expert_par.h"
 #include "dist/tensor_par.h"
 #include "formats/identity.h"
+#include "model/source.h"
 
 #include <errno.h>
 #include <jansson.h>

@@ -7,7 +7,7 @@
  * ("language_model.model.", or the plain "model." spelling some exports
  * use), layer L's tensors under PREFIX "layers.L."; the head sits beside the
  * model, at K3N_HEAD_FULL. The names below are relative to those prefixes,
- * as model.h's lookup receives them. Each is a string literal, so they
+ * as model/source.h's lookup receives them. Each is a string literal, so they
  * concatenate with other literals (K3N_PREFIX K3N_EMBED). */
 #ifndef K3_FORMATS_NAMES_H
 #define K3_FORMATS_NAMES_H

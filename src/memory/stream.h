@@ -1,6 +1,6 @@
 /* stream.h: running a model inside a memory budget, however large the model.
  *
- * A k3_stream is a k3_weight_source (model.h) that serves
+ * A k3_stream is a k3_weight_source (model/source.h) that serves
  *  - the dense trunk: resident from the shards (mapped), or, with a packed
  *    trunk (k3 pack-trunk), pinned layers (spread through the stack) held in memory and the
  *    rest streamed through ring slots: layer L+1 is read (O_DIRECT, CRC-32C

@@ -6,6 +6,7 @@
 
 #include "memory/io.h"
 #include "memory/stream.h"
+#include "model/source.h"
 
 /* Per matrix (w1 gate, w3 up, w2 down): MXFP4 (weight_packed + weight_scale)
  * or an unquantised weight. When all of an expert's tensors form one
@@ -25,7 +26,7 @@ typedef struct {
 /* Fills x for expert e of layer L (prefix: k3_names_prefix), checking every
  * tensor's shape and dtype against the config as the binder would. */
 int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int L, int e, xlayout *x, k3_err *err);
-/* The model.h dtype of a shard dtype; -1 for one K3 does not use. */
+/* The model/source.h dtype of a shard dtype; -1 for one K3 does not use. */
 int k3s_tdtype(st_dtype d, k3_tdtype *out);
 /* x rounded up to the O_DIRECT alignment. */
 uint64_t k3s_align4k(uint64_t x);

@@ -12,7 +12,7 @@
  *
  * The arithmetic lives in the kernels (kernels.h: ShortConv, gate, both
  * forms of the recurrence, the head norm); what differs between the callers
- * is named by k3_fwd_ops (model.h). */
+ * is named by k3_fwd_ops (model/source.h). */
 #include "model/model_impl.h"
 
 #include <assert.h>

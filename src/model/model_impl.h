@@ -1,11 +1,11 @@
 /* model_impl.h: what the model's files share (not a public header: use
- * model.h): the model struct (weights.c binds it, model.c runs it), the
+ * model.h, model/source.h or model/records.h): the model struct (weights.c binds it, model.c runs it), the
  * workspace of one forward chunk, and the blocks that live in their own
  * files (kda.c, mla.c, moe.c). */
 #ifndef K3_MODEL_IMPL_H
 #define K3_MODEL_IMPL_H
 
-#include "model/model.h"
+#include "model/records.h"
 #include "formats/safetensors.h"
 #include "util/common.h"
 

@@ -33,7 +33,7 @@ struct tm_layer {
     moe_w moe_w;
 };
 
-/* Saved activations: the model graph's records (model.h k3_model_rec,
+/* Saved activations: the model graph's records (model/records.h k3_model_rec,
  * k3_layer_rec, filled by k3_forward_rec), N = B*T rows. */
 typedef k3_kda_rec kda_acts;
 typedef k3_mla_rec mla_acts;

@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "kernels/kernels.h"
-#include "model/model.h" /* the blocks' forward */
+#include "model/records.h" /* the blocks' forward */
 #include "train/train.h" /* TM_MAX_ATTNRES_SOURCES */
 #include "util/common.h"
 

@@ -17,7 +17,7 @@
 #include <stdbool.h>
 
 #include "kernels/kernels.h"
-#include "model/model.h"
+#include "model/records.h"
 
 /* Products of the training GEMM (kernels.h); BF16 mode (t_set_bf16) rounds
  * their operands to BF16 and accumulates in F32. */
@@ -25,7 +25,7 @@ void t_set_bf16(bool on);
 bool t_bf16(void);
 /* Y[n][out] = X[n][in] W^T (W f32 [out][in]). */
 void t_linear(float *Y, const float *X, const float *W, int n, int in, int out);
-/* The model graph's blocks run with these (model.h k3_fwd_ops): each job's
+/* The model graph's blocks run with these (model/source.h k3_fwd_ops): each job's
  * W an F32 view [out][in] of the arena, Y = X W^T by t_linear; and
  * training's rounding of SiLU and the KDA q/k norm. */
 void t_products(const k_prod *jobs, int njobs);
@@ -38,7 +38,7 @@ void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int 
  * increasing order). */
 void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out);
 
-/* RMSNorm rows forward: model.h's k3_rmsnorm_rows (y, r recorded). */
+/* RMSNorm rows forward: model/records.h's k3_rmsnorm_rows (y, r recorded). */
 /* Backward: given x, r, g, dy -> dx (+)= ..., dg += ... (dg may be NULL). */
 void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const float *r,
                    const float *g, int n, int dim, bool accumulate);
@@ -59,7 +59,7 @@ static inline float t_sigmoid(float x) { return km_sigmoid(x); }
 
 /* Backward of Block AttnRes over m sources (each [n][dim]): per row,
  * k_i = rmsnorm(v_i; gn), s_i = <k_i, w>, a = softmax(s), out = sum_i a_i v_i;
- * the forward is the model graph's (model.h k3_attnres_rows, the gain folded
+ * the forward is the model graph's (model/records.h k3_attnres_rows, the gain folded
  * into the query as w * gn), which records alpha[n][m] and the per-source
  * inverse rms r[n][m]. dsrc[i] += ..., dgn += ..., dw += ... */
 void t_attnres_bwd(float *const *dsrc, float *dgn, float *dw, const float *dout,

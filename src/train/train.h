@@ -15,7 +15,7 @@
 #define K3_TRAIN_TRAIN_H
 
 #include "formats/config.h"
-#include "model/model.h"
+#include "model/source.h"
 #include "util/common.h"
 
 /* ---- parameter table ------------------------------------------------------- */
@@ -103,7 +103,7 @@ float *tm_bias(tmodel *m, int layer);
 /* The released name of that bias. */
 void tm_bias_name(int layer, char *buf, size_t n);
 
-/* The parameters as tensors of the released layout, for model.h's
+/* The parameters as tensors of the released layout, for model/source.h's
  * k3_model_open_lookup (ctx is the const tmodel *): layer -1 names the
  * model-level tensors, layer >= 0 a layer's ("self_attn.q_proj.weight"); the
  * router biases are served from `bias`. The data point into w and bias, so

@@ -47,7 +47,7 @@ once binding:no-view-functions '\b(kda_view|mla_view|mlp_view|moe_view)\(' '' $S
 # a second writing of the loop, the one left to merge); any other caller is a
 # new core.
 once mla-core:defined '^(K3_HOT )?(static )?void (core_absorbed|k3_mla_attend_expanded)\(' 'src/model/mla\.c' $(find src -name '*.c')
-once mla-core:softmax-callers 'k3_causal_softmax_row\(' 'src/model/mla\.c|src/model/model\.h|src/train/tmla\.c' $SRC
+once mla-core:softmax-callers 'k3_causal_softmax_row\(' 'src/model/mla\.c|src/model/records\.h|src/train/tmla\.c' $SRC
 n=$(hits 'k3_causal_softmax_row\(' src/train/tmla.c | wc -l)
 [ "$n" -le 1 ] && pass mla-core:bf16-form-once || fail mla-core:bf16-form-once "$n calls in src/train/tmla.c"
 
@@ -110,5 +110,16 @@ private_includes() {
   if [ -z "$bad" ]; then pass modules:private-headers; else fail modules:private-headers "$(echo "$bad" | head -3 | cut -c1-120 | tr '\n' ' ')"; fi
 }
 private_includes
+# The model's headers by audience: model.h for users of a model; what plugs
+# into it (model/source.h) only for the modules that plug in (the streaming
+# source, the ranks' sources and products, the trainer's lookup) and the
+# engine that sets them; the blocks and training records (model/records.h)
+# only for training. The commands, sessions, generation and serving see
+# model.h alone.
+MODEL_HDRS=$(find src tests bench -name '*.c' -o -name '*.h' | sort)
+once model:source-includers '#include "model/source\.h"' \
+  'src/(model|memory|dist|train)/[a-z_]+\.[ch]|src/engine/engine\.c|tests/test_model\.c|bench/decode\.c' $MODEL_HDRS
+once model:records-includers '#include "model/records\.h"' \
+  'src/(model|train)/[a-z_]+\.[ch]|tests/test_model\.c|tests/test_train_[a-z_]+\.c|tests/test_train\.c' $MODEL_HDRS
 
 finish
