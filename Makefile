@@ -69,8 +69,19 @@ $(BUILD)/asan/%.o: %.c Makefile
 $(BIN):
 	@mkdir -p $(BIN)
 
-build/gen/web_assets.c: scripts/embed-web-assets.sh $(sort $(wildcard src/web/assets/* src/web/assets/chat/*))
-	bash scripts/embed-web-assets.sh $@
+# The chat page's Markdown libraries, from Debian's libjs-marked and
+# node-dompurify (optional: without them it shows plain text). The stamp
+# changes when they appear or go, so installing them regenerates the assets.
+MARKED_JS ?= /usr/share/javascript/marked/marked.umd.min.js
+PURIFY_JS ?= /usr/share/nodejs/dompurify/dist/purify.min.js
+WEB_LIBS := $(wildcard $(MARKED_JS) $(PURIFY_JS))
+build/gen/web_libs: FORCE
+	@mkdir -p $(dir $@)
+	@echo '$(WEB_LIBS)' | cmp -s - $@ || echo '$(WEB_LIBS)' >$@
+FORCE:
+
+build/gen/web_assets.c: scripts/embed-web-assets.sh build/gen/web_libs $(WEB_LIBS) $(sort $(wildcard src/web/assets/* src/web/assets/chat/*))
+	MARKED_JS='$(MARKED_JS)' PURIFY_JS='$(PURIFY_JS)' bash scripts/embed-web-assets.sh $@
 
 setup:
 	bash scripts/setup.sh --test

@@ -8,8 +8,10 @@ set -euo pipefail
 # pre-tokenizer pattern needs Unicode properties), libmicrohttpd (dashboard),
 # liburing (batched expert reads), nettle (SHA-256 for k3 verify), Open MPI
 # (k3 run over several ranks or hosts under mpirun; the build works without it,
-# single-process only).
-BUILD_PKGS="build-essential pkg-config libjansson-dev libpcre2-dev libmicrohttpd-dev liburing-dev nettle-dev openmpi-bin libopenmpi-dev"
+# single-process only), marked + DOMPurify (embedded into k3 serve's chat page
+# to show replies as sanitised Markdown; the build works without them, the page
+# then shows plain text).
+BUILD_PKGS="build-essential pkg-config libjansson-dev libpcre2-dev libmicrohttpd-dev liburing-dev nettle-dev openmpi-bin libopenmpi-dev libjs-marked node-dompurify"
 # Tests: PyTorch + NumPy for the reference tools (fixtures are committed, so these
 # are only needed to regenerate them), Node.js/npm for the tiktoken cross-check,
 # Chromium (driven by npm playwright-core) for the dashboard end-to-end test,

@@ -106,6 +106,15 @@ for f in /:index.html /chat.js:chat.js /chat.css:chat.css; do
   if [ "$CODE" = 200 ] && cmp -s "$OUT/body" "src/web/assets/chat/${f#*:}"; then pass "page-asset ${f%%:*}"; else fail "page-asset ${f%%:*}" "HTTP $CODE, differs from src/web/assets/chat/${f#*:}"; fi
 done
 
+# the Markdown libraries: the Debian packages' files when they were there at
+# build time (the Makefile's default paths), else a placeholder saying so
+for f in /marked.js:/usr/share/javascript/marked/marked.umd.min.js /purify.js:/usr/share/nodejs/dompurify/dist/purify.min.js; do
+  req GET "${f%%:*}" "" -D "$OUT/head"
+  if [ -r "${f#*:}" ]; then ok=$(cmp -s "$OUT/body" "${f#*:}" && echo y); else ok=$(grep -q 'plain text' "$OUT/body" && echo y); fi
+  if [ "$CODE" = 200 ] && grep -qi '^content-type: text/javascript' "$OUT/head" && [ "$ok" = y ]; then pass "page-lib ${f%%:*}"
+  else fail "page-lib ${f%%:*}" "HTTP $CODE, not ${f#*:} (or its placeholder)"; fi
+done
+
 # ---- /v1/completions == k3 run ----
 PROMPT="Once upon a time"
 same_as_run() { # NAME MAX_TOKENS JSON-SAMPLING RUN-FLAGS...

@@ -140,7 +140,10 @@ grep -q '"param":"messages\[0\].content\[0\].type"' "$OUT/image-part.out" && pas
 
 # ---- the chat page in Chromium ----
 start_server "$OUT/completion.log" "$K3" serve tests/fixtures/trained-5m --port 0 || { fail start-completion "$(cat "$OUT/completion.log.err")"; finish; exit 1; }
-SERVE_URL=$WARM COMPLETION_URL=$SERVER_URL E2E_OUT=$OUT CHROMIUM=$CHROMIUM e2e_node page "$OUT/page.log" "$E2E/serve_page.test.mjs"
+# the build embeds the Markdown libraries when their Debian packages are there
+MARKDOWN=0
+[ -r /usr/share/javascript/marked/marked.umd.min.js ] && [ -r /usr/share/nodejs/dompurify/dist/purify.min.js ] && MARKDOWN=1
+MARKDOWN=$MARKDOWN SERVE_URL=$WARM COMPLETION_URL=$SERVER_URL E2E_OUT=$OUT CHROMIUM=$CHROMIUM e2e_node page "$OUT/page.log" "$E2E/serve_page.test.mjs"
 
 kill -TERM "$WPID"; for _ in $(seq 200); do kill -0 "$WPID" 2>/dev/null || break; sleep 0.1; done
 wait "$WPID" 2>/dev/null; rc=$?

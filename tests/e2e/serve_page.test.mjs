@@ -8,7 +8,8 @@
 // off and see no reasoning. The conversation survives a reload; regenerate
 // resends the same messages and replaces the last reply; editing the first
 // message resends from there; copy fills the clipboard; "new chat" forgets
-// the conversation, also after a reload. With COMPLETION_URL (a k3 serve on a model with no
+// the conversation, also after a reload. A stored reply renders as Markdown
+// (MARKDOWN=1) with injected HTML sanitised. With COMPLETION_URL (a k3 serve on a model with no
 // chat template) also: its page shows no thinking box at all.
 // Prints PASS/FAIL lines and "N passed, N failed".
 import { check, out, runPage } from './page.mjs';
@@ -169,6 +170,39 @@ await runPage({ viewport: { width: 1100, height: 900 } }, async (page, problems)
   await ready();
   check('new chat clears it, also after a reload', cleared === 0 &&
     await page.evaluate(() => document.querySelectorAll('#log .msg').length) === 0);
+
+  // ---- replies as Markdown, sanitised (MARKDOWN=1: the build embedded
+  // marked and DOMPurify; else the page must show the text as it is) ----
+  const md = process.env.MARKDOWN === '1';
+  const model = await page.textContent('#model');
+  const reply = 'a **b** c\n\n<img src="x" onerror="window.__pwned = 1"><script>window.__pwned = 2</script>' +
+    '<a href="#" onclick="window.__pwned = 3">link</a>';
+  const mdStart = problems.length;
+  await page.evaluate(([k, r]) => localStorage.setItem(k, JSON.stringify([{ user: 'md', thinking: false, reasoning: '',
+    label: '', content: r, calls: [], meta: 'stored', state: 'ok' }])), ['k3-chat:' + model, reply]);
+  await page.reload({ waitUntil: 'load' });
+  await ready();
+  if (md) await page.click('.msg.assistant .content a', { timeout: 5000 });
+  await page.waitForTimeout(300); // an image's onerror would have run by now
+  const r = await page.evaluate(() => {
+    const c = document.querySelector('.msg.assistant .content');
+    return { libs: typeof marked !== 'undefined' && typeof DOMPurify !== 'undefined',
+      strong: c.querySelector('strong')?.textContent ?? null, text: c.textContent,
+      imgs: document.querySelectorAll('#log img').length, scripts: c.querySelectorAll('script').length,
+      handlers: [...c.querySelectorAll('*')].filter((e) => [...e.attributes].some((a) => a.name.startsWith('on'))).length,
+      pwned: window.__pwned ?? null };
+  });
+  check(md ? 'markdown: libraries loaded' : 'plain text: no Markdown libraries in this build', r.libs === md);
+  if (md) check('markdown: **b** renders as <strong>', r.strong === 'b', JSON.stringify(r));
+  else check('plain text: **b** shown as typed', r.strong === null && r.text.includes('**b**'), JSON.stringify(r));
+  check('injected <img onerror>, <script>, onclick: removed, never run',
+    r.imgs === 0 && r.scripts === 0 && r.handlers === 0 && r.pwned === null, JSON.stringify(r));
+  // Chromium reports the page's CSP (script-src 'self') refusing the injected
+  // handlers as soon as they are parsed, even in the sanitiser's inert
+  // document: expected here, and not the page's fault
+  const csp = problems.splice(mdStart).filter((m) => !/inline event handler violates .*Content Security Policy/.test(m));
+  problems.push(...csp);
+  await page.click('#reset');
 
   const curl = process.env.COMPLETION_URL;
   if (curl) {

@@ -6,7 +6,8 @@
 // chat template get /v1/completions (text continuation) and no thinking box.
 // The conversation lives in `turns`, the one source the log is drawn from,
 // and is kept in localStorage (per model id) so a reload shows it again;
-// "new chat" forgets it.
+// "new chat" forgets it. Replies are Markdown (marked), sanitised (DOMPurify)
+// when the build embedded those libraries, else plain text.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
@@ -51,6 +52,20 @@ function button(cls, label, title, onClick) {
   b.title = title;
   b.addEventListener("click", onClick);
   return b;
+}
+
+// The placeholders a build without the libraries serves define neither.
+const markdown = typeof marked !== "undefined" && typeof DOMPurify !== "undefined";
+// Nothing that loads from elsewhere (the page loads nothing from other
+// origins) or takes input; DOMPurify drops scripts and event handlers itself.
+const PURIFY = { FORBID_TAGS: ["img", "picture", "source", "video", "audio", "style", "form", "input", "button",
+  "textarea", "select"] };
+
+// A reply's text into el: Markdown rendered and sanitised, or plain text.
+function setReply(el, text) {
+  if (!markdown) { el.textContent = text; return; }
+  el.classList.add("md");
+  el.innerHTML = DOMPurify.sanitize(marked.parse(text, { headerIds: false, mangle: false }), PURIFY);
 }
 
 function scrollDown() { window.scrollTo(0, document.body.scrollHeight); }
@@ -142,7 +157,8 @@ function render() {
     el.append(content, calls, meta, act);
     if (t.state !== "running") {
       if (box && t.reasoning) box.show(t.reasoning, t.label);
-      content.textContent = t.content + (t.state === "error" ? (t.content ? "\n" : "") + "error: " + t.error : "");
+      if (t.state === "error") content.textContent = (t.content ? t.content + "\n" : "") + "error: " + t.error;
+      else setReply(content, t.content || "");
       calls.textContent = callsText(t.calls || []);
       meta.textContent = t.meta || "";
       el.classList.toggle("error", t.state === "error");
@@ -262,7 +278,7 @@ async function run() {
         if (!tFirst) tFirst = performance.now();
         if (t.reasoning && !t.content) { t.label = "reasoning"; v.box.end(t.label); }
         t.content += piece.content;
-        v.content.textContent = t.content;
+        setReply(v.content, t.content);
       }
       if (piece.tool_calls) {
         for (const tc of piece.tool_calls) t.calls.push(tc);
