@@ -86,7 +86,9 @@ build/gen/web_assets.c: scripts/embed-web-assets.sh build/gen/web_libs $(WEB_LIB
 setup:
 	bash scripts/setup.sh --test
 
-test: bin/k3 bin/k3-asan bin/k3-test bin/k3-test-asan bin/serve_scripted bin/serve_scripted-asan
+# bin/bench_layers: tests/cli/test_bench_layers.sh runs it at tiny dimensions, so
+# the per-layer benchmark keeps building and running.
+test: bin/k3 bin/k3-asan bin/k3-test bin/k3-test-asan bin/serve_scripted bin/serve_scripted-asan bin/bench_layers
 	bash tests/run.sh
 
 # k3 serve's HTTP server in front of a scripted test double of the model, for

@@ -4,7 +4,10 @@
 #define K3_BENCH_H
 
 #include "kernels/kernels.h"
+#include "util/common.h"
 
+#include <omp.h>
+#include <stdio.h>
 #include <time.h>
 
 /* CPU seconds of the whole process (all threads): what load does not inflate. */
@@ -43,6 +46,30 @@ static inline double bench_cpu_now(void) {
         (void)sink;                                                                       \
         return (double)n * NCH * LANES * 2 / dt / 1e9;                                    \
     }
+
+/* Read bandwidth (the roofline a decode step is held to): a streaming read
+ * of n floats (make it larger than the caches), best of 4, as the best
+ * wall-clock GB/s, and GB/s per CPU-second x threads
+ * (the rate while the threads actually ran). */
+static inline void probe_read_gbs(const float *a, size_t n, int threads, double *wall_gbs, double *cpu_gbs) {
+    double best = 1e30, bestc = 1e30, sink = 0;
+    for (int rep = 0; rep < 4; rep++) {
+        double t0 = k3_now(), c0 = bench_cpu_now(), s = 0;
+        size_t blk = 1 << 16, nb = (n + blk - 1) / blk;
+#pragma omp parallel for num_threads(threads) reduction(+ : s) schedule(static)
+        for (size_t b = 0; b < nb; b++) {
+            size_t lo = b * blk, len = lo + blk <= n ? blk : n - lo;
+            s += k_sum(a + lo, (int)len);
+        }
+        double dt = k3_now() - t0, dc = (bench_cpu_now() - c0) / threads;
+        sink += s;
+        if (dt < best) best = dt;
+        if (dc < bestc) bestc = dc;
+    }
+    if (sink == 12345.678) puts(""); /* keep the reads */
+    *wall_gbs = (double)n * sizeof(float) / best / 1e9;
+    *cpu_gbs = (double)n * sizeof(float) / bestc / 1e9;
+}
 
 #include <math.h>
 #define BENCH_S_SET1(x) (x)

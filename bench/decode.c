@@ -24,29 +24,6 @@
 #include <string.h>
 #include <time.h>
 
-/* Read bandwidth: best wall-clock GB/s, and GB/s per CPU-second x threads
- * (the rate while the threads actually ran). */
-static void probe_read_gbs(const float *a, size_t n, int threads, double *wall_gbs, double *cpu_gbs) {
-    double best = 1e30, bestc = 1e30, sink = 0;
-    for (int rep = 0; rep < 4; rep++) {
-        double t0 = k3_now(), c0 = bench_cpu_now(), s = 0;
-        size_t blk = 1 << 16, nb = (n + blk - 1) / blk;
-#pragma omp parallel for num_threads(threads) reduction(+ : s) schedule(static)
-        for (size_t b = 0; b < nb; b++) {
-            size_t lo = b * blk, len = lo + blk <= n ? blk : n - lo;
-            s += k_sum(a + lo, (int)len);
-        }
-        double dt = k3_now() - t0, dc = (bench_cpu_now() - c0) / threads;
-        sink += s;
-        if (dt < best) best = dt;
-        if (dc < bestc) bestc = dc;
-    }
-    if (sink == 12345.678) puts(""); /* keep the reads */
-    *wall_gbs = (double)n * sizeof(float) / best / 1e9;
-    *cpu_gbs = (double)n * sizeof(float) / bestc / 1e9;
-}
-
-
 /* Multiply-adds of one token at position pos: every matrix it multiplies
  * (k experts per MoE layer, lm_head only when logits are asked for), the KDA
  * state update (u = S^T k, S += k d^T, o = S^T q: 3 H D^2) and MLA attention

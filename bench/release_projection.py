@@ -4,7 +4,7 @@ K3 release at k3's memory presets, from the bytes a token touches (measured
 on the sparse replica), per-core matrix-vector rates (bench/kernels.c) and
 stated machine figures (memory bandwidth, cores, disk bandwidth).
 
-  bench/release_projection.py [--validate | --speculation]
+  bench/release_projection.py [--validate | --speculation] [--layers FILE [--context N] [--cpu-time]]
 
 --speculation: only the table of s/token by generated ids per forward pass
 (speculation; the model is in speculation()'s comment).
@@ -26,6 +26,16 @@ The model, per preset (trunk GB, cache GB) on a machine:
       no ring: k3 reads the next layer and the experts while computing),
       and between that and t_compute + t_io with one ring slot (the laptop
       preset for the release): the two bounds are printed.
+
+--layers FILE: bin/bench_layers' JSON (one decode token through each block
+kind at the release's dimensions, timed on this machine). Prints the
+per-token compute those figures add up to (each block's best seconds x its
+layer count, at each measured MLA context, plus the head), and uses it as
+this machine's t_compute in place of bytes / rates (at --context, default
+the shortest measured; --cpu-time: the blocks' CPU seconds / threads instead
+of their best wall seconds, the figure to use when other jobs shared the
+cores during the run): what the per-layer rates say beside what the
+whole-token byte model says. The other machines keep the byte model.
 Plain python3, no numpy.
 """
 import argparse
@@ -60,7 +70,7 @@ def auto(mem_gb):
     return max(1, int(use * 0.75)), max(1, int(use * 0.25))
 
 
-def project(trunk_gb, cache_gb, mem_bw, cores, disk, eff=0.8, tpp=1.0):
+def project(trunk_gb, cache_gb, mem_bw, cores, disk, eff=0.8, tpp=1.0, tc=None):
     avail = trunk_gb - HEAD
     if avail >= TRUNK:
         resident, slots = TRUNK, 0
@@ -70,7 +80,8 @@ def project(trunk_gb, cache_gb, mem_bw, cores, disk, eff=0.8, tpp=1.0):
         resident = max(0.0, avail - slots * SLOT) // layer * layer
     h = hit_rate(cache_gb)
     bw = mem_bw * eff
-    tc = (TRUNK + HEAD) / min(cores * BF16_CORE, bw) + EXPERTS / min(cores * MXFP4_CORE, bw)
+    if tc is None:
+        tc = (TRUNK + HEAD) / min(cores * BF16_CORE, bw) + EXPERTS / min(cores * MXFP4_CORE, bw)
     # a pass of tpp generated ids reads the streamed trunk once; each id's
     # experts are its own (16 of 896 a layer: ids of one pass share few)
     tio = ((TRUNK - resident) / tpp + EXPERTS * (1 - h)) / disk
@@ -94,12 +105,76 @@ def fmt(p):
     return s
 
 
+def load_layers(path):
+    """bench_layers' JSON -> (figures, {context: (wall s/token, CPU s/token)}).
+    CPU s/token counts each block's CPU seconds / threads: the time its
+    threads ran, which other jobs on a shared machine inflate least."""
+    import json
+    with open(path) as f:
+        j = json.load(f)
+    try:
+        n = j["layers"]
+        thr = j["threads"]
+        blocks = {b["block"]: b for b in j["blocks"]}
+        fixed = [("kda", n["kda"]), ("dense_mlp", n["dense"]), ("moe", n["moe"]), ("head", 1)]
+        mla = sorted((b["context"], b) for b in j["blocks"] if b["block"].startswith("mla@"))
+        for name, _ in fixed:
+            blocks[name]
+    except (KeyError, TypeError) as e:
+        raise SystemExit("release_projection.py: %s: not a bench_layers report (missing %s)" % (path, e))
+    if not mla:
+        raise SystemExit("release_projection.py: %s: no MLA block measured" % path)
+    # dense layers run an attention block too (layer 0 is KDA in the release):
+    # the KDA and MLA counts already hold every layer's attention
+    wall0 = sum(blocks[b]["best_s"] * k for b, k in fixed)
+    cpu0 = sum(blocks[b]["cpu_s"] / thr * k for b, k in fixed)
+    per_ctx = {}
+    for ctx, b in mla:
+        per_ctx[ctx] = (wall0 + b["best_s"] * n["mla"], cpu0 + b["cpu_s"] / thr * n["mla"])
+    return j, blocks, mla, per_ctx
+
+
+def print_layers(path, j, blocks, mla, per_ctx):
+    n = j["layers"]
+    print("per-layer figures from %s (%s, %d threads; read probe %.1f GB/s):"
+          % (path, j.get("kernels", "?"), j["threads"], j["probe_gbs"]))
+    print("| block | per call, best (s) | of the probe | layers | s/token (best) |")
+    print("|---|---|---|---|---|")
+    rows = [("kda", n["kda"]), ("dense_mlp", n["dense"]), ("moe", n["moe"]), ("head", 1)]
+    rows += [(b["block"], n["mla"]) for _, b in mla]
+    for name, k in rows:
+        b = blocks[name]
+        print("| %s | %.4f | %.0f%% | %d | %.2f |" % (name, b["best_s"], 100 * b["probe_ratio"], k, b["best_s"] * k))
+    print()
+    for ctx, (w, c) in sorted(per_ctx.items()):
+        print("compute per token at context %d: %.1f s (best wall), %.1f s (CPU time / threads)" % (ctx, w, c))
+    print()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--validate", action="store_true", help="only the check against the replica run")
     ap.add_argument("--speculation", action="store_true", help="only the table of s/token by tokens per pass")
+    ap.add_argument("--layers", metavar="FILE", help="bin/bench_layers --json output: this machine's compute")
+    ap.add_argument("--context", type=int, help="with --layers: the MLA context whose figures set t_compute")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="with --layers: CPU seconds / threads instead of best wall seconds (a loaded machine)")
     a = ap.parse_args()
-    p = project(*PRESETS["laptop"], mem_bw=HERE_MEM_BW, cores=2, disk=HERE_HOLE_BW)
+    here_tc = None
+    if (a.context is not None or a.cpu_time) and not a.layers:
+        ap.error("--context and --cpu-time need --layers")
+    if a.layers:
+        j, blocks, mla, per_ctx = load_layers(a.layers)
+        ctx = a.context if a.context is not None else min(per_ctx)
+        if ctx not in per_ctx:
+            ap.error("--context %d was not measured (measured: %s)" % (ctx, ", ".join(map(str, sorted(per_ctx)))))
+        print_layers(a.layers, j, blocks, mla, per_ctx)
+        here_tc = per_ctx[ctx][1 if a.cpu_time else 0]
+        print("this machine's t_compute below: the per-layer figures at context %d (%s), %.1f s "
+              "(the byte model gives %.1f s)" % (ctx, "CPU time / threads" if a.cpu_time else "best wall", here_tc, project(*PRESETS["laptop"], mem_bw=HERE_MEM_BW,
+                                                                     cores=2, disk=HERE_HOLE_BW)["tc"]))
+        print()
+    p = project(*PRESETS["laptop"], mem_bw=HERE_MEM_BW, cores=2, disk=HERE_HOLE_BW, tc=here_tc)
     print("validation, laptop preset on the sparse replica here: projected %.1f-%.1f s/token "
           "(compute %.1f, reads %.1f GB at %.1f s); measured: %s"
           % (p["lo"], p["hi"], p["tc"], p["read"], p["tio"], MEASURED))
@@ -118,8 +193,9 @@ def main():
         elif ram > 10:
             rows.append(("auto", auto(ram)))
         for pname, (t, c) in rows:
-            p0 = project(t, c, bw, cores, d0)
-            p1 = project(t, c, bw, cores, d1)
+            tc = here_tc if bw == HERE_MEM_BW and cores == 2 else None
+            p0 = project(t, c, bw, cores, d0, tc=tc)
+            p1 = project(t, c, bw, cores, d1, tc=tc)
             s = fmt(p0) if d0 == d1 else "%s (%.1f GB/s) / %s (%.1f GB/s)" % (fmt(p0), d0, fmt(p1), d1)
             print("| %s | %s (%g+%g) | %.1f | %.1f%% | %.1f | %s |"
                   % (name, pname, t, c, p0["resident"], 100 * p0["hit"], p0["read"], s))

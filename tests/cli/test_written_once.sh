@@ -114,12 +114,13 @@ private_includes
 # into it (model/source.h) only for the modules that plug in (the streaming
 # source, the ranks' sources and products, the trainer's lookup) and the
 # engine that sets them; the blocks and training records (model/records.h)
-# only for training. The commands, sessions, generation and serving see
-# model.h alone.
+# only for training. bench/layers.c, which binds one layer through the binder
+# and times each block alone, needs both. The commands, sessions, generation
+# and serving see model.h alone.
 MODEL_HDRS=$(find src tests bench -name '*.c' -o -name '*.h' | sort)
 once model:source-includers '#include "model/source\.h"' \
-  'src/(model|memory|dist|train)/[a-z_]+\.[ch]|src/engine/engine\.c|tests/test_model\.c|bench/decode\.c' $MODEL_HDRS
+  'src/(model|memory|dist|train)/[a-z_]+\.[ch]|src/engine/engine\.c|tests/test_model\.c|bench/decode\.c|bench/layers\.c' $MODEL_HDRS
 once model:records-includers '#include "model/records\.h"' \
-  'src/(model|train)/[a-z_]+\.[ch]|tests/test_model\.c|tests/test_train_[a-z_]+\.c|tests/test_train\.c' $MODEL_HDRS
+  'src/(model|train)/[a-z_]+\.[ch]|tests/test_model\.c|tests/test_train_[a-z_]+\.c|tests/test_train\.c|bench/layers\.c' $MODEL_HDRS
 
 finish
