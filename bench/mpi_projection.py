@@ -16,12 +16,12 @@ experts by expert):
   t(R) = split(R) / bw                                    the busiest rank's rows of every split
                                                           matrix (whole 16-row runs) and the head
        + whole / bw                                       what every rank reads whole: MLA's kv_b,
-                                                          one embedding row, KDA state
+                                                          KDA's f_b, one embedding row, KDA state
        + n_moe * busiest(R) * expert_bytes / read_bw      the slowest rank's experts per layer
        + n_moe * (net_lat + (R-1) msg + recv(R) / net_bw) one expert exchange per MoE layer
        + sum over gathers (net_lat + (R-1) msg + (R-1)/R out_bytes / net_bw)
-                                                          the split products' gathers: 3 a KDA or
-                                                          MLA layer, 2 a MoE or dense layer, 1 the head
+                                                          the split products' gathers: 2 a KDA layer,
+                                                          3 an MLA layer, 2 a MoE or dense layer, 1 the head
 
   bw = min(mem_bw * eff, cores * bf16_core)              a byte costs the slower of its read and its
                                                           compute: the per-core matrix-vector rates
@@ -128,9 +128,10 @@ def split_layout(t, la, R):
             whole += 2 * Hm * (dn + dv) * rkv  # kv_b: read per head by the absorbed core
             gathers += [rq + rkv + dr + (Hm * dv if gate else 0), Hm * (dn + dr), E]
         else:
-            split += 4 * share(P, E) + share(H, E) + share(D, E) + share(P, D) + share(E, P)
+            split += 4 * share(P, E) + share(H, E) + share(D, E) + share(E, P)
             whole += 2 * 4 * H * D * D  # the recurrent state, read and written
-            gathers += [4 * P + H + D, P, E]
+            whole += 2 * P * D  # f_b: computed whole on every rank, no gather
+            gathers += [4 * P + H + D, E]
         if L_ < first_dense:
             split += 2 * share(Id, E) + share(E, Id)
             gathers += [2 * Id, E]

@@ -108,7 +108,8 @@ static void tp_products(const k_prod *jobs, int njobs) {
     k3_dist_note_split(&note);
 }
 
-static const k3_fwd_ops tp_ops = {.products = tp_products, .expert_products = local_products, .collective = true};
+static const k3_fwd_ops tp_ops = {.products = tp_products, .expert_products = local_products, .collective = true,
+                                  .whole_products = local_products};
 
 const k3_fwd_ops *k3_tp_ops(void) { return &tp_ops; }
 

@@ -16,7 +16,10 @@
  *
  * What stays whole on every rank: the routed experts (expert-parallel,
  * expert_par.h: they reach expert_products, which runs locally), MLA's
- * kv_b (the absorbed attention core reads its rows per head directly), the
+ * kv_b (the absorbed attention core reads its rows per head directly), KDA's
+ * f_b (whole_products: 3 MB at the release's size, D = 128 inputs, whose
+ * read costs less than a gather's round of messages; every rank computes it
+ * whole with one process's kernels, so its bits are one process's), the
  * embedding rows, norms and the elementwise work and recurrences (cheap
  * beside the matrices at decode).
  *

@@ -34,7 +34,7 @@ uint64_t k3s_align4k(uint64_t x);
 /* Under a trunk split by output rows (o->tp_ranks > 1): true when this
  * process reads only rows [*r0, *r1) of the tensor (its share by
  * k_row_share, the split products' own), false when it reads it whole
- * (vectors, MLA's kv_b read per head, conv taps, AttnRes queries, F16
+ * (vectors, MLA's kv_b read per head, KDA's f_b computed whole, conv taps, AttnRes queries, F16
  * matrices widened at bind, embeddings; everything with one process). */
 bool k3s_tp_rows(const k3_stream_opts *o, const char *name, int rank, const int64_t *shape, st_dtype dt, int *r0,
                  int *r1);

@@ -155,7 +155,7 @@ static uint64_t copies_of(const char *name, int rank, const int64_t *shape, st_d
 bool k3s_tp_rows(const k3_stream_opts *o, const char *name, int rank, const int64_t *shape, st_dtype dt, int *r0,
                  int *r1) {
     if (o->tp_ranks <= 1 || rank != 2 || shape[0] <= 1 || shape[0] > INT_MAX || dt == ST_F16 ||
-        strstr(name, "kv_b_proj") || strstr(name, "conv1d") || strstr(name, "_res_proj.") || strstr(name, K3N_EMBED))
+        strstr(name, "kv_b_proj") || strstr(name, "f_b_proj") || strstr(name, "conv1d") || strstr(name, "_res_proj.") || strstr(name, K3N_EMBED))
         return false;
     k_row_share((int)shape[0], o->tp_rank, o->tp_ranks, r0, r1);
     return true;

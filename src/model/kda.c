@@ -147,7 +147,7 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
     for (int i = 0; i < N * H; i++) beta[i] = km_sigmoid(beta[i]);
     float *z = rec ? rec->zb : pre; /* the pre-conv inputs are consumed */
     k_prod fb = {&w->f_b, fa, N, z};
-    fo->products(&fb, 1);
+    (fo->whole_products ? fo->whole_products : fo->products)(&fb, 1);
     float *g = rec ? rec->gl : pre + NP;
 #pragma omp parallel for schedule(static) if (PAR_ROWS(N, P))
     for (int n = 0; n < N; n++)

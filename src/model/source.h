@@ -194,6 +194,11 @@ typedef struct {
      * the ranks, dist/tensor_par.h): each call costs a round of messages, so
      * the blocks batch the jobs they can into one call */
     bool collective;
+    /* a small product every rank of a collective computes whole instead of
+     * its rows and a gather (KDA's f_b: a few MB, where a gather's round of
+     * messages costs more than reading them): the canonical bits of one
+     * process, locally; NULL runs it with products */
+    void (*whole_products)(const k_prod *jobs, int njobs);
 } k3_fwd_ops;
 extern const k3_fwd_ops k3_infer_ops; /* what k3 run uses */
 /* The products a model's forward takes its trunk matrices (and the head)

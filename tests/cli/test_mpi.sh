@@ -54,7 +54,9 @@ expect_exit talk 0 $MPI -np 3 $K3 run "$M" --ids $IDS --gen 6 --out "$OUT/talk.j
 [ "$(grep -c '' "$OUT/talk.out")" = 1 ] && [ "$(tr -d '\n' <"$OUT/talk.out")" = "${WANT//,/ }" ] \
   && pass talk:one-stdout || fail talk:one-stdout "$(head -c 200 "$OUT/talk.out")"
 [ "$(grep -c '^k3: memory plan' "$OUT/talk.err")" = 1 ] && pass talk:one-report || fail talk:one-report
-grep -q '^k3: expert parallel, decode: 3 ranks hold 16..24 routed experts each; per token 54.0 exchanges,' \
+# per token, from the model's 9 layers (6 KDA, 3 MLA; 1 dense, 8 MoE): KDA 2 gathers a
+# layer, MLA 3, dense 2, MoE 2 and its expert exchange, the head 1: 12+9+2+24+1 = 48
+grep -q '^k3: expert parallel, decode: 3 ranks hold 16..24 routed experts each; per token 48.0 exchanges,' \
   "$OUT/talk.err" && pass talk:figures || fail talk:figures "$(grep 'expert parallel' "$OUT/talk.err")"
 tr -d '[:space:]' <"$OUT/talk.json" | grep -q '"expert_parallel":{"prefill":{.*"decode":{"phase":"decode","ranks":3' \
   && pass talk:json || fail talk:json

@@ -150,8 +150,8 @@ expect_err_contains plan-rank "rank 2 of 3"
 expect_exit bad-layout 2 $K3 run "$M" --ids $IDS --gen 2 --parallel-layout tp
 expect_err_contains bad-layout "is not tp+ep or ep"
 
-# ---- faults in the middle of a token (the prompt's forward call makes about 55 exchanges,
-# each decoded token 54: the 80th is inside the first decoded token) ----------------------
+# ---- faults in the middle of a token (the prompt's forward call makes about 49 exchanges,
+# each decoded token 48: the 80th is inside the first decoded token) ----------------------
 K3_DIST_TIMEOUT=4 K3_DIST_FAULT=hang:1:80 expect_exit rank-hangs 1 $MPI -np 3 $K3 run "$M" --ids $IDS --gen 6 --quiet
 expect_err_contains rank-hangs "no answer from rank 1"
 expect_rank_killed rank-dies 2 die:2:80 timeout 120 mpirun --oversubscribe --mca btl self,vader -np 3 \
