@@ -19,7 +19,7 @@ experts by expert):
                                                           KDA's f_b, one embedding row, KDA state
        + n_moe * busiest(R) * expert_bytes / read_bw      the slowest rank's experts per layer
        + n_moe * (net_lat + (R-1) msg + recv(R) / net_bw) one expert exchange per MoE layer
-       + sum over gathers (net_lat + (R-1) msg + (R-1)/R out_bytes / net_bw)
+       + sum over gathers (net_lat + ceil(log2 R) msg + (R-1)/R out_bytes / net_bw)
                                                           the split products' gathers: 2 a KDA layer,
                                                           3 an MLA layer, 2 a MoE or dense layer, 1 the head
 
@@ -190,7 +190,8 @@ def main():
                     help="GB/s a rank receives (25: 400 Gb/s a node shared by its 2 sockets)")
     ap.add_argument("--net-lat", type=float, default=5.0, help="microseconds a collective costs beyond its bytes")
     ap.add_argument("--msg-us", type=float, default=0.5,
-                    help="microseconds a collective costs per peer (k3 posts one message to each other rank)")
+                    help="microseconds a message costs: an expert exchange posts one to each other rank, a "
+                         "gather one a round (ceil(log2 R) rounds)")
     ap.add_argument("--ranks", default="1,2,4,8,16,32")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -223,7 +224,8 @@ def main():
         t_ep = t_trunk + t_exp + t_net
         sp = split_layout(t, la, R)
         t_split = (sp["split"] + sp["whole"]) / bw
-        t_gath = 0 if R == 1 else sum(a.net_lat * 1e-6 + (R - 1) * a.msg_us * 1e-6 + f * 4 * (R - 1) / R / (a.net_bw * G)
+        rounds = math.ceil(math.log2(R)) if R > 1 else 0  # Bruck's all-gather: one message a round
+        t_gath = 0 if R == 1 else sum(a.net_lat * 1e-6 + rounds * a.msg_us * 1e-6 + f * 4 * (R - 1) / R / (a.net_bw * G)
                                       for f in sp["gathers"])
         t_tp = t_split + t_exp + t_net + t_gath
         if R == 1:

@@ -197,3 +197,47 @@ TEST(dist_fold_is_the_left_fold_in_unit_order) {
     for (int j = 0; j < V; j++) free(u[j]);
     free(want);
 }
+
+/* k3_dist_exchange's rounds, every rank of R = 1..5 simulated in one process
+ * with uneven blocks (empty ones included): after the rounds each rank holds
+ * every rank's block, compared with a plain copy of the blocks themselves. */
+TEST(dist_gather_rounds_deliver_every_block) {
+    for (int R = 1; R <= 5; R++) {
+        size_t sz[5], off[5][6], tot = 0;
+        unsigned char blk[5][40], stage[5][200];
+        for (int r = 0; r < R; r++) {
+            sz[r] = (size_t)((r * 7 + R * 3) % 11) * (r != 1 || R < 3); /* rank 1 empty from R = 3 */
+            for (size_t i = 0; i < sz[r]; i++) blk[r][i] = (unsigned char)(1 + 37 * r + i);
+            tot += sz[r];
+        }
+        for (int me = 0; me < R; me++) { /* relative order, as each rank keeps it */
+            off[me][0] = 0;
+            for (int i = 0; i < R; i++) off[me][i + 1] = off[me][i] + sz[(me + i) % R];
+            CHECK(off[me][R] == tot);
+            memset(stage[me], 0, sizeof stage[me]);
+            memcpy(stage[me], blk[me], sz[me]);
+        }
+        int rounds = k3_gather_rounds(R);
+        CHECKF((1 << rounds) >= R && (rounds == 0 || (1 << (rounds - 1)) < R), "R %d: %d rounds", R, rounds);
+        for (int s = 0; s < rounds; s++) {
+            unsigned char next[5][200];
+            memcpy(next, stage, sizeof next);
+            for (int me = 0; me < R; me++) { /* me receives from `from`, which sends to me */
+                int to, from, at, n, to2, from2, at2, n2;
+                k3_gather_round(R, me, s, &to, &from, &at, &n);
+                k3_gather_round(R, from, s, &to2, &from2, &at2, &n2);
+                CHECKF(to2 == me && n2 == n && n >= 1, "R %d round %d rank %d", R, s, me);
+                size_t want = off[me][at + n] - off[me][at];
+                CHECKF(off[from][n] == want, "R %d round %d rank %d: %zu bytes sent, %zu expected", R, s, me,
+                       off[from][n], want);
+                memcpy(next[me] + off[me][at], stage[from], want);
+            }
+            memcpy(stage, next, sizeof next);
+        }
+        for (int me = 0; me < R; me++)
+            for (int i = 0; i < R; i++) {
+                int r = (me + i) % R;
+                CHECKF(!memcmp(stage[me] + off[me][i], blk[r], sz[r]), "R %d: rank %d lacks rank %d's block", R, me, r);
+            }
+    }
+}

@@ -581,7 +581,10 @@ static uint64_t rss_anon(void) {
  * keeps resident (the kernel's count is the reference), and not by a wide
  * margin. 160,000 tensors over 4 shards, opened by the parallel parser. */
 TEST(st_footprint_covers_what_open_keeps) {
-    if (!rss_anon()) t_skip("no /proc/self/status RssAnon");
+#ifdef __SANITIZE_ADDRESS__
+    SKIP("ASan's allocator keeps freed memory (quarantine, shadow): resident growth is not the index's");
+#endif
+    if (!rss_anon()) SKIP("no /proc/self/status RssAnon");
     char *d = outpath("many");
     mkdir(d, 0755);
     enum { SHARDS = 4, PER = 40000 };
@@ -616,7 +619,8 @@ TEST(st_footprint_covers_what_open_keeps) {
     malloc_trim(0);
     uint64_t grew = rss_anon() - before, fp = st_footprint(ix);
     CHECK(st_count(ix) == (size_t)SHARDS * PER);
-    CHECKF(grew <= fp, "open keeps %llu bytes resident, st_footprint says %llu", (unsigned long long)grew,
+    /* 4 MiB for the allocator's own slack (glibc's arenas, the threads' header buffers) */
+    CHECKF(grew <= fp + ((uint64_t)4 << 20), "open keeps %llu bytes resident, st_footprint says %llu", (unsigned long long)grew,
            (unsigned long long)fp);
     CHECKF(fp <= grew + ((uint64_t)32 << 20), "st_footprint %llu, resident growth only %llu",
            (unsigned long long)fp, (unsigned long long)grew);

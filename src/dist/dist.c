@@ -98,6 +98,20 @@ __attribute__((unused)) static void fault_check(void) {
         for (;;) pause();
 }
 
+int k3_gather_rounds(int R) {
+    int s = 0;
+    while (s < 31 && (1 << s) < R) s++;
+    return s;
+}
+
+void k3_gather_round(int R, int me, int s, int *to, int *from, int *at, int *n) {
+    int d = 1 << s;
+    *to = (me + R - d % R) % R;
+    *from = (me + d) % R;
+    *at = d;
+    *n = d < R - d ? d : R - d;
+}
+
 #ifdef K3_NO_MPI
 
 int k3_dist_init(int *argc, char ***argv) {
@@ -183,10 +197,16 @@ static _Noreturn void fail_mpi(int mrc, const char *what) {
  * A rank whose message has not come within the timeout is named and the job
  * aborted. Polls with sched_yield first (oversubscribed ranks on one host let
  * each other run), then with short sleeps. */
-static void wait_all(int n, MPI_Request *rq, const int *recv, const char *what, bool bounded) {
+static double stagger(int rank) { return 0.25 * (rank < 40 ? rank : 40); }
+
+/* from: the deadline's start (0: now); later: added to it (a later round of a
+ * gather waits longer, so that the rank that waits on the lost one directly
+ * names it before a rank that waits on a rank stuck behind it) */
+static void wait_from(int n, MPI_Request *rq, const int *recv, const char *what, bool bounded, double from,
+                      double later) {
     /* staggered by rank, so that when several ranks wait for the same lost one
      * the lowest reports it and ends the job before the others print too */
-    double t0 = now_s(), deadline = bounded ? t0 + G.timeout + 0.25 * (G.rank < 40 ? G.rank : 40) : 1e300;
+    double t0 = now_s(), deadline = bounded ? (from > 0 ? from : t0) + G.timeout + later + stagger(G.rank) : 1e300;
     for (long polls = 0;; polls++) {
         int done = 0;
         int mrc = MPI_Testall(n, rq, &done, MPI_STATUSES_IGNORE);
@@ -219,6 +239,10 @@ static void wait_all(int n, MPI_Request *rq, const int *recv, const char *what, 
         else if (t - t0 < 1.0) nanosleep(&(struct timespec){0, 50000}, NULL);
         else nanosleep(&(struct timespec){0, 1000000}, NULL); /* a long wait (a person): less polling */
     }
+}
+
+static void wait_all(int n, MPI_Request *rq, const int *recv, const char *what, bool bounded) {
+    wait_from(n, rq, recv, what, bounded, 0, 0);
 }
 
 /* Every rank sends `mine` to every other and receives rank r's block into
@@ -279,10 +303,63 @@ void k3_dist_allgather(const void *mine, size_t n, void *all, const char *what) 
     free(sz);
 }
 
+/* k3_dist_exchange in k3_gather_round's rounds, through a staging area of
+ * every block in relative order (kept: hundreds of calls a token). False
+ * when the blocks together exceed one message's count (the caller then
+ * sends them peer by peer). */
+static bool gather_rounds(const void *mine, size_t mine_bytes, void *const *theirs, const size_t *their_bytes,
+                          const char *what) {
+    static char *stage;
+    static size_t stage_cap, *off;
+    static int off_n;
+    int R = G.size, me = G.rank;
+    if (off_n < R + 1) {
+        free(off);
+        off = xmalloc_array((size_t)R + 1, sizeof *off);
+        off_n = R + 1;
+    }
+    off[0] = 0;
+    for (int i = 0; i < R; i++) {
+        size_t b = i ? their_bytes[(me + i) % R] : mine_bytes;
+        if (b > INT_MAX || off[i] + b > INT_MAX) return false;
+        off[i + 1] = off[i] + b;
+    }
+    if (off[R] > stage_cap) {
+        free(stage);
+        stage_cap = off[R] > 2 * stage_cap ? off[R] : 2 * stage_cap;
+        stage = xmalloc(stage_cap);
+    }
+    if (mine_bytes) memcpy(stage, mine, mine_bytes);
+    double t0 = now_s(), step = 1.0 + stagger(R - 1); /* a round's extra wait beyond the last rank's stagger */
+    uint64_t sent = 0;
+    for (int s = 0, rounds = k3_gather_rounds(R); s < rounds; s++) {
+        int to, from, at, n, mrc;
+        k3_gather_round(R, me, s, &to, &from, &at, &n);
+        MPI_Request rq[2];
+        int peer[2] = {from, -1};
+        if ((mrc = MPI_Irecv(stage + off[at], (int)(off[at + n] - off[at]), MPI_BYTE, from, TAG_EXCHANGE,
+                             MPI_COMM_WORLD, &rq[0])))
+            fail_mpi(mrc, what);
+        if ((mrc = MPI_Isend(stage, (int)off[n], MPI_BYTE, to, TAG_EXCHANGE, MPI_COMM_WORLD, &rq[1])))
+            fail_mpi(mrc, what);
+        wait_from(2, rq, peer, what, true, t0, s * step);
+        sent += off[n];
+    }
+    for (int i = 1; i < R; i++) {
+        int r = (me + i) % R;
+        if (their_bytes[r]) memcpy(theirs[r], stage + off[i], their_bytes[r]);
+    }
+    G.st.collectives++;
+    G.st.bytes_sent += sent;
+    G.st.wait_s += now_s() - t0;
+    return true;
+}
+
 void k3_dist_exchange(const void *mine, size_t mine_bytes, void *const *theirs, const size_t *their_bytes,
                       const char *what) {
     G.nexch++;
     fault_check();
+    if (G.size == 1 || gather_rounds(mine, mine_bytes, theirs, their_bytes, what)) return;
     all_to_all(TAG_EXCHANGE, mine, mine_bytes, NULL, NULL, theirs, their_bytes, what);
 }
 

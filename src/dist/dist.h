@@ -74,6 +74,18 @@ void k3_dist_allgather(const void *mine, size_t n, void *all, const char *what);
 void k3_dist_exchange(const void *mine, size_t mine_bytes, void *const *theirs, const size_t *their_bytes,
                       const char *what);
 
+/* The schedule of k3_dist_exchange (Bruck's all-gather: ceil(log2 R)
+ * rounds for any R, one message sent and one received a round, instead of
+ * R - 1 of each). A rank keeps the blocks in relative order (position i:
+ * rank (me + i) % R's block, position 0 its own). In round s (distance
+ * d = 2^s) it sends positions [0, n) to rank *to = (me - d) mod R and
+ * receives positions [*at = d, d + n) from rank *from = (me + d) mod R,
+ * *n = min(d, R - d): after the rounds it holds every position. Blocks are
+ * copied, never combined, so the bytes are the same as any other gather's.
+ * Exposed for its tests. */
+int k3_gather_rounds(int R);
+void k3_gather_round(int R, int me, int s, int *to, int *from, int *at, int *n);
+
 /* Like k3_dist_exchange, but a block of its own for each rank: to[r]
  * (to_bytes[r] bytes) goes to rank r; to[rank] and theirs[rank] are ignored.
  * Counts as an exchange for K3_DIST_FAULT. */
