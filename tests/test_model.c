@@ -961,3 +961,66 @@ TEST(model_weight_source_serves_layers_and_expert_batches) {
     CHECKF(cs.expert_calls == moe_layers * n, "token by token: %d calls", cs.expert_calls);
     CHECK(cs.bad_order == 0);
 }
+
+/* A random F32 matrix [rows][cols], entries uniform in +-1/sqrt(cols). */
+static k3_mat rand_mat(int rows, int cols, uint32_t *seed) {
+    float *d = xmalloc_array((size_t)rows * cols, sizeof *d);
+    float s = 1.0f / sqrtf((float)cols);
+    for (size_t i = 0; i < (size_t)rows * cols; i++) {
+        *seed = *seed * 1664525u + 1013904223u;
+        d[i] = s * ((float)(*seed >> 8) / 8388608.0f - 1.0f);
+    }
+    return (k3_mat){.type = KW_F32, .rows = rows, .cols = cols, .data = d};
+}
+
+/* MLA decoding reads the latent cache in blocks of rows shared by the heads
+ * of a thread, the heads split over the threads. A latent of 2,048 floats
+ * makes a block 32 rows, so 100 positions cross four blocks, and 8 heads
+ * make two groups: decoding token by token must still give the bits of one
+ * batch (whose positions are split over the threads instead), at 1 and 2
+ * threads alike. */
+TEST(model_mla_decode_in_blocks_equals_batch) {
+    NEEDS_THREADS();
+    k3_config c = {0};
+    c.hidden_size = 64;
+    c.mla_heads = 8;
+    c.qk_nope_dim = 16;
+    c.qk_rope_dim = 8;
+    c.v_head_dim = 16;
+    c.q_lora_rank = 32;
+    c.kv_lora_rank = 2040;
+    c.mla_output_gate = true;
+    const int E = c.hidden_size, H = c.mla_heads, dq = c.qk_nope_dim + c.qk_rope_dim, W = c.kv_lora_rank + c.qk_rope_dim;
+    const int T = 100;
+    uint32_t seed = 12345;
+    float *qn = xmalloc_array((size_t)c.q_lora_rank, 4), *kn = xmalloc_array((size_t)c.kv_lora_rank, 4);
+    for (int i = 0; i < c.q_lora_rank; i++) qn[i] = 1.0f + 0.01f * (float)(i % 7);
+    for (int i = 0; i < c.kv_lora_rank; i++) kn[i] = 1.0f + 0.01f * (float)(i % 5);
+    k3_mla_w w = {.q_a = rand_mat(c.q_lora_rank, E, &seed), .q_a_norm = qn,
+                  .q_b = rand_mat(H * dq, c.q_lora_rank, &seed), .kv_a = rand_mat(W, E, &seed), .kv_a_norm = kn,
+                  .kv_b = rand_mat(H * (c.qk_nope_dim + c.v_head_dim), c.kv_lora_rank, &seed),
+                  .o = rand_mat(E, H * c.v_head_dim, &seed), .g = rand_mat(H * c.v_head_dim, E, &seed)};
+    k3_mat xin = rand_mat(T, E, &seed);
+    const float *x = xin.data;
+    k3_mla_cache cache = {.latent = xcalloc((size_t)T * W, 4), .max_pos = T};
+    float *y = xmalloc_array((size_t)T * E, 4), *y1 = xmalloc_array((size_t)T * E, 4),
+          *y2 = xmalloc_array((size_t)T * E, 4);
+    omp_set_num_threads(2);
+    k3_mla(&c, 1e-5f, &w, &cache, 0, x, T, y);
+    bool finite = true;
+    for (size_t i = 0; i < (size_t)T * E; i++) finite = finite && isfinite(y[i]);
+    CHECK(finite);
+    for (int th = 1; th <= 2; th++) {
+        omp_set_num_threads(th);
+        float *out = th == 1 ? y1 : y2;
+        memset(cache.latent, 0, (size_t)T * W * 4);
+        for (int t = 0; t < T; t++) k3_mla(&c, 1e-5f, &w, &cache, t, x + (size_t)t * E, 1, out + (size_t)t * E);
+        size_t bad = 0;
+        while (bad < (size_t)T * E && !memcmp(&y[bad], &out[bad], 4)) bad++;
+        CHECKF(bad == (size_t)T * E, "%d threads: decoding differs from the batch at position %zu", th,
+               bad / (size_t)E);
+    }
+    free(y), free(y1), free(y2), free(cache.latent), free(qn), free(kn), free((void *)x);
+    k3_mat *ms[] = {&w.q_a, &w.q_b, &w.kv_a, &w.kv_b, &w.o, &w.g};
+    for (size_t i = 0; i < sizeof ms / sizeof *ms; i++) free((void *)ms[i]->data);
+}
