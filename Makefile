@@ -39,7 +39,7 @@ LIB_SRC  := $(shell find src -name '*.c' ! -path 'src/cli/main.c' | sort)
 # Generated at build time (never committed): the web pages as C arrays.
 GEN_SRC  := build/gen/web_assets.c
 LIB_SRC  += $(GEN_SRC)
-TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c tests/tjson.c
+TEST_SRC := $(sort $(wildcard tests/test_*.c)) tests/harness.c tests/tjson.c tests/tengine.c
 
 REL_LIB  := $(LIB_SRC:%.c=$(BUILD)/rel/%.o)
 ASN_LIB  := $(LIB_SRC:%.c=$(BUILD)/asan/%.o)

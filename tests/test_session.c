@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 
 #include "harness.h"
+#include "tengine.h"
 #include "model/model.h"
 #include "engine/engine.h"
 #include "formats/identity.h"
@@ -511,18 +512,11 @@ TEST(session_engine_streamed_budget_matches_cold) {
     k3_model *m = open_model();
     CHECK(m);
     int V = k3_model_config(m)->vocab_size;
-    k3_engine_opts o;
-    k3_engine_opts_init(&o);
-    char *argv[] = {"test", "--cache-gb", "0.0002", "--chunk", "3", NULL};
     k3_err err = {0};
-    for (int i = 1; i < 5; i++) {
-        bool used = false;
-        CHECKF(k3_engine_parse_flag(&o, "test", 5, argv, &i, &used, &err) == 0 && used, "%s", err.msg);
-    }
-    o.model_dir = model_dir();
-    o.max_pos = 128;
     k3_engine *e;
-    CHECKF(k3_engine_open(&o, &e, &err) == 0, "%s", err.msg);
+    CHECKF(t_engine_open(model_dir(), (const char *const[]){"--cache-gb", "0.0002", "--chunk", "3", NULL}, 128, 0, &e,
+                         &err) == 0,
+           "%s", err.msg);
     k3_state *st;
     CHECKF(k3_engine_state_new(e, 128, 0, &st, &err) == 0, "%s", err.msg);
     k3_state_cache *sc = k3_state_cache_new(k3_engine_config(e), 64 << 20, G);
@@ -573,17 +567,10 @@ TEST(session_prefill_cancel_keeps_a_true_state) {
     k3_model *m = open_model();
     CHECK(m);
     int V = k3_model_config(m)->vocab_size;
-    k3_engine_opts o;
-    k3_engine_opts_init(&o);
-    char *argv[] = {"test", "--chunk", "3", NULL};
     k3_err err = {0};
-    int i = 1;
-    bool used = false;
-    CHECKF(k3_engine_parse_flag(&o, "test", 3, argv, &i, &used, &err) == 0 && used, "%s", err.msg);
-    o.model_dir = model_dir();
-    o.max_pos = 128;
     k3_engine *e;
-    CHECKF(k3_engine_open(&o, &e, &err) == 0, "%s", err.msg);
+    CHECKF(t_engine_open(model_dir(), (const char *const[]){"--chunk", "3", NULL}, 128, 0, &e, &err) == 0, "%s",
+           err.msg);
     k3_state *st, *st2;
     CHECKF(k3_engine_state_new(e, 128, 0, &st, &err) == 0, "%s", err.msg);
     CHECKF(k3_engine_state_new(e, 128, 0, &st2, &err) == 0, "%s", err.msg);
@@ -646,18 +633,11 @@ TEST(session_feed_batch_same_as_alone) {
     k3_model *m = open_model();
     CHECK(m);
     int V = k3_model_config(m)->vocab_size;
-    k3_engine_opts o;
-    k3_engine_opts_init(&o);
-    char *argv[] = {"test", "--cache-gb", "0.0002", "--chunk", "3", NULL};
     k3_err err = {0};
-    for (int i = 1; i < 5; i++) {
-        bool used = false;
-        CHECKF(k3_engine_parse_flag(&o, "test", 5, argv, &i, &used, &err) == 0 && used, "%s", err.msg);
-    }
-    o.model_dir = model_dir();
-    o.max_pos = 64;
     k3_engine *e;
-    CHECKF(k3_engine_open(&o, &e, &err) == 0, "%s", err.msg);
+    CHECKF(t_engine_open(model_dir(), (const char *const[]){"--cache-gb", "0.0002", "--chunk", "3", NULL}, 64, 0, &e,
+                         &err) == 0,
+           "%s", err.msg);
     enum { NS = 3, STEPS = 9 };
     k3_state_cache *sc = k3_state_cache_new(k3_engine_config(e), 64 << 20, G);
     k3_state *bst[NS], *ast[NS];

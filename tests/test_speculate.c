@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "tengine.h"
 #include "draft/draft.h"
 #include "engine/engine.h"
 #include "formats/safetensors.h"
@@ -224,13 +225,9 @@ TEST(spec_controller_shrinks_backs_off_and_probes) {
 }
 
 static k3_engine *open_engine(const char *dir, int64_t max_pos) {
-    k3_engine_opts o;
-    k3_engine_opts_init(&o);
-    o.model_dir = dir;
-    o.max_pos = max_pos;
     k3_engine *e = NULL;
     k3_err err = {0};
-    if (k3_engine_open(&o, &e, &err)) fprintf(stderr, "  %s\n", err.msg);
+    if (t_engine_open(dir, (const char *const[]){NULL}, max_pos, 0, &e, &err)) fprintf(stderr, "  %s\n", err.msg);
     return e;
 }
 
@@ -511,19 +508,11 @@ TEST(spec_batch_rows_equal_alone_kda_chunk) { batch_rows_equal_alone(16); }
  * of its prompt alone (one id per pass, no drafts), greedy and sampled, and
  * some drafts were accepted (rows taken from a batched pass). */
 TEST(spec_batched_sessions_equal_plain) {
-    k3_engine_opts o;
-    k3_engine_opts_init(&o);
-    char *argv[] = {"test", "--cache-gb", "0.001", "--chunk", "16", NULL};
     k3_err err = {0};
-    for (int i = 1; i < 5; i++) {
-        bool used = false;
-        CHECKF(k3_engine_parse_flag(&o, "test", 5, argv, &i, &used, &err) == 0 && used, "%s", err.msg);
-    }
-    o.model_dir = t_repo("models/default");
-    o.max_pos = 256;
-    o.mem.so.pass_tokens = 5;
     k3_engine *e = NULL;
-    CHECKF(k3_engine_open(&o, &e, &err) == 0, "%s", err.msg);
+    CHECKF(t_engine_open(t_repo("models/default"), (const char *const[]){"--cache-gb", "0.001", "--chunk", "16", NULL},
+                         256, 5, &e, &err) == 0,
+           "%s", err.msg);
     const int V = k3_engine_vocab(e);
     enum { NS = 3, NGEN = 28, K = 4 };
     static const char *texts[NS] = {"Once upon a time, there was a little girl named Lily. She loved to play. Lily",
