@@ -211,9 +211,10 @@ typedef struct {
                                   response_format, thinking, thinking_effort */
     k3_jschema *schema;        /* response_format json_object/json_schema: the reply
                                   is held to it (constrain.h); NULL: free text */
-    k3_callspec *call;         /* tool_choice "required" or a named function: the
-                                  reply is a call of one of these tools (it takes
-                                  the place of schema); NULL: not enforced */
+    k3_callspec *call;         /* the reply's calls as enforced (constrain.h):
+                                  tool_choice "required" or a named function (it
+                                  takes the place of schema), or "auto" with strict
+                                  tools or parallel_tool_calls false; NULL: none */
 } k3_serve_req;
 
 /* Parses and validates a request body for kind. Returns 0, or the HTTP status
