@@ -975,3 +975,105 @@ TEST(constrain_auto_strict_mask_equals_feeding_each_id) {
     json_decref(stools);
     call_fix_close(&f);
 }
+
+/* A call of the fixture's tools is valid (the loose noargs: any arguments
+ * when loose). */
+static bool call_ok(const json_t *call, bool noargs_loose) {
+    const json_t *fn = json_object_get(call, "function");
+    const char *name = json_string_value(json_object_get(fn, "name"));
+    json_t *args = json_loads(json_string_value(json_object_get(fn, "arguments")), 0, NULL);
+    bool ok = false;
+    if (!name || !args) ok = false;
+    else if (!strcmp(name, "get_weather")) ok = weather_args_ok(args);
+    else if (!strcmp(name, "say \"hi\" & go")) ok = json_is_string(json_object_get(args, "q")) && json_object_size(args) == 1;
+    else if (!strcmp(name, "noargs")) ok = noargs_loose || json_object_size(args) == 0;
+    json_decref(args);
+    return ok;
+}
+
+/* Replies sampled under the mask from random rows, the markup raised now
+ * and then (and, under "auto", the ids that spell `call tool="` after an
+ * [open], and the end of the message): under "required" with parallel
+ * calls every finished reply has one or more valid calls, some several;
+ * under "auto" with strict tools every call there is valid (its name
+ * declared, a strict tool's arguments valid), at most one without parallel
+ * calls, and some replies call. */
+TEST(constrain_calls_walks_several_and_auto) {
+    call_fix f;
+    CHECK(call_fix_open(&f));
+    int vocab = tok_vocab_size(f.t);
+    k3_chat_ids ids = k3_chat_markup(f.chat);
+    json_t *stools = strict_tools(&f);
+    k3_callspec *many = NULL, *autop = NULL, *auto1 = NULL;
+    k3_err err = {0};
+    CHECK(k3_callspec_compile(f.tools, K3_CALLS_REQUIRED, NULL, true, &many, NULL, 0, &err) == 0);
+    CHECK(k3_callspec_compile(stools, K3_CALLS_AUTO, NULL, true, &autop, NULL, 0, &err) == 0);
+    CHECK(k3_callspec_compile(stools, K3_CALLS_AUTO, NULL, false, &auto1, NULL, 0, &err) == 0);
+    int32_t *path = NULL;
+    size_t npath = 0;
+    CHECK(tok_encode(f.t, "call tool=\"", 11, false, &path, &npath, &err) == 0 && npath > 0);
+    float *row = xmalloc_array((size_t)vocab, sizeof *row), *pool = xmalloc_array(2 * (size_t)vocab, sizeof *pool);
+    uint64_t seed = 11;
+    for (size_t i = 0; i < 2 * (size_t)vocab; i++) pool[i] = (float)(k3_rng_next(&seed) >> 40);
+    const k3_callspec *specs[] = {many, autop, auto1};
+    for (int sp = 0; sp < 3; sp++) {
+        const k3_callspec *cs = specs[sp];
+        int finished = 0, several = 0, called = 0;
+        for (int walk = 0; walk < 12; walk++) {
+            bool thinking = walk % 3 == 2;
+            k3_constraint *c = k3_constraint_new_call(cs, f.tb, f.chat, vocab, thinking);
+            k3_chat_parser *p = k3_chat_parser_new(f.chat, thinking);
+            k3_chat_delta d;
+            bool stop = false;
+            int on_path = -1; /* ids of `call tool="` written since an [open] */
+            for (int step = 0; step < 400 && !stop; step++) {
+                memcpy(row, pool + rnd(&seed, (uint64_t)vocab), (size_t)vocab * sizeof *row);
+                float hi = (float)(1ULL << 25);
+                if (rnd(&seed, 4) == 0) row[ids.close] = hi;
+                if (rnd(&seed, 3) == 0) row[ids.open] = hi;
+                if (cs->how == K3_CALLS_AUTO) {
+                    if (on_path >= 0 && (size_t)on_path < npath && rnd(&seed, 5)) row[path[on_path]] = 2 * hi;
+                    if (rnd(&seed, 30) == 0) row[ids.end_of_msg] = 4 * hi;
+                }
+                const float *m = k3_constraint_apply(c, row);
+                CHECK(m);
+                int32_t best = 0;
+                for (int i = 1; i < vocab; i++)
+                    if (m[i] > m[best]) best = i;
+                CHECK(m[best] > -INFINITY && k3_constraint_accept(c, best, &err) == 0);
+                CHECK(k3_chat_parser_feed(p, best, &d, &err) == 0);
+                if (best == ids.open) on_path = 0;
+                else if (on_path >= 0 && (size_t)on_path < npath && best == path[on_path]) on_path++;
+                else on_path = -1;
+                stop = d.stop;
+            }
+            const char *fin;
+            json_t *msg = k3_chat_parser_message(p, !stop, &fin);
+            const json_t *calls = json_object_get(msg, "tool_calls");
+            size_t nc = json_array_size(calls);
+            finished += stop;
+            several += nc > 1;
+            called += nc > 0;
+            if (cs->how == K3_CALLS_REQUIRED && stop)
+                CHECKF(nc >= 1 && !strcmp(fin, "tool_calls"), "walk %d: %s", walk, json_dumps(msg, 0));
+            if (!cs->multi) CHECKF(nc <= 1, "walk %d: %zu calls without parallel calls", walk, nc);
+            /* a call present validates, finished or not (the parser reads only closed calls) */
+            for (size_t k = 0; k < nc; k++)
+                CHECKF(call_ok(json_array_get(calls, k), cs->how == K3_CALLS_AUTO), "spec %d walk %d call %zu: %s", sp,
+                       walk, k, json_dumps(msg, 0));
+            json_decref(msg);
+            k3_chat_parser_free(p);
+            k3_constraint_free(c);
+        }
+        CHECKF(finished >= 4 && called >= 3 && (sp != 0 || several >= 2),
+               "spec %d: %d of 12 finished, %d called, %d with several calls", sp, finished, called, several);
+    }
+    free(path);
+    free(pool);
+    free(row);
+    k3_callspec_free(many);
+    k3_callspec_free(autop);
+    k3_callspec_free(auto1);
+    json_decref(stools);
+    call_fix_close(&f);
+}
