@@ -123,10 +123,7 @@ static void attn_bwd_bf16(const tmodel *m, const mla_acts *a, const float *dO, f
     }
 }
 
-void t_mla_attend(const k3_config *c, k3_mla_rec *r, int nseq, int T) {
-    if (t_bf16()) attn_fwd_bf16(c, r, nseq, T);
-    else k3_mla_attend_expanded(c, r, nseq, T);
-}
+void t_mla_attend_bf16(const k3_config *c, k3_mla_rec *r, int nseq, int T) { attn_fwd_bf16(c, r, nseq, T); }
 
 K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, const float *dout,
                   float *dx, int B, int T, float *scratch) {
@@ -141,15 +138,15 @@ K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float
     float *dQ = dO + (size_t)N * HV, *dKV = dQ + (size_t)N * H * dq, *dkrh = dKV + (size_t)N * H * dkv;
     float *dckvn = dkrh + (size_t)N * H * dr, *dclat = dckvn + (size_t)N * rkv;
     float *dckv = dclat + (size_t)N * rkv, *dcq = dckv + (size_t)N * (rkv + dr), *dcqp = dcq + (size_t)N * rq;
-    t_linear_dw(g + mw->o_proj, dout, a->y, N, HV, E);
-    t_linear_dx(dy, dout, w + mw->o_proj, N, HV, E, false);
+    t_linear_dw(g + mw->o_proj, dout, a->y, N, HV, E, tm_gemm_mode(m));
+    t_linear_dx(dy, dout, w + mw->o_proj, N, HV, E, false, tm_gemm_mode(m));
     for (size_t i = 0; i < (size_t)N * HV; i++) {
         float s = a->gate[i];
         dgp[i] = dy[i] * a->o[i] * s * (1.0f - s);
         dO[i] = dy[i] * s;
     }
-    t_linear_dw(g + mw->g_proj, dgp, x, N, E, HV);
-    t_linear_dx(dx, dgp, w + mw->g_proj, N, E, HV, false);
+    t_linear_dw(g + mw->g_proj, dgp, x, N, E, HV, tm_gemm_mode(m));
+    t_linear_dx(dx, dgp, w + mw->g_proj, N, E, HV, false, tm_gemm_mode(m));
     const float scale = 1.0f / sqrtf((float)dq);
     memset(dKV, 0, sizeof(float) * (size_t)N * H * dkv);
     memset(dkrh, 0, sizeof(float) * (size_t)N * H * dr);
@@ -194,8 +191,8 @@ K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float
         free(ds);
     }
     /* kv path */
-    t_linear_dw(g + mw->kv_b, dKV, a->ckvn, N, rkv, H * dkv);
-    t_linear_dx(dckvn, dKV, w + mw->kv_b, N, rkv, H * dkv, false);
+    t_linear_dw(g + mw->kv_b, dKV, a->ckvn, N, rkv, H * dkv, tm_gemm_mode(m));
+    t_linear_dx(dckvn, dKV, w + mw->kv_b, N, rkv, H * dkv, false, tm_gemm_mode(m));
     t_rmsnorm_bwd(dclat, g + mw->kv_a_norm, dckvn, a->clat, a->rkv, w + mw->kv_a_norm, N, rkv, false);
     for (int n = 0; n < N; n++) {
         float *d = dckv + (size_t)n * (rkv + dr);
@@ -206,12 +203,12 @@ K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float
             d[rkv + i] = s;
         }
     }
-    t_linear_dw(g + mw->kv_a, dckv, x, N, E, rkv + dr);
-    t_linear_dx(dx, dckv, w + mw->kv_a, N, E, rkv + dr, true);
+    t_linear_dw(g + mw->kv_a, dckv, x, N, E, rkv + dr, tm_gemm_mode(m));
+    t_linear_dx(dx, dckv, w + mw->kv_a, N, E, rkv + dr, true, tm_gemm_mode(m));
     /* q path */
-    t_linear_dw(g + mw->q_b, dQ, a->cq, N, rq, H * dq);
-    t_linear_dx(dcq, dQ, w + mw->q_b, N, rq, H * dq, false);
+    t_linear_dw(g + mw->q_b, dQ, a->cq, N, rq, H * dq, tm_gemm_mode(m));
+    t_linear_dx(dcq, dQ, w + mw->q_b, N, rq, H * dq, false, tm_gemm_mode(m));
     t_rmsnorm_bwd(dcqp, g + mw->q_a_norm, dcq, a->cq_pre, a->rcq, w + mw->q_a_norm, N, rq, false);
-    t_linear_dw(g + mw->q_a, dcqp, x, N, E, rq);
-    t_linear_dx(dx, dcqp, w + mw->q_a, N, E, rq, true);
+    t_linear_dw(g + mw->q_a, dcqp, x, N, E, rq, tm_gemm_mode(m));
+    t_linear_dx(dx, dcqp, w + mw->q_a, N, E, rq, true, tm_gemm_mode(m));
 }

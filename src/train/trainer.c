@@ -382,7 +382,8 @@ static int sample(run *r, int64_t step, k3_err *err) {
     k3_model *km = NULL;
     k3_state *st = NULL;
     k3_session *sess = NULL;
-    int rc = k3_model_open_lookup(&r->m.cfg, tm_lookup, &r->m, NULL, &km, err);
+    tm_lookup_ctx lc = {.m = &r->m};
+    int rc = k3_model_open_lookup(&r->m.cfg, tm_lookup, &lc, NULL, &km, err);
     if (!rc) rc = k3_state_new(km, n + 1, &st, err);
     if (!rc) sess = k3_session_new(km, st, NULL);
     float *lg = xmalloc_array((size_t)V, sizeof(float));
