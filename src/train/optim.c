@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "train/tinternal.h"
-#include "kernels/kernels.h" /* tg_gemm, K3_HOT */
+#include "kernels/kernels.h" /* k_gemm, K3_HOT */
 
 void topt_defaults(topt_cfg *c) {
     memset(c, 0, sizeof *c);
@@ -63,27 +63,27 @@ double topt_lr(const topt_cfg *c, int64_t step) {
 
 /* C[r][c] = A[r][k] B[k][c] and C = A A^T (A [r][c], C [r][r]) with the
  * training GEMM (one fma chain per element; X X^T and A A are exactly
- * symmetric since fma(a, b, c) == fma(b, a, c), so tg_gemm_sym computes
+ * symmetric since fma(a, b, c) == fma(b, a, c), so k_gemm_sym computes
  * half of each). Called inside the parallel loop over Muon blocks, so each
  * runs on one thread. In the BF16 training mode (--bf16) the
  * Newton-Schulz products take BF16 operands too, as Muon's reference
  * implementation does (its iteration is made to tolerate that precision):
  * on AMX this is most of the optimiser's time saved. */
-static void mm(float *C, const float *A, const float *B, int r, int k, int c, tg_mode mode) {
-    tg_gemm(C, c, r, c, k, (tg_view){A, k, 1}, (tg_view){B, c, 1}, false, mode);
+static void mm(float *C, const float *A, const float *B, int r, int k, int c, k_gemm_mode mode) {
+    k_gemm(C, c, r, c, k, (k_view){A, k, 1}, (k_view){B, c, 1}, false, mode);
 }
 
-static void aat(float *C, const float *A, int r, int c, tg_mode mode) {
-    tg_gemm_sym(C, r, r, c, (tg_view){A, c, 1}, (tg_view){A, 1, c}, mode);
+static void aat(float *C, const float *A, int r, int c, k_gemm_mode mode) {
+    k_gemm_sym(C, r, r, c, (k_view){A, c, 1}, (k_view){A, 1, c}, mode);
 }
 
 /* C = S S for a symmetric S [r][r] (A = X X^T above): symmetric as well. */
-static void sq(float *C, const float *S, int r, tg_mode mode) {
-    tg_gemm_sym(C, r, r, r, (tg_view){S, r, 1}, (tg_view){S, r, 1}, mode);
+static void sq(float *C, const float *S, int r, k_gemm_mode mode) {
+    k_gemm_sym(C, r, r, r, (k_view){S, r, 1}, (k_view){S, r, 1}, mode);
 }
 
 /* In place: G [rows][cols] -> its Newton-Schulz orthogonalisation. */
-static void newton_schulz(float *G, int rows, int cols, tg_mode mode) {
+static void newton_schulz(float *G, int rows, int cols, k_gemm_mode mode) {
     const float a = 3.4445f, b = -4.7750f, c = 2.0315f;
     bool tr = rows > cols;
     int r = tr ? cols : rows, n = tr ? rows : cols; /* X is [r][n], r <= n */

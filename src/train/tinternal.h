@@ -68,7 +68,7 @@ static inline int tm_src_mlp(int l, int S) { return l / S + 2; }
 
 /* The mode of every training GEMM of m (linear layers, BF16 attention,
  * Newton-Schulz): m->bf16 is the one place it is set. */
-static inline tg_mode tm_gemm_mode(const tmodel *m) { return m->bf16 ? TG_BF16 : TG_F32; }
+static inline k_gemm_mode tm_gemm_mode(const tmodel *m) { return m->bf16 ? K_GEMM_BF16 : K_GEMM_F32; }
 
 /* The KDA form the kernels are asked for: 0 (recurrent) or tmodel.kda_chunk,
  * at most TM_MAX_KDA_CHUNK (tkda.c). */

@@ -63,10 +63,10 @@ static void attn_fwd_bf16(const k3_config *c, mla_acts *a, int B, int T) {
         float *P = a->pr + (size_t)bh * T * T;
         const float *q0 = a->q + (size_t)b * T * H * dq + (size_t)h * dq;
         const float *kv0 = a->kv + (size_t)b * T * H * dkv + (size_t)h * dkv;
-        tg_gemm(P, T, T, T, dn, (tg_view){q0, H * dq, 1}, (tg_view){kv0, 1, H * dkv}, false, TG_BF16);
+        k_gemm(P, T, T, T, dn, (k_view){q0, H * dq, 1}, (k_view){kv0, 1, H * dkv}, false, K_GEMM_BF16);
         if (dr)
-            tg_gemm(P, T, T, T, dr, (tg_view){q0 + dn, H * dq, 1},
-                    (tg_view){a->ckv + (size_t)b * T * (rkv + dr) + rkv, 1, rkv + dr}, true, TG_BF16);
+            k_gemm(P, T, T, T, dr, (k_view){q0 + dn, H * dq, 1},
+                    (k_view){a->ckv + (size_t)b * T * (rkv + dr) + rkv, 1, rkv + dr}, true, K_GEMM_BF16);
         for (int t = 0; t < T; t++) {
             float *pr = P + (size_t)t * T, mx = -INFINITY;
             for (int s = 0; s <= t; s++) {
@@ -75,8 +75,8 @@ static void attn_fwd_bf16(const k3_config *c, mla_acts *a, int B, int T) {
             }
             k3_causal_softmax_row(pr, t, T, mx);
         }
-        tg_gemm(a->o + (size_t)b * T * HV + (size_t)h * dv, HV, T, dv, T, (tg_view){P, T, 1},
-                (tg_view){kv0 + dn, H * dkv, 1}, false, TG_BF16);
+        k_gemm(a->o + (size_t)b * T * HV + (size_t)h * dv, HV, T, dv, T, (k_view){P, T, 1},
+                (k_view){kv0 + dn, H * dkv, 1}, false, K_GEMM_BF16);
     }
 }
 
@@ -101,7 +101,7 @@ static void attn_bwd_bf16(const tmodel *m, const mla_acts *a, const float *dO, f
             float *dkv0 = dKV + (size_t)b * T * H * dkv + (size_t)h * dkv;
             float *dq0 = dQ + (size_t)b * T * H * dq + (size_t)h * dq;
             /* dP = dO V^T, then dS in place */
-            tg_gemm(dS, T, T, T, dv, (tg_view){do0, HV, 1}, (tg_view){kv0 + dn, 1, H * dkv}, false, TG_BF16);
+            k_gemm(dS, T, T, T, dv, (k_view){do0, HV, 1}, (k_view){kv0 + dn, 1, H * dkv}, false, K_GEMM_BF16);
             for (int t = 0; t < T; t++) {
                 const float *pr = P + (size_t)t * T;
                 float *ds = dS + (size_t)t * T, mix = 0.0f;
@@ -109,14 +109,14 @@ static void attn_bwd_bf16(const tmodel *m, const mla_acts *a, const float *dO, f
                 for (int s = 0; s <= t; s++) ds[s] = pr[s] * (ds[s] - mix) * scale;
                 for (int s = t + 1; s < T; s++) ds[s] = 0.0f;
             }
-            tg_gemm(dq0, H * dq, T, dn, T, (tg_view){dS, T, 1}, (tg_view){kv0, H * dkv, 1}, false, TG_BF16);
-            tg_gemm(dkv0, H * dkv, T, dn, T, (tg_view){dS, 1, T}, (tg_view){q0, H * dq, 1}, false, TG_BF16);
-            tg_gemm(dkv0 + dn, H * dkv, T, dv, T, (tg_view){P, 1, T}, (tg_view){do0, HV, 1}, false, TG_BF16);
+            k_gemm(dq0, H * dq, T, dn, T, (k_view){dS, T, 1}, (k_view){kv0, H * dkv, 1}, false, K_GEMM_BF16);
+            k_gemm(dkv0, H * dkv, T, dn, T, (k_view){dS, 1, T}, (k_view){q0, H * dq, 1}, false, K_GEMM_BF16);
+            k_gemm(dkv0 + dn, H * dkv, T, dv, T, (k_view){P, 1, T}, (k_view){do0, HV, 1}, false, K_GEMM_BF16);
             if (dr) {
-                tg_gemm(dq0 + dn, H * dq, T, dr, T, (tg_view){dS, T, 1}, (tg_view){kr0, rkv + dr, 1}, false,
-                        TG_BF16);
-                tg_gemm(dkrh + (size_t)b * T * H * dr + (size_t)h * dr, H * dr, T, dr, T, (tg_view){dS, 1, T},
-                        (tg_view){q0 + dn, H * dq, 1}, false, TG_BF16);
+                k_gemm(dq0 + dn, H * dq, T, dr, T, (k_view){dS, T, 1}, (k_view){kr0, rkv + dr, 1}, false,
+                        K_GEMM_BF16);
+                k_gemm(dkrh + (size_t)b * T * H * dr + (size_t)h * dr, H * dr, T, dr, T, (k_view){dS, 1, T},
+                        (k_view){q0 + dn, H * dq, 1}, false, K_GEMM_BF16);
             }
         }
         free(dS);

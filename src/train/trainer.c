@@ -448,7 +448,7 @@ static int setup(trun *r, k3_err *err) {
     }
     if ((rc = tm_build(&r->m, &r->cfg, err))) { if (have_ck) tckpt_close(&ck); return rc; }
     r->m.bf16 = r->o.bf16 == 1;
-    if (r->m.bf16 && !tg_bf16_fast()) { /* one smol-50m step of batch 4x256 took over 5 minutes emulated on a Zen 3 core */
+    if (r->m.bf16 && !k_gemm_bf16_fast()) { /* one smol-50m step of batch 4x256 took over 5 minutes emulated on a Zen 3 core */
         if (have_ck) tckpt_close(&ck);
         return k3_fail(err, K3_EXIT_USAGE,
                        "%s: BF16 products need AVX512_BF16 on the AVX-512 kernel path (here: %s) and would run "

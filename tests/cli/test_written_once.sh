@@ -150,4 +150,11 @@ hidden_globals() {
 }
 hidden_globals
 
+# ---- the kernels' names -------------------------------------------------------------
+# The training GEMM lives in src/kernels under the kernels' prefix (k_gemm,
+# k_gemm_sym, k_view, k_gemm_mode with K_GEMM_F32 / K_GEMM_BF16, k_gemm_amx,
+# k_gemm_set_scalar ...): the training prefix tg_ in kernels.h or beside it
+# would name a kernel after one of its callers.
+once names:kernels-prefix '\b(tg|TG)_[A-Za-z_0-9]+' '' $(find src/kernels -name '*.c' -o -name '*.h' | sort)
+
 finish
