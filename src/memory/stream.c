@@ -481,6 +481,8 @@ static int stream_layer_get(void *ctx, int L, const k3_layer_w **w, k3_err *err)
         *w = &s->lw[L];
         return K3_OK;
     }
+    if (s->nslots == 0) /* nothing streams: the experts-only source */
+        return k3s_poison(s, &(k3_err){.code = K3_EXIT_RUNTIME, .msg = "this source serves the routed experts only"});
     pthread_mutex_lock(&s->mu);
     if (s->want != L) { /* out of the cycle (never in a normal pass): read it first */
         s->want = L;
@@ -610,7 +612,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
             }
             s->thr_started = true;
         }
-    } else {
+    } else if (!o->experts_only) {
         for (int L = 0; L < NL; L++) {
             if ((rc = bind_from(s, L, NULL, NULL, &s->lw[L], &s->owned, err))) goto fail;
             s->have[L] = true;
