@@ -6,9 +6,21 @@
  * (final RMSNorm + lm_head). Each is timed through the model's own block
  * functions (k3_kda, k3_mla, k3_mlp, k3_moe, the forward ops' products), and
  * set beside a streaming-read probe taken in the same run: bytes of weights
- * touched per call, achieved GB/s, and the ratio to the probe.
+ * touched per call, achieved GB/s, and the ratio to the probe. Then the same
+ * LatentMoE block with its k routed experts read from disk (moe_disk): the
+ * experts written at their real size and layout into a file under --tmp DIR
+ * (default $TMPDIR, else /tmp; removed at the end), dropped from the page
+ * cache, and read at every call by the engine's streaming source (the
+ * memory module's expert path: io_uring, O_DIRECT where the filesystem takes
+ * it, each expert computed as it arrives) through a cache of none; its
+ * output must equal the resident block's bits. Beside it: MB/s read, the
+ * time spent waiting on reads, the page cache's share of the file after the
+ * drop (mincore; a warning when it is not 0), and the disk's sequential rate
+ * through the same reader (the file read whole in 2 MiB pieces, 4 in flight,
+ * as the trunk ring reads a layer). --no-disk leaves it out.
  *
- *   bin/bench_layers CONFIG [--threads N] [--reps N] [--contexts 1,1024,...] [--probe-mb MB] [--json FILE]
+ *   bin/bench_layers CONFIG [--threads N] [--reps N] [--contexts 1,1024,...] [--probe-mb MB]
+ *                    [--tmp DIR | --no-disk] [--json FILE]
  *
  * CONFIG: a config.json or a directory holding one (the release's is
  * tests/fixtures/k3-release/config.json). The weights are bound by the
@@ -17,7 +29,9 @@
  * the head is the lm_head product alone (a [V][E] BF16 matrix). One layer
  * is bound at a time (the first of each attention and MLP kind) and freed
  * before the next, so the peak is the largest of them (the release's layer 0,
- * KDA + the dense MLP, 2.34 GB; the head 2.35 GB) plus the probe buffer.
+ * KDA + the dense MLP, 2.34 GB; the head 2.35 GB) plus the probe buffer
+ * (the MoE from disk adds k expert buffers and writes k + 1 experts to disk:
+ * 281 MB and 298 MB for the release).
  * Random weights: BF16 entries of
  * random sign and mantissa at a magnitude of about 1/sqrt(inputs), MXFP4
  * experts of random E2M1 codes with the group scale set to the same
@@ -38,6 +52,7 @@
 #include "formats/names.h"
 #include "formats/safetensors.h"
 #include "kernels/kernels.h"
+#include "memory/io.h"
 #include "memory/stream.h"
 #include "model/model.h"
 #include "model/records.h"
@@ -448,6 +463,56 @@ static double cached_share(int fd, uint64_t size) {
  * read (O_DIRECT refused) comes from the disk too. */
 static void drop_pages(block *b) { posix_fadvise(b->drop_fd, 0, 0, POSIX_FADV_DONTNEED); }
 
+/* This disk's sequential read rate, GB/s (best of 3, the file's pages
+ * dropped before each): the file read whole through the engine's reader as
+ * the trunk ring reads a layer, 2 MiB pieces with 4 in flight (io.h; O_DIRECT
+ * when wanted and taken, *direct says). -1 when it cannot be read. */
+static double disk_probe_gbs(const char *path, int drop_fd, uint64_t size, bool want_direct, bool *direct) {
+    enum { DEPTH = 4 };
+    const uint64_t piece = 2u << 20;
+    k3_io *io = k3_io_new(DEPTH, want_direct);
+    k3_err err = {0};
+    int fd = -1;
+    double best = -1;
+    if (k3_io_open(io, path, &fd, direct, &err)) {
+        k3_io_free(io);
+        return -1;
+    }
+    uint8_t *buf = k3_dio_alloc(DEPTH * piece);
+    k3_io_req q[DEPTH];
+    for (int rep = 0; rep < 3; rep++) {
+        posix_fadvise(drop_fd, 0, 0, POSIX_FADV_DONTNEED);
+        double t0 = k3_now();
+        uint64_t off = 0;
+        int inflight = 0, rc = K3_OK;
+        for (int i = 0; i < DEPTH && off < size && !rc; i++, off += piece, inflight++) {
+            q[i] = (k3_io_req){.fd = fd, .offset = off, .len = size - off < piece ? size - off : piece,
+                               .buf = buf + (uint64_t)i * piece};
+            rc = k3_io_submit(io, &q[i], &err);
+        }
+        while (inflight > 0 && !rc) {
+            k3_io_req *d;
+            if ((rc = k3_io_complete(io, &d, &err))) break;
+            inflight--;
+            if (off < size) { /* the freed buffer takes the next piece */
+                *d = (k3_io_req){.fd = fd, .offset = off, .len = size - off < piece ? size - off : piece, .buf = d->buf};
+                off += piece;
+                if (!(rc = k3_io_submit(io, d, &err))) inflight++;
+            }
+        }
+        if (rc) {
+            best = -1;
+            break;
+        }
+        double gbs = (double)size / (k3_now() - t0) / 1e9;
+        if (gbs > best) best = gbs;
+    }
+    k3_io_free(io); /* waits for what is still in flight */
+    free(buf);
+    close(fd);
+    return best;
+}
+
 /* The MoE block of layer L (bound in b, its experts resident in lx) with its
  * routed experts read from disk by the engine's streaming source
  * (memory/stream.h, experts only), as a streamed run reads them: the k
@@ -557,6 +622,8 @@ static int moe_from_disk(measure_ctx *m, const char *cfg_path, const k3_config *
             rc = K3_EXIT_RUNTIME;
         }
         after = cached_share(fd, (uint64_t)sb.st_size);
+        bool pdirect = false;
+        double probe = rc ? -1 : disk_probe_gbs(path, fd, (uint64_t)sb.st_size, o.direct, &pdirect);
         if (!rc) {
             json_t *row = json_array_get(m->out, json_array_size(m->out) - 1);
             json_t *res = json_array_get(m->out, json_array_size(m->out) - 2);
@@ -575,6 +642,9 @@ static int moe_from_disk(measure_ctx *m, const char *cfg_path, const k3_config *
                        before < 0 ? "mincore cannot tell" : "pages stayed resident: a memory filesystem?");
             if (!st.direct)
                 printf("  note: O_DIRECT refused here: buffered reads, the pages dropped before each call\n");
+            printf("  disk read probe: the %.1f MB file read whole as the trunk ring reads (2 MiB pieces, 4 in "
+                   "flight%s), best of 3: %.2f GB/s\n",
+                   (double)sb.st_size / 1e6, pdirect ? ", O_DIRECT" : ", buffered", probe);
             json_object_set_new(row, "experts_read", json_integer(k));
             json_object_set_new(row, "expert_bytes", json_integer((json_int_t)expert_bytes));
             json_object_set_new(row, "read_bytes", json_real(rd));
@@ -585,6 +655,7 @@ static int moe_from_disk(measure_ctx *m, const char *cfg_path, const k3_config *
             json_object_set_new(row, "direct", json_boolean(st.direct));
             json_object_set_new(row, "cached_after_drop", json_real(before));
             json_object_set_new(row, "cached_after_calls", json_real(after));
+            json_object_set_new(row, "disk_probe_gbs", json_real(probe));
         }
         free(d.y);
     }

@@ -25,6 +25,7 @@ check cleanup "$(ls -A "$OUT/tmp")" ""
 # O_DIRECT off: buffered reads, the file's pages dropped before each call
 K3_DIRECT_IO=0 expect_exit buffered 0 $B $CFG --contexts 1 --reps 2 --probe-mb 16 --tmp "$OUT/tmp" --json "$OUT/b.json"
 expect_out_contains buffered "(buffered) from $OUT/tmp"
+expect_out_contains buffered "(2 MiB pieces, 4 in flight, buffered)"
 # unquantised (BF16) experts: w1, w3, w2 of [32][32] = 6144 bytes each
 expect_exit bf16 0 $B tests/fixtures/gen/dense_experts/config.json --contexts 1 --reps 2 --probe-mb 16 --tmp "$OUT/tmp"
 expect_out_contains bf16 "3 experts of 6144 B read a call"
@@ -63,16 +64,23 @@ d = b["moe_disk"]
 print(" ".join("%s:%d" % (n, b[n]["weight_bytes"]) for n in ("kda", "mla@1", "mla@16", "dense_mlp", "moe", "moe_disk", "head")),
       b["mla@16"]["state_bytes"], b["mla@16"]["context"], j["layers"]["dense"], j["layers"]["moe"], ok,
       d["experts_read"], d["expert_bytes"], 6528 <= d["read_bytes"] <= 6528 + 2 * 2 * 4096,
-      d["backend"] in ("io_uring", "pread"), d["read_mbs"] > 0)
+      d["backend"] in ("io_uring", "pread"), d["read_mbs"] > 0, d["disk_probe_gbs"] > 0)
 PYEOF
 )
-check bytes "$got" "kda:26400 mla@1:24576 mla@16:24576 dense_mlp:27648 moe:38016 moe_disk:38016 head:12288 1536 16 1 8 True 2 3264 True True True"
+check bytes "$got" "kda:26400 mla@1:24576 mla@16:24576 dense_mlp:27648 moe:38016 moe_disk:38016 head:12288 1536 16 1 8 True 2 3264 True True True True"
 got=$($PY -c 'import json, sys; d = [b for b in json.load(open(sys.argv[1]))["blocks"] if b["block"] == "moe_disk"][0]; print(d["direct"], 6528 <= d["read_bytes"] <= 6528 + 4 * 4096)' "$OUT/b.json")
 check buffered:json "$got" "False True"
 
 expect_exit projection 0 $PY bench/release_projection.py --layers "$OUT/l.json" --context 16 --validate
 expect_out_contains projection "| mla@16 |"
 expect_out_contains projection "the per-layer figures at context 16 (best wall)"
+expect_exit projfull 0 $PY bench/release_projection.py --layers "$OUT/l.json" --context 16
+expect_out_contains projfull "| moe_disk | "
+expect_out_contains projfull "| this machine, its disk (trunk at "
+expect_out_contains projfull "| s/token / tau 1.07 (speculation) |"
+"$PY" bench/release_projection.py --layers "$OUT/l.json" --tau 0.5 >"$OUT/tau.out" 2>&1
+rc=$?
+check badtau "$rc" 2
 expect_exit projcpu 0 $PY bench/release_projection.py --layers "$OUT/l.json" --cpu-time --validate
 expect_out_contains projcpu "the per-layer figures at context 1 (CPU time / threads)"
 "$PY" bench/release_projection.py --cpu-time >"$OUT/nolayers.out" 2>&1
