@@ -1,6 +1,11 @@
 /* cmd_prepare.c: `k3 prepare`: read a text corpus, split it into training and
  * validation stories, train a byte-level BPE tokenizer (or reuse one), and
- * write both splits as token shards (train/data.h) beside the tokenizer. */
+ * write both splits as token shards (train/data.h) beside the tokenizer.
+ * With --format chat the documents are chat conversations: the tokenizer
+ * also gets the XTML markup ids, and each conversation is written as the
+ * ids the chat template (chat/chat.h) renders for it, so a model trained on
+ * the shards sees exactly what `k3 chat` and `k3 serve` feed it. */
+#include "chat/chat.h"
 #include "cli/commands.h"
 #include "tokenizer/bpe_train.h"
 #include "tokenizer/tokenizer.h"
@@ -30,10 +35,17 @@ const char *const cmd_prepare_help =
     "\n"
     "input:\n"
     "  --input FILE...            one or more files, read in order\n"
-    "  --format F                 auto (default), stories, text or jsonl:\n"
+    "  --format F                 auto (default), stories, text, jsonl or chat:\n"
     "                               stories: stories separated by a line <|endoftext|>\n"
     "                               text:    documents separated by blank lines\n"
     "                               jsonl:   one JSON object per line, its \"text\" field\n"
+    "                               chat:    one conversation per line, a chat request\n"
+    "                                        ({\"messages\": [...], \"thinking\": ...}, as\n"
+    "                                        `k3 tokenize --chat` takes it) ending with the\n"
+    "                                        assistant's reply; written as the chat\n"
+    "                                        template renders it, and the tokenizer gets\n"
+    "                                        the XTML ids <|open|> <|close|> <|sep|>\n"
+    "                                        <|end_of_msg|> [EOS] (never chosen by auto)\n"
     "                             auto picks jsonl for *.jsonl or a first '{', stories\n"
     "                             when a line <|endoftext|> occurs, else text\n"
     "  --validation-input FILE... validation stories come from these files (and none\n"
@@ -45,6 +57,7 @@ const char *const cmd_prepare_help =
     "  --vocab-size N             total ids, specials included (default 8192). The\n"
     "                             one id after the BPE tokens is the special\n"
     "                             <|endoftext|>, so N-1 are BPE tokens; at least 257\n"
+    "                             (with --format chat six specials follow: N-6)\n"
     "  --tokenizer-stories N      train on the first N training stories (default all)\n"
     "  --pattern kimi|gpt2        pre-tokenizer pattern (default kimi)\n"
     "  --tokenizer DIR            reuse the tokenizer in DIR instead of training one\n"
@@ -57,6 +70,13 @@ const char *const cmd_prepare_help =
  * tokenizer records its own count ("num_reserved_special_tokens") so a small
  * vocabulary is not spent on unused specials: just <|endoftext|>. */
 #define N_RESERVED 1
+
+/* A chat model's specials: <|endoftext|> still separates the conversations in
+ * the shards, the rest are the markup the template writes and the parser and
+ * the stop test read by id. */
+static const char *const chat_specials[] = {CORPUS_EOT_TEXT, "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>",
+                                            "[EOS]"};
+#define N_CHAT_SPECIALS 6
 
 /* ---- tokenizing a split into a shard -------------------------------------- */
 typedef struct {
@@ -91,6 +111,148 @@ static int write_split(const k3_tokenizer *tk, const char *path, const char *con
     k3_progress_start(&prog, label, total, true);
     shard_sink_ctx sc = {w, st};
     rc = corpus_encode(tk, doc, len, n, eot, shard_sink, &sc, &prog, err);
+    k3_progress_finish(&prog);
+    if (rc) {
+        shard_writer_abort(w);
+        return rc;
+    }
+    st->stories = n;
+    shard_writer_add_docs(w, n);
+    return shard_writer_commit(w, NULL, err);
+}
+
+/* ---- chat conversations (--format chat) ---------------------------------- */
+typedef struct {
+    json_t **conv;      /* chat requests, add_generation_prompt false */
+    const char **file;  /* where each came from, for errors */
+    size_t *line;
+    size_t n, cap;
+} chat_set;
+
+static void chat_set_free(chat_set *cs) {
+    for (size_t i = 0; i < cs->n; i++) json_decref(cs->conv[i]);
+    free(cs->conv);
+    free(cs->file);
+    free(cs->line);
+    memset(cs, 0, sizeof *cs);
+}
+
+/* One conversation per non-blank line: a chat request whose fields the
+ * template reads (checked as `k3 tokenize --chat` checks them) and whose
+ * last message is the assistant's reply, the text the model learns to
+ * write. */
+static int chat_read(chat_set *cs, const char *path, k3_err *err) {
+    char *text;
+    size_t len, pos = 0, line = 0;
+    int rc = k3_read_file(path, &text, &len, err);
+    if (rc) return rc;
+    while (!rc && pos < len) {
+        line++;
+        const char *nl = memchr(text + pos, '\n', len - pos);
+        size_t e = nl ? (size_t)(nl - text) : len, b = pos;
+        while (b < e && (text[b] == ' ' || text[b] == '\t' || text[b] == '\r')) b++;
+        if (b < e) {
+            json_error_t je;
+            k3_err fe = {0};
+            json_t *o = json_loadb(text + pos, e - pos, 0, &je);
+            json_t *msgs = json_object_get(o, "messages"), *agp = json_object_get(o, "add_generation_prompt");
+            size_t nm = json_is_array(msgs) ? json_array_size(msgs) : 0;
+            const char *role = nm ? json_string_value(json_object_get(json_array_get(msgs, nm - 1), "role")) : NULL;
+            if (!o) rc = k3_fail(err, K3_EXIT_USAGE, "%s:%zu: %s", path, line, je.text);
+            else if (!json_is_object(o)) rc = k3_fail(err, K3_EXIT_USAGE, "%s:%zu: not a JSON object", path, line);
+            else if (k3_chat_check_fields(o, &fe)) rc = k3_fail(err, K3_EXIT_USAGE, "%s:%zu: %s", path, line, fe.msg);
+            else if (!role || strcmp(role, "assistant"))
+                rc = k3_fail(err, K3_EXIT_USAGE, "%s:%zu: the last message must be the assistant's reply", path, line);
+            else if (agp && !json_is_false(agp))
+                rc = k3_fail(err, K3_EXIT_USAGE, "%s:%zu: add_generation_prompt: a conversation ends with its reply, "
+                             "so it must be false or absent", path, line);
+            if (rc) {
+                json_decref(o);
+                break;
+            }
+            json_object_set_new(o, "add_generation_prompt", json_false());
+            if (cs->n == cs->cap) {
+                cs->cap = cs->cap ? 2 * cs->cap : 1024;
+                cs->conv = xrealloc_array(cs->conv, cs->cap, sizeof *cs->conv);
+                cs->file = xrealloc_array(cs->file, cs->cap, sizeof *cs->file);
+                cs->line = xrealloc_array(cs->line, cs->cap, sizeof *cs->line);
+            }
+            cs->conv[cs->n] = o;
+            cs->file[cs->n] = path;
+            cs->line[cs->n++] = line;
+        }
+        pos = nl ? e + 1 : len;
+    }
+    free(text);
+    return rc;
+}
+
+/* The texts of conversations [0, n), what the tokenizer is trained on:
+ * every message's content (a string, or its text parts) and reasoning.
+ * Pointers into the JSON; the arrays are malloc'd. */
+static size_t chat_texts(const chat_set *cs, size_t n, const char ***docs, size_t **lens) {
+    size_t nd = 0, cap = 1024;
+    *docs = xmalloc_array(cap, sizeof **docs);
+    *lens = xmalloc_array(cap, sizeof **lens);
+    for (size_t i = 0; i < n; i++) {
+        size_t k;
+        json_t *m;
+        json_array_foreach(json_object_get(cs->conv[i], "messages"), k, m) {
+            json_t *parts[64];
+            size_t np = 0, j;
+            json_t *c = json_object_get(m, "content"), *part;
+            parts[np++] = json_object_get(m, "reasoning_content");
+            if (json_is_array(c)) {
+                json_array_foreach(c, j, part) if (np < 64) parts[np++] = json_object_get(part, "text");
+            } else {
+                parts[np++] = c;
+            }
+            for (j = 0; j < np; j++) {
+                if (!json_is_string(parts[j]) || !json_string_length(parts[j])) continue;
+                if (nd == cap) {
+                    cap *= 2;
+                    *docs = xrealloc_array(*docs, cap, sizeof **docs);
+                    *lens = xrealloc_array(*lens, cap, sizeof **lens);
+                }
+                (*docs)[nd] = json_string_value(parts[j]);
+                (*lens)[nd++] = json_string_length(parts[j]);
+            }
+        }
+    }
+    return nd;
+}
+
+/* Conversations [0, n) as the template renders them, each followed by eot.
+ * A split's bytes are its text's: the markup ids count as tokens, not
+ * bytes. */
+static int write_chat_split(const k3_tokenizer *tk, const k3_chat *ch, const char *path, const chat_set *cs,
+                            size_t from, size_t n, int32_t eot, uint64_t tok_hash, const char *label,
+                            split_stats *st, k3_err *err) {
+    k3_shard_writer *w;
+    int rc = shard_writer_open(path, (uint32_t)tok_vocab_size(tk), (uint32_t)eot, tok_hash, &w, err);
+    if (rc) return rc;
+    memset(st, 0, sizeof *st);
+    k3_progress prog;
+    k3_progress_start(&prog, label, n, false);
+    for (size_t i = from; i < from + n && !rc; i++) {
+        int32_t *ids = NULL;
+        size_t m = 0;
+        k3_err ce = {0};
+        if (k3_chat_encode(ch, cs->conv[i], &ids, &m, &ce)) {
+            rc = k3_fail(err, K3_EXIT_USAGE, "%s:%zu: %s", cs->file[i], cs->line[i], ce.msg);
+            break;
+        }
+        for (size_t j = 0; j < m; j++) {
+            size_t b = 0;
+            if (ids[j] < tok_n_base(tk)) (void)tok_token_bytes(tk, ids[j], &b);
+            st->bytes += b;
+        }
+        rc = shard_writer_append(w, ids, m, err);
+        if (!rc) rc = shard_writer_append(w, &eot, 1, err);
+        st->tokens += m + 1;
+        free(ids);
+        k3_progress_update(&prog, i - from + 1);
+    }
     k3_progress_finish(&prog);
     if (rc) {
         shard_writer_abort(w);
@@ -179,6 +341,7 @@ int cmd_prepare(int argc, char **argv) {
     double val_frac = 0.05;
     bool have_val_stories = false, have_val_frac = false;
     corpus_format fmt = CORPUS_AUTO;
+    bool chat = false;
     int rc = 0;
     for (int i = 1; i < argc && !rc; i++) {
         const char *a = argv[i];
@@ -219,8 +382,9 @@ int cmd_prepare(int argc, char **argv) {
             tok_dir = argv[++i];
         } else if (!strcmp(a, "--format")) {
             const char *f = argv[++i];
-            if (!corpus_parse_format(f, &fmt) || fmt == CORPUS_RAW)
-                rc = k3_usage_error("prepare", "--format: expected auto, stories, text or jsonl, got '%s'", f);
+            chat = !strcmp(f, "chat");
+            if (!chat && (!corpus_parse_format(f, &fmt) || fmt == CORPUS_RAW))
+                rc = k3_usage_error("prepare", "--format: expected auto, stories, text, jsonl or chat, got '%s'", f);
         } else if (!strcmp(a, "--threads")) {
             rc = parse_u64(a, argv[++i], 1, 4096, &threads);
         } else {
@@ -231,9 +395,10 @@ int cmd_prepare(int argc, char **argv) {
     if (!rc && !out_dir) rc = k3_usage_error("prepare", "--output-dir DIR is required");
     if (!rc && have_val_stories + have_val_frac + (n_vin > 0) > 1)
         rc = k3_usage_error("prepare", "give only one of --validation-input, --validation-stories, --validation-fraction");
-    if (!rc && !tok_dir && vocab < 256 + N_RESERVED)
+    int n_reserved = chat ? N_CHAT_SPECIALS : N_RESERVED;
+    if (!rc && !tok_dir && vocab < 256 + (uint64_t)n_reserved)
         rc = k3_usage_error("prepare", "--vocab-size %llu is too small: the 256 byte tokens and %d special id%s need at least %d",
-                            (unsigned long long)vocab, N_RESERVED, N_RESERVED == 1 ? "" : "s", 256 + N_RESERVED);
+                            (unsigned long long)vocab, n_reserved, n_reserved == 1 ? "" : "s", 256 + n_reserved);
     if (rc) {
         free(inputs);
         free(vinputs);
@@ -243,6 +408,10 @@ int cmd_prepare(int argc, char **argv) {
 
     k3_err err = {0};
     corpus train = {0}, valc = {0};
+    chat_set ctrain = {0}, cval = {0};
+    const char **cdocs = NULL;
+    size_t *clens = NULL;
+    k3_chat *ch = NULL;
     k3_tokenizer *tk = NULL;
     char path[4096];
     double t0 = k3_now(), t_tok = 0, t_enc = 0;
@@ -251,8 +420,17 @@ int cmd_prepare(int argc, char **argv) {
     const char **vdoc;
     const size_t *vlen;
     size_t n_val;
-    for (int i = 0; i < n_in && !rc; i++) rc = corpus_read_file(&train, inputs[i], fmt, CORPUS_TEXT, NULL, &err);
-    for (int i = 0; i < n_vin && !rc; i++) rc = corpus_read_file(&valc, vinputs[i], fmt, CORPUS_TEXT, NULL, &err);
+    if (chat) {
+        /* the conversations stand in for the stories from here on: train.n
+         * and valc.n count them, the tokenizer's documents are their texts */
+        for (int i = 0; i < n_in && !rc; i++) rc = chat_read(&ctrain, inputs[i], &err);
+        for (int i = 0; i < n_vin && !rc; i++) rc = chat_read(&cval, vinputs[i], &err);
+        train.n = ctrain.n;
+        valc.n = cval.n;
+    } else {
+        for (int i = 0; i < n_in && !rc; i++) rc = corpus_read_file(&train, inputs[i], fmt, CORPUS_TEXT, NULL, &err);
+        for (int i = 0; i < n_vin && !rc; i++) rc = corpus_read_file(&valc, vinputs[i], fmt, CORPUS_TEXT, NULL, &err);
+    }
     if (rc) goto done;
     if (train.n == 0) {
         rc = k3_fail(&err, K3_EXIT_USAGE, "%s%s: empty corpus (no stories)", inputs[0], n_in > 1 ? " ..." : "");
@@ -275,8 +453,8 @@ int cmd_prepare(int argc, char **argv) {
             goto done;
         }
         train.n -= n_val;
-        vdoc = train.doc + train.n;
-        vlen = train.len + train.n;
+        vdoc = chat ? NULL : train.doc + train.n;
+        vlen = chat ? NULL : train.len + train.n;
     }
     if ((rc = k3_mkdir_p(out_dir, &err))) goto done;
     /* Everything is written into a staging directory inside out_dir and moved
@@ -318,25 +496,34 @@ int cmd_prepare(int argc, char **argv) {
         n_tok_stories = tok_stories && tok_stories < train.n ? (size_t)tok_stories : train.n;
         tok_splitter *sp;
         if ((rc = tok_splitter_new(strcmp(pattern, "gpt2") ? TOK_PATTERN_KIMI : TOK_PATTERN_GPT2, &sp, &err))) goto done;
+        const char *const *tdoc = train.doc;
+        const size_t *tlen = train.len;
+        size_t n_tdoc = n_tok_stories;
+        static const char *const story_specials[1] = {CORPUS_EOT_TEXT};
+        const char *const *specials = chat ? chat_specials : story_specials;
+        if (chat) {
+            n_tdoc = chat_texts(&ctrain, n_tok_stories, &cdocs, &clens);
+            tdoc = cdocs;
+            tlen = clens;
+        }
         uint64_t tb = 0;
-        for (size_t i = 0; i < n_tok_stories; i++) tb += train.len[i];
+        for (size_t i = 0; i < n_tdoc; i++) tb += tlen[i];
         k3_progress prog;
         k3_progress_start(&prog, "pre-tokens", tb, true);
         bpe_counts *cnt = bpe_counts_new();
-        static const char *const specials[1] = {CORPUS_EOT_TEXT};
-        rc = bpe_count_docs(cnt, sp, train.doc, train.len, n_tok_stories, specials, 1, &prog, &err);
+        rc = bpe_count_docs(cnt, sp, tdoc, tlen, n_tdoc, specials, n_reserved, &prog, &err);
         k3_progress_finish(&prog);
         tok_splitter_free(sp);
         bpe_model m = {0};
         if (!rc) {
-            bpe_train_opts o = {.target_tokens = (int)(vocab - N_RESERVED), .unique_tokens = true, .progress = true};
+            bpe_train_opts o = {.target_tokens = (int)(vocab - (uint64_t)n_reserved), .unique_tokens = true, .progress = true};
             rc = bpe_train(cnt, &o, &m, &err);
         }
         bpe_counts_free(cnt);
-        if (!rc && m.n_tokens < (int)(vocab - N_RESERVED))
+        if (!rc && m.n_tokens < (int)(vocab - (uint64_t)n_reserved))
             fprintf(stderr, "k3: note: the tokenizer stories allow only %d BPE tokens; the vocabulary is %d, not %llu\n",
-                    m.n_tokens, m.n_tokens + N_RESERVED, (unsigned long long)vocab);
-        if (!rc) rc = bpe_write_tiktoken(&m, wdir, specials, 1, N_RESERVED, CORPUS_EOT_TEXT, pattern, &err);
+                    m.n_tokens, m.n_tokens + n_reserved, (unsigned long long)vocab);
+        if (!rc) rc = bpe_write_tiktoken(&m, wdir, specials, n_reserved, n_reserved, CORPUS_EOT_TEXT, pattern, &err);
         bpe_model_free(&m);
         if (rc) goto done;
         t_tok = k3_now() - ts;
@@ -356,10 +543,19 @@ int cmd_prepare(int argc, char **argv) {
         rc = k3_fail(&err, K3_EXIT_USAGE, "%s: path too long", out_dir);
         goto done;
     }
-    rc = write_split(tk, path, train.doc, train.len, train.n, eot, hash, "tokenize train", &st_train, &err);
+    k3_err ce = {0};
+    if (chat && k3_chat_new(tk, &ch, &ce)) {
+        rc = k3_fail(&err, K3_EXIT_USAGE, "%s: %s", tok_dir ? tok_dir : out_dir, ce.msg);
+        goto done;
+    }
+    if (chat) rc = write_chat_split(tk, ch, path, &ctrain, 0, train.n, eot, hash, "tokenize train", &st_train, &err);
+    else rc = write_split(tk, path, train.doc, train.len, train.n, eot, hash, "tokenize train", &st_train, &err);
     if (!rc && n_val) {
         snprintf(path, sizeof path, "%s/val.bin", wdir);
-        rc = write_split(tk, path, vdoc, vlen, n_val, eot, hash, "tokenize val", &st_val, &err);
+        if (chat)
+            rc = write_chat_split(tk, ch, path, n_vin ? &cval : &ctrain, n_vin ? 0 : train.n, n_val, eot, hash,
+                                  "tokenize val", &st_val, &err);
+        else rc = write_split(tk, path, vdoc, vlen, n_val, eot, hash, "tokenize val", &st_val, &err);
     }
     if (rc) goto done;
     t_enc = k3_now() - te;
@@ -404,9 +600,15 @@ int cmd_prepare(int argc, char **argv) {
 
 done:
     if (staged) k3_remove_flat_dir(stage);
+    if (ch) k3_chat_free(ch);
     if (tk) tok_free(tk);
+    if (chat) train.n = valc.n = 0;
     corpus_free(&train);
     corpus_free(&valc);
+    chat_set_free(&ctrain);
+    chat_set_free(&cval);
+    free(cdocs);
+    free(clens);
     free(inputs);
     free(vinputs);
     return rc ? k3_report(&err) : 0;

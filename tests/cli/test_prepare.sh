@@ -75,6 +75,73 @@ expect_exit prepare_text 0 $K3 prepare --input "$OUT/c.txt" --output-dir "$OUT/t
 [ "$(json_num "$OUT/t/stats.json" train bytes)" = 46 ] && pass text_bytes || fail text_bytes
 [ ! -e "$OUT/t/val.bin" ] && pass no_val_shard_when_empty || fail no_val_shard_when_empty
 
+# chat conversations (--format chat): the tokenizer gets the XTML ids after
+# <|endoftext|>, and each conversation's ids in the shards are exactly what
+# `k3 tokenize --chat` (checked against the release encoder's ids in
+# test_chat_template.sh) renders for it, then <|endoftext|>
+CONV=$(fixture chat/conversations.jsonl)
+C=$OUT/chat
+rm -rf "$C"
+expect_exit chat_prepare 0 $K3 prepare --format chat --input "$CONV" --output-dir "$C" --vocab-size 512 \
+  --validation-stories 4
+[ "$(json_num "$C/stats.json" train stories)" = 36 ] && pass chat_train_conversations || fail chat_train_conversations
+[ "$(wc -l <"$C/tiktoken.model")" = 506 ] && pass chat_ranks_506 || fail chat_ranks_506
+want=$(printf '506 <|endoftext|>\n507 <|open|>\n508 <|close|>\n509 <|sep|>\n510 <|end_of_msg|>\n511 [EOS]')
+got=$(python3 -c 'import json,sys; d=json.load(open(sys.argv[1]))["added_tokens_decoder"]; print("\n".join(k+" "+v["content"] for k,v in sorted(d.items(), key=lambda kv: int(kv[0]))))' "$C/tokenizer_config.json")
+[ "$got" = "$want" ] && pass chat_specials || fail chat_specials "$got"
+# every conversation of both splits, in order: train (the first 36), then val
+: >"$OUT/chat_want.ids"
+n=0; ok=1
+while IFS= read -r line; do
+  n=$((n + 1))
+  printf '%s' "$line" | python3 -c 'import json,sys; d=json.load(sys.stdin); d["add_generation_prompt"]=False; print(json.dumps(d))' >"$OUT/conv.json"
+  if ! $K3 tokenize "$C" --chat "$OUT/conv.json" >"$OUT/conv.ids" 2>"$OUT/conv.err"; then ok=0; break; fi
+  { tr ',' '\n' <"$OUT/conv.ids"; echo 506; } >>"$OUT/chat_want.ids"
+done <"$CONV"
+shard_ids() { od -An -tu2 -v -j64 "$1" | tr -s ' ' '\n' | sed '/^$/d'; }
+{ shard_ids "$C/train.bin"; shard_ids "$C/val.bin"; } >"$OUT/chat_got.ids"
+if [ "$ok" = 1 ] && [ "$n" = 40 ] && cmp -s "$OUT/chat_want.ids" "$OUT/chat_got.ids"; then
+  pass "chat_ids_as_the_template ($(wc -l <"$OUT/chat_got.ids") ids)"
+else
+  fail chat_ids_as_the_template "$n conversations; $(head -c 200 "$OUT/conv.err"); $(cmp "$OUT/chat_want.ids" "$OUT/chat_got.ids" 2>&1)"
+fi
+# the bytes are the text's: the markup ids add none
+tb=$(json_num "$C/stats.json" train bytes)
+wantb=$(head -n 36 "$CONV" | python3 -c '
+import json, sys
+n = 0
+for line in sys.stdin:
+    for m in json.loads(line)["messages"]:
+        for k in ("content", "reasoning_content"):
+            if isinstance(m.get(k), str): n += len(m[k].encode())
+print(n)')
+[ "$tb" -gt "$wantb" ] && [ "$tb" -lt $((wantb + 36 * 200)) ] && pass "chat_bytes ($tb, texts $wantb)" || fail chat_bytes "$tb vs texts $wantb"
+# the chat model's tokenizer reused gives the same shards; a tokenizer without
+# the XTML ids cannot render a conversation
+expect_exit chat_reuse 0 $K3 prepare --format chat --input "$CONV" --output-dir "$OUT/chat2" --tokenizer "$C" \
+  --validation-stories 4
+cmp -s "$C/train.bin" "$OUT/chat2/train.bin" && pass chat_reuse_same || fail chat_reuse_same
+expect_exit err_chat_tok 2 $K3 prepare --format chat --input "$CONV" --output-dir "$OUT/e" --tokenizer "$D"
+expect_err_contains err_chat_tok "not a chat model"
+# bad conversations: the file and line, exit 2
+printf '%s\n{"messages": [{"role": "user", "content": "hi"}]}\n' "$(head -n 1 "$CONV")" >"$OUT/c1.jsonl"
+expect_exit err_chat_last 2 $K3 prepare --format chat --input "$OUT/c1.jsonl" --output-dir "$OUT/e" --vocab-size 300
+expect_err_contains err_chat_last "c1.jsonl:2: the last message must be the assistant's reply"
+printf '{"messages": [{"role": "assistant", "content": "x"}], "add_generation_prompt": true}\n' >"$OUT/c2.jsonl"
+expect_exit err_chat_agp 2 $K3 prepare --format chat --input "$OUT/c2.jsonl" --output-dir "$OUT/e" --vocab-size 300
+expect_err_contains err_chat_agp "c2.jsonl:1: add_generation_prompt"
+printf '\n{"messages": [{"role": "assistant", "content": "x"}], "tempo": 1}\n' >"$OUT/c3.jsonl"
+expect_exit err_chat_field 2 $K3 prepare --format chat --input "$OUT/c3.jsonl" --output-dir "$OUT/e" --vocab-size 300
+expect_err_contains err_chat_field "c3.jsonl:2: request.tempo"
+printf '{"messages": [{"role": "assistant", "content": "x"}\n' >"$OUT/c4.jsonl"
+expect_exit err_chat_json 2 $K3 prepare --format chat --input "$OUT/c4.jsonl" --output-dir "$OUT/e" --vocab-size 300
+expect_err_contains err_chat_json "c4.jsonl:1:"
+printf '{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}\n{"messages": [{"role": "assistant", "content": "z"}]}\n' >"$OUT/c5.jsonl"
+expect_exit err_chat_role 2 $K3 prepare --format chat --input "$OUT/c5.jsonl" --output-dir "$OUT/e" --tokenizer "$C" --validation-stories 1
+expect_err_contains err_chat_role "c5.jsonl:1: messages[0].role"
+expect_exit err_chat_vocab 2 $K3 prepare --format chat --input "$CONV" --output-dir "$OUT/e" --vocab-size 261
+expect_err_contains err_chat_vocab "6 special ids need at least 262"
+
 # errors: one line, exit 2
 expect_exit err_missing 2 $K3 prepare --input "$OUT/nope.txt" --output-dir "$OUT/e"
 expect_err_contains err_missing "nope.txt"
