@@ -7,7 +7,7 @@
 # Defaults: models/default, N 300, R 5, 1 thread (CPU time then means work,
 # not OpenMP threads spinning at barriers), temperature 1.5, seed 7 (a
 # sample that runs the whole N on models/default). --tok gives a tokenizer to
-# a model without one (e.g. tools/gen_checkpoint.py --preset issue7 with
+# a model without one (e.g. tools/gen_checkpoint.py --preset mid with
 # --tok models/default, whose 2,048 ids fit its vocabulary).
 #
 # Each repetition runs `k3 run` and one streamed /v1/completions request to a

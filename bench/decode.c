@@ -11,7 +11,7 @@
  * --json: also write every figure of the tables to FILE (atomically), for
  * bench/report.sh; the printed tables are the same with or without it.
  *
- * Build a checkpoint with tools/gen_checkpoint.py (e.g. --preset issue7, 627 MB,
+ * Build a checkpoint with tools/gen_checkpoint.py (e.g. --preset mid, 627 MB,
  * 96 MXFP4 experts). Not a test: numbers depend on the machine and its load. */
 #include "bench.h"
 #include "kernels/kernels.h"

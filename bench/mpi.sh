@@ -18,14 +18,14 @@
 # decode block at each rank count, and fixed sizes), and k3 cache-sim spreads
 # the peer's expert trace of the real release over 2..32 ranks. Everything
 # goes to one JSON file (default bench/.cache/mpi.json) for
-# bench/mpi_projection.py. The model defaults to the issue-7 checkpoint
-# (tools/gen_checkpoint.py --preset issue7, 627 MB, built once under
+# bench/mpi_projection.py. The model defaults to the mid checkpoint
+# (tools/gen_checkpoint.py --preset mid, 627 MB, built once under
 # bench/.cache). A benchmark, never a test: on a shared or small machine the
 # ranks share cores (--oversubscribe beyond the core count) and the shares
 # say so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MODEL=bench/.cache/issue7
+MODEL=bench/.cache/mid
 GEN=33
 MAXR=4
 THREADS=1
@@ -48,8 +48,8 @@ mkdir -p bench/.cache
 make -s -j2 bin/k3 bin/bench_exchange >/dev/null
 mkdir -p bench/.cache
 if [ ! -e "$MODEL/config.json" ]; then
-  echo "bench/mpi.sh: building $MODEL (tools/gen_checkpoint.py --preset issue7)" >&2
-  $PY tools/gen_checkpoint.py "$MODEL" --preset issue7 >/dev/null
+  echo "bench/mpi.sh: building $MODEL (tools/gen_checkpoint.py --preset mid)" >&2
+  $PY tools/gen_checkpoint.py "$MODEL" --preset mid >/dev/null
 fi
 [ "$(id -u)" = 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}

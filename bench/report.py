@@ -16,8 +16,8 @@ roofline with the goal marked.
 
 The checkpoints it needs are built once under the cache directory (--cache,
 $K3_BENCH_CACHE, default bench/.cache) and reused while their stamp (the
-command that built them) matches and they open: the 627 MB issue-7
-checkpoint, the 2.1 GB streaming checkpoint with its packed trunk, the sparse
+command that built them) matches and they open: the 627 MB mid
+checkpoint (gen_checkpoint.py --preset mid), the 2.1 GB streaming checkpoint with its packed trunk, the sparse
 replica of the release (497,220 tensors). --render recomputes the table and
 the chart from a report JSON without running anything (tests use it).
 
@@ -58,12 +58,12 @@ QUICK = dict(decode_prompt=32, decode_gen=4, decode_probe_mb=64, decode_threads=
              index_repeats=2, ttft_runs=2)
 
 # How each cached input is built (argv after the interpreter; OUT is replaced).
-GEN_ISSUE7 = ["tools/gen_checkpoint.py", "OUT", "--preset", "issue7", "--force"]
-GEN_STREAM = ["tools/gen_checkpoint.py", "OUT", "--preset", "issue7", "--target-bytes", "2.1e9",
+GEN_MID = ["tools/gen_checkpoint.py", "OUT", "--preset", "mid", "--force"]
+GEN_STREAM = ["tools/gen_checkpoint.py", "OUT", "--preset", "mid", "--target-bytes", "2.1e9",
               "--seed", "4", "--force"]
-# --quick: one small checkpoint of the issue-7 layout (155 MB) for decode,
+# --quick: one small checkpoint of the mid layout (155 MB) for decode,
 # streaming, the index and the first token.
-GEN_QUICK = ["tools/gen_checkpoint.py", "OUT", "--preset", "issue7", "--set", "hidden_size=512",
+GEN_QUICK = ["tools/gen_checkpoint.py", "OUT", "--preset", "mid", "--set", "hidden_size=512",
              "--set", "num_experts=16", "--set", "vocab_size=8000", "--set", "intermediate_size=1024",
              "--force"]
 GEN_REPLICA = ["tools/make_sparse_replica.py", "OUT"]
@@ -637,7 +637,7 @@ def main(argv):
     ap.add_argument("--md", help="the table as Markdown (default docs/bench-report.md for a full run of every "
                                  "section, else CACHE/report.md)")
     ap.add_argument("--render", metavar="REPORT_JSON", help="only recompute the table and chart from a report JSON")
-    ap.add_argument("--issue7-dir", help="use this 627 MB issue-7 checkpoint instead of building one")
+    ap.add_argument("--mid-dir", help="use this 627 MB mid checkpoint instead of building one")
     ap.add_argument("--stream-dir", help="use this streaming checkpoint instead of building one")
     ap.add_argument("--trunk-dir", help="its packed trunk (k3 pack-trunk), with --stream-dir")
     ap.add_argument("--replica-dir", help="use this sparse replica instead of building one")
@@ -712,11 +712,11 @@ def main(argv):
                 raise inputs[name]
             return inputs[name]
         try:
-            if name == "issue7":
-                if a.issue7_dir or a.quick:
-                    p = a.issue7_dir or cached_input(cache, "quick-model", GEN_QUICK, opens)
+            if name == "mid":
+                if a.mid_dir or a.quick:
+                    p = a.mid_dir or cached_input(cache, "quick-model", GEN_QUICK, opens)
                 else:
-                    p = cached_input(cache, "issue7", GEN_ISSUE7, opens)
+                    p = cached_input(cache, "mid", GEN_MID, opens)
                 if not opens(p):
                     raise BenchError("%s: not a checkpoint that opens" % p)
                 inputs[name] = p
@@ -733,7 +733,7 @@ def main(argv):
                 if a.replica_dir:
                     inputs[name] = a.replica_dir
                 elif a.quick:  # the replica takes a while to write; the quick run indexes its own model
-                    inputs[name] = need("issue7")
+                    inputs[name] = need("mid")
                 else:
                     if not os.path.isdir("tests/fixtures/k3-release"):
                         raise BenchError("tests/fixtures/k3-release missing: cannot build the sparse replica "
@@ -745,7 +745,7 @@ def main(argv):
         return inputs[name]
 
     if "decode" in only or "prefill" in only:
-        attempt("decode", lambda: bench_decode(a, s, need("issue7"), logs))
+        attempt("decode", lambda: bench_decode(a, s, need("mid"), logs))
     if "stream" in only:
         attempt("stream", lambda: bench_stream(a, s, *need("stream"), logs))
     if "train" in only:
@@ -753,7 +753,7 @@ def main(argv):
     if "index" in only:
         attempt("index", lambda: bench_index(a, s, need("replica"), logs))
     if "ttft" in only:
-        attempt("ttft", lambda: bench_ttft(a, s, need("issue7"), logs))
+        attempt("ttft", lambda: bench_ttft(a, s, need("mid"), logs))
 
     c = rep["conditions"]
     c["load_after"] = loadavg()

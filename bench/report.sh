@@ -2,7 +2,7 @@
 # bench/report.sh: the performance summary table in one run (also `make bench-report`).
 #
 #   bench/report.sh [--quick] [--only decode,prefill,stream,train,index,ttft] [--cache DIR]
-#                   [--json F] [--svg F] [--md F] [--issue7-dir D] [--stream-dir D --trunk-dir T]
+#                   [--json F] [--svg F] [--md F] [--mid-dir D] [--stream-dir D --trunk-dir T]
 #                   [--replica-dir D] [--help]
 #   bench/report.sh --render REPORT.json [--svg F] [--md F]
 #

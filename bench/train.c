@@ -84,7 +84,7 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) bench_tilecfg;
 __attribute__((target("amx-tile,amx-bf16"))) static double amx_peak_gflops(void) {
-    if (!tg_amx_available()) return 0;
+    if (!k_gemm_amx_available()) return 0;
     bench_tilecfg cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -139,21 +139,21 @@ static void gemm_bench(int nt, int n, int in, int out) {
     memset(G, 0, sizeof(float) * (size_t)out * in);
     printf("GEMM %d tokens, %d -> %d, %d thread(s), GFLOP/s:", n, in, out, nt);
     for (int mode = 0; mode < 3; mode++) { /* f32, bf16 vdpbf16ps, bf16 AMX */
-        if (mode > 0 && !tg_bf16_fast()) { /* the scalar emulation is not what is measured */
+        if (mode > 0 && !k_gemm_bf16_fast()) { /* the scalar emulation is not what is measured */
             printf("  (BF16: no tiles on the %s path)", k_path_name());
             break;
         }
-        if (mode == 2 && !tg_amx_available()) break;
-        tg_set_amx(mode == 2);
+        if (mode == 2 && !k_gemm_amx_available()) break;
+        k_gemm_set_amx(mode == 2);
         double best[3] = {0, 0, 0};
         for (int rep = 0; rep < 3; rep++) {
             double t0 = clk();
-            tg_mode tm = mode ? TG_BF16 : TG_F32;
-            tg_gemm(Y, out, n, out, in, (tg_view){X, in, 1}, (tg_view){W, 1, in}, false, tm);
+            k_gemm_mode tm = mode ? K_GEMM_BF16 : K_GEMM_F32;
+            k_gemm(Y, out, n, out, in, (k_view){X, in, 1}, (k_view){W, 1, in}, false, tm);
             double t1 = clk();
-            tg_gemm(DX, in, n, in, out, (tg_view){Y, out, 1}, (tg_view){W, in, 1}, false, tm);
+            k_gemm(DX, in, n, in, out, (k_view){Y, out, 1}, (k_view){W, in, 1}, false, tm);
             double t2 = clk();
-            tg_gemm(G, in, out, in, n, (tg_view){Y, 1, out}, (tg_view){X, in, 1}, true, tm);
+            k_gemm(G, in, out, in, n, (k_view){Y, 1, out}, (k_view){X, in, 1}, true, tm);
             double t3 = clk();
             double f = 2.0 * n * in * out / 1e9;
             double g[3] = {f / (t1 - t0), f / (t2 - t1), f / (t3 - t2)};
@@ -162,7 +162,7 @@ static void gemm_bench(int nt, int n, int in, int out) {
         printf("  %s fwd %.1f dX %.1f dW %.1f", mode == 2 ? "amx" : mode ? "vdpbf16ps" : "f32", best[0], best[1],
                best[2]);
     }
-    tg_set_amx(true);
+    k_gemm_set_amx(true);
     printf("\n");
     free(X); free(W); free(Y); free(G); free(DX);
 }
@@ -177,11 +177,11 @@ int main(int argc, char **argv) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--json")) { json = true; continue; }
         if (!strcmp(a, "--bf16")) { bf16 = true; continue; }
-        if (!strcmp(a, "--no-amx")) { tg_set_amx(false); continue; }
+        if (!strcmp(a, "--no-amx")) { k_gemm_set_amx(false); continue; }
         if (!strcmp(a, "--peak")) {
             double best = bench_fma_peak_gflops();
             double bb = 0, am = 0;
-            if (tg_bf16_available())
+            if (k_gemm_bf16_available())
                 for (int r = 0; r < 3; r++) { double g = bf16_peak_gflops(); if (g > bb) bb = g; }
             for (int r = 0; r < 3; r++) { double g = amx_peak_gflops(); if (g > am) am = g; }
             if (json)
@@ -279,7 +279,7 @@ int main(int argc, char **argv) {
                    "\"flops_per_token\":%.6e,\"gflops\":%.3f,\"forward_cpu_s\":%.4f,\"backward_cpu_s\":%.4f,"
                    "\"optimizer_cpu_s\":%.4f,\"loss\":%.5f,\"amx\":%s,\"weights_fnv\":\"%016llx\"}\n",
                    cfgp, m.kda_chunk, m.bf16 ? "true" : "false", oc.muon ? "muon" : "adamw", nt, (long long)ntok, sw, sc, ntok / sw, ntok / sc, fpt, fpt * ntok / sw / 1e9,
-                   fwd / steps, bwd / steps, optt / steps, loss / ntok, m.bf16 && tg_amx_available() ? "true" : "false",
+                   fwd / steps, bwd / steps, optt / steps, loss / ntok, m.bf16 && k_gemm_amx_available() ? "true" : "false",
                    (unsigned long long)weights_hash(&m));
         else
             printf("threads %d: %.3f s/step wall (%.1f tokens/s, %.2f GFLOP/s), %.3f s CPU/step "

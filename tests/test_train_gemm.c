@@ -25,13 +25,13 @@ static const shape shapes[] = {{1, 1, 1}, {3, 5, 7}, {12, 32, 256}, {13, 33, 257
                                {200, 65, 513}, {5, 320, 64}, {40, 17, 1}};
 
 /* layout 0: X W^T (B transposed view), 1: dY W, 2: dY^T X (A transposed view) */
-static void views(int layout, const float *a, const float *b, int M, int N, int K, tg_view *A, tg_view *B) {
-    if (layout == 0) { *A = (tg_view){a, K, 1}; *B = (tg_view){b, 1, K}; }
-    else if (layout == 1) { *A = (tg_view){a, K, 1}; *B = (tg_view){b, N, 1}; }
-    else { *A = (tg_view){a, 1, M}; *B = (tg_view){b, N, 1}; }
+static void views(int layout, const float *a, const float *b, int M, int N, int K, k_view *A, k_view *B) {
+    if (layout == 0) { *A = (k_view){a, K, 1}; *B = (k_view){b, 1, K}; }
+    else if (layout == 1) { *A = (k_view){a, K, 1}; *B = (k_view){b, N, 1}; }
+    else { *A = (k_view){a, 1, M}; *B = (k_view){b, N, 1}; }
 }
 
-static bool run_case(tg_mode mode, bool *all_same) {
+static bool run_case(k_gemm_mode mode, bool *all_same) {
     bool ok = true;
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int layout = 0; layout < 3; layout++)
@@ -49,18 +49,18 @@ static bool run_case(tg_mode mode, bool *all_same) {
                 if (na > 5) a[5] = 1e-40f;                /* denormals: BF16 reads them as zero */
                 if (nb > 1) b[1] = -3e-39f;
                 if (nb > 2) b[2] = 0x1.fffffcp-127f;      /* would round up to the least normal */
-                tg_view A, B;
+                k_view A, B;
                 views(layout, a, b, M, N, K, &A, &B);
                 memcpy(ref, c0, nc * sizeof(float));
-                tg_set_scalar(true);
-                tg_gemm(ref, N, M, N, K, A, B, acc, mode);
-                tg_set_scalar(false);
+                k_gemm_set_scalar(true);
+                k_gemm(ref, N, M, N, K, A, B, acc, mode);
+                k_gemm_set_scalar(false);
                 memcpy(v1, c0, nc * sizeof(float));
                 memcpy(v2, c0, nc * sizeof(float));
                 omp_set_num_threads(1);
-                tg_gemm(v1, N, M, N, K, A, B, acc, mode);
+                k_gemm(v1, N, M, N, K, A, B, acc, mode);
                 omp_set_num_threads(2);
-                tg_gemm(v2, N, M, N, K, A, B, acc, mode);
+                k_gemm(v2, N, M, N, K, A, B, acc, mode);
                 if (memcmp(ref, v1, nc * sizeof(float)) || memcmp(ref, v2, nc * sizeof(float))) {
                     *all_same = false;
                     fprintf(stderr, "mode %d shape %dx%dx%d layout %d acc %d: SIMD/threads differ from scalar\n",
@@ -77,12 +77,12 @@ static bool run_case(tg_mode mode, bool *all_same) {
                             cd += (double)x * y;
                         }
                         float got = ref[(size_t)m * N + n];
-                        if (mode == TG_F32 && memcmp(&cf, &got, sizeof cf)) {
+                        if (mode == K_GEMM_F32 && memcmp(&cf, &got, sizeof cf)) {
                             fprintf(stderr, "F32 chain differs at %d,%d\n", m, n);
                             ok = false;
                             break;
                         }
-                        double tol = mode == TG_F32 ? 1e-5 * (1 + sqrt(K)) : 2e-2 * (1 + sqrt(K));
+                        double tol = mode == K_GEMM_F32 ? 1e-5 * (1 + sqrt(K)) : 2e-2 * (1 + sqrt(K));
                         if (fabs(got - cd) > tol) {
                             fprintf(stderr, "mode %d: %g vs %g at %d,%d (K %d)\n", (int)mode, got, cd, m, n, K);
                             ok = false;
@@ -103,7 +103,7 @@ TEST(tgemm_f32_scalar_simd_threads_agree) {
         if (!k_isa_available(isa)) continue;
         CHECK(k_set_isa(isa));
         bool same = true;
-        CHECKF(run_case(TG_F32, &same), "path %s", k_isa_name(isa));
+        CHECKF(run_case(K_GEMM_F32, &same), "path %s", k_isa_name(isa));
         CHECKF(same, "path %s differs from scalar", k_isa_name(isa));
         paths++;
     }
@@ -111,7 +111,7 @@ TEST(tgemm_f32_scalar_simd_threads_agree) {
     if (!paths) SKIP("no SIMD path on this CPU (the scalar reference is the only path)");
 }
 
-/* tg_gemm_sym (the upper triangle, copied down) against the full scalar
+/* k_gemm_sym (the upper triangle, copied down) against the full scalar
  * chain, on every path and at 1 and 2 threads, for X X^T and for S S with S
  * symmetric: the same bits, every element (a skipped tile that was needed, or
  * a copy in the wrong direction, shows as a mismatch). */
@@ -120,23 +120,23 @@ static bool sym_case(int M, int K, bool *same) {
     float *ref = xmalloc_array((size_t)M * M, sizeof(float)), *got = xmalloc_array((size_t)M * M, sizeof(float));
     for (size_t i = 0; i < (size_t)M * K; i++) x[i] = rnd();
     for (int form = 0; form < 2; form++) {
-        tg_view A = {x, K, 1}, B = {x, 1, K};
+        k_view A = {x, K, 1}, B = {x, 1, K};
         int k = K;
         if (form == 1) { /* S = X X^T from the scalar chain: symmetric exactly */
-            tg_set_scalar(true);
-            tg_gemm(s, M, M, M, K, A, B, false, TG_F32);
-            tg_set_scalar(false);
-            A = (tg_view){s, M, 1};
-            B = (tg_view){s, M, 1};
+            k_gemm_set_scalar(true);
+            k_gemm(s, M, M, M, K, A, B, false, K_GEMM_F32);
+            k_gemm_set_scalar(false);
+            A = (k_view){s, M, 1};
+            B = (k_view){s, M, 1};
             k = M;
         }
-        tg_set_scalar(true);
-        tg_gemm(ref, M, M, M, k, A, B, false, TG_F32);
-        tg_set_scalar(false);
+        k_gemm_set_scalar(true);
+        k_gemm(ref, M, M, M, k, A, B, false, K_GEMM_F32);
+        k_gemm_set_scalar(false);
         for (int th = 1; th <= 2; th++) {
             omp_set_num_threads(th);
             for (size_t i = 0; i < (size_t)M * M; i++) got[i] = NAN;
-            tg_gemm_sym(got, M, M, k, A, B, TG_F32);
+            k_gemm_sym(got, M, M, k, A, B, K_GEMM_F32);
             if (memcmp(got, ref, (size_t)M * M * sizeof(float))) *same = false;
         }
     }
@@ -166,11 +166,11 @@ TEST(tgemm_sym_equals_full_product) {
 }
 
 TEST(tgemm_bf16_scalar_equals_simd) {
-    if (!tg_bf16_available()) SKIP("no AVX512_BF16 (the emulation is the only path)");
+    if (!k_gemm_bf16_available()) SKIP("no AVX512_BF16 (the emulation is the only path)");
     bool same = true;
-    tg_set_amx(false); /* the vdpbf16ps tiles; AMX has its own test below */
-    CHECK(run_case(TG_BF16, &same));
-    tg_set_amx(true);
+    k_gemm_set_amx(false); /* the vdpbf16ps tiles; AMX has its own test below */
+    CHECK(run_case(K_GEMM_BF16, &same));
+    k_gemm_set_amx(true);
     CHECK(same);
 }
 
@@ -190,14 +190,14 @@ static bool amx_case(int M, int N, int K, int layout, bool acc) {
     for (size_t i = 0; i < nb; i++) b[i] = rnd() * (i % 7 == 0 ? 1e-3f : 1.0f);
     for (size_t i = 0; i < nc; i++) c0[i] = rnd();
     if (na > 5) a[5] = 1e-40f; /* denormal input reads as zero */
-    tg_view A, B;
+    k_view A, B;
     views(layout, a, b, M, N, K, &A, &B);
     memcpy(v1, c0, nc * sizeof(float));
     memcpy(v2, c0, nc * sizeof(float));
     omp_set_num_threads(1);
-    tg_gemm(v1, N, M, N, K, A, B, acc, TG_BF16);
+    k_gemm(v1, N, M, N, K, A, B, acc, K_GEMM_BF16);
     omp_set_num_threads(2);
-    tg_gemm(v2, N, M, N, K, A, B, acc, TG_BF16);
+    k_gemm(v2, N, M, N, K, A, B, acc, K_GEMM_BF16);
     bool ok = memcmp(v1, v2, nc * sizeof(float)) == 0;
     if (!ok) fprintf(stderr, "AMX %dx%dx%d layout %d: 1 and 2 threads differ\n", M, N, K, layout);
     double worst = 0.0;
@@ -224,7 +224,7 @@ static bool amx_case(int M, int N, int K, int layout, bool acc) {
 }
 
 TEST(tgemm_amx_matches_reference) {
-    if (!tg_amx_available()) SKIP("no AMX-BF16 (or the kernel refused tile data): the vdpbf16ps path runs");
+    if (!k_gemm_amx_available()) SKIP("no AMX-BF16 (or the kernel refused tile data): the vdpbf16ps path runs");
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
         for (int layout = 0; layout < 3; layout++)
             for (int acc = 0; acc < 2; acc++) CHECK(amx_case(shapes[s].M, shapes[s].N, shapes[s].K, layout, acc));
@@ -235,9 +235,9 @@ TEST(tgemm_amx_matches_reference) {
 /* BF16 mode really rounds its operands: 1 + 2^-10 is not a BF16 value. */
 TEST(tgemm_bf16_rounds_operands) {
     float a[2] = {1.0f + 0x1p-10f, 1.0f}, b[2] = {1.0f, 1.0f}, c[2];
-    tg_view A = {a, 1, 1}, B = {b, 1, 1};
-    tg_gemm(c, 1, 1, 1, 1, A, B, false, TG_F32);
+    k_view A = {a, 1, 1}, B = {b, 1, 1};
+    k_gemm(c, 1, 1, 1, 1, A, B, false, K_GEMM_F32);
     CHECK(c[0] == 1.0f + 0x1p-10f);
-    tg_gemm(c, 1, 1, 1, 1, A, B, false, TG_BF16);
+    k_gemm(c, 1, 1, 1, 1, A, B, false, K_GEMM_BF16);
     CHECK(c[0] == 1.0f);
 }

@@ -291,10 +291,10 @@ TEST(train_ten_steps_muon_match_torch) { ten_steps("muon"); }
 /* both BF16 paths where this CPU has both (AMX, then vdpbf16ps) */
 static void ten_steps_bf16(const char *mode) {
     ten_steps_mode(mode, true);
-    if (tg_amx_available()) {
-        tg_set_amx(false);
+    if (k_gemm_amx_available()) {
+        k_gemm_set_amx(false);
         ten_steps_mode(mode, true);
-        tg_set_amx(true);
+        k_gemm_set_amx(true);
     }
 }
 TEST(train_bf16_ten_steps_adamw_match_torch) { ten_steps_bf16("adamw"); }

@@ -17,9 +17,9 @@ the order of writing. Weight scales keep activations well-conditioned (see
 init_std below). Generation is numpy-vectorised: about 10-20 s per GB.
 
   gen_checkpoint.py OUT --preset tiny
-  gen_checkpoint.py OUT --preset issue7                       (~0.6 GB, hidden 1280, 11 layers,
+  gen_checkpoint.py OUT --preset mid                          (~0.6 GB, hidden 1280, 11 layers,
                                                                96 MXFP4 experts, top-8)
-  gen_checkpoint.py OUT --preset issue7 --target-bytes 2e9    (grows num_experts to ~2 GB)
+  gen_checkpoint.py OUT --preset mid --target-bytes 2e9       (grows num_experts to ~2 GB)
   gen_checkpoint.py OUT --preset tiny --set num_experts=16 --set attn_res_block_size=2
   gen_checkpoint.py OUT --config-json spec.json               (a flat dict of the keys below)
 """
@@ -51,8 +51,9 @@ PRESETS = {
         routed_scaling_factor=1.0, moe_renormalize=True, latent_moe_use_norm=True,
         first_k_dense_replace=1, moe_layer_freq=1, attn_res_block_size=3,
         activation_situ_beta=4.0, activation_situ_linear_beta=25.0, hidden_act="situ"),
-    # the shape of issue 7's benchmark: hidden 1280, 11 layers, 96 MXFP4 experts, top-8
-    "issue7": dict(
+    # a mid-sized K3, the shape the decode, prefill and streaming benchmarks run:
+    # hidden 1280, 11 layers, 96 MXFP4 experts, top-8 (627 MB)
+    "mid": dict(
         hidden_size=1280, num_hidden_layers=11, vocab_size=32000, rms_norm_eps=1e-5,
         num_heads=10, head_dim=128, short_conv_kernel_size=4, gate_lower_bound=-5.0,
         layer_map="KKKMKKKMKKM",

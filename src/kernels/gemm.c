@@ -19,40 +19,40 @@
 enum { MR = 12, NR = 32, KC = 256, MC = 96 };
 
 static bool g_scalar = false;
-void tg_set_scalar(bool on) { g_scalar = on; }
+void k_gemm_set_scalar(bool on) { g_scalar = on; }
 
-bool tg_bf16_available(void) { return k_cpu_bf16(); }
+bool k_gemm_bf16_available(void) { return k_cpu_bf16(); }
 
 static bool g_amx_allowed = true;
-void tg_set_amx(bool on) { g_amx_allowed = on; }
-bool tg_amx_available(void) { return g_amx_allowed && k_cpu_amx(); }
+void k_gemm_set_amx(bool on) { g_amx_allowed = on; }
+bool k_gemm_amx_available(void) { return g_amx_allowed && k_cpu_amx(); }
 
 /* Which tiles run (K3_ISA decides the path in force): AVX-512 tiles for both
  * modes (BF16 needs AVX512_BF16), AVX2+FMA tiles for F32; everything else is
  * the scalar reference. Every path gives the scalar reference's bits in F32. */
-static k_isa tile_isa(tg_mode mode) {
+static k_isa tile_isa(k_gemm_mode mode) {
     if (g_scalar) return K_ISA_SCALAR;
     k_isa a = k_isa_active();
-    if (a == K_ISA_AVX512 && (mode == TG_F32 || tg_bf16_available())) return K_ISA_AVX512;
-    if (a == K_ISA_AVX2 && mode == TG_F32) return K_ISA_AVX2;
+    if (a == K_ISA_AVX512 && (mode == K_GEMM_F32 || k_gemm_bf16_available())) return K_ISA_AVX512;
+    if (a == K_ISA_AVX2 && mode == K_GEMM_F32) return K_ISA_AVX2;
     return K_ISA_SCALAR;
 }
 
 /* Not tile_isa: a test that forces the scalar reference does not change
  * what the CPU and the path in force can run. */
-bool tg_bf16_fast(void) { return k_isa_active() == K_ISA_AVX512 && tg_bf16_available(); }
+bool k_gemm_bf16_fast(void) { return k_isa_active() == K_ISA_AVX512 && k_gemm_bf16_available(); }
 
 void k3_train_gemm_describe(char *buf, size_t n) {
     static const char *const f32[] = {"the scalar reference", "AVX2+FMA tiles (the scalar reference's bits)",
                                       "AVX-512 tiles (the scalar reference's bits)"};
-    k_isa a = tile_isa(TG_F32);
-    const char *bf = tg_amx_available() ? "AMX-BF16 tiles" : "AVX512_BF16 (vdpbf16ps) tiles";
-    if (!tg_bf16_fast()) /* only the scalar emulation could run it: k3 train refuses */
+    k_isa a = tile_isa(K_GEMM_F32);
+    const char *bf = k_gemm_amx_available() ? "AMX-BF16 tiles" : "AVX512_BF16 (vdpbf16ps) tiles";
+    if (!k_gemm_bf16_fast()) /* only the scalar emulation could run it: k3 train refuses */
         snprintf(buf, n, "F32 on %s; --bf16 refused (no AVX512_BF16 on this path)", f32[a < 3 ? a : 0]);
     else snprintf(buf, n, "F32 on %s, --bf16 on %s", f32[a < 3 ? a : 0], bf);
 }
 
-static inline float at(tg_view v, ptrdiff_t i, ptrdiff_t j) { return v.p[i * v.rs + j * v.cs]; }
+static inline float at(k_view v, ptrdiff_t i, ptrdiff_t j) { return v.p[i * v.rs + j * v.cs]; }
 
 /* ---- BF16 helpers (shared by both paths, so the rounding is one function) ---- */
 
@@ -67,13 +67,13 @@ static inline float bf(uint16_t h) { return k3_bf16_to_f32(h); }
 
 /* ---- scalar reference ------------------------------------------------------------ */
 
-static void gemm_scalar(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc,
-                        tg_mode mode, bool upper) {
+static void gemm_scalar(float *C, ptrdiff_t ldc, int M, int N, int K, k_view A, k_view B, bool acc,
+                        k_gemm_mode mode, bool upper) {
 #pragma omp parallel for schedule(static) if ((double)M * N * K > 1e5)
     for (int m = 0; m < M; m++)
         for (int n = upper ? m : 0; n < N; n++) {
             float c = acc ? C[m * ldc + n] : 0.0f;
-            if (mode == TG_F32) {
+            if (mode == K_GEMM_F32) {
                 for (int k = 0; k < K; k++) c = fmaf(at(A, m, k), at(B, k, n), c);
             } else {
                 c = ftz(c);
@@ -138,7 +138,7 @@ __attribute__((target("avx2"))) static void transpose_rows(float *d, int ldd, co
 }
 
 /* F32: panel p holds B(k, p*NR + j) at [k][j]; pairs: [k/2][j][2] as BF16. */
-static void pack_b_f32(float *Bp, tg_view B, int K, int N, int p) {
+static void pack_b_f32(float *Bp, k_view B, int K, int N, int p) {
     float *d = Bp + (size_t)p * K * NR;
     int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
     if (B.rs == 1 && B.cs != 1) { /* W^T viewed: row j of W is column j of B, along k */
@@ -157,7 +157,7 @@ static void pack_b_f32(float *Bp, tg_view B, int K, int N, int p) {
     }
 }
 
-static void pack_b_bf16(uint16_t *Bp, tg_view B, int K, int N, int p) {
+static void pack_b_bf16(uint16_t *Bp, k_view B, int K, int N, int p) {
     int K2 = (K + 1) / 2;
     uint16_t *d = Bp + (size_t)p * K2 * NR * 2;
     int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
@@ -167,7 +167,7 @@ static void pack_b_bf16(uint16_t *Bp, tg_view B, int K, int N, int p) {
 }
 
 /* A rows m0..m0+rows, k0..k0+kc into micro-panels [rows/MR][kc][MR]. */
-static void pack_a_f32(float *Ap, tg_view A, int m0, int rows, int k0, int kc) {
+static void pack_a_f32(float *Ap, k_view A, int m0, int rows, int k0, int kc) {
     for (int t = 0; t < rows; t += MR) {
         float *d = Ap + (size_t)t * kc;
         int h = rows - t < MR ? rows - t : MR;
@@ -194,7 +194,7 @@ static void pack_a_f32(float *Ap, tg_view A, int m0, int rows, int k0, int kc) {
 }
 
 /* kc even except possibly at the end of K (then padded with a zero). */
-static void pack_a_bf16(uint32_t *Ap, tg_view A, int m0, int rows, int k0, int kc, int K) {
+static void pack_a_bf16(uint32_t *Ap, k_view A, int m0, int rows, int k0, int kc, int K) {
     int kc2 = (kc + 1) / 2;
     for (int t = 0; t < rows; t += MR) {
         uint32_t *d = Ap + (size_t)t * kc2;
@@ -231,7 +231,7 @@ TGTBF static inline __m512i pair16(__m256i lo, __m256i hi) {
 
 /* Vector packers for the layouts the training products use; other strides
  * take the scalar packers (same conversion, same bits). */
-TGTBF static bool pack_b_bf16_v(uint16_t *Bp, tg_view B, int K, int N, int p) {
+TGTBF static bool pack_b_bf16_v(uint16_t *Bp, k_view B, int K, int N, int p) {
     int K2 = (K + 1) / 2;
     uint32_t *d = (uint32_t *)(Bp + (size_t)p * K2 * NR * 2);
     int n0 = p * NR, w = N - n0 < NR ? N - n0 : NR;
@@ -268,7 +268,7 @@ TGTBF static bool pack_b_bf16_v(uint16_t *Bp, tg_view B, int K, int N, int p) {
     return false;
 }
 
-TGTBF static bool pack_a_bf16_v(uint32_t *Ap, tg_view A, int m0, int rows, int k0, int kc, int K) {
+TGTBF static bool pack_a_bf16_v(uint32_t *Ap, k_view A, int m0, int rows, int k0, int kc, int K) {
     int kc2 = (kc + 1) / 2;
     if (A.cs == 1) {
         for (int t = 0; t < rows; t += MR) {
@@ -433,7 +433,7 @@ TGT2 static void tile_f32_avx2(float *C, ptrdiff_t ldc, int h, int w, const floa
 
 /* upper: only the elements on or above the diagonal are needed (tiles wholly
  * below it are skipped; the elements computed are computed as always). */
-static void gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc, tg_mode mode,
+static void gemm(float *C, ptrdiff_t ldc, int M, int N, int K, k_view A, k_view B, bool acc, k_gemm_mode mode,
                  bool upper) {
     if (M <= 0 || N <= 0) return;
     if (K <= 0) {
@@ -447,8 +447,8 @@ static void gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_vie
 #else
     bool simd = false;
 #endif
-    if (simd && mode == TG_BF16 && tg_amx_available()) {
-        tg_gemm_amx(C, ldc, M, N, K, A, B, acc);
+    if (simd && mode == K_GEMM_BF16 && k_gemm_amx_available()) {
+        k_gemm_amx(C, ldc, M, N, K, A, B, acc);
         return;
     }
     if (!simd) {
@@ -457,7 +457,7 @@ static void gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_vie
     }
 #if defined(__x86_64__)
     const int np = (N + NR - 1) / NR, K2 = (K + 1) / 2;
-    const bool bfm = mode == TG_BF16;
+    const bool bfm = mode == K_GEMM_BF16;
     const size_t bsz = bfm ? (size_t)np * K2 * NR * 2 * sizeof(uint16_t) : (size_t)np * K * NR * sizeof(float);
     void *Bp = xmalloc_aligned(bsz);
     const double work = (double)M * N * K;
@@ -512,7 +512,7 @@ static void gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_vie
 #endif
 }
 
-void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc, tg_mode mode) {
+void k_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, k_view A, k_view B, bool acc, k_gemm_mode mode) {
     gemm(C, ldc, M, N, K, A, B, acc, mode, false);
 }
 
@@ -522,9 +522,9 @@ void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B,
  * and copying it down gives exactly the full product's bits. The BF16 modes
  * make no such promise (AMX accumulates in its own order), so they compute
  * every element. */
-void tg_gemm_sym(float *C, ptrdiff_t ldc, int M, int K, tg_view A, tg_view B, tg_mode mode) {
-    if (mode != TG_F32) {
-        tg_gemm(C, ldc, M, M, K, A, B, false, mode);
+void k_gemm_sym(float *C, ptrdiff_t ldc, int M, int K, k_view A, k_view B, k_gemm_mode mode) {
+    if (mode != K_GEMM_F32) {
+        k_gemm(C, ldc, M, M, K, A, B, false, mode);
         return;
     }
     gemm(C, ldc, M, M, K, A, B, false, mode, true);

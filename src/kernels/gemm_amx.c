@@ -182,7 +182,7 @@ TGA static void block32(float *C, ptrdiff_t ldcb, const uint16_t *a0, const uint
  * a parallel loop, and a fresh allocation per call cost page faults (about 6%
  * of a smol-50m step). */
 
-TGA void tg_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc) {
+TGA void k_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, k_view A, k_view B, bool acc) {
     const int mb = (M + 31) / 32, nb = (N + 31) / 32, kb = (K + 31) / 32;
     const size_t asz = (size_t)mb * 2 * kb * 512, bsz = (size_t)nb * 2 * kb * 512; /* in bf16 */
     const bool nested = omp_in_parallel();
@@ -235,7 +235,7 @@ TGA void tg_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg
 }
 
 #else
-void tg_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc) {
+void k_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, k_view A, k_view B, bool acc) {
     (void)C; (void)ldc; (void)M; (void)N; (void)K; (void)A; (void)B; (void)acc;
 }
 #endif

@@ -90,9 +90,9 @@ void k_avx512_set_panel(bool on);
 #if defined(__aarch64__)
 extern const k_vops k_neon_ops;
 #endif
-/* The BF16 training product on AMX tiles (gemm_amx.c), called by tg_gemm
- * only when tg_amx_available(); it calls nothing of gemm.c. */
-void tg_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc);
+/* The BF16 training product on AMX tiles (gemm_amx.c), called by k_gemm
+ * only when k_gemm_amx_available(); it calls nothing of gemm.c. */
+void k_gemm_amx(float *C, ptrdiff_t ldc, int M, int N, int K, k_view A, k_view B, bool acc);
 
 /* The table in force (kernels.c: K3_ISA or the best path the CPU has), with
  * every slot filled. Compare k_isa_active(), never table addresses. */

@@ -364,28 +364,28 @@ void k_router_select(const float *logits, const float *bias, int n, int k, bool 
 typedef struct {
     const float *p;
     ptrdiff_t rs, cs; /* row and column strides in floats */
-} tg_view;
+} k_view;
 
-typedef enum { TG_F32 = 0, TG_BF16 = 1 } tg_mode;
+typedef enum { K_GEMM_F32 = 0, K_GEMM_BF16 = 1 } k_gemm_mode;
 
-void tg_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, tg_view A, tg_view B, bool acc, tg_mode mode);
+void k_gemm(float *C, ptrdiff_t ldc, int M, int N, int K, k_view A, k_view B, bool acc, k_gemm_mode mode);
 /* C [M][M] = A [M][K] B [K][M] where the caller knows the product is
- * symmetric (X X^T, or S S with S symmetric): the same bits as tg_gemm, for
+ * symmetric (X X^T, or S S with S symmetric): the same bits as k_gemm, for
  * about half the work in F32 (the upper triangle, copied down). */
-void tg_gemm_sym(float *C, ptrdiff_t ldc, int M, int K, tg_view A, tg_view B, tg_mode mode);
+void k_gemm_sym(float *C, ptrdiff_t ldc, int M, int K, k_view A, k_view B, k_gemm_mode mode);
 
 /* Force the scalar reference (tests compare it with the vector path). */
-void tg_set_scalar(bool on);
-bool tg_bf16_available(void); /* the CPU has AVX512_BF16 (k_cpu_bf16) */
-bool tg_amx_available(void);  /* AMX-BF16 usable (k_cpu_amx) and not switched off */
+void k_gemm_set_scalar(bool on);
+bool k_gemm_bf16_available(void); /* the CPU has AVX512_BF16 (k_cpu_bf16) */
+bool k_gemm_amx_available(void);   /* AMX-BF16 usable (k_cpu_amx) and not switched off */
 /* The BF16 products have fast tiles (vdpbf16ps or AMX) on the path in force:
  * the AVX-512 path with AVX512_BF16. Elsewhere only the bit-exact scalar
  * emulation could run them, ~100x slower than F32, so callers refuse or
  * skip the BF16 mode instead. */
-bool tg_bf16_fast(void);
+bool k_gemm_bf16_fast(void);
 /* One line on the training products this CPU runs (K3_ISA respected): which
  * tiles the F32 and the --bf16 products use. For k3 doctor. */
 void k3_train_gemm_describe(char *buf, size_t n);
-void tg_set_amx(bool on);     /* tests: allow (default) or forbid the AMX path */
+void k_gemm_set_amx(bool on);      /* tests: allow (default) or forbid the AMX path */
 
 #endif

@@ -177,7 +177,7 @@ typedef struct k3_mla_rec k3_mla_rec; /* model/records.h */
 typedef struct {
     /* Y = X W^T for each job (independent jobs): the canonical dots of
      * k_products (inference) or the training GEMM's one fma chain per element
-     * (src/train/tops.c t_products) */
+     * (src/train/tops.c t_fwd_ops) */
     void (*products)(const k_prod *jobs, int njobs);
     /* training's rounding of two elementwise steps: SiLU as x * sigmoid(x)
      * (inference: x / (1 + e^-x)) and the KDA q/k L2 norm as a times-1/norm

@@ -5,7 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "train/train.h"
+#include "train/tinternal.h"
 
 int tplot_loss_svg(const char *path, const int64_t *hs, const double *hl, size_t nh, const int64_t *he,
                    const double *hv, size_t ne, k3_err *err) {
@@ -60,3 +60,34 @@ int tplot_loss_svg(const char *path, const int64_t *hs, const double *hl, size_t
     return rc;
 }
 
+/* ---- the run's history ------------------------------------------------------------- */
+
+/* The losses loss.svg shows, kept by the run as they come (and rebuilt from
+ * metrics.jsonl on --resume); only the writer draws. */
+int tplot_write_svg(trun *r, k3_err *err) {
+    if (!r->writer) return K3_OK;
+    char *p = trun_path(r, "loss.svg");
+    int rc = tplot_loss_svg(p, r->hs, r->hl, r->nh, r->he, r->hv, r->ne, err);
+    free(p);
+    return rc;
+}
+
+void tplot_add_train(trun *r, int64_t step, double loss) {
+    if (r->nh == r->caph) {
+        r->caph = r->caph ? r->caph * 2 : 1024;
+        r->hs = xrealloc_array(r->hs, r->caph, sizeof(int64_t));
+        r->hl = xrealloc_array(r->hl, r->caph, sizeof(double));
+    }
+    r->hs[r->nh] = step;
+    r->hl[r->nh++] = loss;
+}
+
+void tplot_add_eval(trun *r, int64_t step, double loss) {
+    if (r->ne == r->cape) {
+        r->cape = r->cape ? r->cape * 2 : 256;
+        r->he = xrealloc_array(r->he, r->cape, sizeof(int64_t));
+        r->hv = xrealloc_array(r->hv, r->cape, sizeof(double));
+    }
+    r->he[r->ne] = step;
+    r->hv[r->ne++] = loss;
+}

@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "train/tinternal.h"
-#include "kernels/kernels.h" /* tg_gemm, K3_HOT */
+#include "kernels/kernels.h" /* k_gemm, K3_HOT */
 
 void topt_defaults(topt_cfg *c) {
     memset(c, 0, sizeof *c);
@@ -63,27 +63,27 @@ double topt_lr(const topt_cfg *c, int64_t step) {
 
 /* C[r][c] = A[r][k] B[k][c] and C = A A^T (A [r][c], C [r][r]) with the
  * training GEMM (one fma chain per element; X X^T and A A are exactly
- * symmetric since fma(a, b, c) == fma(b, a, c), so tg_gemm_sym computes
+ * symmetric since fma(a, b, c) == fma(b, a, c), so k_gemm_sym computes
  * half of each). Called inside the parallel loop over Muon blocks, so each
  * runs on one thread. In the BF16 training mode (--bf16) the
  * Newton-Schulz products take BF16 operands too, as Muon's reference
  * implementation does (its iteration is made to tolerate that precision):
  * on AMX this is most of the optimiser's time saved. */
-static void mm(float *C, const float *A, const float *B, int r, int k, int c) {
-    tg_gemm(C, c, r, c, k, (tg_view){A, k, 1}, (tg_view){B, c, 1}, false, t_bf16() ? TG_BF16 : TG_F32);
+static void mm(float *C, const float *A, const float *B, int r, int k, int c, k_gemm_mode mode) {
+    k_gemm(C, c, r, c, k, (k_view){A, k, 1}, (k_view){B, c, 1}, false, mode);
 }
 
-static void aat(float *C, const float *A, int r, int c) {
-    tg_gemm_sym(C, r, r, c, (tg_view){A, c, 1}, (tg_view){A, 1, c}, t_bf16() ? TG_BF16 : TG_F32);
+static void aat(float *C, const float *A, int r, int c, k_gemm_mode mode) {
+    k_gemm_sym(C, r, r, c, (k_view){A, c, 1}, (k_view){A, 1, c}, mode);
 }
 
 /* C = S S for a symmetric S [r][r] (A = X X^T above): symmetric as well. */
-static void sq(float *C, const float *S, int r) {
-    tg_gemm_sym(C, r, r, r, (tg_view){S, r, 1}, (tg_view){S, r, 1}, t_bf16() ? TG_BF16 : TG_F32);
+static void sq(float *C, const float *S, int r, k_gemm_mode mode) {
+    k_gemm_sym(C, r, r, r, (k_view){S, r, 1}, (k_view){S, r, 1}, mode);
 }
 
 /* In place: G [rows][cols] -> its Newton-Schulz orthogonalisation. */
-static void newton_schulz(float *G, int rows, int cols) {
+static void newton_schulz(float *G, int rows, int cols, k_gemm_mode mode) {
     const float a = 3.4445f, b = -4.7750f, c = 2.0315f;
     bool tr = rows > cols;
     int r = tr ? cols : rows, n = tr ? rows : cols; /* X is [r][n], r <= n */
@@ -100,10 +100,10 @@ static void newton_schulz(float *G, int rows, int cols) {
     float *A2 = xmalloc_array((size_t)r * r, sizeof(float));
     float *BX = xmalloc_array((size_t)r * n, sizeof(float));
     for (int it = 0; it < 5; it++) {
-        aat(A, X, r, n);
-        sq(A2, A, r);
+        aat(A, X, r, n, mode);
+        sq(A2, A, r, mode);
         for (size_t i = 0; i < (size_t)r * r; i++) A2[i] = b * A[i] + c * A2[i]; /* B = bA + cA^2 */
-        mm(BX, A2, X, r, r, n);
+        mm(BX, A2, X, r, r, n, mode);
         for (size_t i = 0; i < (size_t)r * n; i++) X[i] = a * X[i] + BX[i];
     }
     for (int i = 0; i < rows; i++)
@@ -123,7 +123,6 @@ K3_HOT double topt_step(topt *o, tmodel *m, double *lr_out) {
     const topt_cfg *c = &o->c;
     double lr = topt_lr(c, o->step);
     o->step++;
-    t_set_bf16(m->bf16); /* Newton-Schulz follows the model's product mode */
     if (lr_out) *lr_out = lr;
     /* global gradient norm, per parameter in parallel, summed in order */
     double *ss = xcalloc((size_t)m->np, sizeof(double));
@@ -191,7 +190,7 @@ K3_HOT double topt_step(topt *o, tmodel *m, double *lr_out) {
         int cols = (int)(p->numel / (size_t)p->shape[0]);
         size_t o0 = p->off + (size_t)bl[k].row0 * cols, n = (size_t)bl[k].rows * cols;
         float *u = o->m2 + o0, *w = m->w + o0;
-        newton_schulz(u, bl[k].rows, cols);
+        newton_schulz(u, bl[k].rows, cols, tm_gemm_mode(m)); /* the model's product mode */
         float sc = 0.2f * sqrtf((float)(bl[k].rows > cols ? bl[k].rows : cols));
         bool wd = p->group != TG_ADAMW_ND;
         for (size_t j = 0; j < n; j++) {

@@ -1,8 +1,14 @@
-/* tinternal.h: structures shared by the training model's files (train.c,
- * tkda.c, tmla.c, tmoe.c). Not a public header. */
+/* tinternal.h: structures shared by the training module's files: the
+ * model's (train.c, tkda.c, tmla.c, tmoe.c, optim.c, ckpt.c) and the run's
+ * (trainer.c the loop, rundir.c its directory's files, lossplot.c loss.svg).
+ * Not a public header. */
 #ifndef K3_TRAIN_TINTERNAL_H
 #define K3_TRAIN_TINTERNAL_H
 
+#include <jansson.h>
+
+#include "tokenizer/tokenizer.h"
+#include "train/data.h"
 #include "train/train.h"
 #include "train/tops.h"
 
@@ -60,6 +66,10 @@ struct tm_acts {
 static inline int tm_src_attn(int l, int S) { return l ? (l + S - 1) / S + 1 : 0; }
 static inline int tm_src_mlp(int l, int S) { return l / S + 2; }
 
+/* The mode of every training GEMM of m (linear layers, BF16 attention,
+ * Newton-Schulz): m->bf16 is the one place it is set. */
+static inline k_gemm_mode tm_gemm_mode(const tmodel *m) { return m->bf16 ? K_GEMM_BF16 : K_GEMM_F32; }
+
 /* The KDA form the kernels are asked for: 0 (recurrent) or tmodel.kda_chunk,
  * at most TM_MAX_KDA_CHUNK (tkda.c). */
 int tm_kda_chunk(const tmodel *m);
@@ -96,5 +106,79 @@ void moe_free(moe_acts *a);
 void moe_account(tmodel *m, const tm_layer *ly, const moe_acts *a, int N);
 void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, const float *dout,
                   float *dx, int N, float *scratch);
+
+/* ---- the training run --------------------------------------------------------------- */
+
+/* One `k3 train` run: its settings, model, optimiser, data and the state of
+ * its directory (k3_train_run owns it). */
+typedef struct {
+    ttrain_opts o;
+    char *config_text;
+    k3_config cfg;
+    tmodel m;
+    topt opt;
+    k3_shard train, val;
+    k3_tokenizer *tok;   /* the data directory's tokenizer: bytes per token, sample text */
+    int eot;             /* <|endoftext|>: samples start from it and stop at it (-1: none) */
+    int B, T, A;
+    int64_t start, end, total;
+    uint64_t seed;
+    double best_loss;
+    int64_t best_step, ckpt_step;
+    char *train_json;
+    char *init_from;     /* the checkpoint --init started this run from, and its step (provenance) */
+    int64_t init_step;
+    char *init_data;     /* the data directory that checkpoint was trained on (its tokenizer) */
+    int metrics_fd, samples_fd;
+    double started;
+    json_t *latest, *latest_eval;
+    /* history for loss.svg */
+    int64_t *hs, *he;
+    double *hl, *hv;
+    size_t nh, ne, caph, cape;
+    const char *phase;
+    bool resumed;
+    int64_t resumed_from;
+    int64_t *step_load;
+    int64_t val_windows;
+    /* data parallel (several ranks under mpirun): this rank computes units
+     * (micro-batches) [u0, u0 + k) of every step; only the writer (rank 0)
+     * writes the run directory. gunit: the units' gradients after the first
+     * (rank 0: one scratch for its running fold); qb_all: every rank's
+     * Quantile Balancing margins of a step, in unit order. */
+    int ranks, me, k, u0;
+    bool writer;
+    float **gunit;
+    int ngunit;
+    double *uloss;
+    float *qb_all;
+    bool stop;     /* the stop request as agreed after the last step (g_stop may change any time) */
+} trun;
+
+/* rundir.c: the run directory (docs/run-dir.md). trun_write_state and
+ * tplot_write_svg do nothing on a rank that is not the writer; the trainer
+ * calls the other writers on the writer alone. */
+double trun_wall(void);                                  /* Unix time of a record */
+char *trun_path(const trun *r, const char *name);        /* NAME in the output directory */
+json_t *trun_jnum(double v);                             /* a number, null if not finite */
+/* Appends one record as a single write. */
+int trun_append_line(int fd, json_t *rec, const char *what, k3_err *err);
+/* s[0..n) with every sequence that is not valid UTF-8 replaced by U+FFFD. */
+char *trun_utf8_clean(const uint8_t *s, size_t n);
+int trun_write_state(trun *r, const char *status, const char *error, k3_err *err);
+/* Removes the k3-sample-PID-* folders of dead processes in tdir. */
+void trun_remove_stale_samples(const char *tdir);
+/* Fills what the run has not set (0) from a checkpoint's train_json; -1 if
+ * it is not JSON. */
+int trun_parse_train_json(trun *r, const char *text);
+char *trun_make_train_json(const trun *r);
+/* Creates the directory (a fresh run refuses one that holds a run), starts
+ * or trims the .jsonl files, opens them for appending (the writer only). */
+int trun_open_dir(trun *r, k3_err *err);
+
+/* lossplot.c: the loss history and loss.svg */
+void tplot_add_train(trun *r, int64_t step, double loss);
+void tplot_add_eval(trun *r, int64_t step, double loss);
+int tplot_write_svg(trun *r, k3_err *err);
 
 #endif

@@ -170,8 +170,8 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
     float *dbeta = dgl + NP, *dfa = dbeta + (size_t)N * H;
     float *dcv = dfa + (size_t)N * D, *dpre = dcv + 3 * NP;
     /* out = o_proj y, y = rmsnorm_h(o) * gate */
-    t_linear_dw(g + kw->o_proj, dout, a->y, N, P, E);
-    t_linear_dx(dy, dout, w + kw->o_proj, N, P, E, false);
+    t_linear_dw(g + kw->o_proj, dout, a->y, N, P, E, tm_gemm_mode(m));
+    t_linear_dx(dy, dout, w + kw->o_proj, N, P, E, false, tm_gemm_mode(m));
     const float *gain = w + kw->o_norm;
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++)
@@ -183,8 +183,8 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
             don[ix] = dy[ix] * s;
         }
     t_rmsnorm_bwd(dof, g + kw->o_norm, don, a->o, a->ro, gain, N * H, D, false);
-    t_linear_dw(g + kw->g_proj, dgp, x, N, E, P);
-    t_linear_dx(dx, dgp, w + kw->g_proj, N, E, P, false);
+    t_linear_dw(g + kw->g_proj, dgp, x, N, E, P, tm_gemm_mode(m));
+    t_linear_dx(dx, dgp, w + kw->g_proj, N, E, P, false, tm_gemm_mode(m));
     /* the recurrence, chunk by chunk from the end: BPTT (recurrent) or the
      * chunkwise backward */
     const int CK = ck_len(m), nc = nck_of(T, CK);
@@ -264,14 +264,14 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
         for (int i = 0; i < P; i++) gdt[i] += acc[i];
         free(acc);
     }
-    t_linear_dw(g + kw->f_b, dgl, a->fa, N, D, P);
-    t_linear_dx(dfa, dgl, w + kw->f_b, N, D, P, false);
-    t_linear_dw(g + kw->f_a, dfa, x, N, E, D);
-    t_linear_dx(dx, dfa, w + kw->f_a, N, E, D, true);
+    t_linear_dw(g + kw->f_b, dgl, a->fa, N, D, P, tm_gemm_mode(m));
+    t_linear_dx(dfa, dgl, w + kw->f_b, N, D, P, false, tm_gemm_mode(m));
+    t_linear_dw(g + kw->f_a, dfa, x, N, E, D, tm_gemm_mode(m));
+    t_linear_dx(dx, dfa, w + kw->f_a, N, E, D, true, tm_gemm_mode(m));
     /* beta = sigmoid(b_proj x) */
     for (size_t i = 0; i < (size_t)N * H; i++) dbeta[i] *= a->beta[i] * (1.0f - a->beta[i]);
-    t_linear_dw(g + kw->b_proj, dbeta, x, N, E, H);
-    t_linear_dx(dx, dbeta, w + kw->b_proj, N, E, H, true);
+    t_linear_dw(g + kw->b_proj, dbeta, x, N, E, H, tm_gemm_mode(m));
+    t_linear_dx(dx, dbeta, w + kw->b_proj, N, E, H, true, tm_gemm_mode(m));
     /* L2 norms of q, k, then SiLU: into dcv [N][3P] (the record's cv and pre
      * are three [N][P] planes, q, k, v) */
 #pragma omp parallel for schedule(static)
@@ -338,6 +338,6 @@ K3_HOT void kda_backward(tmodel *m, const tm_layer *ly, kda_acts *a, const float
             for (int j = 0; j < K; j++) gcw[(size_t)(c0 + c) * K + j] += acc[(size_t)j * CB + c];
         free(acc);
     }
-    t_linear_dw(g + kw->qkv, dpre, x, N, E, P3);
-    t_linear_dx(dx, dpre, w + kw->qkv, N, E, P3, true);
+    t_linear_dw(g + kw->qkv, dpre, x, N, E, P3, tm_gemm_mode(m));
+    t_linear_dx(dx, dpre, w + kw->qkv, N, E, P3, true, tm_gemm_mode(m));
 }

@@ -63,10 +63,10 @@ static void attn_fwd_bf16(const k3_config *c, mla_acts *a, int B, int T) {
         float *P = a->pr + (size_t)bh * T * T;
         const float *q0 = a->q + (size_t)b * T * H * dq + (size_t)h * dq;
         const float *kv0 = a->kv + (size_t)b * T * H * dkv + (size_t)h * dkv;
-        tg_gemm(P, T, T, T, dn, (tg_view){q0, H * dq, 1}, (tg_view){kv0, 1, H * dkv}, false, TG_BF16);
+        k_gemm(P, T, T, T, dn, (k_view){q0, H * dq, 1}, (k_view){kv0, 1, H * dkv}, false, K_GEMM_BF16);
         if (dr)
-            tg_gemm(P, T, T, T, dr, (tg_view){q0 + dn, H * dq, 1},
-                    (tg_view){a->ckv + (size_t)b * T * (rkv + dr) + rkv, 1, rkv + dr}, true, TG_BF16);
+            k_gemm(P, T, T, T, dr, (k_view){q0 + dn, H * dq, 1},
+                    (k_view){a->ckv + (size_t)b * T * (rkv + dr) + rkv, 1, rkv + dr}, true, K_GEMM_BF16);
         for (int t = 0; t < T; t++) {
             float *pr = P + (size_t)t * T, mx = -INFINITY;
             for (int s = 0; s <= t; s++) {
@@ -75,8 +75,8 @@ static void attn_fwd_bf16(const k3_config *c, mla_acts *a, int B, int T) {
             }
             k3_causal_softmax_row(pr, t, T, mx);
         }
-        tg_gemm(a->o + (size_t)b * T * HV + (size_t)h * dv, HV, T, dv, T, (tg_view){P, T, 1},
-                (tg_view){kv0 + dn, H * dkv, 1}, false, TG_BF16);
+        k_gemm(a->o + (size_t)b * T * HV + (size_t)h * dv, HV, T, dv, T, (k_view){P, T, 1},
+                (k_view){kv0 + dn, H * dkv, 1}, false, K_GEMM_BF16);
     }
 }
 
@@ -101,7 +101,7 @@ static void attn_bwd_bf16(const tmodel *m, const mla_acts *a, const float *dO, f
             float *dkv0 = dKV + (size_t)b * T * H * dkv + (size_t)h * dkv;
             float *dq0 = dQ + (size_t)b * T * H * dq + (size_t)h * dq;
             /* dP = dO V^T, then dS in place */
-            tg_gemm(dS, T, T, T, dv, (tg_view){do0, HV, 1}, (tg_view){kv0 + dn, 1, H * dkv}, false, TG_BF16);
+            k_gemm(dS, T, T, T, dv, (k_view){do0, HV, 1}, (k_view){kv0 + dn, 1, H * dkv}, false, K_GEMM_BF16);
             for (int t = 0; t < T; t++) {
                 const float *pr = P + (size_t)t * T;
                 float *ds = dS + (size_t)t * T, mix = 0.0f;
@@ -109,24 +109,21 @@ static void attn_bwd_bf16(const tmodel *m, const mla_acts *a, const float *dO, f
                 for (int s = 0; s <= t; s++) ds[s] = pr[s] * (ds[s] - mix) * scale;
                 for (int s = t + 1; s < T; s++) ds[s] = 0.0f;
             }
-            tg_gemm(dq0, H * dq, T, dn, T, (tg_view){dS, T, 1}, (tg_view){kv0, H * dkv, 1}, false, TG_BF16);
-            tg_gemm(dkv0, H * dkv, T, dn, T, (tg_view){dS, 1, T}, (tg_view){q0, H * dq, 1}, false, TG_BF16);
-            tg_gemm(dkv0 + dn, H * dkv, T, dv, T, (tg_view){P, 1, T}, (tg_view){do0, HV, 1}, false, TG_BF16);
+            k_gemm(dq0, H * dq, T, dn, T, (k_view){dS, T, 1}, (k_view){kv0, H * dkv, 1}, false, K_GEMM_BF16);
+            k_gemm(dkv0, H * dkv, T, dn, T, (k_view){dS, 1, T}, (k_view){q0, H * dq, 1}, false, K_GEMM_BF16);
+            k_gemm(dkv0 + dn, H * dkv, T, dv, T, (k_view){P, 1, T}, (k_view){do0, HV, 1}, false, K_GEMM_BF16);
             if (dr) {
-                tg_gemm(dq0 + dn, H * dq, T, dr, T, (tg_view){dS, T, 1}, (tg_view){kr0, rkv + dr, 1}, false,
-                        TG_BF16);
-                tg_gemm(dkrh + (size_t)b * T * H * dr + (size_t)h * dr, H * dr, T, dr, T, (tg_view){dS, 1, T},
-                        (tg_view){q0 + dn, H * dq, 1}, false, TG_BF16);
+                k_gemm(dq0 + dn, H * dq, T, dr, T, (k_view){dS, T, 1}, (k_view){kr0, rkv + dr, 1}, false,
+                        K_GEMM_BF16);
+                k_gemm(dkrh + (size_t)b * T * H * dr + (size_t)h * dr, H * dr, T, dr, T, (k_view){dS, 1, T},
+                        (k_view){q0 + dn, H * dq, 1}, false, K_GEMM_BF16);
             }
         }
         free(dS);
     }
 }
 
-void t_mla_attend(const k3_config *c, k3_mla_rec *r, int nseq, int T) {
-    if (t_bf16()) attn_fwd_bf16(c, r, nseq, T);
-    else k3_mla_attend_expanded(c, r, nseq, T);
-}
+void t_mla_attend_bf16(const k3_config *c, k3_mla_rec *r, int nseq, int T) { attn_fwd_bf16(c, r, nseq, T); }
 
 K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, const float *dout,
                   float *dx, int B, int T, float *scratch) {
@@ -141,15 +138,15 @@ K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float
     float *dQ = dO + (size_t)N * HV, *dKV = dQ + (size_t)N * H * dq, *dkrh = dKV + (size_t)N * H * dkv;
     float *dckvn = dkrh + (size_t)N * H * dr, *dclat = dckvn + (size_t)N * rkv;
     float *dckv = dclat + (size_t)N * rkv, *dcq = dckv + (size_t)N * (rkv + dr), *dcqp = dcq + (size_t)N * rq;
-    t_linear_dw(g + mw->o_proj, dout, a->y, N, HV, E);
-    t_linear_dx(dy, dout, w + mw->o_proj, N, HV, E, false);
+    t_linear_dw(g + mw->o_proj, dout, a->y, N, HV, E, tm_gemm_mode(m));
+    t_linear_dx(dy, dout, w + mw->o_proj, N, HV, E, false, tm_gemm_mode(m));
     for (size_t i = 0; i < (size_t)N * HV; i++) {
         float s = a->gate[i];
         dgp[i] = dy[i] * a->o[i] * s * (1.0f - s);
         dO[i] = dy[i] * s;
     }
-    t_linear_dw(g + mw->g_proj, dgp, x, N, E, HV);
-    t_linear_dx(dx, dgp, w + mw->g_proj, N, E, HV, false);
+    t_linear_dw(g + mw->g_proj, dgp, x, N, E, HV, tm_gemm_mode(m));
+    t_linear_dx(dx, dgp, w + mw->g_proj, N, E, HV, false, tm_gemm_mode(m));
     const float scale = 1.0f / sqrtf((float)dq);
     memset(dKV, 0, sizeof(float) * (size_t)N * H * dkv);
     memset(dkrh, 0, sizeof(float) * (size_t)N * H * dr);
@@ -194,8 +191,8 @@ K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float
         free(ds);
     }
     /* kv path */
-    t_linear_dw(g + mw->kv_b, dKV, a->ckvn, N, rkv, H * dkv);
-    t_linear_dx(dckvn, dKV, w + mw->kv_b, N, rkv, H * dkv, false);
+    t_linear_dw(g + mw->kv_b, dKV, a->ckvn, N, rkv, H * dkv, tm_gemm_mode(m));
+    t_linear_dx(dckvn, dKV, w + mw->kv_b, N, rkv, H * dkv, false, tm_gemm_mode(m));
     t_rmsnorm_bwd(dclat, g + mw->kv_a_norm, dckvn, a->clat, a->rkv, w + mw->kv_a_norm, N, rkv, false);
     for (int n = 0; n < N; n++) {
         float *d = dckv + (size_t)n * (rkv + dr);
@@ -206,12 +203,12 @@ K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float
             d[rkv + i] = s;
         }
     }
-    t_linear_dw(g + mw->kv_a, dckv, x, N, E, rkv + dr);
-    t_linear_dx(dx, dckv, w + mw->kv_a, N, E, rkv + dr, true);
+    t_linear_dw(g + mw->kv_a, dckv, x, N, E, rkv + dr, tm_gemm_mode(m));
+    t_linear_dx(dx, dckv, w + mw->kv_a, N, E, rkv + dr, true, tm_gemm_mode(m));
     /* q path */
-    t_linear_dw(g + mw->q_b, dQ, a->cq, N, rq, H * dq);
-    t_linear_dx(dcq, dQ, w + mw->q_b, N, rq, H * dq, false);
+    t_linear_dw(g + mw->q_b, dQ, a->cq, N, rq, H * dq, tm_gemm_mode(m));
+    t_linear_dx(dcq, dQ, w + mw->q_b, N, rq, H * dq, false, tm_gemm_mode(m));
     t_rmsnorm_bwd(dcqp, g + mw->q_a_norm, dcq, a->cq_pre, a->rcq, w + mw->q_a_norm, N, rq, false);
-    t_linear_dw(g + mw->q_a, dcqp, x, N, E, rq);
-    t_linear_dx(dx, dcqp, w + mw->q_a, N, E, rq, true);
+    t_linear_dw(g + mw->q_a, dcqp, x, N, E, rq, tm_gemm_mode(m));
+    t_linear_dx(dx, dcqp, w + mw->q_a, N, E, rq, true, tm_gemm_mode(m));
 }

@@ -54,14 +54,14 @@ void mlp_backward(tmodel *m, const mlp_w *w, mlp_acts *a, int width, const float
     const int E = c->hidden_size;
     float *dh = scratch, *dg = scratch + (size_t)N * width, *du = dg + (size_t)N * width;
     const size_t up = (size_t)width * E; /* the up rows of the fused gate|up */
-    t_linear_dw(m->g + w->down, dout, a->h, N, width, E);
-    t_linear_dx(dh, dout, m->w + w->down, N, width, E, false);
+    t_linear_dw(m->g + w->down, dout, a->h, N, width, E, tm_gemm_mode(m));
+    t_linear_dx(dh, dout, m->w + w->down, N, width, E, false, tm_gemm_mode(m));
     situ_planes_bwd(dg, du, dh, a->g, a->u, N, width, c->situ_beta, c->situ_linear_beta);
-    t_linear_dw(m->g + w->gate_up, dg, x, N, E, width);
-    t_linear_dw(m->g + w->gate_up + up, du, x, N, E, width);
+    t_linear_dw(m->g + w->gate_up, dg, x, N, E, width, tm_gemm_mode(m));
+    t_linear_dw(m->g + w->gate_up + up, du, x, N, E, width, tm_gemm_mode(m));
     /* dx: one chain over the gate rows then the up rows, as over the fused 2W */
-    t_linear_dx(dx, dg, m->w + w->gate_up, N, E, width, accumulate);
-    t_linear_dx(dx, du, m->w + w->gate_up + up, N, E, width, true);
+    t_linear_dx(dx, dg, m->w + w->gate_up, N, E, width, accumulate, tm_gemm_mode(m));
+    t_linear_dx(dx, du, m->w + w->gate_up + up, N, E, width, true, tm_gemm_mode(m));
 }
 
 /* ---- LatentMoE ------------------------------------------------------------------- */
@@ -150,8 +150,8 @@ void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, co
     /* shared experts (writes dx) */
     mlp_backward(m, &q->shared, &a->sh, W, x, dout, dx, N, shs, false);
     /* r = W_up rmsnorm(u) */
-    t_linear_dw(g + q->lat_up, dout, a->un, N, lat, E);
-    t_linear_dx(dun, dout, w + q->lat_up, N, lat, E, false);
+    t_linear_dw(g + q->lat_up, dout, a->un, N, lat, E, tm_gemm_mode(m));
+    t_linear_dx(dun, dout, w + q->lat_up, N, lat, E, false, tm_gemm_mode(m));
     t_rmsnorm_bwd(du, g + q->lat_norm, dun, a->u, a->ru, w + q->lat_norm, N, lat, false);
     /* u = sum_j p_j e_j */
 #pragma omp parallel for schedule(static)
@@ -178,17 +178,17 @@ void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, co
         float *gbuf = gbase + r0 * lat, *dh = dhbase + r0 * I;
         float *da1 = daubase + r0 * 2 * I, *da3 = da1 + (size_t)ne * I; /* [ne][I] planes */
         for (int r = 0; r < ne; r++) memcpy(gbuf + (size_t)r * lat, de + (size_t)ls[r] * lat, sizeof(float) * lat);
-        t_linear_dw(g + q->w2[e], gbuf, a->h + r0 * I, ne, I, lat);
-        t_linear_dx(dh, gbuf, w + q->w2[e], ne, I, lat, false);
+        t_linear_dw(g + q->w2[e], gbuf, a->h + r0 * I, ne, I, lat, tm_gemm_mode(m));
+        t_linear_dx(dh, gbuf, w + q->w2[e], ne, I, lat, false, tm_gemm_mode(m));
         situ_planes_bwd(da1, da3, dh, a->g1 + r0 * I, a->g3 + r0 * I, ne, I, c->situ_beta, c->situ_linear_beta);
         for (int r = 0; r < ne; r++)
             memcpy(gbuf + (size_t)r * lat, a->z + (size_t)(ls[r] / k) * lat, sizeof(float) * lat);
         /* the fused w1|w3 as its two row ranges; dz one chain over both */
         const size_t w3o = (size_t)I * lat;
-        t_linear_dw(g + q->w13[e], da1, gbuf, ne, lat, I);
-        t_linear_dw(g + q->w13[e] + w3o, da3, gbuf, ne, lat, I);
-        t_linear_dx(gbuf, da1, w + q->w13[e], ne, lat, I, false);
-        t_linear_dx(gbuf, da3, w + q->w13[e] + w3o, ne, lat, I, true);
+        t_linear_dw(g + q->w13[e], da1, gbuf, ne, lat, I, tm_gemm_mode(m));
+        t_linear_dw(g + q->w13[e] + w3o, da3, gbuf, ne, lat, I, tm_gemm_mode(m));
+        t_linear_dx(gbuf, da1, w + q->w13[e], ne, lat, I, false, tm_gemm_mode(m));
+        t_linear_dx(gbuf, da3, w + q->w13[e] + w3o, ne, lat, I, true, tm_gemm_mode(m));
         for (int r = 0; r < ne; r++)
             memcpy(dzs + (size_t)ls[r] * lat, gbuf + (size_t)r * lat, sizeof(float) * lat);
     }
@@ -201,8 +201,8 @@ void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, co
         for (int j = 0; j < k; j++)
             for (int i = 0; i < lat; i++) d[i] += dzs[((size_t)n * k + j) * lat + i];
     }
-    t_linear_dw(g + q->lat_down, dz, x, N, E, lat);
-    t_linear_dx(dx, dz, w + q->lat_down, N, E, lat, true);
+    t_linear_dw(g + q->lat_down, dz, x, N, E, lat, tm_gemm_mode(m));
+    t_linear_dx(dx, dz, w + q->lat_down, N, E, lat, true, tm_gemm_mode(m));
     /* router: p_j = scale s_j / (sum_T s + 1e-20); ds flows to the selected s only */
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
@@ -229,6 +229,6 @@ void moe_backward(tmodel *m, const tm_layer *ly, moe_acts *a, const float *x, co
             }
         }
     }
-    t_linear_dw(g + q->router, dlog, x, N, E, Ne);
-    t_linear_dx(dx, dlog, w + q->router, N, E, Ne, true);
+    t_linear_dw(g + q->router, dlog, x, N, E, Ne, tm_gemm_mode(m));
+    t_linear_dx(dx, dlog, w + q->router, N, E, Ne, true, tm_gemm_mode(m));
 }

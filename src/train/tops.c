@@ -12,44 +12,50 @@
 /* The three products of a linear layer are one strided GEMM each
  * (kernels.h, "the training GEMM"): one fma chain per output element over the contraction index in increasing
  * order, whatever the tiling or thread count. */
-static tg_mode g_mode = TG_F32;
-void t_set_bf16(bool on) { g_mode = on ? TG_BF16 : TG_F32; }
-bool t_bf16(void) { return g_mode == TG_BF16; }
-
-void t_linear(float *Y, const float *X, const float *W, int n, int in, int out) {
-    tg_view x = {X, in, 1}, wt = {W, 1, in}; /* B(k, o) = W[o][k] */
-    tg_gemm(Y, out, n, out, in, x, wt, false, g_mode);
+void t_linear(float *Y, const float *X, const float *W, int n, int in, int out, k_gemm_mode mode) {
+    k_view x = {X, in, 1}, wt = {W, 1, in}; /* B(k, o) = W[o][k] */
+    k_gemm(Y, out, n, out, in, x, wt, false, mode);
 }
 
-void t_products(const k_prod *jobs, int njobs) {
+static void products(const k_prod *jobs, int njobs, k_gemm_mode mode) {
     for (int i = 0; i < njobs; i++) {
         const k3_mat *W = jobs[i].W;
         if (W->type != KW_F32) { /* a view onto the f32 arena, always: a bug otherwise */
-            fprintf(stderr, "k3: internal error: t_products given a weight of type %d, not F32\n", (int)W->type);
+            fprintf(stderr, "k3: internal error: a training product given a weight of type %d, not F32\n", (int)W->type);
             abort();
         }
-        t_linear(jobs[i].Y, jobs[i].X, W->data, jobs[i].n, W->cols, W->rows);
+        t_linear(jobs[i].Y, jobs[i].X, W->data, jobs[i].n, W->cols, W->rows, mode);
     }
 }
+static void products_f32(const k_prod *jobs, int njobs) { products(jobs, njobs, K_GEMM_F32); }
+static void products_bf16(const k_prod *jobs, int njobs) { products(jobs, njobs, K_GEMM_BF16); }
 
 /* Many similar products (the experts): one thread each, dynamic (each
  * product's GEMM then runs on its thread; its bits do not depend on that). */
-static void t_products_each(const k_prod *jobs, int njobs) {
+static void products_each_f32(const k_prod *jobs, int njobs) {
 #pragma omp parallel for schedule(dynamic)
-    for (int i = 0; i < njobs; i++) t_products(jobs + i, 1);
+    for (int i = 0; i < njobs; i++) products(jobs + i, 1, K_GEMM_F32);
+}
+static void products_each_bf16(const k_prod *jobs, int njobs) {
+#pragma omp parallel for schedule(dynamic)
+    for (int i = 0; i < njobs; i++) products(jobs + i, 1, K_GEMM_BF16);
 }
 
-const k3_fwd_ops t_fwd_ops = {.products = t_products, .train_rounding = true, .mla_attend = t_mla_attend,
-                              .expert_products = t_products_each};
+static const k3_fwd_ops fwd_f32 = {.products = products_f32, .train_rounding = true,
+                                   .expert_products = products_each_f32};
+static const k3_fwd_ops fwd_bf16 = {.products = products_bf16, .train_rounding = true,
+                                    .mla_attend = t_mla_attend_bf16, .expert_products = products_each_bf16};
+const k3_fwd_ops *t_fwd_ops(k_gemm_mode mode) { return mode == K_GEMM_BF16 ? &fwd_bf16 : &fwd_f32; }
 
-void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate) {
-    tg_view dy = {dY, out, 1}, w = {W, in, 1};
-    tg_gemm(dX, in, n, in, out, dy, w, accumulate, g_mode);
+void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate,
+                 k_gemm_mode mode) {
+    k_view dy = {dY, out, 1}, w = {W, in, 1};
+    k_gemm(dX, in, n, in, out, dy, w, accumulate, mode);
 }
 
-void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out) {
-    tg_view dyt = {dY, 1, out}, x = {X, in, 1}; /* A(o, t) = dY[t][o] */
-    tg_gemm(dW, in, out, in, n, dyt, x, true, g_mode);
+void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out, k_gemm_mode mode) {
+    k_view dyt = {dY, 1, out}, x = {X, in, 1}; /* A(o, t) = dY[t][o] */
+    k_gemm(dW, in, out, in, n, dyt, x, true, mode);
 }
 
 K3_HOT void t_rmsnorm_bwd(float *dx, float *dg, const float *dy, const float *x, const float *r,

@@ -19,24 +19,24 @@
 #include "kernels/kernels.h"
 #include "model/records.h"
 
-/* Products of the training GEMM (kernels.h); BF16 mode (t_set_bf16) rounds
- * their operands to BF16 and accumulates in F32. */
-void t_set_bf16(bool on);
-bool t_bf16(void);
+/* Products of the training GEMM (kernels.h) in the caller's mode: K_GEMM_BF16
+ * rounds their operands to BF16 and accumulates in F32 (the model's mode:
+ * tm_gemm_mode, tinternal.h). */
 /* Y[n][out] = X[n][in] W^T (W f32 [out][in]). */
-void t_linear(float *Y, const float *X, const float *W, int n, int in, int out);
+void t_linear(float *Y, const float *X, const float *W, int n, int in, int out, k_gemm_mode mode);
 /* The model graph's blocks run with these (model/source.h k3_fwd_ops): each job's
- * W an F32 view [out][in] of the arena, Y = X W^T by t_linear; and
- * training's rounding of SiLU and the KDA q/k norm. */
-void t_products(const k_prod *jobs, int njobs);
-extern const k3_fwd_ops t_fwd_ops;
-/* MLA's expanded core as the model graph's (F32) or as BF16 GEMMs (tmla.c). */
-void t_mla_attend(const k3_config *c, k3_mla_rec *r, int nseq, int T);
+ * W an F32 view [out][in] of the arena, Y = X W^T by t_linear in that mode;
+ * training's rounding of SiLU and the KDA q/k norm; in the BF16 mode MLA's
+ * expanded core as BF16 GEMMs (t_mla_attend_bf16, tmla.c), else the model
+ * graph's. One table per mode, so the mode travels with the table. */
+const k3_fwd_ops *t_fwd_ops(k_gemm_mode mode);
+void t_mla_attend_bf16(const k3_config *c, k3_mla_rec *r, int nseq, int T);
 /* dX[n][in] (+)= dY[n][out] W. accumulate=false overwrites dX. */
-void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate);
+void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate,
+                 k_gemm_mode mode);
 /* dW[out][in] += dY^T X (one chain per element continuing from dW, rows in
  * increasing order). */
-void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out);
+void t_linear_dw(float *dW, const float *dY, const float *X, int n, int in, int out, k_gemm_mode mode);
 
 /* RMSNorm rows forward: model/records.h's k3_rmsnorm_rows (y, r recorded). */
 /* Backward: given x, r, g, dy -> dx (+)= ..., dg += ... (dg may be NULL). */

@@ -265,7 +265,7 @@ float *tm_bias(tmodel *m, int layer) {
 }
 
 size_t tm_print_inventory(const tmodel *m, FILE *f) {
-    static const char *order[] = {"embedding", "kda", "mla", "dense mlp", "router", "latent proj",
+    static const char *const order[] = {"embedding", "kda", "mla", "dense mlp", "router", "latent proj",
                                   "shared experts", "routed experts", "norms+attnres",
                                   "final norm+attnres", "lm_head"};
     size_t total = 0;
@@ -282,12 +282,14 @@ size_t tm_print_inventory(const tmodel *m, FILE *f) {
 }
 
 int tm_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err) {
-    const tmodel *m = ctx;
-    static _Thread_local char full[192];
-    int k = layer >= 0 ? snprintf(full, sizeof full, PFX "layers.%d.%s", layer, name)
-            : !strcmp(name, K3N_HEAD) ? snprintf(full, sizeof full, K3N_HEAD_PARENT "%s", name)
-                                               : snprintf(full, sizeof full, PFX "%s", name);
-    if (k < 0 || (size_t)k >= sizeof full) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long: %s", name);
+    tm_lookup_ctx *lc = ctx;
+    const tmodel *m = lc->m;
+    char *full = lc->where;
+    const size_t nfull = sizeof lc->where;
+    int k = layer >= 0 ? snprintf(full, nfull, PFX "layers.%d.%s", layer, name)
+            : !strcmp(name, K3N_HEAD) ? snprintf(full, nfull, K3N_HEAD_PARENT "%s", name)
+                                               : snprintf(full, nfull, PFX "%s", name);
+    if (k < 0 || (size_t)k >= nfull) return k3_fail(err, K3_EXIT_RUNTIME, "tensor name too long: %s", name);
     t->where = full;
     t->dtype = KT_F32;
     int i = tm_find(m, full);
@@ -479,7 +481,6 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
     const k3_config *c = &m->cfg;
     const int L = c->num_layers, V = c->vocab_size;
     acts_ensure(m, B, T);
-    t_set_bf16(m->bf16);
     tm_acts *a = m->acts;
     const int N = B * T;
     memcpy(a->tok, tokens, sizeof(int32_t) * (size_t)B * (size_t)(T + 1));
@@ -500,8 +501,11 @@ double tm_forward(tmodel *m, const int32_t *tokens, int B, int T) {
         }
     k3_model *g = NULL;
     k3_err err = {0};
-    int rc = k3_model_open_lookup(c, tm_lookup, m, NULL, &g, &err);
-    if (!rc) rc = k3_forward_rec(g, &t_fwd_ops, tm_kda_chunk(m), tokens, (size_t)T + 1, B, T, m->logits, &a->rec, &err);
+    tm_lookup_ctx lc = {.m = m};
+    int rc = k3_model_open_lookup(c, tm_lookup, &lc, NULL, &g, &err);
+    if (!rc)
+        rc = k3_forward_rec(g, t_fwd_ops(tm_gemm_mode(m)), tm_kda_chunk(m), tokens, (size_t)T + 1, B, T, m->logits,
+                            &a->rec, &err);
     k3_model_free(g);
     if (rc) { /* the table's own names and shapes, or ids the data layer checked: a bug otherwise */
         fprintf(stderr, "k3: train: %s\n", err.msg);
@@ -525,7 +529,6 @@ void tm_backward(tmodel *m, float scale) {
     const k3_config *c = &m->cfg;
     const int E = c->hidden_size, L = c->num_layers, S = c->attn_res_block_size, V = c->vocab_size;
     tm_acts *a = m->acts;
-    t_set_bf16(m->bf16);
     const int B = a->B, T = a->T, N = B * T;
     const size_t NE = (size_t)N * E;
     const int nb = n_blocks(c);
@@ -536,8 +539,8 @@ void tm_backward(tmodel *m, float scale) {
     float *dp = a->d1, *dx = a->d2, *dn = a->d3;
     /* head and final norm */
     const k3_model_rec *r = &a->rec;
-    t_linear_dw(g + m->head, m->logits, r->xn, N, E, V);
-    t_linear_dx(dx, m->logits, m->w + m->head, N, E, V, false);
+    t_linear_dw(g + m->head, m->logits, r->xn, N, E, V, tm_gemm_mode(m));
+    t_linear_dx(dx, m->logits, m->w + m->head, N, E, V, false, tm_gemm_mode(m));
     t_rmsnorm_bwd(dn, g + m->norm, dx, r->xf, r->rn, m->w + m->norm, N, E, false);
     /* final AttnRes: sources blocks + last partial */
     const float *srcs[TM_MAX_ATTNRES_SOURCES];

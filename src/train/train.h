@@ -104,10 +104,16 @@ float *tm_bias(tmodel *m, int layer);
 void tm_bias_name(int layer, char *buf, size_t n);
 
 /* The parameters as tensors of the released layout, for model/source.h's
- * k3_model_open_lookup (ctx is the const tmodel *): layer -1 names the
+ * k3_model_open_lookup (ctx is a tm_lookup_ctx): layer -1 names the
  * model-level tensors, layer >= 0 a layer's ("self_attn.q_proj.weight"); the
  * router biases are served from `bias`. The data point into w and bias, so
- * a model opened on them computes with the current parameters in place. */
+ * a model opened on them computes with the current parameters in place.
+ * t->where is the full name, in the context's buffer (valid until its next
+ * lookup). */
+typedef struct {
+    const tmodel *m;
+    char where[192];
+} tm_lookup_ctx;
 int tm_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_err *err);
 
 /* Forward over B sequences of T+1 tokens (ids < V); returns the SUM of the

@@ -1,5 +1,6 @@
-/* trainer.c: `k3 train`: the training loop, evaluation, samples, checkpoints
- * and the run directory (docs/run-dir.md).
+/* trainer.c: `k3 train`: the training loop, evaluation, samples and
+ * checkpoints. What the run writes into its directory besides the
+ * checkpoints (docs/run-dir.md) is rundir.c's, loss.svg lossplot.c's.
  *
  * Determinism and resume. Everything a step does is a function of the saved
  * state: the micro-batch windows are drawn by a counter-based hash of (seed,
@@ -7,16 +8,10 @@
  * learning rate is a function of (step, total); Quantile Balancing clears its
  * margins at every step. A checkpoint therefore holds all a run needs, and
  * `--resume` continues bit-identically. */
-#include <dirent.h>
-#include <errno.h>
-#include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
-#include <omp.h>
 #include <signal.h>
 #include <string.h>
-#include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "dist/data_par.h"
@@ -32,222 +27,11 @@
 static volatile sig_atomic_t g_stop;
 static void on_signal(int sig) { (void)sig; g_stop = 1; }
 
-static double wall(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-typedef struct {
-    ttrain_opts o;
-    char *config_text;
-    k3_config cfg;
-    tmodel m;
-    topt opt;
-    k3_shard train, val;
-    k3_tokenizer *tok;   /* the data directory's tokenizer: bytes per token, sample text */
-    int eot;             /* <|endoftext|>: samples start from it and stop at it (-1: none) */
-    int B, T, A;
-    int64_t start, end, total;
-    uint64_t seed;
-    double best_loss;
-    int64_t best_step, ckpt_step;
-    char *train_json;
-    char *init_from;     /* the checkpoint --init started this run from, and its step (provenance) */
-    int64_t init_step;
-    char *init_data;     /* the data directory that checkpoint was trained on (its tokenizer) */
-    int metrics_fd, samples_fd;
-    double started;
-    json_t *latest, *latest_eval;
-    /* history for loss.svg */
-    int64_t *hs, *he;
-    double *hl, *hv;
-    size_t nh, ne, caph, cape;
-    const char *phase;
-    bool resumed;
-    int64_t resumed_from;
-    int64_t *step_load;
-    int64_t val_windows;
-    /* data parallel (several ranks under mpirun): this rank computes units
-     * (micro-batches) [u0, u0 + k) of every step; only the writer (rank 0)
-     * writes the run directory. gunit: the units' gradients after the first
-     * (rank 0: one scratch for its running fold); qb_all: every rank's
-     * Quantile Balancing margins of a step, in unit order. */
-    int ranks, me, k, u0;
-    bool writer;
-    float **gunit;
-    int ngunit;
-    double *uloss;
-    float *qb_all;
-    bool stop;     /* the stop request as agreed after the last step (g_stop may change any time) */
-} run;
-
-static char *path_in(const run *r, const char *name) { return k3_path_join(r->o.output_dir, name); }
-
-/* ---- JSON helpers ---------------------------------------------------------------- */
-
-static json_t *jnum(double v) { return isfinite(v) ? json_real(v) : json_null(); }
-
-/* Appends one record as a single write (docs/run-dir.md). */
-static int append_line(int fd, json_t *rec, const char *what, k3_err *err) {
-    /* 17 digits: the Unix times must keep their milliseconds (docs/run-dir.md);
-     * %.9g would round a present-day time to 10 seconds */
-    char *s = json_dumps(rec, JSON_COMPACT | JSON_REAL_PRECISION(17));
-    size_t n = strlen(s);
-    char *line = xmalloc(n + 2);
-    memcpy(line, s, n);
-    line[n] = '\n';
-    free(s);
-    ssize_t w = write(fd, line, n + 1);
-    free(line);
-    if (w != (ssize_t)(n + 1)) return k3_fail(err, K3_EXIT_RUNTIME, "%s: write failed: %s", what, strerror(errno));
-    return K3_OK;
-}
-
-/* Replaces every byte sequence that is not valid UTF-8 by U+FFFD. */
-static char *utf8_clean(const uint8_t *s, size_t n) {
-    char *out = xmalloc(n * 3 + 1);
-    size_t o = 0;
-    for (size_t i = 0; i < n;) {
-        uint8_t c = s[i];
-        int len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-        bool ok = len > 0 && i + (size_t)len <= n;
-        for (int k = 1; ok && k < len; k++) ok = (s[i + k] & 0xC0) == 0x80;
-        if (ok && len == 2) ok = c >= 0xC2;
-        if (ok && len == 3) {
-            uint32_t cp = ((uint32_t)(c & 15) << 12) | ((uint32_t)(s[i + 1] & 63) << 6) | (s[i + 2] & 63);
-            ok = cp >= 0x800 && (cp < 0xD800 || cp > 0xDFFF);
-        }
-        if (ok && len == 4) {
-            uint32_t cp = ((uint32_t)(c & 7) << 18) | ((uint32_t)(s[i + 1] & 63) << 12) |
-                          ((uint32_t)(s[i + 2] & 63) << 6) | (s[i + 3] & 63);
-            ok = cp >= 0x10000 && cp <= 0x10FFFF;
-        }
-        if (ok && c != 0) {
-            memcpy(out + o, s + i, (size_t)len);
-            o += (size_t)len;
-            i += (size_t)len;
-        } else {
-            memcpy(out + o, "\xEF\xBF\xBD", 3);
-            o += 3;
-            i++;
-        }
-    }
-    out[o] = 0;
-    return out;
-}
-
-static int write_state(run *r, const char *status, const char *error, k3_err *err) {
-    if (!r->writer) return K3_OK;
-    json_t *s = json_object();
-    json_object_set_new(s, "format", json_string("k3-run"));
-    json_object_set_new(s, "version", json_integer(1));
-    json_object_set_new(s, "status", json_string(status));
-    json_object_set_new(s, "step", json_integer(r->start));
-    json_object_set_new(s, "total_steps", json_integer(r->total));
-    json_object_set_new(s, "stop_at", r->o.stop_at ? json_integer(r->o.stop_at) : json_null());
-    json_object_set_new(s, "started_at", json_real(r->started));
-    json_object_set_new(s, "updated_at", json_real(wall()));
-    json_object_set_new(s, "resumed_from", r->resumed ? json_integer(r->resumed_from) : json_null());
-    json_object_set_new(s, "phase", json_string(r->phase));
-    json_object_set_new(s, "pid", json_integer(getpid()));
-    char host[256];
-    if (gethostname(host, sizeof host) == 0) {
-        host[sizeof host - 1] = 0;
-        json_object_set_new(s, "hostname", json_string(host));
-    }
-    json_object_set_new(s, "params", json_integer((json_int_t)r->m.nw));
-    json_object_set_new(s, "ranks", json_integer(r->ranks));
-    json_t *cfg = json_loads(r->config_text, 0, NULL);
-    json_object_set_new(s, "config", cfg ? cfg : json_null());
-    if (r->o.config_path) json_object_set_new(s, "config_path", json_string(r->o.config_path));
-    json_t *tr = json_loads(r->train_json, 0, NULL);
-    json_object_set_new(s, "train", tr ? tr : json_null());
-    json_object_set(s, "latest", r->latest ? r->latest : json_null());
-    json_object_set(s, "latest_eval", r->latest_eval ? r->latest_eval : json_null());
-    json_object_set_new(s, "best_val_loss", r->best_step >= 0 ? jnum(r->best_loss) : json_null());
-    json_object_set_new(s, "best_step", r->best_step >= 0 ? json_integer(r->best_step) : json_null());
-    json_object_set_new(s, "checkpoint_step", r->ckpt_step >= 0 ? json_integer(r->ckpt_step) : json_null());
-    if (error) json_object_set_new(s, "error", json_string(error));
-    char *text = json_dumps(s, JSON_INDENT(1) | JSON_REAL_PRECISION(17)); /* times: see append_line */
-    json_decref(s);
-    char *p = path_in(r, "state.json");
-    int rc = k3_write_file_atomic(p, text, strlen(text), err);
-    free(p);
-    free(text);
-    return rc;
-}
-
-static int write_svg(run *r, k3_err *err) {
-    if (!r->writer) return K3_OK;
-    char *p = path_in(r, "loss.svg");
-    int rc = tplot_loss_svg(p, r->hs, r->hl, r->nh, r->he, r->hv, r->ne, err);
-    free(p);
-    return rc;
-}
-
-static void hist_train(run *r, int64_t step, double loss) {
-    if (r->nh == r->caph) {
-        r->caph = r->caph ? r->caph * 2 : 1024;
-        r->hs = xrealloc_array(r->hs, r->caph, sizeof(int64_t));
-        r->hl = xrealloc_array(r->hl, r->caph, sizeof(double));
-    }
-    r->hs[r->nh] = step;
-    r->hl[r->nh++] = loss;
-}
-
-static void hist_eval(run *r, int64_t step, double loss) {
-    if (r->ne == r->cape) {
-        r->cape = r->cape ? r->cape * 2 : 256;
-        r->he = xrealloc_array(r->he, r->cape, sizeof(int64_t));
-        r->hv = xrealloc_array(r->hv, r->cape, sizeof(double));
-    }
-    r->he[r->ne] = step;
-    r->hv[r->ne++] = loss;
-}
-
-/* On resume: keep only records with step <= the checkpoint's (rewritten
- * atomically), and rebuild the loss history from what is kept. */
-static int trim_jsonl(run *r, const char *name, bool history, k3_err *err) {
-    char *p = path_in(r, name);
-    char *text;
-    size_t len;
-    struct stat st;
-    if (stat(p, &st) != 0) { free(p); return K3_OK; }
-    int rc = k3_read_file(p, &text, &len, err);
-    if (rc) { free(p); return rc; }
-    char *out = xmalloc(len + 1);
-    size_t o = 0;
-    char *s = text, *end = text + len;
-    while (s < end) {
-        char *nl = memchr(s, '\n', (size_t)(end - s));
-        if (!nl) break; /* a partial last line is dropped */
-        json_t *j = json_loadb(s, (size_t)(nl - s), 0, NULL);
-        json_t *js = j ? json_object_get(j, "step") : NULL;
-        if (js && json_integer_value(js) <= r->start) {
-            memcpy(out + o, s, (size_t)(nl - s) + 1);
-            o += (size_t)(nl - s) + 1;
-            if (history) {
-                json_t *tl = json_object_get(j, "train_loss"), *vl = json_object_get(j, "val_loss");
-                if (tl) hist_train(r, json_integer_value(js), json_is_number(tl) ? json_number_value(tl) : NAN);
-                if (vl) hist_eval(r, json_integer_value(js), json_is_number(vl) ? json_number_value(vl) : NAN);
-            }
-        }
-        json_decref(j);
-        s = nl + 1;
-    }
-    rc = k3_write_file_atomic(p, out, o, err);
-    free(out);
-    free(text);
-    free(p);
-    return rc;
-}
-
 /* ---- data ------------------------------------------------------------------------- */
 
 /* Micro-batch a of step s: row b is the window of T+1 tokens starting at a
  * position drawn by hashing (seed, s, a, b). */
-static void make_batch(run *r, int64_t step, int a, int32_t *tok) {
+static void make_batch(trun *r, int64_t step, int a, int32_t *tok) {
     uint64_t span = r->train.info.n_tokens - (uint64_t)r->T; /* windows start in [0, span) */
     for (int b = 0; b < r->B; b++) {
         uint64_t h = k3_mix64(r->seed * K3_GOLDEN64 + k3_mix64((uint64_t)step * 0x100000001B3ull +
@@ -259,15 +43,15 @@ static void make_batch(run *r, int64_t step, int a, int32_t *tok) {
 /* ---- evaluation and samples ----------------------------------------------------------- */
 
 /* Text bytes an id stands for: its BPE bytes; a special counts 0. */
-static int64_t text_bytes(const run *r, int32_t id) {
+static int64_t text_bytes(const trun *r, int32_t id) {
     size_t len = 0;
     if (id >= tok_n_base(r->tok) || !tok_token_bytes(r->tok, id, &len)) return 0;
     return (int64_t)len;
 }
 
-static int evaluate(run *r, int64_t step, k3_err *err) {
+static int evaluate(trun *r, int64_t step, k3_err *err) {
     r->phase = "eval";
-    write_state(r, "running", NULL, err);
+    trun_write_state(r, "running", NULL, err);
     const int B = r->B, T = r->T;
     int32_t *tok = xmalloc_array((size_t)B * (T + 1), sizeof(int32_t));
     /* Batch i of B windows is computed by rank i % R; the per-batch sums are
@@ -318,18 +102,18 @@ static int evaluate(run *r, int64_t step, k3_err *err) {
     json_t *rec = json_object();
     json_object_set_new(rec, "kind", json_string("eval"));
     json_object_set_new(rec, "step", json_integer(step));
-    json_object_set_new(rec, "time", json_real(wall()));
-    json_object_set_new(rec, "val_loss", jnum(vl));
-    json_object_set_new(rec, "val_bpb", jnum(bpb));
+    json_object_set_new(rec, "time", json_real(trun_wall()));
+    json_object_set_new(rec, "val_loss", trun_jnum(vl));
+    json_object_set_new(rec, "val_bpb", trun_jnum(bpb));
     json_object_set_new(rec, "val_tokens", json_integer(ntok));
-    int rc = r->writer ? append_line(r->metrics_fd, rec, "metrics.jsonl", err) : K3_OK;
+    int rc = r->writer ? trun_append_line(r->metrics_fd, rec, "metrics.jsonl", err) : K3_OK;
     json_decref(r->latest_eval);
     r->latest_eval = rec;
-    hist_eval(r, step, vl);
+    tplot_add_eval(r, step, vl);
     if (!r->o.quiet) printf("eval step %lld | val_loss %.4f | val_bpb %.4f | %lld tokens\n", (long long)step, vl, bpb,
                             (long long)ntok);
     fflush(stdout);
-    if (!rc) rc = write_svg(r, err);
+    if (!rc) rc = tplot_write_svg(r, err);
     if (!rc && isfinite(vl) && (r->best_step < 0 || vl < r->best_loss)) {
         r->best_loss = vl;
         r->best_step = step;
@@ -337,32 +121,12 @@ static int evaluate(run *r, int64_t step, k3_err *err) {
         r->phase = "checkpoint";
         tckpt_meta meta = {step, r->total, step * (int64_t)r->A * r->B * r->T, r->best_step, r->best_loss,
                            r->seed, r->config_text, r->train_json, r->o.data_dir};
-        char *p = path_in(r, "best.safetensors");
+        char *p = trun_path(r, "best.safetensors");
         rc = tckpt_save(p, &r->m, &r->opt, &meta, err);
         free(p);
     }
     r->phase = "train";
     return rc;
-}
-
-/* Earlier versions sampled through a temporary export, and a run killed
- * while sampling left its k3-sample-PID-XXXXXX folder behind: sampling still
- * removes those whose PID no longer exists. */
-static void remove_stale_samples(const char *tdir) {
-    DIR *d = opendir(tdir);
-    if (!d) return;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        char *end;
-        if (strncmp(e->d_name, "k3-sample-", 10) != 0) continue;
-        errno = 0;
-        long pid = strtol(e->d_name + 10, &end, 10);
-        if (errno || end == e->d_name + 10 || *end != '-' || !k3_pid_gone(pid)) continue;
-        char *p = k3_path_join(tdir, e->d_name);
-        k3_remove_flat_dir(p);
-        free(p);
-    }
-    closedir(d);
 }
 
 /* Samples run through the inference graph (src/model/) with its cached
@@ -372,17 +136,18 @@ static void remove_stale_samples(const char *tdir) {
  * is seeded by (seed, step), so samples never touch the training state and
  * resume stays bit-identical. */
 #define SAMPLE_TEMPERATURE 0.8f /* the dashboard's samples: varied but on topic */
-static int sample(run *r, int64_t step, k3_err *err) {
+static int sample(trun *r, int64_t step, k3_err *err) {
     if (!r->writer) return K3_OK; /* the other ranks neither decode nor write */
     r->phase = "sample";
-    write_state(r, "running", NULL, err);
+    trun_write_state(r, "running", NULL, err);
     const int n = r->o.sample_tokens, V = r->cfg.vocab_size;
     const char *tmp = getenv("TMPDIR");
-    remove_stale_samples(tmp && *tmp ? tmp : "/tmp");
+    trun_remove_stale_samples(tmp && *tmp ? tmp : "/tmp");
     k3_model *km = NULL;
     k3_state *st = NULL;
     k3_session *sess = NULL;
-    int rc = k3_model_open_lookup(&r->m.cfg, tm_lookup, &r->m, NULL, &km, err);
+    tm_lookup_ctx lc = {.m = &r->m};
+    int rc = k3_model_open_lookup(&r->m.cfg, tm_lookup, &lc, NULL, &km, err);
     if (!rc) rc = k3_state_new(km, n + 1, &st, err);
     if (!rc) sess = k3_session_new(km, st, NULL);
     float *lg = xmalloc_array((size_t)V, sizeof(float));
@@ -410,14 +175,14 @@ static int sample(run *r, int64_t step, k3_err *err) {
     if (!rc) rc = tok_decode(r->tok, res.ids, len, &bytes, &bl, err);
     k3_gen_result_free(&res);
     if (rc) return rc;
-    char *text = utf8_clean(bytes, bl);
+    char *text = trun_utf8_clean(bytes, bl);
     free(bytes);
     json_t *rec = json_object();
     json_object_set_new(rec, "step", json_integer(step));
-    json_object_set_new(rec, "time", json_real(wall()));
+    json_object_set_new(rec, "time", json_real(trun_wall()));
     json_object_set_new(rec, "text", json_string(text));
     json_object_set_new(rec, "tokens", json_integer((json_int_t)len));
-    rc = append_line(r->samples_fd, rec, "samples.jsonl", err);
+    rc = trun_append_line(r->samples_fd, rec, "samples.jsonl", err);
     json_decref(rec);
     if (!r->o.quiet) printf("sample step %lld: %s\n", (long long)step, text);
     free(text);
@@ -425,13 +190,13 @@ static int sample(run *r, int64_t step, k3_err *err) {
     return rc;
 }
 
-static int checkpoint(run *r, int64_t step, k3_err *err) {
+static int checkpoint(trun *r, int64_t step, k3_err *err) {
     if (!r->writer) { r->ckpt_step = step; return K3_OK; }
     r->phase = "checkpoint";
-    write_state(r, "running", NULL, err);
+    trun_write_state(r, "running", NULL, err);
     tckpt_meta meta = {step, r->total, step * (int64_t)r->A * r->B * r->T, r->best_step, r->best_loss,
                        r->seed, r->config_text, r->train_json, r->o.data_dir};
-    char *p = path_in(r, "latest.safetensors");
+    char *p = trun_path(r, "latest.safetensors");
     int rc = tckpt_save(p, &r->m, &r->opt, &meta, err);
     free(p);
     if (!rc) r->ckpt_step = step;
@@ -450,7 +215,7 @@ static int checkpoint(run *r, int64_t step, k3_err *err) {
  * unit order), the expert loads (integers) and the Quantile Balancing margins
  * (rows in unit order) are gathered whole, so every rank then takes the same
  * optimiser step and bias update as one process. */
-static int train_step(run *r, int32_t *tok, k3_err *err) {
+static int train_step(trun *r, int32_t *tok, k3_err *err) {
     tmodel *m = &r->m;
     const int Ne = r->cfg.num_experts;
     const size_t nload = (size_t)(m->n_moe ? m->n_moe : 1) * (size_t)Ne;
@@ -527,10 +292,10 @@ static int train_step(run *r, int32_t *tok, k3_err *err) {
     json_t *rec = json_object();
     json_object_set_new(rec, "kind", json_string("train"));
     json_object_set_new(rec, "step", json_integer(r->start));
-    json_object_set_new(rec, "time", json_real(wall()));
-    json_object_set_new(rec, "train_loss", jnum(loss));
+    json_object_set_new(rec, "time", json_real(trun_wall()));
+    json_object_set_new(rec, "train_loss", trun_jnum(loss));
     json_object_set_new(rec, "lr", json_real(lr));
-    json_object_set_new(rec, "grad_norm", jnum(gn));
+    json_object_set_new(rec, "grad_norm", trun_jnum(gn));
     json_object_set_new(rec, "tokens", json_integer(r->start * toks));
     json_object_set_new(rec, "tokens_per_s", json_real(toks / dt));
     json_object_set_new(rec, "step_time_s", json_real(dt));
@@ -552,10 +317,10 @@ static int train_step(run *r, int32_t *tok, k3_err *err) {
         }
         json_object_set_new(rec, "expert_load", el);
     }
-    int rc = r->writer ? append_line(r->metrics_fd, rec, "metrics.jsonl", err) : K3_OK;
+    int rc = r->writer ? trun_append_line(r->metrics_fd, rec, "metrics.jsonl", err) : K3_OK;
     json_decref(r->latest);
     r->latest = rec;
-    hist_train(r, r->start, loss);
+    tplot_add_train(r, r->start, loss);
     if (!r->o.quiet)
         printf("step %lld/%lld | loss %.4f | lr %.3g | grad norm %.3f | %.0f tok/s | %.2f s\n", (long long)r->start,
                (long long)r->total, loss, lr, gn, toks / dt, dt);
@@ -563,64 +328,10 @@ static int train_step(run *r, int32_t *tok, k3_err *err) {
     if (rc) return rc;
     if (!isfinite(loss) || !isfinite(gn))
         return k3_fail(err, K3_EXIT_RUNTIME, "step %lld: the loss or gradient is not finite", (long long)r->start);
-    return write_state(r, "running", NULL, err);
+    return trun_write_state(r, "running", NULL, err);
 }
 
 /* ---- setup ------------------------------------------------------------------------------ */
-
-static int parse_train_json(run *r, const char *text) {
-    json_t *j = json_loads(text, 0, NULL);
-    if (!j) return -1;
-    if (!r->B) r->B = (int)json_integer_value(json_object_get(j, "batch_size"));
-    if (!r->T) r->T = (int)json_integer_value(json_object_get(j, "seq_len"));
-    if (!r->A) r->A = (int)json_integer_value(json_object_get(j, "grad_accum"));
-    if (r->opt.c.lr == 0) r->opt.c.lr = json_real_value(json_object_get(j, "lr"));
-    json_t *wd = json_object_get(j, "weight_decay");
-    if (r->opt.c.weight_decay < 0 && json_is_number(wd)) r->opt.c.weight_decay = json_number_value(wd);
-    if (!r->o.optimizer) {
-        const char *o = json_string_value(json_object_get(j, "optimizer"));
-        r->o.optimizer = o && strcmp(o, "adamw") == 0 ? 2 : 1;
-    }
-    if (!r->o.bf16) r->o.bf16 = json_is_true(json_object_get(j, "bf16")) ? 1 : 2;
-    const char *init = json_string_value(json_object_get(j, "init_from"));
-    if (init) {
-        r->init_from = xstrdup(init);
-        r->init_step = json_integer_value(json_object_get(j, "init_step"));
-    }
-    json_t *kc = json_object_get(j, "kda_chunk");
-    if (r->o.kda_chunk == 0 && json_is_integer(kc))
-        r->o.kda_chunk = json_integer_value(kc) > 0 ? (int)json_integer_value(kc) : -1;
-    json_decref(j);
-    return 0;
-}
-
-static char *make_train_json(const run *r) {
-    json_t *j = json_object();
-    json_object_set_new(j, "batch_size", json_integer(r->B));
-    json_object_set_new(j, "seq_len", json_integer(r->T));
-    json_object_set_new(j, "grad_accum", json_integer(r->A));
-    json_object_set_new(j, "tokens_per_step", json_integer((json_int_t)r->A * r->B * r->T));
-    json_object_set_new(j, "lr", json_real(r->opt.c.lr));
-    json_object_set_new(j, "min_lr_ratio", json_real(r->opt.c.min_lr_ratio));
-    int64_t warm = (int64_t)ceil(r->opt.c.warmup_frac * (double)r->total);
-    json_object_set_new(j, "warmup_steps", json_integer(warm < 1 ? 1 : warm));
-    json_object_set_new(j, "weight_decay", json_real(r->opt.c.weight_decay));
-    json_object_set_new(j, "grad_clip", json_real(r->opt.c.clip));
-    json_object_set_new(j, "eval_interval", json_integer(r->o.eval_interval));
-    json_object_set_new(j, "sample_interval", json_integer(r->o.skip_samples ? 0 : r->o.sample_interval));
-    json_object_set_new(j, "seed", json_integer((json_int_t)r->seed));
-    json_object_set_new(j, "optimizer", json_string(r->opt.c.muon ? "muon" : "adamw"));
-    json_object_set_new(j, "threads", json_integer(omp_get_max_threads()));
-    json_object_set_new(j, "bf16", json_boolean(r->m.bf16));
-    json_object_set_new(j, "kda_chunk", json_integer(r->m.kda_chunk));
-    if (r->init_from) {
-        json_object_set_new(j, "init_from", json_string(r->init_from));
-        json_object_set_new(j, "init_step", json_integer(r->init_step));
-    }
-    char *s = json_dumps(j, JSON_COMPACT | JSON_REAL_PRECISION(17));
-    json_decref(j);
-    return s;
-}
 
 static bool same_layout(const tmodel *a, const tmodel *b) {
     if (a->np != b->np) return false;
@@ -633,14 +344,6 @@ static bool same_layout(const tmodel *a, const tmodel *b) {
            a->cfg.attn_res_block_size == b->cfg.attn_res_block_size &&
            a->cfg.experts_per_token == b->cfg.experts_per_token && a->cfg.situ_beta == b->cfg.situ_beta &&
            a->cfg.situ_linear_beta == b->cfg.situ_linear_beta;
-}
-
-static int open_fd(run *r, const char *name, int *fd, k3_err *err) {
-    char *p = path_in(r, name);
-    *fd = open(p, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
-    int rc = *fd < 0 ? k3_fail(err, K3_EXIT_RUNTIME, "%s: %s", p, strerror(errno)) : K3_OK;
-    free(p);
-    return rc;
 }
 
 /* Token ids mean nothing across tokenizers: a run started with --init must
@@ -667,7 +370,7 @@ static int same_tokenizer(const char *was, const char *now, const char *ckpt, bo
     return K3_OK;
 }
 
-static int setup(run *r, k3_err *err) {
+static int setup(trun *r, k3_err *err) {
     const ttrain_opts *o = &r->o;
     int rc;
     tckpt ck = {0};
@@ -686,7 +389,7 @@ static int setup(run *r, k3_err *err) {
         if ((rc = tckpt_open(o->resume, &ck, err))) return rc;
         have_ck = true;
         r->config_text = xstrdup(ck.meta.config_json);
-        if (parse_train_json(r, ck.meta.train_json))
+        if (trun_parse_train_json(r, ck.meta.train_json))
             return k3_fail(err, K3_EXIT_DATA, "%s: checkpoint training settings are not JSON", o->resume);
         r->seed = o->seed_set ? o->seed : ck.meta.seed;
         r->start = ck.meta.step;
@@ -745,7 +448,7 @@ static int setup(run *r, k3_err *err) {
     }
     if ((rc = tm_build(&r->m, &r->cfg, err))) { if (have_ck) tckpt_close(&ck); return rc; }
     r->m.bf16 = r->o.bf16 == 1;
-    if (r->m.bf16 && !tg_bf16_fast()) { /* one smol-50m step of batch 4x256 took over 5 minutes emulated on a Zen 3 core */
+    if (r->m.bf16 && !k_gemm_bf16_fast()) { /* one smol-50m step of batch 4x256 took over 5 minutes emulated on a Zen 3 core */
         if (have_ck) tckpt_close(&ck);
         return k3_fail(err, K3_EXIT_USAGE,
                        "%s: BF16 products need AVX512_BF16 on the AVX-512 kernel path (here: %s) and would run "
@@ -807,7 +510,7 @@ static int setup(run *r, k3_err *err) {
                        tok_vocab_size(r->tok), r->cfg.vocab_size);
     r->eot = tok_special_id(r->tok, "<|endoftext|>");
     if (r->eot < 0) r->eot = tok_eos_id(r->tok);
-    r->train_json = make_train_json(r);
+    r->train_json = trun_make_train_json(r);
     r->step_load = xcalloc((size_t)(r->m.n_moe ? r->m.n_moe : 1) * (size_t)r->cfg.num_experts, sizeof(int64_t));
     r->uloss = xcalloc((size_t)r->k, sizeof(double));
     r->ngunit = r->me == 0 ? (r->k > 1) : r->k - 1;
@@ -824,38 +527,6 @@ static int setup(run *r, k3_err *err) {
     return K3_OK;
 }
 
-/* The run directory: rank 0's alone, once every rank is known to run the
- * same job (a refused job leaves it as it was). */
-static int setup_run_dir(run *r, k3_err *err) {
-    const ttrain_opts *o = &r->o;
-    int rc;
-    if ((rc = k3_mkdir_p(o->output_dir, err))) return rc;
-    if (!r->resumed) {
-        char *p = path_in(r, "latest.safetensors");
-        struct stat st;
-        bool exists = stat(p, &st) == 0;
-        free(p);
-        if (exists)
-            return k3_fail(err, K3_EXIT_USAGE,
-                           "%s: already holds a run (latest.safetensors); continue it with --resume %s/latest.safetensors "
-                           "or choose another --output-dir",
-                           o->output_dir, o->output_dir);
-        /* a fresh run starts fresh files */
-        const char *names[] = {"metrics.jsonl", "samples.jsonl"};
-        for (int i = 0; i < 2; i++) {
-            char *q = path_in(r, names[i]);
-            if ((rc = k3_write_file_atomic(q, "", 0, err))) { free(q); return rc; }
-            free(q);
-        }
-    } else {
-        if ((rc = trim_jsonl(r, "metrics.jsonl", true, err))) return rc;
-        if ((rc = trim_jsonl(r, "samples.jsonl", false, err))) return rc;
-    }
-    if ((rc = open_fd(r, "metrics.jsonl", &r->metrics_fd, err))) return rc;
-    if ((rc = open_fd(r, "samples.jsonl", &r->samples_fd, err))) return rc;
-    return K3_OK;
-}
-
 /* ---- several ranks ------------------------------------------------------------------------ */
 
 /* The ranks must run the same job: the command lines are compared at start
@@ -863,7 +534,7 @@ static int setup_run_dir(run *r, k3_err *err) {
  * settings, the token shards (every byte) and the starting state (weights,
  * router biases, optimiser moments: a fresh initialisation or the checkpoint
  * read). The first that differs is named. */
-static int check_same_job(run *r, k3_err *err) {
+static int check_same_job(trun *r, k3_err *err) {
     if (r->ranks == 1) return K3_OK;
     uint64_t h[3];
     h[0] = k3_fnv1a64(1469598103934665603ull, r->config_text, strlen(r->config_text));
@@ -897,7 +568,7 @@ static int check_same_job(run *r, k3_err *err) {
 /* Every rank leaves the loop at the same step: a status (rank 0 writes the
  * run directory alone, so it can fail alone) and, with share_stop, a stop
  * request (a signal reaches the ranks at different times) are agreed on. */
-static int sync_ranks(run *r, int rc, bool share_stop, const char *what, k3_err *err) {
+static int sync_ranks(trun *r, int rc, bool share_stop, const char *what, k3_err *err) {
     int32_t mine = g_stop ? 1 : 0; /* read once: a signal may come in between */
     if (share_stop) r->stop = mine;
     if (r->ranks == 1) return rc;
@@ -911,7 +582,7 @@ static int sync_ranks(run *r, int rc, bool share_stop, const char *what, k3_err 
     return K3_OK;
 }
 
-static void teardown(run *r) {
+static void teardown(trun *r) {
     if (r->metrics_fd > 0) close(r->metrics_fd);
     if (r->samples_fd > 0) close(r->samples_fd);
     shard_close(&r->train);
@@ -937,14 +608,14 @@ static void teardown(run *r) {
 }
 
 int k3_train_run(const ttrain_opts *opts, k3_err *err) {
-    run r;
+    trun r;
     memset(&r, 0, sizeof r);
     r.o = *opts;
     if (!r.o.eval_interval) r.o.eval_interval = 250;
     if (!r.o.sample_interval) r.o.sample_interval = 500;
     if (!r.o.sample_tokens) r.o.sample_tokens = 128;
     if (!r.o.checkpoint_interval) r.o.checkpoint_interval = r.o.eval_interval;
-    r.started = wall();
+    r.started = trun_wall();
     r.phase = "init";
     r.ranks = k3_dist_size();
     r.me = k3_dist_rank();
@@ -954,11 +625,11 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
     rc = sync_ranks(&r, rc, false, "start-up", err);
     if (!rc) rc = check_same_job(&r, err); /* the same verdict on every rank */
     if (!rc) {
-        if (r.writer) rc = setup_run_dir(&r, err);
+        if (r.writer) rc = trun_open_dir(&r, err);
         rc = sync_ranks(&r, rc, false, "start-up (the run directory)", err);
     }
     if (rc) {
-        if (r.metrics_fd > 0) write_state(&r, "failed", err->msg, &(k3_err){0});
+        if (r.metrics_fd > 0) trun_write_state(&r, "failed", err->msg, &(k3_err){0});
         teardown(&r);
         return rc;
     }
@@ -983,7 +654,7 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
             printf("data parallel: %d ranks, %d micro-batch%s a step each\n", r.ranks, r.k, r.k > 1 ? "es" : "");
         fflush(stdout);
     }
-    write_state(&r, "running", NULL, err);
+    trun_write_state(&r, "running", NULL, err);
     r.phase = "train";
     if (!r.resumed) {
         rc = evaluate(&r, 0, err);
@@ -1012,10 +683,10 @@ int k3_train_run(const ttrain_opts *opts, k3_err *err) {
     free(tok);
     r.phase = "done";
     if (rc) {
-        write_state(&r, "failed", err->msg, &(k3_err){0});
+        trun_write_state(&r, "failed", err->msg, &(k3_err){0});
     } else {
-        if (!r.ne || r.he[r.ne - 1] != r.start) write_svg(&r, err);
-        rc = write_state(&r, r.start == r.total ? "finished" : "stopped", NULL, err);
+        if (!r.ne || r.he[r.ne - 1] != r.start) tplot_write_svg(&r, err);
+        rc = trun_write_state(&r, r.start == r.total ? "finished" : "stopped", NULL, err);
     }
     sigaction(SIGINT, &old_int, NULL);
     sigaction(SIGTERM, &old_term, NULL);

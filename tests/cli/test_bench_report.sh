@@ -97,7 +97,7 @@ expect_err_contains only_bad "unknown section 'warp'"
 # the cheap sections for real, on the tiny peer checkpoint (needs `make bench`)
 TINY=$(fixture peer/tiny-checkpoint)
 if [ -x bin/bench_index ] && [ -d "$TINY" ]; then
-  expect_exit live 0 $PY $R --only index,ttft --issue7-dir "$TINY" --replica-dir "$TINY" --index-repeats 1 \
+  expect_exit live 0 $PY $R --only index,ttft --mid-dir "$TINY" --replica-dir "$TINY" --index-repeats 1 \
     --ttft-runs 1 --cache "$OUT/cache"
   expect_out_contains live "| index "
   expect_out_contains live "| time to first token"

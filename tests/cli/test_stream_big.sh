@@ -11,7 +11,7 @@
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 PY=/usr/bin/python3
 CK=tests/out/stream-big-ckpt
-GEN="$PY tools/gen_checkpoint.py $CK --preset issue7 --target-bytes 2.1e9 --seed 4 --force"
+GEN="$PY tools/gen_checkpoint.py $CK --preset mid --target-bytes 2.1e9 --seed 4 --force"
 if ! $PY -c 'import numpy' 2>/dev/null; then
   skip stream_big "python3 with numpy missing, so the 2 GB checkpoint cannot be generated (scripts/setup.sh --test)"
   finish; exit $?

@@ -123,4 +123,38 @@ once model:source-includers '#include "model/source\.h"' \
 once model:records-includers '#include "model/records\.h"' \
   'src/(model|train)/[a-z_]+\.[ch]|tests/test_model\.c|tests/test_train_[a-z_]+\.c|tests/test_train\.c|bench/layers\.c' $MODEL_HDRS
 
+# ---- no hidden globals in training ------------------------------------------------
+# What the trainer computes with travels in its structs: the GEMM mode is
+# tmodel.bf16, passed to each product (tm_gemm_mode, t_fwd_ops(mode)); the
+# lookup's name buffer is its context's (tm_lookup_ctx). An object of static
+# storage that can change (not const; a pointer counts as const only when it
+# is `* const`) is a hidden global, file-scope or inside a function, static,
+# extern or thread-local; the one allowed is the stop flag a signal handler
+# sets (a volatile sig_atomic_t, which a handler can reach only as a global).
+hidden_globals() {
+  local hit text decl bad=""
+  while IFS= read -r hit; do
+    [ -n "$hit" ] || continue
+    text=${hit#*:*:}
+    decl=${text%%=*}
+    # a function (its name, then its parameters), a type, a declared tag
+    echo "$decl" | grep -qE '[A-Za-z_0-9]\(|^[[:space:]]*(typedef|enum)\b|^[[:space:]]*(struct|union)[[:space:]]+[A-Za-z_0-9]+;' && continue
+    case $decl in *"volatile sig_atomic_t"*) continue ;; esac
+    if echo "$decl" | grep -qw const && ! echo "$decl" | sed -E 's/\*[[:space:]]*const\b//g' | grep -q '\*'; then
+      continue
+    fi
+    bad="$bad$hit"$'\n'
+  done < <(hits '^[[:space:]]*(static|extern|_Thread_local|__thread)[[:space:]]|^[A-Za-z_][A-Za-z_0-9]*[[:space:]][^(=;]*(=|;)|\b(_Thread_local|__thread)\b' \
+             $(find src/train -name '*.c' -o -name '*.h' | sort))
+  if [ -z "$bad" ]; then pass train:no-hidden-globals; else fail train:no-hidden-globals "$(echo "$bad" | head -3 | cut -c1-120 | tr '\n' ' ')"; fi
+}
+hidden_globals
+
+# ---- the kernels' names -------------------------------------------------------------
+# The training GEMM lives in src/kernels under the kernels' prefix (k_gemm,
+# k_gemm_sym, k_view, k_gemm_mode with K_GEMM_F32 / K_GEMM_BF16, k_gemm_amx,
+# k_gemm_set_scalar ...): the training prefix tg_ in kernels.h or beside it
+# would name a kernel after one of its callers.
+once names:kernels-prefix '\b(tg|TG)_[A-Za-z_0-9]+' '' $(find src/kernels -name '*.c' -o -name '*.h' | sort)
+
 finish
