@@ -82,7 +82,7 @@ int main(int argc, char **argv) {
                                                    "properties", "q", "type", "string", "required", "q"));
         }
         k3_callspec *cs = NULL;
-        if (k3_callspec_compile(tools, NULL, &cs, where, sizeof where, &err)) return K3_EXIT_RUNTIME;
+        if (k3_callspec_compile(tools, K3_CALLS_REQUIRED, NULL, true, &cs, where, sizeof where, &err)) return K3_EXIT_RUNTIME;
         k3_constraint *c = k3_constraint_new_call(cs, tb, chat, vocab, false);
         const struct { int32_t id; const char *text; } path[] = {
             {m.close, NULL}, {-1, "response"}, {m.sep, NULL}, {m.open, NULL}, {-1, "tools"}, {m.sep, NULL},

@@ -6,9 +6,21 @@
  * (final RMSNorm + lm_head). Each is timed through the model's own block
  * functions (k3_kda, k3_mla, k3_mlp, k3_moe, the forward ops' products), and
  * set beside a streaming-read probe taken in the same run: bytes of weights
- * touched per call, achieved GB/s, and the ratio to the probe.
+ * touched per call, achieved GB/s, and the ratio to the probe. Then the same
+ * LatentMoE block with its k routed experts read from disk (moe_disk): the
+ * experts written at their real size and layout into a file under --tmp DIR
+ * (default $TMPDIR, else /tmp; removed at the end), dropped from the page
+ * cache, and read at every call by the engine's streaming source (the
+ * memory module's expert path: io_uring, O_DIRECT where the filesystem takes
+ * it, each expert computed as it arrives) through a cache of none; its
+ * output must equal the resident block's bits. Beside it: MB/s read, the
+ * time spent waiting on reads, the page cache's share of the file after the
+ * drop (mincore; a warning when it is not 0), and the disk's sequential rate
+ * through the same reader (the file read whole in 2 MiB pieces, 4 in flight,
+ * as the trunk ring reads a layer). --no-disk leaves it out.
  *
- *   bin/bench_layers CONFIG [--threads N] [--reps N] [--contexts 1,1024,...] [--probe-mb MB] [--json FILE]
+ *   bin/bench_layers CONFIG [--threads N] [--reps N] [--contexts 1,1024,...] [--probe-mb MB]
+ *                    [--tmp DIR | --no-disk] [--json FILE]
  *
  * CONFIG: a config.json or a directory holding one (the release's is
  * tests/fixtures/k3-release/config.json). The weights are bound by the
@@ -17,7 +29,9 @@
  * the head is the lm_head product alone (a [V][E] BF16 matrix). One layer
  * is bound at a time (the first of each attention and MLP kind) and freed
  * before the next, so the peak is the largest of them (the release's layer 0,
- * KDA + the dense MLP, 2.34 GB; the head 2.35 GB) plus the probe buffer.
+ * KDA + the dense MLP, 2.34 GB; the head 2.35 GB) plus the probe buffer
+ * (the MoE from disk adds k expert buffers and writes k + 1 experts to disk:
+ * 281 MB and 298 MB for the release).
  * Random weights: BF16 entries of
  * random sign and mantissa at a magnitude of about 1/sqrt(inputs), MXFP4
  * experts of random E2M1 codes with the group scale set to the same
@@ -36,17 +50,25 @@
 #include "bench.h"
 #include "formats/config.h"
 #include "formats/names.h"
+#include "formats/safetensors.h"
 #include "kernels/kernels.h"
+#include "memory/io.h"
+#include "memory/stream.h"
 #include "model/model.h"
 #include "model/records.h"
 #include "model/source.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <jansson.h>
 #include <math.h>
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 /* Every allocation of the block being timed, freed before the next block. */
 typedef struct {
@@ -308,7 +330,7 @@ static bool all_finite(const float *x, size_t n) {
 }
 
 /* One block kind ready to be called: fn runs one decode token. */
-typedef struct {
+typedef struct block {
     const k3_config *c;
     k3_kda_w kda;
     k3_kda_state ks;
@@ -323,12 +345,29 @@ typedef struct {
     const float *x;
     float *y, *tmp;
     size_t ny;
+    /* the MoE block with its experts read from disk: the source, the layer it
+     * serves, the file whose pages are dropped before each call, the first
+     * error */
+    const k3_weight_source *src;
+    int layer;
+    int drop_fd;
+    int rc;
+    k3_err err;
+    void (*prep)(struct block *); /* before each call, untimed */
 } block;
 
 static void run_kda(block *b) { k3_kda(b->c, &b->kda, &b->ks, b->x, 1, b->y); }
 static void run_mla(block *b) { k3_mla(b->c, b->c->mla_latent_eps, &b->mla, &b->mc, b->pos0, b->x, 1, b->y); }
 static void run_mlp(block *b) { k3_mlp(b->c, &b->mlp, b->x, 1, b->y); }
 static void run_moe(block *b) { k3_moe(b->c, &b->moe, b->experts, b->x, 1, b->y); }
+static void run_moe_disk(block *b) {
+    k3_err err = {0};
+    int rc = k3_moe_source(b->c, &b->moe, b->src, b->layer, b->x, 1, b->y, &err);
+    if (rc && !b->rc) {
+        b->rc = rc;
+        b->err = err;
+    }
+}
 /* The model's head: RMSNorm with the final gain, then lm_head through the
  * inference products (model.c's last step). */
 static void run_head(block *b) {
@@ -349,14 +388,17 @@ typedef struct {
 /* One warm-up call, then reps timed calls; false when an output is not finite. */
 static bool time_block(block *b, void (*fn)(block *), int reps, timing *t) {
     double *dt = xmalloc_array((size_t)reps, sizeof *dt);
+    if (b->prep) b->prep(b);
     fn(b);
-    double c0 = bench_cpu_now();
+    double cpu = 0;
     for (int r = 0; r < reps; r++) {
-        double t0 = k3_now();
+        if (b->prep) b->prep(b);
+        double c0 = bench_cpu_now(), t0 = k3_now();
         fn(b);
         dt[r] = k3_now() - t0;
+        cpu += bench_cpu_now() - c0;
     }
-    t->cpu = (bench_cpu_now() - c0) / reps;
+    t->cpu = cpu / reps;
     qsort(dt, (size_t)reps, sizeof *dt, cmp_double);
     t->best = dt[0];
     t->median = dt[reps / 2];
@@ -398,11 +440,240 @@ static int measure(measure_ctx *m, const char *name, void (*fn)(block *), block 
     return K3_OK;
 }
 
+/* ---- the MoE block with its experts read from disk ---------------------------- */
+/* Share of fd's pages (size bytes) in the page cache (mincore over a mapping,
+ * which faults nothing in), or -1 when it cannot be told. */
+static double cached_share(int fd, uint64_t size) {
+    if (!size) return 0;
+    void *m = mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) return -1;
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), n = (size_t)((size + page - 1) / page), in = 0;
+    unsigned char *v = xmalloc(n);
+    double f = -1;
+    if (!mincore(m, (size_t)size, v)) {
+        for (size_t i = 0; i < n; i++) in += v[i] & 1;
+        f = (double)in / (double)n;
+    }
+    free(v);
+    munmap(m, (size_t)size);
+    return f;
+}
+
+/* Before each call: the file's pages out of the page cache, so a buffered
+ * read (O_DIRECT refused) comes from the disk too. */
+static void drop_pages(block *b) { posix_fadvise(b->drop_fd, 0, 0, POSIX_FADV_DONTNEED); }
+
+/* This disk's sequential read rate, GB/s (best of 3, the file's pages
+ * dropped before each): the file read whole through the engine's reader as
+ * the trunk ring reads a layer, 2 MiB pieces with 4 in flight (io.h; O_DIRECT
+ * when wanted and taken, *direct says). -1 when it cannot be read. */
+static double disk_probe_gbs(const char *path, int drop_fd, uint64_t size, bool want_direct, bool *direct) {
+    enum { DEPTH = 4 };
+    const uint64_t piece = 2u << 20;
+    k3_io *io = k3_io_new(DEPTH, want_direct);
+    k3_err err = {0};
+    int fd = -1;
+    double best = -1;
+    if (k3_io_open(io, path, &fd, direct, &err)) {
+        k3_io_free(io);
+        return -1;
+    }
+    uint8_t *buf = k3_dio_alloc(DEPTH * piece);
+    k3_io_req q[DEPTH];
+    for (int rep = 0; rep < 3; rep++) {
+        posix_fadvise(drop_fd, 0, 0, POSIX_FADV_DONTNEED);
+        double t0 = k3_now();
+        uint64_t off = 0;
+        int inflight = 0, rc = K3_OK;
+        for (int i = 0; i < DEPTH && off < size && !rc; i++, off += piece, inflight++) {
+            q[i] = (k3_io_req){.fd = fd, .offset = off, .len = size - off < piece ? size - off : piece,
+                               .buf = buf + (uint64_t)i * piece};
+            rc = k3_io_submit(io, &q[i], &err);
+        }
+        while (inflight > 0 && !rc) {
+            k3_io_req *d;
+            if ((rc = k3_io_complete(io, &d, &err))) break;
+            inflight--;
+            if (off < size) { /* the freed buffer takes the next piece */
+                *d = (k3_io_req){.fd = fd, .offset = off, .len = size - off < piece ? size - off : piece, .buf = d->buf};
+                off += piece;
+                if (!(rc = k3_io_submit(io, d, &err))) inflight++;
+            }
+        }
+        if (rc) {
+            best = -1;
+            break;
+        }
+        double gbs = (double)size / (k3_now() - t0) / 1e9;
+        if (gbs > best) best = gbs;
+    }
+    k3_io_free(io); /* waits for what is still in flight */
+    free(buf);
+    close(fd);
+    return best;
+}
+
+/* The MoE block of layer L (bound in b, its experts resident in lx) with its
+ * routed experts read from disk by the engine's streaming source
+ * (memory/stream.h, experts only), as a streamed run reads them: the k
+ * experts the router picks plus one it never picks are written at their real
+ * size and layout (the checkpoint's tensor names, one contiguous run each in
+ * the release's order w1, w2, w3, packed then scale) into a file under tmp,
+ * dropped from the page cache, and served through a cache of no experts, so
+ * every call reads all k (io_uring, O_DIRECT where the filesystem takes it).
+ * The output must equal the resident block's bits (want). */
+static int moe_from_disk(measure_ctx *m, const char *cfg_path, const k3_config *c, int L, const lookup_ctx *lx,
+                         const block *b, uint64_t weight_bytes, const float *want, const char *tmp) {
+    int k = c->experts_per_token, nx = k + 1, group = c->mxfp4_group > 0 ? c->mxfp4_group : 32;
+    int64_t l = c->latent_dim, I = c->moe_inter;
+    k3_err err = {0};
+    int rc = K3_OK, fd = -1;
+    char dir[4096], path[4200];
+    /* the file holds them as the first MoE layer's (the layers before it are
+     * dense: the plan then asks for no other layer's experts) */
+    int Lx = 0;
+    while (Lx < L && c->layer_dense[Lx]) Lx++;
+    if (snprintf(dir, sizeof dir, "%s/k3-bench-layers-XXXXXX", tmp) >= (int)sizeof dir || !mkdtemp(dir)) {
+        fprintf(stderr, "k3: bench_layers: --tmp %s: cannot make a folder there: %s\n", tmp, strerror(errno));
+        return K3_EXIT_USAGE;
+    }
+    snprintf(path, sizeof path, "%s/experts.safetensors", dir);
+    int per = c->experts_mxfp4_declared ? 6 : 3, nt = nx * per;
+    st_out_tensor *ts = xcalloc((size_t)nt, sizeof *ts);
+    char (*names)[160] = xcalloc((size_t)nt, sizeof *names);
+    uint64_t expert_bytes = 0;
+    for (int e = 0, t = 0; e < nx; e++) {
+        int src = e % k; /* the spare expert repeats expert 0's bytes */
+        for (int j = 1; j <= 3; j++) {
+            int64_t rows = j == 2 ? l : I, cols = j == 2 ? I : l;
+            size_t slot = (size_t)src * 3 + (size_t)(j - 1);
+            for (int part = 0; part < (per == 6 ? 2 : 1); part++, t++) {
+                st_out_tensor *o = &ts[t];
+                snprintf(names[t], sizeof names[t], K3N_PREFIX "layers.%d." K3N_EXPERT_FMT "%s", Lx, e, j,
+                         per == 3 ? K3N_WEIGHT : part ? K3N_SCALE : K3N_PACKED);
+                o->name = names[t];
+                o->rank = 2;
+                o->shape[0] = rows;
+                o->dtype = per == 3 ? ST_BF16 : ST_U8;
+                o->shape[1] = per == 3 ? cols : part ? cols / group : cols / 2;
+                o->nbytes = (uint64_t)rows * (uint64_t)o->shape[1] * (per == 3 ? 2 : 1);
+                o->data = lx->ex[slot * 2 + (size_t)part];
+                if (e == 0) expert_bytes += o->nbytes;
+            }
+        }
+    }
+    double t0 = k3_now();
+    rc = st_write(path, NULL, 0, ts, (size_t)nt, &err);
+    double write_s = k3_now() - t0;
+    free(ts);
+    free(names);
+    double before = -1, after = -1;
+    struct stat sb;
+    if (!rc && ((fd = open(path, O_RDONLY | O_CLOEXEC)) < 0 || fstat(fd, &sb)))
+        rc = k3_fail(&err, K3_EXIT_RUNTIME, "%s: %s", path, strerror(errno));
+    if (!rc) { /* written and synced by st_write; synced again, then dropped */
+        fsync(fd);
+        posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+        before = cached_share(fd, (uint64_t)sb.st_size);
+    }
+    k3_config dc = *c; /* the file's checkpoint: layers up to L, nx experts a layer */
+    st_index *ix = NULL;
+    k3_stream *s = NULL;
+    static k3_mem_plan plan;
+    k3_stream_opts o;
+    k3_stream_opts_init(&o);
+    o.experts_only = true;
+    o.chunk = 1;
+    if (!rc) rc = k3_config_first_layers(&dc, Lx + 1, cfg_path, &err);
+    dc.num_experts = nx;
+    if (!rc) rc = st_open(path, &ix, &err);
+    if (!rc) rc = k3_plan_make(&dc, ix, NULL, &o, 1, &plan, &err);
+    if (!rc) { /* buffers for one token's k experts and none to cache: every call reads them all */
+        o.cache_gb = ((double)k + 0.5) * (double)plan.expert_buf / 1e9;
+        rc = k3_plan_make(&dc, ix, NULL, &o, 1, &plan, &err);
+        if (!rc && (plan.cache_experts != 0 || plan.batch_experts != k))
+            rc = k3_fail(&err, K3_EXIT_RUNTIME, "the plan holds %lld cached experts and a batch of %d, not 0 and %d",
+                         (long long)plan.cache_experts, plan.batch_experts, k);
+    }
+    if (!rc) {
+        rc = k3_stream_open(&dc, ix, NULL, &plan, &o, &s, &err);
+        ix = NULL; /* the source owns it now */
+    }
+    if (rc) {
+        fprintf(stderr, "k3: bench_layers: the MoE block from disk: %s\n", err.msg);
+    } else {
+        block d = {.c = c, .x = b->x, .y = xmalloc_array((size_t)c->hidden_size, sizeof(float)),
+                   .ny = (size_t)c->hidden_size, .moe = b->moe, .src = k3_stream_source(s), .layer = Lx,
+                   .drop_fd = fd, .prep = drop_pages};
+        rc = measure(m, "moe_disk", run_moe_disk, &d, weight_bytes, 0, 0);
+        if (!rc && d.rc) {
+            fprintf(stderr, "k3: bench_layers: moe_disk: %s\n", d.err.msg);
+            rc = d.rc;
+        }
+        if (!rc && memcmp(d.y, want, (size_t)c->hidden_size * sizeof(float))) {
+            fprintf(stderr, "k3: bench_layers: moe_disk: the output differs from the resident block's\n");
+            rc = K3_EXIT_RUNTIME;
+        }
+        k3_stream_stats st = k3_stream_get_stats(s);
+        uint64_t calls = (uint64_t)m->reps + 1;
+        if (!rc && st.misses != calls * (uint64_t)k) {
+            fprintf(stderr, "k3: bench_layers: moe_disk: %llu experts read in %llu calls, not %d a call\n",
+                    (unsigned long long)st.misses, (unsigned long long)calls, k);
+            rc = K3_EXIT_RUNTIME;
+        }
+        after = cached_share(fd, (uint64_t)sb.st_size);
+        bool pdirect = false;
+        double probe = rc ? -1 : disk_probe_gbs(path, fd, (uint64_t)sb.st_size, o.direct, &pdirect);
+        if (!rc) {
+            json_t *row = json_array_get(m->out, json_array_size(m->out) - 1);
+            json_t *res = json_array_get(m->out, json_array_size(m->out) - 2);
+            double best = json_real_value(json_object_get(row, "best_s")),
+                   rbest = json_real_value(json_object_get(res, "best_s"));
+            double rd = (double)st.expert_read / (double)calls, stall = st.expert_stall_s / (double)calls;
+            printf("  %d experts of %llu B read a call (%.1f MB) through %s%s from %s: best %.1f ms (resident %.1f ms, "
+                   "+%.1f ms), %.0f MB/s read; waiting on reads %.1f ms a call; written in %.1f s\n",
+                   k, (unsigned long long)expert_bytes, rd / 1e6, st.backend, st.direct ? " + O_DIRECT" : " (buffered)",
+                   tmp, 1e3 * best, 1e3 * rbest, 1e3 * (best - rbest), rd / best / 1e6, 1e3 * stall, write_s);
+            printf("  page cache: %.1f%% of the file after fsync + POSIX_FADV_DONTNEED, %.1f%% after the calls\n",
+                   before < 0 ? -1.0 : 100 * before, after < 0 ? -1.0 : 100 * after);
+            if (before != 0)
+                printf("  warning: the drop from the page cache could not be guaranteed (%s): the figure may be "
+                       "partly a memory figure\n",
+                       before < 0 ? "mincore cannot tell" : "pages stayed resident: a memory filesystem?");
+            if (!st.direct)
+                printf("  note: O_DIRECT refused here: buffered reads, the pages dropped before each call\n");
+            printf("  disk read probe: the %.1f MB file read whole as the trunk ring reads (2 MiB pieces, 4 in "
+                   "flight%s), best of 3: %.2f GB/s\n",
+                   (double)sb.st_size / 1e6, pdirect ? ", O_DIRECT" : ", buffered", probe);
+            json_object_set_new(row, "experts_read", json_integer(k));
+            json_object_set_new(row, "expert_bytes", json_integer((json_int_t)expert_bytes));
+            json_object_set_new(row, "read_bytes", json_real(rd));
+            json_object_set_new(row, "read_mbs", json_real(rd / best / 1e6));
+            json_object_set_new(row, "read_wait_s", json_real(stall));
+            json_object_set_new(row, "resident_best_s", json_real(rbest));
+            json_object_set_new(row, "backend", json_string(st.backend));
+            json_object_set_new(row, "direct", json_boolean(st.direct));
+            json_object_set_new(row, "cached_after_drop", json_real(before));
+            json_object_set_new(row, "cached_after_calls", json_real(after));
+            json_object_set_new(row, "disk_probe_gbs", json_real(probe));
+        }
+        free(d.y);
+    }
+    k3_stream_free(s);
+    st_close(ix);
+    if (fd >= 0) close(fd);
+    k3_remove_flat_dir(dir);
+    return rc;
+}
+
 static const char *USAGE =
-    "k3: usage: bench_layers CONFIG [--threads N] [--reps N>=1] [--contexts 1,1024,...] [--probe-mb MB>=16] [--json FILE]\n";
+    "k3: usage: bench_layers CONFIG [--threads N] [--reps N>=1] [--contexts 1,1024,...] [--probe-mb MB>=16] "
+    "[--tmp DIR | --no-disk] [--json FILE]\n";
 
 int main(int argc, char **argv) {
     const char *cfg_path = NULL, *json_path = NULL, *ctx_list = "1,1024,8192,32768";
+    const char *tmp = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    bool disk = true;
     int64_t threads = omp_get_max_threads(), reps = 5, probe_mb = 512;
     for (int i = 1; i < argc; i++) {
         bool more = i + 1 < argc;
@@ -414,6 +685,10 @@ int main(int argc, char **argv) {
             if (!k3_parse_i64(argv[++i], 16, 1 << 20, &probe_mb)) goto usage;
         } else if (!strcmp(argv[i], "--contexts") && more) {
             ctx_list = argv[++i];
+        } else if (!strcmp(argv[i], "--tmp") && more) {
+            tmp = argv[++i];
+        } else if (!strcmp(argv[i], "--no-disk")) {
+            disk = false;
         } else if (!strcmp(argv[i], "--json") && more) {
             json_path = argv[++i];
         } else if (argv[i][0] != '-' && !cfg_path) {
@@ -544,6 +819,7 @@ int main(int argc, char **argv) {
             b.moe = w.moe;
             b.experts = w.moe.experts;
             rc = measure(&mx, "moe", run_moe, &b, bytes, 0, 0);
+            if (!rc && disk) rc = moe_from_disk(&mx, cfg_path, c, L, &lx, &b, bytes, b.y, tmp);
             done[3] = true;
         }
         free(b.y);

@@ -444,7 +444,7 @@ static bool call_fix_open(call_fix *f) {
     f->tb = k3_tokbytes_new(f->t);
     f->tools = json_loads(CALL_TOOLS, 0, NULL);
     char where[256];
-    if (!f->tools || k3_callspec_compile(f->tools, NULL, &f->any, where, sizeof where, &err)) {
+    if (!f->tools || k3_callspec_compile(f->tools, K3_CALLS_REQUIRED, NULL, false, &f->any, where, sizeof where, &err)) {
         fprintf(stderr, "%s: %s\n", where, err.msg);
         return false;
     }
@@ -525,7 +525,7 @@ TEST(constrain_call_accepts_the_rendered_call) {
         const char *name = json_string_value(json_object_get(fn, "name"));
         k3_callspec *one = NULL;
         k3_err err = {0};
-        CHECK(k3_callspec_compile(f.tools, name, &one, NULL, 0, &err) == 0);
+        CHECK(k3_callspec_compile(f.tools, K3_CALLS_NAMED, name, true, &one, NULL, 0, &err) == 0);
         for (int named = 0; named < 2; named++) {
             k3_constraint *c = k3_constraint_new_call(named ? one : f.any, f.tb, f.chat, tok_vocab_size(f.t),
                                                       OK[i].thinking);
@@ -563,7 +563,7 @@ TEST(constrain_call_refuses_what_the_schema_or_choice_forbids) {
     CHECK(call_fix_open(&f));
     k3_callspec *weather = NULL;
     k3_err err = {0};
-    CHECK(k3_callspec_compile(f.tools, "get_weather", &weather, NULL, 0, &err) == 0);
+    CHECK(k3_callspec_compile(f.tools, K3_CALLS_NAMED, "get_weather", true, &weather, NULL, 0, &err) == 0);
 #define W(args) "{\"role\":\"assistant\",\"content\":\"\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\"," \
                 "\"function\":{\"name\":\"get_weather\",\"arguments\":" args "}}]}"
     static const struct {
@@ -624,7 +624,7 @@ TEST(constrain_call_refuses_parameters_it_cannot_enforce) {
         k3_callspec *cs = NULL;
         char where[256];
         k3_err err = {0};
-        CHECK(tools && k3_callspec_compile(tools, C[i].name, &cs, where, sizeof where, &err) == K3_EXIT_USAGE && !cs);
+        CHECK(tools && k3_callspec_compile(tools, C[i].name ? K3_CALLS_NAMED : K3_CALLS_REQUIRED, C[i].name, true, &cs, where, sizeof where, &err) == K3_EXIT_USAGE && !cs);
         CHECKF(!strcmp(where, C[i].where) && strstr(err.msg, C[i].says), "case %zu: '%s: %s'", i, where, err.msg);
         json_decref(tools);
     }
@@ -633,7 +633,7 @@ TEST(constrain_call_refuses_parameters_it_cannot_enforce) {
     json_array_append_new(tools, json_pack("{s:s, s:{s:s}}", "type", "function", "function", "name", "b"));
     k3_callspec *cs = NULL;
     k3_err err = {0};
-    CHECK(k3_callspec_compile(tools, "b", &cs, NULL, 0, &err) == 0 && cs);
+    CHECK(k3_callspec_compile(tools, K3_CALLS_NAMED, "b", true, &cs, NULL, 0, &err) == 0 && cs);
     k3_callspec_free(cs);
     json_decref(tools);
     /* more tools than a choice is enforced among */
@@ -641,7 +641,7 @@ TEST(constrain_call_refuses_parameters_it_cannot_enforce) {
     for (int i = 0; i <= K3_CALL_MAX_TOOLS; i++)
         json_array_append_new(tools, json_pack("{s:s, s:{s:s++}}", "type", "function", "function", "name", "t",
                                                i % 2 ? "x" : "y", ""));
-    CHECK(k3_callspec_compile(tools, NULL, &cs, NULL, 0, &err) == K3_EXIT_USAGE && strstr(err.msg, "at most"));
+    CHECK(k3_callspec_compile(tools, K3_CALLS_REQUIRED, NULL, true, &cs, NULL, 0, &err) == K3_EXIT_USAGE && strstr(err.msg, "at most"));
     json_decref(tools);
 }
 
@@ -690,7 +690,7 @@ TEST(constrain_call_walks_read_back_valid) {
     for (size_t i = 0; i < 2 * (size_t)vocab; i++) pool[i] = (float)(k3_rng_next(&seed) >> 40);
     k3_callspec *named = NULL;
     k3_err cerr = {0};
-    CHECK(k3_callspec_compile(f.tools, "get_weather", &named, NULL, 0, &cerr) == 0);
+    CHECK(k3_callspec_compile(f.tools, K3_CALLS_NAMED, "get_weather", true, &named, NULL, 0, &cerr) == 0);
     for (int walk = 0; walk < 16; walk++) {
         bool thinking = walk % 4 == 3;
         k3_constraint *c = k3_constraint_new_call(walk % 2 ? named : f.any, f.tb, f.chat, vocab, thinking);
@@ -752,5 +752,328 @@ TEST(constrain_call_walks_read_back_valid) {
     k3_callspec_free(named);
     free(pool);
     free(row);
+    call_fix_close(&f);
+}
+
+/* ---- several calls, and strict tools under "auto" ---- */
+
+#define CALL(id, name, args) \
+    "{\"id\":\"" id "\",\"type\":\"function\",\"function\":{\"name\":\"" name "\",\"arguments\":" args "}}"
+#define REPLY(content, calls) "{\"role\":\"assistant\",\"content\":\"" content "\",\"tool_calls\":[" calls "]}"
+
+/* Tools for "auto": get_weather and say-hi strict, noargs not. */
+static json_t *strict_tools(const call_fix *f) {
+    json_t *t = json_deep_copy(f->tools);
+    json_object_set_new(json_object_get(json_array_get(t, 0), "function"), "strict", json_true());
+    return t;
+}
+
+/* The fixture's tools with none strict. */
+static json_t *loose_tools(const call_fix *f) {
+    json_t *t = json_deep_copy(f->tools);
+    for (size_t i = 0; i < json_array_size(t); i++) json_object_del(json_object_get(json_array_get(t, i), "function"), "strict");
+    return t;
+}
+
+/* The parser's reading of ids (a reply that ended or not). */
+static json_t *read_back(const call_fix *f, const int32_t *g, size_t n, bool thinking, const char **fin) {
+    k3_chat_parser *p = k3_chat_parser_new(f->chat, thinking);
+    k3_chat_delta d;
+    k3_err err = {0};
+    for (size_t j = 0; j < n; j++)
+        if (k3_chat_parser_feed(p, g[j], &d, &err)) abort();
+    json_t *m = k3_chat_parser_message(p, false, fin);
+    k3_chat_parser_free(p);
+    return m;
+}
+
+/* The calls of message m and of the parser's reading back agree, in order
+ * (arguments compared as values). */
+static bool same_calls(const json_t *m, const json_t *back) {
+    const json_t *a = json_object_get(m, "tool_calls"), *b = json_object_get(back, "tool_calls");
+    if (json_array_size(a) != json_array_size(b)) return false;
+    for (size_t i = 0; i < json_array_size(a); i++) {
+        const json_t *fa = json_object_get(json_array_get(a, i), "function"),
+                     *fb = json_object_get(json_array_get(b, i), "function");
+        json_t *args = json_loads(json_string_value(json_object_get(fb, "arguments")), 0, NULL);
+        bool ok = json_equal(json_object_get(fa, "name"), json_object_get(fb, "name")) &&
+                  json_equal(args, json_object_get(fa, "arguments"));
+        json_decref(args);
+        if (!ok) return false;
+    }
+    return true;
+}
+
+/* Rendered assistant messages with several calls are accepted id for id
+ * and end there under "required" with parallel calls, and under "auto"
+ * with strict tools (also with content before the calls, a loose tool's
+ * call whatever its arguments, and no call at all); the parser reads them
+ * back as the same calls. Without parallel calls (and for a named
+ * function) the second call is refused; under "auto" so are a strict
+ * call's bad arguments and an undeclared tool. */
+TEST(constrain_calls_several_and_strict_under_auto) {
+    call_fix f;
+    CHECK(call_fix_open(&f));
+    int vocab = tok_vocab_size(f.t);
+    json_t *stools = strict_tools(&f);
+    k3_callspec *many = NULL, *named = NULL, *autop = NULL, *auto1 = NULL, *none = NULL;
+    k3_err err = {0};
+    CHECK(k3_callspec_compile(f.tools, K3_CALLS_REQUIRED, NULL, true, &many, NULL, 0, &err) == 0 && many);
+    CHECK(k3_callspec_compile(f.tools, K3_CALLS_NAMED, "get_weather", true, &named, NULL, 0, &err) == 0 && named);
+    CHECK(k3_callspec_compile(stools, K3_CALLS_AUTO, NULL, true, &autop, NULL, 0, &err) == 0 && autop);
+    CHECK(k3_callspec_compile(stools, K3_CALLS_AUTO, NULL, false, &auto1, NULL, 0, &err) == 0 && auto1);
+    /* no strict tool and parallel calls: nothing to enforce */
+    json_t *ltools = loose_tools(&f);
+    CHECK(k3_callspec_compile(ltools, K3_CALLS_AUTO, NULL, true, &none, NULL, 0, &err) == 0 && !none);
+    json_decref(ltools);
+    const char *W1 = CALL("a", "get_weather", "{\"city\":\"Paris\",\"days\":1}");
+    const char *W2 = CALL("b", "get_weather", "{\"city\":\"Rome \\\"R\\\"\",\"days\":2,\"unit\":\"c\"}");
+    char two[1024], three[1536], text2[1536], loose[1024], bad_args[1024], undeclared[1024];
+    snprintf(two, sizeof two, REPLY("", "%s,%s"), W1, W2);
+    snprintf(three, sizeof three, REPLY("", "%s,%s,%s"), W1,
+             CALL("c", "say \\\"hi\\\" & go", "{\"q\":\"x\"}"), CALL("d", "noargs", "{}"));
+    snprintf(text2, sizeof text2, REPLY("Let me look.", "%s,%s"), W2, W1);
+    snprintf(loose, sizeof loose, REPLY("", "%s,%s"), CALL("a", "noargs", "{\"anything\":[1,\"x\"]}"), W1);
+    snprintf(bad_args, sizeof bad_args, REPLY("ok", "%s"), CALL("a", "get_weather", "{\"city\":\"x\"}"));
+    snprintf(undeclared, sizeof undeclared, REPLY("", "%s"), CALL("a", "nope", "{}"));
+    static const char *const TEXT_ONLY = "{\"role\":\"assistant\",\"content\":\"Plain <|open|>call tool= text.\"}";
+    const struct {
+        const char *msg;
+        const k3_callspec *cs;
+        const char *label;
+        bool ok;
+    } C[] = {
+        {two, many, "two calls, required", true},
+        {three, many, "three calls of three tools, required", true},
+        {two, f.any, "two calls, required without parallel calls", false},
+        {two, named, "two calls, named", false},
+        {two, autop, "two calls, auto", true},
+        {three, autop, "three calls, auto", true},
+        {text2, autop, "content then two calls, auto", true},
+        {loose, autop, "a loose tool's call with any arguments, auto", true},
+        {TEXT_ONLY, autop, "text only, auto", true},
+        {TEXT_ONLY, auto1, "text only, auto without parallel calls", true},
+        {text2, auto1, "content then two calls, auto without parallel calls", false},
+        {bad_args, autop, "a strict call missing a required argument, auto", false},
+        {undeclared, autop, "an undeclared tool, auto", false},
+    };
+    for (size_t i = 0; i < sizeof C / sizeof *C; i++)
+        for (int thinking = 0; thinking < 2; thinking++) {
+            size_t n;
+            int32_t *g = rendered_reply(&f, C[i].msg, thinking, &n);
+            k3_constraint *c = k3_constraint_new_call(C[i].cs, f.tb, f.chat, vocab, thinking);
+            bool ended;
+            size_t got = feed_reply(c, g, n, vocab, &ended);
+            /* a free reply may go on after its end: only the ids are checked */
+            bool accepted = got == n && (ended || C[i].cs->how == K3_CALLS_AUTO);
+            CHECKF(accepted == C[i].ok, "%s (thinking %d): id %zu of %zu, ended %d", C[i].label, thinking, got, n, ended);
+            if (accepted) {
+                const char *fin;
+                json_t *m = json_loads(C[i].msg, 0, NULL), *back = read_back(&f, g, n, thinking, &fin);
+                CHECKF(same_calls(m, back), "%s read back as %s", C[i].label, json_dumps(back, 0));
+                json_decref(back);
+                json_decref(m);
+            }
+            k3_constraint_free(c);
+            free(g);
+        }
+    k3_callspec_free(many);
+    k3_callspec_free(named);
+    k3_callspec_free(autop);
+    k3_callspec_free(auto1);
+    json_decref(stools);
+    call_fix_close(&f);
+}
+
+/* Drives c through pieces: a markup id (text NULL) or a text's ids. */
+typedef struct {
+    int32_t id;
+    const char *text;
+} piece;
+
+static bool drive(const call_fix *f, k3_constraint *c, const piece *pc, size_t n) {
+    k3_err err = {0};
+    for (size_t i = 0; i < n; i++) {
+        int32_t one = pc[i].id, *v = &one;
+        size_t k = 1;
+        if (pc[i].text && tok_encode(f->t, pc[i].text, strlen(pc[i].text), false, &v, &k, &err)) return false;
+        bool ok = true;
+        for (size_t j = 0; j < k && ok; j++) ok = !k3_constraint_accept(c, v[j], &err);
+        if (v != &one) free(v);
+        if (!ok) return false;
+    }
+    return true;
+}
+
+/* Under "auto" with strict tools, the mask at each kind of state equals
+ * feeding each id of the vocabulary on its own to a copy of the state. */
+TEST(constrain_auto_strict_mask_equals_feeding_each_id) {
+    call_fix f;
+    CHECK(call_fix_open(&f));
+    int vocab = tok_vocab_size(f.t);
+    json_t *stools = strict_tools(&f);
+    k3_callspec *autop = NULL, *auto1 = NULL, *counted = NULL;
+    k3_err err = {0};
+    CHECK(k3_callspec_compile(stools, K3_CALLS_AUTO, NULL, true, &autop, NULL, 0, &err) == 0);
+    CHECK(k3_callspec_compile(stools, K3_CALLS_AUTO, NULL, false, &auto1, NULL, 0, &err) == 0);
+    /* no strict tool, one call: only the count */
+    json_t *ltools = loose_tools(&f);
+    CHECK(k3_callspec_compile(ltools, K3_CALLS_AUTO, NULL, false, &counted, NULL, 0, &err) == 0 && counted);
+    json_decref(ltools);
+    k3_chat_ids m = k3_chat_markup(f.chat);
+    const struct {
+        const k3_callspec *cs;
+        piece p[12];
+        size_t n;
+        const char *label;
+    } S[] = {
+        {autop, {{-1, "Hello"}}, 1, "free text"},
+        {autop, {{m.open, NULL}}, 1, "an open header"},
+        {autop, {{m.open, NULL}, {-1, "cal"}}, 2, "'cal'"},
+        {autop, {{m.open, NULL}, {-1, "call"}}, 2, "'call'"},
+        {autop, {{m.open, NULL}, {-1, "call tool"}}, 2, "'call tool'"},
+        {autop, {{m.open, NULL}, {-1, "call tool=\""}}, 2, "choosing the tool"},
+        {autop, {{m.open, NULL}, {-1, "call tool=\"get_weather\" index=\""}}, 2, "the index"},
+        {autop, {{m.open, NULL}, {-1, "call tool=\"get_weather\" index=\"1\""}, {m.sep, NULL}, {m.open, NULL},
+                 {-1, "argument key=\"city\" type=\"string\""}, {m.sep, NULL}, {-1, "Par"}}, 7, "a strict string argument"},
+        {autop, {{m.open, NULL}, {-1, "call tool=\"noargs\""}}, 2, "a loose call's header"},
+        {autop, {{m.open, NULL}, {-1, "argument"}}, 2, "another header"},
+        {auto1, {{m.open, NULL}, {-1, "call tool=\"noargs\" index=\"1\""}, {m.sep, NULL}, {m.close, NULL}, {-1, "call"},
+                 {m.sep, NULL}, {m.open, NULL}, {-1, "call"}}, 8, "'call' after the one call"},
+        {counted, {{m.open, NULL}, {-1, "call tool=\"noargs\""}, {m.sep, NULL}, {m.open, NULL}}, 4,
+         "an open header after the one call (no strict tool)"},
+    };
+    float *row = xcalloc((size_t)vocab, sizeof *row);
+    for (size_t s = 0; s < sizeof S / sizeof *S; s++) {
+        k3_constraint *c = k3_constraint_new_call(S[s].cs, f.tb, f.chat, vocab, s % 2);
+        k3_constraint *cp = k3_constraint_new_call(S[s].cs, f.tb, f.chat, vocab, s % 2);
+        CHECKF(drive(&f, c, S[s].p, S[s].n), "%s: driving refused", S[s].label);
+        const float *mk = k3_constraint_apply(c, row);
+        CHECKF(mk, "%s: nothing allowed", S[s].label);
+        size_t allowed = 0, want = 0;
+        for (int32_t id = 0; id < vocab && mk; id++) {
+            k3_constraint_copy(cp, c);
+            bool ok = !k3_constraint_accept(cp, id, &err);
+            allowed += mk[id] > -INFINITY;
+            want += ok;
+            if ((mk[id] > -INFINITY) != ok) {
+                size_t nb;
+                const uint8_t *b = tok_token_bytes(f.t, id, &nb);
+                CHECKF(0, "%s: id %d ('%.*s') mask %d, feeding it %d", S[s].label, id, b ? (int)nb : 0,
+                       b ? (const char *)b : "", mk[id] > -INFINITY, ok);
+                break;
+            }
+        }
+        CHECKF(allowed == want && allowed > 0, "%s: %zu allowed, want %zu", S[s].label, allowed, want);
+        k3_constraint_free(cp);
+        k3_constraint_free(c);
+    }
+    free(row);
+    k3_callspec_free(autop);
+    k3_callspec_free(auto1);
+    k3_callspec_free(counted);
+    json_decref(stools);
+    call_fix_close(&f);
+}
+
+/* A call of the fixture's tools is valid (the loose noargs: any arguments
+ * when loose). */
+static bool call_ok(const json_t *call, bool noargs_loose) {
+    const json_t *fn = json_object_get(call, "function");
+    const char *name = json_string_value(json_object_get(fn, "name"));
+    json_t *args = json_loads(json_string_value(json_object_get(fn, "arguments")), 0, NULL);
+    bool ok = false;
+    if (!name || !args) ok = false;
+    else if (!strcmp(name, "get_weather")) ok = weather_args_ok(args);
+    else if (!strcmp(name, "say \"hi\" & go")) ok = json_is_string(json_object_get(args, "q")) && json_object_size(args) == 1;
+    else if (!strcmp(name, "noargs")) ok = noargs_loose || json_object_size(args) == 0;
+    json_decref(args);
+    return ok;
+}
+
+/* Replies sampled under the mask from random rows, the markup raised now
+ * and then (and, under "auto", the ids that spell `call tool="` after an
+ * [open], and the end of the message): under "required" with parallel
+ * calls every finished reply has one or more valid calls, some several;
+ * under "auto" with strict tools every call there is valid (its name
+ * declared, a strict tool's arguments valid), at most one without parallel
+ * calls, and some replies call. */
+TEST(constrain_calls_walks_several_and_auto) {
+    call_fix f;
+    CHECK(call_fix_open(&f));
+    int vocab = tok_vocab_size(f.t);
+    k3_chat_ids ids = k3_chat_markup(f.chat);
+    json_t *stools = strict_tools(&f);
+    k3_callspec *many = NULL, *autop = NULL, *auto1 = NULL;
+    k3_err err = {0};
+    CHECK(k3_callspec_compile(f.tools, K3_CALLS_REQUIRED, NULL, true, &many, NULL, 0, &err) == 0);
+    CHECK(k3_callspec_compile(stools, K3_CALLS_AUTO, NULL, true, &autop, NULL, 0, &err) == 0);
+    CHECK(k3_callspec_compile(stools, K3_CALLS_AUTO, NULL, false, &auto1, NULL, 0, &err) == 0);
+    int32_t *path = NULL;
+    size_t npath = 0;
+    CHECK(tok_encode(f.t, "call tool=\"", 11, false, &path, &npath, &err) == 0 && npath > 0);
+    float *row = xmalloc_array((size_t)vocab, sizeof *row), *pool = xmalloc_array(2 * (size_t)vocab, sizeof *pool);
+    uint64_t seed = 11;
+    for (size_t i = 0; i < 2 * (size_t)vocab; i++) pool[i] = (float)(k3_rng_next(&seed) >> 40);
+    const k3_callspec *specs[] = {many, autop, auto1};
+    for (int sp = 0; sp < 3; sp++) {
+        const k3_callspec *cs = specs[sp];
+        int finished = 0, several = 0, called = 0;
+        for (int walk = 0; walk < 12; walk++) {
+            bool thinking = walk % 3 == 2;
+            k3_constraint *c = k3_constraint_new_call(cs, f.tb, f.chat, vocab, thinking);
+            k3_chat_parser *p = k3_chat_parser_new(f.chat, thinking);
+            k3_chat_delta d;
+            bool stop = false;
+            int on_path = -1; /* ids of `call tool="` written since an [open] */
+            for (int step = 0; step < 400 && !stop; step++) {
+                memcpy(row, pool + rnd(&seed, (uint64_t)vocab), (size_t)vocab * sizeof *row);
+                float hi = (float)(1ULL << 25);
+                if (rnd(&seed, 4) == 0) row[ids.close] = hi;
+                if (rnd(&seed, 3) == 0) row[ids.open] = hi;
+                if (cs->how == K3_CALLS_AUTO) {
+                    if (on_path >= 0 && (size_t)on_path < npath && rnd(&seed, 5)) row[path[on_path]] = 2 * hi;
+                    if (rnd(&seed, 30) == 0) row[ids.end_of_msg] = 4 * hi;
+                }
+                const float *m = k3_constraint_apply(c, row);
+                CHECK(m);
+                int32_t best = 0;
+                for (int i = 1; i < vocab; i++)
+                    if (m[i] > m[best]) best = i;
+                CHECK(m[best] > -INFINITY && k3_constraint_accept(c, best, &err) == 0);
+                CHECK(k3_chat_parser_feed(p, best, &d, &err) == 0);
+                if (best == ids.open) on_path = 0;
+                else if (on_path >= 0 && (size_t)on_path < npath && best == path[on_path]) on_path++;
+                else on_path = -1;
+                stop = d.stop;
+            }
+            const char *fin;
+            json_t *msg = k3_chat_parser_message(p, !stop, &fin);
+            const json_t *calls = json_object_get(msg, "tool_calls");
+            size_t nc = json_array_size(calls);
+            finished += stop;
+            several += nc > 1;
+            called += nc > 0;
+            if (cs->how == K3_CALLS_REQUIRED && stop)
+                CHECKF(nc >= 1 && !strcmp(fin, "tool_calls"), "walk %d: %s", walk, json_dumps(msg, 0));
+            if (!cs->multi) CHECKF(nc <= 1, "walk %d: %zu calls without parallel calls", walk, nc);
+            /* a call present validates, finished or not (the parser reads only closed calls) */
+            for (size_t k = 0; k < nc; k++)
+                CHECKF(call_ok(json_array_get(calls, k), cs->how == K3_CALLS_AUTO), "spec %d walk %d call %zu: %s", sp,
+                       walk, k, json_dumps(msg, 0));
+            json_decref(msg);
+            k3_chat_parser_free(p);
+            k3_constraint_free(c);
+        }
+        CHECKF(finished >= 4 && called >= 3 && (sp != 0 || several >= 2),
+               "spec %d: %d of 12 finished, %d called, %d with several calls", sp, finished, called, several);
+    }
+    free(path);
+    free(pool);
+    free(row);
+    k3_callspec_free(many);
+    k3_callspec_free(autop);
+    k3_callspec_free(auto1);
+    json_decref(stools);
     call_fix_close(&f);
 }

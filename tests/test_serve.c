@@ -1,5 +1,6 @@
 /* test_serve.c: k3 serve's request validation and its stop-string filter.
  * (The HTTP side is tested against the real binary in tests/cli/test_serve*.sh.) */
+#include "constrain/internal.h" /* the compiled callspec's mode */
 #include "harness.h"
 #include "model/model.h"
 #include "serve/serve.h"
@@ -209,7 +210,13 @@ TEST(serve_parse_errors) {
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"wat\":1}", "unknown_parameter", "wat"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"tools\":[]}", "unknown_parameter", "tools"},
         {K3_REQ_CHAT, "{\"messages\":[{}],\"prompt\":\"a\"}", "unknown_parameter", "prompt"},
-        {K3_REQ_CHAT, "{\"messages\":[{}],\"parallel_tool_calls\":false}", "unsupported_value", "parallel_tool_calls"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"parallel_tool_calls\":\"no\"}", "invalid_type", "parallel_tool_calls"},
+        {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"parallel_tool_calls\":false}", "unknown_parameter", "parallel_tool_calls"},
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"strict\":1}}]}",
+         "invalid_type", "tools[0]"},
+        /* a strict tool under auto is enforced, so its schema is compiled */
+        {K3_REQ_CHAT, "{\"messages\":[{}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"f\",\"strict\":true,"
+         "\"parameters\":{\"type\":\"object\",\"properties\":{\"a\":{\"minimum\":0}}}}}]}", "unsupported_value", "tools"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"stream_options\":{\"include_usage\":true}}", "invalid_value",
          "stream_options"},
         {K3_REQ_COMPLETION, "{\"prompt\":\"a\",\"stream\":true,\"stream_options\":{\"x\":1}}", "unknown_parameter",
@@ -322,6 +329,54 @@ TEST(serve_parse_hostile) {
     CHECK(!k3_sample_top_p_ok(1e-46, &f) && !k3_sample_top_p_ok(0, &f) && !k3_sample_top_p_ok(-1, &f));
     CHECK(!k3_sample_top_p_ok(1.0000001, &f) && !k3_sample_top_p_ok(0.0 / 0.0, &f));
     CHECK(k3_sample_top_p_ok(1, &f) && f == 1.0f && k3_sample_top_p_ok(0.5, &f) && f == 0.5f);
+}
+
+/* Which calls a request enforces: tool_choice, strict tools and
+ * parallel_tool_calls (OpenAI: "required" one or more calls, a named
+ * function exactly one, parallel_tool_calls false at most one). */
+TEST(serve_parse_enforced_calls) {
+#define STRICT_F "{\"type\":\"function\",\"function\":{\"name\":\"f\",\"strict\":true,\"parameters\":" \
+                 "{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"string\"}}}}}"
+#define LOOSE_G "{\"type\":\"function\",\"function\":{\"name\":\"g\",\"parameters\":{\"type\":\"object\"," \
+                "\"properties\":{\"a\":{\"minimum\":0}}}}}"
+    static const struct {
+        const char *rest; /* after "messages" */
+        int how;          /* -1: nothing enforced */
+        bool multi, schema;
+        size_t ntools;    /* tools a call's name is chosen among */
+    } C[] = {
+        {"\"tools\":[" STRICT_F "],\"tool_choice\":\"required\"", K3_CALLS_REQUIRED, true, false, 1},
+        {"\"tools\":[" STRICT_F "],\"tool_choice\":\"required\",\"parallel_tool_calls\":null", K3_CALLS_REQUIRED, true, false, 1},
+        {"\"tools\":[" STRICT_F "],\"tool_choice\":\"required\",\"parallel_tool_calls\":false", K3_CALLS_REQUIRED, false,
+         false, 1},
+        {"\"tools\":[" STRICT_F "],\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"f\"}},"
+         "\"parallel_tool_calls\":true", K3_CALLS_NAMED, false, false, 1},
+        {"\"tools\":[" STRICT_F "," LOOSE_G "],\"tool_choice\":\"auto\"", K3_CALLS_AUTO, true, false, 2},
+        {"\"tools\":[" LOOSE_G "," STRICT_F "]", K3_CALLS_AUTO, true, false, 2},
+        {"\"tools\":[" STRICT_F "],\"parallel_tool_calls\":false", K3_CALLS_AUTO, false, false, 1},
+        {"\"tools\":[" LOOSE_G "],\"parallel_tool_calls\":false", K3_CALLS_AUTO, false, false, 0},
+        {"\"tools\":[" LOOSE_G "],\"parallel_tool_calls\":true", -1, false, false, 0},
+        {"\"tools\":[" STRICT_F "],\"tool_choice\":\"none\"", -1, false, false, 0},
+        {"\"tools\":[" STRICT_F "],\"response_format\":{\"type\":\"json_object\"}", -1, false, true, 0},
+        {"\"parallel_tool_calls\":false", -1, false, false, 0},
+    };
+#undef STRICT_F
+#undef LOOSE_G
+    for (size_t i = 0; i < sizeof C / sizeof *C; i++) {
+        char body[1024];
+        snprintf(body, sizeof body, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],%s}", C[i].rest);
+        k3_serve_req r;
+        k3_serve_error e;
+        CHECKF(parse(body, K3_REQ_CHAT, &r, &e) == 0, "case %zu: %s", i, e.message);
+        if (C[i].how < 0) {
+            CHECKF(!r.call && !r.schema == !C[i].schema, "case %zu: enforced", i);
+        } else {
+            CHECKF(r.call && r.call->how == C[i].how && r.call->multi == C[i].multi && r.call->n == C[i].ntools,
+                   "case %zu: how %d multi %d tools %zu", i, r.call ? r.call->how : -1, r.call && r.call->multi,
+                   r.call ? r.call->n : 0);
+        }
+        k3_serve_req_free(&r);
+    }
 }
 
 /* the released text of a whole feed, in pieces of `step` bytes */

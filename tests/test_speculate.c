@@ -591,3 +591,112 @@ TEST(spec_batched_sessions_equal_plain) {
     CHECKF(accepted > 0 && passes > 0, "%llu batched passes, no draft accepted", (unsigned long long)passes);
     k3_engine_free(e);
 }
+
+/* Draft-model drafting for several speculating sessions at once
+ * (k3_spec_ask, one k3_drafter_propose_batch for every slot's drafter, each
+ * a sibling on one draft model, k3_spec_answer): every ask's drafts equal,
+ * id for id, what a drafter of its own (another engine of the draft model,
+ * k3_drafter_propose alone) proposes for the same history and count; the
+ * draft model's passes were shared (more drafters fed than passes); and the
+ * ids equal plain decoding's. Target and draft: models/default; greedy and
+ * sampled sessions, so their acceptance (and how many drafters ask at each
+ * step) differs. */
+TEST(spec_batched_drafting_equals_alone) {
+    k3_engine *e = open_engine(t_repo("models/default"), 256);
+    CHECK(e);
+    k3_err err = {0};
+    const int V = k3_engine_vocab(e);
+    enum { NS = 4, NGEN = 40, K = 4 };
+    static const char *texts[NS] = {"Once upon a time, there was a little girl named Lily. She loved to play. Lily",
+                                    "Tom had a red ball. Tom had a red ball. Tom",
+                                    "The cat sat on the mat. The dog sat on the",
+                                    "One day, a big bird flew over the"};
+    static const float temps[NS] = {0.0f, 0.8f, 0.0f, 1.0f};
+    k3_state *ks[NS];
+    k3_session *s[NS];
+    k3_drafter *d[NS], *alone[NS];
+    k3_spec *sp[NS];
+    k3_sampler smp[NS];
+    int32_t *prompt[NS], got[NS][NGEN];
+    size_t np[NS];
+    float *lg[NS];
+    CHECKF(k3_drafter_for(e, t_repo("models/default"), K, 256, &d[0], &err) == 0, "%s", err.msg);
+    for (int q = 0; q < NS; q++) {
+        CHECKF(tok_encode(k3_engine_tokenizer(e), texts[q], strlen(texts[q]), false, &prompt[q], &np[q], &err) == 0,
+               "%s", err.msg);
+        CHECK(k3_engine_state_new(e, 256, 0, &ks[q], &err) == 0);
+        s[q] = k3_session_open(e, ks[q], NULL);
+        if (q > 0) CHECKF(k3_drafter_sibling(d[0], 256, &d[q], &err) == 0, "%s", err.msg);
+        CHECKF(k3_drafter_for(e, t_repo("models/default"), K, 256, &alone[q], &err) == 0, "%s", err.msg);
+        sp[q] = k3_spec_new(d[q], K, V);
+        k3_sampler_init(&smp[q], V, temps[q], 0, 1.0f, 0, 7);
+        lg[q] = xmalloc_array((size_t)V, sizeof(float));
+        CHECK(k3_session_prefill(s[q], prompt[q], np[q], lg[q], NULL, &err) == 0);
+    }
+    int shared = 0; /* asks made together with another */
+    for (int g = 0; g < NGEN; g++) {
+        k3_session *bs[NS];
+        int counts[NS], nb = 0, who[NS], na = 0;
+        int32_t ids[NS * (K + 1)];
+        float *rows[NS];
+        k3_spec_pass p[NS];
+        k3_draft_ask ask[NS], *asks[NS];
+        bool open[NS] = {false};
+        for (int q = 0; q < NS; q++) {
+            got[q][g] = k3_sample(&smp[q], lg[q]);
+            if (g + 1 == NGEN) continue;
+            CHECKF(k3_spec_ask(sp[q], s[q], got[q][g], lg[q], NGEN - g - 2, &p[q], &ask[q], &err) == 0, "%s", err.msg);
+            if (p[q].n == 0) continue; /* an accepted draft: its row is there */
+            open[q] = true;
+            if (ask[q].k > 0) asks[na++] = &ask[q];
+        }
+        CHECKF(k3_drafter_propose_batch(asks, na, &err) == 0, "%s", err.msg);
+        if (na > 1) shared += na;
+        for (int i = 0; i < na; i++) {
+            int32_t want[K];
+            int gw = -1;
+            CHECK(k3_drafter_propose(alone[asks[i] - ask], asks[i]->hist, asks[i]->n, asks[i]->k, want, &gw, &err) == 0);
+            CHECKF(gw == asks[i]->got && !memcmp(want, asks[i]->out, (size_t)gw * sizeof *want),
+                   "step %d, session %d (of %d asking): %d drafts together, %d alone, or other ids", g,
+                   (int)(asks[i] - ask), na, asks[i]->got, gw);
+        }
+        size_t at = 0;
+        for (int q = 0; q < NS; q++) {
+            if (!open[q]) continue;
+            CHECK(k3_spec_answer(sp[q], s[q], ask[q].got, &p[q], &err) == 0);
+            memcpy(ids + at, p[q].ids, (size_t)p[q].n * sizeof *ids);
+            at += (size_t)p[q].n;
+            bs[nb] = s[q];
+            counts[nb] = p[q].n;
+            rows[nb] = p[q].rows;
+            who[nb++] = q;
+        }
+        if (nb == 0) continue;
+        CHECKF(k3_session_feed_batch_rows(bs, nb, counts, ids, rows, &err) == 0, "%s", err.msg);
+        for (int i = 0; i < nb; i++) k3_spec_fed(sp[who[i]]);
+    }
+    k3_draft_stats ds = k3_drafter_stats(d[1]); /* every sibling's, the root's alike */
+    CHECKF(shared > 0 && ds.seqs > ds.passes, "%d asks shared a call; the draft model fed %llu drafters in %llu passes",
+           shared, (unsigned long long)ds.seqs, (unsigned long long)ds.passes);
+    for (int q = 0; q < NS; q++) {
+        CHECK(k3_spec_finish(sp[q], s[q], &err) == 0);
+        CHECK(k3_spec_get_stats(sp[q]).accepted > 0);
+        void *sa = NULL;
+        size_t na = 0;
+        k3_spec_stats none;
+        int32_t *want = generate(e, NULL, 0, temps[q], prompt[q], (int)np[q], NGEN, &sa, &na, &none);
+        CHECK(want);
+        CHECKF(!memcmp(want, got[q], sizeof got[q]), "session %d: ids with batched drafting differ from plain", q);
+        free(want);
+        free(sa);
+        free(prompt[q]);
+        free(lg[q]);
+        k3_sampler_free(&smp[q]);
+        k3_spec_free(sp[q]);
+        k3_drafter_free(alone[q]);
+        k3_session_free(s[q]);
+        k3_engine_state_free(e, ks[q]);
+    }
+    for (int q = NS - 1; q >= 0; q--) k3_drafter_free(d[q]); /* the root last: the siblings share its model */
+    k3_engine_free(e);
+}

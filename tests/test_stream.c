@@ -6,6 +6,7 @@
  * a read error poisons the source instead of producing tokens. */
 #include "harness.h"
 #include "memory/stream.h"
+#include "model/records.h"
 
 #include <dirent.h>
 #include <jansson.h>
@@ -418,4 +419,76 @@ TEST(stream_head_from_trunk_run0) {
     free(got);
     free(bent);
     free(want);
+}
+
+/* The source of the routed experts alone (bench/layers.c's MoE from disk):
+ * it plans and binds no trunk, refuses a packed trunk and every layer_get,
+ * and the MoE block fed from it (k3_moe_source: decode's overlapped path at
+ * one position, experts_get at three) gives the resident block's bits, every
+ * selected expert read from the shards through a cache of none. */
+TEST(stream_experts_only_source) {
+    const char *dir = t_repo("tests/fixtures/gen/k3_like");
+    k3_err err = {0};
+    k3_config cfg;
+    st_index *ix;
+    CHECK(k3_config_load(dir, &cfg, &err) == 0 && st_open(dir, &ix, &err) == 0);
+    int L = 0;
+    while (L < cfg.num_layers && cfg.layer_dense[L]) L++;
+    CHECK(L < cfg.num_layers);
+    k3_stream_opts o;
+    k3_stream_opts_init(&o);
+    o.experts_only = true;
+    o.mem_limit = 1ull << 40;
+    o.chunk = 3;
+    static k3_mem_plan p;
+    char trunk[1024];
+    snprintf(trunk, sizeof trunk, "%s/trunk", t_outdir());
+    CHECKF(k3_trunk_pack(dir, trunk, &err) == 0, "%s", err.msg);
+    k3_trunk *tr;
+    CHECK(k3_trunk_open(trunk, NULL, &tr, &err) == 0);
+    CHECK(k3_plan_make(&cfg, ix, tr, &o, 4, &p, &err) == K3_EXIT_USAGE);
+    k3_trunk_free(tr);
+    CHECK(k3_plan_make(&cfg, ix, NULL, &o, 4, &p, &err) == 0);
+    CHECKF(p.trunk_bytes == 0 && p.head_bytes == 0 && p.pinned == 0 && p.total_experts > 0, "trunk %llu experts %lld",
+           (unsigned long long)p.trunk_bytes, (long long)p.total_experts);
+    int k = cfg.experts_per_token;
+    o.cache_gb = (3.0 * k + 0.5) * (double)p.expert_buf / 1e9; /* one chunk's batch, nothing cached */
+    CHECKF(k3_plan_make(&cfg, ix, NULL, &o, 4, &p, &err) == 0, "%s", err.msg);
+    CHECKF(p.cache_experts == 0, "cache %lld", (long long)p.cache_experts);
+    k3_stream *s;
+    CHECKF(k3_stream_open(&cfg, ix, NULL, &p, &o, &s, &err) == 0, "%s", err.msg);
+    const k3_weight_source *src = k3_stream_source(s);
+    const k3_layer_w *lw;
+    k3_err e2 = {0};
+    CHECK(src->layer_get(src->ctx, L, &lw, &e2) != 0 && strstr(e2.msg, "experts only"));
+    /* a fresh source: the refusal poisons the one above */
+    k3_stream_free(s);
+    CHECK(st_open(dir, &ix, &err) == 0);
+    CHECKF(k3_stream_open(&cfg, ix, NULL, &p, &o, &s, &err) == 0, "%s", err.msg);
+    src = k3_stream_source(s);
+    k3_model *m;
+    CHECKF(k3_model_open(dir, NULL, &m, &err) == 0, "%s", err.msg);
+    const k3_layer_w *w = k3_model_layer(m, L);
+    CHECK(w && !w->dense && w->moe.experts);
+    int E = cfg.hidden_size;
+    float *x = malloc(3 * (size_t)E * sizeof *x), *want = malloc(3 * (size_t)E * sizeof *x),
+          *got = malloc(3 * (size_t)E * sizeof *x);
+    uint64_t st = 5;
+    for (int i = 0; i < 3 * E; i++) x[i] = (float)(2 * k3_rng_unit(&st) - 1);
+    for (int T = 1; T <= 3; T += 2) {
+        k3_moe(&cfg, &w->moe, w->moe.experts, x, T, want);
+        memset(got, 0, 3 * (size_t)E * sizeof *got);
+        CHECKF(k3_moe_source(&cfg, &w->moe, src, L, x, T, got, &err) == 0, "T %d: %s", T, err.msg);
+        CHECKF(memcmp(got, want, (size_t)T * E * sizeof *got) == 0, "T %d: the bits differ from the resident block's",
+               T);
+    }
+    k3_stream_stats ss = k3_stream_get_stats(s);
+    CHECKF(ss.steps == 2 && ss.hits == 0 && ss.misses >= 2 * (uint64_t)k && ss.expert_read > 0,
+           "steps %llu hits %llu misses %llu", (unsigned long long)ss.steps, (unsigned long long)ss.hits,
+           (unsigned long long)ss.misses);
+    free(x);
+    free(want);
+    free(got);
+    k3_model_free(m);
+    k3_stream_free(s);
 }

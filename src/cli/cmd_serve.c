@@ -81,7 +81,9 @@ const char *const cmd_serve_help =
     "                       --parallel every slot drafts and verifies; the slots'\n"
     "                       verifying passes share one forward pass\n"
     "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
-    "                       --speculate defaults to 4 with it; not under mpirun\n"
+    "                       --speculate defaults to 4 with it; not under mpirun.\n"
+    "                       With --parallel the slots that draft in one step\n"
+    "                       share its forward passes\n"
     "\n"
     K3_ENGINE_HELP
     "\n"

@@ -1,7 +1,8 @@
-/* call.c: the tools a constrained reply must call (constrain.h): each
+/* call.c: the tools a constrained reply may call (constrain.h): each
  * callable tool's name and parameters as the text the reply's call header
  * and argument headers spell, and the compiled schema its values are held
- * to. */
+ * to; a tool whose calls are not enforced (not strict, under "auto") keeps
+ * only its name. */
 #include "constrain/internal.h"
 
 #include <stdarg.h>
@@ -55,8 +56,10 @@ static int refuse(char *where, size_t nwhere, k3_err *err, const char *path, con
     return k3_fail(err, K3_EXIT_USAGE, "%s", msg);
 }
 
-/* Tool i: its header text, parameters and argument headers. */
-static int tool_compile(const json_t *fn, size_t i, k3_calltool *t, char *where, size_t nwhere, k3_err *err) {
+/* Tool i: its header text, parameters and argument headers (loose: its
+ * name only). */
+static int tool_compile(const json_t *fn, size_t i, bool loose, k3_calltool *t, char *where, size_t nwhere,
+                        k3_err *err) {
     char path[64];
     const json_t *name = json_object_get(fn, "name");
     snprintf(path, sizeof path, "tools[%zu].function.name", i);
@@ -65,9 +68,12 @@ static int tool_compile(const json_t *fn, size_t i, k3_calltool *t, char *where,
     const char *nm = json_string_value(name);
     size_t nl = json_string_length(name);
     if (memchr(nm, 0, nl)) return refuse(where, nwhere, err, path, "a tool name cannot hold U+0000");
-    t->head = attr_text(nm, nl, "\" index=\"1\"", &t->nhead);
+    /* the index's digits follow an enforced head (they count the calls) */
+    t->loose = loose;
+    t->head = attr_text(nm, nl, loose ? "\"" : "\" index=\"", &t->nhead);
     if (t->nhead > K3_CALL_MAX_NAME)
         return refuse(where, nwhere, err, path, "'%.60s...' is too long to be enforced as a call", nm);
+    if (loose) return K3_OK;
     const json_t *params = json_object_get(fn, "parameters");
     if (!params || json_is_null(params)) return K3_OK;
     snprintf(path, sizeof path, "tools[%zu].function.parameters", i);
@@ -105,8 +111,17 @@ static int tool_compile(const json_t *fn, size_t i, k3_calltool *t, char *where,
     return K3_OK;
 }
 
-int k3_callspec_compile(const json_t *tools, const char *name, k3_callspec **out, char *where, size_t nwhere,
-                        k3_err *err) {
+/* Two tools of one name (a head's name ends at its first quote: a quote
+ * in a name is an entity). */
+static bool same_name(const k3_calltool *a, const k3_calltool *b) {
+    size_t n = strcspn(a->head, "\"");
+    return n == strcspn(b->head, "\"") && !memcmp(a->head, b->head, n);
+}
+
+static bool is_strict(const json_t *fn) { return json_is_true(json_object_get(fn, "strict")); }
+
+int k3_callspec_compile(const json_t *tools, int how, const char *name, bool parallel, k3_callspec **out, char *where,
+                        size_t nwhere, k3_err *err) {
     *out = NULL;
     if (nwhere) where[0] = 0;
     char dummy[4];
@@ -114,27 +129,37 @@ int k3_callspec_compile(const json_t *tools, const char *name, k3_callspec **out
         where = dummy;
         nwhere = sizeof dummy;
     }
-    size_t nt = json_array_size(tools);
-    if (!name && nt > K3_CALL_MAX_TOOLS)
+    if (how != K3_CALLS_NAMED) name = NULL;
+    size_t nt = json_array_size(tools), nstrict = 0;
+    for (size_t i = 0; i < nt; i++) nstrict += is_strict(json_object_get(json_array_get(tools, i), "function"));
+    /* under auto only strict calls and the count are enforced: with
+     * neither there is nothing to enforce */
+    if (how == K3_CALLS_AUTO && (!nt || (!nstrict && parallel))) return K3_OK;
+    /* names are chosen among all the tools wherever one is enforced */
+    bool choose = how != K3_CALLS_AUTO || nstrict;
+    if (choose && !name && nt > K3_CALL_MAX_TOOLS)
         return refuse(where, nwhere, err, "tools", "at most %d tools can be enforced as a choice (got %zu)",
                       K3_CALL_MAX_TOOLS, nt);
     k3_callspec *cs = xcalloc(1, sizeof *cs);
+    cs->how = how;
+    cs->multi = how != K3_CALLS_NAMED && parallel;
     cs->t = xcalloc(nt ? nt : 1, sizeof *cs->t);
     int rc = K3_OK;
-    for (size_t i = 0; i < nt && !rc; i++) {
+    for (size_t i = 0; i < nt && !rc && choose; i++) {
         const json_t *fn = json_object_get(json_array_get(tools, i), "function");
         const json_t *nm = json_object_get(fn, "name");
         if (name && !(json_is_string(nm) && !strcmp(json_string_value(nm), name))) continue;
         k3_calltool *t = &cs->t[cs->n++];
-        rc = tool_compile(fn, i, t, where, nwhere, err);
+        rc = tool_compile(fn, i, how == K3_CALLS_AUTO && !is_strict(fn), t, where, nwhere, err);
         for (size_t j = 0; j + 1 < cs->n && !rc; j++)
-            if (cs->t[j].nhead == t->nhead && !memcmp(cs->t[j].head, t->head, t->nhead)) {
+            if (same_name(&cs->t[j], t)) {
                 char path[64];
                 snprintf(path, sizeof path, "tools[%zu].function.name", i);
                 rc = refuse(where, nwhere, err, path, "'%.60s' is declared twice", json_string_value(nm));
             }
     }
-    if (!rc && !cs->n) rc = refuse(where, nwhere, err, "tools", "%s", name ? "the named tool is not declared" : "no tools");
+    if (!rc && choose && !cs->n)
+        rc = refuse(where, nwhere, err, "tools", "%s", name ? "the named tool is not declared" : "no tools");
     if (rc) {
         k3_callspec_free(cs);
         return rc;

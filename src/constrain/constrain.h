@@ -21,19 +21,32 @@
  *    precomputed once per tokenizer: the base ids sorted by bytes, so tokens
  *    that share a prefix share its work and a rejected prefix rejects them
  *    all at once).
- *  - k3_callspec: the tools a reply must call (tool_choice "required" or a
- *    named function). The reply is then the template's assistant tool call
+ *  - k3_callspec: the tools a reply calls. Under tool_choice "required" or
+ *    a named function the reply is the template's assistant tool call
  *    (docs/chat.md): an empty response channel, then
- *      [open]tools[sep] [open]call tool="NAME" index="1"[sep]
+ *      [open]tools[sep] CALL+ [close]tools[sep] [close]message[sep] [end_of_msg]
+ *    with each CALL
+ *      [open]call tool="NAME" index="I"[sep]
  *      ([open]argument key="K" type="T"[sep] VALUE [close]argument[sep])*
- *      [close]call[sep] [close]tools[sep] [close]message[sep] [end_of_msg]
- *    with NAME one of the tools (masked among their names), each K a
- *    declared parameter at most once, every required one present, T one of
- *    the parameter's types (string number boolean null array object), and
- *    VALUE the value as the parser reads it back: a string's raw text for
- *    type="string" (valid UTF-8 without NUL; fed to the machine as its JSON
- *    escapes), else JSON, masked by the machine on the parameter's schema. Names are spelled as the template spells attributes (& and "
- *    as &amp; &quot;). One call per reply.
+ *      [close]call[sep]
+ *    where I counts the calls from 1, NAME is one of the tools (masked among
+ *    their names), each K a declared parameter at most once, every required
+ *    one present, T one of the parameter's types (string number boolean
+ *    null array object), and VALUE the value as the parser reads it back: a
+ *    string's raw text for type="string" (valid UTF-8 without NUL; fed to
+ *    the machine as its JSON escapes), else JSON, masked by the machine on
+ *    the parameter's schema. Names are spelled as the template spells
+ *    attributes (& and " as &amp; &quot;). "required" with parallel calls:
+ *    one or more calls; without, and a named function (OpenAI: "exactly one
+ *    specific function"): one.
+ *    Under "auto" the reply is free (any id) except where it opens a call:
+ *    an [open] header that would read as a call (its first word "call") may
+ *    only spell `call tool="`, then NAME is chosen among all the tools; a
+ *    strict tool's call goes on as above up to its [close]call[sep], after
+ *    which the reply is free again; a loose (not strict) tool's call is free
+ *    text from its name on. Without parallel calls a second call header is
+ *    refused. With no strict tool, only that count is enforced (no name is
+ *    chosen), and with parallel calls there is nothing to enforce.
  *
  * Bounds (everything a client controls is bounded): schema nesting
  * K3_JSCHEMA_MAX_DEPTH, nodes K3_JSCHEMA_MAX_NODES, properties per object and
@@ -129,20 +142,25 @@ void k3_tokbytes_free(k3_tokbytes *tb);
  * 0; returns how many. An id with no bytes is never allowed. */
 size_t k3_jstate_mask(const k3_jstate *st, const k3_tokbytes *tb, uint8_t *allow);
 
-/* ---- the tools a reply must call ---- */
+/* ---- the tools a reply calls ---- */
 #define K3_CALL_MAX_TOOLS 128  /* tools one reply may choose among */
 #define K3_CALL_MAX_NAME 1024  /* bytes of a tool or parameter name as an attribute */
+enum { K3_CALLS_REQUIRED, K3_CALLS_NAMED, K3_CALLS_AUTO };
 typedef struct k3_callspec k3_callspec;
 /* tools: the request's array ({type: "function", function: {name,
- * parameters}}); name: the one to call, NULL for any of them. Each callable
- * tool's parameters (absent or null: none) must be an object schema of the
- * k3_jschema subset; a refusal is K3_EXIT_USAGE with where naming the path
- * ("tools[2].function.parameters.properties.age.minimum"), as is a name
- * declared twice, too long, or more than K3_CALL_MAX_TOOLS tools to choose
- * among. Parameters are written only from properties (additionalProperties
- * admits no extra argument). */
-int k3_callspec_compile(const json_t *tools, const char *name, k3_callspec **out, char *where, size_t nwhere,
-                        k3_err *err);
+ * parameters, strict}}); how: tool_choice "required", a named function
+ * (name: the one to call) or "auto"; parallel: parallel_tool_calls. Each
+ * enforced tool's parameters (absent or null: none) must be an object
+ * schema of the k3_jschema subset; a refusal is K3_EXIT_USAGE with where
+ * naming the path ("tools[2].function.parameters.properties.age.minimum"),
+ * as is a name declared twice, too long, or more than K3_CALL_MAX_TOOLS
+ * tools to choose among. Enforced: every tool a "required" or named reply
+ * may call; under "auto" the strict ones (function.strict true), the others
+ * only by name. Parameters are written only from properties
+ * (additionalProperties admits no extra argument). *out is NULL, with
+ * K3_OK, where "auto" leaves nothing to enforce. */
+int k3_callspec_compile(const json_t *tools, int how, const char *name, bool parallel, k3_callspec **out,
+                        char *where, size_t nwhere, k3_err *err);
 void k3_callspec_free(k3_callspec *cs);
 
 /* ---- one chat reply ---- */
@@ -151,13 +169,15 @@ typedef struct k3_constraint k3_constraint;
  * thinking: the generation prefix opened the think channel. */
 k3_constraint *k3_constraint_new(const k3_jschema *schema, const k3_tokbytes *tb, const k3_chat *chat, int vocab,
                                  bool thinking);
-/* A reply that is a call of one of cs's tools (the shape above). */
+/* A reply that calls cs's tools (the shapes above; thinking matters to
+ * "required" and named replies). */
 k3_constraint *k3_constraint_new_call(const k3_callspec *cs, const k3_tokbytes *tb, const k3_chat *chat, int vocab,
                                       bool thinking);
 void k3_constraint_free(k3_constraint *c);
 /* The row to sample from: row with every id that cannot continue the reply
- * at -INFINITY (a copy; row is not changed). NULL when no id can (the
- * tokenizer lacks a byte the output needs): the caller fails the request. */
+ * at -INFINITY (a copy; row is not changed), or row itself where every id
+ * can. NULL when no id can (the tokenizer lacks a byte the output needs):
+ * the caller fails the request. */
 const float *k3_constraint_apply(k3_constraint *c, const float *row);
 /* A sampled id joins the reply; K3_EXIT_RUNTIME if it was not allowed. */
 int k3_constraint_accept(k3_constraint *c, int32_t id, k3_err *err);

@@ -68,7 +68,9 @@ extern const struct k3_call_type {
 } k3_call_types[K3_NCALL_TYPES];
 
 typedef struct {
-    char *head;          /* NAME" index="1" (the header after tool=") */
+    char *head;          /* NAME" index=" (the header after tool=", up to the
+                            index's digits); loose: NAME" */
+    bool loose;          /* not enforced: once named, the call is free text */
     uint32_t nhead;
     k3_jschema *params;  /* NULL: no parameters */
     uint16_t nargs;      /* the root's properties */
@@ -79,8 +81,10 @@ typedef struct {
 } k3_calltool;
 
 struct k3_callspec {
-    k3_calltool *t;
+    k3_calltool *t;      /* the tools a call may name (none: a call is not named by the mask) */
     size_t n;
+    int how;             /* K3_CALLS_* */
+    bool multi;          /* more than one call per reply */
 };
 
 /* Holds a fresh state's top value to types (T_* bits); raw: the value is a
@@ -95,6 +99,10 @@ bool k3_jstate_raw_done(const k3_jstate *st);
  * prefix of s[0..n) (the ids that may spell forced text); returns how many
  * it newly set. */
 size_t k3_tokbytes_prefixes(const k3_tokbytes *tb, const uint8_t *s, size_t n, int32_t limit, uint8_t *allow);
+
+/* Copies a reply's state into dst, made for the same spec, tokenizer and
+ * vocabulary (a test feeds each id to a copy). */
+void k3_constraint_copy(k3_constraint *dst, const k3_constraint *src);
 
 #define K3_JHASH_INIT 0xcbf29ce484222325ULL
 static inline uint64_t k3_jhash_byte(uint64_t h, uint8_t b) { return (h ^ b) * 0x100000001b3ULL; }

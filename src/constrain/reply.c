@@ -13,14 +13,27 @@
  * parameters', the parameter's type names): an id is allowed when its bytes
  * follow one of the texts still possible; no text is a prefix of another
  * (each ends at its closing quote), so the choice is made when one is
- * complete. */
+ * complete.
+ *
+ * Calls follow one another within the tools element; after each [close]call
+ * the reply may open the next (several calls allowed) or close the tools.
+ * Under "auto" the reply is free: only an [open] header is watched, byte by
+ * byte, while it can still become a call header; on the way to `call
+ * tool="` it is held to that text, and once that is complete the call is
+ * masked as above (a strict tool's) or free again (a loose tool's). */
 #include "constrain/internal.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { ST_REASON, ST_FORCE, ST_JSON, ST_END, ST_CHOOSE, ST_ARGS };
+enum { ST_REASON, ST_FORCE, ST_JSON, ST_END, ST_CHOOSE, ST_ARGS, ST_NEXT, ST_FREE };
+/* the header that opens a call, and how much of it names the element (the
+ * parser reads the first word, up to a space, as the tag) */
+static const char CALL_OPEN[] = "call tool=\"";
+#define NCALL_OPEN (sizeof CALL_OPEN - 1)
+#define NCALL_TAG 5
 enum { CH_TOOL, CH_KEY, CH_TYPE };
 #define MAX_SEQ 16
 
@@ -49,9 +62,16 @@ struct k3_constraint {
     uint32_t clen[K3_CALL_MAX_TOOLS > 64 ? K3_CALL_MAX_TOOLS : 64];
     uint8_t alive[K3_CALL_MAX_TOOLS > 64 ? K3_CALL_MAX_TOOLS : 64];
     size_t ncand, cpos;
+    int ncalls;              /* calls begun */
+    char idx[24];            /* the index's digits and closing quote */
+    /* free text ("auto"): the header being written; on the call path, its
+     * first hlen bytes are CALL_OPEN's */
+    uint8_t hdr;             /* HDR_* */
+    size_t hlen;
     uint8_t *allow;
     float *work;
 };
+enum { HDR_NONE, HDR_PATH, HDR_OTHER };
 
 static void open_call(k3_constraint *c, bool think);
 
@@ -79,9 +99,19 @@ k3_constraint *k3_constraint_new_call(const k3_callspec *cs, const k3_tokbytes *
                                       bool thinking) {
     k3_constraint *c = alloc(tb, chat, vocab);
     c->cs = cs;
-    c->stage = ST_REASON;
-    if (!thinking) open_call(c, false);
+    c->stage = cs->how == K3_CALLS_AUTO ? ST_FREE : ST_REASON;
+    if (!thinking && c->stage == ST_REASON) open_call(c, false);
     return c;
+}
+
+void k3_constraint_copy(k3_constraint *dst, const k3_constraint *src) {
+    uint8_t *allow = dst->allow;
+    float *work = dst->work;
+    *dst = *src;
+    dst->allow = allow;
+    dst->work = work;
+    for (int i = 0; i < dst->nforce; i++)
+        if (dst->seq[i].text == src->idx) dst->seq[i].text = dst->idx;
 }
 
 void k3_constraint_free(k3_constraint *c) {
@@ -122,14 +152,9 @@ static void choose(k3_constraint *c, int what, const char *const *t, const uint3
     }
 }
 
-/* After the reasoning (think: its close tag's name and [sep] are due, and
- * the empty response channel): up to the tool's name. */
-static void open_call(k3_constraint *c, bool think) {
-    const k3_chat_ids *m = &c->ids;
-    const fitem seq[] = {{-1, "think"}, {m->sep, NULL}, {m->open, NULL}, {-1, "response"}, {m->sep, NULL},
-                         {m->close, NULL}, {-1, "response"}, {m->sep, NULL}, {m->open, NULL}, {-1, "tools"},
-                         {m->sep, NULL}, {m->open, NULL}, {-1, "call tool=\""}, {-1, NULL}};
-    force(c, ST_CHOOSE, think ? seq : seq + 5);
+/* A call begins: its tool's name is chosen next. */
+static void start_call(k3_constraint *c) {
+    snprintf(c->idx, sizeof c->idx, "%d\"", ++c->ncalls);
     const char *t[K3_CALL_MAX_TOOLS];
     uint32_t len[K3_CALL_MAX_TOOLS];
     for (size_t i = 0; i < c->cs->n; i++) {
@@ -138,6 +163,37 @@ static void open_call(k3_constraint *c, bool think) {
     }
     choose(c, CH_TOOL, t, len, NULL, c->cs->n);
 }
+
+/* After the reasoning (think: its close tag's name and [sep] are due, and
+ * the empty response channel): up to the tool's name. */
+static void open_call(k3_constraint *c, bool think) {
+    const k3_chat_ids *m = &c->ids;
+    const fitem seq[] = {{-1, "think"}, {m->sep, NULL}, {m->open, NULL}, {-1, "response"}, {m->sep, NULL},
+                         {m->close, NULL}, {-1, "response"}, {m->sep, NULL}, {m->open, NULL}, {-1, "tools"},
+                         {m->sep, NULL}, {m->open, NULL}, {-1, CALL_OPEN}, {-1, NULL}};
+    force(c, ST_CHOOSE, think ? seq : seq + 5);
+    start_call(c);
+}
+
+/* Free text: what the bytes p[0..n) of a header on the call path do. -1:
+ * they make it a call header of another shape, or one more call than may
+ * be; 0: it stays on the path (*left: it leaves it, for a header that is
+ * not a call); 1: they complete CALL_OPEN. */
+static int path_bytes(const k3_constraint *c, const uint8_t *p, size_t n, bool *left) {
+    size_t h = c->hlen, m = 0;
+    while (m < n && h + m < NCALL_OPEN && p[m] == (uint8_t)CALL_OPEN[h + m]) m++;
+    *left = false;
+    if (m < n) { /* it parts from the path at byte h + m (or runs past its end) */
+        if (h + m >= NCALL_TAG) return -1;
+        *left = true;
+        return 0;
+    }
+    if (h + n >= NCALL_TAG && !c->cs->multi && c->ncalls) return -1;
+    return h + n == NCALL_OPEN;
+}
+
+/* [sep] may end a header on the call path while its tag is not yet "call". */
+static bool path_sep_ok(const k3_constraint *c) { return c->hlen < NCALL_TAG - 1; }
 
 static bool all_required(const k3_constraint *c) { return (c->used & c->tool->required) == c->tool->required; }
 static bool arg_left(const k3_constraint *c) {
@@ -148,11 +204,18 @@ static bool arg_left(const k3_constraint *c) {
 static void chosen(k3_constraint *c, size_t i) {
     const fitem sep[] = {{c->ids.sep, NULL}, {-1, NULL}};
     switch (c->what) {
-    case CH_TOOL:
+    case CH_TOOL: {
         c->tool = &c->cs->t[i];
         c->used = 0;
-        force(c, ST_ARGS, sep);
+        if (c->tool->loose) { /* the rest of its header, and the call, are free */
+            c->stage = ST_FREE;
+            c->hdr = HDR_OTHER;
+            break;
+        }
+        const fitem head[] = {{-1, c->idx}, {c->ids.sep, NULL}, {-1, NULL}};
+        force(c, ST_ARGS, head);
         break;
+    }
     case CH_KEY: {
         c->arg = (int)i;
         c->used |= 1ULL << i;
@@ -220,11 +283,24 @@ static size_t allow_mask(k3_constraint *c) {
         if (arg_left(c)) count += a[c->ids.open] = 1;
         if (all_required(c)) count += a[c->ids.close] = 1;
         return count;
+    case ST_NEXT:
+        if (c->cs->multi) count += a[c->ids.open] = 1;
+        return count + (a[c->ids.close] = 1);
+    case ST_FREE: /* a header on the call path */
+        for (int32_t id = 0; id < c->vocab; id++) {
+            size_t n;
+            const uint8_t *p = bytes(c, id, &n);
+            bool left;
+            a[id] = p ? path_bytes(c, p, n, &left) >= 0 : id != c->ids.sep || path_sep_ok(c);
+            count += a[id];
+        }
+        return count;
     default: return 0;
     }
 }
 
 const float *k3_constraint_apply(k3_constraint *c, const float *row) {
+    if (c->stage == ST_FREE && c->hdr != HDR_PATH) return row;
     if (!allow_mask(c)) return NULL;
     for (int i = 0; i < c->vocab; i++) c->work[i] = c->allow[i] ? row[i] : -INFINITY;
     return c->work;
@@ -293,14 +369,62 @@ int k3_constraint_accept(k3_constraint *c, int32_t id, k3_err *err) {
             return K3_OK;
         }
         if (id == c->ids.close && all_required(c)) {
+            const fitem seq[] = {{-1, "call"}, {c->ids.sep, NULL}, {-1, NULL}};
+            force(c, c->cs->how == K3_CALLS_AUTO ? ST_FREE : ST_NEXT, seq);
+            c->hdr = HDR_NONE;
+            return K3_OK;
+        }
+        break;
+    case ST_NEXT:
+        if (id == c->ids.open && c->cs->multi) {
+            const fitem seq[] = {{-1, CALL_OPEN}, {-1, NULL}};
+            force(c, ST_CHOOSE, seq);
+            start_call(c);
+            return K3_OK;
+        }
+        if (id == c->ids.close) {
             const k3_chat_ids *m = &c->ids;
-            const fitem seq[] = {{-1, "call"},    {m->sep, NULL},  {m->close, NULL},      {-1, "tools"},
-                                 {m->sep, NULL},  {m->close, NULL}, {-1, "message"},     {m->sep, NULL},
-                                 {m->end_of_msg, NULL}, {-1, NULL}};
+            const fitem seq[] = {{-1, "tools"}, {m->sep, NULL}, {m->close, NULL}, {-1, "message"},
+                                 {m->sep, NULL}, {m->end_of_msg, NULL}, {-1, NULL}};
             force(c, ST_END, seq);
             return K3_OK;
         }
         break;
+    case ST_FREE:
+        /* as the parser reads headers: [open] or [close] begins one, [sep]
+         * ends it, a base id's bytes are its text, other ids leave it */
+        if (id == c->ids.open || id == c->ids.close) {
+            c->hdr = id == c->ids.open ? HDR_PATH : HDR_OTHER;
+            c->hlen = 0;
+            return K3_OK;
+        }
+        if (c->hdr != HDR_PATH) {
+            if (id == c->ids.sep) c->hdr = HDR_NONE;
+            return K3_OK;
+        }
+        if (id == c->ids.sep) {
+            if (!path_sep_ok(c)) break;
+            c->hdr = HDR_NONE;
+            return K3_OK;
+        }
+        if (p) {
+            bool left;
+            int r = path_bytes(c, p, n, &left);
+            if (r < 0) break;
+            c->hlen += n;
+            if (left) {
+                c->hdr = HDR_OTHER;
+            } else if (r == 1) {
+                c->hdr = HDR_OTHER; /* a loose call, or a call when no name is chosen, goes on free */
+                if (c->cs->n) {
+                    c->stage = ST_CHOOSE;
+                    start_call(c);
+                } else {
+                    c->ncalls++;
+                }
+            }
+        }
+        return K3_OK;
     default: break;
     }
     return k3_fail(err, K3_EXIT_RUNTIME, "structured output: id %d does not continue the reply", (int)id);

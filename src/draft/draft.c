@@ -2,6 +2,7 @@
  * (draft.h). */
 #include "draft/draft.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -21,10 +22,15 @@ struct k3_drafter {
     /* draft model */
     k3_engine *e;
     bool sibling;      /* e is another drafter's (k3_drafter_sibling) */
+    struct k3_drafter *root; /* the drafter that opened e (itself, or the one a sibling was made from) */
     k3_state *st;
     k3_session *s;
     float *logits;
+    float *rows;       /* [max_k + 1][V]: a batched catch-up's rows (made at first use) */
     int max_k;
+    /* the root's: the draft model's forward passes and the drafters fed in
+     * them (read by another thread: k3 serve's /metrics) */
+    _Atomic uint64_t passes, seqs;
 };
 
 /* ---- n-gram -------------------------------------------------------------------------- */
@@ -141,8 +147,10 @@ static int tok_hash(const char *dir, uint64_t *h, k3_err *err) {
 
 /* The draft model's own state and session on d->e, for histories of max_pos. */
 static int model_session(k3_drafter *d, int64_t max_pos, k3_err *err) {
+    /* a pass's record, the logits row, and a batched catch-up's rows */
     int rc = k3_engine_state_new(d->e, max_pos, k3_state_pass_bytes(k3_engine_config(d->e), d->max_k) +
-                                                 (uint64_t)k3_engine_vocab(d->e) * sizeof(float), &d->st, err);
+                                                 (uint64_t)(d->max_k + 2) * (uint64_t)k3_engine_vocab(d->e) *
+                                                     sizeof(float), &d->st, err);
     if (rc) return rc;
     d->s = k3_session_open(d->e, d->st, NULL);
     d->logits = xmalloc_array((size_t)k3_engine_vocab(d->e), sizeof *d->logits);
@@ -172,6 +180,7 @@ int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_d
     k3_drafter *d = xcalloc(1, sizeof *d);
     d->vocab = vocab;
     d->max_k = max_k < 1 ? 1 : max_k;
+    d->root = d;
     rc = k3_engine_open(&eo, &d->e, err);
     if (!rc) rc = model_session(d, max_pos, err);
     if (rc) {
@@ -193,6 +202,7 @@ int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err 
     x->max_k = d->max_k;
     x->e = d->e;
     x->sibling = true;
+    x->root = d->root;
     int rc = model_session(x, max_pos, err);
     if (rc) {
         k3_drafter_free(x);
@@ -202,31 +212,145 @@ int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err 
     return K3_OK;
 }
 
-static int model_propose(k3_drafter *d, const int32_t *hist, size_t n, int k, int32_t *out, int *got, k3_err *err) {
-    *got = 0;
-    if (k > d->max_k) k = d->max_k;
-    if (n >= (size_t)k3_state_max_pos(d->st)) return K3_OK; /* no room to draft */
-    /* take back what the last drafts fed beyond the history they share */
-    if (k3_session_in_pass(d->s)) {
-        size_t len = k3_session_len(d->s), n0 = len - (size_t)k3_state_pass_len(d->st);
-        const int32_t *own = k3_session_ids(d->s);
-        size_t same = 0;
-        while (same < len && same < n && own[same] == hist[same]) same++;
-        int rc = k3_session_pass_end(d->s, same > n0 ? same - n0 : 0, err);
-        if (rc) return rc;
+/* Ends d's open pass at what its ids share with hist[0..n): the drafts the
+ * target kept stay, the others are taken back. */
+static int take_back(k3_drafter *d, const int32_t *hist, size_t n, k3_err *err) {
+    if (!k3_session_in_pass(d->s)) return K3_OK;
+    size_t len = k3_session_len(d->s), n0 = len - (size_t)k3_state_pass_len(d->st);
+    const int32_t *own = k3_session_ids(d->s);
+    size_t same = 0;
+    while (same < len && same < n && own[same] == hist[same]) same++;
+    return k3_session_pass_end(d->s, same > n0 ? same - n0 : 0, err);
+}
+
+/* Ids d must feed to hold hist[0..n) with its logits when its state holds a
+ * prefix of it and misses 1..max_k + 1 ids (what a verifying pass leaves);
+ * 0 otherwise (nothing to feed, or a longer or other history: a prefill of
+ * its own). */
+static size_t tail_ids(k3_drafter *d, const int32_t *hist, size_t n) {
+    size_t len = k3_session_len(d->s);
+    if (len >= n || n - len > (size_t)d->max_k + 1) return 0;
+    return memcmp(k3_session_ids(d->s), hist, len * sizeof *hist) ? 0 : n - len;
+}
+
+static void count_pass(k3_drafter *d, int seqs) {
+    atomic_fetch_add(&d->root->passes, 1);
+    atomic_fetch_add(&d->root->seqs, (uint64_t)seqs);
+}
+
+/* x's drafter catches up with its history alone (counted as one pass when
+ * it feeds anything). */
+static int prefill(const k3_draft_ask *x, k3_err *err) {
+    size_t reused = 0;
+    int rc = k3_session_prefill(x->d->s, x->hist, x->n, x->d->logits, &reused, err);
+    if (!rc && reused < x->n) count_pass(x->d, 1);
+    return rc;
+}
+
+/* Feeds each drafter a[w[i]] (i < m) the last cnt[i] ids of its history in
+ * one forward pass (m >= 2; their sum within the engine's chunk), each
+ * drafter's last row to its logits. */
+static int catch_up(k3_draft_ask *const *a, const int *w, const int *cnt, int m, k3_session **ss, int32_t *ids,
+                    float **rows, k3_err *err) {
+    size_t at = 0, V = (size_t)k3_engine_vocab(a[w[0]]->d->e);
+    for (int i = 0; i < m; i++) {
+        k3_drafter *d = a[w[i]]->d;
+        if (!d->rows) d->rows = xmalloc_array(((size_t)d->max_k + 1) * V, sizeof *d->rows);
+        ss[i] = d->s;
+        rows[i] = d->rows;
+        memcpy(ids + at, a[w[i]]->hist + a[w[i]]->n - (size_t)cnt[i], (size_t)cnt[i] * sizeof *ids);
+        at += (size_t)cnt[i];
     }
-    int rc = k3_session_prefill(d->s, hist, n, d->logits, NULL, err);
+    int rc = k3_session_feed_batch_rows(ss, m, cnt, ids, rows, err);
     if (rc) return rc;
-    size_t room = (size_t)k3_state_max_pos(d->st) - n;
-    if ((size_t)k > room + 1) k = (int)(room + 1);
-    if (k > 1 && (rc = k3_session_pass_begin(d->s, k - 1, err))) return rc;
-    for (int i = 0; i < k; i++) {
-        int32_t id = k3_argmax(d->logits, k3_engine_vocab(d->e));
-        if (id >= d->vocab) break;
-        out[(*got)++] = id;
-        if (i + 1 < k && (rc = k3_session_feed(d->s, &id, 1, d->logits, err))) return rc;
+    count_pass(a[w[0]]->d, m);
+    for (int i = 0; i < m; i++) {
+        k3_drafter *d = a[w[i]]->d;
+        memcpy(d->logits, d->rows + ((size_t)cnt[i] - 1) * V, V * sizeof *d->logits);
     }
     return K3_OK;
+}
+
+/* Drafts for a[0..n), draft-model drafters of one engine: each drafter
+ * takes back the drafts its target rejected and catches up with its history
+ * (a prefill alone, or the short tails of several in one pass), then decodes
+ * greedily, the drafters still drafting at a position in one pass. One ask
+ * gets exactly k3_drafter_propose's path: a prefill, then one id per feed. */
+static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
+    k3_engine *e = a[0]->d->e;
+    const int V = k3_engine_vocab(e), chunk = k3_engine_chunk(e);
+    int *k = xcalloc((size_t)n, sizeof *k), *w = xmalloc_array((size_t)n, sizeof *w);
+    int *cnt = xmalloc_array((size_t)n, sizeof *cnt);
+    k3_session **ss = xmalloc_array((size_t)n, sizeof *ss);
+    size_t per = 1; /* ids a drafter feeds in one pass at most */
+    for (int i = 0; i < n; i++)
+        if ((size_t)a[i]->d->max_k + 1 > per) per = (size_t)a[i]->d->max_k + 1;
+    int32_t *ids = xmalloc_array((size_t)n * per, sizeof *ids);
+    float **lg = xmalloc_array((size_t)n, sizeof *lg);
+    int rc = K3_OK, m = 0, rows = 0;
+    for (int i = 0; i < n; i++) {
+        k3_drafter *d = a[i]->d;
+        int kk = a[i]->k < d->max_k ? a[i]->k : d->max_k;
+        if (kk <= 0 || a[i]->n >= (size_t)k3_state_max_pos(d->st)) continue; /* no room to draft */
+        if ((rc = take_back(d, a[i]->hist, a[i]->n, err))) goto out;
+        size_t room = (size_t)k3_state_max_pos(d->st) - a[i]->n;
+        k[i] = (size_t)kk > room + 1 ? (int)(room + 1) : kk;
+    }
+    /* the state holds the history, the logits of its last id */
+    for (int i = 0; i < n; i++) {
+        if (!k[i]) continue;
+        int c = (int)tail_ids(a[i]->d, a[i]->hist, a[i]->n);
+        if (c > 0 && c <= chunk) {
+            w[m] = i;
+            cnt[m++] = c;
+            continue;
+        }
+        if ((rc = prefill(a[i], err))) goto out;
+    }
+    for (int i = 0, g = 0; i <= m; i++) { /* in passes of at most the chunk */
+        if (i < m && rows + cnt[i] <= chunk) {
+            rows += cnt[i];
+            continue;
+        }
+        if (i - g == 1) { /* alone: its own prefill, as k3_drafter_propose does */
+            if ((rc = prefill(a[w[g]], err))) goto out;
+        } else if (i > g && (rc = catch_up(a, w + g, cnt + g, i - g, ss, ids, lg, err))) {
+            goto out;
+        }
+        g = i;
+        rows = i < m ? cnt[i] : 0;
+    }
+    for (int i = 0; i < n; i++)
+        if (k[i] > 1 && (rc = k3_session_pass_begin(a[i]->d->s, k[i] - 1, err))) goto out;
+    for (int pos = 0;; pos++) {
+        m = 0;
+        for (int i = 0; i < n; i++) {
+            if (k[i] <= pos) continue;
+            k3_drafter *d = a[i]->d;
+            int32_t id = k3_argmax(d->logits, V);
+            if (id >= d->vocab) { /* not the target's: no more drafts */
+                k[i] = pos;
+                continue;
+            }
+            a[i]->out[a[i]->got++] = id;
+            if (pos + 1 == k[i]) continue;
+            ss[m] = d->s;
+            ids[m] = id;
+            lg[m++] = d->logits;
+        }
+        if (m == 0) break;
+        rc = m == 1 ? k3_session_feed(ss[0], ids, 1, lg[0], err) : k3_session_feed_batch(ss, m, ids, lg, err);
+        if (rc) goto out;
+        count_pass(a[0]->d, m);
+    }
+out:
+    free(k);
+    free(w);
+    free(cnt);
+    free(ss);
+    free(ids);
+    free(lg);
+    return rc;
 }
 
 /* ---- common ---------------------------------------------------------------------------- */
@@ -240,15 +364,54 @@ void k3_drafter_free(k3_drafter *d) {
     if (d->e && d->st) k3_engine_state_free(d->e, d->st);
     if (d->e && !d->sibling) k3_engine_free(d->e);
     free(d->logits);
+    free(d->rows);
     free(d);
 }
 
 int k3_drafter_propose(k3_drafter *d, const int32_t *hist, size_t n, int k, int32_t *out, int *got, k3_err *err) {
-    *got = 0;
-    if (n == 0 || k <= 0) return K3_OK;
-    if (d->e) return model_propose(d, hist, n, k, out, got, err);
-    ngram_propose(d, hist, n, k, out, got);
-    return K3_OK;
+    k3_draft_ask a = {.d = d, .hist = hist, .n = n, .k = k, .out = out}, *pa = &a;
+    int rc = k3_drafter_propose_batch(&pa, 1, err);
+    *got = a.got;
+    return rc;
+}
+
+int k3_drafter_propose_batch(k3_draft_ask *const *asks, int n, k3_err *err) {
+    for (int i = 0; i < n; i++) {
+        asks[i]->got = 0;
+        for (int j = 0; j < i; j++)
+            if (asks[j]->d == asks[i]->d) return k3_fail(err, K3_EXIT_USAGE, "drafts: asks %d and %d of one drafter", j, i);
+    }
+    /* n-gram drafters each on their own; the draft-model ones a model at a time */
+    k3_draft_ask **grp = xmalloc_array((size_t)n, sizeof *grp);
+    bool *done = xcalloc((size_t)n, sizeof *done);
+    int rc = K3_OK;
+    for (int i = 0; !rc && i < n; i++) {
+        k3_draft_ask *x = asks[i];
+        if (done[i] || x->n == 0 || x->k <= 0) continue;
+        if (!x->d->e) {
+            ngram_propose(x->d, x->hist, x->n, x->k, x->out, &x->got);
+            continue;
+        }
+        int m = 0;
+        for (int j = i; j < n; j++)
+            if (!done[j] && asks[j]->d->e == x->d->e && asks[j]->n > 0 && asks[j]->k > 0) {
+                grp[m++] = asks[j];
+                done[j] = true;
+            }
+        rc = model_propose(grp, m, err);
+    }
+    free(grp);
+    free(done);
+    return rc;
+}
+
+k3_draft_stats k3_drafter_stats(const k3_drafter *d) {
+    k3_draft_stats st = {0};
+    if (d && d->e) {
+        st.passes = atomic_load(&d->root->passes);
+        st.seqs = atomic_load(&d->root->seqs);
+    }
+    return st;
 }
 
 k3_engine *k3_drafter_engine(k3_drafter *d) { return d ? d->e : NULL; }
@@ -347,10 +510,11 @@ int k3_spec_finish(k3_spec *sp, k3_session *s, k3_err *err) {
     return k3_session_pass_end(s, (size_t)sp->j, err);
 }
 
-int k3_spec_begin(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_spec_pass *out,
-                  k3_err *err) {
+int k3_spec_ask(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_spec_pass *out,
+                k3_draft_ask *ask, k3_err *err) {
     const size_t V = (size_t)sp->V;
     memset(out, 0, sizeof *out);
+    memset(ask, 0, sizeof *ask);
     if (sp->open && sp->j <= sp->k && id == sp->draft[sp->j - 1]) { /* accepted: its row is there */
         memcpy(logits, sp->rows + (size_t)sp->j * V, V * sizeof *logits);
         sp->j++;
@@ -359,33 +523,45 @@ int k3_spec_begin(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t
     }
     int rc = k3_spec_finish(sp, s, err);
     if (rc) return rc;
+    sp->draft[0] = id;
+    sp->logits = logits;
+    out->ids = sp->draft;
+    out->n = 1; /* until the answer: id, then the drafts */
     /* drafts: as many as the controller wants, the loop can use and the state holds */
     size_t n = k3_session_len(s);
     int64_t room = (int64_t)k3_state_max_pos(k3_session_state(s)) - (int64_t)n - 1;
     int64_t want = k3_spec_ctl_want(&sp->ctl);
     if (want > limit) want = limit;
     if (want > room) want = room;
-    int got = 0;
-    if (want > 0) {
-        if (n + 1 > sp->hcap) {
-            sp->hcap = 2 * (n + 1);
-            sp->hist = xrealloc_array(sp->hist, sp->hcap, sizeof *sp->hist);
-        }
-        memcpy(sp->hist, k3_session_ids(s), n * sizeof *sp->hist);
-        sp->hist[n] = id;
-        if ((rc = k3_drafter_propose(sp->d, sp->hist, n + 1, (int)want, sp->draft + 1, &got, err))) return rc;
+    if (want <= 0) return K3_OK;
+    if (n + 1 > sp->hcap) {
+        sp->hcap = 2 * (n + 1);
+        sp->hist = xrealloc_array(sp->hist, sp->hcap, sizeof *sp->hist);
     }
+    memcpy(sp->hist, k3_session_ids(s), n * sizeof *sp->hist);
+    sp->hist[n] = id;
+    *ask = (k3_draft_ask){.d = sp->d, .hist = sp->hist, .n = n + 1, .k = (int)want, .out = sp->draft + 1};
+    return K3_OK;
+}
+
+int k3_spec_answer(k3_spec *sp, k3_session *s, int got, k3_spec_pass *out, k3_err *err) {
     sp->st.passes++;
     sp->st.fed += (uint64_t)got + 1;
-    sp->draft[0] = id;
     sp->k = got;
-    sp->logits = logits;
     out->ids = sp->draft;
     out->n = got + 1;
     /* no drafts: a plain feed of id, its row straight to the caller */
-    out->rows = got ? sp->rows : logits;
-    if (got) rc = k3_session_pass_begin(s, got + 1, err);
-    return rc;
+    out->rows = got ? sp->rows : sp->logits;
+    return got ? k3_session_pass_begin(s, got + 1, err) : K3_OK;
+}
+
+int k3_spec_begin(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_spec_pass *out,
+                  k3_err *err) {
+    k3_draft_ask ask;
+    int rc = k3_spec_ask(sp, s, id, logits, limit, out, &ask, err);
+    if (rc || out->n == 0) return rc;
+    if (ask.k > 0 && (rc = k3_drafter_propose(ask.d, ask.hist, ask.n, ask.k, ask.out, &ask.got, err))) return rc;
+    return k3_spec_answer(sp, s, ask.got, out, err);
 }
 
 void k3_spec_fed(k3_spec *sp) {

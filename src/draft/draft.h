@@ -64,6 +64,37 @@ int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err 
  * (0 when the drafter has none). Errors: the draft model's. */
 int k3_drafter_propose(k3_drafter *d, const int32_t *hist, size_t n, int k, int32_t *out, int *got, k3_err *err);
 
+/* One drafter's part of k3_drafter_propose_batch: k3_drafter_propose's
+ * arguments, got its answer. */
+typedef struct {
+    k3_drafter *d;
+    const int32_t *hist;
+    size_t n;
+    int k;          /* drafts wanted (0: none; got is then 0) */
+    int32_t *out;   /* [k] */
+    int got;
+} k3_draft_ask;
+/* k3_drafter_propose for several drafters at once (distinct drafters, else
+ * K3_EXIT_USAGE before anything is fed; k3 serve --parallel: one per slot).
+ * Draft-model drafters of one model (k3_drafter_sibling) draft together:
+ * the ids that catch each one's state up with its history go through one
+ * forward pass, then each drafted position of all of them through one more
+ * (k3_session_feed_batch_rows, each drafter its own state), so drafting K
+ * ids costs K passes however many drafters ask, not K per drafter. A row's
+ * bits never depend on the other rows of its pass: every ask gets exactly
+ * the drafts k3_drafter_propose gives it alone. An error of a shared forward
+ * fails the whole call (err says which); each drafter's next call starts
+ * from what its state then holds. */
+int k3_drafter_propose_batch(k3_draft_ask *const *asks, int n, k3_err *err);
+
+/* A draft model's work, for the drafter and its siblings together (zeros for
+ * n-gram): forward passes it made, and the drafters fed in them summed (more
+ * than the passes when drafters of several slots shared passes). */
+typedef struct {
+    uint64_t passes, seqs;
+} k3_draft_stats;
+k3_draft_stats k3_drafter_stats(const k3_drafter *d);
+
 /* The draft model's engine (NULL for an n-gram drafter), for its report. */
 k3_engine *k3_drafter_engine(k3_drafter *d);
 
@@ -122,6 +153,17 @@ typedef struct {
 } k3_spec_pass;
 int k3_spec_begin(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_spec_pass *pass,
                   k3_err *err);
+/* k3_spec_begin in two halves around its drafter call, for a caller that
+ * drafts for several slots at once (k3_drafter_propose_batch): ask does what
+ * comes before the drafter. pass->n 0: id was an accepted draft (logits holds
+ * its row), nothing more to do. Otherwise ask->k > 0 asks for drafts (ask
+ * points into sp until k3_spec_answer); after the drafter answered (or with
+ * ask->k 0 at once), k3_spec_answer(sp, s, ask->got, pass) finishes as
+ * k3_spec_begin does. k3_spec_begin is ask, k3_drafter_propose, answer. A
+ * failed drafter call needs no answer: the open pass was already closed. */
+int k3_spec_ask(k3_spec *sp, k3_session *s, int32_t id, float *logits, int64_t limit, k3_spec_pass *pass,
+                k3_draft_ask *ask, k3_err *err);
+int k3_spec_answer(k3_spec *sp, k3_session *s, int got, k3_spec_pass *pass, k3_err *err);
 void k3_spec_fed(k3_spec *sp);
 int k3_spec_finish(k3_spec *sp, k3_session *s, k3_err *err);
 k3_spec_stats k3_spec_get_stats(const k3_spec *sp);

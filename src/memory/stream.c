@@ -481,6 +481,10 @@ static int stream_layer_get(void *ctx, int L, const k3_layer_w **w, k3_err *err)
         *w = &s->lw[L];
         return K3_OK;
     }
+    if (s->nslots == 0) { /* nothing streams: the experts-only source */
+        *err = (k3_err){.code = K3_EXIT_RUNTIME, .msg = "this source serves the routed experts only"};
+        return k3s_poison(s, err);
+    }
     pthread_mutex_lock(&s->mu);
     if (s->want != L) { /* out of the cycle (never in a normal pass): read it first */
         s->want = L;
@@ -491,7 +495,8 @@ static int stream_layer_get(void *ctx, int L, const k3_layer_w **w, k3_err *err)
     while (!(sl = holding(s, L)) || sl->state == SLOT_READING) {
         if (s->quit) {
             pthread_mutex_unlock(&s->mu);
-            return k3s_poison(s, &(k3_err){.code = K3_EXIT_RUNTIME, .msg = "the trunk I/O thread stopped"});
+            *err = (k3_err){.code = K3_EXIT_RUNTIME, .msg = "the trunk I/O thread stopped"};
+            return k3s_poison(s, err);
         }
         pthread_cond_wait(&s->cv, &s->mu);
     }
@@ -610,7 +615,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
             }
             s->thr_started = true;
         }
-    } else {
+    } else if (!o->experts_only) {
         for (int L = 0; L < NL; L++) {
             if ((rc = bind_from(s, L, NULL, NULL, &s->lw[L], &s->owned, err))) goto fail;
             s->have[L] = true;

@@ -65,6 +65,10 @@ typedef struct {
                                 matrices are split by output rows (dist/tensor_par.h): the
                                 plan counts its share of their rows (k_row_share), and with a
                                 packed trunk only that share of each layer is read and held */
+    bool experts_only;       /* serve the routed experts alone (bench/layers.c times one MoE
+                                layer reading its experts): no trunk is planned, bound or
+                                read (trunk_dir must be NULL), layer_get refuses; the model
+                                calls the expert path as in a run (k3_moe_source) */
 } k3_stream_opts;
 
 void k3_stream_opts_init(k3_stream_opts *o);

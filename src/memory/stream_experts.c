@@ -101,6 +101,11 @@ int k3s_experts_start(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, 
     if (s->xgiven < s->xn)
         return k3s_poison(s, &(k3_err){.code = K3_EXIT_RUNTIME,
                                     .msg = "an expert batch was started before the last one was consumed"});
+    if (s->o.experts_only) { /* no pass over the layers marks the steps: each batch is one */
+        s->step++;
+        s->steps++;
+        xc_begin_step(s->xc);
+    }
     const k3_config *c = &s->cfg;
     int N = c->num_experts;
     size_t nreq = 0;

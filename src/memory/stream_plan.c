@@ -400,11 +400,15 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
     p->max_pos = max_pos;
     p->streamed = trunk != NULL;
     for (int L = 0; L < c->num_layers; L++) p->n_moe += !c->layer_dense[L];
-    int rc = layer_sizes(c, ix, trunk, o, p, err);
-    if (rc) return rc;
-    k3_stream_opts whole = *o; /* a packed trunk's model-level run is read whole at open */
-    if (trunk) whole.tp_ranks = 0;
-    p->head_bytes = head_size(c, ix, &whole, max_pos);
+    int rc;
+    if (o->experts_only && trunk)
+        return k3_fail(err, K3_EXIT_USAGE, "a source of the routed experts alone takes no packed trunk");
+    if (!o->experts_only) {
+        if ((rc = layer_sizes(c, ix, trunk, o, p, err))) return rc;
+        k3_stream_opts whole = *o; /* a packed trunk's model-level run is read whole at open */
+        if (trunk) whole.tp_ranks = 0;
+        p->head_bytes = head_size(c, ix, &whole, max_pos);
+    }
     double tlimit = o->trunk_gb < 0 ? 1e300 : o->trunk_gb * 1e9;
     double xlimit = o->cache_gb < 0 ? 1e300 : o->cache_gb * 1e9;
 
@@ -422,7 +426,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
                            o->trunk_gb, k3_size_str(p->head_bytes + big + copy), k3_size_str(p->head_bytes),
                            k3_size_str(big + copy));
         }
-    } else {
+    } else if (!o->experts_only) {
         uint64_t copies = 0;
         for (int L = 0; L < c->num_layers; L++) copies += p->bind_bytes[L];
         p->pinned = c->num_layers;

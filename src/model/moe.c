@@ -271,6 +271,17 @@ void k3_moe(const k3_config *c, const k3_moe_w *w, const k3_expert_w *experts, c
     ws_free(&ws);
 }
 
+int k3_moe_source(const k3_config *c, const k3_moe_w *w, const k3_weight_source *src, int L, const float *x, int T,
+                  float *y, k3_err *err) {
+    if (!src || !src->experts_get) return k3_fail(err, K3_EXIT_RUNTIME, "layer %d: the weight source serves no experts", L);
+    k3_ws ws;
+    ws_init(&ws, 0);
+    expert_access xa = {.src = src, .layer = L};
+    int rc = moe_block(c, w, &k3_infer_ops, &xa, x, T, y, NULL, &ws, err);
+    ws_free(&ws);
+    return rc;
+}
+
 void k3_moe_rec_forward(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo, const float *x, int N,
                         float *y, k3_moe_rec *rec) {
     k3_ws ws;

@@ -54,6 +54,12 @@ void k3_mla(const k3_config *c, float latent_eps, const k3_mla_w *w, k3_mla_cach
 /* experts: [N_e] bound experts (any selection may be used). */
 void k3_moe(const k3_config *c, const k3_moe_w *w, const k3_expert_w *experts, const float *x, int T,
             float *y);
+/* The same block with its routed experts served by src as in a run (layer L's
+ * experts_start/next at one position, else experts_get): the reads a streamed
+ * run makes, overlapped with compute the same way. Fails with the source's
+ * error. */
+int k3_moe_source(const k3_config *c, const k3_moe_w *w, const k3_weight_source *src, int L, const float *x, int T,
+                  float *y, k3_err *err);
 void k3_mlp(const k3_config *c, const k3_mlp_w *w, const float *x, int T, float *y);
 /* One decoder layer (section 6) on T positions. buf[0..*nb) hold the completed
  * block vectors and buf[*nb] the running partial sum, each [T][E]; at a block

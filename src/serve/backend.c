@@ -42,11 +42,14 @@
  * alone. A cut (cancelled) prefill leaves a snapshot of what it fed in the
  * shared cache, so its retry resumes on whichever slot it lands. With
  * speculation a slot's step in that pass is its verifying feed's: the
- * model thread makes each slot's k3_spec_begin (an accepted draft needs no
- * forward), feeds every slot's sampled id and drafts in one pass
- * (k3_session_feed_batch_rows: a row's bits never depend on its neighbours,
- * and a cut-back pass is each session's own), then k3_spec_fed; passes of
- * more ids than the plan's chunk are split. */
+ * model thread makes each slot's k3_spec_ask (an accepted draft needs no
+ * forward), drafts for every slot that asks at once (k3_drafter_propose_batch:
+ * with a draft model, one pass of it per drafted position for all of them),
+ * makes each k3_spec_answer, feeds every slot's sampled id and drafts in one
+ * pass (k3_session_feed_batch_rows: a row's bits never depend on its
+ * neighbours, and a cut-back pass is each session's own), then k3_spec_fed;
+ * passes of more ids than the plan's chunk are split. The decode passes are
+ * counted for /metrics (k3_serve_batch_stats), one slot's too. */
 #include "chat/chat.h"
 #include "dist/dist.h"
 #include "draft/draft.h"
@@ -90,6 +93,7 @@ typedef struct slot_s {
     k3_spec *spec;         /* the verifying feed of the slot's generation; NULL: plain steps */
     k3_spec_stats seen;    /* (several slots, under mu) spec's counters after its last step */
     k3_spec_pass pass;     /* run_steps: what this slot's step feeds */
+    k3_draft_ask ask;      /* run_steps: the drafts its step asks for */
 } slot;
 
 struct k3_serve_backend {
@@ -102,9 +106,10 @@ struct k3_serve_backend {
     bool lead;             /* rank 0 of several: broadcasts each call before making it */
     int spec_max;          /* drafts per pass at most (0: no speculation) */
     k3_spec_stats done;    /* the counters of the closed verifying feeds (several slots: under mu) */
+    k3_serve_batch_stats bst; /* the decode passes (under mu) */
     /* several slots: the model thread and the calls posted to it */
     pthread_t model;
-    bool model_started, quit;
+    bool model_started, quit, mu_made;
     pthread_mutex_t mu;
     pthread_cond_t work_cv;  /* the model thread waits here */
     pthread_cond_t done_cv;  /* the workers wait here */
@@ -116,6 +121,7 @@ struct k3_serve_backend {
     int *bn;               /* [nslots] ids per session; bid then holds (K + 1) per slot */
     struct slot_s **bgo;   /* [nslots] the slots of one pass */
     struct serve_cmd_s *bcmd; /* [nslots] (several ranks) one pass's steps as broadcast */
+    k3_draft_ask **bask;   /* [nslots] the drafts the slots of one step ask for */
     /* a rank after the first: the buffers rank 0's calls are made with */
     float *flog;           /* [nslots][vocab] a logit row per slot */
     int32_t *fids;         /* [ctx] a prefill's ids */
@@ -178,6 +184,16 @@ static void stats_add(k3_spec_stats *to, const k3_spec_stats *st) {
     to->accepted += st->accepted;
 }
 
+/* A decode pass of seqs sequences feeding rows ids, counted (under mu). */
+static void count_pass(k3_serve_batch_stats *st, int seqs, uint64_t rows) {
+    int i = 0;
+    while (i + 1 < K3_BATCH_HIST_N && (1 << i) < seqs) i++;
+    st->passes++;
+    st->seqs += (uint64_t)seqs;
+    st->rows += rows;
+    st->by_seqs[i]++;
+}
+
 /* Ends slot x's verifying feed: its open pass keeps the ids consumed (the
  * session then holds plain decoding's), its counters join the totals. Made
  * by the slot's own thread between its calls. */
@@ -228,10 +244,24 @@ static int64_t step_limit(int64_t limit) { return limit > K3_SPEC_MAX ? K3_SPEC_
 static int one_step(backend *b, slot *x, int32_t id, float *logits, int64_t limit, k3_err *err) {
     limit = step_limit(limit);
     if (b->lead) send_cmd(CMD_STEP, slot_index(b, x), (int32_t)limit, id, logits == NULL);
-    if (!x->spec) return k3_session_feed(x->sess, &id, 1, logits, err);
-    if (logits) return k3_spec_feed(x->spec, x->sess, id, logits, limit, err);
-    int rc = k3_spec_finish(x->spec, x->sess, err); /* a kept stop id: after the ids the pass consumed */
-    return rc ? rc : k3_session_feed(x->sess, &id, 1, NULL, err);
+    int rc;
+    uint64_t rows = 1;
+    if (x->spec && logits) {
+        k3_spec_stats a = k3_spec_get_stats(x->spec);
+        rc = k3_spec_feed(x->spec, x->sess, id, logits, limit, err);
+        k3_spec_stats z = k3_spec_get_stats(x->spec);
+        rows = z.fed - a.fed; /* 0: an accepted draft, no forward */
+    } else {
+        /* a kept stop id after a verifying pass: after the ids it consumed */
+        rc = x->spec ? k3_spec_finish(x->spec, x->sess, err) : K3_OK;
+        if (!rc) rc = k3_session_feed(x->sess, &id, 1, logits, err);
+    }
+    if (!rc && rows) {
+        pthread_mutex_lock(&b->mu);
+        count_pass(&b->bst, 1, rows);
+        pthread_mutex_unlock(&b->mu);
+    }
+    return rc;
 }
 
 /* ---- several slots: the model thread ---- */
@@ -261,16 +291,38 @@ static void call_done(slot *x, int rc, const k3_err *err) {
 static void step_begin(slot *x) {
     x->rc = K3_OK;
     x->pass = (k3_spec_pass){.ids = &x->id, .n = 1, .rows = x->logits};
+    memset(&x->ask, 0, sizeof x->ask);
     if (!x->spec) return;
-    if (x->logits) x->rc = k3_spec_begin(x->spec, x->sess, x->id, x->logits, x->limit, &x->pass, &x->err);
+    if (x->logits) x->rc = k3_spec_ask(x->spec, x->sess, x->id, x->logits, x->limit, &x->pass, &x->ask, &x->err);
     else x->rc = k3_spec_finish(x->spec, x->sess, &x->err);
     if (x->rc) x->pass.n = 0;
+}
+
+/* The drafts the slots' steps ask for, drafted together (the draft model's
+ * passes shared by the slots), then each verifying pass's begin. */
+static void step_drafts(backend *b, slot *const *sl, int n) {
+    int na = 0;
+    for (int i = 0; i < n; i++)
+        if (sl[i]->pass.n > 0 && sl[i]->ask.k > 0) b->bask[na++] = &sl[i]->ask;
+    k3_err err = {0};
+    int rc = na ? k3_drafter_propose_batch(b->bask, na, &err) : K3_OK;
+    for (int i = 0; i < n; i++) {
+        slot *x = sl[i];
+        if (!x->spec || !x->logits || x->pass.n == 0) continue;
+        if (rc && x->ask.k > 0) {
+            x->rc = rc;
+            x->err = err;
+        } else {
+            x->rc = k3_spec_answer(x->spec, x->sess, x->ask.got, &x->pass, &x->err);
+        }
+        if (x->rc) x->pass.n = 0;
+    }
 }
 
 /* Feeds slots sl[0..n) (each with x->pass.n ids) in one pass; each slot's
  * rc says how it went. One that cannot go (K3_EXIT_USAGE, checked before
  * anything was fed) sends each alone, with its own answer and the same bits. */
-static void feed_group(backend *b, slot *const *sl, int n, bool multi) {
+static void feed_group(backend *b, slot *const *sl, int n, bool multi, k3_serve_batch_stats *st) {
     size_t at = 0;
     for (int i = 0; i < n; i++) {
         b->bs[i] = sl[i]->sess;
@@ -281,13 +333,16 @@ static void feed_group(backend *b, slot *const *sl, int n, bool multi) {
     }
     k3_err err = {0};
     int rc = k3_session_feed_batch_rows(b->bs, n, multi ? b->bn : NULL, b->bid, b->blog, &err);
+    if (!rc) count_pass(st, n, at);
     for (int i = 0; i < n; i++) {
         slot *x = sl[i];
-        if (rc == K3_EXIT_USAGE)
+        if (rc == K3_EXIT_USAGE) {
             x->rc = k3_session_feed_rows(x->sess, x->pass.ids, (size_t)x->pass.n, x->pass.rows, x->pass.rows != NULL,
                                          false, &x->err);
-        else if ((x->rc = rc))
+            if (!x->rc) count_pass(st, 1, (uint64_t)x->pass.n);
+        } else if ((x->rc = rc)) {
             x->err = err;
+        }
         if (!x->rc && x->spec && x->logits) k3_spec_fed(x->spec);
     }
 }
@@ -295,7 +350,7 @@ static void feed_group(backend *b, slot *const *sl, int n, bool multi) {
 /* The steps of slots bslot[0..n) (each slot's id, logits and limit set) in
  * one pass (with speculation, in passes of at most the plan's chunk of ids);
  * rank 0 of several announces them first. */
-static void steps_call(backend *b, int n) {
+static void steps_call(backend *b, int n, k3_serve_batch_stats *st) {
     if (b->lead) {
         for (int i = 0; i < n; i++) {
             const slot *x = &b->sl[b->bslot[i]];
@@ -309,18 +364,22 @@ static void steps_call(backend *b, int n) {
     int ng = 0, chunk = k3_engine_chunk(b->e), rows = 0;
     bool multi = false;
     for (int i = 0; i < n; i++) {
+        go[i] = &b->sl[b->bslot[i]];
+        step_begin(go[i]);
+    }
+    step_drafts(b, go, n);
+    for (int i = 0; i < n; i++) {
         slot *x = &b->sl[b->bslot[i]];
-        step_begin(x);
         if (x->pass.n == 0) continue; /* an accepted draft, or an error */
         multi = multi || x->pass.n > 1;
         if (multi && ng > 0 && rows + x->pass.n > chunk) {
-            feed_group(b, go, ng, true);
+            feed_group(b, go, ng, true, st);
             ng = rows = 0;
         }
         go[ng++] = x;
         rows += x->pass.n;
     }
-    if (ng > 0) feed_group(b, go, ng, multi);
+    if (ng > 0) feed_group(b, go, ng, multi, st);
 }
 
 /* Runs every posted step in one pass. Under mu (released while computing). */
@@ -333,8 +392,13 @@ static void run_steps(backend *b) {
         b->bslot[n++] = q;
     }
     pthread_mutex_unlock(&b->mu);
-    steps_call(b, n);
+    k3_serve_batch_stats st = {0};
+    steps_call(b, n, &st);
     pthread_mutex_lock(&b->mu);
+    b->bst.passes += st.passes;
+    b->bst.seqs += st.seqs;
+    b->bst.rows += st.rows;
+    for (int i = 0; i < K3_BATCH_HIST_N; i++) b->bst.by_seqs[i] += st.by_seqs[i];
     for (int i = 0; i < n; i++) {
         slot *x = &b->sl[b->bslot[i]];
         if (x->spec) x->seen = k3_spec_get_stats(x->spec);
@@ -507,6 +571,16 @@ static void be_spec_stats(void *ctx, k3_spec_stats *out) {
     pthread_mutex_unlock(&b->mu);
 }
 
+static void be_batch_stats(void *ctx, k3_serve_batch_stats *out) {
+    backend *b = ctx;
+    pthread_mutex_lock(&b->mu);
+    *out = b->bst;
+    pthread_mutex_unlock(&b->mu);
+    k3_draft_stats d = k3_drafter_stats(b->sl[0].drafter); /* slot 0's: the draft model's, every slot's */
+    out->draft_passes = d.passes;
+    out->draft_seqs = d.seqs;
+}
+
 static size_t be_holds(void *ctx, int q, const int32_t *ids, size_t n) {
     backend *b = ctx;
     const k3_session *s = b->sl[q].sess;
@@ -547,7 +621,7 @@ void k3_serve_backend_free(k3_serve_backend *b) {
         pthread_mutex_unlock(&b->mu);
         pthread_join(b->model, NULL);
     }
-    if (b->bs) { /* (the batch's arrays and the lock come together) */
+    if (b->mu_made) {
         pthread_mutex_destroy(&b->mu);
         pthread_cond_destroy(&b->work_cv);
         pthread_cond_destroy(&b->done_cv);
@@ -562,6 +636,7 @@ void k3_serve_backend_free(k3_serve_backend *b) {
     free(b->bn);
     free(b->bgo);
     free(b->bcmd);
+    free(b->bask);
     free(b->flog);
     free(b->fids);
     free(b->fmarks);
@@ -651,9 +726,7 @@ static int start_batching(backend *b, k3_err *err) {
     b->blog = xmalloc_array(n, sizeof *b->blog);
     b->bslot = xmalloc_array(n, sizeof *b->bslot);
     b->bcmd = xmalloc_array(n, sizeof *b->bcmd);
-    pthread_mutex_init(&b->mu, NULL);
-    pthread_cond_init(&b->work_cv, NULL);
-    pthread_cond_init(&b->done_cv, NULL);
+    b->bask = xmalloc_array(n, sizeof *b->bask);
     if (k3_engine_rank(b->e) > 0) return K3_OK; /* a follower makes rank 0's calls on its main thread */
     if (pthread_create(&b->model, NULL, model_main, b) != 0)
         return k3_fail(err, K3_EXIT_RUNTIME, "serve: cannot start the model thread");
@@ -681,11 +754,17 @@ static void fill_model(backend *b, const k3_serve_spec_opts *so, k3_serve_model 
     sm->spec_max = b->spec_max;
     sm->spec_default = so ? so->spec_default : 0;
     sm->spec_stats = be_spec_stats;
+    sm->batch_stats = be_batch_stats;
 }
 
 int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, int slots,
                           const k3_serve_spec_opts *so, k3_serve_backend **out, k3_serve_model *sm, k3_err *err) {
     backend *b = xcalloc(1, sizeof *b);
+    /* one slot counts its passes under mu too (/metrics reads them) */
+    pthread_mutex_init(&b->mu, NULL);
+    pthread_cond_init(&b->work_cv, NULL);
+    pthread_cond_init(&b->done_cv, NULL);
+    b->mu_made = true;
     int rc = open_backend(eo, ctx, cache_bytes, slots, so, b, err);
     /* a rank whose state or cache cannot fit stops every rank here */
     if ((rc = k3_engine_ready(b->e, rc, err))) {
@@ -755,7 +834,8 @@ static void follow_cmd(backend *b, const serve_cmd *c, bool in_prefill) {
             x->limit = step_limit(s->n);
             b->bslot[i] = s->slot;
         }
-        steps_call(b, c->n);
+        k3_serve_batch_stats st = {0}; /* (rank 0 reports them) */
+        steps_call(b, c->n, &st);
     } else if (c->op == CMD_END && slot_ok) {
         end_call(b, &b->sl[c->slot]);
     } else {

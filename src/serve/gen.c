@@ -518,15 +518,9 @@ void k3_gen_run(k3_serve *s, k3_job *j) {
     bool cancelled = false, failed = false, prefill_cut = false;
     const char *fail_code = "internal_error";
     int n = j->req.n > 0 ? j->req.n : 1;
-    k3_spec_stats sp0 = {0}, sp1 = {0};
-    if (m->spec_stats) m->spec_stats(m->ctx, &sp0);
     for (g.index = 0; g.index < n; g.index++)
         if (run_choice(&g, logits, &cancelled, &failed, &prefill_cut, &fail_code, &err)) break;
-    if (m->spec_stats) m->spec_stats(m->ctx, &sp1);
     pthread_mutex_lock(&s->mu);
-    s->n_spec_passes += sp1.passes - sp0.passes;
-    s->n_spec_proposed += sp1.proposed - sp0.proposed;
-    s->n_spec_accepted += sp1.accepted - sp0.accepted;
     s->n_tokens += g.ngen_all;
     s->n_prompt += j->n;
     s->n_cached += g.reused;

@@ -123,7 +123,6 @@ static int only_off(k3_serve_error *e, const char *k, const json_t *v) {
     double d;
     if (!strcmp(k, "echo")) off = json_is_false(v);
     else if (!strcmp(k, "best_of")) off = get_num(v, &d) && d == 1;
-    else if (!strcmp(k, "parallel_tool_calls")) off = json_is_true(v);
     else if (!strcmp(k, "suffix")) off = json_is_string(v) && json_string_length(v) == 0;
     if (off) return 0;
     char *s = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
@@ -141,7 +140,7 @@ static bool is_one_of(const char *k, const char *const *list) {
 
 static const char *const IGNORED[] = {"user", "metadata", "store", "service_tier", "prompt_cache_key",
                                       "safety_identifier", NULL};
-static const char *const OFF_ONLY[] = {"echo", "best_of", "parallel_tool_calls", "suffix", NULL};
+static const char *const OFF_ONLY[] = {"echo", "best_of", "suffix", NULL};
 static const char *const COMPLETION_ONLY[] = {"prompt", "echo", "best_of", "suffix", NULL};
 static const char *const CHAT_ONLY[] = {"messages", "tools", "tool_choice", "response_format", "reasoning_effort",
                                         "chat_template_kwargs", "enable_thinking", "max_completion_tokens",
@@ -320,6 +319,10 @@ static int check_tools(k3_serve_error *e, const json_t *tools, const json_t *cho
             if (desc && !json_is_null(desc) && !json_is_string(desc))
                 return k3_serve_error_set(e, 400, "invalid_type", where, "%s.function.description: expected a string, got %s",
                            where, jtype(desc));
+            const json_t *strict = json_object_get(fn, "strict");
+            if (strict && !json_is_null(strict) && !json_is_boolean(strict))
+                return k3_serve_error_set(e, 400, "invalid_type", where, "%s.function.strict: expected a boolean, got %s",
+                           where, jtype(strict));
         }
     }
     if (choice && !json_is_null(choice)) {
@@ -394,16 +397,26 @@ static int compile_format(k3_serve_error *e, const json_t *rfmt, k3_serve_req *r
     return 0;
 }
 
-/* tool_choice "required" or {"type": "function", "function": {"name"}}:
- * the tools the reply must call (constrain.h), compiled here so that a
- * parameters keyword the mask cannot enforce is a 400 naming its path. */
-static int compile_call(k3_serve_error *e, const json_t *tools, const json_t *choice, k3_serve_req *r) {
+/* The calls a reply makes (constrain.h): tool_choice "required" or
+ * {"type": "function", "function": {"name"}}, or "auto" (also when absent)
+ * with strict tools or parallel_tool_calls false; compiled here so that a
+ * parameters keyword the mask cannot enforce is a 400 naming its path. An
+ * enforced response_format keeps its place under "auto" (the reply is the
+ * format's value, no call). */
+static int compile_call(k3_serve_error *e, const json_t *tools, const json_t *choice, bool parallel, k3_serve_req *r) {
     const char *name = NULL;
-    if (json_is_object(choice)) name = json_string_value(json_object_get(json_object_get(choice, "function"), "name"));
-    else if (!json_is_string(choice) || strcmp(json_string_value(choice), "required")) return 0;
+    int how = K3_CALLS_AUTO;
+    if (json_is_object(choice)) {
+        name = json_string_value(json_object_get(json_object_get(choice, "function"), "name"));
+        how = K3_CALLS_NAMED;
+    } else if (json_is_string(choice) && !strcmp(json_string_value(choice), "required")) {
+        how = K3_CALLS_REQUIRED;
+    } else if ((json_is_string(choice) && !strcmp(json_string_value(choice), "none")) || r->schema) {
+        return 0;
+    }
     char where[512];
     k3_err err = {0};
-    if (k3_callspec_compile(tools, name, &r->call, where, sizeof where, &err))
+    if (k3_callspec_compile(tools, how, name, parallel, &r->call, where, sizeof where, &err))
         return k3_serve_error_set(e, 400, "unsupported_value", "tools", "%.400s: %s", where, err.msg);
     return 0;
 }
@@ -458,6 +471,7 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
         rc = k3_serve_error_set(e, 400, "invalid_json", NULL, "request body: expected a JSON object, got %s", jtype(o));
         goto out;
     }
+    bool parallel = true;
     json_t *msgs = NULL, *tools = NULL, *tool_choice = NULL, *rfmt = NULL, *effort = NULL, *stream_opts = NULL;
     bool have_prompt = false;
     json_int_t mt = -1, mct = -1;
@@ -557,6 +571,8 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
             tools = v;
         } else if (!strcmp(k, "tool_choice")) {
             tool_choice = v;
+        } else if (!strcmp(k, "parallel_tool_calls")) {
+            if (!json_is_null(v) && (rc = want_bool(e, k, v, &parallel))) goto out;
         } else if (!strcmp(k, "response_format")) {
             rfmt = v;
         } else if (!strcmp(k, "reasoning_effort")) {
@@ -631,7 +647,7 @@ int k3_serve_parse(const char *body, size_t len, int kind, k3_serve_req *r, k3_s
     }
     if ((rc = check_tools(e, tools, tool_choice, rfmt))) goto out;
     if ((rc = compile_format(e, rfmt, r))) goto out;
-    if ((rc = compile_call(e, tools, tool_choice, r))) goto out;
+    if ((rc = compile_call(e, tools, tool_choice, parallel, r))) goto out;
     const char *effort_as = "";
     if (effort && !json_is_null(effort)) {
         if (!json_is_string(effort)) {

@@ -41,6 +41,19 @@
 
 /* ---- the model side, called on the slots' worker threads ---- */
 
+/* How decoding shared forward passes (/metrics): the decode passes (each
+ * feeds the next id, or the id and its drafts, of every slot whose step it
+ * takes; prefills are not counted), the sequences (slots) summed over them,
+ * the ids they fed, and the passes by sequences: by_seqs[i] counts those of
+ * 2^(i-1) < sequences <= 2^i (i 0: one). The draft model's (--draft): its
+ * forward passes and the slots' drafters fed in them, summed. */
+#define K3_BATCH_HIST_N 9
+typedef struct {
+    uint64_t passes, seqs, rows;
+    uint64_t by_seqs[K3_BATCH_HIST_N];
+    uint64_t draft_passes, draft_seqs;
+} k3_serve_batch_stats;
+
 typedef struct {
     void *ctx;
     int vocab;                 /* the model's vocabulary (ids < vocab) */
@@ -83,6 +96,8 @@ typedef struct {
     /* The speculation counters since the model opened (passes, ids fed,
      * drafts proposed and accepted). NULL: none. */
     void (*spec_stats)(void *ctx, k3_spec_stats *out);
+    /* The batching counters since the model opened. NULL: none. */
+    void (*batch_stats)(void *ctx, k3_serve_batch_stats *out);
     /* How many leading ids of ids[0..n) slot's own state holds; asked only
      * of a free slot, so that a request goes to the free slot that already
      * holds most of its prompt (a retried request finds the slot its cut
@@ -212,9 +227,10 @@ typedef struct {
                                   response_format, thinking, thinking_effort */
     k3_jschema *schema;        /* response_format json_object/json_schema: the reply
                                   is held to it (constrain.h); NULL: free text */
-    k3_callspec *call;         /* tool_choice "required" or a named function: the
-                                  reply is a call of one of these tools (it takes
-                                  the place of schema); NULL: not enforced */
+    k3_callspec *call;         /* the reply's calls as enforced (constrain.h):
+                                  tool_choice "required" or a named function (it
+                                  takes the place of schema), or "auto" with strict
+                                  tools or parallel_tool_calls false; NULL: none */
 } k3_serve_req;
 
 /* Parses and validates a request body for kind. Returns 0, or the HTTP status

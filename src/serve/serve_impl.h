@@ -76,7 +76,6 @@ struct k3_serve {
     /* counters for /health and /metrics (under mu) */
     uint64_t n_ok, n_cancelled, n_refused, n_failed, n_tokens;
     uint64_t n_prompt, n_cached, n_cache_hits; /* prompt tokens, those a saved state held, requests with any */
-    uint64_t n_spec_passes, n_spec_proposed, n_spec_accepted; /* speculation: verifying passes, drafts fed, kept */
     uint64_t by_status[600];   /* responses by HTTP status */
     k3_hist ttft, tpot;        /* time to first token, time per later token (seconds) */
     double busy_s;             /* seconds some slot computed */

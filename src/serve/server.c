@@ -135,6 +135,12 @@ static void prom_one(k3_sbuf *b, const char *name, const char *type, const char 
 /* GET /metrics: Prometheus' text format (version 0.0.4) */
 static char *metrics_text(k3_serve *s, size_t *len) {
     k3_sbuf b = {0};
+    /* the model's counters (its lock, never taken under s->mu): every
+     * slot's, so concurrent requests count each pass once */
+    k3_serve_batch_stats bs = {0};
+    k3_spec_stats sp = {0};
+    if (s->m.batch_stats) s->m.batch_stats(s->m.ctx, &bs);
+    if (s->m.spec_stats) s->m.spec_stats(s->m.ctx, &sp);
     pthread_mutex_lock(&s->mu);
     k3_sb_printf(&b, "# HELP k3_http_responses_total HTTP responses by status (a stream counts when its 200 is sent)\n"
                      "# TYPE k3_http_responses_total counter\n");
@@ -152,10 +158,31 @@ static char *metrics_text(k3_serve *s, size_t *len) {
     prom_one(&b, "k3_cache_hits_total", "counter", "generations that reused a saved state", (double)s->n_cache_hits);
     prom_one(&b, "k3_generation_tokens_total", "counter", "tokens generated", (double)s->n_tokens);
     prom_one(&b, "k3_speculative_passes_total", "counter",
-             "forward passes of speculative generations (one per sampled id the drafts missed)", (double)s->n_spec_passes);
-    prom_one(&b, "k3_drafts_proposed_total", "counter", "drafted ids fed to verifying passes", (double)s->n_spec_proposed);
+             "forward passes of speculative generations (one per sampled id the drafts missed)", (double)sp.passes);
+    prom_one(&b, "k3_drafts_proposed_total", "counter", "drafted ids fed to verifying passes", (double)sp.proposed);
     prom_one(&b, "k3_drafts_accepted_total", "counter", "drafted ids the sampler agreed with (forward passes saved)",
-             (double)s->n_spec_accepted);
+             (double)sp.accepted);
+    prom_one(&b, "k3_batch_passes_total", "counter",
+             "decode forward passes (each the next ids of every slot whose step it takes; prefills not counted)",
+             (double)bs.passes);
+    prom_one(&b, "k3_batch_sequences_total", "counter", "sequences (slots) fed by those passes, summed",
+             (double)bs.seqs);
+    prom_one(&b, "k3_batch_rows_total", "counter", "ids fed by those passes (sampled ids and drafts)", (double)bs.rows);
+    k3_sb_printf(&b, "# HELP k3_batch_sequences_per_pass sequences a decode pass fed\n"
+                     "# TYPE k3_batch_sequences_per_pass histogram\n");
+    uint64_t cum = 0;
+    for (int i = 0; i < K3_BATCH_HIST_N; i++) {
+        cum += bs.by_seqs[i];
+        k3_sb_printf(&b, "k3_batch_sequences_per_pass_bucket{le=\"%d\"} %llu\n", 1 << i, (unsigned long long)cum);
+    }
+    k3_sb_printf(&b, "k3_batch_sequences_per_pass_bucket{le=\"+Inf\"} %llu\nk3_batch_sequences_per_pass_sum %llu\n"
+                     "k3_batch_sequences_per_pass_count %llu\n", (unsigned long long)bs.passes,
+                 (unsigned long long)bs.seqs, (unsigned long long)bs.passes);
+    prom_one(&b, "k3_draft_passes_total", "counter", "forward passes of the draft model (--draft)",
+             (double)bs.draft_passes);
+    prom_one(&b, "k3_draft_sequences_total", "counter",
+             "slots' drafters fed by those passes, summed (more than the passes: drafting shared passes)",
+             (double)bs.draft_seqs);
     prom_hist(&b, "k3_time_to_first_token_seconds", "from the queue to the first sampled token", &s->ttft);
     prom_hist(&b, "k3_time_per_output_token_seconds", "between two sampled tokens of a request", &s->tpot);
     prom_one(&b, "k3_queue_waiting", "gauge", "requests waiting for a slot", s->nwaiting);

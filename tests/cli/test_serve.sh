@@ -415,7 +415,13 @@ check load-health "$(jget 'j["queue"]["waiting"], j["running"], j["requests"]["r
 KA=()
 for i in $(seq $((SLOTS + 3))); do
   curl -H 'Content-Type: application/json' -s -o /dev/null --max-time 120 --data-binary "{$LONG}" "$URL/v1/completions" & KA+=($!)
-  sleep 0.1
+done
+# only once every slot computes and three wait: a fixed sleep between the
+# launches lost the race on a loaded machine (a curl not yet connected left a
+# slot free, and the stream below was served at once)
+for _ in $(seq 500); do
+  h=$(curl -s --max-time 5 "$URL/health")
+  grep -Eq "\"busy\": *$SLOTS," <<<"$h" && grep -Eq '"waiting": *3,' <<<"$h" && break; sleep 0.02
 done
 curl -H 'Content-Type: application/json' -s -N --max-time 120 --data-binary '{"prompt":"Hi","max_tokens":3,"stream":true}' "$URL/v1/completions" >"$OUT/ka.sse"
 for p in "${KA[@]}"; do wait "$p" 2>/dev/null; done

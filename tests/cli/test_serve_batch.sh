@@ -10,8 +10,9 @@
 # cached: cached_tokens per request equal too). Also with the weights streamed
 # (--trunk, a tiny --cache-gb), and with one request's client gone after its
 # first event (the others unchanged, the cancel counted). /health reports the
-# slots (--parallel with --speculate: test_speculate_serve.sh; under mpirun:
-# test_mpi_serve.sh).
+# slots, /metrics that the requests shared decode passes (sequences per pass
+# above 1 with four slots, exactly 1 with one) (--parallel with --speculate:
+# test_speculate_serve.sh; under mpirun: test_mpi_serve.sh).
 # Loopback, every wait bounded. About 8 minutes under the sanitizer on a
 # loaded 2-core machine.
 # asan
@@ -28,6 +29,11 @@ stop_wait() { # PID: SIGTERM, up to 20 s, then RC (124 after a SIGKILL)
   wait "$1"; RC=$?
 }
 DRIVE="timeout 600 $PY tests/cli/serve_batch_drive.py"
+# batch_counts URL: "PASSES SEQUENCES ROWS" of the decode passes (/metrics)
+batch_counts() {
+  curl -s --max-time 10 "$1/metrics" | awk '$1 == "k3_batch_passes_total" { p = $2 }
+    $1 == "k3_batch_sequences_total" { s = $2 } $1 == "k3_batch_rows_total" { r = $2 } END { print p, s, r }'
+}
 
 expect_exit help 0 "$K3" serve --help
 expect_out_contains help "--parallel N"
@@ -80,6 +86,10 @@ cached() { grep -o '"cached_tokens": [0-9]*' "$1" | head -n 1 | grep -o '[0-9]*$
 check alone-first-not-cached "$(cached "$OUT/alone1/chat-greedy.txt")" 0
 c=$(cached "$OUT/alone2/compl-long-seeded.txt")
 [ -n "$c" ] && [ "$c" -gt 300 ] && pass "alone-second-cached ($c)" || fail alone-second-cached "cached_tokens '$c'"
+# one slot: every decode pass feeds one sequence, one id
+read -r p q r <<<"$(batch_counts "$A")"
+[ -n "$p" ] && [ "$p" -gt 0 ] && [ "$q" = "$p" ] && [ "$r" = "$p" ] && pass "alone-one-sequence-a-pass ($p passes)" \
+  || fail alone-one-sequence-a-pass "passes '$p', sequences '$q', rows '$r'"
 
 # ---- together: four slots, all four at once (twice) ----
 start_server "$OUT/batch.log" "$K3" serve $M $COMMON --parallel 4 || { fail start-batch "$(head -c 300 "$OUT/batch.log.err")"; finish; exit 1; }
@@ -99,6 +109,13 @@ compare_round together-equals-alone "$OUT/batch1" "$OUT/alone1"
 compare_round together-again-equals-alone-again "$OUT/batch2" "$OUT/alone2"
 peak=$(cat "$OUT/peak" 2>/dev/null || echo 0)
 [ "$peak" -ge 2 ] && pass "requests-overlapped (up to $peak slots busy)" || fail requests-overlapped "at most $peak slot busy"
+# the requests shared passes: more sequences than passes (with one pass per
+# slot's step it would be 1); each sequence fed one id
+read -r p q r <<<"$(batch_counts "$B")"
+[ -n "$p" ] && [ "$p" -gt 0 ] && [ "$q" -gt "$p" ] && [ "$r" = "$q" ] \
+  && pass "requests-shared-passes ($q sequences in $p passes)" || fail requests-shared-passes "passes '$p', sequences '$q', rows '$r'"
+grep -q '^k3_batch_sequences_per_pass_bucket{le="4"} '"$p"'$' <(curl -s --max-time 10 "$B/metrics") \
+  && pass per-pass-histogram || fail per-pass-histogram "$(curl -s --max-time 10 "$B/metrics" | grep sequences_per_pass | head -c 400)"
 check batch-slots "$(curl -s --max-time 10 "$B/health" | $PY -c 'import json,sys; j=json.load(sys.stdin); print(j["slots"], j["running"])')" "{'busy': 0, 'total': 4} False"
 
 # ---- one client goes away mid-batch: the others unchanged, the cancel counted ----

@@ -9,13 +9,17 @@
 # by max_tokens says "length"; a streamed reply concatenates to the same
 # content; response_format "text" leaves the reply as without it; a schema
 # keyword the server cannot enforce is a 400 naming it. tool_choice
-# "required" or a named function: every reply that ends on its own is one
-# call (finish "tool_calls") of a declared tool (the named one when named)
-# whose arguments parse and match the tool's parameters (python's jsonschema
-# when this python has it, else the validator below); streamed, the call
-# deltas give the same call; "auto" replies as with tool_choice absent; an
-# unenforceable parameters keyword is a 400 naming its path. Loopback, every
-# wait bounded.
+# "required" or a named function: every reply that ends on its own is calls
+# (finish "tool_calls") of declared tools (the named one when named) whose
+# arguments parse and match the tool's parameters (python's jsonschema when
+# this python has it, else the validator below): one or more under
+# "required" (some replies several, each with its own id), exactly one when
+# named or with parallel_tool_calls false; streamed, the call deltas give
+# the same calls at their indexes; "auto" replies as with tool_choice absent;
+# under "auto" with strict tools (the ids that spell a call's opening raised
+# so that the random model opens calls) every call a reply makes is valid,
+# at most one with parallel_tool_calls false; an unenforceable parameters
+# keyword is a 400 naming its path. Loopback, every wait bounded.
 . "$(dirname "$0")/lib.sh"
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 need_chat_python structured
@@ -204,21 +208,15 @@ PARAMS = {t["function"]["name"]: t["function"].get("parameters", {"type": "objec
 # out wherever they would break the call
 BIAS = {str(CLOSE): 20, str(OPEN): 20}
 
-def check_call(tag, ch, want_name):
-    fin, msg = ch["finish_reason"], ch["message"]
-    if fin == "length":
-        out(True, tag + ":length"); return None
-    calls = msg.get("tool_calls") or []
-    if fin != "tool_calls" or len(calls) != 1:
-        out(False, tag, "finish %s, message %r" % (fin, msg)); return None
-    fn = calls[0]["function"]
+def call_valid(tag, call, want_name):
+    fn = call["function"]
     name = fn["name"]
     if name not in PARAMS or (want_name and name != want_name):
-        out(False, tag + ":name", repr(name)); return None
+        out(False, tag + ":name", repr(name)); return False
     try:
         args = json.loads(fn["arguments"])
     except Exception as e:
-        out(False, tag + ":parses", "%s: %r" % (e, fn["arguments"])); return None
+        out(False, tag + ":parses", "%s: %r" % (e, fn["arguments"])); return False
     ok = valid(PARAMS[name], args) and isinstance(args, dict)
     if jsonschema is not None:
         try:
@@ -226,31 +224,53 @@ def check_call(tag, ch, want_name):
         except jsonschema.ValidationError:
             ok = False
     out(ok, tag + ":valid", "%r against %s" % (args, name))
+    return ok
+
+def check_call(tag, ch, want_name, one):
+    """A reply that ended is calls only: exactly one when one, else one or more."""
+    fin, msg = ch["finish_reason"], ch["message"]
+    if fin == "length":
+        out(True, tag + ":length"); return None
+    calls = msg.get("tool_calls") or []
+    if fin != "tool_calls" or not calls or (one and len(calls) != 1):
+        out(False, tag, "finish %s, message %r" % (fin, msg)); return None
+    for k, c in enumerate(calls):
+        call_valid("%s:call%d" % (tag, k), c, want_name)
+    out(len({c["id"] for c in calls}) == len(calls), tag + ":ids", repr(calls))
     out(msg.get("content") in (None, ""), tag + ":no content", repr(msg.get("content")))
-    return calls[0]
+    return calls
 
 stats = {"tool_calls": 0, "length": 0}
 n_req = 2 if asan else 4
-for choice in ("required", "named"):
+several = 0
+# (tool_choice, parallel_tool_calls: None absent): OpenAI's "required" is one
+# or more calls, a named function exactly one, parallel_tool_calls false one
+for choice, par in (("required", None), ("named", None), ("required", False)):
     for think in (False, True):
         for seed in range(n_req):
             tc = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
             body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": tc,
                     "temperature": 2, "seed": seed, "max_tokens": 300, "enable_thinking": think,
                     "logit_bias": BIAS}
-            tag = "tool %s:think=%d:seed=%d" % (choice, think, seed)
+            if par is not None: body["parallel_tool_calls"] = par
+            tag = "tool %s:parallel=%s:think=%d:seed=%d" % (choice, par, think, seed)
             st, text = post(body)
             if st != 200:
                 out(False, tag, "status %d %s" % (st, text)); continue
             ch = json.loads(text)["choices"][0]
             stats[ch["finish_reason"]] = stats.get(ch["finish_reason"], 0) + 1
-            check_call(tag, ch, "get_weather" if choice == "named" else None)
-out(stats["tool_calls"] >= 4 * n_req // 2, "complete calls", "finish counts %s" % stats)
+            calls = check_call(tag, ch, "get_weather" if choice == "named" else None, choice == "named" or par is False)
+            several += bool(calls) and len(calls) > 1
+out(stats["tool_calls"] >= 6 * n_req // 2, "complete calls", "finish counts %s" % stats)
 
-# streamed: the call deltas give the non-streamed call, finish tool_calls
-body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": "required",
-        "temperature": 2, "seed": 3, "max_tokens": 300, "enable_thinking": False, "logit_bias": BIAS}
-st, whole = post(body)
+# streamed: the call deltas give the non-streamed calls at their indexes
+# (several with this seed), finish tool_calls
+for seed in (3, 0, 1, 2):
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "tool_choice": "required",
+            "temperature": 2, "seed": seed, "max_tokens": 300, "enable_thinking": False, "logit_bias": BIAS}
+    st, whole = post(body)
+    w = json.loads(whole)["choices"][0] if st == 200 else {}
+    if len(w.get("message", {}).get("tool_calls") or []) > 1: break
 body["stream"] = True
 st2, sse = post(body)
 calls, fins = [], []
@@ -259,15 +279,50 @@ for line in sse.splitlines():
         for c in json.loads(line[6:]).get("choices", []):
             calls += c.get("delta", {}).get("tool_calls") or []
             if c.get("finish_reason"): fins.append(c["finish_reason"])
-w = json.loads(whole)["choices"][0] if st == 200 else {}
-wc = (w.get("message", {}).get("tool_calls") or [{}])[0].get("function")
-out(st == 200 and st2 == 200 and len(calls) == 1 and calls[0]["function"] == wc and fins == ["tool_calls"] and
-    w.get("finish_reason") == "tool_calls", "tool stream equals", "%r %r vs %r" % (calls, fins, w))
+wcalls = w.get("message", {}).get("tool_calls") or []
+several += len(wcalls) > 1
+out(several >= 1, "several calls under required", "%d replies with several calls" % several)
+out(st == 200 and st2 == 200 and len(calls) == len(wcalls) > 0 and
+    all(c["index"] == k and c["function"] == wc["function"] for k, (c, wc) in enumerate(zip(calls, wcalls))) and
+    len({c["id"] for c in calls}) == len(calls) and fins == ["tool_calls"] and w.get("finish_reason") == "tool_calls",
+    "tool stream equals (%d calls)" % len(wcalls), "%r %r vs %r" % (calls, fins, w))
 
-# auto (and tools with no tool_choice): nothing enforced, the reply is the
-# one without the field
+# auto with strict tools: the reply is free until it opens a call, which is
+# then held to the tool's schema. The ids that spell `call tool="` are
+# raised so that the random model opens calls at all.
+def tokens(text):
+    r = urllib.request.Request(url + "/tokenize", json.dumps({"prompt": text}).encode(),
+                               {"Content-Type": "application/json"})
+    with urllib.request.urlopen(r, timeout=60) as f:
+        return json.loads(f.read().decode())["tokens"]
+STRICT = [dict(t, function=dict(t["function"], strict=True)) for t in TOOLS]
+# They and <|open|> are raised alike, <|close|> a little less (about a
+# tenth as likely at temperature 2): about one reply in two then calls.
+abias = {str(OPEN): 30, str(CLOSE): 27}
+for i in tokens('call tool="'): abias[str(i)] = 30
+ncalls = 0
+for par in (None, False):
+    for seed in range(4 if asan else 8):
+        body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": STRICT, "temperature": 2,
+                "seed": seed, "max_tokens": 400, "enable_thinking": seed % 2 == 1, "logit_bias": abias}
+        if par is not None: body["parallel_tool_calls"] = par
+        tag = "tool auto strict:parallel=%s:seed=%d" % (par, seed)
+        st, text = post(body)
+        if st != 200:
+            out(False, tag, "status %d %s" % (st, text)); continue
+        ch = json.loads(text)["choices"][0]
+        calls = ch["message"].get("tool_calls") or []
+        for k, c in enumerate(calls):
+            call_valid("%s:call%d" % (tag, k), c, None)
+        if par is False: out(len(calls) <= 1, tag + ":at most one", repr(calls))
+        ncalls += len(calls)
+out(ncalls >= 2, "auto strict calls made (%d)" % ncalls, "%d calls in all" % ncalls)
+
+# auto (and tools with no tool_choice), no strict tool: nothing enforced, the
+# reply is the one without the field
+LOOSE = [dict(t, function={k: v for k, v in t["function"].items() if k != "strict"}) for t in TOOLS]
 for seed in range(2):
-    base = {"messages": [{"role": "user", "content": "Weather?"}], "tools": TOOLS, "temperature": 2, "seed": seed,
+    base = {"messages": [{"role": "user", "content": "Weather?"}], "tools": LOOSE, "temperature": 2, "seed": seed,
             "max_tokens": 40, "enable_thinking": seed == 1, "logit_bias": BIAS, "logprobs": True}
     st, a = post(base)
     st2, b = post(dict(base, tool_choice="auto"))

@@ -14,8 +14,10 @@
 #    and 2 ranks under mpirun (n-gram: every rank drafts the same ids);
 #  - four requests sent at once to a --parallel 4 server that speculates
 #    (n-gram, and the draft model: one per slot), their verifying passes
-#    batched in one pass over the weights: each response is the one that
-#    request gets alone from a plain --parallel 1 server;
+#    batched in one pass over the weights (/metrics: more sequences than
+#    decode passes) and the slots' drafters sharing the draft model's passes
+#    (more drafters fed than passes): each response is the one that request
+#    gets alone from a plain --parallel 1 server;
 #  - /metrics counts the drafts (some proposed and accepted, none without
 #    speculation); bad "speculate" values get 400 naming the field; bad flags
 #    exit 2 (--speculate 17, --draft with another tokenizer or under mpirun).
@@ -178,19 +180,34 @@ together() {
   timeout 300 $PY "$OUT/together.py" "$SERVER_URL" "$OUT/$tag.txt" "$mode" 2>"$OUT/$tag.client.err" \
     && pass "$tag:requests" || fail "$tag:requests" "$(tail -n 3 "$OUT/$tag.client.err")"
   DRAFTS="$(metric "$SERVER_URL" k3_drafts_proposed_total) $(metric "$SERVER_URL" k3_drafts_accepted_total)"
+  SHARED="$(metric "$SERVER_URL" k3_batch_passes_total) $(metric "$SERVER_URL" k3_batch_sequences_total)"
+  SHARED="$SHARED $(metric "$SERVER_URL" k3_draft_passes_total) $(metric "$SERVER_URL" k3_draft_sequences_total)"
   kill -TERM "$SERVER_PID"; wait "$SERVER_PID" && pass "$tag:stop" || fail "$tag:stop" "$(tail -n 3 "$OUT/$tag.log.err")"
+}
+# shared TAG [draft]: the decode passes fed more sequences than there were
+# passes (the slots' verifying passes went together); with draft, the draft
+# model's passes fed more drafters than there were passes too
+shared() {
+  local p s dp ds; read -r p s dp ds <<<"$SHARED"
+  [ -n "$p" ] && [ "$p" -gt 0 ] && [ "$s" -gt "$p" ] && pass "$1:shared-passes ($s sequences in $p passes)" \
+    || fail "$1:shared-passes" "passes '$p', sequences '$s'"
+  [ -z "${2:-}" ] && return
+  [ -n "$dp" ] && [ "$dp" -gt 0 ] && [ "$ds" -gt "$dp" ] && pass "$1:shared-draft-passes ($ds drafters in $dp passes)" \
+    || fail "$1:shared-draft-passes" "draft passes '$dp', drafters '$ds'"
 }
 together alone alone "$K3" serve $M --port 0 --parallel 1
 together par-ngram together "$K3" serve $M --port 0 --parallel 4 --speculate 4
 cmp -s "$OUT/alone.txt" "$OUT/par-ngram.txt" && pass par-ngram:same \
   || fail par-ngram:same "$(diff <(tr ',' '\n' <"$OUT/alone.txt") <(tr ',' '\n' <"$OUT/par-ngram.txt") | head -c 400)"
 drafted par-ngram
+shared par-ngram
 grep -q '4 slots' "$OUT/par-ngram.log" && pass par-ngram:slots \
   || fail par-ngram:slots "$(head -c 300 "$OUT/par-ngram.log")"
 together par-draft together "$K3" serve $M --port 0 --parallel 4 --draft $M
 cmp -s "$OUT/alone.txt" "$OUT/par-draft.txt" && pass par-draft:same \
   || fail par-draft:same "$(diff <(tr ',' '\n' <"$OUT/alone.txt") <(tr ',' '\n' <"$OUT/par-draft.txt") | head -c 400)"
 drafted par-draft
+shared par-draft draft
 
 # ---- refusals ------------------------------------------------------------------------------
 start_server "$OUT/refusals.log" "$K3" serve $M --port 0 --speculate 3 || fail refusals:start
