@@ -53,8 +53,8 @@ const char *const cmd_serve_help =
     "                       (a slot): their decode steps go through one forward\n"
     "                       pass and a new prompt's prefill goes chunk by chunk\n"
     "                       (--chunk) between them. Default: as many states of\n"
-    "                       --ctx positions as the memory budget holds, up to 8;\n"
-    "                       1 under mpirun, where more is refused (exit 2)\n"
+    "                       --ctx positions as the memory budget holds, up to 8\n"
+    "                       (under mpirun: the fewest any rank's budget holds)\n"
     "  --queue N            requests that may wait while every slot computes\n"
     "                       (default 16); more get 429; 0: none waits\n"
     "  --max-body BYTES     largest request body (default 8M); larger get 413\n"
@@ -87,9 +87,10 @@ const char *const cmd_serve_help =
     "\n"
     K3_ENGINE_HELP
     "\n"
-    "Under mpirun (expert parallel, docs/mpi.md) rank 0 serves and the other\n"
-    "ranks compute their experts; stop the job with SIGTERM to rank 0 or SIGUSR1\n"
-    "to mpirun (also stops rank 0: every rank then exits 0).\n"
+    "Under mpirun (docs/mpi.md) rank 0 serves and the other ranks make the same\n"
+    "model calls on their share of the model (every slot's batched passes and\n"
+    "speculation too, with the answers of one process); stop the job with SIGTERM\n"
+    "to rank 0 or SIGUSR1 to mpirun (also stops rank 0: every rank then exits 0).\n"
     "\n"
     "Prints the address, then serves until Ctrl-C (SIGINT) or SIGTERM.\n"
     "exit codes: 0 stopped by a signal, 1 runtime/I-O (cannot listen), 2 usage or\n"
@@ -303,9 +304,6 @@ int cmd_serve(int argc, char **argv) {
 
     k3_err err = {0};
     int ranks = k3_dist_size();
-    if (ranks > 1 && a.parallel > 1)
-        return k3_usage_error("serve", "--parallel %d: under mpirun (%d ranks) k3 serve computes one request at a "
-                              "time; leave --parallel out (it is 1 there)", a.parallel, ranks);
     if (ranks > 1 && !k3_dist_any_thread())
         return k3_report(&(k3_err){.code = K3_EXIT_USAGE,
                                    .msg = "serve: this Open MPI does not grant MPI_THREAD_SERIALIZED, which k3 serve's "

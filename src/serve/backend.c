@@ -2,18 +2,20 @@
  * engine: one session per slot over a state cache shared by every request,
  * so a request reuses what an earlier one computed, on any slot.
  *
- * Under mpirun with several ranks (expert parallel, docs/mpi.md) rank 0 alone
- * listens and runs the server with one slot; the other ranks follow it. The
- * model work of the server is three backend calls (prefill, step, end) made
- * by its one worker thread, so before each call rank 0 broadcasts a
- * fixed-size command (and a prefill's ids and message marks) and every
- * other rank makes the same call on its own session and state cache. The session's choices (its
+ * Under mpirun with several ranks (docs/mpi.md) rank 0 alone listens and
+ * runs the server; the other ranks follow it with as many slots. Every call
+ * that touches a session or the shared state cache (a prefill, a step or a
+ * batched pass of steps, a reply's end) is made by one thread of rank 0 (the
+ * worker with one slot, the model thread with several), so before each
+ * rank 0 broadcasts a fixed-size command (and a prefill's ids and message
+ * marks, a pass's steps) and every other rank makes the same call on its own
+ * session and state cache, in the same order. The session's choices (its
  * own state, a snapshot to restore, a cold start, the grid snapshots,
  * evictions) follow from the calls alone, so every rank makes the same
- * forward calls and the exchanges inside the MoE layers line up. A cancelled
- * prefill stops at the same chunk on every rank: the cancel hook, asked
- * between chunks, is itself a broadcast of rank 0's flag. Sampling is rank
- * 0's: a step carries the id.
+ * forward calls and the exchanges inside the MoE layers line up. The hook
+ * a prefill asks between its chunks is a command too: the passes of the
+ * other slots' steps made there, then rank 0's cancel flag, so every rank
+ * stops at the same chunk. Sampling is rank 0's: a step carries the id.
  *
  * Speculation: a prefill carries the request's drafts per pass and opens a
  * verifying feed (draft.h) on its slot for the steps that follow; each step
@@ -26,8 +28,9 @@
  * same ids and every rank makes the same verifying passes (a draft model runs
  * on one rank only: refused under several).
  *
- * Several slots (one process): each slot has its own session and state, and
- * one model thread makes every forward call. A slot's worker posts its call
+ * Several slots: each slot has its own session and state, and one model
+ * thread makes every call on them (a reply's end included, so that the
+ * shared cache sees one order). A slot's worker posts its call
  * (a prefill or a step) and waits. The model thread runs the posted steps as
  * one batched pass once no busy slot is still between calls (sampling,
  * writing its response), so the next ids of all busy slots go together; it
@@ -64,7 +67,7 @@ struct k3_serve_backend;
 
 /* Where a slot is, for the model thread (under backend.mu): no request; a
  * request between model calls; a step or a prefill posted; being computed. */
-enum { SLOT_IDLE, SLOT_THINK, SLOT_STEP, SLOT_PREFILL, SLOT_RUN };
+enum { SLOT_IDLE, SLOT_THINK, SLOT_STEP, SLOT_PREFILL, SLOT_END, SLOT_RUN };
 
 typedef struct slot_s {
     struct k3_serve_backend *b;
@@ -80,6 +83,7 @@ typedef struct slot_s {
     const size_t *marks;   /* where the prompt's messages end */
     size_t nmarks;
     const atomic_int *cancel;
+    int speculate;         /* a prefill's: drafts per pass for the steps that follow */
     int64_t limit;         /* a step's: ids the generation may still feed after it */
     bool done;
     int rc;
@@ -116,35 +120,48 @@ struct k3_serve_backend {
     int *bslot;
     int *bn;               /* [nslots] ids per session; bid then holds (K + 1) per slot */
     struct slot_s **bgo;   /* [nslots] the slots of one pass */
+    struct serve_cmd_s *bcmd; /* [nslots] (several ranks) one pass's steps as broadcast */
     k3_draft_ask **bask;   /* [nslots] the drafts the slots of one step ask for */
+    /* a rank after the first: the buffers rank 0's calls are made with */
+    float *flog;           /* [nslots][vocab] a logit row per slot */
+    int32_t *fids;         /* [ctx] a prefill's ids */
+    size_t *fmarks;        /* [ctx] its message marks */
 };
 typedef struct k3_serve_backend backend;
 
 /* Rank 0's word to the ranks that follow it (a fixed layout; a prefill's n ids
- * follow in a second broadcast). */
-enum { CMD_PREFILL = 1, CMD_STEP = 2, CMD_END = 3, CMD_QUIT = 4 };
-typedef struct {
+ * and its marks follow in broadcasts of their own, a pass's n steps too, each
+ * a CMD_STEP). */
+enum { CMD_PREFILL = 1, CMD_STEP = 2, CMD_END = 3, CMD_QUIT = 4, CMD_STEPS = 5, CMD_GO = 6 };
+typedef struct serve_cmd_s {
     int32_t op;
-    int32_t n;             /* CMD_PREFILL: ids that follow, 1..ctx; CMD_STEP: the limit (at most K3_SPEC_MAX) */
+    int32_t slot;          /* the slot the call is made on (CMD_STEPS, CMD_QUIT: 0) */
+    int32_t n;             /* CMD_PREFILL: ids that follow, 1..ctx; CMD_STEP: the limit (at most K3_SPEC_MAX);
+                              CMD_STEPS: the steps of the pass that follow, 1..slots */
     int32_t id;            /* CMD_STEP: the id to feed; CMD_PREFILL: drafts per pass */
     int32_t flag;          /* CMD_STEP: no logits wanted; CMD_QUIT: rank 0's exit code;
-                              CMD_PREFILL: message marks that follow the ids, 0..n */
+                              CMD_PREFILL: message marks that follow the ids, 0..n;
+                              CMD_GO (between a prefill's chunks): cancel it */
 } serve_cmd;
 
-static void send_cmd(int op, int32_t n, int32_t id, int32_t flag) {
-    serve_cmd c = {.op = op, .n = n, .id = id, .flag = flag};
+static void send_cmd(int op, int slot, int32_t n, int32_t id, int32_t flag) {
+    serve_cmd c = {.op = op, .slot = slot, .n = n, .id = id, .flag = flag};
     k3_dist_bcast(&c, sizeof c, true, "k3 serve's next command");
 }
 
+static int slot_index(const backend *b, const slot *x) { return (int)(x - b->sl); }
+
 static bool is_cancelled(const void *flag) { return atomic_load((const atomic_int *)flag) != 0; }
 
-/* The cancel hook under several ranks: rank 0 (flag: its job's) hands its
- * answer to the others (flag NULL), so every rank stops at the same chunk. */
-static bool is_cancelled_all(const void *flag) {
-    int32_t c = flag ? is_cancelled(flag) : 0;
-    k3_dist_bcast(&c, sizeof c, true, "k3 serve's prefill (go on or cancel)");
-    return c != 0;
+/* The cancel hook of rank 0's one slot under several ranks: it hands its
+ * answer to the others, so every rank stops at the same chunk. */
+static bool is_cancelled_lead(const void *flag) {
+    bool c = is_cancelled(flag);
+    send_cmd(CMD_GO, 0, 0, 0, c);
+    return c;
 }
+
+static bool follow_turn(const void *ctx);
 
 /* A prefill on one slot's session, the hook asked between its chunks; a cut
  * one leaves what it fed as a snapshot (a true state of a prefix of the
@@ -193,30 +210,40 @@ static int spec_close(backend *b, slot *x, k3_err *err) {
     return rc;
 }
 
-static int one_prefill(backend *b, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks, float *logits,
-                       size_t *reused, const atomic_int *cancel, int speculate, k3_err *err) {
-    bool several = k3_engine_ranks(b->e) > 1;
+/* Slot x's prefill (its ids, marks, logits, reused and speculate set), the
+ * hook asked between chunks; rank 0 of several announces it first. */
+static int prefill_call(backend *b, slot *x, bool (*hook)(const void *), const void *hook_ctx, k3_err *err) {
     if (b->lead) { /* (n <= ctx: the server checked the prompt against it; marks are at most one per id) */
-        send_cmd(CMD_PREFILL, (int32_t)n, speculate, (int32_t)nmarks);
-        k3_dist_bcast((void *)ids, n * sizeof *ids, true, "k3 serve's prompt ids");
-        if (nmarks) k3_dist_bcast((void *)marks, nmarks * sizeof *marks, true, "k3 serve's message marks");
+        send_cmd(CMD_PREFILL, slot_index(b, x), (int32_t)x->n, x->speculate, (int32_t)x->nmarks);
+        k3_dist_bcast((void *)x->ids, x->n * sizeof *x->ids, true, "k3 serve's prompt ids");
+        if (x->nmarks) k3_dist_bcast((void *)x->marks, x->nmarks * sizeof *x->marks, true, "k3 serve's message marks");
     }
     /* a generation that ended in an error or a cancel left its pass open */
-    int rc = spec_close(b, &b->sl[0], err);
+    int rc = spec_close(b, x, err);
     if (rc) return rc;
-    rc = prefill_on(b->sl[0].sess, ids, n, marks, nmarks, logits, reused, several ? is_cancelled_all : is_cancelled,
-                    cancel, err);
-    if (!rc && speculate > 0) b->sl[0].spec = k3_spec_new(b->sl[0].drafter, speculate, k3_engine_vocab(b->e));
+    rc = prefill_on(x->sess, x->ids, x->n, x->marks, x->nmarks, x->logits, x->reused, hook, hook_ctx, err);
+    if (!rc && x->speculate > 0) x->spec = k3_spec_new(x->drafter, x->speculate, k3_engine_vocab(b->e));
     return rc;
+}
+
+static void set_prefill(slot *x, const int32_t *ids, size_t n, const size_t *marks, size_t nmarks, float *logits,
+                        size_t *reused, const atomic_int *cancel, int speculate) {
+    x->ids = ids;
+    x->n = n;
+    x->marks = marks;
+    x->nmarks = nmarks;
+    x->logits = logits;
+    x->reused = reused;
+    x->cancel = cancel;
+    x->speculate = speculate;
 }
 
 /* Drafts per pass never exceed K3_SPEC_MAX: a larger limit is the same. */
 static int64_t step_limit(int64_t limit) { return limit > K3_SPEC_MAX ? K3_SPEC_MAX : limit < 0 ? 0 : limit; }
 
-static int one_step(backend *b, int32_t id, float *logits, int64_t limit, k3_err *err) {
-    slot *x = &b->sl[0];
+static int one_step(backend *b, slot *x, int32_t id, float *logits, int64_t limit, k3_err *err) {
     limit = step_limit(limit);
-    if (b->lead) send_cmd(CMD_STEP, (int32_t)limit, id, logits == NULL);
+    if (b->lead) send_cmd(CMD_STEP, slot_index(b, x), (int32_t)limit, id, logits == NULL);
     int rc;
     uint64_t rows = 1;
     if (x->spec && logits) {
@@ -320,19 +347,20 @@ static void feed_group(backend *b, slot *const *sl, int n, bool multi, k3_serve_
     }
 }
 
-/* Runs every posted step in one pass (with speculation, in passes of at most
- * the plan's chunk of ids). Under mu (released while computing). */
-static void run_steps(backend *b) {
-    int n = 0;
-    for (int q = 0; q < b->nslots; q++) {
-        slot *x = &b->sl[q];
-        if (x->phase != SLOT_STEP) continue;
-        x->phase = SLOT_RUN;
-        b->bslot[n++] = q;
+/* The steps of slots bslot[0..n) (each slot's id, logits and limit set) in
+ * one pass (with speculation, in passes of at most the plan's chunk of ids);
+ * rank 0 of several announces them first. */
+static void steps_call(backend *b, int n, k3_serve_batch_stats *st) {
+    if (b->lead) {
+        for (int i = 0; i < n; i++) {
+            const slot *x = &b->sl[b->bslot[i]];
+            b->bcmd[i] = (serve_cmd){.op = CMD_STEP, .slot = b->bslot[i], .n = (int32_t)x->limit, .id = x->id,
+                                     .flag = x->logits == NULL};
+        }
+        send_cmd(CMD_STEPS, 0, n, 0, 0);
+        k3_dist_bcast(b->bcmd, (size_t)n * sizeof *b->bcmd, true, "k3 serve's batched steps");
     }
-    pthread_mutex_unlock(&b->mu);
     slot **go = b->bgo;
-    k3_serve_batch_stats st = {0};
     int ng = 0, chunk = k3_engine_chunk(b->e), rows = 0;
     bool multi = false;
     for (int i = 0; i < n; i++) {
@@ -345,13 +373,27 @@ static void run_steps(backend *b) {
         if (x->pass.n == 0) continue; /* an accepted draft, or an error */
         multi = multi || x->pass.n > 1;
         if (multi && ng > 0 && rows + x->pass.n > chunk) {
-            feed_group(b, go, ng, true, &st);
+            feed_group(b, go, ng, true, st);
             ng = rows = 0;
         }
         go[ng++] = x;
         rows += x->pass.n;
     }
-    if (ng > 0) feed_group(b, go, ng, multi, &st);
+    if (ng > 0) feed_group(b, go, ng, multi, st);
+}
+
+/* Runs every posted step in one pass. Under mu (released while computing). */
+static void run_steps(backend *b) {
+    int n = 0;
+    for (int q = 0; q < b->nslots; q++) {
+        slot *x = &b->sl[q];
+        if (x->phase != SLOT_STEP) continue;
+        x->phase = SLOT_RUN;
+        b->bslot[n++] = q;
+    }
+    pthread_mutex_unlock(&b->mu);
+    k3_serve_batch_stats st = {0};
+    steps_call(b, n, &st);
     pthread_mutex_lock(&b->mu);
     b->bst.passes += st.passes;
     b->bst.seqs += st.seqs;
@@ -365,8 +407,41 @@ static void run_steps(backend *b) {
     pthread_cond_broadcast(&b->done_cv);
 }
 
-/* The prefill hook on the model thread: the other slots' steps go first
- * (waiting for the busy ones to post theirs), then the cancel flag. */
+/* A reply ended on slot x: the state holds the prompt and the reply as the
+ * next turn's prompt re-renders it (the generation loop fed a stop id): keep
+ * it as a snapshot too (the prompt's end is kept by the prefill). Rank 0 of
+ * several announces it first. */
+static void end_call(backend *b, slot *x) {
+    if (b->lead) send_cmd(CMD_END, slot_index(b, x), 0, 0, 0);
+    k3_err e = {0};
+    if (spec_close(b, x, &e)) { /* the next prefill starts from what the session holds */
+        fprintf(stderr, "k3 serve: closing a verifying pass: %s\n", e.msg);
+        return;
+    }
+    k3_session_snapshot(x->sess);
+}
+
+/* Runs every posted reply end; whether there was one. Under mu (released
+ * while computing). */
+static bool run_ends(backend *b) {
+    bool any = false;
+    for (int q = 0; q < b->nslots; q++) {
+        slot *x = &b->sl[q];
+        if (x->phase != SLOT_END) continue;
+        x->phase = SLOT_RUN;
+        pthread_mutex_unlock(&b->mu);
+        end_call(b, x);
+        pthread_mutex_lock(&b->mu);
+        call_done(x, K3_OK, &x->err);
+        any = true;
+    }
+    if (any) pthread_cond_broadcast(&b->done_cv);
+    return any;
+}
+
+/* The prefill hook on the model thread: the other slots' reply ends and
+ * steps go first (waiting for the busy ones to post theirs), then the cancel
+ * flag, which rank 0 of several hands to the others. */
 static bool prefill_turn(const void *ctx) {
     const slot *x = ctx;
     backend *b = x->b;
@@ -374,12 +449,17 @@ static bool prefill_turn(const void *ctx) {
     for (;;) {
         bool think = false;
         for (int q = 0; q < b->nslots; q++) think = think || b->sl[q].phase == SLOT_THINK;
-        if (!think || b->quit) break;
-        pthread_cond_wait(&b->work_cv, &b->mu);
+        if (think && !b->quit) {
+            pthread_cond_wait(&b->work_cv, &b->mu);
+            continue;
+        }
+        if (!run_ends(b)) break; /* (an ended slot is between calls again: wait for its next) */
     }
     if (steps_ready(b)) run_steps(b);
     pthread_mutex_unlock(&b->mu);
-    return is_cancelled(x->cancel);
+    bool c = is_cancelled(x->cancel);
+    if (b->lead) send_cmd(CMD_GO, slot_index(b, x), 0, 0, c);
+    return c;
 }
 
 /* Runs slot x's posted prefill. Under mu (released while computing). */
@@ -387,7 +467,7 @@ static void run_prefill(backend *b, slot *x) {
     x->phase = SLOT_RUN;
     pthread_mutex_unlock(&b->mu);
     k3_err err = {0};
-    int rc = prefill_on(x->sess, x->ids, x->n, x->marks, x->nmarks, x->logits, x->reused, prefill_turn, x, &err);
+    int rc = prefill_call(b, x, prefill_turn, x, &err);
     pthread_mutex_lock(&b->mu);
     call_done(x, rc, &err);
     pthread_cond_broadcast(&b->done_cv);
@@ -399,6 +479,7 @@ static void *model_main(void *arg) {
     if (threads > 0) omp_set_num_threads(threads);
     pthread_mutex_lock(&b->mu);
     for (;;) {
+        if (run_ends(b)) continue;
         if (steps_ready(b)) {
             run_steps(b);
             continue;
@@ -436,28 +517,21 @@ static int be_prefill(void *ctx, int q, const int32_t *ids, size_t n, const size
     if (speculate < 0 || speculate > b->spec_max)
         return k3_fail(err, K3_EXIT_USAGE, "serve: %d drafts per pass asked, this model speculates 0..%d", speculate,
                        b->spec_max);
-    if (b->nslots == 1) return one_prefill(b, ids, n, marks, nmarks, logits, reused, cancel, speculate, err);
     slot *x = &b->sl[q];
-    /* the slot is between calls: its last generation's pass is closed here */
-    int rc = spec_close(b, x, err);
-    if (rc) return rc;
+    if (b->nslots == 1) {
+        set_prefill(x, ids, n, marks, nmarks, logits, reused, cancel, speculate);
+        return prefill_call(b, x, b->lead ? is_cancelled_lead : is_cancelled, cancel, err);
+    }
     pthread_mutex_lock(&b->mu);
-    x->ids = ids;
-    x->n = n;
-    x->marks = marks;
-    x->nmarks = nmarks;
-    x->logits = logits;
-    x->reused = reused;
-    x->cancel = cancel;
-    rc = post(b, x, SLOT_PREFILL, err);
+    set_prefill(x, ids, n, marks, nmarks, logits, reused, cancel, speculate);
+    int rc = post(b, x, SLOT_PREFILL, err);
     pthread_mutex_unlock(&b->mu);
-    if (!rc && speculate > 0) x->spec = k3_spec_new(x->drafter, speculate, k3_engine_vocab(b->e));
     return rc;
 }
 
 static int be_step(void *ctx, int q, int32_t id, float *logits, int64_t limit, k3_err *err) {
     backend *b = ctx;
-    if (b->nslots == 1) return one_step(b, id, logits, limit, err);
+    if (b->nslots == 1) return one_step(b, &b->sl[0], id, logits, limit, err);
     slot *x = &b->sl[q];
     pthread_mutex_lock(&b->mu);
     x->id = id;
@@ -468,19 +542,17 @@ static int be_step(void *ctx, int q, int32_t id, float *logits, int64_t limit, k
     return rc;
 }
 
-/* A reply ended: the state holds the prompt and the reply as the next turn's
- * prompt re-renders it (the generation loop fed a stop id): keep it as a
- * snapshot too (the prompt's end is kept by the prefill). The slot is
- * between calls: the model thread does not touch its state now. */
 static void be_end(void *ctx, int q) {
     backend *b = ctx;
-    if (b->lead) send_cmd(CMD_END, 0, 0, 0);
-    k3_err e = {0};
-    if (spec_close(b, &b->sl[q], &e)) { /* the next prefill starts from what the session holds */
-        fprintf(stderr, "k3 serve: closing a verifying pass: %s\n", e.msg);
+    slot *x = &b->sl[q];
+    if (b->nslots == 1) {
+        end_call(b, x);
         return;
     }
-    k3_session_snapshot(b->sl[q].sess);
+    k3_err e = {0};
+    pthread_mutex_lock(&b->mu);
+    (void)post(b, x, SLOT_END, &e);
+    pthread_mutex_unlock(&b->mu);
 }
 
 static void be_spec_stats(void *ctx, k3_spec_stats *out) {
@@ -527,6 +599,19 @@ static void be_busy(void *ctx, int q, bool busy) {
     pthread_mutex_unlock(&b->mu);
 }
 
+/* Frees slot q (its drafter after the others': slot 0's goes last, the
+ * others share its model). */
+static void free_slot(backend *b, int q) {
+    k3_spec_free(b->sl[q].spec);
+    b->sl[q].spec = NULL;
+    k3_drafter_free(b->sl[q].drafter);
+    b->sl[q].drafter = NULL;
+    if (b->sl[q].sess) k3_session_free(b->sl[q].sess);
+    b->sl[q].sess = NULL;
+    if (b->sl[q].st) k3_engine_state_free(b->e, b->sl[q].st);
+    b->sl[q].st = NULL;
+}
+
 void k3_serve_backend_free(k3_serve_backend *b) {
     if (!b) return;
     if (b->model_started) {
@@ -542,12 +627,7 @@ void k3_serve_backend_free(k3_serve_backend *b) {
         pthread_cond_destroy(&b->done_cv);
     }
     if (b->chat) k3_chat_free(b->chat);
-    for (int q = b->nslots - 1; b->sl && q >= 0; q--) { /* slot 0's drafter goes last: the others share its model */
-        k3_spec_free(b->sl[q].spec);
-        k3_drafter_free(b->sl[q].drafter);
-        if (b->sl[q].sess) k3_session_free(b->sl[q].sess);
-        if (b->sl[q].st) k3_engine_state_free(b->e, b->sl[q].st);
-    }
+    for (int q = b->nslots - 1; b->sl && q >= 0; q--) free_slot(b, q);
     free(b->sl);
     free(b->bs);
     free(b->bid);
@@ -555,7 +635,11 @@ void k3_serve_backend_free(k3_serve_backend *b) {
     free(b->bslot);
     free(b->bn);
     free(b->bgo);
+    free(b->bcmd);
     free(b->bask);
+    free(b->flog);
+    free(b->fids);
+    free(b->fmarks);
     if (b->cache) k3_state_cache_free(b->cache);
     k3_engine_free(b->e);
     free(b);
@@ -595,7 +679,7 @@ static int open_slots(backend *b, int slots, uint64_t cache_bytes, k3_err *err) 
 }
 
 static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_bytes, int slots,
-                        const k3_serve_spec_opts *so, backend *b, k3_serve_model *sm, k3_err *err) {
+                        const k3_serve_spec_opts *so, backend *b, k3_err *err) {
     int rc;
     k3_engine_opts eo = *opts;
     eo.need_tokenizer = true;
@@ -606,25 +690,58 @@ static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_
     if (so && so->draft_dir && k3_engine_ranks(b->e) > 1)
         return k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
     b->spec_max = spec_max;
-    if (k3_engine_ranks(b->e) > 1) {
-        if (slots > 1)
-            return k3_fail(err, K3_EXIT_USAGE, "serve: --parallel %d: under mpirun (%d ranks) k3 serve computes one "
-                           "request at a time (--parallel 1, the default there)", slots, k3_engine_ranks(b->e));
-        slots = 1;
-    }
     b->ctx = ctx;
     b->cache = k3_state_cache_new(k3_engine_config(b->e), cache_bytes, 0);
     if ((rc = open_slots(b, slots, cache_bytes, err))) return rc;
     if ((rc = k3_drafter_for(b->e, so ? so->draft_dir : NULL, spec_max, ctx, &b->sl[0].drafter, err))) return rc;
     for (int q = 1; q < b->nslots && b->sl[0].drafter; q++)
         if ((rc = k3_drafter_sibling(b->sl[0].drafter, ctx, &b->sl[q].drafter, err))) return rc;
+    return K3_OK;
+}
+
+/* Under several ranks every rank keeps the fewest slots any rank's budget
+ * holds (a count asked with --parallel either fits every rank or stopped the
+ * job), so that rank 0's slots exist on every rank. */
+static void agree_slots(backend *b) {
+    int R = k3_engine_ranks(b->e);
+    if (R <= 1) return;
+    int32_t mine = b->nslots, *all = xmalloc_array((size_t)R, sizeof *all);
+    k3_dist_allgather(&mine, sizeof mine, all, "k3 serve's slot counts");
+    int keep = b->nslots;
+    for (int r = 0; r < R; r++)
+        if (all[r] < keep) keep = all[r];
+    free(all);
+    while (b->nslots > keep) free_slot(b, --b->nslots);
+}
+
+/* The model thread of several slots (rank 0 or one process) and the
+ * arrays of a batched pass. */
+static int start_batching(backend *b, k3_err *err) {
+    if (b->nslots <= 1) return K3_OK;
+    size_t n = (size_t)b->nslots;
+    b->bs = xmalloc_array(n, sizeof *b->bs);
+    b->bid = xmalloc_array(n * (size_t)(b->spec_max + 1), sizeof *b->bid);
+    b->bn = xmalloc_array(n, sizeof *b->bn);
+    b->bgo = xmalloc_array(n, sizeof *b->bgo);
+    b->blog = xmalloc_array(n, sizeof *b->blog);
+    b->bslot = xmalloc_array(n, sizeof *b->bslot);
+    b->bcmd = xmalloc_array(n, sizeof *b->bcmd);
+    b->bask = xmalloc_array(n, sizeof *b->bask);
+    if (k3_engine_rank(b->e) > 0) return K3_OK; /* a follower makes rank 0's calls on its main thread */
+    if (pthread_create(&b->model, NULL, model_main, b) != 0)
+        return k3_fail(err, K3_EXIT_RUNTIME, "serve: cannot start the model thread");
+    b->model_started = true;
+    return K3_OK;
+}
+
+static void fill_model(backend *b, const k3_serve_spec_opts *so, k3_serve_model *sm) {
     k3_err cerr = {0};
     if (k3_chat_new(k3_engine_tokenizer(b->e), &b->chat, &cerr)) b->chat = NULL; /* no XTML ids: completions only */
     memset(sm, 0, sizeof *sm);
     sm->ctx = b;
     sm->vocab = k3_engine_vocab(b->e);
     sm->eos = k3_engine_eos_id(b->e);
-    sm->ctx_len = ctx;
+    sm->ctx_len = b->ctx;
     sm->tok = k3_engine_tokenizer(b->e);
     sm->chat = b->chat;
     sm->threads = k3_engine_threads(b->e);
@@ -634,24 +751,10 @@ static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_
     sm->end = be_end;
     sm->holds = be_holds;
     sm->busy = be_busy;
-    sm->spec_max = spec_max;
+    sm->spec_max = b->spec_max;
     sm->spec_default = so ? so->spec_default : 0;
     sm->spec_stats = be_spec_stats;
     sm->batch_stats = be_batch_stats;
-    if (b->nslots > 1) {
-        size_t n = (size_t)b->nslots;
-        b->bs = xmalloc_array(n, sizeof *b->bs);
-        b->bid = xmalloc_array(n * (size_t)(spec_max + 1), sizeof *b->bid);
-        b->bn = xmalloc_array(n, sizeof *b->bn);
-        b->bgo = xmalloc_array(n, sizeof *b->bgo);
-        b->blog = xmalloc_array(n, sizeof *b->blog);
-        b->bslot = xmalloc_array(n, sizeof *b->bslot);
-        b->bask = xmalloc_array(n, sizeof *b->bask);
-        if (pthread_create(&b->model, NULL, model_main, b) != 0)
-            return k3_fail(err, K3_EXIT_RUNTIME, "serve: cannot start the model thread");
-        b->model_started = true;
-    }
-    return K3_OK;
 }
 
 int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, int slots,
@@ -662,14 +765,22 @@ int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_
     pthread_cond_init(&b->work_cv, NULL);
     pthread_cond_init(&b->done_cv, NULL);
     b->mu_made = true;
-    int rc = open_backend(eo, ctx, cache_bytes, slots, so, b, sm, err);
+    int rc = open_backend(eo, ctx, cache_bytes, slots, so, b, err);
     /* a rank whose state or cache cannot fit stops every rank here */
     if ((rc = k3_engine_ready(b->e, rc, err))) {
         k3_serve_backend_free(b);
         *out = NULL;
         return rc;
     }
+    agree_slots(b);
     b->lead = k3_engine_ranks(b->e) > 1 && k3_engine_rank(b->e) == 0;
+    if ((rc = start_batching(b, err))) {
+        k3_serve_backend_quit(b, rc); /* the followers wait for rank 0's first command */
+        k3_serve_backend_free(b);
+        *out = NULL;
+        return rc;
+    }
+    fill_model(b, so, sm);
     *out = b;
     return K3_OK;
 }
@@ -677,45 +788,85 @@ int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_
 int k3_serve_backend_rank(const k3_serve_backend *b) { return k3_engine_rank(b->e); }
 
 void k3_serve_backend_quit(k3_serve_backend *b, int code) {
-    if (b->lead) send_cmd(CMD_QUIT, 0, 0, code);
+    if (b->lead) send_cmd(CMD_QUIT, 0, 0, 0, code);
 }
 
-/* A rank after the first: makes rank 0's calls, in its order, until it quits.
- * Its own results are dropped (rank 0's are the same bits and answer the
- * client); a failure inside a forward call ends the job (engine.h). */
+static _Noreturn void cannot_follow(const serve_cmd *c) {
+    k3_err e = {0};
+    k3_fail(&e, K3_EXIT_RUNTIME,
+            "serve: rank 0 sent a command this rank cannot follow (op %d, slot %d, n %d, id %d): the ranks run "
+            "different k3 builds", c->op, c->slot, c->n, c->id);
+    k3_dist_abort(&e);
+}
+
+static float *follow_row(backend *b, int q) { return b->flog + (size_t)q * (size_t)k3_engine_vocab(b->e); }
+
+static bool step_ok(const backend *b, const serve_cmd *c) {
+    return c->op == CMD_STEP && c->slot >= 0 && c->slot < b->nslots && c->id >= 0 && c->id < k3_engine_vocab(b->e) &&
+           c->n >= 0;
+}
+
+/* A follower makes one of rank 0's calls (c; in_prefill: between a
+ * prefill's chunks, where only other slots' steps and reply ends come). Its
+ * results are dropped (rank 0's are the same bits and answer the client); a
+ * failure inside a forward call ends the job (engine.h). */
+static void follow_cmd(backend *b, const serve_cmd *c, bool in_prefill) {
+    k3_err e = {0};
+    bool slot_ok = c->slot >= 0 && c->slot < b->nslots;
+    if (c->op == CMD_PREFILL && !in_prefill && slot_ok && c->n >= 1 && c->n <= b->ctx && c->id >= 0 &&
+        c->id <= b->spec_max && c->flag >= 0 && c->flag <= c->n) {
+        slot *x = &b->sl[c->slot];
+        size_t reused;
+        k3_dist_bcast(b->fids, (size_t)c->n * sizeof *b->fids, true, "k3 serve's prompt ids");
+        if (c->flag) k3_dist_bcast(b->fmarks, (size_t)c->flag * sizeof *b->fmarks, true, "k3 serve's message marks");
+        set_prefill(x, b->fids, (size_t)c->n, b->fmarks, (size_t)c->flag, follow_row(b, c->slot), &reused, NULL, c->id);
+        (void)prefill_call(b, x, follow_turn, b, &e);
+    } else if (step_ok(b, c) && b->nslots == 1) {
+        (void)one_step(b, &b->sl[0], c->id, c->flag ? NULL : follow_row(b, 0), c->n, &e);
+    } else if (c->op == CMD_STEPS && b->nslots > 1 && c->n >= 1 && c->n <= b->nslots) {
+        k3_dist_bcast(b->bcmd, (size_t)c->n * sizeof *b->bcmd, true, "k3 serve's batched steps");
+        for (int i = 0; i < c->n; i++) {
+            const serve_cmd *s = &b->bcmd[i];
+            if (!step_ok(b, s) || (i > 0 && s->slot <= b->bcmd[i - 1].slot)) cannot_follow(s);
+            slot *x = &b->sl[s->slot];
+            x->id = s->id;
+            x->logits = s->flag ? NULL : follow_row(b, s->slot);
+            x->limit = step_limit(s->n);
+            b->bslot[i] = s->slot;
+        }
+        k3_serve_batch_stats st = {0}; /* (rank 0 reports them) */
+        steps_call(b, c->n, &st);
+    } else if (c->op == CMD_END && slot_ok) {
+        end_call(b, &b->sl[c->slot]);
+    } else {
+        cannot_follow(c);
+    }
+}
+
+/* A follower's prefill hook: rank 0's calls between two chunks, then its
+ * word to go on or cancel. */
+static bool follow_turn(const void *ctx) {
+    backend *b = (backend *)ctx;
+    for (;;) {
+        serve_cmd c;
+        k3_dist_bcast(&c, sizeof c, true, "k3 serve's prefill (go on or cancel)");
+        if (c.op == CMD_GO) return c.flag != 0;
+        follow_cmd(b, &c, true);
+    }
+}
+
+/* A rank after the first: makes rank 0's calls, in its order, until it quits. */
 int k3_serve_backend_follow(k3_serve_backend *b) {
     k3_dist_silence_others();
-    float *logits = xmalloc_array((size_t)k3_engine_vocab(b->e), sizeof *logits);
-    int32_t *ids = xmalloc_array((size_t)b->ctx, sizeof *ids);
-    size_t *marks = xmalloc_array((size_t)b->ctx, sizeof *marks);
+    b->flog = xmalloc_array((size_t)b->nslots * (size_t)k3_engine_vocab(b->e), sizeof *b->flog);
+    b->fids = xmalloc_array((size_t)b->ctx, sizeof *b->fids);
+    b->fmarks = xmalloc_array((size_t)b->ctx, sizeof *b->fmarks);
     for (;;) {
         serve_cmd c;
         /* unbounded: the next command comes when a client asks */
         k3_dist_bcast(&c, sizeof c, false, "k3 serve's next command");
-        k3_err e = {0};
-        size_t reused;
         if (c.op == CMD_QUIT) break;
-        if (c.op == CMD_PREFILL && c.n >= 1 && c.n <= b->ctx && c.id >= 0 && c.id <= b->spec_max && c.flag >= 0 &&
-            c.flag <= c.n) {
-            k3_dist_bcast(ids, (size_t)c.n * sizeof *ids, true, "k3 serve's prompt ids");
-            if (c.flag) k3_dist_bcast(marks, (size_t)c.flag * sizeof *marks, true, "k3 serve's message marks");
-            (void)one_prefill(b, ids, (size_t)c.n, marks, (size_t)c.flag, logits, &reused, NULL, c.id, &e);
-        } else if (c.op == CMD_STEP && c.id >= 0 && c.id < k3_engine_vocab(b->e) && c.n >= 0) {
-            (void)one_step(b, c.id, c.flag ? NULL : logits, c.n, &e);
-        } else if (c.op == CMD_END) {
-            be_end(b, 0);
-        } else {
-            k3_fail(&e, K3_EXIT_RUNTIME,
-                    "serve: rank 0 sent a command this rank cannot follow (op %d, n %d, id %d): the ranks run "
-                    "different k3 builds", c.op, c.n, c.id);
-            free(ids);
-            free(marks);
-            free(logits);
-            k3_dist_abort(&e);
-        }
+        follow_cmd(b, &c, false);
     }
-    free(ids);
-    free(marks);
-    free(logits);
     return K3_OK;
 }

@@ -116,9 +116,10 @@ typedef struct {
  * one forward pass (k3_session_feed_batch_rows: each row the bits it has
  * alone; speculating, each slot's verifying pass of its id and drafts),
  * and a prefill is fed one engine chunk at a time with the others' decode
- * passes between its chunks. Under mpirun every rank opens one slot; rank 0
- * serves and announces each model call to the other ranks, which make the
- * same calls on their own (k3_serve_backend_follow). */
+ * passes between its chunks. Under mpirun every rank opens the same slots;
+ * rank 0 serves and announces each model call (a batched pass included) to
+ * the other ranks, which make the same calls on their own
+ * (k3_serve_backend_follow). */
 typedef struct k3_serve_backend k3_serve_backend;
 
 /* Speculation (docs/speculation.md): up to spec_max drafts per pass, a
@@ -133,8 +134,8 @@ typedef struct {
 /* Opens eo's model (with its tokenizer, max_pos ctx), slots states of ctx
  * positions and a state cache of cache_bytes, and fills m with the calls on
  * them; so: speculation (NULL: none). slots 0: as many as the memory budget
- * holds, up to K3_SERVE_AUTO_SLOTS; 1 under several ranks, where more is
- * refused (K3_EXIT_USAGE). A slot count that
+ * holds, up to K3_SERVE_AUTO_SLOTS (under several ranks the fewest any
+ * rank holds). A slot count that
  * cannot fit: K3_EXIT_BUDGET. Under several ranks a rank that cannot fit
  * stops every rank here. */
 #define K3_SERVE_AUTO_SLOTS 8

@@ -156,6 +156,100 @@ else
   skip chat "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
 fi
 
+# ---- batched serving (--parallel 4): every rank follows each batched pass ----------------
+# Four mixed requests sent at once (chat greedy with logprobs, one id favoured
+# by logit_bias so that its reply repeats and n-gram drafts are accepted, a long completion
+# sampled with a seed whose prefill goes chunk by chunk between the others'
+# steps, a streamed sampled chat with usage, two seeded completion choices)
+# each get the bytes they get alone from one --parallel 1 process; at 2 ranks
+# plain and speculating (n-gram), at 3 ranks plain; then a follower killed
+# while a batch computes ends the job, mpirun naming it.
+if $PY -c 'import numpy' 2>/dev/null; then
+  CM=tests/out/mpi-chat-model
+  chat_model $CM 3
+  $PY - "$OUT/breqs.json" <<'PY'
+import json, sys
+long = " ".join("The %d little foxes ran over the hill to find berries." % i for i in range(30))
+reqs = [
+  dict(name="chat-greedy", kind="chat", body=dict(messages=[{"role": "user", "content": "Hello, who are you?"}],
+       max_tokens=16, temperature=0, logprobs=True, top_logprobs=2, logit_bias={"2000": 10})),
+  dict(name="compl-long-seeded", kind="completions", body=dict(prompt=long, max_tokens=16, temperature=0.9, seed=11,
+       top_k=40)),
+  dict(name="chat-stream", kind="chat", body=dict(messages=[{"role": "system", "content": "Be brief."},
+       {"role": "user", "content": "Tell me a story about a cat."}], max_tokens=16, temperature=0.8, seed=5,
+       stream=True, stream_options={"include_usage": True})),
+  dict(name="compl-n2", kind="completions", body=dict(prompt="Once upon a time", max_tokens=12, temperature=0.7,
+       seed=3, n=2)),
+]
+json.dump(reqs, open(sys.argv[1], "w"))
+# the kill round: long replies, so the batch still computes when a rank dies
+json.dump([dict(r, body=dict(r["body"], max_tokens=400)) for r in reqs], open(sys.argv[1].replace(".json", "-kill.json"), "w"))
+PY
+  BNAMES="chat-greedy compl-long-seeded chat-stream compl-n2"
+  BCOMMON="--port 0 --chunk 8 --threads 1 --ctx 1024"
+  DRIVE="timeout 300 $PY tests/cli/serve_batch_drive.py"
+  metric() { curl -s --max-time 10 "$1metrics" | sed -nE "s/^$2 ([0-9.e+]+)$/\1/p"; }
+  # batch TAG MODE CMD...: starts CMD, sends the requests (MODE alone or together)
+  # into $OUT/TAG/, keeps the drafts proposed in DRAFTS, stops it (SIGTERM to rank 0)
+  batch() {
+    local tag=$1 mode=$2; shift 2
+    mkdir -p "$OUT/$tag"
+    if ! start_server "$OUT/$tag.log" "$@"; then fail "$tag:start" "$(head -c 300 "$OUT/$tag.log.err")"; return 1; fi
+    local mp=$SERVER_PID r0; r0=$(rank_pid "$mp" 0); [ -n "$r0" ] || r0=$mp
+    $DRIVE "${SERVER_URL%/}" "$mode" "$OUT/$tag" "$OUT/breqs.json" || fail "$tag:drive"
+    DRAFTS=$(metric "$SERVER_URL" k3_drafts_proposed_total)
+    kill -TERM "$r0"; wait_exit "$mp" 30
+    [ "$RC" = 0 ] && pass "$tag:stop-exit-0" || fail "$tag:stop-exit-0" "exit $RC: $(tail -c 300 "$OUT/$tag.log.err")"
+  }
+  # same TAG: every response of TAG is the one-process reference's
+  same() {
+    local bad= n
+    for n in $BNAMES; do cmp -s "$OUT/balone/$n.txt" "$OUT/$1/$n.txt" || bad="$bad $n"; done
+    if [ -z "$bad" ]; then pass "$1:same-bytes-as-alone"; else
+      n=${bad# }; n=${n%% *}
+      fail "$1:same-bytes-as-alone" "differs:$bad; $n: $(diff "$OUT/balone/$n.txt" "$OUT/$1/$n.txt" 2>&1 | head -c 400)"
+    fi
+    grep -q '4 slots' "$OUT/$1.log" && pass "$1:4-slots" || fail "$1:4-slots" "$(head -c 300 "$OUT/$1.log")"
+  }
+  batch balone alone "$K3" serve $CM $BCOMMON --parallel 1
+  grep -q '^status 200' "$OUT/balone/compl-n2.txt" && grep -q '"finish_reason"' "$OUT/balone/chat-stream.txt" \
+    && pass balone:answers || fail balone:answers "$(head -c 300 "$OUT/balone/compl-n2.txt")"
+  batch bnp2 together $MPIRUN -q -np 2 "$K3" serve $CM $BCOMMON --parallel 4
+  same bnp2
+  grep -q 'over 2 ranks' "$OUT/bnp2.log" && pass bnp2:ranks || fail bnp2:ranks "$(head -c 300 "$OUT/bnp2.log")"
+  batch bnp2-spec together $MPIRUN -q -np 2 "$K3" serve $CM $BCOMMON --parallel 4 --speculate 4
+  same bnp2-spec
+  [ -n "$DRAFTS" ] && [ "${DRAFTS%%.*}" -gt 0 ] && pass "bnp2-spec:drafted ($DRAFTS)" || fail bnp2-spec:drafted "proposed '$DRAFTS'"
+  batch bnp3 together $MPIRUN -q -np 3 "$K3" serve $CM $BCOMMON --parallel 4
+  same bnp3
+
+  # a follower killed (SIGKILL) while four requests compute in one batch
+  if start_server "$OUT/bkill.log" $MPIRUN -np 2 "$K3" serve $CM $BCOMMON --parallel 4; then
+    MP=$SERVER_PID; R0=$(rank_pid "$MP" 0); R1=$(rank_pid "$MP" 1); PIDS+=($R0 $R1)
+    mkdir -p "$OUT/bkill"
+    timeout 60 $PY tests/cli/serve_batch_drive.py "${SERVER_URL%/}" together "$OUT/bkill" "$OUT/breqs-kill.json" \
+      >/dev/null 2>&1 &
+    DR=$!
+    busy=0
+    for _ in $(seq 300); do
+      busy=$(curl -s --max-time 5 "${SERVER_URL}health" | sed -nE 's/.*"busy": *([0-9]+).*/\1/p')
+      [ -n "$busy" ] && [ "$busy" -ge 3 ] && break; sleep 0.05
+    done
+    [ -n "$busy" ] && [ "$busy" -ge 3 ] && pass "bkill:batch-running ($busy slots busy)" || fail bkill:batch-running "busy '$busy'"
+    kill -9 "$R1"
+    wait_exit "$MP" 20
+    [ "$RC" != 0 ] && [ "$RC" != 124 ] && pass bkill:exit || fail bkill:exit "exit $RC"
+    grep -q 'process rank 1 .* exited on signal 9' "$OUT/bkill.log.err" && pass bkill:named \
+      || fail bkill:named "$(head -c 300 "$OUT/bkill.log.err")"
+    none_left "$R0" "$R1" && pass bkill:no-process-left || fail bkill:no-process-left
+    wait "$DR" 2>/dev/null
+  else
+    fail bkill:start "$(head -c 300 "$OUT/bkill.log.err")"
+  fi
+else
+  skip batch "python3 with numpy missing: the chat model cannot be generated (scripts/setup.sh --test)"
+fi
+
 # ---- a client gone during a long prefill: every rank stops at the same chunk ----------
 # (one token a forward call, so the prefill lasts seconds); the same request again
 # continues from exactly the tokens the cut consumed and gives a cold `k3 run`'s text

@@ -11,8 +11,8 @@
 # (--trunk, a tiny --cache-gb), and with one request's client gone after its
 # first event (the others unchanged, the cancel counted). /health reports the
 # slots, /metrics that the requests shared decode passes (sequences per pass
-# above 1 with four slots, exactly 1 with one); --parallel 2 under mpirun is refused (--parallel with --speculate:
-# test_speculate_serve.sh).
+# above 1 with four slots, exactly 1 with one) (--parallel with --speculate:
+# test_speculate_serve.sh; under mpirun: test_mpi_serve.sh).
 # Loopback, every wait bounded. About 8 minutes under the sanitizer on a
 # loaded 2-core machine.
 # asan
@@ -138,15 +138,4 @@ compare_round streamed-together-equals-alone "$OUT/stream1" "$OUT/alone1"
 stop_wait "$SPID"; check streamed-stop "$RC" 0
 stop_wait "$APID"; check alone-stop "$RC" 0
 
-# ---- under mpirun: one slot; more is refused ----
-if command -v mpirun >/dev/null && [ "${K3#*asan}" = "$K3" ]; then
-  [ "$(id -u)" = 0 ] && export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-  OMP_NUM_THREADS=1 timeout 120 mpirun -q --oversubscribe --mca btl self,vader -np 2 "$K3" serve $M --port 0 --parallel 2 \
-    >"$OUT/mpi.out" 2>"$OUT/mpi.err"
-  rc=$?
-  check mpi-parallel-refused "$rc" 2
-  grep -q -- '--parallel 2: under mpirun' "$OUT/mpi.err" && pass mpi-parallel-message || fail mpi-parallel-message "$(head -c 300 "$OUT/mpi.err")"
-else
-  skip mpi-parallel-refused "no mpirun (or the sanitizer build)"
-fi
 finish
