@@ -98,6 +98,18 @@ static int shard_sink(void *ctx, const int32_t *ids, size_t n, size_t bytes, k3_
     return rc;
 }
 
+/* A split's shard made whole (n documents written) or, after an error,
+ * removed. */
+static int close_split(k3_shard_writer *w, int rc, size_t n, split_stats *st, k3_err *err) {
+    if (rc) {
+        shard_writer_abort(w);
+        return rc;
+    }
+    st->stories = n;
+    shard_writer_add_docs(w, n);
+    return shard_writer_commit(w, NULL, err);
+}
+
 static int write_split(const k3_tokenizer *tk, const char *path, const char *const *doc,
                        const size_t *len, size_t n, int32_t eot, uint64_t tok_hash,
                        const char *label, split_stats *st, k3_err *err) {
@@ -112,13 +124,7 @@ static int write_split(const k3_tokenizer *tk, const char *path, const char *con
     shard_sink_ctx sc = {w, st};
     rc = corpus_encode(tk, doc, len, n, eot, shard_sink, &sc, &prog, err);
     k3_progress_finish(&prog);
-    if (rc) {
-        shard_writer_abort(w);
-        return rc;
-    }
-    st->stories = n;
-    shard_writer_add_docs(w, n);
-    return shard_writer_commit(w, NULL, err);
+    return close_split(w, rc, n, st, err);
 }
 
 /* ---- chat conversations (--format chat) ---------------------------------- */
@@ -254,13 +260,7 @@ static int write_chat_split(const k3_tokenizer *tk, const k3_chat *ch, const cha
         k3_progress_update(&prog, i - from + 1);
     }
     k3_progress_finish(&prog);
-    if (rc) {
-        shard_writer_abort(w);
-        return rc;
-    }
-    st->stories = n;
-    shard_writer_add_docs(w, n);
-    return shard_writer_commit(w, NULL, err);
+    return close_split(w, rc, n, st, err);
 }
 
 /* ---- flags ----------------------------------------------------------------- */
