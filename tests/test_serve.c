@@ -1,6 +1,5 @@
 /* test_serve.c: k3 serve's request validation and its stop-string filter.
  * (The HTTP side is tested against the real binary in tests/cli/test_serve*.sh.) */
-#include "constrain/internal.h" /* the compiled callspec's mode */
 #include "harness.h"
 #include "model/model.h"
 #include "serve/serve.h"
@@ -371,9 +370,12 @@ TEST(serve_parse_enforced_calls) {
         if (C[i].how < 0) {
             CHECKF(!r.call && !r.schema == !C[i].schema, "case %zu: enforced", i);
         } else {
-            CHECKF(r.call && r.call->how == C[i].how && r.call->multi == C[i].multi && r.call->n == C[i].ntools,
-                   "case %zu: how %d multi %d tools %zu", i, r.call ? r.call->how : -1, r.call && r.call->multi,
-                   r.call ? r.call->n : 0);
+            int how = -1;
+            bool multi = false;
+            size_t nt = 0;
+            if (r.call) k3_callspec_shape(r.call, &how, &multi, &nt);
+            CHECKF(r.call && how == C[i].how && multi == C[i].multi && nt == C[i].ntools,
+                   "case %zu: how %d multi %d tools %zu", i, how, multi, nt);
         }
         k3_serve_req_free(&r);
     }

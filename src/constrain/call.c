@@ -44,6 +44,12 @@ void k3_callspec_free(k3_callspec *cs) {
     free(cs);
 }
 
+void k3_callspec_shape(const k3_callspec *cs, int *how, bool *multi, size_t *ntools) {
+    *how = cs->how;
+    *multi = cs->multi;
+    *ntools = cs->n;
+}
+
 static int refuse(char *where, size_t nwhere, k3_err *err, const char *path, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
 static int refuse(char *where, size_t nwhere, k3_err *err, const char *path, const char *fmt, ...) {

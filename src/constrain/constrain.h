@@ -162,6 +162,9 @@ typedef struct k3_callspec k3_callspec;
 int k3_callspec_compile(const json_t *tools, int how, const char *name, bool parallel, k3_callspec **out,
                         char *where, size_t nwhere, k3_err *err);
 void k3_callspec_free(k3_callspec *cs);
+/* What a compiled cs enforces: K3_CALLS_* (*how), whether a reply may make
+ * more than one call (*multi) and how many tools a call may name. */
+void k3_callspec_shape(const k3_callspec *cs, int *how, bool *multi, size_t *ntools);
 
 /* ---- one chat reply ---- */
 typedef struct k3_constraint k3_constraint;

@@ -1,8 +1,9 @@
 /* model/records.h: the model's blocks one at a time and the records training
  * keeps of its forward. For training (src/train: the forward with records,
  * then its backward, which reuses the AttnRes and RMSNorm rows and the MLA
- * core) and the unit tests that check each block against the peer's module
- * fixtures; users of a model need only model/model.h.
+ * core), the unit tests that check each block against the peer's module
+ * fixtures or feed one from the streaming source, and bench/layers.c, which
+ * times each block alone; users of a model need only model/model.h.
  *
  * Invariants:
  * - Each block's forward is written once, in src/model; training runs the

@@ -115,13 +115,15 @@ private_includes
 # source, the ranks' sources and products, the trainer's lookup) and the
 # engine that sets them; the blocks and training records (model/records.h)
 # only for training. bench/layers.c, which binds one layer through the binder
-# and times each block alone, needs both. The commands, sessions, generation
+# and times each block alone, needs both; tests/test_stream.c feeds the MoE
+# block alone from the streaming source (the experts-only source bench/layers.c
+# reads from disk) and so needs the blocks. The commands, sessions, generation
 # and serving see model.h alone.
 MODEL_HDRS=$(find src tests bench -name '*.c' -o -name '*.h' | sort)
 once model:source-includers '#include "model/source\.h"' \
   'src/(model|memory|dist|train)/[a-z_]+\.[ch]|src/engine/engine\.c|tests/test_model\.c|bench/decode\.c|bench/layers\.c' $MODEL_HDRS
 once model:records-includers '#include "model/records\.h"' \
-  'src/(model|train)/[a-z_]+\.[ch]|tests/test_model\.c|tests/test_train_[a-z_]+\.c|tests/test_train\.c|bench/layers\.c' $MODEL_HDRS
+  'src/(model|train)/[a-z_]+\.[ch]|tests/test_model\.c|tests/test_stream\.c|tests/test_train_[a-z_]+\.c|tests/test_train\.c|bench/layers\.c' $MODEL_HDRS
 
 # ---- no hidden globals in training ------------------------------------------------
 # What the trainer computes with travels in its structs: the GEMM mode is
