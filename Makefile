@@ -98,17 +98,18 @@ $(BIN)/serve_scripted: $(BUILD)/rel/tests/serve/scripted_server.o $(REL_LIB) | $
 $(BIN)/serve_scripted-asan: $(BUILD)/asan/tests/serve/scripted_server.o $(ASN_LIB) | $(BIN)
 	$(CC) $(BASE) $(ASNFLAGS) -o $@ $^ $(LIBS)
 
-# `make install` puts the k3 program in $(PREFIX)/bin, the shipped model in
-# $(PREFIX)/share/k3/models/default and the docs in $(PREFIX)/share/doc/k3 (laid
+# `make install` puts the k3 program in $(PREFIX)/bin, the shipped models in
+# $(PREFIX)/share/k3/models/{default,chat} and the docs in $(PREFIX)/share/doc/k3 (laid
 # out as in the tree, so the README's links to docs/ resolve);
 # DESTDIR stages the tree for a package. Nothing else is needed at run time:
 # the web pages are compiled into the program.
 PREFIX  ?= /usr/local
 DATADIR := $(DESTDIR)$(PREFIX)/share/k3
 install: $(BIN)/k3
-	install -d $(DESTDIR)$(PREFIX)/bin $(DATADIR)/models/default $(DESTDIR)$(PREFIX)/share/doc/k3/docs
+	install -d $(DESTDIR)$(PREFIX)/bin $(DATADIR)/models/default $(DATADIR)/models/chat $(DESTDIR)$(PREFIX)/share/doc/k3/docs
 	install -m 755 $(BIN)/k3 $(DESTDIR)$(PREFIX)/bin/k3
 	install -m 644 models/default/* $(DATADIR)/models/default/
+	install -m 644 models/chat/* $(DATADIR)/models/chat/
 	install -m 644 README.md $(DESTDIR)$(PREFIX)/share/doc/k3/
 	install -m 644 $(wildcard docs/*.md docs/*.svg docs/*.png) $(DESTDIR)$(PREFIX)/share/doc/k3/docs/
 uninstall:

@@ -15,7 +15,8 @@ the story, the character is the story's.
 
   make_chat_data.py STORIES.txt... --out FILE.jsonl [--seed N]
   make_chat_data.py STORIES.txt --requests FILE.jsonl   held-out requests:
-      {"request": {messages, thinking}, "words": [...]} per line
+      {"request": {messages, thinking}, "words": [...]} per line, or for a
+      story about a character {"request": ..., "name": NAME}
 
 Stories are separated by lines <|endoftext|> (TinyStories' layout). The
 output is a function of the input and the seed."""
@@ -130,6 +131,7 @@ def conversation(story, rng):
     if req is None:
         return None
     ask, why, words, name = req
+    about = name if not words else None
     thinking = rng.random() < 0.67
     msgs = []
     if rng.random() < 0.25:
@@ -153,7 +155,7 @@ def conversation(story, rng):
         msgs.append({"role": "user", "content": rng.choice(["Give it a title.", "What would be a good title for it?", "Can you give the story a title?"])})
         t = title(story, name)
         msgs.append(assistant(t, "A good title names the story's main character or thing.", thinking))
-    return {"messages": msgs, "thinking": thinking}, ask, words
+    return {"messages": msgs, "thinking": thinking}, ask, words, about
 
 
 def assistant(text, why, thinking):
@@ -181,14 +183,13 @@ def main():
             c = conversation(s, rng)
             if c is None:
                 continue
-            conv, ask, words = c
+            conv, ask, words, about = c
             if a.out:
                 f.write(json.dumps(conv, ensure_ascii=False) + "\n")
             else:
-                if not words:
-                    continue
                 req = {"messages": [{"role": "user", "content": ask}], "thinking": conv["thinking"]}
-                f.write(json.dumps({"request": req, "words": words}, ensure_ascii=False) + "\n")
+                row = {"request": req, "words": words} if words else {"request": req, "name": about}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1
     print("%s: %d conversations from %d stories" % (a.out or a.requests, n, len(stories)), file=sys.stderr)
 

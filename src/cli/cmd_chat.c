@@ -532,9 +532,11 @@ static int chat(const chat_args *a, k3_err *err, bool *reported) {
         /* the way out: a checkpoint that has them, and what this one can still do */
         k3_err inner = *err;
         k3_fail(err, rc,
-                "%s: %s; chat needs a checkpoint whose tokenizer has them: the Kimi K3 release, or a small random one "
-                "from `python3 tools/gen_checkpoint.py DIR --preset tiny --set vocab_size=163840` (docs/chat.md). "
-                "This model still runs with `k3 run` and `k3 serve` (/v1/completions)",
+                "%s: %s; chat needs a checkpoint whose tokenizer has them: the shipped chat model models/chat (in "
+                "the source tree, or share/k3/models/chat where k3 is installed; docs/chat-model.md), the Kimi K3 "
+                "release, or a small random one from `python3 tools/gen_checkpoint.py DIR --preset tiny --set "
+                "vocab_size=163840` (docs/chat.md). This model still runs with `k3 run` and `k3 serve` "
+                "(/v1/completions)",
                 tok_dir, inner.msg);
         goto done;
     }

@@ -174,7 +174,10 @@ expect_err_contains other_model "another model"
 expect_exit no_tokenizer 2 $K3 chat tests/fixtures/gen/k3_like </dev/null
 expect_exit no_xtml 2 $K3 chat models/default </dev/null
 expect_err_contains no_xtml "XTML"
-# ... and says what to use instead: lib.sh's chat_model is that recipe at smaller dimensions
+# ... and says what to use instead: the shipped chat model (test_chat_model.sh
+# chats with it), or a random one (lib.sh's chat_model is that recipe at
+# smaller dimensions)
+expect_err_contains no_xtml "the shipped chat model models/chat"
 expect_err_contains no_xtml "the Kimi K3 release, or a small random one from \`python3 tools/gen_checkpoint.py DIR --preset tiny --set vocab_size=163840\`"
 [ "$(wc -l <"$OUT/no_xtml.err")" = 1 ] && pass no_xtml:one_line || fail no_xtml:one_line "$(cat "$OUT/no_xtml.err")"
 expect_exit bad_flag 2 $K3 chat $M --state-cache-gb lots </dev/null

@@ -7,7 +7,8 @@
 S=$PWD/$OUT/stage; rm -rf "$S"
 expect_exit install 0 make -s -o bin/k3 install DESTDIR="$S" PREFIX=/usr
 for f in usr/bin/k3 usr/share/k3/models/default/config.json usr/share/k3/models/default/model.safetensors \
-         usr/share/k3/models/default/tiktoken.model usr/share/doc/k3/README.md usr/share/doc/k3/docs/serve.md usr/share/doc/k3/docs/dashboard.png; do
+         usr/share/k3/models/default/tiktoken.model usr/share/k3/models/chat/model.safetensors \
+         usr/share/k3/models/chat/tokenizer_config.json usr/share/doc/k3/README.md usr/share/doc/k3/docs/serve.md usr/share/doc/k3/docs/dashboard.png; do
   [ -f "$S/$f" ] && pass "installed:$f" || fail "installed:$f"
 done
 [ -x "$S/usr/bin/k3" ] && pass installed:executable || fail installed:executable
