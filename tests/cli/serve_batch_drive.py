@@ -44,6 +44,10 @@ def run(r, barrier):
                 continue
             data = line[6:]
             lines.append(data if data == "[DONE]" else dump(json.loads(data)))
+            if data == "[DONE]":
+                # the stream's end; the connection stays open (keep-alive),
+                # so reading on would wait for the server's idle timeout
+                break
             if r["name"] == cancel:
                 c.sock.shutdown(socket.SHUT_RDWR)
                 c.close()
