@@ -17,8 +17,10 @@ CC      ?= cc
 BASE    := -std=gnu11 -Wall -Wextra -Werror -Wvla -fopenmp -ffp-contract=off \
            -D_GNU_SOURCE -Isrc -MMD -MP
 RELFLAGS:= -O3
+# K3_CHECKED: invariants too costly or too strict for a user's run (a
+# workspace estimate falling short) stop the sanitizer build instead.
 ASNFLAGS:= -O1 -g -fsanitize=address,undefined \
-           -fno-sanitize-recover=all -fno-omit-frame-pointer
+           -fno-sanitize-recover=all -fno-omit-frame-pointer -DK3_CHECKED
 LIBS    := -ljansson -lpcre2-8 -lmicrohttpd -luring -lnettle -lm
 # Where objects and programs go; scripts/test-arm64 cross-builds into
 # BUILD=build/arm64 BIN=bin/arm64 beside the native build.

@@ -247,13 +247,10 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
     int64_t max_pos = o->max_pos > 0 ? o->max_pos : 1;
     /* config.json and the shards' headers are read once, here: the
      * placement, the plan and the model are all made from these */
-    k3_config *file_cfg = xmalloc(sizeof *file_cfg), *run_cfg = xmalloc(sizeof *run_cfg);
+    k3_config *run_cfg = xmalloc(sizeof *run_cfg);
     st_index *ix = NULL;
-    int rc = k3_config_load(o->model_dir, file_cfg, err);
-    if (!rc) {
-        *run_cfg = *file_cfg;
-        rc = k3_config_first_layers(run_cfg, o->layers, o->model_dir, err);
-    }
+    int rc = k3_config_load(o->model_dir, run_cfg, err);
+    if (!rc) rc = k3_config_first_layers(run_cfg, o->layers, o->model_dir, err);
     if (!rc && e->ranks > 1) rc = ep_placement(e, run_cfg, err);
     if (!rc) rc = st_open(o->model_dir, &ix, err);
     if (!rc) e->ix = st_retain(ix);
@@ -268,9 +265,10 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
         if ((rc = ep_check_same(e, run_cfg, err))) goto fail;
     }
     if (rc) goto fail;
-    k3_model_opts mo = {.layers = o->layers, .peer_mla_eps = o->peer_mla_eps, .kda_chunk = o->kda_chunk,
+    /* run_cfg is already cut to --layers: the model takes it as it is */
+    k3_model_opts mo = {.peer_mla_eps = o->peer_mla_eps, .kda_chunk = o->kda_chunk,
                         .top_only = true, .prefill_chunk = k3_runmem_chunk(e->rm)};
-    rc = k3_model_open_index(o->model_dir, file_cfg, ix, &mo, &e->model, err);
+    rc = k3_model_open_index(o->model_dir, run_cfg, ix, &mo, &e->model, err);
     if (!rc) rc = k3_runmem_attach(e->rm, e->model, err);
     if (!rc) rc = load_tokenizer(e, err);
     if (e->ranks > 1 && (rc = k3_dist_agree(rc, err, "loading the weights"))) goto fail;
@@ -287,13 +285,11 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
     e->chunk = k3_runmem_chunk(e->rm);
     e->eos_id = e->cfg->eos_token_id >= 0 ? e->cfg->eos_token_id : (e->tok ? tok_eos_id(e->tok) : -1);
     st_close(ix); /* the plan's source and the model hold their own references */
-    free(file_cfg);
     free(run_cfg);
     *out = e;
     return K3_OK;
 fail:
     st_close(ix);
-    free(file_cfg);
     free(run_cfg);
     k3_engine_free(e);
     return rc;

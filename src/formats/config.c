@@ -215,6 +215,16 @@ static int positive(reader *r, const char *key, long long v) {
     return K3_OK;
 }
 
+/* The layer-kind counts, from layer_kind over the first num_layers: the one
+ * place they are derived (for the whole config and for --layers). */
+static void count_kinds(k3_config *c) {
+    c->n_kda_layers = c->n_mla_layers = 0;
+    for (int l = 0; l < c->num_layers; l++) {
+        if (c->layer_kind[l] == 'K') c->n_kda_layers++;
+        else c->n_mla_layers++;
+    }
+}
+
 int k3_config_parse(const char *json_text, const char *name, k3_config *c, k3_err *err) {
     memset(c, 0, sizeof *c);
     json_error_t je;
@@ -483,10 +493,9 @@ int k3_config_parse(const char *json_text, const char *name, k3_config *c, k3_er
         /* the reference assigns from kda_layers; with the check above both agree */
         bool is_kda = kdl ? kda[l] : !mla[l];
         c->layer_kind[l] = is_kda ? 'K' : 'M';
-        if (is_kda) c->n_kda_layers++;
-        else c->n_mla_layers++;
         c->layer_dense[l] = l < c->first_k_dense_replace || l % c->moe_layer_freq != 0;
     }
+    count_kinds(c);
     bool any_dense = false;
     for (int l = 0; l < L; l++) any_dense |= c->layer_dense[l];
     if (any_dense && c->dense_inter <= 0) {
@@ -507,11 +516,7 @@ int k3_config_first_layers(k3_config *cfg, int layers, const char *dir, k3_err *
         return k3_fail(err, K3_EXIT_USAGE, "--layers %d: %s has only %d layers", layers, dir, cfg->num_layers);
     if (layers <= 0 || layers == cfg->num_layers) return K3_OK;
     cfg->num_layers = layers;
-    cfg->n_kda_layers = cfg->n_mla_layers = 0;
-    for (int L = 0; L < layers; L++) {
-        if (cfg->layer_kind[L] == 'K') cfg->n_kda_layers++;
-        else cfg->n_mla_layers++;
-    }
+    count_kinds(cfg);
     return K3_OK;
 }
 

@@ -100,6 +100,12 @@ static void trace_rows(k3_kda_trace *tr, const float *q, const float *k, const f
     memcpy(tr->beta + (size_t)tr->row * H, beta + a0 * H, n * H * sizeof(float));
 }
 
+/* One term per ws_f in kda_block below (pre, cv, gate, beta, fa). */
+size_t kda_ws_need(const k3_config *c, size_t N) {
+    size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, NP = N * H * D;
+    return 2 * wsz(3 * NP) + wsz(NP) + wsz(N * H) + wsz(N * D);
+}
+
 K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, const k3_kda_state *st,
                       const float *x, int nseq, int T, const int *len, float *y, int chunk, k3_kda_rec *rec,
                       k3_ws *ws) {

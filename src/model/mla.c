@@ -131,45 +131,82 @@ static void core_absorbed(const k3_config *c, const k3_mla_w *w, const k3_mla_ca
             memcpy(att + ((size_t)t * H + h) * dv, vout + ((size_t)h * Ts + t) * dv, (size_t)dv * sizeof *att);
 }
 
-K3_HOT void k3_causal_softmax_row(float *pr, int t, int T, float mx) {
+/* The causal softmax of one row of T scores (already scaled, mx their
+ * maximum over 0..t): positions 0..t normalised, the rest zero. */
+static void causal_softmax_row(float *pr, int t, int T, float mx) {
     float sum = 0.0f;
     for (int s = 0; s <= t; s++) { pr[s] = km_exp(pr[s] - mx); sum += pr[s]; }
     for (int s = 0; s <= t; s++) pr[s] /= sum;
     for (int s = t + 1; s < T; s++) pr[s] = 0.0f;
 }
 
-K3_HOT void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, int T) {
+/* Per sequence and head: the scores (Qn Kn^T + Qr Kr^T) scale over s <= t,
+ * the causal softmax row by row, O = P V. bf16 (training's BF16 mode): the
+ * two products as BF16 training GEMMs over the full T x T square (the masked
+ * half multiplies the zeros of P), each on one thread; otherwise a canonical
+ * dot per score and one fma chain per output element. Either way the bits do
+ * not depend on the thread count. */
+K3_HOT void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, int T, bool bf16) {
     const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim,
               rkv = c->kv_lora_rank;
-    const int dq = dn + dr, dkv = dn + dv, HV = H * dv;
+    const int dq = dn + dr, dkv = dn + dv, HV = H * dv, W = rkv + dr;
     const float scale = 1.0f / sqrtf((float)dq);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic)
     for (int bh = 0; bh < nseq * H; bh++) {
         int b = bh / H, h = bh % H;
-        float *P = r->pr + (size_t)bh * T * T;
+        float *P = r->pr + (size_t)bh * T * T, *o0 = r->o + (size_t)b * T * HV + (size_t)h * dv;
+        const float *q0 = r->q + (size_t)b * T * H * dq + (size_t)h * dq;
+        const float *kv0 = r->kv + (size_t)b * T * H * dkv + (size_t)h * dkv;
+        const float *kr0 = r->ckv + (size_t)b * T * W + rkv; /* the one rope key, shared by the heads */
+        if (bf16) {
+            k_gemm(P, T, T, T, dn, (k_view){q0, H * dq, 1}, (k_view){kv0, 1, H * dkv}, false, K_GEMM_BF16);
+            if (dr) k_gemm(P, T, T, T, dr, (k_view){q0 + dn, H * dq, 1}, (k_view){kr0, 1, W}, true, K_GEMM_BF16);
+        } else {
+            for (int t = 0; t < T; t++) {
+                const float *qt = q0 + (size_t)t * H * dq;
+                for (int s = 0; s <= t; s++) {
+                    float sc = k_dot(qt, kv0 + (size_t)s * H * dkv, dn);
+                    if (dr) sc += k_dot(qt + dn, kr0 + (size_t)s * W, dr);
+                    P[(size_t)t * T + s] = sc;
+                }
+            }
+        }
         for (int t = 0; t < T; t++) {
-            size_t nt = (size_t)b * T + t;
-            const float *qt = r->q + nt * H * dq + (size_t)h * dq;
-            float *pr = P + (size_t)t * T;
-            float mx = -INFINITY;
+            float *pr = P + (size_t)t * T, mx = -INFINITY;
             for (int s = 0; s <= t; s++) {
-                size_t ns = (size_t)b * T + s;
-                const float *kn = r->kv + ns * H * dkv + (size_t)h * dkv;
-                const float *kr = r->ckv + ns * (rkv + dr) + rkv;
-                float sc = k_dot(qt, kn, dn);
-                if (dr) sc += k_dot(qt + dn, kr, dr);
-                pr[s] = sc * scale;
+                pr[s] *= scale;
                 if (pr[s] > mx) mx = pr[s];
             }
-            k3_causal_softmax_row(pr, t, T, mx);
-            float *o = r->o + nt * HV + (size_t)h * dv;
+            causal_softmax_row(pr, t, T, mx);
+        }
+        if (bf16) {
+            k_gemm(o0, HV, T, dv, T, (k_view){P, T, 1}, (k_view){kv0 + dn, H * dkv, 1}, false, K_GEMM_BF16);
+            continue;
+        }
+        for (int t = 0; t < T; t++) {
+            const float *pr = P + (size_t)t * T;
+            float *o = o0 + (size_t)t * HV;
             for (int j = 0; j < dv; j++) o[j] = 0.0f;
             for (int s = 0; s <= t; s++) {
-                const float *vs = r->kv + ((size_t)b * T + s) * H * dkv + (size_t)h * dkv + dn;
+                const float *vs = kv0 + (size_t)s * H * dkv + dn;
                 for (int j = 0; j < dv; j++) o[j] = fmaf(pr[s], vs[j], o[j]);
             }
         }
     }
+}
+
+/* One term per ws_get in mla_block below (q, cq, cc, gate, att) and, for its
+ * longest sequence, in core_absorbed (qabs, ctx, score, vout, wk, wv, vj;
+ * released after each sequence). */
+size_t mla_ws_need(const k3_config *c, size_t N, int64_t max_pos) {
+    size_t H = (size_t)c->mla_heads, dn = (size_t)c->qk_nope_dim, dq = dn + (size_t)c->qk_rope_dim,
+           dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim,
+           thr = (size_t)omp_get_max_threads(), nmax = (size_t)max_pos;
+    size_t block = wsz(N * H * dq) + (c->q_lora_rank > 0 ? wsz(N * (size_t)c->q_lora_rank) : 0) + wsz(N * W) +
+                   2 * wsz(N * H * dv);
+    size_t core = 2 * wsz(H * N * rkv) + wsz(thr * 2 * H * nmax) + wsz(H * N * dv) + wsz(thr * dn * rkv) +
+                  wsb(H * sizeof(k3_mat)) + wsb(H * sizeof(k_prod));
+    return block + core;
 }
 
 K3_HOT void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, const k3_fwd_ops *fo,
@@ -205,8 +242,7 @@ K3_HOT void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, cons
         k3_rmsnorm_rows(rec->ckvn, rec->rkv, rec->clat, w->kv_a_norm, N, rkv, eps_lat);
         k_prod kv = {&w->kv_b, rec->ckvn, N, rec->kv};
         fo->products(&kv, 1);
-        if (fo->mla_attend) fo->mla_attend(c, rec, nseq, T);
-        else k3_mla_attend_expanded(c, rec, nseq, T);
+        k3_mla_attend_expanded(c, rec, nseq, T, fo->mla_bf16);
         att = rec->o;
     } else { /* the latent norm into each sequence's cache; the absorbed core, a sequence at a time */
         att = ws_f(ws, NHV);

@@ -73,7 +73,9 @@ K3_HOT static void attnres_rows(const float *q, const float *const *src, int nsr
     }
 }
 
-/* alpha, rinv (both NULL or both set): the record training's backward reads. */
+/* alpha, rinv (both NULL or both set): the record training's backward reads.
+ * Its workspace: the per-thread logits below. */
+static size_t attnres_ws_need(int nsrc) { return wsz((size_t)omp_get_max_threads() * (size_t)nsrc); }
 static void attnres(const k3_config *c, const float *q, const float *const *src, int nsrc, int T, float *out,
                     float *alpha, float *rinv, k3_ws *ws) {
     float *logits = alpha ? NULL : ws_f(ws, (size_t)omp_get_max_threads() * nsrc);
@@ -97,6 +99,7 @@ void k3_attnres(const k3_config *c, const float *q, const float *const *src, int
 /* ---- SiTU-GLU MLP (sections 5, 11; also the shared experts) ------------------ */
 /* rec (may be NULL): the gate and up projections and the SiTU-GLU output,
  * what training's backward reads; without it g holds the output. */
+static size_t mlp_ws_need(const k3_config *c, size_t T) { return 2 * wsz(T * (size_t)c->dense_inter); } /* g, u */
 static void mlp_block(const k3_config *c, const k3_mlp_w *w, const k3_fwd_ops *fo, const float *x, int T, float *y,
                       k3_mlp_rec *rec, k3_ws *ws) {
     int I = w->gate.rows;
@@ -151,44 +154,9 @@ static int n_boundaries(const k3_config *c) {
     int S = c->attn_res_block_size > 0 ? c->attn_res_block_size : 1;
     return (c->num_layers + S - 1) / S;
 }
-
-/* Upper bound on the workspace of one chunk of T positions with positions up
- * to max_pos, mirroring the ws_get calls above (one module at a time, plus the
- * three [T][E] activations the layer loop holds). */
-static size_t ws_need(const k3_config *c, int T, int64_t max_pos) {
-    size_t E = (size_t)c->hidden_size, t = (size_t)T, need = 0, m;
-    size_t nsrc = (size_t)n_boundaries(c) + 1;
-    /* layer_forward's a, xn, sub and AttnRes logits; graph_forward's
-     * per-sequence state arrays (at most one sequence per row) */
-    size_t base = 3 * wsz(t * E) + wsz((size_t)omp_get_max_threads() * nsrc) + 2 * WS_ALIGN +
-                  t * (sizeof(k3_kda_state) + sizeof(k3_mla_cache) + sizeof(int)) + 3 * WS_ALIGN;
-    if (c->n_kda_layers) { /* kda.c's kda_block() */
-        size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, P = H * D;
-        m = 2 * wsz(3 * t * P) + wsz(t * P) + wsz(t * H) + wsz(t * D);
-        if (m > need) need = m;
-    }
-    if (c->n_mla_layers) { /* mla.c's mla_block() */
-        size_t H = (size_t)c->mla_heads, dq = (size_t)(c->qk_nope_dim + c->qk_rope_dim),
-               dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim;
-        m = wsz(t * H * dq) + wsz(t * (size_t)c->q_lora_rank) + wsz(t * W) + 2 * wsz(t * H * dv) +
-            2 * wsz(H * t * rkv) + wsz((size_t)omp_get_max_threads() * 2 * H * (size_t)max_pos) + wsz(H * t * dv) +
-            wsz((size_t)omp_get_max_threads() * (size_t)c->qk_nope_dim * rkv) + 2 * (H * 64 + WS_ALIGN);
-        if (m > need) need = m;
-    }
-    if (c->dense_inter > 0) { /* mlp() */
-        m = 2 * wsz(t * (size_t)c->dense_inter);
-        if (m > need) need = m;
-    }
-    if (c->num_experts > 0) { /* moe.c's moe_block(), with its shared experts */
-        size_t N = (size_t)c->num_experts, k = (size_t)c->experts_per_token, l = (size_t)c->latent_dim,
-               I = (size_t)c->moe_inter, S = (size_t)c->num_shared_experts * I;
-        m = wsz(t * N) + 2 * wsz(t * k) + wsz(t * l) + 2 * wsz(t * S) + 6 * wsz(N + 1) +
-            (N * sizeof(k3_expert_w) + WS_ALIGN) + 2 * wsz(t * k * l) + 2 * wsz(t * k * I) + wsz(t * k) +
-            ((2 * N + 1) * sizeof(k_prod) + WS_ALIGN) + wsz(t * E);
-        if (m > need) need = m;
-    }
-    return base + need;
-}
+/* The workspace a chunk of N rows takes (defined beside graph_forward, from
+ * each block's own *_ws_need). */
+static size_t ws_need(const k3_config *c, int N, int64_t max_pos);
 
 /* Positions a forward pass processes at once (the model's chunk, K3_PREFILL_CHUNK unless
  * opened otherwise): bounds the activations while letting every weight be
@@ -527,6 +495,16 @@ static int pass_rows(const fwd_pass *p) { return p->len ? p->T : p->nseq * p->T;
  * position 0 and a zero state, ks, mc, pos0 NULL) every intermediate goes to
  * rec, the partial after each block is rec->p_mid / p_out, and buf[nb] is
  * left pointing at rec->p_out. */
+/* Workspace of layer_forward without a record on N rows: a, xn and sub, then
+ * one step at a time (each releases its temporaries before the next). */
+static size_t layer_ws_need(const k3_config *c, size_t N, int64_t max_pos) {
+    size_t step = attnres_ws_need(n_boundaries(c) + 1), m;
+    if (c->n_kda_layers && (m = kda_ws_need(c, N)) > step) step = m;
+    if (c->n_mla_layers && (m = mla_ws_need(c, N, max_pos)) > step) step = m;
+    if (c->dense_inter > 0 && (m = mlp_ws_need(c, N)) > step) step = m;
+    if (c->num_experts > 0 && (m = moe_ws_need(c, N)) > step) step = m;
+    return 3 * wsz(N * (size_t)c->hidden_size) + step;
+}
 static int layer_forward(const fwd_pass *p, const k3_layer_w *w, int L, const k3_kda_state *ks, const k3_mla_cache *mc,
                          const int *pos0, float **buf, int *nb, k3_layer_rec *rec, k3_err *err) {
     const k3_config *c = p->c;
@@ -612,6 +590,15 @@ int k3_layer(const k3_config *c, float mla_eps, const k3_layer_w *w, int L, k3_k
  *   bufp:   [nbuf] block vector buffers of every row (unused with a record)
  *   logits: NULL; [rows][V] when all; else [nseq][V] for each sequence's
  *           last position */
+/* Workspace of graph_forward without a record on N rows (at most one
+ * sequence a row), positions up to max_pos: the per-sequence state arrays,
+ * then a layer at a time, then the final AttnRes into x. */
+static size_t ws_need(const k3_config *c, int N, int64_t max_pos) {
+    size_t n = (size_t)N, E = (size_t)c->hidden_size;
+    size_t states = wsb(n * sizeof(k3_kda_state)) + wsb(n * sizeof(k3_mla_cache)) + wsz(n);
+    size_t layer = layer_ws_need(c, n, max_pos), head = wsz(n * E) + attnres_ws_need(n_boundaries(c) + 1);
+    return states + (layer > head ? layer : head);
+}
 static int graph_forward(k3_model *m, const fwd_pass *p, k3_state *const *st, const int32_t *ids, size_t ld,
                          float **bufp, float *logits, bool all, k3_model_rec *rec, k3_err *err) {
     const k3_config *c = &m->cfg;

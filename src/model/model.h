@@ -70,7 +70,8 @@ typedef struct {
  * shape/dtype (one line naming the tensor), K3_EXIT_RUNTIME for I/O. */
 int k3_model_open(const char *dir, const k3_model_opts *opts, k3_model **out, k3_err *err);
 /* The same from what was already read of dir: cfg as k3_config_load gave it
- * (before --layers; opts->layers applies here) and ix as st_open gave it (the
+ * (opts->layers, if any, applies here; the engine passes a cfg already cut
+ * and no opts->layers) and ix as st_open gave it (the
  * model takes its own reference, st_retain; the caller keeps and closes
  * its). The engine opens both once for the plan and the model. */
 int k3_model_open_index(const char *dir, const k3_config *cfg, st_index *ix, const k3_model_opts *opts,

@@ -9,6 +9,7 @@
 #include "formats/safetensors.h"
 #include "util/common.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -53,6 +54,10 @@ static inline void *ws_get(k3_ws *w, size_t bytes) {
         if (w->used > w->high) w->high = w->used;
         return p;
     }
+#ifdef K3_CHECKED
+    /* a sized workspace that overflows means a block's *_ws_need missed a ws_get */
+    assert(!w->cap && "workspace plan short");
+#endif
     if (w->nextra == w->cextra) {
         w->cextra = w->cextra ? 2 * w->cextra : 8;
         w->extra = xrealloc_array(w->extra, w->cextra, sizeof *w->extra);
@@ -83,8 +88,10 @@ static inline void ws_free(k3_ws *w) {
     memset(w, 0, sizeof *w);
 }
 
-/* Bytes ws_get rounds n floats to. */
-static inline size_t wsz(size_t nfloats) { return (nfloats * 4 + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
+/* Bytes ws_get rounds n bytes / n floats (or ints) to: each block's *_ws_need
+ * adds one of these per ws_get it makes. */
+static inline size_t wsb(size_t bytes) { return (bytes + WS_ALIGN - 1) / WS_ALIGN * WS_ALIGN; }
+static inline size_t wsz(size_t nfloats) { return wsb(nfloats * 4); }
 
 /* Per-position work of a prefill chunk is split over threads only when the
  * chunk is long enough to pay for a thread team (rows are independent, so
@@ -126,6 +133,8 @@ struct k3_kda_trace {
  * gets the recurrence's inputs at rows trace->row.. */
 void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, const k3_kda_state *st, const float *x,
                int nseq, int T, const int *len, float *y, int chunk, k3_kda_rec *rec, k3_ws *ws);
+/* Workspace one call of kda_block without a record takes for N rows in all. */
+size_t kda_ws_need(const k3_config *c, size_t N);
 
 /* The MLA block (mla.c) on nseq sequences of T positions (or, with len and no
  * record, of len[s] positions each): without a record, sequence s's latents
@@ -134,6 +143,9 @@ void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, cons
 void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, const k3_fwd_ops *fo, const k3_mla_cache *cache,
                const int *pos0, const float *x, int nseq, int T, const int *len, float *y, k3_mla_rec *rec,
                k3_ws *ws);
+/* Workspace one call of mla_block without a record takes for N rows in all,
+ * no sequence reaching past position max_pos. */
+size_t mla_ws_need(const k3_config *c, size_t N, int64_t max_pos);
 
 /* The LatentMoE block (moe.c) on T rows: experts from xa (resident, or a
  * weight source); rec (may be NULL) gets what training's backward reads. */
@@ -144,5 +156,7 @@ typedef struct {
 } expert_access;
 int moe_block(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo, const expert_access *xa, const float *x,
               int T, float *y, k3_moe_rec *rec, k3_ws *ws, k3_err *err);
+/* Workspace one call of moe_block without a record takes for T rows. */
+size_t moe_ws_need(const k3_config *c, size_t T);
 
 #endif

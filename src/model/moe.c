@@ -142,6 +142,22 @@ K3_HOT static int moe_decode_overlapped(const k3_config *c, const k3_moe_w *w, c
     return K3_OK;
 }
 
+/* One term per ws_get in moe_block below for T rows without a record (and
+ * in moe_decode_overlapped for a single row), whichever is larger. */
+size_t moe_ws_need(const k3_config *c, size_t T) {
+    size_t N = (size_t)c->num_experts, k = (size_t)c->experts_per_token, l = (size_t)c->latent_dim,
+           I = (size_t)c->moe_inter, E = (size_t)c->hidden_size, S = (size_t)c->num_shared_experts * I,
+           Tk = T * k, sh = S ? 2 * wsz(T * S) + wsz(T * E) : 0;
+    size_t chunk = wsz(T * N) + 2 * wsz(Tk) + wsz(T * l) + sh /* rl wt idx z sg su sh */
+                   + 2 * wsz(N) + wsz(N + 1) + 2 * wsz(N) + wsb(N * sizeof(k3_expert_w)) /* cnt ids at sel sid ex */
+                   + 2 * wsz(Tk * l) + 2 * wsz(Tk * I) + wsz(Tk) + wsz(N) /* zin out h1 h3 rowat fill */
+                   + wsb((2 * N + 1) * sizeof(k_prod));                     /* jb */
+    size_t one = wsz(N) + 4 * wsz(k) + wsz(l) + (S ? 2 * wsz(S) + wsz(E) : 0) /* rl wt idx ids slot z sg su sh */
+                 + 2 * wsz(k) + wsb(k * sizeof(k3_expert_w))                  /* sel sid ex */
+                 + 2 * wsz(k * I) + wsz(k * l) + wsz(k + 1) + wsz(l);         /* h1 h3 out rows a */
+    return T == 1 && one > chunk ? one : chunk;
+}
+
 K3_HOT int moe_block(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo, const expert_access *xa,
                      const float *x, int T, float *y, k3_moe_rec *rec, k3_ws *ws, k3_err *err) {
     if (T == 1 && !rec && xa->src && xa->src->experts_start && xa->src->experts_next)

@@ -136,11 +136,9 @@ struct k3_mla_rec {
 void k3_mla_rec_forward(const k3_config *c, float latent_eps, const k3_mla_w *w, const k3_fwd_ops *fo,
                         const float *x, int nseq, int T, float *y, k3_mla_rec *rec);
 /* The expanded core on r's q, kv and ckv: r->pr and r->o (canonical dots for
- * the scores, one fma chain per output over the positions). */
-void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, int T);
-/* The expanded core's causal softmax of one row of T scores (already scaled,
- * mx their maximum over 0..t): positions 0..t normalised, the rest zero. */
-void k3_causal_softmax_row(float *pr, int t, int T, float mx);
+ * the scores, one fma chain per output over the positions; bf16: the two
+ * products as BF16 training GEMMs, training's BF16 mode). */
+void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, int T, bool bf16);
 
 /* The KDA block on nseq sequences of T positions, each from a zero state
  * (x, y: [nseq*T][E]); chunk 0 the recurrent form, > 0 the chunkwise one. */

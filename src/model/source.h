@@ -184,9 +184,9 @@ typedef struct {
      * on a plain sum of squares (inference: a division by the norm of a
      * dot). The same functions; the bits each side's contract fixed. */
     bool train_rounding;
-    /* MLA's expanded attention core on a record (training's BF16 mode runs it
-     * as GEMMs); NULL: k3_mla_attend_expanded */
-    void (*mla_attend)(const k3_config *c, k3_mla_rec *r, int nseq, int T);
+    /* MLA's expanded attention core runs its two products as BF16 GEMMs
+     * (training's BF16 mode; k3_mla_attend_expanded) */
+    bool mla_bf16;
     /* LatentMoE's routed-expert products (many similar jobs): NULL runs them
      * with products; training's run side by side, one thread each */
     void (*expert_products)(const k_prod *jobs, int njobs);

@@ -423,14 +423,14 @@ static int bind_all(k3_model *m, k3_lookup_fn fn, void *ctx, bool top_only, k3_e
 
 /* ---- model lifetime (shared by both openers) ------------------------------- */
 
-static void apply_opts(k3_model *m, const k3_model_opts *opts) {
+/* The one place a model applies --layers (every opener comes here before
+ * binding, so too many layers is refused before a tensor is looked up). */
+static int apply_opts(k3_model *m, const k3_model_opts *opts, const char *what, k3_err *err) {
     m->mla_eps = m->cfg.mla_latent_eps > 0 ? m->cfg.mla_latent_eps : 1e-6f;
     if (opts && opts->peer_mla_eps) m->mla_eps = m->cfg.rms_eps;
     if (opts && opts->kda_chunk > 0) m->kda_chunk = opts->kda_chunk;
     m->chunk = opts && opts->prefill_chunk > 0 ? opts->prefill_chunk : K3_PREFILL_CHUNK;
-    /* (fewer layers only: the openers that can have too many refuse it first) */
-    if (opts && opts->layers > 0 && opts->layers < m->cfg.num_layers)
-        k3_config_first_layers(&m->cfg, opts->layers, NULL, NULL);
+    return k3_config_first_layers(&m->cfg, opts ? opts->layers : 0, what, err);
 }
 
 void k3_model_free(k3_model *m) {
@@ -482,11 +482,9 @@ static int st_lookup(void *vctx, int layer, const char *name, k3_tensor *t, k3_e
 }
 
 int k3_model_open(const char *dir, const k3_model_opts *opts, k3_model **out, k3_err *err) {
-    k3_config cfg, view;
+    k3_config cfg;
     int rc = k3_config_load(dir, &cfg, err);
     if (rc) return rc;
-    view = cfg; /* a bad --layers is refused before the shards are read */
-    if ((rc = k3_config_first_layers(&view, opts ? opts->layers : 0, dir, err))) return rc;
     st_index *ix;
     if ((rc = st_open(dir, &ix, err))) return rc;
     rc = k3_model_open_index(dir, &cfg, ix, opts, out, err);
@@ -498,9 +496,8 @@ int k3_model_open_index(const char *dir, const k3_config *cfg, st_index *ix, con
                         k3_model **out, k3_err *err) {
     k3_model *m = xcalloc(1, sizeof *m);
     m->cfg = *cfg;
-    int rc = k3_config_first_layers(&m->cfg, opts ? opts->layers : 0, dir, err);
+    int rc = apply_opts(m, opts, dir, err);
     if (rc) goto fail;
-    apply_opts(m, opts);
     m->ix = st_retain(ix);
     st_ctx c = {.ix = m->ix, .prefix = k3_names_prefix(m->ix)};
     c.head = k3_names_head(c.prefix);
@@ -519,8 +516,8 @@ int k3_model_open_lookup(const k3_config *cfg, k3_lookup_fn fn, void *ctx, const
                          k3_model **out, k3_err *err) {
     k3_model *m = xcalloc(1, sizeof *m);
     m->cfg = *cfg;
-    apply_opts(m, opts);
-    int rc = bind_all(m, fn, ctx, opts && opts->top_only, err);
+    int rc = apply_opts(m, opts, "the model", err);
+    if (!rc) rc = bind_all(m, fn, ctx, opts && opts->top_only, err);
     if (rc) {
         k3_model_free(m);
         return rc;
@@ -616,7 +613,7 @@ int k3_model_open_blob(const char *json_path, const char *bin_path, const k3_mod
     cfg_text = json_dumps(cfg, 0);
     if (!cfg_text) { rc = k3_fail(err, K3_EXIT_RUNTIME, "%s: cannot re-serialise config", json_path); goto done; }
     if ((rc = k3_config_parse(cfg_text, json_path, &m->cfg, err))) goto done;
-    apply_opts(m, opts);
+    if ((rc = apply_opts(m, opts, json_path, err))) goto done;
     if ((rc = k3_read_file(bin_path, &bin, &bin_len, err))) goto done;
     /* the blob must be float-aligned in memory: copy it into an f32 array */
     size_t nf = bin_len / 4;

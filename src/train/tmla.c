@@ -45,41 +45,13 @@ void mla_free(mla_acts *a) {
     memset(a, 0, sizeof *a);
 }
 
-/* ---- BF16 mode: the attention as matrix products -------------------------------
- * Per (sequence, head): S = Qn Kn^T (+ Qr Kr^T), the causal softmax row by row
- * (as the F32 path), O = P V; backward dP = dO V^T, dS = P (dP - rowsum(P dP))
- * scale, dQ = dS K, dK = dS^T Q, dV = P^T dO. Each product is one training
- * GEMM in the BF16 mode (AMX where present), the full T x T square (the
- * masked half multiplies zeros of P); the heads run side by side, each
- * product on one thread, so the bits do not depend on the thread count. */
-static void attn_fwd_bf16(const k3_config *c, mla_acts *a, int B, int T) {
-    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim,
-              rkv = c->kv_lora_rank;
-    const int dq = dn + dr, dkv = dn + dv, HV = H * dv;
-    const float scale = 1.0f / sqrtf((float)dq);
-#pragma omp parallel for schedule(dynamic)
-    for (int bh = 0; bh < B * H; bh++) {
-        int b = bh / H, h = bh % H;
-        float *P = a->pr + (size_t)bh * T * T;
-        const float *q0 = a->q + (size_t)b * T * H * dq + (size_t)h * dq;
-        const float *kv0 = a->kv + (size_t)b * T * H * dkv + (size_t)h * dkv;
-        k_gemm(P, T, T, T, dn, (k_view){q0, H * dq, 1}, (k_view){kv0, 1, H * dkv}, false, K_GEMM_BF16);
-        if (dr)
-            k_gemm(P, T, T, T, dr, (k_view){q0 + dn, H * dq, 1},
-                    (k_view){a->ckv + (size_t)b * T * (rkv + dr) + rkv, 1, rkv + dr}, true, K_GEMM_BF16);
-        for (int t = 0; t < T; t++) {
-            float *pr = P + (size_t)t * T, mx = -INFINITY;
-            for (int s = 0; s <= t; s++) {
-                pr[s] *= scale;
-                if (pr[s] > mx) mx = pr[s];
-            }
-            k3_causal_softmax_row(pr, t, T, mx);
-        }
-        k_gemm(a->o + (size_t)b * T * HV + (size_t)h * dv, HV, T, dv, T, (k_view){P, T, 1},
-                (k_view){kv0 + dn, H * dkv, 1}, false, K_GEMM_BF16);
-    }
-}
-
+/* ---- BF16 mode: the attention's backward as matrix products -------------------
+ * (the forward: k3_mla_attend_expanded's BF16 form) per (sequence, head):
+ * dP = dO V^T, dS = P (dP - rowsum(P dP)) scale, dQ = dS K, dK = dS^T Q,
+ * dV = P^T dO. Each product is one training GEMM in the BF16 mode (AMX where
+ * present), the full T x T square (the masked half multiplies zeros of P);
+ * the heads run side by side, each product on one thread, so the bits do not
+ * depend on the thread count. */
 static void attn_bwd_bf16(const tmodel *m, const mla_acts *a, const float *dO, float *dQ, float *dKV,
                           float *dkrh, int B, int T) {
     const k3_config *c = &m->cfg;
@@ -122,8 +94,6 @@ static void attn_bwd_bf16(const tmodel *m, const mla_acts *a, const float *dO, f
         free(dS);
     }
 }
-
-void t_mla_attend_bf16(const k3_config *c, k3_mla_rec *r, int nseq, int T) { attn_fwd_bf16(c, r, nseq, T); }
 
 K3_HOT void mla_backward(tmodel *m, const tm_layer *ly, mla_acts *a, const float *x, const float *dout,
                   float *dx, int B, int T, float *scratch) {

@@ -44,7 +44,7 @@ static void products_each_bf16(const k_prod *jobs, int njobs) {
 static const k3_fwd_ops fwd_f32 = {.products = products_f32, .train_rounding = true,
                                    .expert_products = products_each_f32};
 static const k3_fwd_ops fwd_bf16 = {.products = products_bf16, .train_rounding = true,
-                                    .mla_attend = t_mla_attend_bf16, .expert_products = products_each_bf16};
+                                    .mla_bf16 = true, .expert_products = products_each_bf16};
 const k3_fwd_ops *t_fwd_ops(k_gemm_mode mode) { return mode == K_GEMM_BF16 ? &fwd_bf16 : &fwd_f32; }
 
 void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate,

@@ -27,10 +27,9 @@ void t_linear(float *Y, const float *X, const float *W, int n, int in, int out, 
 /* The model graph's blocks run with these (model/source.h k3_fwd_ops): each job's
  * W an F32 view [out][in] of the arena, Y = X W^T by t_linear in that mode;
  * training's rounding of SiLU and the KDA q/k norm; in the BF16 mode MLA's
- * expanded core as BF16 GEMMs (t_mla_attend_bf16, tmla.c), else the model
- * graph's. One table per mode, so the mode travels with the table. */
+ * expanded core with its products as BF16 GEMMs. One table per mode, so the
+ * mode travels with the table. */
 const k3_fwd_ops *t_fwd_ops(k_gemm_mode mode);
-void t_mla_attend_bf16(const k3_config *c, k3_mla_rec *r, int nseq, int T);
 /* dX[n][in] (+)= dY[n][out] W. accumulate=false overwrites dX. */
 void t_linear_dx(float *dX, const float *dY, const float *W, int n, int in, int out, bool accumulate,
                  k_gemm_mode mode);

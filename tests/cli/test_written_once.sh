@@ -40,16 +40,29 @@ once binding:no-view-functions '\b(kda_view|mla_view|mlp_view|moe_view)\(' '' $S
 
 # ---- one MLA core per form ----------------------------------------------------
 # The absorbed core (decode: core_absorbed) and the expanded one (prefill and
-# training: k3_mla_attend_expanded) are defined in src/model/mla.c. The causal
-# softmax of the expanded core (k3_causal_softmax_row) is called by those two
-# and by training's BF16 form of the expanded core (attn_fwd_bf16 in
-# src/train/tmla.c, the same core with its two products as BF16 GEMMs: still
-# a second writing of the loop, the one left to merge); any other caller is a
-# new core.
+# training: k3_mla_attend_expanded, whose BF16 form for training runs its two
+# products as GEMMs in the same loop) are defined in src/model/mla.c, and the
+# expanded core's causal softmax (causal_softmax_row) is private to that file.
+# Another definition, or a causal softmax outside it (a row normalised over
+# s <= t, i.e. a second core), fails.
 once mla-core:defined '^(K3_HOT )?(static )?void (core_absorbed|k3_mla_attend_expanded)\(' 'src/model/mla\.c' $(find src -name '*.c')
-once mla-core:softmax-callers 'k3_causal_softmax_row\(' 'src/model/mla\.c|src/model/records\.h|src/train/tmla\.c' $SRC
-n=$(hits 'k3_causal_softmax_row\(' src/train/tmla.c | wc -l)
-[ "$n" -le 1 ] && pass mla-core:bf16-form-once || fail mla-core:bf16-form-once "$n calls in src/train/tmla.c"
+once mla-core:softmax-private 'causal_softmax_row\(' 'src/model/mla\.c' $SRC
+once mla-core:no-bf16-forward '\battn_fwd_bf16\b|t_mla_attend' '' $SRC
+
+# ---- --layers, the layer counts, the workspace: each in one place ---------------
+# --layers is applied by the engine (the config it plans with) and by the
+# model's option step (apply_opts, weights.c), once each; the layer-kind
+# counts are derived only in formats/config.c's count_kinds; every block
+# defines its workspace need in its own file, beside its ws_get calls.
+n=$(hits 'k3_config_first_layers\(' src/engine/engine.c | wc -l); m=$(hits 'k3_config_first_layers\(' src/model/weights.c | wc -l)
+once layers:applied 'k3_config_first_layers\(' 'src/engine/engine\.c|src/model/weights\.c|src/formats/config\.[ch]' $SRC
+[ "$n" -eq 1 ] && [ "$m" -eq 1 ] && pass layers:once-per-route || fail layers:once-per-route "engine.c $n, weights.c $m calls"
+once layers:kind-counts 'n_(kda|mla)_layers(\+\+| *\+=| *= *0)' 'src/formats/config\.c' $SRC
+n=$(hits 'n_kda_layers\+\+' src/formats/config.c | wc -l)
+[ "$n" -eq 1 ] && pass layers:counted-once || fail layers:counted-once "$n counting loops in config.c"
+for b in kda mla moe; do
+  hits "^size_t ${b}_ws_need\(" src/model/$b.c | grep -q . && pass "workspace:$b-beside-block" || fail "workspace:$b-beside-block" "no ${b}_ws_need in src/model/$b.c"
+done
 
 # ---- one generation loop ------------------------------------------------------
 # The loop that checks logits, samples, stops and feeds is k3_generate
