@@ -336,7 +336,9 @@ int cmd_serve(int argc, char **argv) {
                 "this machine can use the model\n", a.host);
     bool v6 = strchr(a.host, ':') != NULL;
     char par[64] = "";
-    if (ranks > 1) snprintf(par, sizeof par, ", expert parallel over %d ranks", ranks);
+    if (ranks > 1)
+        snprintf(par, sizeof par,
+                 a.eo.layout_tp ? ", trunk and experts split over %d ranks" : ", expert parallel over %d ranks", ranks);
     printf("k3 serve: model '%s' (%s%s, %d slot%s), http://%s%s%s:%d/ (Ctrl-C stops)\n", o.model_id,
            sm.chat ? "chat and completions" : "completions only: the tokenizer has no XTML ids", par, sm.slots,
            sm.slots == 1 ? "" : "s", v6 ? "[" : "",

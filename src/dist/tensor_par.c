@@ -110,8 +110,10 @@ static void tp_products(const k_prod *jobs, int njobs) {
 
 static const k3_fwd_ops tp_ops = {.products = tp_products, .expert_products = local_products, .collective = true,
                                   .whole_products = local_products};
+static const k3_fwd_ops tp_all_ops = {.products = tp_products, .expert_products = tp_products, .collective = true,
+                                      .experts_split = true, .whole_products = local_products};
 
-const k3_fwd_ops *k3_tp_ops(void) { return &tp_ops; }
+const k3_fwd_ops *k3_tp_ops(bool experts_too) { return experts_too ? &tp_all_ops : &tp_ops; }
 
 void k3_tp_release(void) {
     for (int r = 0; r < B.nrecv; r++) free(B.recv[r]);

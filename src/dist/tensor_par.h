@@ -14,8 +14,9 @@
  * count. A rank reads only its rows of each matrix: the trunk's bytes read
  * per token fall as 1/R (the split_* figures of k3_dist_stats count them).
  *
- * What stays whole on every rank: the routed experts (expert-parallel,
- * expert_par.h: they reach expert_products, which runs locally), MLA's
+ * What stays whole on every rank: the routed experts in the default layout
+ * (expert-parallel, expert_par.h: they reach expert_products, which runs
+ * locally; split like the trunk with experts_too below), MLA's
  * kv_b (the absorbed attention core reads its rows per head directly), KDA's
  * f_b (whole_products: 3 MB at the release's size, D = 128 inputs, whose
  * read costs less than a gather's round of messages; every rank computes it
@@ -32,8 +33,13 @@
 
 #include "model/source.h"
 
-/* The split products for this job's ranks (one process: the canonical ones). */
-const k3_fwd_ops *k3_tp_ops(void);
+/* The split products for this job's ranks (one process: the canonical ones).
+ * experts_too (--parallel-layout tp): the routed experts' products are split
+ * the same way (every rank computes its rows of every selected expert's three
+ * matrices, one gather for the gates and ups, one for the downs), so no rank
+ * waits for the one that holds the most selected experts; each rank then
+ * needs its rows of every expert (k3_stream_opts.tp_experts). */
+const k3_fwd_ops *k3_tp_ops(bool experts_too);
 /* Frees the gather buffers (at the end of a run; the ops stay usable). */
 void k3_tp_release(void);
 

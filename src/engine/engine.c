@@ -80,9 +80,10 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
         o->expert_placement = v;
     } else if (!strcmp(f, "--parallel-layout")) {
         VALUE();
-        if (strcmp(v, "tp+ep") && strcmp(v, "ep"))
-            return k3_fail(err, K3_EXIT_USAGE, "%s: --parallel-layout: '%s' is not tp+ep or ep", cmd, v);
+        if (strcmp(v, "tp+ep") && strcmp(v, "ep") && strcmp(v, "tp"))
+            return k3_fail(err, K3_EXIT_USAGE, "%s: --parallel-layout: '%s' is not tp+ep, tp or ep", cmd, v);
         o->layout_ep = !strcmp(v, "ep");
+        o->layout_tp = !strcmp(v, "tp");
     } else if (!strcmp(f, "--max-memory")) {
         VALUE();
         if (!k3_parse_size(v, &o->max_memory) || !o->max_memory)
@@ -174,12 +175,12 @@ static int ep_placement(k3_engine *e, const k3_config *run_cfg, k3_err *err) {
     if (c.num_experts <= 0 || !moe)
         return k3_fail(err, K3_EXIT_USAGE, "%s: no routed experts to spread over %d ranks: run it without mpirun",
                        o->model_dir, e->ranks);
-    if (e->ranks > c.num_experts)
+    if (e->ranks > c.num_experts && !o->layout_tp)
         return k3_fail(err, K3_EXIT_USAGE,
                        "%s: %d ranks but %d routed experts per layer: expert parallelism takes at most one rank per "
                        "expert (mpirun -np %d or fewer)",
                        o->model_dir, e->ranks, c.num_experts, c.num_experts);
-    if (o->mem.so.trace_dir)
+    if (o->mem.so.trace_dir && !o->layout_tp)
         return k3_fail(err, K3_EXIT_USAGE,
                        "--dump-cache-trace: a rank of %d sees only its own experts' requests: trace with one process",
                        e->ranks);
@@ -192,11 +193,13 @@ static int ep_placement(k3_engine *e, const k3_config *run_cfg, k3_err *err) {
     size_t n = (size_t)c.num_layers * (size_t)c.num_experts;
     e->owner = p.owner;
     e->owned = xcalloc(n, 1);
-    for (size_t i = 0; i < n; i++) e->owned[i] = p.owner[i] == e->rank;
-    e->opts.mem.so.owned = e->owned;
-    if (!o->layout_ep) { /* the plan counts this rank's share of the split trunk */
+    /* split experts: every rank holds its rows of every expert (no placement) */
+    for (size_t i = 0; i < n; i++) e->owned[i] = o->layout_tp || p.owner[i] == e->rank;
+    e->opts.mem.so.owned = o->layout_tp ? NULL : e->owned;
+    if (!o->layout_ep) { /* the plan counts this rank's share of the split trunk (and experts) */
         e->opts.mem.so.tp_rank = e->rank;
         e->opts.mem.so.tp_ranks = e->ranks;
+        e->opts.mem.so.tp_experts = o->layout_tp;
     }
     return K3_OK;
 }
@@ -276,9 +279,11 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
     if (e->ranks > 1) {
         const k3_config *c = k3_model_config(e->model);
         k3_placement p = {.ranks = e->ranks, .layers = c->num_layers, .experts = c->num_experts, .owner = e->owner};
-        e->ep = k3_ep_new(k3_runmem_source(e->rm), &p, e->rank, e->ranks);
-        k3_model_set_source(e->model, k3_ep_source(e->ep));
-        if (!o->layout_ep) k3_model_set_ops(e->model, k3_tp_ops());
+        if (!o->layout_tp) { /* the experts through the expert exchange */
+            e->ep = k3_ep_new(k3_runmem_source(e->rm), &p, e->rank, e->ranks);
+            k3_model_set_source(e->model, k3_ep_source(e->ep));
+        }
+        if (!o->layout_ep) k3_model_set_ops(e->model, k3_tp_ops(o->layout_tp));
     }
     e->cfg = k3_model_config(e->model);
     e->vocab = e->cfg->vocab_size;
@@ -533,7 +538,7 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
         json_object_set_new(o, "exchange_seconds", wait);
         json_object_set_new(o, "exchange_share", share);
         bool tp = all[0].gath > 0;
-        json_object_set_new(o, "layout", json_string(e->opts.layout_ep ? "ep" : "tp+ep"));
+        json_object_set_new(o, "layout", json_string(e->opts.layout_ep ? "ep" : e->opts.layout_tp ? "tp" : "tp+ep"));
         /* the trunk's split products: gathers (part of the exchanges above),
          * their bytes and time, and the weight bytes their matrices read per
          * token on each rank beside what one process reads for them */
@@ -551,7 +556,12 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
         bool streamed = e->opts.mem.so.trunk_dir != NULL;
         if (streamed) json_object_set_new(o, "trunk_disk_bytes_per_token", tdisk);
         else json_decref(tdisk);
-        if (f)
+        if (f && e->opts.layout_tp)
+            fprintf(f,
+                    "k3: split experts, %s: every rank holds its rows of %llu routed experts; per token %.1f "
+                    "exchanges, up to %.1f kB sent per rank, up to %.1f%% of the time in exchanges\n",
+                    phase, (unsigned long long)maxh, (double)all[0].exch / st, maxb / 1e3, 100 * maxs);
+        else if (f)
             fprintf(f,
                     "k3: expert parallel, %s: %d ranks hold %llu..%llu routed experts each; per token %.1f exchanges, "
                     "up to %.1f kB sent per rank, up to %.1f%% of the time in exchanges\n",
@@ -559,10 +569,11 @@ json_t *k3_engine_dist_report(k3_engine *e, const char *phase, const k3_engine_m
                     (double)all[0].exch / st, maxb / 1e3, 100 * maxs);
         if (f && tp)
             fprintf(f,
-                    "k3: tensor parallel, %s: the trunk's matrices read %.2f..%.2f MB per token a rank (one process: "
+                    "k3: tensor parallel, %s: the %s matrices read %.2f..%.2f MB per token a rank (one process: "
                     "%.2f MB); %.1f of the exchanges are their gathers, up to %.1f kB sent per rank, up to %.1f%% of "
                     "the time\n",
-                    phase, minr / 1e6, maxr / 1e6, (double)all[0].whole / st / 1e6, (double)all[0].gath / st,
+                    phase, e->opts.layout_tp ? "trunk's and experts'" : "trunk's", minr / 1e6, maxr / 1e6,
+                    (double)all[0].whole / st / 1e6, (double)all[0].gath / st,
                     maxgb / 1e3, 100 * maxgs);
         if (f && streamed)
             fprintf(f,

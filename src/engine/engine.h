@@ -41,6 +41,9 @@ typedef struct {
     bool layout_ep;          /* --parallel-layout ep: under mpirun only the routed experts are
                                 split, every rank runs the whole trunk (default tp+ep: the trunk's
                                 matrices are split by output rows too, dist/tensor_par.h) */
+    bool layout_tp;          /* --parallel-layout tp: the routed experts' matrices are split by
+                                output rows like the trunk's (every rank holds and reads its
+                                rows of every expert); no expert exchange */
     k3_runmem_args mem;      /* --preset, --trunk, --trunk-gb, --cache-gb, --chunk, ... */
 } k3_engine_opts;
 
@@ -70,8 +73,10 @@ int k3_engine_parse_flag(k3_engine_opts *o, const char *cmd, int argc, char **ar
     "                       default: contiguous, balanced (docs/mpi.md)\n" \
     "  --parallel-layout L  under mpirun: tp+ep (default: the trunk's matrices split\n" \
     "                       over the ranks by output rows, the routed experts by\n" \
-    "                       expert) or ep (the experts only; every rank runs the\n" \
-    "                       whole trunk); the logits are the same bits either way\n" \
+    "                       expert), tp (the experts' matrices split by rows too:\n" \
+    "                       every rank computes a share of every selected expert)\n" \
+    "                       or ep (the experts only; every rank runs the whole\n" \
+    "                       trunk); the logits are the same bits in every layout\n" \
     "\n" K3_RUNMEM_HELP
 
 /* The sampling flags of the commands that generate from the command line
@@ -221,10 +226,11 @@ k3_engine_mark k3_engine_mark_now(const k3_engine *e);
  * seconds and tokens. Prints one line on f (rank 0, f not NULL) and
  * returns a JSON object (rank 0; NULL elsewhere and for one process):
  * {"ranks", "experts_held": [per rank], "exchanges_per_token", "bytes_sent_per_token":
- * [per rank], "exchange_share": [per rank], ..., "layout" ("tp+ep" or "ep"),
- * "split_gathers_per_token" (of the exchanges, the split trunk's gathers),
+ * [per rank], "exchange_share": [per rank], ..., "layout" ("tp+ep", "tp" or "ep"),
+ * "split_gathers_per_token" (of the exchanges, the split products' gathers),
  * "split_bytes_sent_per_token", "split_share", "trunk_bytes_read_per_token":
- * [per rank] (weight bytes the split products read), "trunk_bytes_one_process_per_token",
+ * [per rank] (weight bytes the split products read: the trunk's matrices, and
+ * under tp the routed experts' too), "trunk_bytes_one_process_per_token",
  * and with a packed trunk (--trunk) "trunk_disk_bytes_per_token": [per rank] (the
  * streamed layers' bytes each rank read from disk, its share under tp+ep)}.
  * Under tp+ep a second line gives the split trunk's figures, with --trunk a

@@ -65,6 +65,10 @@ typedef struct {
                                 matrices are split by output rows (dist/tensor_par.h): the
                                 plan counts its share of their rows (k_row_share), and with a
                                 packed trunk only that share of each layer is read and held */
+    bool tp_experts;         /* with tp_ranks > 1, the routed experts' matrices are split by
+                                output rows too (--parallel-layout tp): every expert is
+                                planned, cached and read as this rank's rows of its three
+                                matrices only */
     bool experts_only;       /* serve the routed experts alone (bench/layers.c times one MoE
                                 layer reading its experts): no trunk is planned, bound or
                                 read (trunk_dir must be NULL), layer_get refuses; the model

@@ -83,7 +83,7 @@ static int batch_failed(k3_stream *s, int L, k3_err *err) {
     /* name the shard that holds this layer's first expert of the batch */
     xlayout x;
     k3_err e2 = {0};
-    if (s->xn > 0 && !k3s_expert_layout(&s->cfg, s->ix, s->prefix, L, s->xid0, &x, &e2))
+    if (s->xn > 0 && !k3s_expert_layout(&s->cfg, s->ix, s->prefix, L, s->xid0, NULL, &x, &e2))
         k3_fail(err, err->code ? err->code : K3_EXIT_RUNTIME, "%s: routed experts of layer %d: %s",
                 st_shard_at(s->ix, x.t[0]->shard)->path, L, m);
     for (int i = 0; i < s->xn; i++)
@@ -120,7 +120,7 @@ int k3s_experts_start(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, 
         int64_t key = (int64_t)L * N + e, ev = -1;
         bool res = false;
         xlayout x;
-        if ((rc = k3s_expert_layout(&s->cfg, s->ix, s->prefix, L, e, &x, err))) break;
+        if ((rc = k3s_expert_layout(&s->cfg, s->ix, s->prefix, L, e, &s->o, &x, err))) break;
         bool hit = xc_request_one(s->xc, L, e, &res, &ev);
         if (s->tracing && (rc = xc_trace_write(&s->trace, s->step, L, e, err))) break;
         s->xleft[i] = 0;
@@ -165,12 +165,13 @@ int k3s_experts_start(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, 
                 s->xleft[i] = 1;
             } else {
                 for (int j = 0; j < x.n; j++) {
+                    if (!x.len[j]) continue; /* no rows of it for this rank */
                     int f = shard_fd(s, x.t[j]->shard, err);
                     if (f < 0) { rc = err->code; break; }
-                    uint64_t at = x.pos[j] - (x.t[j]->offset & (K3_DIO_ALIGN - 1));
+                    /* the read's aligned start: where row 0 lies, plus the share's offset into the tensor */
+                    int64_t at = x.pos[j] + (int64_t)(x.off[j] - x.t[j]->offset) - (int64_t)(x.off[j] & (K3_DIO_ALIGN - 1));
                     s->req_x[nreq] = i;
-                    s->reqs[nreq++] =
-                        (k3_io_req){.fd = f, .offset = x.t[j]->offset, .len = x.t[j]->nbytes, .buf = buf + at};
+                    s->reqs[nreq++] = (k3_io_req){.fd = f, .offset = x.off[j], .len = x.len[j], .buf = buf + at};
                     s->xleft[i]++;
                 }
                 if (rc) break;

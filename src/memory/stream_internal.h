@@ -19,13 +19,19 @@ typedef struct {
     const st_tensor *t[6];
     int data[3], scale[3];      /* per matrix: index into t (scale -1 when unquantised) */
     bool one_run;
-    uint64_t pos[6];            /* byte offset of tensor i's data in the buffer */
+    int64_t pos[6];             /* where tensor i's byte 0 is in the buffer (before it for a
+                                   tensor of which only a share of rows is read) */
+    uint64_t off[6], len[6];    /* what of tensor i is read: shard offset and bytes */
     uint64_t need;              /* buffer bytes */
 } xlayout;
 
 /* Fills x for expert e of layer L (prefix: k3_names_prefix), checking every
- * tensor's shape and dtype against the config as the binder would. */
-int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int L, int e, xlayout *x, k3_err *err);
+ * tensor's shape and dtype against the config as the binder would. With o
+ * asking for split experts (tp_experts, tp_ranks > 1), only this rank's rows
+ * of each matrix (and of its scales) are read: k_row_share's, the split
+ * products' own. o may be NULL (whole experts). */
+int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int L, int e, const k3_stream_opts *o,
+                      xlayout *x, k3_err *err);
 /* The model/source.h dtype of a shard dtype; -1 for one K3 does not use. */
 int k3s_tdtype(st_dtype d, k3_tdtype *out);
 /* x rounded up to the O_DIRECT alignment. */

@@ -64,8 +64,8 @@ static int expert_shape(const st_tensor *t, st_dtype want, bool any_float, int64
     return K3_OK;
 }
 
-int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int L, int e, xlayout *x,
-                         k3_err *err) {
+int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int L, int e, const k3_stream_opts *o,
+                      xlayout *x, k3_err *err) {
     static const int wnum[3] = {1, 3, 2};
     memset(x, 0, sizeof *x);
     char name[512];
@@ -104,6 +104,26 @@ int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int 
             x->t[x->n++] = w;
         }
     }
+    for (int i = 0; i < x->n; i++) {
+        x->off[i] = x->t[i]->offset;
+        x->len[i] = x->t[i]->nbytes;
+    }
+    if (o && o->tp_experts && o->tp_ranks > 1) { /* this rank's rows of each matrix and its scales */
+        uint64_t acc = 0;
+        for (int i = 0; i < x->n; i++) {
+            const st_tensor *t = x->t[i];
+            int r0, r1;
+            k_row_share((int)t->shape[0], o->tp_rank, o->tp_ranks, &r0, &r1);
+            uint64_t rb = t->nbytes / (uint64_t)t->shape[0];
+            x->off[i] = t->offset + (uint64_t)r0 * rb;
+            x->len[i] = (uint64_t)(r1 - r0) * rb;
+            x->pos[i] = (int64_t)(acc + (x->off[i] & (K3_DIO_ALIGN - 1))) - (int64_t)((uint64_t)r0 * rb);
+            acc += x->len[i] ? k3_dio_span(x->off[i], x->len[i]) : 0;
+        }
+        x->one_run = false;
+        x->need = acc ? acc : K3_DIO_ALIGN;
+        return K3_OK;
+    }
     /* one run? same shard, back to back in some order, float data aligned */
     int ord[6] = {0, 1, 2, 3, 4, 5};
     for (int i = 0; i < x->n; i++) ord[i] = i;
@@ -123,7 +143,7 @@ int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int 
     if (one) {
         uint64_t start = x->t[ord[0]]->offset & ~(uint64_t)(K3_DIO_ALIGN - 1);
         uint64_t end = x->t[ord[x->n - 1]]->offset + x->t[ord[x->n - 1]]->nbytes;
-        for (int i = 0; i < x->n; i++) x->pos[i] = x->t[i]->offset - start;
+        for (int i = 0; i < x->n; i++) x->pos[i] = (int64_t)(x->t[i]->offset - start);
         x->need = k3s_align4k(end - start);
     } else {
         uint64_t acc = 0;
@@ -132,7 +152,7 @@ int k3s_expert_layout(const k3_config *c, st_index *ix, const char *prefix, int 
             if (t->offset % st_dtype_size(t->dtype))
                 return k3_fail(err, K3_EXIT_DATA, "%s: data offset %llu is not aligned to its dtype", t->name,
                                (unsigned long long)t->offset);
-            x->pos[i] = acc + (t->offset & (K3_DIO_ALIGN - 1));
+            x->pos[i] = (int64_t)(acc + (t->offset & (K3_DIO_ALIGN - 1)));
             acc += k3_dio_span(t->offset, t->nbytes);
         }
         x->need = acc;
@@ -452,7 +472,7 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
             if (o->owned && !o->owned[(size_t)L * c->num_experts + e]) continue;
             here++;
             xlayout x;
-            if ((rc = k3s_expert_layout(c, ix, prefix, L, e, &x, err))) return rc;
+            if ((rc = k3s_expert_layout(c, ix, prefix, L, e, o, &x, err))) return rc;
             if (x.need > p->expert_buf) p->expert_buf = x.need;
         }
         p->total_experts += here;

@@ -160,7 +160,7 @@ size_t moe_ws_need(const k3_config *c, size_t T) {
 
 K3_HOT int moe_block(const k3_config *c, const k3_moe_w *w, const k3_fwd_ops *fo, const expert_access *xa,
                      const float *x, int T, float *y, k3_moe_rec *rec, k3_ws *ws, k3_err *err) {
-    if (T == 1 && !rec && xa->src && xa->src->experts_start && xa->src->experts_next)
+    if (T == 1 && !rec && !fo->experts_split && xa->src && xa->src->experts_start && xa->src->experts_next)
         return moe_decode_overlapped(c, w, fo, xa, x, y, ws, err);
     int N = c->num_experts, k = c->experts_per_token, l = c->latent_dim, I = c->moe_inter, E = c->hidden_size;
     size_t Ts = (size_t)T, Tk = Ts * (size_t)k;

@@ -194,6 +194,10 @@ typedef struct {
      * the ranks, dist/tensor_par.h): each call costs a round of messages, so
      * the blocks batch the jobs they can into one call */
     bool collective;
+    /* the routed experts' products are that collective too (each rank holds
+     * and computes only its rows of every expert's matrices): the decode
+     * path that computes each expert as it arrives is not taken */
+    bool experts_split;
     /* a small product every rank of a collective computes whole instead of
      * its rows and a gather (KDA's f_b: a few MB, where a gather's round of
      * messages costs more than reading them): the canonical bits of one

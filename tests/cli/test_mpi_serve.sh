@@ -162,7 +162,7 @@ fi
 # sampled with a seed whose prefill goes chunk by chunk between the others'
 # steps, a streamed sampled chat with usage, two seeded completion choices)
 # each get the bytes they get alone from one --parallel 1 process; at 2 ranks
-# plain and speculating (n-gram), at 3 ranks plain; then a follower killed
+# plain and speculating (n-gram), at 3 ranks plain and with split experts; then a follower killed
 # while a batch computes ends the job, mpirun naming it.
 if $PY -c 'import numpy' 2>/dev/null; then
   CM=tests/out/mpi-chat-model
@@ -222,6 +222,11 @@ PY
   [ -n "$DRAFTS" ] && [ "${DRAFTS%%.*}" -gt 0 ] && pass "bnp2-spec:drafted ($DRAFTS)" || fail bnp2-spec:drafted "proposed '$DRAFTS'"
   batch bnp3 together $MPIRUN -q -np 3 "$K3" serve $CM $BCOMMON --parallel 4
   same bnp3
+  # split experts (--parallel-layout tp): every rank computes its rows of every expert
+  batch bnp3-split together $MPIRUN -q -np 3 "$K3" serve $CM $BCOMMON --parallel 4 --parallel-layout tp
+  same bnp3-split
+  grep -q 'trunk and experts split over 3 ranks' "$OUT/bnp3-split.log" && pass bnp3-split:layout \
+    || fail bnp3-split:layout "$(head -c 300 "$OUT/bnp3-split.log")"
 
   # a follower killed (SIGKILL) while four requests compute in one batch
   if start_server "$OUT/bkill.log" $MPIRUN -np 2 "$K3" serve $CM $BCOMMON --parallel 4; then

@@ -2,7 +2,8 @@
 # The trunk split over the ranks (tensor parallelism, --parallel-layout tp+ep,
 # the default under mpirun) on localhost (Open MPI, --oversubscribe): the
 # logits bytes of 1, 2, 3 and 4 ranks equal one process's, resident and with a
-# streamed trunk, and with the experts-only layout (ep); the run report's
+# streamed trunk, with the experts-only layout (ep) and with split experts
+# (tp: the routed experts' matrices split by rows too); the run report's
 # per-rank trunk bytes are the rank's share (together exactly one process's,
 # each about 1/R); with a packed streamed trunk each rank reads from disk only its
 # rows' share (together about one process's reads, each about 1/R) and checks
@@ -39,7 +40,13 @@ tp      1,2,3,4
 tptrunk 1,2,3,4 --trunk TRUNK --trunk-gb 0.00012 --cache-gb 0.00002
 tpchunk 3       --cache-gb 0.00012 --chunk 3
 ep      4       --parallel-layout ep
+split   2,3,4   --parallel-layout tp
+splittrunk 2,3  --parallel-layout tp --trunk TRUNK --trunk-gb 0.00012 --cache-gb 0.00006
+splitchunk 3    --parallel-layout tp --cache-gb 0.00018 --chunk 3
 LIST
+# (a rank's rows of an expert are read as one aligned span per tensor: on these
+# tiny experts the spans' page rounding makes a share's buffer larger than a
+# whole expert's, hence the larger --cache-gb of the split runs)
 
 # ---- the report: each rank reads its share of the trunk's matrices -------------------
 for R in 2 3 4; do
@@ -60,6 +67,32 @@ import json, sys
 d = json.load(open(sys.argv[1]))["expert_parallel"]["decode"]
 sys.exit(0 if d["layout"] == "ep" and "trunk_bytes_read_per_token" not in d and d["exchanges_per_token"] == 8 else 1)' \
   "$OUT/ep-np4.json" && pass ep:no-split || fail ep:no-split
+# ---- split experts (--parallel-layout tp): each rank computes and reads its rows of
+# every selected expert, so the split matrices' bytes (trunk and experts) add up to one
+# process's and each rank's are about 1/R; no expert exchange is left (every exchange is
+# a gather of split products), and every rank holds (its rows of) every expert.
+for R in 2 3 4; do
+  $PY - "$OUT/split-np$R.json" "$OUT/tp-np$R.json" $R <<'PY' && pass "split-share-np$R" || fail "split-share-np$R" "$(cat "$OUT/split-np$R.json.txt")"
+import json, sys
+d = json.load(open(sys.argv[1]))["expert_parallel"]["decode"]
+t = json.load(open(sys.argv[2]))["expert_parallel"]["decode"]
+R = int(sys.argv[3])
+read, whole = d["trunk_bytes_read_per_token"], d["trunk_bytes_one_process_per_token"]
+# (1.5: the experts' matrices here are 32-64 rows, two to four 16-row runs, so
+# their shares are uneven at 3 and 4 ranks)
+ok = (d["layout"] == "tp" and len(read) == R and abs(sum(read) - whole) < 1e-6 * whole
+      and max(read) <= 1.5 * whole / R
+      # the experts' rows are in the split bytes now: more than the trunk's alone
+      and whole > t["trunk_bytes_one_process_per_token"]
+      and d["exchanges_per_token"] == d["split_gathers_per_token"]
+      and len(set(d["experts_held"])) == 1 and d["experts_held"][0] > max(t["experts_held"]))
+open(sys.argv[1] + ".txt", "w").write(f"read {read} whole {whole} exchanges {d['exchanges_per_token']} "
+                                      f"gathers {d['split_gathers_per_token']} held {d['experts_held']}")
+sys.exit(0 if ok else 1)
+PY
+done
+expect_exit split-talk 0 $MPI -np 2 $K3 run "$M" --ids $IDS --gen 6 --parallel-layout tp </dev/null
+expect_err_contains split-talk "k3: split experts, decode: every rank holds its rows of"
 expect_exit talk 0 $MPI -np 2 $K3 run "$M" --ids $IDS --gen 6
 expect_err_contains talk "k3: tensor parallel, decode: the trunk's matrices read"
 expect_err_contains talk "this rank's rows of the split matrices"
@@ -147,8 +180,8 @@ cmp -s "$OUT/single.bin" "$OUT/plan.bin" && pass plan-np2:logits || fail plan-np
 expect_exit plan-np2-ep 3 $MPI -np 2 $K3 run "$M" --ids $IDS --gen 2 --trunk-gb 0.0004 --parallel-layout ep
 expect_exit plan-rank 3 $MPI -np 3 $K3 run "$M" --ids $IDS --gen 2 --trunk-gb 0.00025
 expect_err_contains plan-rank "rank 2 of 3"
-expect_exit bad-layout 2 $K3 run "$M" --ids $IDS --gen 2 --parallel-layout tp
-expect_err_contains bad-layout "is not tp+ep or ep"
+expect_exit bad-layout 2 $K3 run "$M" --ids $IDS --gen 2 --parallel-layout pt
+expect_err_contains bad-layout "is not tp+ep, tp or ep"
 
 # ---- faults in the middle of a token (the prompt's forward call makes about 49 exchanges,
 # each decoded token 48: the 80th is inside the first decoded token) ----------------------
