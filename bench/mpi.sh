@@ -66,6 +66,8 @@ for R in $(seq 1 "$MAXR"); do
     $MPI -np "$R" bin/k3 run "$MODEL" --ids "$IDS" --gen "$GEN" --quiet --threads "$THREADS" --out "$W/run$R.json"
     $MPI -np "$R" bin/k3 run "$MODEL" --ids "$IDS" --gen "$GEN" --quiet --threads "$THREADS" --out "$W/ep$R.json" \
       --parallel-layout ep
+    $MPI -np "$R" bin/k3 run "$MODEL" --ids "$IDS" --gen "$GEN" --quiet --threads "$THREADS" --out "$W/split$R.json" \
+      --parallel-layout tp
   fi
   $MPI -np "$R" bin/bench_exchange --config "$RELEASE/config.json" --iters 400 >"$W/exch$R.jsonl"
 done
@@ -105,10 +107,10 @@ res = {"model": model, "cpus": ncpu, "load_before": float(load), "runs": [], "ex
 ids1 = None
 print(f"decode of {model} under mpirun on this host ({ncpu} CPUs, load {load}); per decoded token:")
 print(f"{'ranks':>5} {'layout':>6} {'tok/s':>8} {'exch/tok':>8} {'gathers':>7} {'kB sent/rank':>13} "
-      f"{'exch share min..max':>20} {'trunk MB/rank':>13} {'of one':>6} {'ids':>4}")
+      f"{'exch share min..max':>20} {'split MB/rank':>13} {'of one':>6} {'ids':>4}")
 for r in range(1, maxr + 1):
-    for lay in ("tp+ep", "ep") if r > 1 else ("one",):
-        j = json.load(open(f"{w}/{'ep' if lay == 'ep' else 'run'}{r}.json"))
+    for lay in ("tp+ep", "tp", "ep") if r > 1 else ("one",):
+        j = json.load(open(f"{w}/{dict(ep='ep', tp='split').get(lay, 'run')}{r}.json"))
         ids = j["generated_ids"]
         if ids1 is None: ids1 = ids
         d = j.get("expert_parallel", {}).get("decode")

@@ -141,6 +141,21 @@ def split_layout(t, la, R):
     return dict(split=split, whole=whole, gathers=gathers)
 
 
+def split_experts(t, R):
+    """Under tp (the routed experts split by output rows too), per MoE layer:
+    the busiest rank's MXFP4 bytes of one selected expert (its rows of w1, w3
+    and w2, whole 16-row runs) and the two more gathers' output floats (every
+    selected expert's gates and ups, then their downs)."""
+    l, I, k = t["routed_expert_hidden_size"], t["moe_intermediate_size"], t["num_experts_per_token"]
+
+    def rows(n):
+        units = -(-n // 16)
+        return min(n, -(-units // R) * 16)
+
+    per = 2 * rows(I) * (l // 2 + l // 32) + rows(l) * (I // 2 + I // 32)
+    return dict(expert_share=per, gathers=[2 * k * I, k * l])
+
+
 def busiest(R, k, N, owner_by_layer, popularity, tokens=64, seed=0):
     """Mean over tokens and layers of the most of a token's k experts one rank holds."""
     if R == 1:
@@ -228,12 +243,21 @@ def main():
         t_gath = 0 if R == 1 else sum(a.net_lat * 1e-6 + rounds * a.msg_us * 1e-6 + f * 4 * (R - 1) / R / (a.net_bw * G)
                                       for f in sp["gathers"])
         t_tp = t_split + t_exp + t_net + t_gath
+        # tp: every rank its rows of each of the k selected experts, no exchange
+        se = split_experts(t, R)
+        t_sexp = b["n_moe"] * b["k"] * se["expert_share"] * (resident / xbw + (1 - resident) / (a.disk * G))
+        t_sgath = 0 if R == 1 else t_gath + b["n_moe"] * sum(
+            a.net_lat * 1e-6 + rounds * a.msg_us * 1e-6 + f * 4 * (R - 1) / R / (a.net_bw * G) for f in se["gathers"])
+        t_all = t_split + t_sexp + t_sgath
         if R == 1:
-            t_tp = t_ep  # one process: nothing is split
+            t_tp = t_all = t_ep  # one process: nothing is split
         rows.append(dict(ranks=R, busiest_experts=m, resident_share=resident, trunk_s=t_split if R > 1 else t_trunk,
                          experts_s=t_exp, exchange_s=t_net, gathers=len(sp["gathers"]) if R > 1 else 0,
                          gather_s=t_gath, comm_s=t_net + t_gath, tokens_per_s=1 / t_tp,
-                         replicated_trunk_s=t_trunk, replicated_tokens_per_s=1 / t_ep))
+                         replicated_trunk_s=t_trunk, replicated_tokens_per_s=1 / t_ep,
+                         split_experts_s=t_sexp if R > 1 else t_exp, split_comm_s=t_sgath,
+                         split_tokens_per_s=1 / t_all,
+                         split_collectives=len(sp["gathers"]) + 2 * b["n_moe"] if R > 1 else 0))
     if a.json:
         json.dump(dict(bytes=b, args=vars(a), rows=rows), sys.stdout, indent=1)
         return
@@ -245,11 +269,14 @@ def main():
     print(f"host: {a.mem_bw:g} GB/s memory x {a.eff:g} reached, {a.ram:g} GB RAM a rank, disk {a.disk:g} GB/s; "
           f"network {a.net_bw:g} GB/s a rank, {a.net_lat:g} us a collective + {a.msg_us:g} us a peer")
     print(f"{'ranks':>5} {'busiest':>7} {'resident':>8} {'trunk ms':>8} {'experts ms':>10} {'collectives':>11} "
-          f"{'comm ms':>7} {'tok/s':>6} | {'ep: tok/s':>9}")
+          f"{'comm ms':>7} {'tok/s':>6} | {'ep: tok/s':>9} | {'tp: experts ms':>14} {'collectives':>11} {'comm ms':>7} "
+          f"{'tok/s':>6}")
     for r in rows:
         print(f"{r['ranks']:>5} {r['busiest_experts']:>7.2f} {100*r['resident_share']:>7.0f}% {1e3*r['trunk_s']:>8.1f} "
               f"{1e3*r['experts_s']:>10.1f} {r['gathers'] + (b['n_moe'] if r['ranks'] > 1 else 0):>11} "
-              f"{1e3*r['comm_s']:>7.2f} {r['tokens_per_s']:>6.1f} | {r['replicated_tokens_per_s']:>9.2f}")
+              f"{1e3*r['comm_s']:>7.2f} {r['tokens_per_s']:>6.1f} | {r['replicated_tokens_per_s']:>9.2f} | "
+              f"{1e3*r['split_experts_s']:>14.1f} {r['split_collectives']:>11} {1e3*r['split_comm_s']:>7.2f} "
+              f"{r['split_tokens_per_s']:>6.1f}")
     print("anchor: 21 tokens/s on 32 sockets of 16 hosts (~5 ms a token of communication in 581 collectives)")
 
 
