@@ -180,9 +180,10 @@ static int ep_placement(k3_engine *e, const k3_config *run_cfg, k3_err *err) {
                        "%s: %d ranks but %d routed experts per layer: expert parallelism takes at most one rank per "
                        "expert (mpirun -np %d or fewer)",
                        o->model_dir, e->ranks, c.num_experts, c.num_experts);
-    if (o->mem.so.trace_dir && !o->layout_tp)
+    if (o->mem.so.trace_dir)
         return k3_fail(err, K3_EXIT_USAGE,
-                       "--dump-cache-trace: a rank of %d sees only its own experts' requests: trace with one process",
+                       "--dump-cache-trace: a rank of %d sees only its share of the experts' requests or rows: trace with one "
+                       "process",
                        e->ranks);
     k3_placement p;
     if (o->expert_placement) {
