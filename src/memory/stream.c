@@ -104,9 +104,12 @@ static int read_run(k3_stream *s, k3_io *io, const k3_trunk_run *run, uint8_t *b
  * run 0 of trunk.bin, not the shards. Run 0 is read once at open (O_DIRECT, in
  * pieces through a bounce buffer) and its CRC checked over every byte, the
  * embedding table's included; every tensor but the embeddings is kept in one
- * aligned buffer (the plan's "head"), and the embedding table is mapped from
+ * aligned buffer (the plan's "head"; of the head's matrix, under a trunk split
+ * over the ranks, only this rank's rows), and the embedding table is mapped from
  * trunk.bin, so only the rows of the tokens in use become resident (as they
  * did when it was mapped from the shards). */
+#define HEAD_MAPPED INT64_MIN
+
 static bool is_embedding(const char *name) {
     size_t n = strlen(name), k = strlen(K3N_EMBED);
     return n >= k && !strcmp(name + n - k, K3N_EMBED);
@@ -116,19 +119,28 @@ static int load_run0(k3_stream *s, k3_err *err) {
     const k3_trunk_run *run = k3_trunk_run_for(s->trunk, K3_TRUNK_MODEL_RUN);
     if (!run) return k3_fail(err, K3_EXIT_DATA, "%s/trunk.json: no run for the model-level tensors", s->trunk->dir);
     s->run0 = run;
-    s->head_pos = xmalloc_array((size_t)(run->ntensors ? run->ntensors : 1), sizeof *s->head_pos);
-    uint64_t hb = 0;
+    size_t nt = (size_t)(run->ntensors ? run->ntensors : 1);
+    s->head_pos = xmalloc_array(nt, sizeof *s->head_pos);
+    uint64_t hb = 0, *keep0 = xmalloc_array(nt, sizeof *keep0), *keep1 = xmalloc_array(nt, sizeof *keep1);
     const k3_trunk_tensor *emb = NULL;
     for (int i = 0; i < run->ntensors; i++) {
         const k3_trunk_tensor *tt = &run->tensors[i];
         if (is_embedding(tt->name) && !emb) {
             emb = tt;
-            s->head_pos[i] = UINT64_MAX;
+            s->head_pos[i] = HEAD_MAPPED;
             continue;
         }
+        int r0, r1; /* the bytes of the tensor kept: this rank's rows of a split matrix */
+        keep0[i] = 0;
+        keep1[i] = tt->nbytes;
+        if (k3s_tp_rows(&s->o, tt->name, tt->rank, tt->shape, tt->dtype, &r0, &r1)) {
+            uint64_t rb = tt->nbytes / (uint64_t)tt->shape[0];
+            keep0[i] = (uint64_t)r0 * rb;
+            keep1[i] = (uint64_t)r1 * rb;
+        }
         hb = (hb + 63) & ~(uint64_t)63;
-        s->head_pos[i] = hb;
-        hb += tt->nbytes;
+        s->head_pos[i] = (int64_t)hb - (int64_t)keep0[i];
+        hb += keep1[i] - keep0[i];
     }
     s->head_buf = k3_dio_alloc(hb ? hb : 64);
     /* read the run in pieces, a batch at a time; CRC in order; keep the head */
@@ -158,13 +170,16 @@ static int load_run0(k3_stream *s, k3_err *err) {
             crc = k3_crc32c(crc, d, rq[q].len);
             for (int i = 0; i < run->ntensors; i++) {
                 const k3_trunk_tensor *tt = &run->tensors[i];
-                if (s->head_pos[i] == UINT64_MAX) continue;
-                uint64_t a = tt->offset > lo ? tt->offset : lo, b = tt->offset + tt->nbytes < hi ? tt->offset + tt->nbytes : hi;
-                if (a < b) memcpy(s->head_buf + s->head_pos[i] + (a - tt->offset), d + (a - lo), b - a);
+                if (s->head_pos[i] == HEAD_MAPPED) continue;
+                uint64_t t0 = tt->offset + keep0[i], t1 = tt->offset + keep1[i];
+                uint64_t a = t0 > lo ? t0 : lo, b = t1 < hi ? t1 : hi;
+                if (a < b) memcpy(s->head_buf + s->head_pos[i] + (int64_t)(a - tt->offset), d + (a - lo), b - a);
             }
         }
     }
     free(bounce);
+    free(keep0);
+    free(keep1);
     if (!rc && crc != run->crc)
         rc = k3_fail(err, K3_EXIT_DATA, "%s: the run for the model-level tensors fails its checksum (re-pack the trunk)",
                      s->trunk->bin_path);
@@ -205,7 +220,7 @@ static int top_lookup(void *ctx, int layer, const char *name, k3_tensor *t, k3_e
         if (tt->rank > 4) return k3_fail(err, K3_EXIT_DATA, "%s: rank %d is not used by K3", tt->name, tt->rank);
         t->rank = tt->rank;
         for (int d = 0; d < tt->rank; d++) t->shape[d] = tt->shape[d];
-        t->data = s->head_pos[i] == UINT64_MAX ? s->emb : s->head_buf + s->head_pos[i];
+        t->data = s->head_pos[i] == HEAD_MAPPED ? s->emb : s->head_buf + s->head_pos[i];
         return K3_OK;
     }
     return 1;

@@ -425,9 +425,9 @@ int k3_plan_make(const k3_config *c, st_index *ix, const k3_trunk *trunk, const 
         return k3_fail(err, K3_EXIT_USAGE, "a source of the routed experts alone takes no packed trunk");
     if (!o->experts_only) {
         if ((rc = layer_sizes(c, ix, trunk, o, p, err))) return rc;
-        k3_stream_opts whole = *o; /* a packed trunk's model-level run is read whole at open */
-        if (trunk) whole.tp_ranks = 0;
-        p->head_bytes = head_size(c, ix, &whole, max_pos);
+        /* (a packed trunk's model-level run is read whole at open, once, for its
+         * checksum; of the head's matrix only this rank's rows are kept) */
+        p->head_bytes = head_size(c, ix, o, max_pos);
     }
     double tlimit = o->trunk_gb < 0 ? 1e300 : o->trunk_gb * 1e9;
     double xlimit = o->cache_gb < 0 ? 1e300 : o->cache_gb * 1e9;

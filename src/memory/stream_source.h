@@ -42,8 +42,11 @@ struct k3_stream {
     k3_weight_source src;
     /* run 0 of a packed trunk: the model-level tensors */
     const k3_trunk_run *run0;
-    uint8_t *head_buf;         /* every run-0 tensor but the embeddings, at head_pos[i] */
-    uint64_t *head_pos;        /* [run0->ntensors], UINT64_MAX for the embedding table */
+    uint8_t *head_buf;         /* every run-0 tensor but the embeddings (of a matrix the products
+                                  split over the ranks, this rank's rows only), at head_pos[i] */
+    int64_t *head_pos;         /* [run0->ntensors] where tensor i's byte 0 is in head_buf (before
+                                  its rows when only a share is kept); HEAD_MAPPED for the
+                                  embedding table */
     void *emb_map;             /* trunk.bin mapped around the embedding table */
     size_t emb_map_len;
     const uint8_t *emb;        /* the embedding table inside emb_map */

@@ -152,6 +152,15 @@ open(sys.argv[4], "w").write(
 sys.exit(0 if ok else 1)
 PY
   done
+  # the model-level run is read whole at open (its checksum) but of the head's matrix
+  # each rank keeps only its rows: the plan's model-level bytes fall with R (the
+  # embedding rows in use, the norms stay whole)
+  $PY - "$OUT" <<'PY' && pass mid-head-share || fail mid-head-share "$(cat "$OUT/head.txt")"
+import json, sys
+h = [json.load(open(f"{sys.argv[1]}/midtrunk-np{r}.json"))["memory"]["plan"]["head_bytes"] for r in (1, 2, 3, 4)]
+open(sys.argv[1] + "/head.txt", "w").write(f"head bytes at 1-4 ranks {h}")
+sys.exit(0 if h[0] > h[1] > h[2] > h[3] and h[1] < 0.8 * h[0] else 1)
+PY
   expect_exit mid-talk 0 $MPI -np 2 $K3 run "$BM" --ids $IDS --gen 4 --trunk "$BT" --trunk-gb "$(gb 2)" --cache-gb 0.0001 </dev/null
   expect_err_contains mid-talk "k3: packed trunk, decode: each rank read"
   # a flipped byte in rows 384.. of layer 1's q_proj (512 rows): the rank that holds
