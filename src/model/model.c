@@ -2,8 +2,9 @@
  *
  * Read top to bottom: one function per equation block of the spec (AttnRes,
  * dense MLP; KDA, MLA and LatentMoE are kda.c's, mla.c's and moe.c's, the
- * workspace model_impl.h's), then the decoder layer and the model forward, then the
- * decode state and the sampler.
+ * workspace model_impl.h's, what every block shares common.c's), then the
+ * decoder layer and the model forward, then the decode state and the sampler.
+ * Nothing here is called by the blocks: the graph sits on top of them.
  *
  * Activations are [T][width] row-major f32 for a chunk of T consecutive
  * positions. Every per-position quantity is computed with arithmetic that does
@@ -17,36 +18,6 @@
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* ---- helpers ----------------------------------------------------------------- */
-
-
-static void rmsnorm_rows(float *y, const float *x, const float *g, int T, int n, float eps) {
-#pragma omp parallel for schedule(static) if (PAR_ROWS(T, n))
-    for (int t = 0; t < T; t++) k_rmsnorm(y + (size_t)t * n, x + (size_t)t * n, g, n, eps);
-}
-
-void k3_rmsnorm_rows(float *y, float *rinv, const float *x, const float *g, int T, int n, float eps) {
-    if (!rinv) {
-        rmsnorm_rows(y, x, g, T, n, eps);
-        return;
-    }
-#pragma omp parallel for schedule(static) if (PAR_ROWS(T, n))
-    for (int t = 0; t < T; t++) {
-        const float *xr = x + (size_t)t * n;
-        rinv[t] = 1.0f / sqrtf(k_sumsq(xr, n) / (float)n + eps); /* before y: y may alias x */
-        k_rmsnorm(y + (size_t)t * n, xr, g, n, eps);
-    }
-}
-
-/* Inference's products: one matrix on its own runs k_matmul, several share
- * one thread team (k_products: the same bits). */
-static void products_canonical(const k_prod *jobs, int njobs) {
-    if (njobs == 1) k_matmul(jobs[0].W, jobs[0].X, jobs[0].n, jobs[0].Y);
-    else k_products(jobs, njobs);
-}
-const k3_fwd_ops k3_infer_ops = {.products = products_canonical, .train_rounding = false};
-
 
 /* ---- AttnRes (section 7) -------------------------------------------------------
  * Keys are the RMSNormed sources (gain folded into q at load time), values the

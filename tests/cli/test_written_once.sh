@@ -49,6 +49,14 @@ once mla-core:defined '^(K3_HOT )?(static )?void (core_absorbed|k3_mla_attend_ex
 once mla-core:softmax-private 'causal_softmax_row\(' 'src/model/mla\.c' $SRC
 once mla-core:no-bf16-forward '\battn_fwd_bf16\b|t_mla_attend' '' $SRC
 
+# ---- the graph on top of its blocks ----------------------------------------------
+# kda.c, mla.c and moe.c call nothing model.c defines (what they share is
+# common.c's): no circle between the graph and its blocks.
+defs=$(grep -oE '^(K3_HOT )?[a-z][a-z0-9_ *]* \**(k3_[a-z0-9_]+)\(' src/model/model.c | grep -oE 'k3_[a-z0-9_]+\($' | sed 's/($//' | sort -u)
+bad=
+for f in $defs; do hits "\\b$f\\(" src/model/kda.c src/model/mla.c src/model/moe.c | grep -q . && bad="$bad $f"; done
+[ -n "$defs" ] && [ -z "$bad" ] && pass model:graph-on-top || fail model:graph-on-top "blocks call model.c's:$bad (defs: $(echo $defs | head -c 80))"
+
 # ---- --layers, the layer counts, the workspace: each in one place ---------------
 # --layers is applied by the engine (the config it plans with) and by the
 # model's option step (apply_opts, weights.c), once each; the layer-kind
