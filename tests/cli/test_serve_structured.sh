@@ -101,7 +101,7 @@ SCHEMAS = {
     "scalar": {"type": "integer"},
 }
 msgs = [{"role": "user", "content": "Reply with JSON."}]
-n_req = 2 if asan else 5
+n_req = 2 if asan else 4
 stats = {"stop": 0, "length": 0}
 cases = []
 for name, schema in SCHEMAS.items():
@@ -241,7 +241,7 @@ def check_call(tag, ch, want_name, one):
     return calls
 
 stats = {"tool_calls": 0, "length": 0}
-n_req = 2 if asan else 4
+n_req = 2 if asan else 3
 several = 0
 # (tool_choice, parallel_tool_calls: None absent): OpenAI's "required" is one
 # or more calls, a named function exactly one, parallel_tool_calls false one
@@ -302,7 +302,7 @@ abias = {str(OPEN): 30, str(CLOSE): 27}
 for i in tokens('call tool="'): abias[str(i)] = 30
 ncalls = 0
 for par in (None, False):
-    for seed in range(4 if asan else 8):
+    for seed in range(4 if asan else 6):
         body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": STRICT, "temperature": 2,
                 "seed": seed, "max_tokens": 400, "enable_thinking": seed % 2 == 1, "logit_bias": abias}
         if par is not None: body["parallel_tool_calls"] = par
