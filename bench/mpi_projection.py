@@ -7,6 +7,7 @@ two a node with 1 TB (512 GB a rank), 400 Gb/s a node (25 GB/s a rank).
 
   bench/mpi_projection.py [--measured bench/.cache/mpi.json] [--mem-bw 358] [--ram 512]
                           [--disk 6] [--net-bw 25] [--net-lat 5] [--msg-us 0.5] [--eff 0.8]
+                          [--bf16-core 14.6] [--mxfp4-core 9.5] [--layers BENCH_LAYERS_JSON...]
                           [--ranks 1,2,...,32] [--json]
 
 The model (docs/mpi.md explains each term), for the layout k3 runs by default
@@ -24,13 +25,20 @@ experts by expert):
                                                           3 an MLA layer, 2 a MoE or dense layer, 1 the head
 
   bw = min(mem_bw * eff, cores * bf16_core)              a byte costs the slower of its read and its
-                                                          compute: the per-core matrix-vector rates
-                                                          at the release's width 7168 measured by
-                                                          bench/kernels.c (docs/release-scale.md);
-                                                          the experts the same with mxfp4_core
+                                                          compute: a core's rate in a decode step at
+                                                          the release's dimensions, bin/bench_layers'
+                                                          weight bytes per CPU-second (--layers takes
+                                                          them from its reports); the experts the
+                                                          same with mxfp4_core
 
-and, as a second figure (replicated_tokens_per_s), the experts-only layout
-(ep), where every rank reads the whole trunk and makes only the exchanges:
+as a second figure (split_tokens_per_s) the split-experts layout (tp), where
+every rank computes its rows of each of a token's k experts, with two more
+gathers a MoE layer and no exchange:
+
+  t_tp(R) = split(R) / bw + whole / bw + n_moe * k * expert_share(R) / read_bw + gathers
+
+and, as a third (replicated_tokens_per_s), the experts-only layout (ep),
+where every rank reads the whole trunk and makes only the exchanges:
 
   t_ep(R) = trunk_read / (mem_bw * eff) + experts + exchanges
 
@@ -174,6 +182,35 @@ def busiest(R, k, N, owner_by_layer, popularity, tokens=64, seed=0):
     return tot / n
 
 
+def layer_rates(paths):
+    """Per-core rates (GB/s of weights a CPU-second) from bin/bench_layers'
+    reports at the release's dimensions: per block the smallest CPU time of
+    the reports; BF16 from the attention, dense and head blocks (weight bytes
+    over CPU seconds), MXFP4 from the MoE block with its 16 resident experts
+    once its BF16 part (router, latent projections, shared experts) is
+    charged at that BF16 rate."""
+    best, expert = {}, None
+    for path in paths:
+        try:
+            j = json.load(open(path))
+            for blk in j["blocks"]:
+                b = best.setdefault(blk["block"], [blk["weight_bytes"], blk["cpu_s"]])
+                b[1] = min(b[1], blk["cpu_s"])
+                if blk["block"] == "moe_disk":
+                    expert = blk["experts_read"] * blk["expert_bytes"]
+        except (OSError, ValueError, KeyError) as e:
+            raise SystemExit(f"mpi_projection.py: {path}: not a bench_layers report ({e})")
+    need = ["kda", "mla@1", "dense_mlp", "head", "moe", "moe_disk"]
+    if any(n not in best for n in need) or not expert:
+        raise SystemExit("mpi_projection.py: the bench_layers reports lack one of " + ", ".join(need))
+    bf = sum(best[n][0] for n in need[:4]) / sum(best[n][1] for n in need[:4])
+    wb, cpu = best["moe"]
+    rest = cpu - (wb - expert) / bf
+    if rest <= 0:
+        raise SystemExit("mpi_projection.py: the MoE block's CPU time is not above its BF16 part's")
+    return bf / 1e9, expert / rest / 1e9
+
+
 def trace_popularity(path, N):
     """Per layer, the share of requests of each expert in the peer's trace (int32 (layer, expert) pairs)."""
     raw = gzip.open(path).read() if path.endswith(".gz") else open(path, "rb").read()
@@ -195,10 +232,16 @@ def main():
                     help="GB/s one rank reads from its RAM (a socket; 358: Xeon 8592+, 8 x DDR5-5600)")
     ap.add_argument("--eff", type=float, default=0.80, help="share of --mem-bw k3's decode reaches (measured: 81-88%%)")
     ap.add_argument("--cores", type=int, default=64, help="cores a rank (a socket: 64 for the Xeon 8592+)")
-    ap.add_argument("--bf16-core", type=float, default=4.8,
-                    help="GB/s of BF16 weights one core's matrix-vector products consume at width 7168 "
-                         "(bench/kernels.c --quick on the development EPYC: docs/release-scale.md)")
-    ap.add_argument("--mxfp4-core", type=float, default=2.6, help="the same for MXFP4 (the routed experts)")
+    ap.add_argument("--bf16-core", type=float, default=14.6,
+                    help="GB/s of BF16 weights one core's products consume (per CPU-second) in a decode "
+                         "step at the release's dimensions: bin/bench_layers on the development EPYC, "
+                         "5 runs, the smallest CPU time per block (docs/mpi.md)")
+    ap.add_argument("--mxfp4-core", type=float, default=9.5,
+                    help="the same for the MXFP4 routed experts (from the MoE block, its BF16 part charged "
+                         "at --bf16-core)")
+    ap.add_argument("--layers", nargs="+", metavar="FILE",
+                    help="bin/bench_layers JSON reports at the release's dimensions: take both per-core rates "
+                         "from them instead")
     ap.add_argument("--ram", type=float, default=512.0, help="GB of RAM per rank (1 TB a node of 2 sockets)")
     ap.add_argument("--disk", type=float, default=6.0, help="GB/s of expert reads per rank when they do not fit")
     ap.add_argument("--net-bw", type=float, default=25.0,
@@ -210,6 +253,8 @@ def main():
     ap.add_argument("--ranks", default="1,2,4,8,16,32")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.layers:
+        a.bf16_core, a.mxfp4_core = layer_rates(a.layers)
     t, la = text_config(a.config)
     b = release_bytes(t, la)
     G = 1e9

@@ -93,4 +93,31 @@ echo '{"blocks": []}' >"$OUT/bad.json"
 "$PY" bench/release_projection.py --layers "$OUT/bad.json" >"$OUT/bad.out" 2>&1
 rc=$?
 check notreport "$rc:$(grep -c 'not a bench_layers report' "$OUT/bad.out")" "1:1"
+
+# bench/mpi_projection.py --layers: the per-core rates from bench_layers reports,
+# worked by hand on two made-up reports: per block the smaller CPU time; BF16 =
+# 4 GB of kda, mla@1, dense_mlp and head over 0.4 s = 10 GB/s; the MoE block's
+# 2 GB in 0.3 s hold 16 x 62.5 MB = 1 GB of experts, its other 1 GB costs 0.1 s
+# at 10 GB/s, so MXFP4 = 1 GB / 0.2 s = 5 GB/s.
+if "$PY" -c 'import numpy' 2>/dev/null; then
+  "$PY" - "$OUT" <<'PY'
+import json, sys
+def rep(slow):
+    b = [dict(block=n, weight_bytes=int(1e9), cpu_s=0.1 * slow) for n in ("kda", "mla@1", "dense_mlp", "head")]
+    b.append(dict(block="moe", weight_bytes=int(2e9), cpu_s=0.3 * slow))
+    b.append(dict(block="moe_disk", weight_bytes=int(2e9), cpu_s=1.0, experts_read=16, expert_bytes=62500000))
+    return {"blocks": b}
+json.dump(rep(1.0), open(sys.argv[1] + "/m1.json", "w"))
+json.dump(rep(1.5), open(sys.argv[1] + "/m2.json", "w"))
+PY
+  got=$("$PY" bench/mpi_projection.py --layers "$OUT/m2.json" "$OUT/m1.json" --ranks 32 --json 2>&1 |
+        "$PY" -c 'import json, sys; d = json.load(sys.stdin); a = d["args"]; r = d["rows"][0]
+print(round(a["bf16_core"], 6), round(a["mxfp4_core"], 6), r["ranks"], r["split_tokens_per_s"] > 0)')
+  check mpi-rates "$got" "10.0 5.0 32 True"
+  "$PY" bench/mpi_projection.py --layers "$OUT/bad.json" >"$OUT/mbad.out" 2>&1
+  rc=$?
+  check mpi-notreport "$rc:$(grep -c 'lack one of' "$OUT/mbad.out")" "1:1"
+else
+  skip mpi-rates "python3 with numpy missing (scripts/setup.sh --test)"
+fi
 finish
