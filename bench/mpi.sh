@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench/mpi.sh: decode under mpirun on this host (localhost, shared memory) at 1
 # to 4 ranks, in the default layout (tp+ep: the trunk split by output rows, the
-# routed experts by expert) and the experts-only one (ep), and the figures the
-# projection needs.
+# routed experts by expert), with split experts (tp: the experts by rows too) and
+# in the experts-only layout (ep), and the figures the projection needs.
 #
 #   bench/mpi.sh [--model DIR] [--gen N] [--max-ranks R] [--threads T] [--out FILE]
 #
