@@ -123,22 +123,24 @@ expect_exit chat_reuse 0 $K3 prepare --format chat --input "$CONV" --output-dir 
 cmp -s "$C/train.bin" "$OUT/chat2/train.bin" && pass chat_reuse_same || fail chat_reuse_same
 expect_exit err_chat_tok 2 $K3 prepare --format chat --input "$CONV" --output-dir "$OUT/e" --tokenizer "$D"
 expect_err_contains err_chat_tok "not a chat model"
-# bad conversations: the file and line, exit 2
-printf '%s\n{"messages": [{"role": "user", "content": "hi"}]}\n' "$(head -n 1 "$CONV")" >"$OUT/c1.jsonl"
-expect_exit err_chat_last 2 $K3 prepare --format chat --input "$OUT/c1.jsonl" --output-dir "$OUT/e" --vocab-size 300
-expect_err_contains err_chat_last "c1.jsonl:2: the last message must be the assistant's reply"
-printf '{"messages": [{"role": "assistant", "content": "x"}], "add_generation_prompt": true}\n' >"$OUT/c2.jsonl"
-expect_exit err_chat_agp 2 $K3 prepare --format chat --input "$OUT/c2.jsonl" --output-dir "$OUT/e" --vocab-size 300
-expect_err_contains err_chat_agp "c2.jsonl:1: add_generation_prompt"
-printf '\n{"messages": [{"role": "assistant", "content": "x"}], "tempo": 1}\n' >"$OUT/c3.jsonl"
-expect_exit err_chat_field 2 $K3 prepare --format chat --input "$OUT/c3.jsonl" --output-dir "$OUT/e" --vocab-size 300
-expect_err_contains err_chat_field "c3.jsonl:2: request.tempo"
-printf '{"messages": [{"role": "assistant", "content": "x"}\n' >"$OUT/c4.jsonl"
-expect_exit err_chat_json 2 $K3 prepare --format chat --input "$OUT/c4.jsonl" --output-dir "$OUT/e" --vocab-size 300
-expect_err_contains err_chat_json "c4.jsonl:1:"
-printf '{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}\n{"messages": [{"role": "assistant", "content": "z"}]}\n' >"$OUT/c5.jsonl"
-expect_exit err_chat_role 2 $K3 prepare --format chat --input "$OUT/c5.jsonl" --output-dir "$OUT/e" --tokenizer "$C" --validation-stories 1
-expect_err_contains err_chat_role "c5.jsonl:1: messages[0].role"
+# bad conversations: the file and line, exit 2.
+# bad_chat NAME TEXT MESSAGE FLAGS...: NAME.jsonl holding TEXT is refused with
+# exit 2 and a message that starts with MESSAGE (after the file's name)
+bad_chat() {
+  local name=$1 text=$2 msg=$3; shift 3
+  printf '%s' "$text" >"$OUT/$name.jsonl"
+  expect_exit "$name" 2 $K3 prepare --format chat --input "$OUT/$name.jsonl" --output-dir "$OUT/e" "$@"
+  expect_err_contains "$name" "$name.jsonl:$msg"
+}
+A='{"role": "assistant", "content": "x"}'
+bad_chat err_chat_last "$(head -n 1 "$CONV")"$'\n{"messages": [{"role": "user", "content": "hi"}]}\n' \
+  "2: the last message must be the assistant's reply" --vocab-size 300
+bad_chat err_chat_agp "{\"messages\": [$A], \"add_generation_prompt\": true}"$'\n' "1: add_generation_prompt" \
+  --vocab-size 300
+bad_chat err_chat_field $'\n'"{\"messages\": [$A], \"tempo\": 1}"$'\n' "2: request.tempo" --vocab-size 300
+bad_chat err_chat_json "{\"messages\": [$A"$'\n' "1:" --vocab-size 300
+bad_chat err_chat_role '{"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}'$'\n''{"messages": [{"role": "assistant", "content": "z"}]}'$'\n' \
+  "1: messages[0].role" --tokenizer "$C" --validation-stories 1
 expect_exit err_chat_vocab 2 $K3 prepare --format chat --input "$CONV" --output-dir "$OUT/e" --vocab-size 261
 expect_err_contains err_chat_vocab "6 special ids need at least 262"
 
