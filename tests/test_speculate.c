@@ -8,12 +8,14 @@
  * decoding of those j tokens. Models: the peer's tiny checkpoint (13 layers,
  * 9 KDA, dense and MoE) and the shipped models/default (9 layers, MXFP4
  * experts), at 1 and 2 threads. */
+#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "harness.h"
 #include "tengine.h"
+
 #include "draft/draft.h"
 #include "engine/engine.h"
 #include "formats/safetensors.h"
@@ -203,7 +205,7 @@ TEST(spec_ngram_drafts_continue_the_latest_match) {
 
 TEST(spec_controller_shrinks_backs_off_and_probes) {
     k3_spec_ctl c;
-    k3_spec_ctl_init(&c, 4);
+    k3_spec_ctl_init(&c, 4, false);
     CHECK(k3_spec_ctl_want(&c) == 4);
     k3_spec_ctl_update(&c, 4, 4);
     CHECK(k3_spec_ctl_want(&c) == 4);
@@ -220,8 +222,15 @@ TEST(spec_controller_shrinks_backs_off_and_probes) {
     CHECK(k3_spec_ctl_want(&c) == 1);
     k3_spec_ctl_update(&c, 1, 1);
     CHECK(k3_spec_ctl_want(&c) == 2);
-    k3_spec_ctl_init(&c, 0);
+    k3_spec_ctl_init(&c, 0, false);
     CHECK(k3_spec_ctl_want(&c) == 0);
+    /* a drafter that stops its own drafts is asked for K every pass, whatever
+     * the last ones did */
+    k3_spec_ctl_init(&c, 4, true);
+    k3_spec_ctl_update(&c, 4, 0);
+    CHECK(k3_spec_ctl_want(&c) == 4);
+    k3_spec_ctl_update(&c, 4, 1);
+    CHECK(k3_spec_ctl_want(&c) == 4);
 }
 
 static k3_engine *open_engine(const char *dir, int64_t max_pos) {
@@ -239,8 +248,8 @@ TEST(spec_draft_model_follows_the_history) {
     CHECK(e);
     k3_err err = {0};
     k3_drafter *d = NULL, *f = NULL;
-    CHECKF(k3_drafter_for(e, t_repo("models/default"), 4, 128, &d, &err) == 0, "%s", err.msg);
-    CHECK(k3_drafter_for(e, t_repo("models/default"), 4, 128, &f, &err) == 0);
+    CHECKF(k3_drafter_for(e, t_repo("models/default"), 0.0f, 4, 128, &d, &err) == 0, "%s", err.msg);
+    CHECK(k3_drafter_for(e, t_repo("models/default"), 0.0f, 4, 128, &f, &err) == 0);
     int32_t h[40];
     memcpy(h, seq, sizeof seq);
     int32_t a[4], b[4];
@@ -273,15 +282,64 @@ TEST(spec_draft_model_follows_the_history) {
     k3_engine_free(e);
 }
 
+/* The gate's counts: an untried tenth of probability starts at 1, then
+ * (kept + 1) / (verified + 1). */
+TEST(spec_draft_gate_learns_per_tenth) {
+    k3_draft_gate g = {0};
+    CHECK(k3_draft_gate_chance(&g, 0.35) == 1.0 && k3_draft_gate_chance(&g, 0.0) == 1.0);
+    for (int i = 0; i < 3; i++) k3_draft_gate_record(&g, 0.35, false);
+    CHECK(k3_draft_gate_chance(&g, 0.31) == 0.25 && k3_draft_gate_chance(&g, 0.39) == 0.25);
+    CHECK(k3_draft_gate_chance(&g, 0.45) == 1.0 && k3_draft_gate_chance(&g, 0.29) == 1.0);
+    for (int i = 0; i < 9; i++) k3_draft_gate_record(&g, 0.97, true);
+    k3_draft_gate_record(&g, 1.0, false); /* 1 falls in the top tenth */
+    CHECK(k3_draft_gate_chance(&g, 0.9) == 10.0 / 11.0);
+}
+
+/* --draft-p-min: the drafter learns from the histories that follow its
+ * drafts. The same history asked again and again, its first draft rejected
+ * each time: after r rejections that draft's chance is 1 / (r + 1), so at
+ * p_min 0.2 the fifth rejection stops it; 64 asks later one draft goes
+ * anyway (a probe: the second's chance would multiply the first's). */
+TEST(spec_draft_model_gate_stops_rejected_drafts) {
+    k3_engine *e = open_engine(t_repo("models/default"), 128);
+    CHECK(e);
+    const int V = k3_engine_vocab(e);
+    k3_err err = {0};
+    k3_drafter *d = NULL;
+    CHECKF(k3_drafter_for(e, t_fixture("trained-5m"), 0.2, 4, 128, &d, &err) == 0, "%s", err.msg);
+    int32_t h[16], out[4];
+    memcpy(h, seq, 10 * sizeof *h);
+    int got, first = -1;
+    for (int r = 0; r <= 5; r++) {
+        CHECK(k3_drafter_propose(d, h, 10, 4, out, &got, &err) == 0);
+        CHECKF(r < 5 ? got >= 1 : got == 0, "after %d rejections: %d drafts", r, got);
+        if (r == 5) break;
+        CHECK(first < 0 || out[0] == first); /* the same history, the same draft */
+        first = out[0];
+        h[10] = (first + 1) % V; /* the target sampled something else */
+        CHECK(k3_drafter_propose(d, h, 11, 4, out, &got, &err) == 0);
+    }
+    for (int i = 0; i < 63; i++) {
+        CHECK(k3_drafter_propose(d, h, 10, 4, out, &got, &err) == 0);
+        CHECKF(got == 0, "ask %d after the stop: %d drafts", i + 2, got);
+    }
+    CHECK(k3_drafter_propose(d, h, 10, 4, out, &got, &err) == 0);
+    CHECKF(got == 1 && out[0] == first, "the probe: %d drafts", got);
+    k3_drafter_free(d);
+    /* out of [0, 1]: refused */
+    CHECK(k3_drafter_for(e, t_fixture("trained-5m"), 1.5, 4, 128, &d, &err) == K3_EXIT_USAGE && !d);
+    k3_engine_free(e);
+}
+
 TEST(spec_draft_model_with_another_tokenizer_refused) {
     k3_engine *e = open_engine(t_repo("models/default"), 64);
     CHECK(e);
     k3_err err = {0};
     k3_drafter *d = NULL;
     /* the session tests' model carries the Kimi tokenizer, not the default's */
-    int rc = k3_drafter_for(e, t_fixture("tokenizer/kimi"), 4, 64, &d, &err);
+    int rc = k3_drafter_for(e, t_fixture("tokenizer/kimi"), K3_DRAFT_P_MIN, 4, 64, &d, &err);
     CHECKF(rc == K3_EXIT_USAGE && !d && strstr(err.msg, "tokenizer"), "rc %d: %s", rc, err.msg);
-    rc = k3_drafter_for(e, t_fixture("peer/tiny-checkpoint"), 4, 64, &d, &err); /* none at all */
+    rc = k3_drafter_for(e, t_fixture("peer/tiny-checkpoint"), K3_DRAFT_P_MIN, 4, 64, &d, &err); /* none at all */
     CHECKF(rc == K3_EXIT_USAGE && !d, "rc %d: %s", rc, err.msg);
     k3_engine_free(e);
 }
@@ -291,8 +349,8 @@ TEST(spec_draft_model_with_another_tokenizer_refused) {
 /* The generation loop's shape: sample, then feed (plainly, or through the
  * verifying feed). ids[ngen]; *state (malloc'd): the session's state bytes
  * after the loop; stats of the speculative feed into *st. */
-static int32_t *generate(k3_engine *e, const char *draft_dir, int kmax, float temp, const int32_t *prompt, int np,
-                         int ngen, void **state, size_t *sbytes, k3_spec_stats *st) {
+static int32_t *generate(k3_engine *e, const char *draft_dir, double p_min, int kmax, float temp,
+                         const int32_t *prompt, int np, int ngen, void **state, size_t *sbytes, k3_spec_stats *st) {
     k3_err err = {0};
     k3_state *ks = NULL;
     if (k3_engine_state_new(e, 256, 0, &ks, &err)) return NULL;
@@ -300,7 +358,7 @@ static int32_t *generate(k3_engine *e, const char *draft_dir, int kmax, float te
     k3_drafter *d = NULL;
     k3_spec *sp = NULL;
     if (kmax > 0) {
-        if (k3_drafter_for(e, draft_dir, kmax, 256, &d, &err)) {
+        if (k3_drafter_for(e, draft_dir, p_min, kmax, 256, &d, &err)) {
             fprintf(stderr, "  %s\n", err.msg);
             return NULL;
         }
@@ -336,7 +394,7 @@ static int32_t *generate(k3_engine *e, const char *draft_dir, int kmax, float te
     return ids;
 }
 
-static void spec_equals_plain(const char *draft, int threads) {
+static void spec_equals_plain(const char *draft, double p_min, int threads) {
     omp_set_num_threads(threads);
     k3_engine *e = open_engine(t_repo("models/default"), 256);
     CHECK(e);
@@ -354,8 +412,8 @@ static void spec_equals_plain(const char *draft, int threads) {
         void *sa = NULL, *sb = NULL;
         size_t na = 0, nb = 0;
         k3_spec_stats st = {0}, none;
-        int32_t *a = generate(e, NULL, 0, temps[t], prompt, (int)np, 60, &sa, &na, &none);
-        int32_t *b = generate(e, draft, 4, temps[t], prompt, (int)np, 60, &sb, &nb, &st);
+        int32_t *a = generate(e, NULL, 0.0f, 0, temps[t], prompt, (int)np, 60, &sa, &na, &none);
+        int32_t *b = generate(e, draft, p_min, 4, temps[t], prompt, (int)np, 60, &sb, &nb, &st);
         CHECK(a && b);
         CHECKF(!memcmp(a, b, 60 * sizeof *a), "temperature %g: speculative ids differ from plain", (double)temps[t]);
         CHECKF(na == nb && !memcmp(sa, sb, na), "temperature %g: the state after the loop differs", (double)temps[t]);
@@ -371,9 +429,13 @@ static void spec_equals_plain(const char *draft, int threads) {
     omp_set_num_threads(2);
 }
 
-TEST(spec_ngram_ids_equal_plain_1_thread) { spec_equals_plain(NULL, 1); }
-TEST(spec_ngram_ids_equal_plain_2_threads) { spec_equals_plain(NULL, 2); }
-TEST(spec_draft_model_ids_equal_plain) { spec_equals_plain(t_repo("models/default"), 2); }
+TEST(spec_ngram_ids_equal_plain_1_thread) { spec_equals_plain(NULL, 0.0f, 1); }
+TEST(spec_ngram_ids_equal_plain_2_threads) { spec_equals_plain(NULL, 0.0f, 2); }
+TEST(spec_draft_model_ids_equal_plain) { spec_equals_plain(t_repo("models/default"), K3_DRAFT_P_MIN, 2); }
+/* another model drafting (the 5M fixture, the same tokenizer: some drafts
+ * rejected), its drafts stopped by its confidence and by the acceptance */
+TEST(spec_small_draft_model_ids_equal_plain) { spec_equals_plain(t_fixture("trained-5m"), K3_DRAFT_P_MIN, 1); }
+TEST(spec_small_draft_model_ungated_ids_equal_plain) { spec_equals_plain(t_fixture("trained-5m"), 0.0, 2); }
 
 /* The memory plan holds a verifying pass in one chunk (each streamed layer
  * and each distinct expert read once per pass), counts its rollback record,
@@ -532,7 +594,7 @@ TEST(spec_batched_sessions_equal_plain) {
                "%s", err.msg);
         CHECK(k3_engine_state_new(e, 256, 0, &ks[q], &err) == 0);
         s[q] = k3_session_open(e, ks[q], NULL);
-        CHECK(k3_drafter_for(e, NULL, K, 256, &d[q], &err) == 0);
+        CHECK(k3_drafter_for(e, NULL, 0.0f, K, 256, &d[q], &err) == 0);
         sp[q] = k3_spec_new(d[q], K, V);
         k3_sampler_init(&smp[q], V, temps[q], 0, 1.0f, 0, 7);
         lg[q] = xmalloc_array((size_t)V, sizeof(float));
@@ -569,7 +631,7 @@ TEST(spec_batched_sessions_equal_plain) {
         void *sa = NULL;
         size_t na = 0;
         k3_spec_stats none;
-        int32_t *want = generate(e, NULL, 0, temps[q], prompt[q], (int)np[q], NGEN, &sa, &na, &none);
+        int32_t *want = generate(e, NULL, 0.0f, 0, temps[q], prompt[q], (int)np[q], NGEN, &sa, &na, &none);
         CHECK(want);
         CHECKF(!memcmp(want, got[q], sizeof got[q]), "session %d: batched speculative ids differ from plain", q);
         size_t nb = (size_t)k3_state_snapshot_bytes(k3_engine_config(e), k3_state_pos(ks[q]));
@@ -620,14 +682,14 @@ TEST(spec_batched_drafting_equals_alone) {
     int32_t *prompt[NS], got[NS][NGEN];
     size_t np[NS];
     float *lg[NS];
-    CHECKF(k3_drafter_for(e, t_repo("models/default"), K, 256, &d[0], &err) == 0, "%s", err.msg);
+    CHECKF(k3_drafter_for(e, t_repo("models/default"), K3_DRAFT_P_MIN, K, 256, &d[0], &err) == 0, "%s", err.msg);
     for (int q = 0; q < NS; q++) {
         CHECKF(tok_encode(k3_engine_tokenizer(e), texts[q], strlen(texts[q]), false, &prompt[q], &np[q], &err) == 0,
                "%s", err.msg);
         CHECK(k3_engine_state_new(e, 256, 0, &ks[q], &err) == 0);
         s[q] = k3_session_open(e, ks[q], NULL);
         if (q > 0) CHECKF(k3_drafter_sibling(d[0], 256, &d[q], &err) == 0, "%s", err.msg);
-        CHECKF(k3_drafter_for(e, t_repo("models/default"), K, 256, &alone[q], &err) == 0, "%s", err.msg);
+        CHECKF(k3_drafter_for(e, t_repo("models/default"), K3_DRAFT_P_MIN, K, 256, &alone[q], &err) == 0, "%s", err.msg);
         sp[q] = k3_spec_new(d[q], K, V);
         k3_sampler_init(&smp[q], V, temps[q], 0, 1.0f, 0, 7);
         lg[q] = xmalloc_array((size_t)V, sizeof(float));
@@ -684,7 +746,7 @@ TEST(spec_batched_drafting_equals_alone) {
         void *sa = NULL;
         size_t na = 0;
         k3_spec_stats none;
-        int32_t *want = generate(e, NULL, 0, temps[q], prompt[q], (int)np[q], NGEN, &sa, &na, &none);
+        int32_t *want = generate(e, NULL, 0.0f, 0, temps[q], prompt[q], (int)np[q], NGEN, &sa, &na, &none);
         CHECK(want);
         CHECKF(!memcmp(want, got[q], sizeof got[q]), "session %d: ids with batched drafting differ from plain", q);
         free(want);

@@ -58,6 +58,7 @@ const char *const cmd_chat_help =
     "                       are exactly those without it (docs/speculation.md)\n"
     "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
     "                       --speculate defaults to 4 with it; not under mpirun\n"
+    K3_DRAFT_P_MIN_HELP
     "  --load FILE          start from a saved conversation: its messages, thinking\n"
     "                       setting and turn count (over --system and --think)\n"
     "  --cold               re-prefill the whole conversation every turn (for\n"
@@ -80,9 +81,9 @@ const char *const cmd_chat_help =
 
 typedef struct {
     const char *model_dir, *system, *load, *out;
-    const char *draft;     /* --draft DIR */
     bool thinking, cold;
-    int64_t gen, max_ctx, grid, speculate;
+    int64_t gen, max_ctx, grid;
+    k3_spec_flags sf;      /* --speculate, --draft, --draft-p-min */
     k3_sample_opts so;     /* sampling flags (engine/engine.h) */
     uint64_t cache_bytes;  /* --state-cache-gb */
     k3_engine_opts eo;
@@ -95,6 +96,7 @@ static int parse_args(int argc, char **argv, chat_args *a) {
     a->gen = 1024;
     a->max_ctx = 4096;
     k3_sample_opts_init(&a->so);
+    k3_spec_flags_init(&a->sf);
     a->cache_bytes = K3_STATE_CACHE_BYTES_DEFAULT;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -132,18 +134,11 @@ static int parse_args(int argc, char **argv, chat_args *a) {
             NEED_VALUE();
             k3_err e = {0};
             if (k3_state_cache_parse_gb("chat", v, &a->cache_bytes, &e)) return k3_report(&e);
-        } else if (!strcmp(o, "--speculate")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 0, K3_SPEC_MAX, &n))
-                return k3_usage_error("chat", "--speculate: '%s' is not a count in [0, %d]", v, K3_SPEC_MAX);
-            a->speculate = n;
-        } else if (!strcmp(o, "--draft")) {
-            NEED_VALUE();
-            a->draft = v;
         } else {
             bool used;
             k3_err e = {0};
             if (k3_sample_parse_flag(&a->so, "chat", argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (!used && k3_spec_parse_flag(&a->sf, "chat", argc, argv, &i, &used, &e)) return k3_report(&e);
             if (!used && k3_engine_parse_flag(&a->eo, "chat", argc, argv, &i, &used, &e)) return k3_report(&e);
             if (!used) return k3_usage_error("chat", "unknown option '%s'", o);
         }
@@ -151,7 +146,10 @@ static int parse_args(int argc, char **argv, chat_args *a) {
     }
     if (a->eo.mem.list_presets) return K3_OK;
     if (!a->model_dir) return k3_usage_error("chat", "no MODEL_DIR given");
-    if (a->draft && !a->speculate) a->speculate = 4;
+    {
+        k3_err e = {0};
+        if (k3_spec_flags_check(&a->sf, "chat", &e)) return k3_report(&e);
+    }
     if (a->system) { /* refused like `k3 run --prompt`, never dropped from the conversation */
         size_t sl = strlen(a->system), bad = tok_utf8_check((const uint8_t *)a->system, sl);
         if (bad != sl) return k3_usage_error("chat", "--system: invalid UTF-8 at byte %zu", bad);
@@ -372,7 +370,7 @@ static int turn(chat_ctx *c, const char *text, k3_err *err) {
         k3_session_reset(c->s);
         if (c->spec) { /* a pass the error left open is gone with the reset */
             k3_spec_free(c->spec);
-            c->spec = k3_spec_new(c->drafter, (int)a->speculate, k3_engine_vocab(c->e));
+            c->spec = k3_spec_new(c->drafter, a->sf.speculate, k3_engine_vocab(c->e));
         }
         return rc;
     }
@@ -516,7 +514,7 @@ static int chat(const chat_args *a, k3_err *err, bool *reported) {
     eo.model_dir = a->model_dir;
     eo.need_tokenizer = true;
     eo.max_pos = a->max_ctx;
-    if (a->speculate) eo.mem.so.pass_tokens = (int)a->speculate + 1; /* a verifying pass in one chunk */
+    if (a->sf.speculate) eo.mem.so.pass_tokens = a->sf.speculate + 1; /* a verifying pass in one chunk */
     int rc = k3_engine_open(&eo, &c.e, err);
     if (rc) return rc;
     /* under mpirun: rank 0 reads the input and talks, every rank computes */
@@ -547,12 +545,8 @@ static int chat(const chat_args *a, k3_err *err, bool *reported) {
     if ((rc = k3_engine_identity(c.e, &c.model_id, err))) goto done;
     c.cache = k3_state_cache_new(cfg, budget, (int)a->grid);
     c.s = k3_session_open(c.e, c.st, c.cache);
-    if (a->draft && k3_engine_ranks(c.e) > 1) {
-        rc = k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
-        goto ready;
-    }
-    if ((rc = k3_drafter_for(c.e, a->draft, (int)a->speculate, a->max_ctx, &c.drafter, err))) goto ready;
-    if (c.drafter) c.spec = k3_spec_new(c.drafter, (int)a->speculate, k3_engine_vocab(c.e));
+    if ((rc = k3_drafter_for(c.e, a->sf.draft, a->sf.p_min, a->sf.speculate, a->max_ctx, &c.drafter, err))) goto ready;
+    if (c.drafter) c.spec = k3_spec_new(c.drafter, a->sf.speculate, k3_engine_vocab(c.e));
     c.logits = xmalloc_array((size_t)V, sizeof *c.logits);
     c.turns = json_array();
     c.tty_in = isatty(0);

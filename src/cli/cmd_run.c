@@ -43,6 +43,7 @@ const char *const cmd_run_help =
     "                       exactly those of plain decoding (docs/speculation.md)\n"
     "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
     "                       --speculate defaults to 4 with it; not under mpirun\n"
+    K3_DRAFT_P_MIN_HELP
     "  --out FILE.json      write prompt_ids, generated_ids, text, prefill_s,\n"
     "                       decode_s, tokens_per_s, peak_rss_bytes, threads,\n"
     "                       bytes_read_per_token (weights, RAM or disk), ...\n"
@@ -61,8 +62,8 @@ const char *const cmd_run_help =
 
 typedef struct {
     const char *model_dir, *prompt, *prompt_file, *ids, *out, *dump;
-    const char *draft;     /* --draft DIR */
-    int64_t gen, speculate;
+    int64_t gen;
+    k3_spec_flags sf;      /* --speculate, --draft, --draft-p-min */
     bool full, incremental, quiet, verbose;
     k3_sample_opts so;     /* sampling flags (engine/engine.h) */
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
@@ -75,6 +76,7 @@ static int parse_args(int argc, char **argv, run_args *a) {
     memset(a, 0, sizeof *a);
     k3_engine_opts_init(&a->eo);
     k3_sample_opts_init(&a->so);
+    k3_spec_flags_init(&a->sf);
     a->gen = 32;
     for (int i = 1; i < argc; i++) {
         const char *o = argv[i];
@@ -97,13 +99,7 @@ static int parse_args(int argc, char **argv, run_args *a) {
             NEED_VALUE();
             if (!k3_parse_i64(v, 0, INT64_MAX / 2, &n)) return k3_usage_error("run", "--gen: '%s' is not a count >= 0", v);
             a->gen = n;
-        } else if (!strcmp(o, "--speculate")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 0, K3_SPEC_MAX, &n))
-                return k3_usage_error("run", "--speculate: '%s' is not a count in [0, %d]", v, K3_SPEC_MAX);
-            a->speculate = n;
-        } else if (!strcmp(o, "--draft")) { NEED_VALUE(); a->draft = v; }
-        else if (!strcmp(o, "--full")) a->full = true;
+        } else if (!strcmp(o, "--full")) a->full = true;
         else if (!strcmp(o, "--incremental")) a->incremental = true;
         else if (!strcmp(o, "--quiet")) a->quiet = true;
         else if (!strcmp(o, "--verbose")) a->verbose = true;
@@ -113,6 +109,7 @@ static int parse_args(int argc, char **argv, run_args *a) {
             bool used;
             k3_err e = {0};
             if (k3_sample_parse_flag(&a->so, "run", argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (!used && k3_spec_parse_flag(&a->sf, "run", argc, argv, &i, &used, &e)) return k3_report(&e);
             if (!used && k3_engine_parse_flag(&a->eo, "run", argc, argv, &i, &used, &e)) return k3_report(&e);
             if (!used) return k3_usage_error("run", "unknown option '%s'", o);
         }
@@ -125,8 +122,11 @@ static int parse_args(int argc, char **argv, run_args *a) {
         return k3_usage_error("run", np ? "give only one of --prompt, --prompt-file, --ids"
                                         : "give a prompt: --prompt TEXT, --prompt-file FILE or --ids 1,2,3");
     if (a->full && a->incremental) return k3_usage_error("run", "--full and --incremental exclude each other");
-    if (a->draft && !a->speculate) a->speculate = 4;
-    if (a->full && a->speculate) return k3_usage_error("run", "--full recomputes every step: it takes no --speculate");
+    {
+        k3_err e = {0};
+        if (k3_spec_flags_check(&a->sf, "run", &e)) return k3_report(&e);
+    }
+    if (a->full && a->sf.speculate) return k3_usage_error("run", "--full recomputes every step: it takes no --speculate");
     k3_err e = {0};
     if (k3_sample_opts_check(&a->so, "run", &e)) return k3_report(&e);
     return K3_OK;
@@ -305,7 +305,7 @@ static int write_out_json(run_ctx *r, double prefill_s, double decode_s, int thr
     json_object_set_new(o, "peak_rss_bytes", json_integer((json_int_t)k3_peak_rss_bytes()));
     json_object_set_new(o, "threads", json_integer(threads));
     /* per decoding pass: 1 and 0 drafts without --speculate */
-    json_object_set_new(o, "speculate", json_integer(r->a->speculate));
+    json_object_set_new(o, "speculate", json_integer(r->a->sf.speculate));
     json_object_set_new(o, "decode_passes", json_integer((json_int_t)r->res.passes));
     json_object_set_new(o, "drafts_proposed", json_integer((json_int_t)r->res.drafted));
     json_object_set_new(o, "drafts_accepted", json_integer((json_int_t)r->res.accepted));
@@ -342,7 +342,7 @@ static int run(const run_args *a, k3_err *err) {
     k3_engine_opts eo = a->eo;
     eo.model_dir = a->model_dir;
     eo.max_pos = prompt_bound(a) + a->gen;
-    if (a->speculate) eo.mem.so.pass_tokens = (int)a->speculate + 1; /* a verifying pass in one chunk */
+    if (a->sf.speculate) eo.mem.so.pass_tokens = a->sf.speculate + 1; /* a verifying pass in one chunk */
     if ((rc = k3_engine_open(&eo, &r.e, err))) goto done;
     /* under mpirun, the ranks after the first compute alongside it silently */
     run_args quiet_rank;
@@ -370,12 +370,8 @@ static int run(const run_args *a, k3_err *err) {
     free(pids);
     r.nseq = r.nprompt;
     r.sess = k3_session_open(r.e, r.s, NULL);
-    if (a->draft && k3_engine_ranks(r.e) > 1) {
-        rc = k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
-        goto ready;
-    }
-    if ((rc = k3_drafter_for(r.e, a->draft, (int)a->speculate, max_pos, &r.drafter, err))) goto ready;
-    if (r.drafter) r.spec = k3_spec_new(r.drafter, (int)a->speculate, (int)V);
+    if ((rc = k3_drafter_for(r.e, a->sf.draft, a->sf.p_min, a->sf.speculate, max_pos, &r.drafter, err))) goto ready;
+    if (r.drafter) r.spec = k3_spec_new(r.drafter, a->sf.speculate, (int)V);
     r.logits = xmalloc_array(V * (r.all_rows ? (size_t)k3_engine_chunk(r.e) : 1), sizeof(float));
     if (a->dump) {
         if ((rc = k3_atomic_open(&r.df, a->dump, err))) goto ready;

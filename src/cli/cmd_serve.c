@@ -84,6 +84,7 @@ const char *const cmd_serve_help =
     "                       --speculate defaults to 4 with it; not under mpirun.\n"
     "                       With --parallel the slots that draft in one step\n"
     "                       share its forward passes\n"
+    K3_DRAFT_P_MIN_HELP
     "\n"
     K3_ENGINE_HELP
     "\n"
@@ -113,8 +114,7 @@ typedef struct {
     double keepalive_s;
     double request_timeout_s;      /* --request-timeout (0: the server's default) */
     unsigned client_connections;   /* --client-connections (0: the server's default) */
-    int speculate;                 /* --speculate K (0: none) */
-    const char *draft;             /* --draft DIR */
+    k3_spec_flags sf;              /* --speculate, --draft, --draft-p-min */
     k3_engine_opts eo;     /* model, threads and memory flags (engine/engine.h) */
 } serve_args;
 
@@ -147,6 +147,7 @@ static int read_key_file(const char *path, char *buf, size_t cap, k3_err *err) {
 
 static int parse_args(int argc, char **argv, serve_args *a) {
     memset(a, 0, sizeof *a);
+    k3_spec_flags_init(&a->sf);
     k3_engine_opts_init(&a->eo);
     a->host = "127.0.0.1";
     a->port = 8000;
@@ -235,26 +236,21 @@ static int parse_args(int argc, char **argv, serve_args *a) {
             a->cors[a->ncors++] = v;
         } else if (!strcmp(o, "--verbose")) {
             a->verbose = true;
-        } else if (!strcmp(o, "--speculate")) {
-            NEED_VALUE();
-            if (!k3_parse_i64(v, 0, K3_SPEC_MAX, &n))
-                return k3_usage_error("serve", "--speculate: '%s' is not a count in [0, %d]", v, K3_SPEC_MAX);
-            a->speculate = (int)n;
-        } else if (!strcmp(o, "--draft")) {
-            NEED_VALUE();
-            if (!*v) return k3_usage_error("serve", "--draft needs a model directory");
-            a->draft = v;
         } else {
             bool used;
             k3_err e = {0};
-            if (k3_engine_parse_flag(&a->eo, "serve", argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (k3_spec_parse_flag(&a->sf, "serve", argc, argv, &i, &used, &e)) return k3_report(&e);
+            if (!used && k3_engine_parse_flag(&a->eo, "serve", argc, argv, &i, &used, &e)) return k3_report(&e);
             if (!used) return k3_usage_error("serve", "unknown option '%s'", o);
         }
 #undef NEED_VALUE
     }
     if (a->eo.mem.list_presets) return K3_OK;
     if (!a->eo.model_dir) return k3_usage_error("serve", "no MODEL_DIR given");
-    if (a->draft && !a->speculate) a->speculate = 4;
+    {
+        k3_err e = {0};
+        if (k3_spec_flags_check(&a->sf, "serve", &e)) return k3_report(&e);
+    }
     if (a->max_tokens > a->ctx) return k3_usage_error("serve", "--max-tokens %lld is over --ctx %lld",
                                                       (long long)a->max_tokens, (long long)a->ctx);
     return K3_OK;
@@ -310,7 +306,8 @@ int cmd_serve(int argc, char **argv) {
                                           "model worker needs under mpirun"});
     k3_serve_backend *b;
     k3_serve_model sm;
-    k3_serve_spec_opts so = {.spec_default = a.speculate, .spec_max = a.speculate, .draft_dir = a.draft};
+    k3_serve_spec_opts so = {.spec_default = a.sf.speculate, .spec_max = a.sf.speculate, .draft_dir = a.sf.draft,
+                              .p_min = a.sf.p_min};
     if ((rc = k3_serve_backend_open(&a.eo, a.ctx, a.state_cache_bytes, a.parallel, &so, &b, &sm, &err)))
         return k3_report(&err);
     if (k3_serve_backend_rank(b) > 0) {

@@ -2,6 +2,7 @@
  * (draft.h). */
 #include "draft/draft.h"
 
+#include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,15 @@ struct k3_drafter {
     float *logits;
     float *rows;       /* [max_k + 1][V]: a batched catch-up's rows (made at first use) */
     int max_k;
+    double p_min;       /* drafting stops where the chance the drafts so far are all kept falls below it */
+    k3_draft_gate gate;
+    /* the last drafts proposed (and the draft model's probability of each),
+     * after a history of last_at ids: the next history says which were kept */
+    int32_t last[K3_SPEC_MAX + 1];
+    float last_p[K3_SPEC_MAX + 1];
+    int last_n;
+    size_t last_at;
+    int idle;          /* asks in a row the gate drafted nothing for */
     /* the root's: the draft model's forward passes and the drafters fed in
      * them (read by another thread: k3 serve's /metrics) */
     _Atomic uint64_t passes, seqs;
@@ -158,8 +168,10 @@ static int model_session(k3_drafter *d, int64_t max_pos, k3_err *err) {
 }
 
 int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_dir, int vocab, int64_t max_pos,
-                     int max_k, k3_drafter **out, k3_err *err) {
+                     int max_k, double p_min, k3_drafter **out, k3_err *err) {
     *out = NULL;
+    if (!(p_min >= 0.0 && p_min <= 1.0))
+        return k3_fail(err, K3_EXIT_USAGE, "--draft-p-min: %g is not a probability in [0, 1]", p_min);
     uint64_t a, b;
     int rc = tok_hash(tok_dir, &a, err);
     if (!rc) rc = tok_hash(dir, &b, err);
@@ -180,6 +192,7 @@ int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_d
     k3_drafter *d = xcalloc(1, sizeof *d);
     d->vocab = vocab;
     d->max_k = max_k < 1 ? 1 : max_k;
+    d->p_min = p_min;
     d->root = d;
     rc = k3_engine_open(&eo, &d->e, err);
     if (!rc) rc = model_session(d, max_pos, err);
@@ -200,6 +213,7 @@ int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err 
     k3_drafter *x = xcalloc(1, sizeof *x);
     x->vocab = d->vocab;
     x->max_k = d->max_k;
+    x->p_min = d->p_min;
     x->e = d->e;
     x->sibling = true;
     x->root = d->root;
@@ -210,6 +224,24 @@ int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err 
     }
     *out = x;
     return K3_OK;
+}
+
+/* What the target did with d's last drafts, told by the history that
+ * follows them (hist[0..n) extends the one they were drafted after): each
+ * draft up to the first rejected one is recorded in the gate; drafts past
+ * the history's end were never verified and count for nothing. */
+static void learn(k3_drafter *d, const int32_t *hist, size_t n) {
+    size_t n0 = d->last_at;
+    int m = d->last_n;
+    d->last_n = 0;
+    d->last_at = n;
+    if (m == 0 || n <= n0 || k3_session_len(d->s) < n0 || memcmp(k3_session_ids(d->s), hist, n0 * sizeof *hist))
+        return;
+    for (int i = 0; i < m && n0 + (size_t)i < n; i++) {
+        bool kept = hist[n0 + (size_t)i] == d->last[i];
+        k3_draft_gate_record(&d->gate, d->last_p[i], kept);
+        if (!kept) break;
+    }
 }
 
 /* Ends d's open pass at what its ids share with hist[0..n): the drafts the
@@ -271,6 +303,15 @@ static int catch_up(k3_draft_ask *const *a, const int *w, const int *cnt, int m,
     return K3_OK;
 }
 
+/* The probability the draft model gives its greedy id (softmax of the row at
+ * its maximum). It only decides how many drafts a pass verifies, never an
+ * id, so libm's exp is good enough; the sum runs in one fixed order. */
+static double top_prob(const float *logits, int V, int32_t id) {
+    double top = logits[id], sum = 0.0;
+    for (int v = 0; v < V; v++) sum += exp((double)logits[v] - top);
+    return 1.0 / sum;
+}
+
 /* Drafts for a[0..n), draft-model drafters of one engine: each drafter
  * takes back the drafts its target rejected and catches up with its history
  * (a prefill alone, or the short tails of several in one pass), then decodes
@@ -287,14 +328,18 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
         if ((size_t)a[i]->d->max_k + 1 > per) per = (size_t)a[i]->d->max_k + 1;
     int32_t *ids = xmalloc_array((size_t)n * per, sizeof *ids);
     float **lg = xmalloc_array((size_t)n, sizeof *lg);
+    double *surv = xmalloc_array((size_t)n, sizeof *surv); /* the chance a drafter's drafts so far are all kept */
     int rc = K3_OK, m = 0, rows = 0;
     for (int i = 0; i < n; i++) {
         k3_drafter *d = a[i]->d;
+        surv[i] = 1.0;
+        learn(d, a[i]->hist, a[i]->n);
         int kk = a[i]->k < d->max_k ? a[i]->k : d->max_k;
         if (kk <= 0 || a[i]->n >= (size_t)k3_state_max_pos(d->st)) continue; /* no room to draft */
         if ((rc = take_back(d, a[i]->hist, a[i]->n, err))) goto out;
         size_t room = (size_t)k3_state_max_pos(d->st) - a[i]->n;
         k[i] = (size_t)kk > room + 1 ? (int)(room + 1) : kk;
+        d->idle++; /* back to 0 below if it drafts */
     }
     /* the state holds the history, the logits of its last id */
     for (int i = 0; i < n; i++) {
@@ -328,10 +373,16 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
             if (k[i] <= pos) continue;
             k3_drafter *d = a[i]->d;
             int32_t id = k3_argmax(d->logits, V);
-            if (id >= d->vocab) { /* not the target's: no more drafts */
-                k[i] = pos;
+            double p = d->p_min > 0.0 ? top_prob(d->logits, V, id) : 1.0;
+            if (d->p_min > 0.0) surv[i] *= k3_draft_gate_chance(&d->gate, p);
+            /* after 64 asks with no draft one goes anyway, so the gate keeps learning */
+            bool probe = pos == 0 && d->idle > 64;
+            if (id >= d->vocab || (surv[i] < d->p_min && !probe)) {
+                k[i] = pos; /* not the target's, or too likely to be rejected: no more drafts */
                 continue;
             }
+            d->last[d->last_n] = id;
+            d->last_p[d->last_n++] = (float)p;
             a[i]->out[a[i]->got++] = id;
             if (pos + 1 == k[i]) continue;
             ss[m] = d->s;
@@ -343,7 +394,10 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
         if (rc) goto out;
         count_pass(a[0]->d, m);
     }
+    for (int i = 0; i < n; i++)
+        if (a[i]->got) a[i]->d->idle = 0;
 out:
+    free(surv);
     free(k);
     free(w);
     free(cnt);
@@ -416,25 +470,87 @@ k3_draft_stats k3_drafter_stats(const k3_drafter *d) {
 
 k3_engine *k3_drafter_engine(k3_drafter *d) { return d ? d->e : NULL; }
 
-int k3_drafter_for(const k3_engine *target, const char *draft_dir, int kmax, int64_t max_pos, k3_drafter **out,
-                   k3_err *err) {
+int k3_drafter_for(const k3_engine *target, const char *draft_dir, double p_min, int kmax, int64_t max_pos,
+                   k3_drafter **out, k3_err *err) {
     *out = NULL;
     if (kmax <= 0) return K3_OK;
+    if (draft_dir && k3_engine_ranks(target) > 1)
+        return k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
     if (!draft_dir) {
         *out = k3_drafter_ngram(k3_engine_vocab(target), 2, 4);
         return K3_OK;
     }
     const k3_engine_opts *o = k3_engine_options(target);
     const char *tok = o->tok_dir ? o->tok_dir : o->model_dir;
-    return k3_drafter_model(o, draft_dir, tok, k3_engine_vocab(target), max_pos, kmax, out, err);
+    return k3_drafter_model(o, draft_dir, tok, k3_engine_vocab(target), max_pos, kmax, p_min, out, err);
+}
+
+/* ---- the flags ---------------------------------------------------------------------------- */
+
+void k3_spec_flags_init(k3_spec_flags *f) { *f = (k3_spec_flags){.p_min = K3_DRAFT_P_MIN}; }
+
+int k3_spec_parse_flag(k3_spec_flags *f, const char *cmd, int argc, char **argv, int *i, bool *used, k3_err *err) {
+    const char *o = argv[*i];
+    *used = !strcmp(o, "--speculate") || !strcmp(o, "--draft") || !strcmp(o, "--draft-p-min");
+    if (!*used) return K3_OK;
+    if (*i + 1 >= argc) return k3_fail(err, K3_EXIT_USAGE, "%s: %s needs a value (see 'k3 help %s')", cmd, o, cmd);
+    const char *v = argv[++*i];
+    int64_t n;
+    double d;
+    if (!strcmp(o, "--speculate")) {
+        if (!k3_parse_i64(v, 0, K3_SPEC_MAX, &n))
+            return k3_fail(err, K3_EXIT_USAGE, "%s: --speculate: '%s' is not a count in [0, %d] (see 'k3 help %s')",
+                           cmd, v, K3_SPEC_MAX, cmd);
+        f->speculate = (int)n;
+    } else if (!strcmp(o, "--draft")) {
+        if (!*v) return k3_fail(err, K3_EXIT_USAGE, "%s: --draft needs a model directory", cmd);
+        f->draft = v;
+    } else {
+        if (!k3_parse_f64(v, &d) || !(d >= 0 && d <= 1))
+            return k3_fail(err, K3_EXIT_USAGE, "%s: --draft-p-min: '%s' is not a probability in [0, 1] (see 'k3 help %s')",
+                           cmd, v, cmd);
+        f->p_min = d;
+        f->p_min_given = true;
+    }
+    return K3_OK;
+}
+
+int k3_spec_flags_check(k3_spec_flags *f, const char *cmd, k3_err *err) {
+    if (f->p_min_given && !f->draft)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: --draft-p-min applies to a draft model: give --draft DIR", cmd);
+    if (f->draft && !f->speculate) f->speculate = 4;
+    return K3_OK;
+}
+
+/* ---- how likely a draft is kept ------------------------------------------------------------ */
+
+static int gate_bucket(double p) {
+    int b = (int)(p * K3_DRAFT_GATE_BUCKETS);
+    return b < 0 ? 0 : b >= K3_DRAFT_GATE_BUCKETS ? K3_DRAFT_GATE_BUCKETS - 1 : b;
+}
+
+double k3_draft_gate_chance(const k3_draft_gate *g, double p) {
+    int b = gate_bucket(p);
+    return ((double)g->kept[b] + 1.0) / ((double)g->seen[b] + 1.0);
+}
+
+void k3_draft_gate_record(k3_draft_gate *g, double p, bool kept) {
+    int b = gate_bucket(p);
+    if (g->seen[b] == UINT32_MAX) { /* halve both: the ratio stays, the counts go on */
+        g->seen[b] /= 2;
+        g->kept[b] /= 2;
+    }
+    g->seen[b]++;
+    g->kept[b] += kept;
 }
 
 /* ---- drafts per pass ---------------------------------------------------------------------- */
 
 #define BACKOFF_MAX 64
 
-void k3_spec_ctl_init(k3_spec_ctl *c, int kmax) {
+void k3_spec_ctl_init(k3_spec_ctl *c, int kmax, bool fixed) {
     c->kmax = kmax < 0 ? 0 : kmax > K3_SPEC_MAX ? K3_SPEC_MAX : kmax;
+    c->fixed = fixed;
     c->k = c->kmax;
     c->skip = 0;
     c->backoff = 1;
@@ -450,7 +566,7 @@ int k3_spec_ctl_want(k3_spec_ctl *c) {
 }
 
 void k3_spec_ctl_update(k3_spec_ctl *c, int proposed, int accepted) {
-    if (c->kmax == 0 || proposed <= 0) return; /* nothing was risked */
+    if (c->kmax == 0 || c->fixed || proposed <= 0) return; /* nothing was risked, or the drafter stops itself */
     if (accepted >= proposed) {
         c->k = proposed + 1 < c->kmax ? proposed + 1 : c->kmax;
         c->backoff = 1;
@@ -486,7 +602,7 @@ struct k3_spec {
 k3_spec *k3_spec_new(k3_drafter *d, int kmax, int vocab) {
     k3_spec *sp = xcalloc(1, sizeof *sp);
     sp->d = d;
-    k3_spec_ctl_init(&sp->ctl, kmax);
+    k3_spec_ctl_init(&sp->ctl, kmax, d->e && d->p_min > 0.0);
     sp->V = vocab;
     sp->rows = xmalloc_array(((size_t)sp->ctl.kmax + 1) * (size_t)vocab, sizeof *sp->rows);
     sp->draft = xmalloc_array((size_t)sp->ctl.kmax + 1, sizeof *sp->draft);

@@ -16,11 +16,16 @@
  *    tokenizer_config.json; another is refused, K3_EXIT_USAGE), decoded
  *    greedily in its own session. Its state follows the history with the
  *    model's cut-back passes (k3_session_pass_*): the drafts it fed and the
- *    target rejected are taken back, never re-prefilled.
+ *    target rejected are taken back, never re-prefilled. A pass's drafts
+ *    stop where they become too likely to be rejected (the gate, below;
+ *    --draft-p-min): a doomed guess costs a verifying row and, in a mixture
+ *    of experts, the experts that row selects.
  *
- * The controller (k3_spec_ctl) picks the drafts per pass from the
- * acceptance alone (never from timings, so every rank of an MPI job makes
- * the same passes): up by one after a pass that accepted every draft, to
+ * The controller (k3_spec_ctl) picks the drafts per pass. A draft model
+ * with p_min > 0 stops its own drafts, so it is asked for K every pass (its
+ * probabilities predict a rejection better than the last passes do). Otherwise
+ * (n-gram, or p_min 0) from the acceptance alone (never from timings, so
+ * every rank of an MPI job makes the same passes): up by one after a pass that accepted every draft, to
  * the accepted count + 1 after a partial one, halved after one that
  * accepted none; at zero it drafts nothing for a back-off of 1, 2, 4 ... 64
  * passes, then probes again with one draft. A run whose drafts keep failing
@@ -37,6 +42,10 @@
 
 /* Most drafts per pass (--speculate K, k3 serve's "speculate"). */
 #define K3_SPEC_MAX 16
+/* --draft-p-min's default: the chance of a pass's drafts all being kept
+ * below which they stop (the gate, below; docs/speculation.md: how it was
+ * chosen). */
+#define K3_DRAFT_P_MIN 0.2
 
 typedef struct k3_drafter k3_drafter;
 
@@ -49,9 +58,10 @@ k3_drafter *k3_drafter_ngram(int vocab, int min_n, int max_n);
  * defaults), after checking that dir's tokenizer equals tok_dir's
  * (K3_EXIT_USAGE naming both otherwise, or when either has no
  * tiktoken.model). vocab: the target's; max_pos: the longest history;
- * max_k: drafts per pass at most. */
+ * max_k: drafts per pass at most; p_min: in [0, 1] (else K3_EXIT_USAGE),
+ * the gate's threshold (0: no gate). */
 int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_dir, int vocab, int64_t max_pos,
-                     int max_k, k3_drafter **out, k3_err *err);
+                     int max_k, double p_min, k3_drafter **out, k3_err *err);
 
 void k3_drafter_free(k3_drafter *d);
 /* A drafter like d for another history (k3 serve: one per slot): a fresh
@@ -98,15 +108,33 @@ k3_draft_stats k3_drafter_stats(const k3_drafter *d);
 /* The draft model's engine (NULL for an n-gram drafter), for its report. */
 k3_engine *k3_drafter_engine(k3_drafter *d);
 
+/* ---- how likely a draft is kept --------------------------------------------
+ * A draft model's probability for its greedy id predicts whether the target
+ * keeps it, but how well depends on the pair of models. The gate counts, per
+ * tenth of that probability, the drafts the target verified and those it
+ * kept (learnt from the histories that follow, so from ids alone: the same
+ * on any machine); a draft's chance is (kept + 1) / (verified + 1), so an
+ * untried range starts at 1 and a pair whose confident drafts are all kept
+ * drafts at any probability. A pass's drafts stop where the product of
+ * their chances falls below p_min; after 64 asks without a draft one is
+ * drafted anyway, so the counts keep learning. */
+#define K3_DRAFT_GATE_BUCKETS 10
+typedef struct {
+    uint32_t seen[K3_DRAFT_GATE_BUCKETS], kept[K3_DRAFT_GATE_BUCKETS];
+} k3_draft_gate;
+double k3_draft_gate_chance(const k3_draft_gate *g, double p);
+void k3_draft_gate_record(k3_draft_gate *g, double p, bool kept);
+
 /* ---- drafts per pass ----------------------------------------------------- */
 typedef struct {
     int kmax;       /* --speculate K */
+    bool fixed;     /* always kmax: the drafter stops its drafts itself */
     int k;          /* drafts to ask for next */
     int skip;       /* plain passes left before the next probe */
     int backoff;    /* the next skip after a failed probe */
 } k3_spec_ctl;
 
-void k3_spec_ctl_init(k3_spec_ctl *c, int kmax);
+void k3_spec_ctl_init(k3_spec_ctl *c, int kmax, bool fixed);
 /* Drafts to ask for in the next pass (0: a plain pass). */
 int k3_spec_ctl_want(k3_spec_ctl *c);
 /* After a pass that proposed `proposed` drafts and accepted `accepted`. */
@@ -168,9 +196,31 @@ void k3_spec_fed(k3_spec *sp);
 int k3_spec_finish(k3_spec *sp, k3_session *s, k3_err *err);
 k3_spec_stats k3_spec_get_stats(const k3_spec *sp);
 
-/* The drafter a command's flags ask for: --draft DIR (a draft model) or,
- * with --speculate K alone, n-gram. NULL *out when kmax is 0. */
-int k3_drafter_for(const k3_engine *target, const char *draft_dir, int kmax, int64_t max_pos, k3_drafter **out,
-                   k3_err *err);
+/* ---- the flags ----------------------------------------------------------
+ * --speculate K, --draft DIR and --draft-p-min P, the same in k3 run, chat
+ * and serve: k3_spec_flags_init, k3_spec_parse_flag for each argument (as
+ * k3_engine_parse_flag), k3_spec_flags_check once after them (--draft
+ * alone means K 4; --draft-p-min needs --draft). */
+typedef struct {
+    int speculate;       /* --speculate K (0: none) */
+    const char *draft;   /* --draft DIR */
+    double p_min;         /* --draft-p-min P */
+    bool p_min_given;
+} k3_spec_flags;
+void k3_spec_flags_init(k3_spec_flags *f);
+int k3_spec_parse_flag(k3_spec_flags *f, const char *cmd, int argc, char **argv, int *i, bool *used, k3_err *err);
+int k3_spec_flags_check(k3_spec_flags *f, const char *cmd, k3_err *err);
+#define K3_DRAFT_P_MIN_HELP \
+    "  --draft-p-min P      with --draft: a pass's drafts stop where the chance of\n" \
+    "                       all being kept falls below P, each draft's chance\n" \
+    "                       learnt from how often drafts the draft model was as\n" \
+    "                       sure of were kept (default 0.2; 0: K drafts, fewer\n" \
+    "                       while they are rejected)\n"
+
+/* The drafter a command's flags ask for: --draft DIR (a draft model, its
+ * drafts stopped below p_min) or, with --speculate K alone, n-gram. NULL
+ * *out when kmax is 0. */
+int k3_drafter_for(const k3_engine *target, const char *draft_dir, double p_min, int kmax, int64_t max_pos,
+                   k3_drafter **out, k3_err *err);
 
 #endif

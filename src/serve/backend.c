@@ -687,13 +687,11 @@ static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_
     int spec_max = so ? so->spec_max : 0;
     if (spec_max) eo.mem.so.pass_tokens = spec_max + 1; /* a verifying pass in one chunk */
     if ((rc = k3_engine_open(&eo, &b->e, err))) return rc;
-    if (so && so->draft_dir && k3_engine_ranks(b->e) > 1)
-        return k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
     b->spec_max = spec_max;
     b->ctx = ctx;
     b->cache = k3_state_cache_new(k3_engine_config(b->e), cache_bytes, 0);
     if ((rc = open_slots(b, slots, cache_bytes, err))) return rc;
-    if ((rc = k3_drafter_for(b->e, so ? so->draft_dir : NULL, spec_max, ctx, &b->sl[0].drafter, err))) return rc;
+    if ((rc = k3_drafter_for(b->e, so ? so->draft_dir : NULL, so ? so->p_min : 0.0, spec_max, ctx, &b->sl[0].drafter, err))) return rc;
     for (int q = 1; q < b->nslots && b->sl[0].drafter; q++)
         if ((rc = k3_drafter_sibling(b->sl[0].drafter, ctx, &b->sl[q].drafter, err))) return rc;
     return K3_OK;

@@ -125,10 +125,12 @@ typedef struct k3_serve_backend k3_serve_backend;
 /* Speculation (docs/speculation.md): up to spec_max drafts per pass, a
  * request's default spec_default, drafted by n-gram lookup over the whole
  * rendered conversation or, with draft_dir, by that model (the same
- * tokenizer, else K3_EXIT_USAGE; not under several ranks). */
+ * tokenizer, else K3_EXIT_USAGE; not under several ranks), its drafts
+ * stopped below p_min (draft.h). */
 typedef struct {
     int spec_default, spec_max;
     const char *draft_dir;
+    double p_min;
 } k3_serve_spec_opts;
 
 /* Opens eo's model (with its tokenizer, max_pos ctx), slots states of ctx

@@ -75,12 +75,28 @@ if not b["bytes_read_per_token"] * 2 < a["bytes_read_per_token"]:
 open(sys.argv[1].rsplit("/", 1)[0] + "/bytes.why", "w").write("; ".join(why))
 sys.exit(1 if why else 0)
 PY
+# a smaller model drafting (the 5M fixture: some drafts rejected), its drafts stopped
+# where they are likely rejected (--draft-p-min) or only by the acceptance (0)
+D=tests/fixtures/trained-5m
+same small-draft --gen 40 --cache-gb 0.001 -- --draft "$D"
+counters small-draft
+same small-draft-sampled --gen 40 --temperature 0.8 --seed 4 -- --draft "$D" --draft-p-min 0.5
+same small-draft-ungated --gen 40 -- --draft "$D" --draft-p-min 0
+# --draft-p-min 1: drafts only where none of their probability was ever rejected
+same small-draft-strict --gen 24 -- --draft "$D" --draft-p-min 1
 # more drafts than the context has room for: capped, same output
 same beyond-context --gen 3 -- --speculate 16
 
 # ---- refusals --------------------------------------------------------------------------
 expect_exit too-many 2 $K3 run "$M" --prompt "$P" --gen 4 --speculate 17
 expect_exit with-full 2 $K3 run "$M" --prompt "$P" --gen 4 --full --speculate 2
+expect_exit p-min-range 2 $K3 run "$M" --prompt "$P" --gen 4 --draft "$M" --draft-p-min 1.5
+expect_err_contains p-min-range "--draft-p-min"
+expect_exit p-min-nan 2 $K3 run "$M" --prompt "$P" --gen 4 --draft "$M" --draft-p-min nan
+expect_exit p-min-no-draft 2 $K3 run "$M" --prompt "$P" --gen 4 --speculate 2 --draft-p-min 0.5
+expect_err_contains p-min-no-draft "--draft DIR"
+expect_exit p-min-chat 2 $K3 chat "$M" --draft-p-min 0.5 </dev/null
+expect_exit p-min-serve 2 $K3 serve "$M" --draft "$M" --draft-p-min -0.1
 expect_err_contains with-full "--speculate"
 # a draft model whose tokenizer differs by one merge: its ids would mean other text
 rm -rf "$OUT/other" && mkdir -p "$OUT/other"
