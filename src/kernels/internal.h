@@ -21,9 +21,11 @@ typedef struct {
     void (*vexp)(float *y, const float *x, int n);                   /* y = km_exp(x) */
     void (*subscale)(float *y, const float *a, const float *b, float s, int n); /* y = (a - b) * s */
     void (*divs)(float *y, const float *x, float d, int n);          /* y = x / d */
-    /* Y[t][r] for t < n, r0 <= r < r1 (Y is [n][rows]); aux is what prepare
-     * returned for this (W, X) (NULL when prepare is NULL or declined). */
-    void *(*prepare)(const k3_mat *W, const float *X, int n);
+    /* A copy of X arranged for W's tiles, made once per product: with dst
+     * NULL, the floats it needs (0: declined); else written to dst (64-byte
+     * aligned). rowdots: Y[t][r] for t < n, r0 <= r < r1 (Y is [n][rows]);
+     * aux is that copy (NULL when prepare is NULL or declined). */
+    size_t (*prepare)(const k3_mat *W, const float *X, int n, float *dst);
     void (*rowdots)(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux);
     /* C[m][j] += sum_k A(m,k) B[k][j] for m < M, j < N, k < K, with
      * A(m,k) = A[m*sam + k*sak]; each C element gets fma(A(m,k), B[k][j], c)
@@ -75,7 +77,9 @@ static inline void k_mv_prefetch_scales(const k3_mat *W, int r, int rb, size_t r
  * the thread exits (a pthread key's destructor), so threads that end (an
  * OpenMP team's, a server's) leave nothing behind. One buffer per slot: a
  * caller may hold one slot's buffer while asking for another's. */
-typedef enum { K_SCRATCH_PANEL, K_SCRATCH_AMX, K_SCRATCH_N } k_scratch_slot;
+/* PANEL, AMX: inside a product's tiles; JOBS, ITEMS, PREP: a product's own
+ * bookkeeping on the calling thread (k_products), around the tiles. */
+typedef enum { K_SCRATCH_PANEL, K_SCRATCH_AMX, K_SCRATCH_JOBS, K_SCRATCH_ITEMS, K_SCRATCH_PREP, K_SCRATCH_N } k_scratch_slot;
 void *k_scratch(k_scratch_slot slot, size_t bytes);
 
 extern const k_vops k_scalar_ops;

@@ -394,13 +394,28 @@ static void run_products(const k_prod *jobs, int nj, const int *r0s, const int *
         nitems += (size_t)((r1s[i] - r0s[i] + rb - 1) / rb);
     }
     if (work <= 0) return;
-    void **aux = xcalloc((size_t)nj, sizeof *aux);
-    k_item *it = xmalloc_array(nitems, sizeof *it);
+    /* the items, each job's prepared input and where it starts: the calling
+     * thread's scratch (a decode makes thousands of small products a token) */
+    size_t prep = 0, ib = ((nitems * sizeof(k_item) + 63) / 64) * 64;
+    char *mem = k_scratch(K_SCRATCH_ITEMS, ib + (size_t)nj * (sizeof(void *) + sizeof(size_t)));
+    k_item *it = (k_item *)mem;
+    const void **aux = (const void **)(mem + ib);
+    size_t *at = (size_t *)(aux + nj);
+    for (int i = 0; i < nj; i++) {
+        size_t f = ops->prepare && jobs[i].n > 0 && r1s[i] > r0s[i] ? ops->prepare(jobs[i].W, jobs[i].X, jobs[i].n, NULL)
+                                                                      : 0;
+        at[i] = f ? prep : SIZE_MAX;
+        prep += (f + 15) / 16 * 16; /* each copy 64-byte aligned */
+    }
+    float *pbuf = prep ? k_scratch(K_SCRATCH_PREP, prep * sizeof(float)) : NULL;
     int ni = 0;
     for (int i = 0; i < nj; i++) {
+        aux[i] = NULL;
         if (jobs[i].n <= 0 || r1s[i] <= r0s[i]) continue;
-        const k3_mat *W = jobs[i].W;
-        if (ops->prepare) aux[i] = ops->prepare(W, jobs[i].X, jobs[i].n);
+        if (at[i] != SIZE_MAX) {
+            ops->prepare(jobs[i].W, jobs[i].X, jobs[i].n, pbuf + at[i]);
+            aux[i] = pbuf + at[i];
+        }
         int rb = item_rows(&jobs[i]);
         for (int r = r0s[i]; r < r1s[i]; r += rb)
             it[ni++] = (k_item){i, r, r + rb < r1s[i] ? r + rb : r1s[i]};
@@ -410,18 +425,16 @@ static void run_products(const k_prod *jobs, int nj, const int *r0s, const int *
         const k_prod *J = &jobs[it[q].job];
         ops->rowdots(J->W, J->X, J->n, J->Y, it[q].r0, it[q].r1, aux[it[q].job]);
     }
-    for (int i = 0; i < nj; i++) free(aux[i]);
-    free(aux);
-    free(it);
 }
 
 void k_products(const k_prod *jobs, int njobs) {
     if (njobs <= 0) return;
-    int *r0 = xcalloc((size_t)njobs, sizeof *r0), *r1 = xmalloc_array((size_t)njobs, sizeof *r1);
-    for (int i = 0; i < njobs; i++) r1[i] = jobs[i].W->rows;
+    int *r0 = k_scratch(K_SCRATCH_JOBS, 2 * (size_t)njobs * sizeof *r0), *r1 = r0 + njobs;
+    for (int i = 0; i < njobs; i++) {
+        r0[i] = 0;
+        r1[i] = jobs[i].W->rows;
+    }
     run_products(jobs, njobs, r0, r1);
-    free(r0);
-    free(r1);
 }
 
 uint64_t k_mat_bytes(const k3_mat *W, int rows) {

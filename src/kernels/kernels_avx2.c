@@ -718,10 +718,10 @@ TGT static void rowdots_panel(const k3_mat *W, const float *X, int n, float *Y, 
 /* For the BF16 direct tiles: a copy of X with every whole 16-block in the
  * even/odd order of ld_bf16 (lane i <- element 2i, lane 8 + i <- 2i + 1),
  * made once per product; the column tail stays in place (read from X). */
-static void *v_prepare(const k3_mat *W, const float *X, int n) {
-    if (W->type != KW_BF16 || W->cols < 16 || n <= 0 || panel_fits(W, n)) return NULL;
+static size_t v_prepare(const k3_mat *W, const float *X, int n, float *Xp) {
+    if (W->type != KW_BF16 || W->cols < 16 || n <= 0 || panel_fits(W, n)) return 0;
     const size_t cols = (size_t)W->cols, whole = cols / 16 * 16;
-    float *Xp = xmalloc_array((size_t)n * cols, sizeof *Xp);
+    if (!Xp) return (size_t)n * cols;
     for (int t = 0; t < n; t++) {
         const float *x = X + (size_t)t * cols;
         float *d = Xp + (size_t)t * cols;
@@ -731,7 +731,7 @@ static void *v_prepare(const k3_mat *W, const float *X, int n) {
                 d[b + 8 + (size_t)i] = x[b + 2 * (size_t)i + 1];
             }
     }
-    return Xp;
+    return (size_t)n * cols;
 }
 
 TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux) {

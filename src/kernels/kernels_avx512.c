@@ -645,16 +645,16 @@ static bool mx_fast(const k3_mat *W) { return W->cols % 16 == 0 && W->group > 0 
 
 /* For MXFP4: a copy of X with every 16-block in the decode's lane order
  * (lane 2i <- element i, lane 2i+1 <- element 8+i), made once per product. */
-static void *v_prepare(const k3_mat *W, const float *X, int n) {
-    if (W->type != KW_MXFP4 || !mx_fast(W) || n <= 0 || (n >= PN_MIN && panel_on())) return NULL;
+static size_t v_prepare(const k3_mat *W, const float *X, int n, float *Xp) {
+    if (W->type != KW_MXFP4 || !mx_fast(W) || n <= 0 || (n >= PN_MIN && panel_on())) return 0;
     size_t tot = (size_t)n * (size_t)W->cols;
-    float *Xp = xmalloc_aligned(tot * sizeof *Xp);
+    if (!Xp) return tot;
     for (size_t b = 0; b < tot; b += 16)
         for (int i = 0; i < 8; i++) {
             Xp[b + 2 * i] = X[b + i];
             Xp[b + 2 * i + 1] = X[b + 8 + i];
         }
-    return Xp;
+    return tot;
 }
 
 /* ---- products over many inputs: rows decoded once into an f32 panel -------------------

@@ -662,6 +662,7 @@ int k3_stream_open(const k3_config *cfg, st_index *ix, k3_trunk *trunk, const k3
         s->inuse = xcalloc((size_t)s->npool, 1);
         size_t nk = (size_t)NL * (size_t)cfg->num_experts;
         s->buf_of = xmalloc_array(nk, sizeof *s->buf_of);
+        s->lay = xcalloc((size_t)cfg->num_layers, sizeof *s->lay);
         for (size_t i = 0; i < nk; i++) s->buf_of[i] = -1;
         s->bb = xmalloc_array((size_t)cfg->num_experts, sizeof *s->bb);
         for (int i = 0; i < cfg->num_experts; i++) s->bb[i] = -1;
@@ -766,6 +767,9 @@ void k3_stream_free(k3_stream *s) {
     free(s->free_list);
     free(s->inuse);
     free(s->buf_of);
+    if (s->lay)
+        for (int L = 0; L < s->cfg.num_layers; L++) free(s->lay[L]);
+    free(s->lay);
     free(s->bb);
     free(s->reqs);
     free(s->xq);

@@ -119,8 +119,13 @@ int k3s_experts_start(void *ctx, int L, const int *ids, int n, k3_expert_w *ex, 
         int e = ids[i];
         int64_t key = (int64_t)L * N + e, ev = -1;
         bool res = false;
-        xlayout x;
-        if ((rc = k3s_expert_layout(&s->cfg, s->ix, s->prefix, L, e, &s->o, &x, err))) break;
+        if (!s->lay[L]) s->lay[L] = xcalloc((size_t)N, sizeof *s->lay[L]);
+        xlayout *lx = &s->lay[L][e];
+        if (lx->n == 0 && (rc = k3s_expert_layout(&s->cfg, s->ix, s->prefix, L, e, &s->o, lx, err))) {
+            lx->n = 0; /* looked up again next time, and refused again */
+            break;
+        }
+        const xlayout x = *lx;
         bool hit = xc_request_one(s->xc, L, e, &res, &ev);
         if (s->tracing && (rc = xc_trace_write(&s->trace, s->step, L, e, err))) break;
         s->xleft[i] = 0;

@@ -86,6 +86,10 @@ struct k3_stream {
     int64_t *free_list;
     int64_t nfree;
     int64_t *buf_of;           /* [layer * N_e + e] -> buffer or -1 */
+    /* [layer] -> N_e layouts (NULL until the layer's first batch; n 0: not
+     * yet found): an expert's tensors are looked up by name once, not at
+     * every step (at most 240 B an expert, 20 MB at the release's shape) */
+    xlayout **lay;
     uint8_t *inuse;
     int64_t *bb;               /* buffers of the current batch */
     k3_io_req *reqs;
