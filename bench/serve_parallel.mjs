@@ -4,13 +4,15 @@
 // temperature T (default 0.8), a seed per request). Prints one JSON line: clients,
 // requests, completion tokens, wall seconds, aggregate tokens/s, and the
 // p50/p95 time to first token (from the request to its first text event).
-// Usage: node bench/serve_parallel.mjs URL C R G [T]
+// Usage: node bench/serve_parallel.mjs URL C R G [T [MODEL]]  (MODEL: the name the
+// server serves, its directory's name; default 'default')
 import { createRequire } from 'module';
 const require = createRequire(new URL('../tests/e2e/package.json', import.meta.url));
 const OpenAI = require('openai').default ?? require('openai');
 
 const [url, C, R, G] = [process.argv[2], +process.argv[3], +process.argv[4], +process.argv[5]];
 const T = process.argv[6] === undefined ? 0.8 : +process.argv[6];
+const MODEL = process.argv[7] ?? 'default';
 const client = new OpenAI({ baseURL: url + 'v1', apiKey: 'none', timeout: 600000, maxRetries: 0 });
 const prompts = ['Once upon a time', 'The little dog', 'One day a girl named Lily', 'Tom and his friend',
                  'There was a big tree', 'The sun was shining', 'A cat sat on', 'Mom said'];
@@ -21,7 +23,7 @@ async function one(c, r) {
   const t0 = performance.now();
   let first = 0;
   const stream = await client.completions.create({
-    model: 'default', prompt: prompts[(c + r) % prompts.length], max_tokens: G, temperature: T,
+    model: MODEL, prompt: prompts[(c + r) % prompts.length], max_tokens: G, temperature: T,
     seed: 100 * c + r, stream: true, stream_options: { include_usage: true } });
   for await (const ev of stream) {
     if (!first && ev.choices?.length && ev.choices[0].text) first = performance.now();

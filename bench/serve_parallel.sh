@@ -59,7 +59,7 @@ for P in $PARS; do
       sleep 0.1
     done
     [ -n "$URL" ] || { echo "serve_parallel: the server did not start" >&2; exit 1; }
-    line=$(timeout 900 node bench/serve_parallel.mjs "$URL" "$C" "$REQS" "$GEN" "$TEMP")
+    line=$(timeout 900 node bench/serve_parallel.mjs "$URL" "$C" "$REQS" "$GEN" "$TEMP" "$(basename "$MODEL")")
     metrics=$(curl -s --max-time 10 "${URL}metrics")
     m() { sed -nE "s/^$1 ([0-9]+)$/\1/p" <<<"$metrics"; }
     drafts=", sequences/passes $(m k3_batch_sequences_total)/$(m k3_batch_passes_total)"
