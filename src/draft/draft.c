@@ -303,15 +303,6 @@ static int catch_up(k3_draft_ask *const *a, const int *w, const int *cnt, int m,
     return K3_OK;
 }
 
-/* The probability the draft model gives its greedy id (softmax of the row at
- * its maximum). It only decides how many drafts a pass verifies, never an
- * id, so libm's exp is good enough; the sum runs in one fixed order. */
-static double top_prob(const float *logits, int V, int32_t id) {
-    double top = logits[id], sum = 0.0;
-    for (int v = 0; v < V; v++) sum += exp((double)logits[v] - top);
-    return 1.0 / sum;
-}
-
 /* Drafts for a[0..n), draft-model drafters of one engine: each drafter
  * takes back the drafts its target rejected and catches up with its history
  * (a prefill alone, or the short tails of several in one pass), then decodes
@@ -373,7 +364,8 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
             if (k[i] <= pos) continue;
             k3_drafter *d = a[i]->d;
             int32_t id = k3_argmax(d->logits, V);
-            double p = d->p_min > 0.0 ? top_prob(d->logits, V, id) : 1.0;
+            /* how sure the draft model is of it (only ever a count in the gate) */
+            double p = d->p_min > 0.0 ? exp((double)d->logits[id] - k3_log_sum_exp(d->logits, V)) : 1.0;
             if (d->p_min > 0.0) surv[i] *= k3_draft_gate_chance(&d->gate, p);
             /* after 64 asks with no draft one goes anyway, so the gate keeps learning */
             bool probe = pos == 0 && d->idle > 64;
