@@ -331,6 +331,39 @@ TEST(spec_draft_model_gate_stops_rejected_drafts) {
     k3_engine_free(e);
 }
 
+/* A catch-up bound: a drafter behind a 100-id prompt feeds 16 a ask,
+ * drafting nothing until it holds the prompt, then drafts what a drafter
+ * without the bound drafts; a sibling takes the bound. */
+TEST(spec_draft_model_catches_up_a_chunk_an_ask) {
+    k3_engine *e = open_engine(t_repo("models/default"), 256);
+    CHECK(e);
+    k3_err err = {0};
+    k3_drafter *d = NULL, *f = NULL, *sib = NULL;
+    CHECKF(k3_drafter_for(e, t_repo("models/default"), 0.0, 4, 256, &d, &err) == 0, "%s", err.msg);
+    CHECK(k3_drafter_for(e, t_repo("models/default"), 0.0, 4, 256, &f, &err) == 0);
+    k3_drafter_set_catchup(d, 16);
+    CHECK(k3_drafter_sibling(d, 256, &sib, &err) == 0);
+    int32_t h[100], a[4], b[4];
+    for (int i = 0; i < 100; i++) h[i] = seq[i % 24];
+    int got, gb, asks = 0;
+    k3_drafter *both[2] = {d, sib};
+    for (int t = 0; t < 2; t++) {
+        k3_drafter *x = both[t];
+        asks = 0;
+        do {
+            CHECK(k3_drafter_propose(x, h, 100, 4, a, &got, &err) == 0);
+            asks++;
+        } while (got == 0 && asks < 20);
+        CHECKF(asks == 7, "%d asks to catch up with 100 ids, 16 an ask", asks); /* 6 x 16 = 96, then the rest */
+        CHECK(k3_drafter_propose(f, h, 100, 4, b, &gb, &err) == 0);
+        CHECK(got == 4 && gb == 4 && !memcmp(a, b, sizeof a));
+    }
+    k3_drafter_free(sib);
+    k3_drafter_free(d);
+    k3_drafter_free(f);
+    k3_engine_free(e);
+}
+
 TEST(spec_draft_model_with_another_tokenizer_refused) {
     k3_engine *e = open_engine(t_repo("models/default"), 64);
     CHECK(e);

@@ -38,6 +38,7 @@ struct k3_drafter {
     int last_n;
     size_t last_at;
     int idle;          /* asks in a row the gate drafted nothing for */
+    int catchup;       /* ids of a new history fed per ask at most (0: all) */
     /* the root's: the draft model's forward passes and the drafters fed in
      * them (read by another thread: k3 serve's /metrics) */
     _Atomic uint64_t passes, seqs;
@@ -214,6 +215,7 @@ int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err 
     x->vocab = d->vocab;
     x->max_k = d->max_k;
     x->p_min = d->p_min;
+    x->catchup = d->catchup;
     x->e = d->e;
     x->sibling = true;
     x->root = d->root;
@@ -270,13 +272,24 @@ static void count_pass(k3_drafter *d, int seqs) {
     atomic_fetch_add(&d->root->seqs, (uint64_t)seqs);
 }
 
-/* x's drafter catches up with its history alone (counted as one pass when
- * it feeds anything). */
-static int prefill(const k3_draft_ask *x, k3_err *err) {
+/* x's drafter catches up with hist[0..n) alone (counted as one pass when it
+ * feeds anything). */
+static int prefill(const k3_draft_ask *x, size_t n, k3_err *err) {
     size_t reused = 0;
-    int rc = k3_session_prefill(x->d->s, x->hist, x->n, x->d->logits, &reused, err);
-    if (!rc && reused < x->n) count_pass(x->d, 1);
+    int rc = k3_session_prefill(x->d->s, x->hist, n, x->d->logits, &reused, err);
+    if (!rc && reused < n) count_pass(x->d, 1);
     return rc;
+}
+
+/* How far into x's history a prefill may go this ask: all of it, or with a
+ * catch-up bound, that many ids past what the session holds of it (its ids
+ * a prefix of the history, else a cold start). */
+static size_t prefill_end(const k3_draft_ask *x) {
+    const k3_drafter *d = x->d;
+    if (d->catchup <= 0) return x->n;
+    size_t len = k3_session_len(d->s);
+    size_t from = len <= x->n && !memcmp(k3_session_ids(d->s), x->hist, len * sizeof *x->hist) ? len : 0;
+    return x->n - from > (size_t)d->catchup ? from + (size_t)d->catchup : x->n;
 }
 
 /* Feeds each drafter a[w[i]] (i < m) the last cnt[i] ids of its history in
@@ -341,7 +354,12 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
             cnt[m++] = c;
             continue;
         }
-        if ((rc = prefill(a[i], err))) goto out;
+        size_t upto = prefill_end(a[i]);
+        if ((rc = prefill(a[i], upto, err))) goto out;
+        if (upto < a[i]->n) { /* still behind: no drafts this ask, nor a count against the gate */
+            k[i] = 0;
+            a[i]->d->idle--;
+        }
     }
     for (int i = 0, g = 0; i <= m; i++) { /* in passes of at most the chunk */
         if (i < m && rows + cnt[i] <= chunk) {
@@ -349,7 +367,7 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
             continue;
         }
         if (i - g == 1) { /* alone: its own prefill, as k3_drafter_propose does */
-            if ((rc = prefill(a[w[g]], err))) goto out;
+            if ((rc = prefill(a[w[g]], a[w[g]]->n, err))) goto out;
         } else if (i > g && (rc = catch_up(a, w + g, cnt + g, i - g, ss, ids, lg, err))) {
             goto out;
         }
@@ -461,6 +479,8 @@ k3_draft_stats k3_drafter_stats(const k3_drafter *d) {
 }
 
 k3_engine *k3_drafter_engine(k3_drafter *d) { return d ? d->e : NULL; }
+
+void k3_drafter_set_catchup(k3_drafter *d, int ids) { d->catchup = ids > 0 ? ids : 0; }
 
 int k3_drafter_for(const k3_engine *target, const char *draft_dir, double p_min, int kmax, int64_t max_pos,
                    k3_drafter **out, k3_err *err) {

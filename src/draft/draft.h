@@ -108,6 +108,15 @@ k3_draft_stats k3_drafter_stats(const k3_drafter *d);
 /* The draft model's engine (NULL for an n-gram drafter), for its report. */
 k3_engine *k3_drafter_engine(k3_drafter *d);
 
+/* A draft model behind a new history (a prompt) feeds at most ids of it per
+ * ask and drafts nothing until it has caught up (0, the default: all at
+ * once). For drafters of sequences that share steps (k3 serve --parallel):
+ * one request's long prompt then costs the others' steps a chunk of the
+ * draft model at a time, as the target's own prefill is split, instead of
+ * the whole prompt at once. The drafts, once caught up, are the same.
+ * Siblings made after it take the bound too. No effect on n-gram. */
+void k3_drafter_set_catchup(k3_drafter *d, int ids);
+
 /* ---- how likely a draft is kept --------------------------------------------
  * A draft model's probability for its greedy id predicts whether the target
  * keeps it, but how well depends on the pair of models. The gate counts, per

@@ -692,6 +692,9 @@ static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_
     b->cache = k3_state_cache_new(k3_engine_config(b->e), cache_bytes, 0);
     if ((rc = open_slots(b, slots, cache_bytes, err))) return rc;
     if ((rc = k3_drafter_for(b->e, so ? so->draft_dir : NULL, so ? so->p_min : 0.0, spec_max, ctx, &b->sl[0].drafter, err))) return rc;
+    k3_engine *de = k3_drafter_engine(b->sl[0].drafter);
+    if (de && b->nslots > 1) /* a prompt's drafter catches up a chunk a step, as the prefills interleave */
+        k3_drafter_set_catchup(b->sl[0].drafter, k3_engine_chunk(de));
     for (int q = 1; q < b->nslots && b->sl[0].drafter; q++)
         if ((rc = k3_drafter_sibling(b->sl[0].drafter, ctx, &b->sl[q].drafter, err))) return rc;
     return K3_OK;

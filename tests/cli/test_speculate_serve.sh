@@ -160,7 +160,10 @@ def chat(q, **kw):
 reqs = [chat(say + " again", temperature=0),
         chat("again please", temperature=0.9, top_k=50, seed=11),
         ("v1/completions", {"prompt": p + a + " " + p, "max_tokens": 32, "temperature": 0}),
-        chat("once more", temperature=0, stream=True)]
+        chat("once more", temperature=0, stream=True),
+        # a prompt longer than a prefill chunk (384 ids, the chunk 256): with several slots a
+        # draft model catches up with it a chunk a step
+        ("v1/completions", {"prompt": " ".join([p] * 32), "max_tokens": 24, "temperature": 0})]
 got = [None] * len(reqs)
 # how much of a prompt another request's state held depends on which of the
 # concurrent ones got there first, not on speculation
