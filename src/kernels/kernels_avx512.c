@@ -640,13 +640,25 @@ static bool g_panel = true;
 void k_avx512_set_panel(bool on) { g_panel = on; }
 static bool panel_on(void) { return g_panel; }
 
-#define PN_MIN 8
 static bool mx_fast(const k3_mat *W) { return W->cols % 16 == 0 && W->group > 0 && W->group % 16 == 0; }
+
+/* Inputs from which a product takes the panel path. Below them the direct
+ * tiles are faster: on a Zen 4 core (1 thread, per input, same run) BF16
+ * 2048x2048 at 8-16 inputs took 78 us direct against 115-148 us panel, and
+ * the direct tiles still won at 256 inputs there (bench_gemm: 105 against
+ * 98 GFLOP/s); MXFP4 1024x1024 at 8 inputs 24 against 28 us, about even
+ * at 16, the panel ahead from 22 inputs (bench_gemm's expert shapes at 22:
+ * 93 against 85 GFLOP/s). The panel's decode
+ * once per row pays for MXFP4 sooner; BF16 keeps it only for prefill-sized
+ * products, where another machine measured it ahead (docs/performance.md).
+ * Batched decode and verifying passes (a few to a few tens of inputs) stay
+ * on the direct tiles. Same bits either way. */
+static int pn_min(const k3_mat *W) { return W->type == KW_MXFP4 ? 16 : 64; }
 
 /* For MXFP4: a copy of X with every 16-block in the decode's lane order
  * (lane 2i <- element i, lane 2i+1 <- element 8+i), made once per product. */
 static size_t v_prepare(const k3_mat *W, const float *X, int n, float *Xp) {
-    if (W->type != KW_MXFP4 || !mx_fast(W) || n <= 0 || (n >= PN_MIN && panel_on())) return 0;
+    if (W->type != KW_MXFP4 || !mx_fast(W) || n <= 0 || (n >= pn_min(W) && panel_on())) return 0;
     size_t tot = (size_t)n * (size_t)W->cols;
     if (!Xp) return tot;
     for (size_t b = 0; b < tot; b += 16)
@@ -658,7 +670,7 @@ static size_t v_prepare(const k3_mat *W, const float *X, int n, float *Xp) {
 }
 
 /* ---- products over many inputs: rows decoded once into an f32 panel -------------------
- * With n >= PN_MIN inputs, a BF16 or MXFP4 row is widened (exactly) once into
+ * With n >= pn_min(W) inputs, a BF16 or MXFP4 row is widened (exactly) once into
  * a per-thread f32 panel of PN_ROWS rows and then multiplied by every input
  * from there: the decode (a shuffle per 16 weights, on the FMA ports) is paid
  * once per row instead of once per 6 inputs. The tile over the panel is the
@@ -803,7 +815,7 @@ TGT static void rowdots_panel(const k3_mat *W, const float *X, int n, float *Y, 
 
 TGT static void v_rowdots(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1, const void *aux) {
     prod P = {.W = W, .X = X, .aux = aux, .Y = Y, .cols = W->cols, .rows = W->rows};
-    if (n >= PN_MIN && panel_on()) {
+    if (n >= pn_min(W) && panel_on()) {
         rowdots_panel(W, X, n, Y, r0, r1);
         return;
     }
