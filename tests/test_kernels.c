@@ -715,8 +715,8 @@ TEST(products_panel_column_blocks_agree) {
     static const int shapes[][4] = {{KW_BF16, 37, 2070, 0}, {KW_BF16, 20, 1024, 0}, {KW_F32, 19, 1041, 0},
                                     {KW_MXFP4, 21, 2112, 32}, {KW_MXFP4, 18, 1040, 16}, {KW_MXFP4, 5, 1030, 10},
                                     {KW_BF16, 33, 40, 0}};
-    /* both sides of each type's panel threshold (the SIMD paths': 8, 16, 64) */
-    static const int ntoks[] = {7, 8, 9, 13, 15, 16, 17, 40, 63, 64, 65};
+    /* both sides of each type's panel threshold (the SIMD paths': 8, 16, 24, 64) */
+    static const int ntoks[] = {7, 8, 9, 13, 15, 16, 17, 23, 24, 40, 63, 64, 65};
     for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
         kw_type type = (kw_type)shapes[si][0];
         int rows = shapes[si][1], cols = shapes[si][2];

@@ -600,7 +600,7 @@ DEF_TILES(tile_mx, TILE_MX_BODY)
 static bool mx_fast(const k3_mat *W) { return W->cols % 16 == 0 && W->group > 0 && W->group % 16 == 0; }
 
 /* ---- products over many inputs: rows decoded once into an f32 panel -------------------
- * With n >= PN_MIN inputs (prefill) and cols a multiple of 16, a block of
+ * With n >= pn_min(W) inputs (prefill) and cols a multiple of 16, a block of
  * PN_ROWS weight rows is widened (exactly) once into a per-thread f32 panel
  * and multiplied by every input from there, so the decode is paid once per
  * row instead of once per 3 inputs. The tile is 4 rows x 3 inputs with ONE
@@ -612,7 +612,6 @@ static bool mx_fast(const k3_mat *W) { return W->cols % 16 == 0 && W->group > 0 
  * a tile's rows and inputs in L1 for its second pass; between passes and
  * blocks the accumulators wait in part[] (stored and reloaded exactly). Each
  * lane still sees its elements in increasing j, from +0: the scalar bits. */
-#define PN_MIN 8
 #define PN_ROWS 16
 #define PN_KC 512
 #define PTB 3
@@ -678,8 +677,15 @@ TGT static void panel_decode(const k3_mat *W, int r, int nr, float *dst, size_t 
 
 static float *panel_buf(size_t floats) { return k_scratch(K_SCRATCH_PANEL, floats * sizeof(float)); }
 
+/* Inputs from which the panel pays on this path: MXFP4 from 8 (its direct
+ * decode is dear: 1024x1024 at 8-256 inputs 59-62 us a token direct against
+ * 31-42 panel), BF16 and F32 from 24 (2048x2048 at 8-16 inputs about 140 us
+ * direct against 165-290 panel, the panel ahead from 24-32). Measured on a
+ * Zen 4 core with K3_ISA=avx2, 1 thread. Same bits either way. */
+static int pn_min(const k3_mat *W) { return W->type == KW_MXFP4 ? 8 : 24; }
+
 static bool panel_fits(const k3_mat *W, int n) {
-    return n >= PN_MIN && W->cols % 16 == 0 && (W->type != KW_MXFP4 || mx_fast(W));
+    return n >= pn_min(W) && W->cols % 16 == 0 && (W->type != KW_MXFP4 || mx_fast(W));
 }
 
 TGT static void rowdots_panel(const k3_mat *W, const float *X, int n, float *Y, int r0, int r1) {
