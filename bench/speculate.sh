@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/speculate.sh: speculative decoding (`k3 run --speculate K`, n-gram
-# drafts) against plain decoding, measured in one run, and the bytes a
-# generated token reads from disk when the trunk is streamed.
+# drafts and a draft model) against plain decoding, measured in one run, and
+# the bytes a generated token reads from disk when the trunk is streamed.
 #
 #   bench/speculate.sh [--part speed|bytes|all] [--model DIR] [--prompts N] [--gen N]
 #                      [--speculate K] [--seed S] [--threads T] [--bytes-preset NAME]
