@@ -466,9 +466,9 @@ TEST(spec_ngram_ids_equal_plain_1_thread) { spec_equals_plain(NULL, 0.0f, 1); }
 TEST(spec_ngram_ids_equal_plain_2_threads) { spec_equals_plain(NULL, 0.0f, 2); }
 TEST(spec_draft_model_ids_equal_plain) { spec_equals_plain(t_repo("models/default"), K3_DRAFT_P_MIN, 2); }
 /* another model drafting (the 5M fixture, the same tokenizer: some drafts
- * rejected), its drafts stopped by its confidence and by the acceptance */
+ * rejected), its drafts stopped by the gate (the acceptance controller with
+ * it: tests/cli/test_speculate.sh, --draft-p-min 0) */
 TEST(spec_small_draft_model_ids_equal_plain) { spec_equals_plain(t_fixture("trained-5m"), K3_DRAFT_P_MIN, 1); }
-TEST(spec_small_draft_model_ungated_ids_equal_plain) { spec_equals_plain(t_fixture("trained-5m"), 0.0, 2); }
 
 /* The memory plan holds a verifying pass in one chunk (each streamed layer
  * and each distinct expert read once per pass), counts its rollback record,

@@ -82,8 +82,6 @@ same small-draft --gen 40 --cache-gb 0.001 -- --draft "$D"
 counters small-draft
 same small-draft-sampled --gen 40 --temperature 0.8 --seed 4 -- --draft "$D" --draft-p-min 0.5
 same small-draft-ungated --gen 40 -- --draft "$D" --draft-p-min 0
-# --draft-p-min 1: drafts only where none of their probability was ever rejected
-same small-draft-strict --gen 24 -- --draft "$D" --draft-p-min 1
 # more drafts than the context has room for: capped, same output
 same beyond-context --gen 3 -- --speculate 16
 
