@@ -228,17 +228,25 @@ int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err 
     return K3_OK;
 }
 
+/* How many leading ids d's session shares with hist[0..n). */
+static size_t shared_ids(const k3_drafter *d, const int32_t *hist, size_t n) {
+    size_t len = k3_session_len(d->s), same = 0;
+    const int32_t *own = k3_session_ids(d->s);
+    while (same < len && same < n && own[same] == hist[same]) same++;
+    return same;
+}
+
 /* What the target did with d's last drafts, told by the history that
- * follows them (hist[0..n) extends the one they were drafted after): each
- * draft up to the first rejected one is recorded in the gate; drafts past
- * the history's end were never verified and count for nothing. */
-static void learn(k3_drafter *d, const int32_t *hist, size_t n) {
+ * follows them (hist[0..n), sharing its first `same` ids with the session,
+ * extends the one they were drafted after): each draft up to the first
+ * rejected one is recorded in the gate; drafts past the history's end were
+ * never verified and count for nothing. */
+static void learn(k3_drafter *d, const int32_t *hist, size_t n, size_t same) {
     size_t n0 = d->last_at;
     int m = d->last_n;
     d->last_n = 0;
     d->last_at = n;
-    if (m == 0 || n <= n0 || k3_session_len(d->s) < n0 || memcmp(k3_session_ids(d->s), hist, n0 * sizeof *hist))
-        return;
+    if (m == 0 || n <= n0 || same < n0) return;
     for (int i = 0; i < m && n0 + (size_t)i < n; i++) {
         bool kept = hist[n0 + (size_t)i] == d->last[i];
         k3_draft_gate_record(&d->gate, d->last_p[i], kept);
@@ -246,14 +254,11 @@ static void learn(k3_drafter *d, const int32_t *hist, size_t n) {
     }
 }
 
-/* Ends d's open pass at what its ids share with hist[0..n): the drafts the
- * target kept stay, the others are taken back. */
-static int take_back(k3_drafter *d, const int32_t *hist, size_t n, k3_err *err) {
+/* Ends d's open pass at the `same` ids its session shares with the
+ * history: the drafts the target kept stay, the others are taken back. */
+static int take_back(k3_drafter *d, size_t same, k3_err *err) {
     if (!k3_session_in_pass(d->s)) return K3_OK;
-    size_t len = k3_session_len(d->s), n0 = len - (size_t)k3_state_pass_len(d->st);
-    const int32_t *own = k3_session_ids(d->s);
-    size_t same = 0;
-    while (same < len && same < n && own[same] == hist[same]) same++;
+    size_t n0 = k3_session_len(d->s) - (size_t)k3_state_pass_len(d->st);
     return k3_session_pass_end(d->s, same > n0 ? same - n0 : 0, err);
 }
 
@@ -333,17 +338,18 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
     int32_t *ids = xmalloc_array((size_t)n * per, sizeof *ids);
     float **lg = xmalloc_array((size_t)n, sizeof *lg);
     double *surv = xmalloc_array((size_t)n, sizeof *surv); /* the chance a drafter's drafts so far are all kept */
+    bool *asked = xcalloc((size_t)n, sizeof *asked);        /* asked and caught up: an ask the gate answers */
     int rc = K3_OK, m = 0, rows = 0;
     for (int i = 0; i < n; i++) {
         k3_drafter *d = a[i]->d;
         surv[i] = 1.0;
-        learn(d, a[i]->hist, a[i]->n);
+        size_t same = shared_ids(d, a[i]->hist, a[i]->n);
+        learn(d, a[i]->hist, a[i]->n, same);
         int kk = a[i]->k < d->max_k ? a[i]->k : d->max_k;
         if (kk <= 0 || a[i]->n >= (size_t)k3_state_max_pos(d->st)) continue; /* no room to draft */
-        if ((rc = take_back(d, a[i]->hist, a[i]->n, err))) goto out;
+        if ((rc = take_back(d, same, err))) goto out;
         size_t room = (size_t)k3_state_max_pos(d->st) - a[i]->n;
         k[i] = (size_t)kk > room + 1 ? (int)(room + 1) : kk;
-        d->idle++; /* back to 0 below if it drafts */
     }
     /* the state holds the history, the logits of its last id */
     for (int i = 0; i < n; i++) {
@@ -356,10 +362,7 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
         }
         size_t upto = prefill_end(a[i]);
         if ((rc = prefill(a[i], upto, err))) goto out;
-        if (upto < a[i]->n) { /* still behind: no drafts this ask, nor a count against the gate */
-            k[i] = 0;
-            a[i]->d->idle--;
-        }
+        if (upto < a[i]->n) k[i] = 0; /* still behind: no drafts this ask, nor a count against the gate */
     }
     for (int i = 0, g = 0; i <= m; i++) { /* in passes of at most the chunk */
         if (i < m && rows + cnt[i] <= chunk) {
@@ -376,6 +379,7 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
     }
     for (int i = 0; i < n; i++)
         if (k[i] > 1 && (rc = k3_session_pass_begin(a[i]->d->s, k[i] - 1, err))) goto out;
+    for (int i = 0; i < n; i++) asked[i] = k[i] > 0;
     for (int pos = 0;; pos++) {
         m = 0;
         for (int i = 0; i < n; i++) {
@@ -386,7 +390,7 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
             double p = d->p_min > 0.0 ? exp((double)d->logits[id] - k3_log_sum_exp(d->logits, V)) : 1.0;
             if (d->p_min > 0.0) surv[i] *= k3_draft_gate_chance(&d->gate, p);
             /* after 64 asks with no draft one goes anyway, so the gate keeps learning */
-            bool probe = pos == 0 && d->idle > 64;
+            bool probe = pos == 0 && d->idle >= 64;
             if (id >= d->vocab || (surv[i] < d->p_min && !probe)) {
                 k[i] = pos; /* not the target's, or too likely to be rejected: no more drafts */
                 continue;
@@ -405,8 +409,9 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
         count_pass(a[0]->d, m);
     }
     for (int i = 0; i < n; i++)
-        if (a[i]->got) a[i]->d->idle = 0;
+        if (asked[i]) a[i]->d->idle = a[i]->got ? 0 : a[i]->d->idle + 1;
 out:
+    free(asked);
     free(surv);
     free(k);
     free(w);
