@@ -60,6 +60,7 @@ struct k3_serve {
     char model_id[128];
     struct MHD_Daemon *mhd;
     k3_http_guard *guard;      /* slow clients: the request deadline */
+    k3_http_door *door;        /* accepts connections, checks heads (owns listen_fd once open) */
     int listen_fd, port;
     bool loopback;
     int64_t started;

@@ -2,11 +2,12 @@
  * job queue, the slots' worker threads, and the hand-over of a job's bytes to its
  * connection (a whole body, or server-sent events as they are produced).
  *
- * libmicrohttpd runs a thread per connection, so a connection's thread may
- * block while its job waits or computes; each wait is timed (WAIT_MS) and on
- * every wake-up also checks whether the client hung up (poll POLLRDHUP on its
- * socket), so a vanished client cancels its job within WAIT_MS even while the
- * job is still queued or prefilling. */
+ * The door (http.h) accepts each connection and checks its head before
+ * libmicrohttpd reads it; libmicrohttpd then runs a thread per connection, so
+ * a connection's thread may block while its job waits or computes; each wait
+ * is timed (WAIT_MS) and on every wake-up also checks whether the client hung
+ * up (poll POLLRDHUP on its socket), so a vanished client cancels its job
+ * within WAIT_MS even while the job is still queued or prefilling. */
 #include "serve/serve_impl.h"
 #include "web/http.h"
 
@@ -798,43 +799,18 @@ static bool json_content(const char *ct) {
     return ct[16] == 0 || ct[16] == ';' || ct[16] == ' ';
 }
 
-static enum MHD_Result count_length_header(void *cls, enum MHD_ValueKind kind, const char *key, const char *value) {
-    (void)kind; (void)value;
-    int *n = cls;
-    if (!strcasecmp(key, "Content-Length")) n[0]++;
-    if (!strcasecmp(key, "Transfer-Encoding")) n[1]++;
-    return MHD_YES;
-}
-
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                               const char *version, const char *upload_data, size_t *upload_data_size,
                               void **con_cls) {
     k3_serve *s = cls;
     req_ctx *rc = *con_cls;
     k3_serve_error e;
+    (void)version; /* the door let only HTTP/1.0 and HTTP/1.1 in */
     if (!rc) {
-        const char *code;
-        char why[200];
-        unsigned bad = k3_http_check_request(c, version, &code, why, sizeof why);
-        if (bad) {
-            k3_serve_error_set(&e, (int)bad, code, NULL, "%s", why);
-            e.type = "invalid_request_error"; /* 501 and 505 too: the client's request, not a server fault */
-            return respond_error(s, c, method, url, &e);
-        }
         size_t asset = 0;
         int route = route_of(s, url, &asset);
         if (s->loopback && !k3_http_host_allowed(MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Host"))) {
             k3_serve_error_set(&e, 403, "forbidden_host", NULL, "the Host header names no loopback address");
-            return respond_error(s, c, method, url, &e);
-        }
-        /* two lengths (or a length beside chunking) leave the body's end to
-         * whichever a proxy in front believed: refused, as HTTP/1.1 says */
-        int framing[2] = {0, 0};
-        MHD_get_connection_values(c, MHD_HEADER_KIND, count_length_header, framing);
-        if (framing[0] > 1 || (framing[0] && framing[1])) {
-            k3_serve_error_set(&e, 400, "invalid_framing", NULL, framing[0] > 1 ? "the request has %d Content-Length "
-                    "headers: send one" : "the request has both Content-Length and Transfer-Encoding: send one",
-                    framing[0]);
             return respond_error(s, c, method, url, &e);
         }
         if (route == R_NONE) {
@@ -922,15 +898,25 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
 }
 
 static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
-    (void)toe;
+    (void)c; (void)toe;
     k3_serve *s = cls;
-    k3_http_guard_answered(c); /* the next request's clock starts */
     req_ctx *rc = *con_cls;
     if (!rc) return;
     atomic_fetch_sub(&s->n_open, 1);
     k3_sb_free(&rc->body);
     free(rc);
     *con_cls = NULL;
+}
+
+/* the door's refusals (a head libmicrohttpd would answer with HTML) */
+static char *door_error(void *cls, unsigned status, const char *code, const char *msg) {
+    k3_serve *s = cls;
+    k3_serve_error e;
+    k3_serve_error_set(&e, (int)status, code, NULL, "%s", msg);
+    e.type = "invalid_request_error"; /* 501 and 505 too: the client's request, not a server fault */
+    count_status(s, status);
+    if (s->o.verbose) fprintf(stderr, "k3 serve: %u (the request's head): %s\n", status, msg);
+    return k3_serve_error_json(&e);
 }
 
 static void mhd_log(void *cls, const char *fmt, va_list ap) {
@@ -978,17 +964,15 @@ int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **o
         }
         s->slots[q].started = true;
     }
-    /* a keep-alive connection may sit idle as long as MHD's own timeout allows */
-    if ((rc = k3_http_guard_new(s->o.request_timeout_s, s->o.request_timeout_s > IDLE_S ? s->o.request_timeout_s : IDLE_S,
-                                &s->guard, err))) {
+    if ((rc = k3_http_guard_new(s->o.request_timeout_s, &s->guard, err))) {
         k3_serve_stop(s);
         return rc;
     }
-    s->mhd = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0,
+    s->mhd = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ERROR_LOG |
+                                  MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC, 0,
                               NULL, NULL, handle, s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,
-                              MHD_OPTION_NOTIFY_COMPLETED, completed, s, MHD_OPTION_LISTEN_SOCKET, s->listen_fd,
+                              MHD_OPTION_NOTIFY_COMPLETED, completed, s,
                               MHD_OPTION_NOTIFY_CONNECTION, k3_http_guard_notify, s->guard,
-                              MHD_OPTION_URI_LOG_CALLBACK, k3_http_guard_uri, s->guard,
                               MHD_OPTION_CONNECTION_LIMIT, (unsigned)256,
                               MHD_OPTION_PER_IP_CONNECTION_LIMIT, s->o.client_connections,
                               MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)IDLE_S,
@@ -997,6 +981,14 @@ int k3_serve_start(const k3_serve_opts *o, const k3_serve_model *m, k3_serve **o
         k3_serve_stop(s);
         return k3_fail(err, K3_EXIT_RUNTIME, "%s:%d: the HTTP server did not start", host, o->port);
     }
+    k3_http_door_opts door = {.listen_fd = s->listen_fd, .mhd = s->mhd, .per_client = s->o.client_connections,
+                              .head_s = s->o.request_timeout_s, .max_body = s->o.max_body, .error = door_error,
+                              .error_cls = s};
+    if ((rc = k3_http_door_open(&door, &s->door, err))) {
+        k3_serve_stop(s);
+        return rc;
+    }
+    s->listen_fd = -1; /* the door's now */
     *out = s;
     return K3_OK;
 }
@@ -1034,8 +1026,9 @@ void k3_serve_stop(k3_serve *s) {
      * STOP_DRAIN_MS to send it, so a queued client reads "stopping", not a
      * reset */
     for (int t = 0; s->mhd && t < STOP_DRAIN_MS && atomic_load(&s->n_open) > 0; t += 10) usleep(10000);
-    if (s->mhd) MHD_stop_daemon(s->mhd); /* closes the listening socket */
-    else if (s->listen_fd >= 0) close(s->listen_fd);
+    k3_http_door_close(s->door); /* closes the listening socket */
+    if (s->listen_fd >= 0) close(s->listen_fd);
+    if (s->mhd) MHD_stop_daemon(s->mhd);
     k3_http_guard_free(s->guard);
     k3_tokbytes_free(s->tb);
     pthread_mutex_destroy(&s->mu);

@@ -2,7 +2,8 @@
  *
  * libmicrohttpd runs one internal thread (epoll) that calls `handle` for every
  * request; all run state lives on that thread, so nothing here is locked (the
- * slow-client guard's watchdog, http.h, touches only its own state). The
+ * door's thread, which accepts connections and checks their heads, and the
+ * slow-client guard's watchdog, http.h, touch only their own state). The
  * server never writes and never follows a name from the request onto the
  * filesystem: runs are chosen from a table by exact name, and the one route
  * that opens a file by name (/files/) accepts a single plain component, opened
@@ -52,6 +53,7 @@ typedef struct {
 struct k3_dashboard {
     struct MHD_Daemon *mhd;
     k3_http_guard *guard; /* slow clients (http.h) */
+    k3_http_door *door;   /* accepts connections, checks heads (owns listen_fd once open) */
     int listen_fd, port;
     bool loopback, verbose;
     double stale_after;
@@ -382,6 +384,17 @@ static enum MHD_Result respond_error(k3_dashboard *d, struct MHD_Connection *c, 
     return respond(d, c, url, code, "application/json; charset=utf-8", s, strlen(s), MHD_RESPMEM_MUST_FREE);
 }
 
+/* the door's refusals (a head libmicrohttpd would answer with HTML) */
+static char *door_error(void *cls, unsigned status, const char *code, const char *msg) {
+    k3_dashboard *d = cls;
+    (void)code;
+    if (d->verbose) fprintf(stderr, "k3 dashboard: %u (the request's head): %s\n", status, msg);
+    json_t *o = json_pack("{s:s}", "error", msg);
+    char *s = o ? json_dumps(o, JSON_FLAGS) : NULL;
+    json_decref(o);
+    return s;
+}
+
 static enum MHD_Result respond_json(k3_dashboard *d, struct MHD_Connection *c, const char *url, json_t *o) {
     char *s = json_dumps(o, JSON_FLAGS);
     json_decref(o);
@@ -472,12 +485,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
                               void **con_cls) {
     (void)upload_data;
     k3_dashboard *d = cls;
-    if (*con_cls == NULL) {
-        const char *code;
-        char why[200];
-        unsigned bad = k3_http_check_request(c, version, &code, why, sizeof why);
-        if (bad) return respond_error(d, c, url, bad, why);
-    }
+    (void)version; /* the door let only HTTP/1.0 and HTTP/1.1 in */
     if (strcmp(method, "GET") && strcmp(method, "HEAD")) {
         *upload_data_size = 0; /* never read a body */
         return respond_error(d, c, url, MHD_HTTP_METHOD_NOT_ALLOWED, "method not allowed");
@@ -549,11 +557,6 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     return respond_json(d, c, url, o);
 }
 
-static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
-    (void)cls; (void)con_cls; (void)toe;
-    k3_http_guard_answered(c); /* the next request's clock starts */
-}
-
 static void mhd_log(void *cls, const char *fmt, va_list ap) {
     k3_dashboard *d = cls;
     if (!d->verbose) return;
@@ -614,18 +617,15 @@ int k3_dashboard_start(const k3_dashboard_opts *o, k3_dashboard **out, k3_err *e
     }
     d->last_scan = k3_now();
     double request_s = o->request_timeout_s > 0 ? o->request_timeout_s : 30;
-    /* a keep-alive connection may sit idle as long as MHD's own timeout allows */
-    rc = k3_http_guard_new(request_s, request_s > IDLE_S ? request_s : IDLE_S, &d->guard, err);
+    rc = k3_http_guard_new(request_s, &d->guard, err);
     if (rc != K3_OK) {
         k3_dashboard_stop(d);
         return rc;
     }
-    d->mhd = MHD_start_daemon(MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG, 0, NULL, NULL, handle, d,
+    d->mhd = MHD_start_daemon(MHD_USE_AUTO_INTERNAL_THREAD | MHD_USE_ERROR_LOG | MHD_USE_NO_LISTEN_SOCKET | MHD_USE_ITC,
+                              0, NULL, NULL, handle, d,
                               MHD_OPTION_EXTERNAL_LOGGER, mhd_log, d,
-                              MHD_OPTION_NOTIFY_COMPLETED, completed, d,
-                              MHD_OPTION_LISTEN_SOCKET, d->listen_fd,
                               MHD_OPTION_NOTIFY_CONNECTION, k3_http_guard_notify, d->guard,
-                              MHD_OPTION_URI_LOG_CALLBACK, k3_http_guard_uri, d->guard,
                               MHD_OPTION_CONNECTION_LIMIT, (unsigned)128,
                               MHD_OPTION_PER_IP_CONNECTION_LIMIT,
                               o->client_connections ? o->client_connections : 32u,
@@ -636,6 +636,14 @@ int k3_dashboard_start(const k3_dashboard_opts *o, k3_dashboard **out, k3_err *e
         k3_dashboard_stop(d);
         return k3_fail(err, K3_EXIT_RUNTIME, "%s:%d: the HTTP server did not start", host, o->port);
     }
+    k3_http_door_opts door = {.listen_fd = d->listen_fd, .mhd = d->mhd,
+                              .per_client = o->client_connections ? o->client_connections : 32u, .head_s = request_s,
+                              .max_body = (size_t)1 << 20, .error = door_error, .error_cls = d};
+    if ((rc = k3_http_door_open(&door, &d->door, err))) {
+        k3_dashboard_stop(d);
+        return rc;
+    }
+    d->listen_fd = -1; /* the door's now */
     *out = d;
     return K3_OK;
 }
@@ -645,8 +653,9 @@ size_t k3_dashboard_nruns(const k3_dashboard *d) { return d->nruns; }
 
 void k3_dashboard_stop(k3_dashboard *d) {
     if (!d) return;
-    if (d->mhd) MHD_stop_daemon(d->mhd); /* closes the listening socket too */
-    else if (d->listen_fd >= 0) close(d->listen_fd);
+    k3_http_door_close(d->door); /* closes the listening socket */
+    if (d->listen_fd >= 0) close(d->listen_fd);
+    if (d->mhd) MHD_stop_daemon(d->mhd);
     k3_http_guard_free(d->guard);
     for (size_t i = 0; i < d->nruns; i++) free_run(d->runs[i]);
     free(d->runs);

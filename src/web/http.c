@@ -72,16 +72,25 @@ int k3_http_listen(const char *host, int port, int *out_fd, int *bound_port, k3_
     return K3_OK;
 }
 
+/* the headers every response carries beside its Content-Type; Connection:
+ * close keeps a connection to the one request the door checked */
+static const char *const HEADERS[][2] = {
+    {"Cache-Control", "no-store"}, {"X-Content-Type-Options", "nosniff"}, {"Referrer-Policy", "no-referrer"},
+    {"X-Frame-Options", "DENY"},   {"Connection", "close"},
+};
+static const char PAGE_CSP[] = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
 void k3_http_headers(struct MHD_Response *r, const char *type) {
     MHD_add_response_header(r, "Content-Type", type);
-    MHD_add_response_header(r, "Cache-Control", "no-store");
-    MHD_add_response_header(r, "X-Content-Type-Options", "nosniff");
-    MHD_add_response_header(r, "Referrer-Policy", "no-referrer");
-    MHD_add_response_header(r, "X-Frame-Options", "DENY");
-    if (!strncmp(type, "text/html", 9))
-        MHD_add_response_header(r, "Content-Security-Policy",
-                                "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                                "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'");
+    for (size_t i = 0; i < sizeof HEADERS / sizeof *HEADERS; i++) MHD_add_response_header(r, HEADERS[i][0], HEADERS[i][1]);
+    if (!strncmp(type, "text/html", 9)) MHD_add_response_header(r, "Content-Security-Policy", PAGE_CSP);
+}
+
+void k3_http_header_lines(k3_sbuf *b, const char *type) {
+    k3_sb_printf(b, "Content-Type: %s\r\n", type);
+    for (size_t i = 0; i < sizeof HEADERS / sizeof *HEADERS; i++) k3_sb_printf(b, "%s: %s\r\n", HEADERS[i][0], HEADERS[i][1]);
+    if (!strncmp(type, "text/html", 9)) k3_sb_printf(b, "Content-Security-Policy: %s\r\n", PAGE_CSP);
 }
 
 struct MHD_Response *k3_http_buffer(const char *type, void *body, size_t len, enum MHD_ResponseMemoryMode mode) {
@@ -123,14 +132,13 @@ typedef struct guard_conn {
     int fd;
     double due; /* k3_now() by which the next step must come; 0: none runs */
     bool dropped;
-    size_t uri_len; /* the current request's target as sent, query included */
 } guard_conn;
 
 struct k3_http_guard {
     pthread_mutex_t mu;
     pthread_t thread;
     atomic_bool stop;
-    double request_s, idle_s;
+    double request_s;
     guard_conn *head;
     atomic_uint_fast64_t dropped;
 };
@@ -156,13 +164,12 @@ static void *guard_main(void *arg) {
     return NULL;
 }
 
-int k3_http_guard_new(double request_s, double idle_s, k3_http_guard **out, k3_err *err) {
+int k3_http_guard_new(double request_s, k3_http_guard **out, k3_err *err) {
     k3_http_guard *g = xcalloc(1, sizeof *g);
     pthread_mutex_init(&g->mu, NULL);
     atomic_init(&g->stop, false);
     atomic_init(&g->dropped, 0);
     g->request_s = request_s;
-    g->idle_s = idle_s;
     if (pthread_create(&g->thread, NULL, guard_main, g) != 0) {
         pthread_mutex_destroy(&g->mu);
         free(g);
@@ -220,53 +227,10 @@ static guard_conn *guard_of(struct MHD_Connection *c) {
     return ci ? ci->socket_context : NULL;
 }
 
-static void guard_set(struct MHD_Connection *c, int what) {
+void k3_http_guard_arrived(struct MHD_Connection *c) {
     guard_conn *gc = guard_of(c);
     if (!gc) return;
-    k3_http_guard *g = gc->g;
-    pthread_mutex_lock(&g->mu);
-    if (!gc->dropped) gc->due = what == 0 ? 0 : k3_now() + (what == 1 ? g->request_s : g->idle_s);
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_lock(&gc->g->mu);
+    gc->due = 0;
+    pthread_mutex_unlock(&gc->g->mu);
 }
-
-void *k3_http_guard_uri(void *cls, const char *uri, struct MHD_Connection *c) {
-    (void)cls;
-    guard_set(c, 1);
-    /* the handler gets the target unescaped and without its query: its
-     * length as sent is known only here (the connection's own thread) */
-    guard_conn *gc = guard_of(c);
-    if (gc) gc->uri_len = uri ? strlen(uri) : 0;
-    return NULL;
-}
-
-unsigned k3_http_check_request(struct MHD_Connection *c, const char *version, const char **code, char *msg,
-                               size_t cap) {
-    if (!version || (strcmp(version, "HTTP/1.1") && strcmp(version, "HTTP/1.0"))) {
-        *code = "http_version_not_supported";
-        snprintf(msg, cap, "HTTP version '%.20s' is not supported: send HTTP/1.1 or HTTP/1.0", version ? version : "");
-        return 505;
-    }
-    guard_conn *gc = guard_of(c);
-    if (gc && gc->uri_len > K3_HTTP_MAX_URI) {
-        *code = "uri_too_long";
-        snprintf(msg, cap, "the request target is %zu bytes, over the limit of %zu", gc->uri_len, K3_HTTP_MAX_URI);
-        return 414;
-    }
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
-    if (ci && ci->header_size > K3_HTTP_MAX_HEAD) {
-        *code = "request_header_fields_too_large";
-        snprintf(msg, cap, "the request line and headers are %zu bytes, over the limit of %zu", ci->header_size,
-                 K3_HTTP_MAX_HEAD);
-        return 431;
-    }
-    const char *te = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Transfer-Encoding");
-    if (te && strcasecmp(te, "chunked")) {
-        *code = "unsupported_transfer_encoding";
-        snprintf(msg, cap, "a Transfer-Encoding other than chunked is not supported: send chunked, or a Content-Length");
-        return 501;
-    }
-    return 0;
-}
-
-void k3_http_guard_arrived(struct MHD_Connection *c) { guard_set(c, 0); }
-void k3_http_guard_answered(struct MHD_Connection *c) { guard_set(c, 2); }

@@ -41,11 +41,34 @@ CASES = {
     "header-30k": b"GET /health HTTP/1.1\r\n" + HOST + b"X-Big: " + b"a" * 30000 + b"\r\n\r\n",
     # a body framing libmicrohttpd cannot end: it would wait for the close
     "te-gzip": JSON_POST + b"Transfer-Encoding: gzip\r\n\r\n" + b"x" * 10,
+    # what libmicrohttpd would answer with its own HTML page: a head beyond
+    # its connection memory, versions it refuses, malformed lines and
+    # lengths (a negative one also sent its status line twice), bad chunks
+    "header-300k": b"GET /health HTTP/1.1\r\n" + HOST + b"X-Big: " + b"a" * 300000 + b"\r\n\r\n",
+    "version-2.0": b"GET /health HTTP/2.0\r\n" + HOST + b"\r\n",
+    "version-0.9": b"GET /health\r\n\r\n",
+    "bad-version": b"GET /health HTTP/1.1x\r\n" + HOST + b"\r\n",
+    "bad-line": b"GET  /health HTTP/1.1\r\n" + HOST + b"\r\n",
+    "bad-header": b"GET /health HTTP/1.1\r\n" + HOST + b"No colon here\r\n\r\n",
+    "folded-header": b"GET /health HTTP/1.1\r\n" + HOST + b"X-A: 1\r\n  continued\r\n\r\n",
+    "length-negative": JSON_POST + b"Content-Length: -1\r\n\r\n",
+    "length-junk": JSON_POST + b"Content-Length: 12abc\r\n\r\n{}",
+    "length-2e64": JSON_POST + b"Content-Length: 36893488147419103232\r\n\r\n{}",
+    "chunk-bad-size": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    "chunk-too-long": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}xx\r\n0\r\n\r\n",
+    "chunk-no-lf": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\n2\r{}\r\n0\r\n\r\n",
+    # a good chunked body, in pieces, with an extension and a trailer: served
+    "chunk-ok": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\n"
+    + b"".join(b"%x;x=1\r\n%s\r\n" % (len(p), p) for p in (b'{"prompt": "Once', b' upon", "max_tok', b'ens": 2}'))
+    + b"0\r\nX-Trailer: 1\r\n\r\n",
 }
 # the dashboard's routes
 CASES["dash-version-1.7"] = CASES["version-1.7"].replace(b"/health", b"/api/runs")
 CASES["dash-header-100k"] = CASES["header-100k"].replace(b"/health", b"/api/runs")
 CASES["dash-uri-20k"] = CASES["uri-20k"]
+CASES["dash-header-300k"] = CASES["header-300k"].replace(b"/health", b"/api/runs")
+CASES["dash-version-2.0"] = CASES["version-2.0"].replace(b"/health", b"/api/runs")
+CASES["dash-chunk-bad"] = CASES["chunk-bad-size"].replace(b"POST /v1/completions", b"GET /api/runs")
 
 
 def connect(port):

@@ -32,6 +32,7 @@ def run(r, barrier):
     if barrier:
         barrier.wait()
     c.request("POST", path, body, {"Content-Type": "application/json"})
+    sock = c.sock  # the response keeps it; the connection lets go of it (Connection: close)
     resp = c.getresponse()
     lines = ["status %d" % resp.status]
     if r["body"].get("stream"):
@@ -45,11 +46,10 @@ def run(r, barrier):
             data = line[6:]
             lines.append(data if data == "[DONE]" else dump(json.loads(data)))
             if data == "[DONE]":
-                # the stream's end; the connection stays open (keep-alive),
-                # so reading on would wait for the server's idle timeout
+                # the stream's end
                 break
             if r["name"] == cancel:
-                c.sock.shutdown(socket.SHUT_RDWR)
+                sock.shutdown(socket.SHUT_RDWR)
                 c.close()
                 lines.append("closed")
                 break

@@ -336,7 +336,8 @@ if start_dash "$OUT/server4.log" --run-dir "$OUT/runs" --request-timeout 2 --cli
   check per-client-limit "$(python3 tests/cli/raw_http.py "$PORT" perip 4 2>&1)" "last-closed True first-open True"
   get /api/runs
   ok per-client-after is "$CODE" 200
-  for c in dash-version-1.7:505 dash-uri-20k:414 dash-header-100k:431; do
+  for c in dash-version-1.7:505 dash-uri-20k:414 dash-header-100k:431 dash-header-300k:431 dash-version-2.0:505 \
+           dash-chunk-bad:400; do
     check "http-${c%%:*}" "$(python3 tests/cli/raw_http.py "$PORT" ask "${c%%:*}" 2>&1)" "1 ${c##*:} application/json msg"
   done
   stop_wait "$DPID" TERM

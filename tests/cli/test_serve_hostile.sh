@@ -119,17 +119,25 @@ print(head.split(b"\r\n")[0].decode(errors="replace"), code)
 EOF2
 check two-content-length "$(python3 "$OUT/framing.py" "$PORT" two 2>&1)" "HTTP/1.1 400 Bad Request invalid_framing"
 check length-and-chunked "$(python3 "$OUT/framing.py" "$PORT" te 2>&1)" "HTTP/1.1 400 Bad Request invalid_framing"
-# HTTP that libmicrohttpd lets through (or would answer with its own HTML
-# page) within its connection memory: one OpenAI error object, once
+# HTTP that libmicrohttpd lets through or would answer with its own HTML
+# page: one OpenAI error object, once
 for c in version-1.7:505:http_version_not_supported uri-20k:414:uri_too_long uri-100k:414:uri_too_long \
          query-9k:414:uri_too_long header-100k:431:request_header_fields_too_large \
-         headers-40k:431:request_header_fields_too_large te-gzip:501:unsupported_transfer_encoding; do
+         headers-40k:431:request_header_fields_too_large te-gzip:501:unsupported_transfer_encoding \
+         header-300k:431:request_header_fields_too_large version-2.0:505:http_version_not_supported \
+         version-0.9:505:http_version_not_supported bad-version:400:invalid_request_line \
+         bad-line:400:invalid_request_line bad-header:400:invalid_header folded-header:400:invalid_header \
+         length-negative:400:invalid_content_length length-junk:400:invalid_content_length \
+         length-2e64:413:request_too_large chunk-bad-size:400:invalid_chunked_body \
+         chunk-too-long:400:invalid_chunked_body chunk-no-lf:400:invalid_chunked_body; do
   IFS=: read -r name st code <<<"$c"
   check "http-$name" "$(python3 tests/cli/raw_http.py "$PORT" ask "$name" 2>&1)" "1 $st application/json $code"
 done
 # just within the limits: served
 check http-query-7k "$(python3 tests/cli/raw_http.py "$PORT" ask query-7k 2>&1)" "1 200 application/json -"
 check http-header-30k "$(python3 tests/cli/raw_http.py "$PORT" ask header-30k 2>&1)" "1 200 application/json -"
+# a chunked body, decoded by k3 and handed on: served like a Content-Length one
+check http-chunk-ok "$(python3 tests/cli/raw_http.py "$PORT" ask chunk-ok 2>&1)" "1 200 application/json -"
 stop_wait "$SPID"; check slow-stop "$RC" 0
 
 # ---- a stop with requests in flight: each gets a well-formed end ----

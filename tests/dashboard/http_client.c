@@ -4,9 +4,12 @@
  *   http_client PORT raw            send stdin byte for byte, print the whole
  *                                   response (until the server closes, or 2 s of silence)
  *   http_client PORT load N PATH... N GET requests cycling through PATHs, nine
- *                                   in ten on a kept-alive connection, one in
- *                                   ten on a fresh one; every response must be
- *                                   a complete 200. Prints "ok=N bad=M". */
+ *                                   in ten asking to keep the connection, one
+ *                                   in ten asking to close it; a connection
+ *                                   the answer closes (Connection: close) is
+ *                                   not used again, as HTTP/1.1 says. Every
+ *                                   response must be a complete 200. Prints
+ *                                   "ok=N bad=M". */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -58,8 +61,9 @@ static int raw(int port) {
     return 0;
 }
 
-/* Reads one response on fd; returns its status, or -1. Body is read and dropped. */
-static int read_response(int fd, char *buf, size_t cap, size_t *have) {
+/* Reads one response on fd; returns its status, or -1, and whether it
+ * closes the connection. Body is read and dropped. */
+static int read_response(int fd, char *buf, size_t cap, size_t *have, bool *closes) {
     char *end = NULL;
     for (;;) {
         buf[*have] = 0;
@@ -74,6 +78,7 @@ static int read_response(int fd, char *buf, size_t cap, size_t *have) {
     long long clen = -1;
     for (char *h = strstr(buf, "\r\n"); h && h < end; h = strstr(h + 2, "\r\n"))
         if (!strncasecmp(h + 2, "Content-Length:", 15)) clen = atoll(h + 17);
+        else if (!strncasecmp(h + 2, "Connection: close\r\n", 19)) *closes = true;
     if (clen < 0) return -1;
     size_t head = (size_t)(end - buf) + 4;
     size_t body = *have - head;
@@ -106,13 +111,14 @@ static int load(int port, long n, char **paths, int npaths) {
         if (len < 0 || (size_t)len >= sizeof req || send_all(fd, req, (size_t)len) != 0) {
             bad++; close(fd); fd = -1; continue;
         }
-        int st = read_response(fd, buf, sizeof buf, &have);
+        bool closes = false;
+        int st = read_response(fd, buf, sizeof buf, &have, &closes);
         if (st == 200) ok++;
         else {
             if (bad < 5) fprintf(stderr, "request %ld (%s): status %d\n", i, paths[i % npaths], st);
             bad++;
         }
-        if (st < 0 || fresh) { close(fd); fd = -1; }
+        if (st < 0 || fresh || closes) { close(fd); fd = -1; }
     }
     if (fd >= 0) close(fd);
     printf("ok=%ld bad=%ld\n", ok, bad);
