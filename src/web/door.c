@@ -137,6 +137,10 @@ unsigned k3_http_check_head(const char *b, size_t n, k3_http_head *h, const char
             h->chunked = true;
             h->te_at = at;
             h->te_len = next - at;
+        } else if (k - at == 6 && !strncasecmp(b + at, "Expect", 6) && ve - v == 12 &&
+                   !strncasecmp(b + v, "100-continue", 12)) {
+            h->ex_at = at;
+            h->ex_len = next - at;
         }
         at = next;
     }
@@ -444,9 +448,21 @@ static void head_in(k3_http_door *d, int i, const char *b, const k3_http_head *h
         MHD_add_connection(d->o.mhd, fd, (const struct sockaddr *)&a, al); /* closes fd on failure */
         return;
     }
-    /* the head goes on without its Transfer-Encoding line, with a length */
-    k3_sb_put(&c->req, b, h->te_at);
-    k3_sb_put(&c->req, b + h->te_at + h->te_len, h->blank_at - h->te_at - h->te_len);
+    /* the head goes on without its Transfer-Encoding line, with a length;
+     * a client that waits for 100 Continue before its body gets it from the
+     * door, and the library (which gets the body at once) no Expect */
+    size_t cut[2][2] = {{h->te_at, h->te_len}, {h->ex_at, h->ex_len}}, at = 0;
+    if (h->ex_len && h->ex_at < h->te_at) {
+        cut[0][0] = h->ex_at, cut[0][1] = h->ex_len;
+        cut[1][0] = h->te_at, cut[1][1] = h->te_len;
+    }
+    for (int k = 0; k < 2; k++) {
+        if (!cut[k][1]) continue;
+        k3_sb_put(&c->req, b + at, cut[k][0] - at);
+        at = cut[k][0] + cut[k][1];
+    }
+    k3_sb_put(&c->req, b + at, h->blank_at - at);
+    if (h->ex_len) send(c->fd, "HTTP/1.1 100 Continue\r\n\r\n", 25, MSG_NOSIGNAL | MSG_DONTWAIT);
     char sink[HEAD_CAP];
     size_t left = h->len;
     while (left) { /* take the head off the socket: it is all there, peeked */

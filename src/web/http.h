@@ -68,6 +68,7 @@ typedef struct {
     size_t len;            /* the head, its blank line included */
     size_t blank_at;       /* where its blank line starts */
     size_t te_at, te_len;  /* the Transfer-Encoding line (0, 0: none) */
+    size_t ex_at, ex_len;  /* the Expect: 100-continue line (0, 0: none) */
     bool chunked;          /* Transfer-Encoding: chunked */
 } k3_http_head;
 

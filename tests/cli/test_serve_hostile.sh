@@ -138,6 +138,11 @@ check http-query-7k "$(python3 tests/cli/raw_http.py "$PORT" ask query-7k 2>&1)"
 check http-header-30k "$(python3 tests/cli/raw_http.py "$PORT" ask header-30k 2>&1)" "1 200 application/json -"
 # a chunked body, decoded by k3 and handed on: served like a Content-Length one
 check http-chunk-ok "$(python3 tests/cli/raw_http.py "$PORT" ask chunk-ok 2>&1)" "1 200 application/json -"
+# curl's chunked upload that waits for 100 Continue (20 s at most) before its body
+printf '{"prompt": "Once upon a time", "max_tokens": 2}' >"$OUT/chunk.json"
+r=$(curl -s -o /dev/null -w '%{http_code} %{time_total}' --max-time 30 --expect100-timeout 20 -H "$JSON" \
+  -H 'Transfer-Encoding: chunked' -H 'Expect: 100-continue' --data-binary @"$OUT/chunk.json" "$URL/v1/completions")
+check http-chunk-expect "$(python3 -c 'import sys; c, t = sys.argv[1].split(); print(c, float(t) < 10)' "$r" 2>&1)" "200 True"
 stop_wait "$SPID"; check slow-stop "$RC" 0
 
 # ---- a stop with requests in flight: each gets a well-formed end ----
