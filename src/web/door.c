@@ -401,22 +401,29 @@ static void send_all(int fd, const char *p, size_t n, bool *ok) {
 }
 
 /* Writes the request to libmicrohttpd's end of the pair, then copies its
- * answer to the client until either side ends; a client that hangs up ends
- * the pair, which libmicrohttpd sees as the client gone. */
+ * answer to the client until the library ends it or the client cannot take
+ * it. A client that stops sending has its end passed on to the pair, so the
+ * library sees what it sees of a client on its own socket (a hang-up
+ * cancels a generation). */
 static void *relay_main(void *arg) {
     relay *r = arg;
     k3_http_door *d = r->d;
-    bool ok = true;
+    bool ok = true, client_open = true;
     send_all(r->pair, r->req.p, r->req.n, &ok);
     k3_sb_free(&r->req);
     char buf[16384];
     while (ok) {
-        struct pollfd p[2] = {{.fd = r->pair, .events = POLLIN}, {.fd = r->client, .events = POLLRDHUP}};
+        struct pollfd p[2] = {{.fd = r->pair, .events = POLLIN},
+                              {.fd = client_open ? r->client : -1, .events = POLLRDHUP}};
         if (poll(p, 2, -1) < 0) {
             if (errno == EINTR) continue;
             break;
         }
-        if (p[1].revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) break;
+        if (p[1].revents & (POLLHUP | POLLERR | POLLNVAL)) break;
+        if (p[1].revents & POLLRDHUP) {
+            shutdown(r->pair, SHUT_WR);
+            client_open = false;
+        }
         if (p[0].revents & (POLLIN | POLLHUP | POLLERR)) {
             ssize_t n = read(r->pair, buf, sizeof buf);
             if (n < 0 && errno == EINTR) continue;
