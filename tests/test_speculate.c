@@ -171,7 +171,7 @@ TEST(spec_pass_bytes_release) {
 /* ---- drafters ------------------------------------------------------------------------- */
 
 TEST(spec_ngram_drafts_continue_the_latest_match) {
-    k3_drafter *d = k3_drafter_ngram(100, 2, 4);
+    k3_drafter *d = k3_drafter_ngram(100, 2, 4, 0.0);
     int32_t out[8];
     int got;
     k3_err err = {0};
@@ -188,14 +188,14 @@ TEST(spec_ngram_drafts_continue_the_latest_match) {
     CHECKF(got == 5 && out[0] == 6 && out[1] == 5 && out[2] == 6 && out[4] == 6, "loop: got %d", got);
     /* an extension of the last history is indexed on, the same as a fresh
      * drafter: "5 6" last ended at 4, followed by 5 9 5 */
-    k3_drafter *f = k3_drafter_ngram(100, 2, 4);
+    k3_drafter *f = k3_drafter_ngram(100, 2, 4, 0.0);
     const int32_t l2[] = {5, 6, 5, 6, 5, 9, 5, 6};
     int32_t o2[8];
     int g2;
     CHECK(k3_drafter_propose(d, l2, 8, 3, out, &got, &err) == 0 && k3_drafter_propose(f, l2, 8, 3, o2, &g2, &err) == 0);
     CHECK(got == g2 && got == 3 && !memcmp(out, o2, 3 * sizeof *out) && out[0] == 5 && out[1] == 9 && out[2] == 5);
     /* ids outside the target's vocabulary are never drafted */
-    k3_drafter *v = k3_drafter_ngram(7, 1, 2);
+    k3_drafter *v = k3_drafter_ngram(7, 1, 2, 0.0);
     const int32_t w[] = {3, 9, 3};
     CHECK(k3_drafter_propose(v, w, 3, 2, out, &got, &err) == 0 && got == 0);
     k3_drafter_free(d);
@@ -286,13 +286,63 @@ TEST(spec_draft_model_follows_the_history) {
  * (kept + 1) / (verified + 1). */
 TEST(spec_draft_gate_learns_per_tenth) {
     k3_draft_gate g = {0};
-    CHECK(k3_draft_gate_chance(&g, 0.35) == 1.0 && k3_draft_gate_chance(&g, 0.0) == 1.0);
-    for (int i = 0; i < 3; i++) k3_draft_gate_record(&g, 0.35, false);
-    CHECK(k3_draft_gate_chance(&g, 0.31) == 0.25 && k3_draft_gate_chance(&g, 0.39) == 0.25);
-    CHECK(k3_draft_gate_chance(&g, 0.45) == 1.0 && k3_draft_gate_chance(&g, 0.29) == 1.0);
-    for (int i = 0; i < 9; i++) k3_draft_gate_record(&g, 0.97, true);
-    k3_draft_gate_record(&g, 1.0, false); /* 1 falls in the top tenth */
-    CHECK(k3_draft_gate_chance(&g, 0.9) == 10.0 / 11.0);
+#define B k3_draft_gate_bucket
+    CHECK(B(0.0) == 0 && B(0.31) == 3 && B(0.39) == 3 && B(0.9) == 9 && B(1.0) == 9 && B(-1) == 0);
+    CHECK(k3_draft_gate_chance(&g, B(0.35)) == 1.0 && k3_draft_gate_chance(&g, B(0.0)) == 1.0);
+    for (int i = 0; i < 3; i++) k3_draft_gate_record(&g, B(0.35), false);
+    CHECK(k3_draft_gate_chance(&g, B(0.31)) == 0.25 && k3_draft_gate_chance(&g, B(0.39)) == 0.25);
+    CHECK(k3_draft_gate_chance(&g, B(0.45)) == 1.0 && k3_draft_gate_chance(&g, B(0.29)) == 1.0);
+    for (int i = 0; i < 9; i++) k3_draft_gate_record(&g, B(0.97), true);
+    k3_draft_gate_record(&g, B(1.0), false); /* 1 falls in the top tenth */
+    CHECK(k3_draft_gate_chance(&g, B(0.9)) == 10.0 / 11.0);
+#undef B
+}
+
+/* An n-gram drafter's gate learns per length of match, from the histories
+ * that follow its drafts; every length starts at even odds (as if one draft
+ * had been rejected), and at p_min 0.5 a draft goes while its chance
+ * (kept + 1) / (verified + 1) is at least 1/2. */
+static int ngram_ask(k3_drafter *d, int32_t *h, int *n, const int32_t *add, int m, int k, int32_t *out) {
+    for (int i = 0; i < m; i++) h[(*n)++] = add[i];
+    int got = -1;
+    k3_err err = {0};
+    if (k3_drafter_propose(d, h, (size_t)*n, k, out, &got, &err)) return -1;
+    return got;
+}
+
+TEST(spec_ngram_gate_learns_per_match_length) {
+    k3_drafter *d = k3_drafter_ngram(100, 2, 4, 0.5);
+    int32_t h[64], out[8];
+    int n = 0, got;
+    /* "1 2 3 4" matches, 4 ids: even odds, one draft (two: 1/4) */
+    got = ngram_ask(d, h, &n, (const int32_t[]){1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4}, 12, 2, out);
+    CHECKF(got == 1 && out[0] == 5, "got %d", got);
+    /* kept (the target went on 5, 9): a 4-id match's chance is 2/3 */
+    CHECK(ngram_ask(d, h, &n, (const int32_t[]){5, 9}, 2, 2, out) == 0); /* "5 9": no match */
+    got = ngram_ask(d, h, &n, (const int32_t[]){1, 2, 3, 4}, 4, 2, out);
+    CHECKF(got == 1 && out[0] == 5, "2/3, then 4/9: got %d", got);
+    /* rejected (7): 2/4, still a draft */
+    CHECK(ngram_ask(d, h, &n, (const int32_t[]){7}, 1, 2, out) == 0);
+    got = ngram_ask(d, h, &n, (const int32_t[]){1, 2, 3, 4}, 4, 2, out);
+    CHECKF(got == 1 && out[0] == 7, "2/4: got %d", got);
+    /* rejected (8): 2/5. Then "6 7" matches 2 ids: that length is untried */
+    CHECK(ngram_ask(d, h, &n, (const int32_t[]){8}, 1, 1, out) == 0); /* "4 8": no match */
+    got = ngram_ask(d, h, &n, (const int32_t[]){6, 7}, 2, 1, out);
+    CHECKF(got == 1 && out[0] == 8, "a 2-id match: got %d", got);
+    /* so a 4-id match drafts nothing now */
+    got = ngram_ask(d, h, &n, (const int32_t[]){1, 2, 3, 4}, 4, 2, out);
+    CHECKF(got == 0, "2/5: got %d", got);
+    /* 64 asks that matched and drafted nothing: the next drafts one anyway */
+    for (int i = 1; i < 64; i++) CHECK(ngram_ask(d, h, &n, NULL, 0, 2, out) == 0);
+    got = ngram_ask(d, h, &n, NULL, 0, 2, out);
+    CHECKF(got == 1 && out[0] == 8, "the probe: got %d", got);
+    CHECK(ngram_ask(d, h, &n, NULL, 0, 2, out) == 0);
+    /* without the gate, it does */
+    k3_drafter *f = k3_drafter_ngram(100, 2, 4, 0.0);
+    int nf = 0;
+    CHECK(ngram_ask(f, h + 32, &nf, h, n, 2, out) == 2);
+    k3_drafter_free(d);
+    k3_drafter_free(f);
 }
 
 /* --draft-p-min: the drafter learns from the histories that follow its

@@ -31,10 +31,10 @@ struct k3_drafter {
     int max_k;
     double p_min;       /* drafting stops where the chance the drafts so far are all kept falls below it */
     k3_draft_gate gate;
-    /* the last drafts proposed (and the draft model's probability of each),
-     * after a history of last_at ids: the next history says which were kept */
+    /* the last drafts proposed (and the gate's bucket of each), after a
+     * history of last_at ids: the next history says which were kept */
     int32_t last[K3_SPEC_MAX + 1];
-    float last_p[K3_SPEC_MAX + 1];
+    int last_b[K3_SPEC_MAX + 1];
     int last_n;
     size_t last_at;
     int idle;          /* asks in a row the gate drafted nothing for */
@@ -94,9 +94,14 @@ static void index_to(k3_drafter *d, size_t from, size_t n) {
     }
 }
 
-k3_drafter *k3_drafter_ngram(int vocab, int min_n, int max_n) {
+k3_drafter *k3_drafter_ngram(int vocab, int min_n, int max_n, double p_min) {
     k3_drafter *d = xcalloc(1, sizeof *d);
     d->vocab = vocab;
+    d->p_min = p_min > 0.0 && p_min <= 1.0 ? p_min : 0.0;
+    /* a match starts at even odds (as if one draft of each length had been
+     * rejected): a run of a few hundred ids cannot afford to learn from
+     * chains of untried drafts at every length */
+    for (int b = 0; b < K3_DRAFT_GATE_BUCKETS; b++) d->gate.seen[b] = 1;
     d->min_n = min_n < 1 ? 1 : min_n > 8 ? 8 : min_n;
     d->max_n = max_n < d->min_n ? d->min_n : max_n > 8 ? 8 : max_n;
     d->cap = 256;
@@ -105,10 +110,30 @@ k3_drafter *k3_drafter_ngram(int vocab, int min_n, int max_n) {
     return d;
 }
 
+/* What the target did with d's last drafts, told by the history that
+ * follows them (hist[0..n), sharing its first `same` ids with what d holds
+ * (its n-gram index's history, its draft model's session), extends the one
+ * they were drafted after): each draft up to the first
+ * rejected one is recorded in the gate; drafts past the history's end were
+ * never verified and count for nothing. */
+static void learn(k3_drafter *d, const int32_t *hist, size_t n, size_t same) {
+    size_t n0 = d->last_at;
+    int m = d->last_n;
+    d->last_n = 0;
+    d->last_at = n;
+    if (m == 0 || n <= n0 || same < n0) return;
+    for (int i = 0; i < m && n0 + (size_t)i < n; i++) {
+        bool kept = hist[n0 + (size_t)i] == d->last[i];
+        k3_draft_gate_record(&d->gate, d->last_b[i], kept);
+        if (!kept) break;
+    }
+}
+
 static void ngram_propose(k3_drafter *d, const int32_t *hist, size_t n, int k, int32_t *out, int *got) {
     /* follow the history: extend the index, or index afresh after a change */
     size_t same = 0;
     while (same < d->n && same < n && d->hist[same] == hist[same]) same++;
+    learn(d, hist, n, same);
     if (same < d->n) {
         d->n = 0;
         memset(d->key, 0, d->slots * sizeof *d->key);
@@ -133,14 +158,22 @@ static void ngram_propose(k3_drafter *d, const int32_t *hist, size_t n, int k, i
         if (e < g || (size_t)e >= n || memcmp(hist + e - g, suf, (size_t)g * sizeof *suf)) continue;
         /* the continuation of that occurrence; past the history's end it
          * repeats what was just drafted (a loop continues as a loop) */
+        double surv = 1.0; /* the chance the drafts so far are all kept */
         int c = 0;
         for (; c < k; c++) {
             size_t at = (size_t)e + (size_t)c;
             int32_t id = at < n ? hist[at] : out[at - n];
             if (id < 0 || id >= d->vocab) break;
+            if (d->p_min > 0.0) {
+                surv *= k3_draft_gate_chance(&d->gate, g);
+                if (surv < d->p_min && !(c == 0 && d->idle >= 64)) break;
+            }
             out[c] = id;
+            d->last[d->last_n] = id;
+            d->last_b[d->last_n++] = g;
         }
         *got = c;
+        d->idle = c ? 0 : d->idle + 1;
         return;
     }
 }
@@ -208,7 +241,7 @@ int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_d
 int k3_drafter_sibling(k3_drafter *d, int64_t max_pos, k3_drafter **out, k3_err *err) {
     *out = NULL;
     if (!d->e) {
-        *out = k3_drafter_ngram(d->vocab, d->min_n, d->max_n);
+        *out = k3_drafter_ngram(d->vocab, d->min_n, d->max_n, d->p_min);
         return K3_OK;
     }
     k3_drafter *x = xcalloc(1, sizeof *x);
@@ -234,24 +267,6 @@ static size_t shared_ids(const k3_drafter *d, const int32_t *hist, size_t n) {
     const int32_t *own = k3_session_ids(d->s);
     while (same < len && same < n && own[same] == hist[same]) same++;
     return same;
-}
-
-/* What the target did with d's last drafts, told by the history that
- * follows them (hist[0..n), sharing its first `same` ids with the session,
- * extends the one they were drafted after): each draft up to the first
- * rejected one is recorded in the gate; drafts past the history's end were
- * never verified and count for nothing. */
-static void learn(k3_drafter *d, const int32_t *hist, size_t n, size_t same) {
-    size_t n0 = d->last_at;
-    int m = d->last_n;
-    d->last_n = 0;
-    d->last_at = n;
-    if (m == 0 || n <= n0 || same < n0) return;
-    for (int i = 0; i < m && n0 + (size_t)i < n; i++) {
-        bool kept = hist[n0 + (size_t)i] == d->last[i];
-        k3_draft_gate_record(&d->gate, d->last_p[i], kept);
-        if (!kept) break;
-    }
 }
 
 /* Ends d's open pass at the `same` ids its session shares with the
@@ -388,7 +403,8 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
             int32_t id = k3_argmax(d->logits, V);
             /* how sure the draft model is of it (only ever a count in the gate) */
             double p = d->p_min > 0.0 ? exp((double)d->logits[id] - k3_log_sum_exp(d->logits, V)) : 1.0;
-            if (d->p_min > 0.0) surv[i] *= k3_draft_gate_chance(&d->gate, p);
+            int b = k3_draft_gate_bucket(p);
+            if (d->p_min > 0.0) surv[i] *= k3_draft_gate_chance(&d->gate, b);
             /* after 64 asks with no draft one goes anyway, so the gate keeps learning */
             bool probe = pos == 0 && d->idle >= 64;
             if (id >= d->vocab || (surv[i] < d->p_min && !probe)) {
@@ -396,7 +412,7 @@ static int model_propose(k3_draft_ask *const *a, int n, k3_err *err) {
                 continue;
             }
             d->last[d->last_n] = id;
-            d->last_p[d->last_n++] = (float)p;
+            d->last_b[d->last_n++] = b;
             a[i]->out[a[i]->got++] = id;
             if (pos + 1 == k[i]) continue;
             ss[m] = d->s;
@@ -494,7 +510,7 @@ int k3_drafter_for(const k3_engine *target, const char *draft_dir, double p_min,
     if (draft_dir && k3_engine_ranks(target) > 1)
         return k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
     if (!draft_dir) {
-        *out = k3_drafter_ngram(k3_engine_vocab(target), 2, 4);
+        *out = k3_drafter_ngram(k3_engine_vocab(target), 2, 4, p_min);
         return K3_OK;
     }
     const k3_engine_opts *o = k3_engine_options(target);
@@ -504,7 +520,7 @@ int k3_drafter_for(const k3_engine *target, const char *draft_dir, double p_min,
 
 /* ---- the flags ---------------------------------------------------------------------------- */
 
-void k3_spec_flags_init(k3_spec_flags *f) { *f = (k3_spec_flags){.p_min = K3_DRAFT_P_MIN}; }
+void k3_spec_flags_init(k3_spec_flags *f) { *f = (k3_spec_flags){0}; }
 
 int k3_spec_parse_flag(k3_spec_flags *f, const char *cmd, int argc, char **argv, int *i, bool *used, k3_err *err) {
     const char *o = argv[*i];
@@ -533,26 +549,25 @@ int k3_spec_parse_flag(k3_spec_flags *f, const char *cmd, int argc, char **argv,
 }
 
 int k3_spec_flags_check(k3_spec_flags *f, const char *cmd, k3_err *err) {
-    if (f->p_min_given && !f->draft)
-        return k3_fail(err, K3_EXIT_USAGE, "%s: --draft-p-min applies to a draft model: give --draft DIR", cmd);
+    if (f->p_min_given && !f->draft && !f->speculate)
+        return k3_fail(err, K3_EXIT_USAGE, "%s: --draft-p-min applies to drafts: give --speculate K or --draft DIR", cmd);
+    if (!f->p_min_given) f->p_min = f->draft ? K3_DRAFT_P_MIN : K3_NGRAM_P_MIN;
     if (f->draft && !f->speculate) f->speculate = 4;
     return K3_OK;
 }
 
 /* ---- how likely a draft is kept ------------------------------------------------------------ */
 
-static int gate_bucket(double p) {
+int k3_draft_gate_bucket(double p) {
     int b = (int)(p * K3_DRAFT_GATE_BUCKETS);
     return b < 0 ? 0 : b >= K3_DRAFT_GATE_BUCKETS ? K3_DRAFT_GATE_BUCKETS - 1 : b;
 }
 
-double k3_draft_gate_chance(const k3_draft_gate *g, double p) {
-    int b = gate_bucket(p);
+double k3_draft_gate_chance(const k3_draft_gate *g, int b) {
     return ((double)g->kept[b] + 1.0) / ((double)g->seen[b] + 1.0);
 }
 
-void k3_draft_gate_record(k3_draft_gate *g, double p, bool kept) {
-    int b = gate_bucket(p);
+void k3_draft_gate_record(k3_draft_gate *g, int b, bool kept) {
     if (g->seen[b] == UINT32_MAX) { /* halve both: the ratio stays, the counts go on */
         g->seen[b] /= 2;
         g->kept[b] /= 2;
@@ -619,7 +634,7 @@ struct k3_spec {
 k3_spec *k3_spec_new(k3_drafter *d, int kmax, int vocab) {
     k3_spec *sp = xcalloc(1, sizeof *sp);
     sp->d = d;
-    k3_spec_ctl_init(&sp->ctl, kmax, d->e && d->p_min > 0.0);
+    k3_spec_ctl_init(&sp->ctl, kmax, d->p_min > 0.0);
     sp->V = vocab;
     sp->rows = xmalloc_array(((size_t)sp->ctl.kmax + 1) * (size_t)vocab, sizeof *sp->rows);
     sp->draft = xmalloc_array((size_t)sp->ctl.kmax + 1, sizeof *sp->draft);

@@ -10,7 +10,9 @@
  *  - n-gram (prompt lookup): the continuation of the most recent earlier
  *    occurrence of the history's longest suffix of max_n..min_n ids. An
  *    index of the history's n-grams grows with it (O(1) per id); a history
- *    that is not an extension of the last one is indexed afresh.
+ *    that is not an extension of the last one is indexed afresh. Its drafts
+ *    stop where they become too likely to be rejected too (the gate; a
+ *    short match is kept less often than a long one).
  *  - draft model (--draft DIR): any checkpoint k3 runs with the target's
  *    tokenizer (the same data_tokenizer_hash: tiktoken.model and
  *    tokenizer_config.json; another is refused, K3_EXIT_USAGE), decoded
@@ -21,11 +23,11 @@
  *    --draft-p-min): a doomed guess costs a verifying row and, in a mixture
  *    of experts, the experts that row selects.
  *
- * The controller (k3_spec_ctl) picks the drafts per pass. A draft model
- * with p_min > 0 stops its own drafts, so it is asked for K every pass (its
- * probabilities predict a rejection better than the last passes do). Otherwise
- * (n-gram, or p_min 0) from the acceptance alone (never from timings, so
- * every rank of an MPI job makes the same passes): up by one after a pass that accepted every draft, to
+ * The controller (k3_spec_ctl) picks the drafts per pass. A drafter with
+ * p_min > 0 stops its own drafts, so it is asked for K every pass (what made
+ * a draft predicts its rejection better than the last passes do). With
+ * p_min 0, from the acceptance alone (never from timings, so every rank of
+ * an MPI job makes the same passes): up by one after a pass that accepted every draft, to
  * the accepted count + 1 after a partial one, halved after one that
  * accepted none; at zero it drafts nothing for a back-off of 1, 2, 4 ... 64
  * passes, then probes again with one draft. A run whose drafts keep failing
@@ -42,16 +44,21 @@
 
 /* Most drafts per pass (--speculate K, k3 serve's "speculate"). */
 #define K3_SPEC_MAX 16
-/* --draft-p-min's default: the chance of a pass's drafts all being kept
- * below which they stop (the gate, below; docs/speculation.md: how it was
- * chosen). */
+/* --draft-p-min's defaults: the chance of a pass's drafts all being kept
+ * below which they stop (the gate, below; docs/speculation.md: how they were
+ * chosen). A draft model's: its drafts are worth their rows when streamed. An
+ * n-gram's: a verifying row costs about half a pass where the weights are
+ * resident (models/default, 1 thread), so a draft must be likelier kept than
+ * not. */
 #define K3_DRAFT_P_MIN 0.2
+#define K3_NGRAM_P_MIN 0.5
 
 typedef struct k3_drafter k3_drafter;
 
 /* An n-gram drafter for a target of vocab ids (n-grams of max_n down to
- * min_n ids, 1 <= min_n <= max_n <= 8). */
-k3_drafter *k3_drafter_ngram(int vocab, int min_n, int max_n);
+ * min_n ids, 1 <= min_n <= max_n <= 8), its drafts gated at p_min (in
+ * [0, 1]; 0: no gate). */
+k3_drafter *k3_drafter_ngram(int vocab, int min_n, int max_n, double p_min);
 
 /* A draft-model drafter: opens dir with o (the caller's engine flags;
  * model_dir is replaced by dir, the memory flags should be the resident
@@ -118,21 +125,25 @@ k3_engine *k3_drafter_engine(k3_drafter *d);
 void k3_drafter_set_catchup(k3_drafter *d, int ids);
 
 /* ---- how likely a draft is kept --------------------------------------------
- * A draft model's probability for its greedy id predicts whether the target
- * keeps it, but how well depends on the pair of models. The gate counts, per
- * tenth of that probability, the drafts the target verified and those it
- * kept (learnt from the histories that follow, so from ids alone: the same
- * on any machine); a draft's chance is (kept + 1) / (verified + 1), so an
- * untried range starts at 1 and a pair whose confident drafts are all kept
- * drafts at any probability. A pass's drafts stop where the product of
- * their chances falls below p_min; after 64 asks without a draft one is
- * drafted anyway, so the counts keep learning. */
+ * How likely the target keeps a draft depends on the pair of models and the
+ * text. Each drafter that stops its own drafts (p_min > 0) keeps a gate:
+ * per bucket of what made a draft, the drafts the target verified and those
+ * it kept (learnt from the histories that follow, so from ids alone: the
+ * same on any machine, rank or thread count). A draft model's bucket is the
+ * tenth of its probability for its id (k3_draft_gate_bucket); an n-gram
+ * draft's, the length of the n-gram that matched. A draft's chance is
+ * (kept + 1) / (verified + 1), so an untried bucket starts at 1. A pass's
+ * drafts stop where the product of their chances falls below p_min; after
+ * 64 asks that could have drafted and did not, one is drafted anyway, so the
+ * counts keep learning. */
 #define K3_DRAFT_GATE_BUCKETS 10
 typedef struct {
     uint32_t seen[K3_DRAFT_GATE_BUCKETS], kept[K3_DRAFT_GATE_BUCKETS];
 } k3_draft_gate;
-double k3_draft_gate_chance(const k3_draft_gate *g, double p);
-void k3_draft_gate_record(k3_draft_gate *g, double p, bool kept);
+/* The bucket of a draft model's probability p (its tenth; 1 in the top). */
+int k3_draft_gate_bucket(double p);
+double k3_draft_gate_chance(const k3_draft_gate *g, int bucket);
+void k3_draft_gate_record(k3_draft_gate *g, int bucket, bool kept);
 
 /* ---- drafts per pass ----------------------------------------------------- */
 typedef struct {
@@ -209,7 +220,8 @@ k3_spec_stats k3_spec_get_stats(const k3_spec *sp);
  * --speculate K, --draft DIR and --draft-p-min P, the same in k3 run, chat
  * and serve: k3_spec_flags_init, k3_spec_parse_flag for each argument (as
  * k3_engine_parse_flag), k3_spec_flags_check once after them (--draft
- * alone means K 4; --draft-p-min needs --draft). */
+ * alone means K 4; --draft-p-min's default is the drafter's:
+ * K3_DRAFT_P_MIN or K3_NGRAM_P_MIN). */
 typedef struct {
     int speculate;       /* --speculate K (0: none) */
     const char *draft;   /* --draft DIR */
@@ -220,14 +232,15 @@ void k3_spec_flags_init(k3_spec_flags *f);
 int k3_spec_parse_flag(k3_spec_flags *f, const char *cmd, int argc, char **argv, int *i, bool *used, k3_err *err);
 int k3_spec_flags_check(k3_spec_flags *f, const char *cmd, k3_err *err);
 #define K3_DRAFT_P_MIN_HELP \
-    "  --draft-p-min P      with --draft: a pass's drafts stop where the chance of\n" \
-    "                       all being kept falls below P, each draft's chance\n" \
-    "                       learnt from how often drafts the draft model was as\n" \
-    "                       sure of were kept (default 0.2; 0: K drafts, fewer\n" \
-    "                       while they are rejected)\n"
+    "  --draft-p-min P      a pass's drafts stop where the chance of all being\n" \
+    "                       kept falls below P, each draft's chance learnt from\n" \
+    "                       how often drafts like it were kept (a draft model's:\n" \
+    "                       as sure of its id; n-gram: as long a match); default\n" \
+    "                       0.2 with --draft, 0.5 for n-gram drafts; 0: K drafts,\n" \
+    "                       fewer while they are rejected\n"
 
-/* The drafter a command's flags ask for: --draft DIR (a draft model, its
- * drafts stopped below p_min) or, with --speculate K alone, n-gram. NULL
+/* The drafter a command's flags ask for: --draft DIR (a draft model) or,
+ * with --speculate K alone, n-gram; its drafts stopped below p_min. NULL
  * *out when kmax is 0. */
 int k3_drafter_for(const k3_engine *target, const char *draft_dir, double p_min, int kmax, int64_t max_pos,
                    k3_drafter **out, k3_err *err);

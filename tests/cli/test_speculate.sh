@@ -47,6 +47,8 @@ same ngram-greedy --gen 48 --threads 1 -- --speculate 4
 counters ngram-greedy
 same ngram-greedy-2t --gen 48 --threads 2 -- --speculate 6
 same ngram-sampled --gen 48 --temperature 0.8 --seed 3 --top-k 40 -- --speculate 4
+# n-gram drafts without their gate: only the acceptance shortens them
+same ngram-ungated --gen 48 -- --speculate 4 --draft-p-min 0
 same draft-greedy --gen 40 -- --draft "$M"
 counters draft-greedy
 same draft-sampled --gen 40 --temperature 0.8 --seed 9 -- --speculate 3 --draft "$M"
@@ -91,8 +93,8 @@ expect_exit with-full 2 $K3 run "$M" --prompt "$P" --gen 4 --full --speculate 2
 expect_exit p-min-range 2 $K3 run "$M" --prompt "$P" --gen 4 --draft "$M" --draft-p-min 1.5
 expect_err_contains p-min-range "--draft-p-min"
 expect_exit p-min-nan 2 $K3 run "$M" --prompt "$P" --gen 4 --draft "$M" --draft-p-min nan
-expect_exit p-min-no-draft 2 $K3 run "$M" --prompt "$P" --gen 4 --speculate 2 --draft-p-min 0.5
-expect_err_contains p-min-no-draft "--draft DIR"
+expect_exit p-min-no-draft 2 $K3 run "$M" --prompt "$P" --gen 4 --draft-p-min 0.5
+expect_err_contains p-min-no-draft "--speculate K or --draft DIR"
 expect_exit p-min-chat 2 $K3 chat "$M" --draft-p-min 0.5 </dev/null
 expect_exit p-min-serve 2 $K3 serve "$M" --draft "$M" --draft-p-min -0.1
 expect_err_contains with-full "--speculate"
