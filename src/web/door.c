@@ -125,6 +125,9 @@ unsigned k3_http_check_head(const char *b, size_t n, k3_http_head *h, const char
             if (j == v || j != ve)
                 return fail(400, "invalid_content_length", code, msg, cap, "Content-Length '%.*s' is not a "
                             "non-negative whole number", (int)(ve - v > 30 ? 30 : ve - v), b + v);
+            if (ve != end) /* libmicrohttpd cannot read one */
+                return fail(400, "invalid_content_length", code, msg, cap, "Content-Length has whitespace after "
+                            "its digits: send the digits alone");
             while (v < ve - 1 && b[v] == '0') v++;
             if (ve - v > 19 || (ve - v == 19 && memcmp(b + v, "9223372036854775807", 19) > 0))
                 return fail(413, "request_too_large", code, msg, cap, "Content-Length %.*s is over 2^63 - 1 bytes",
@@ -499,13 +502,17 @@ static void step(k3_http_door *d, int i, bool hup) {
         unsigned st = k3_http_check_head(d->head, (size_t)r, &h, &code, msg, sizeof msg);
         if (st == 0) head_in(d, i, d->head, &h);
         else if (st != K3_HTTP_MORE) answer(d, i, st, code, msg);
-        else if (hup) drop(d, i, true); /* the client stopped sending inside the head */
+        else if (hup) answer(d, i, 400, "incomplete_request", "the connection ended inside the request's head");
         else set_lowat(c->fd, (size_t)r + 1); /* poll again only once more has come */
         return;
     }
     char buf[16384];
     ssize_t r = recv(c->fd, buf, sizeof buf, MSG_DONTWAIT);
     if (r < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    if (r == 0 && c->state == AT_BODY) {
+        answer(d, i, 400, "incomplete_request", "the connection ended inside the request's chunked body");
+        return;
+    }
     if (r <= 0) {
         drop(d, i, true);
         return;

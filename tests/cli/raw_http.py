@@ -2,7 +2,8 @@
 dashboard tests (requests curl will not send). Every wait is bounded.
 
   raw_http.py PORT ask CASE     sends one request (CASES below) with
-                                Connection: close, reads the answer until the
+                                Connection: close (cut-*: then ends its
+                                sending half), reads the answer until the
                                 server closes (10 s at most) and prints
                                 "STATUS_LINES STATUS TYPE ERROR": how many
                                 status lines came back (a page sent twice
@@ -57,6 +58,10 @@ CASES = {
     "chunk-bad-size": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
     "chunk-too-long": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}xx\r\n0\r\n\r\n",
     "chunk-no-lf": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\n2\r{}\r\n0\r\n\r\n",
+    "length-trailing-tab": JSON_POST + b"Content-Length: 2\t\r\n\r\n{}",
+    # the client stops sending (half-closes) inside the head or a chunked body
+    "cut-head": b"GET /health HTTP/1.1\r\nHost: 127.0",
+    "cut-chunk": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro",
     # a good chunked body, in pieces, with an extension and a trailer: served
     "chunk-ok": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\n"
     + b"".join(b"%x;x=1\r\n%s\r\n" % (len(p), p) for p in (b'{"prompt": "Once', b' upon", "max_tok', b'ens": 2}'))
@@ -79,6 +84,8 @@ def ask(port, case):
     s = connect(port)
     try:
         s.sendall(CASES[case])
+        if case.startswith("cut-"):
+            s.shutdown(socket.SHUT_WR)
     except OSError:
         pass
     out = b""
