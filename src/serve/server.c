@@ -913,7 +913,8 @@ static char *door_error(void *cls, unsigned status, const char *code, const char
     k3_serve *s = cls;
     k3_serve_error e;
     k3_serve_error_set(&e, (int)status, code, NULL, "%s", msg);
-    e.type = "invalid_request_error"; /* 501 and 505 too: the client's request, not a server fault */
+    /* 501 and 505 too are the client's request, not a server fault */
+    e.type = status == 503 ? "server_error" : "invalid_request_error";
     count_status(s, status);
     if (s->o.verbose) fprintf(stderr, "k3 serve: %u (the request's head): %s\n", status, msg);
     return k3_serve_error_json(&e);

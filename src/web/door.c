@@ -271,7 +271,6 @@ typedef struct {
     double due;
     struct sockaddr_storage addr;
     socklen_t addr_len;
-    size_t peeked;            /* bytes seen on the last look at an incomplete head */
     k3_sbuf req, body;        /* a chunked request: its head as rewritten, its decoded body */
     k3_http_dechunk dc;
 } door_conn;
@@ -290,6 +289,7 @@ struct k3_http_door {
     atomic_bool stop;
     door_conn conns[DOOR_MAX];
     int n;
+    double accept_at; /* k3_now() before which the listening socket is left alone (out of descriptors) */
     char head[HEAD_CAP];
     pthread_mutex_t mu; /* the relays */
     pthread_cond_t cv;
@@ -531,7 +531,9 @@ static void *door_main(void *arg) {
     while (!atomic_load(&d->stop)) {
         double now = k3_now(), next = now + 0.25;
         p[0] = (struct pollfd){.fd = d->wake[0], .events = POLLIN};
-        p[1] = (struct pollfd){.fd = d->n < DOOR_MAX ? d->o.listen_fd : -1, .events = POLLIN};
+        bool accepting = d->n < DOOR_MAX && now >= d->accept_at;
+        p[1] = (struct pollfd){.fd = accepting ? d->o.listen_fd : -1, .events = POLLIN};
+        if (!accepting && d->accept_at > now && d->accept_at < next) next = d->accept_at;
         for (int i = 0; i < d->n; i++) {
             p[i + 2] = (struct pollfd){.fd = d->conns[i].fd, .events = POLLIN | POLLRDHUP};
             if (d->conns[i].due < next) next = d->conns[i].due;
@@ -550,7 +552,12 @@ static void *door_main(void *arg) {
         if (p[1].revents & POLLIN) {
             door_conn c = {.addr_len = sizeof c.addr};
             c.fd = accept4(d->o.listen_fd, (struct sockaddr *)&c.addr, &c.addr_len, SOCK_CLOEXEC);
-            if (c.fd < 0) continue;
+            if (c.fd < 0) {
+                /* out of descriptors or memory: the socket stays readable, so
+                 * wait a little instead of spinning on it */
+                if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) d->accept_at = now + 0.1;
+                continue;
+            }
             unsigned same = 0;
             for (int i = 0; i < d->n; i++) same += same_client(&d->conns[i].addr, &c.addr);
             if (same >= d->o.per_client) {
