@@ -579,15 +579,19 @@ int k3_http_door_open(const k3_http_door_opts *o, k3_http_door **out, k3_err *er
     atomic_init(&d->stop, false);
     pthread_mutex_init(&d->mu, NULL);
     pthread_cond_init(&d->cv, NULL);
+    const char *why = NULL;
     if (pipe2(d->wake, O_CLOEXEC) != 0) {
-        free(d);
-        return k3_fail(err, K3_EXIT_RUNTIME, "cannot open the HTTP door's pipe: %s", strerror(errno));
-    }
-    if (pthread_create(&d->thread, NULL, door_main, d) != 0) {
+        why = "cannot open the HTTP door's pipe";
+    } else if (pthread_create(&d->thread, NULL, door_main, d) != 0) {
         close(d->wake[0]);
         close(d->wake[1]);
+        why = "cannot start the HTTP door's thread";
+    }
+    if (why) {
+        pthread_mutex_destroy(&d->mu);
+        pthread_cond_destroy(&d->cv);
         free(d);
-        return k3_fail(err, K3_EXIT_RUNTIME, "cannot start the HTTP door's thread");
+        return k3_fail(err, K3_EXIT_RUNTIME, "%s", why);
     }
     *out = d;
     return K3_OK;
