@@ -132,7 +132,9 @@ void k3_drafter_set_catchup(k3_drafter *d, int ids);
  * same on any machine, rank or thread count). A draft model's bucket is the
  * tenth of its probability for its id (k3_draft_gate_bucket); an n-gram
  * draft's, the length of the n-gram that matched. A draft's chance is
- * (kept + 1) / (verified + 1), so an untried bucket starts at 1. A pass's
+ * (kept + 1) / (verified + 1), so an untried bucket starts at 1 (an
+ * n-gram's at 1/2: its gate starts as if one draft of each length had been
+ * rejected, since a short run cannot afford to learn otherwise). A pass's
  * drafts stop where the product of their chances falls below p_min; after
  * 64 asks that could have drafted and did not, one is drafted anyway, so the
  * counts keep learning. */
