@@ -200,3 +200,35 @@ TEST(http_dechunk_refusals) {
     CHECK(!strcmp(dechunk("10000000000000000\r\n", 100, 5, &taken), "413 "));
     CHECK(!strcmp(dechunk("ffffffffffffffff\r\n", 100, 5, &taken), "413 "));
 }
+
+/* A request of n query parameters, n header lines and n cookies (split
+ * over two Cookie headers), each part counted alone when the others are 1. */
+static char *counted_head(int params, int lines, int cookies) {
+    k3_sbuf b = {0};
+    k3_sb_puts(&b, "GET /health?p");
+    for (int i = 1; i < params; i++) k3_sb_puts(&b, "&p");
+    k3_sb_puts(&b, " HTTP/1.1\r\n");
+    for (int i = 0; i < lines - 2; i++) k3_sb_puts(&b, "a:\r\n");
+    k3_sb_puts(&b, "Cookie: c=1");
+    for (int i = 1; i < cookies / 2; i++) k3_sb_puts(&b, ";c");
+    k3_sb_puts(&b, "\r\nCookie: c");
+    for (int i = cookies / 2 + 1; i < cookies; i++) k3_sb_puts(&b, "; c");
+    k3_sb_puts(&b, "\r\n\r\n");
+    return b.p;
+}
+
+TEST(http_head_field_counts) {
+    const int F = K3_HTTP_MAX_FIELDS;
+    char *h = counted_head(F, F, F);
+    CHECK(!strcmp(verdict(h), "0 "));
+    free(h);
+    h = counted_head(F + 1, 2, 2);
+    CHECK(!strcmp(verdict(h), "414 uri_too_long"));
+    free(h);
+    h = counted_head(1, F + 1, 2);
+    CHECK(!strcmp(verdict(h), "431 request_header_fields_too_large"));
+    free(h);
+    h = counted_head(1, 2, F + 1);
+    CHECK(!strcmp(verdict(h), "431 request_header_fields_too_large"));
+    free(h);
+}

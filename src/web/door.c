@@ -58,6 +58,12 @@ static unsigned check_line(const char *b, size_t at, size_t end, bool whole, con
     if (i - t > K3_HTTP_MAX_URI)
         return fail(414, "uri_too_long", code, msg, cap, "the request target is over the limit of %zu bytes",
                     K3_HTTP_MAX_URI);
+    const char *q = memchr(b + t, '?', i - t);
+    size_t params = 0;
+    for (; q && q < b + i; q++) params += *q == '&' || *q == '?';
+    if (params > K3_HTTP_MAX_FIELDS)
+        return fail(414, "uri_too_long", code, msg, cap, "the request target has over %d query parameters",
+                    K3_HTTP_MAX_FIELDS);
     if (!whole) return i == end ? 0 : (b[i] == ' ' ? 0 : fail(400, "invalid_request_line", code, msg, cap,
                                                                   "malformed request target: a control byte"));
     if (i == t || (i < end && b[i] != ' '))
@@ -90,7 +96,7 @@ unsigned k3_http_check_head(const char *b, size_t n, k3_http_head *h, const char
     unsigned st = check_line(b, at, end, true, code, msg, cap);
     if (st) return st;
     *h = (k3_http_head){0};
-    int lengths = 0, encodings = 0;
+    int lengths = 0, encodings = 0, lines = 0, cookies = 0;
     for (at = next;;) {
         if (at - 0 > K3_HTTP_MAX_HEAD) goto too_big;
         if (!line_at(b, n, at, &end, &next)) {
@@ -106,6 +112,9 @@ unsigned k3_http_check_head(const char *b, size_t n, k3_http_head *h, const char
         if (b[at] == ' ' || b[at] == '\t')
             return fail(400, "invalid_header", code, msg, cap, "a folded header line (one starting with a space) is "
                         "not accepted");
+        if (++lines > K3_HTTP_MAX_FIELDS)
+            return fail(431, "request_header_fields_too_large", code, msg, cap, "the request has over %d header "
+                        "lines", K3_HTTP_MAX_FIELDS);
         size_t k = at;
         while (k < end && tchar((unsigned char)b[k])) k++;
         if (k == at || k == end || b[k] != ':')
@@ -140,6 +149,12 @@ unsigned k3_http_check_head(const char *b, size_t n, k3_http_head *h, const char
             h->chunked = true;
             h->te_at = at;
             h->te_len = next - at;
+        } else if (k - at == 6 && !strncasecmp(b + at, "Cookie", 6)) {
+            cookies++;
+            for (size_t j = v; j < ve; j++) cookies += b[j] == ';';
+            if (cookies > K3_HTTP_MAX_FIELDS)
+                return fail(431, "request_header_fields_too_large", code, msg, cap, "the request has over %d "
+                            "cookies", K3_HTTP_MAX_FIELDS);
         } else if (k - at == 6 && !strncasecmp(b + at, "Expect", 6) && ve - v == 12 &&
                    !strncasecmp(b + v, "100-continue", 12)) {
             h->ex_at = at;

@@ -61,6 +61,11 @@ enum MHD_Result k3_http_queue(struct MHD_Connection *c, unsigned code, struct MH
 #define K3_HTTP_MAX_URI ((size_t)8 << 10)   /* the request target, query included */
 #define K3_HTTP_MAX_HEAD ((size_t)32 << 10) /* request line and headers */
 #define K3_HTTP_MEMORY ((size_t)256 << 10)  /* MHD_OPTION_CONNECTION_MEMORY_LIMIT */
+/* Header lines, query parameters, cookies: each costs libmicrohttpd a record
+ * in the connection's memory (about 3,000 of any fill it within a head of
+ * the limits above, and it answers with its own page, or not at all); a
+ * head within these leaves it room for all three at once. */
+#define K3_HTTP_MAX_FIELDS 1000
 #define K3_HTTP_MORE 1                      /* k3_http_check_head: the head is not all in yet */
 
 /* Where a well-formed head's parts lie in the bytes checked. */
@@ -78,8 +83,10 @@ typedef struct {
  * Content-Length, or two of them, or one beside Transfer-Encoding:
  * invalid_request_line / invalid_header / invalid_content_length /
  * invalid_framing), 413 (a Content-Length over 2^63 - 1:
- * request_too_large), 414 (a target over K3_HTTP_MAX_URI), 431 (a head over
- * K3_HTTP_MAX_HEAD), 501 (a Transfer-Encoding other than chunked), 505 (a
+ * request_too_large), 414 (a target over K3_HTTP_MAX_URI or with more query
+ * parameters than K3_HTTP_MAX_FIELDS), 431 (a head over K3_HTTP_MAX_HEAD, or
+ * more header lines or cookies than K3_HTTP_MAX_FIELDS), 501 (a
+ * Transfer-Encoding other than chunked), 505 (a
  * version other than HTTP/1.0 and HTTP/1.1, or none). K3_HTTP_MORE: all
  * well so far, more bytes needed. 0: well formed, *h set. Lines may end in
  * CRLF or LF. */

@@ -59,6 +59,11 @@ CASES = {
     "chunk-too-long": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}xx\r\n0\r\n\r\n",
     "chunk-no-lf": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\n2\r{}\r\n0\r\n\r\n",
     "length-trailing-tab": JSON_POST + b"Content-Length: 2\t\r\n\r\n{}",
+    # heads within the size limits whose many small parts would fill the
+    # library's connection memory (it answered with its page, or not at all)
+    "params-4000": b"GET /health?" + b"&".join([b"a"] * 4000) + b" HTTP/1.1\r\n" + HOST + b"\r\n",
+    "headers-8000": b"GET /health HTTP/1.1\r\n" + HOST + b"a:\r\n" * 7000 + b"\r\n",
+    "cookies-6000": b"GET /health HTTP/1.1\r\n" + HOST + b"Cookie: " + b"; ".join([b"a=1"] * 6000) + b"\r\n\r\n",
     # the client stops sending (half-closes) inside the head or a chunked body
     "cut-head": b"GET /health HTTP/1.1\r\nHost: 127.0",
     "cut-chunk": JSON_POST + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"pro",

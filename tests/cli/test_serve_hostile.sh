@@ -131,7 +131,8 @@ for c in version-1.7:505:http_version_not_supported uri-20k:414:uri_too_long uri
          length-2e64:413:request_too_large chunk-bad-size:400:invalid_chunked_body \
          chunk-too-long:400:invalid_chunked_body chunk-no-lf:400:invalid_chunked_body \
          length-trailing-tab:400:invalid_content_length cut-head:400:incomplete_request \
-         cut-chunk:400:incomplete_request; do
+         cut-chunk:400:incomplete_request params-4000:414:uri_too_long \
+         headers-8000:431:request_header_fields_too_large cookies-6000:431:request_header_fields_too_large; do
   IFS=: read -r name st code <<<"$c"
   check "http-$name" "$(python3 tests/cli/raw_http.py "$PORT" ask "$name" 2>&1)" "1 $st application/json $code"
 done
