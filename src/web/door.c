@@ -186,6 +186,20 @@ static int hexval(unsigned char c) {
     return -1;
 }
 
+/* A byte c of a chunk extension or a trailer line (at *i): the line's end
+ * moves to lf_state (a CR is taken, the LF is left to it); false for a
+ * control byte or a line over DC_MAX_LINE. */
+static bool text_byte(k3_http_dechunk *d, unsigned char c, int lf_state, size_t *i) {
+    if (c == '\r' || c == '\n') {
+        d->state = lf_state;
+        *i += c == '\r';
+        return true;
+    }
+    if ((c < ' ' && c != '\t') || ++d->line > DC_MAX_LINE) return false;
+    ++*i;
+    return true;
+}
+
 unsigned k3_http_dechunk_feed(k3_http_dechunk *d, const char *b, size_t n, size_t max, k3_sbuf *out, size_t *used,
                               char *msg, size_t cap) {
     const char *code;
@@ -216,12 +230,9 @@ unsigned k3_http_dechunk_feed(k3_http_dechunk *d, const char *b, size_t n, size_
             break;
         }
         case DC_EXT:
-            if (c == '\r') d->state = DC_SIZE_LF, i++;
-            else if (c == '\n') d->state = DC_SIZE_LF;
-            else if ((c < ' ' && c != '\t') || ++d->line > DC_MAX_LINE)
+            if (!text_byte(d, c, DC_SIZE_LF, &i))
                 return fail(400, "", &code, msg, cap, "bad chunk syntax: a chunk extension too long or holding a "
                             "control byte");
-            else i++;
             break;
         case DC_SIZE_LF:
             if (c != '\n') return fail(400, "", &code, msg, cap, "bad chunk syntax: CR without LF after a chunk size");
@@ -254,12 +265,9 @@ unsigned k3_http_dechunk_feed(k3_http_dechunk *d, const char *b, size_t n, size_
             d->state = DC_SIZE;
             break;
         case DC_TRAILER: /* trailer lines until a blank one; their content is dropped */
-            if (c == '\r') d->state = DC_TRAILER_LF, i++;
-            else if (c == '\n') d->state = DC_TRAILER_LF;
-            else if ((c < ' ' && c != '\t') || ++d->line > DC_MAX_LINE)
+            if (!text_byte(d, c, DC_TRAILER_LF, &i))
                 return fail(400, "", &code, msg, cap, "bad chunk syntax: a trailer line too long or holding a control "
                             "byte");
-            else i++;
             break;
         case DC_TRAILER_LF:
             if (c != '\n') return fail(400, "", &code, msg, cap, "bad chunk syntax: CR without LF in the trailers");
