@@ -25,6 +25,16 @@ static const char *verdict(const char *s) {
 
 #define H "Host: 127.0.0.1\r\n"
 
+/* Each case's head gets its expected verdict; the first that does not is
+ * reported. */
+#define VERDICTS(...)                                                                            \
+    do {                                                                                         \
+        static const char *const cases[][2] = {__VA_ARGS__};                                     \
+        for (size_t i_ = 0; i_ < sizeof cases / sizeof *cases; i_++)                             \
+            CHECKF(!strcmp(verdict(cases[i_][0]), cases[i_][1]), "case %zu: '%.60s': %s, wanted %s", \
+                   i_, cases[i_][0], verdict(cases[i_][0]), cases[i_][1]);                        \
+    } while (0)
+
 TEST(http_head_well_formed) {
     k3_http_head h;
     const char *code;
@@ -57,17 +67,17 @@ TEST(http_head_incomplete_asks_for_more) {
 }
 
 TEST(http_head_request_line) {
-    CHECK(!strcmp(verdict("GET  /health HTTP/1.1\r\n\r\n"), "400 invalid_request_line"));
-    CHECK(!strcmp(verdict(" GET /health HTTP/1.1\r\n\r\n"), "400 invalid_request_line"));
-    CHECK(!strcmp(verdict("GET\r\n\r\n"), "400 invalid_request_line"));
-    CHECK(!strcmp(verdict("GET /health HTTP/1.1 x\r\n\r\n"), "400 invalid_request_line"));
-    CHECK(!strcmp(verdict("GET /health HTTP/1.1x\r\n\r\n"), "400 invalid_request_line"));
-    CHECK(!strcmp(verdict("GET /health http/1.1\r\n\r\n"), "400 invalid_request_line"));
-    CHECK(!strcmp(verdict("GET /health HTTP/1.\r\n\r\n"), "400 invalid_request_line"));
-    CHECK(!strcmp(verdict("GET /health HTTP/2.0\r\n\r\n"), "505 http_version_not_supported"));
-    CHECK(!strcmp(verdict("GET /health HTTP/1.7\r\n\r\n"), "505 http_version_not_supported"));
-    CHECK(!strcmp(verdict("GET /health HTTP/0.9\r\n\r\n"), "505 http_version_not_supported"));
-    CHECK(!strcmp(verdict("GET /health\r\n\r\n"), "505 http_version_not_supported"));
+    VERDICTS({"GET  /health HTTP/1.1\r\n\r\n", "400 invalid_request_line"},
+             {" GET /health HTTP/1.1\r\n\r\n", "400 invalid_request_line"},
+             {"GET\r\n\r\n", "400 invalid_request_line"},
+             {"GET /health HTTP/1.1 x\r\n\r\n", "400 invalid_request_line"},
+             {"GET /health HTTP/1.1x\r\n\r\n", "400 invalid_request_line"},
+             {"GET /health http/1.1\r\n\r\n", "400 invalid_request_line"},
+             {"GET /health HTTP/1.\r\n\r\n", "400 invalid_request_line"},
+             {"GET /health HTTP/2.0\r\n\r\n", "505 http_version_not_supported"},
+             {"GET /health HTTP/1.7\r\n\r\n", "505 http_version_not_supported"},
+             {"GET /health HTTP/0.9\r\n\r\n", "505 http_version_not_supported"},
+             {"GET /health\r\n\r\n", "505 http_version_not_supported"});
 }
 
 /* a head of exactly n bytes: a request line with a target of `target`
@@ -117,34 +127,31 @@ TEST(http_head_limits) {
 }
 
 TEST(http_head_header_lines) {
-    CHECK(!strcmp(verdict("GET / HTTP/1.1\r\nNo colon\r\n\r\n"), "400 invalid_header"));
-    CHECK(!strcmp(verdict("GET / HTTP/1.1\r\nName : v\r\n\r\n"), "400 invalid_header"));
-    CHECK(!strcmp(verdict("GET / HTTP/1.1\r\n: v\r\n\r\n"), "400 invalid_header"));
-    CHECK(!strcmp(verdict("GET / HTTP/1.1\r\nX-A: 1\r\n continued\r\n\r\n"), "400 invalid_header"));
-    CHECK(!strcmp(verdict("GET / HTTP/1.1\r\nX-A: 1\x01\r\n\r\n"), "400 invalid_header"));
-    CHECK(!strcmp(verdict("GET / HTTP/1.1\r\nX-A: 1\r2\r\n\r\n"), "400 invalid_header"));
+    VERDICTS({"GET / HTTP/1.1\r\nNo colon\r\n\r\n", "400 invalid_header"},
+             {"GET / HTTP/1.1\r\nName : v\r\n\r\n", "400 invalid_header"},
+             {"GET / HTTP/1.1\r\n: v\r\n\r\n", "400 invalid_header"},
+             {"GET / HTTP/1.1\r\nX-A: 1\r\n continued\r\n\r\n", "400 invalid_header"},
+             {"GET / HTTP/1.1\r\nX-A: 1\x01\r\n\r\n", "400 invalid_header"},
+             {"GET / HTTP/1.1\r\nX-A: 1\r2\r\n\r\n", "400 invalid_header"});
 }
 
 TEST(http_head_framing) {
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n"), "400 invalid_content_length"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: +5\r\n\r\n"), "400 invalid_content_length"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length:\r\n\r\n"), "400 invalid_content_length"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: 12abc\r\n\r\n"), "400 invalid_content_length"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: 1 2\r\n\r\n"), "400 invalid_content_length"));
-    /* whitespace after the digits: libmicrohttpd would answer 400 itself */
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: 12 \r\n\r\n"), "400 invalid_content_length"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: 12\t\r\n\r\n"), "400 invalid_content_length"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: 0x10\r\n\r\n"), "400 invalid_content_length"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: 9223372036854775808\r\n\r\n"), "413 request_too_large"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: 36893488147419103232\r\n\r\n"), "413 request_too_large"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: 2\r\ncontent-length: 2\r\n\r\n"), "400 invalid_framing"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n"),
-                  "400 invalid_framing"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"),
-                  "400 invalid_framing"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n"), "501 unsupported_transfer_encoding"));
-    CHECK(!strcmp(verdict("POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"),
-                  "501 unsupported_transfer_encoding"));
+    VERDICTS({"POST / HTTP/1.1\r\nContent-Length: -1\r\n\r\n", "400 invalid_content_length"},
+             {"POST / HTTP/1.1\r\nContent-Length: +5\r\n\r\n", "400 invalid_content_length"},
+             {"POST / HTTP/1.1\r\nContent-Length:\r\n\r\n", "400 invalid_content_length"},
+             {"POST / HTTP/1.1\r\nContent-Length: 12abc\r\n\r\n", "400 invalid_content_length"},
+             {"POST / HTTP/1.1\r\nContent-Length: 1 2\r\n\r\n", "400 invalid_content_length"},
+             /* whitespace after the digits: libmicrohttpd would answer 400 itself */
+             {"POST / HTTP/1.1\r\nContent-Length: 12 \r\n\r\n", "400 invalid_content_length"},
+             {"POST / HTTP/1.1\r\nContent-Length: 12\t\r\n\r\n", "400 invalid_content_length"},
+             {"POST / HTTP/1.1\r\nContent-Length: 0x10\r\n\r\n", "400 invalid_content_length"},
+             {"POST / HTTP/1.1\r\nContent-Length: 9223372036854775808\r\n\r\n", "413 request_too_large"},
+             {"POST / HTTP/1.1\r\nContent-Length: 36893488147419103232\r\n\r\n", "413 request_too_large"},
+             {"POST / HTTP/1.1\r\nContent-Length: 2\r\ncontent-length: 2\r\n\r\n", "400 invalid_framing"},
+             {"POST / HTTP/1.1\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n", "400 invalid_framing"},
+             {"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n", "400 invalid_framing"},
+             {"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", "501 unsupported_transfer_encoding"},
+             {"POST / HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", "501 unsupported_transfer_encoding"});
 }
 
 /* feeds s in pieces of `step` bytes; "STATUS body" */
