@@ -44,7 +44,9 @@ def post(path, body):
     body = dict(body, **extra)
     req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     raw = urllib.request.urlopen(req, timeout=120).read()
-    norm = re.sub(rb'"id":"(chatcmpl|cmpl)-[0-9a-f]+"', b'"id":"ID"', raw)
+    # an SSE comment comes after 5 s without an event (a slow run): clients skip it
+    norm = re.sub(rb'(?m)^: keep-alive\n\n', b'', raw)
+    norm = re.sub(rb'"id":"(chatcmpl|cmpl)-[0-9a-f]+"', b'"id":"ID"', norm)
     norm = re.sub(rb'"created":[0-9]+', b'"created":0', norm)
     log.write(norm + b"\n")
     return raw
@@ -146,6 +148,7 @@ url, out, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 def call(path, body):
     req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     raw = urllib.request.urlopen(req, timeout=120).read()
+    raw = re.sub(rb'(?m)^: keep-alive\n\n', b'', raw)  # an SSE comment after 5 s without an event
     raw = re.sub(rb'"id":"(chatcmpl|cmpl)-[0-9a-f]+"', b'"id":"ID"', raw)
     return re.sub(rb'"created":[0-9]+', b'"created":0', raw)
 say, p = "Say one two three four five", "one two three four five one two three four five one two"
