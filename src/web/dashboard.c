@@ -375,11 +375,17 @@ static enum MHD_Result respond(k3_dashboard *d, struct MHD_Connection *c, const 
     return ret;
 }
 
-static enum MHD_Result respond_error(k3_dashboard *d, struct MHD_Connection *c, const char *url, unsigned code,
-                                     const char *msg) {
+/* The dashboard's error body, {"error": msg} (NULL: out of memory). */
+static char *error_body(const char *msg) {
     json_t *o = json_pack("{s:s}", "error", msg);
     char *s = o ? json_dumps(o, JSON_FLAGS) : NULL;
     json_decref(o);
+    return s;
+}
+
+static enum MHD_Result respond_error(k3_dashboard *d, struct MHD_Connection *c, const char *url, unsigned code,
+                                     const char *msg) {
+    char *s = error_body(msg);
     if (!s) return MHD_NO;
     return respond(d, c, url, code, "application/json; charset=utf-8", s, strlen(s), MHD_RESPMEM_MUST_FREE);
 }
@@ -389,10 +395,7 @@ static char *door_error(void *cls, unsigned status, const char *code, const char
     k3_dashboard *d = cls;
     (void)code;
     if (d->verbose) fprintf(stderr, "k3 dashboard: %u (the request's head): %s\n", status, msg);
-    json_t *o = json_pack("{s:s}", "error", msg);
-    char *s = o ? json_dumps(o, JSON_FLAGS) : NULL;
-    json_decref(o);
-    return s;
+    return error_body(msg);
 }
 
 static enum MHD_Result respond_json(k3_dashboard *d, struct MHD_Connection *c, const char *url, json_t *o) {
