@@ -8,6 +8,9 @@
  *
  * --chunk: positions per forward pass (k3_model_opts.prefill_chunk; default
  * K3_PREFILL_CHUNK, 256).
+ * --batch B1,B2,..: also decode B sequences together (each its own prompt and
+ * state, one token each per pass: k3_forward_batch, as k3 serve --parallel
+ * does), at the first --threads count; aggregate tok/s and the ratio to B 1.
  * --json: also write every figure of the tables to FILE (atomically), for
  * bench/report.sh; the printed tables are the same with or without it.
  *
@@ -63,8 +66,53 @@ static int cmp_double(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+/* B sequences decoded together, one token each per pass, every sequence with
+ * its own random prompt: the median pass time over ng passes. */
+static int batch_decode(k3_model *m, const char *blist, int threads, int np, int ng, k3_err *err) {
+    const k3_config *c = k3_model_config(m);
+    const int V = c->vocab_size;
+    omp_set_num_threads(threads);
+    printf("\nbatched decode (%d threads; B sequences after their own %d-token prompts, one token each per pass,\n"
+           "median pass of %d)\n%-5s %10s %12s %12s\n", threads, np, ng, "B", "ms/pass", "tok/s", "x of B=1");
+    double base = 0;
+    for (const char *p = blist; p && *p; p = strchr(p, ',') ? strchr(p, ',') + 1 : NULL) {
+        int B = atoi(p);
+        if (B < 1 || B > 256) return k3_fail(err, 2, "--batch: %d is not in 1..256", B);
+        k3_state **st = xcalloc((size_t)B, sizeof *st);
+        int32_t *ids = xmalloc_array((size_t)B * (size_t)np, sizeof *ids), *next = xmalloc_array((size_t)B, sizeof *next);
+        float *lg = xmalloc_array((size_t)B * (size_t)V, sizeof *lg);
+        double *dt = xmalloc_array((size_t)ng, sizeof *dt);
+        uint64_t x = 0x9E3779B97F4A7C15ull;
+        int rc = K3_OK;
+        for (int q = 0; q < B && !rc; q++) {
+            for (int i = 0; i < np; i++) {
+                x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+                ids[(size_t)q * np + i] = (int32_t)(x % (uint64_t)V);
+            }
+            rc = k3_state_new(m, np + ng + 8, &st[q], err);
+            if (!rc) rc = k3_forward(m, st[q], ids + (size_t)q * np, np, lg + (size_t)q * V, false, err);
+        }
+        for (int g = 0; g < ng && !rc; g++) {
+            for (int q = 0; q < B; q++) next[q] = k3_argmax(lg + (size_t)q * V, V);
+            double t0 = k3_now();
+            rc = k3_forward_batch(m, st, B, next, lg, err);
+            dt[g] = k3_now() - t0;
+        }
+        if (!rc) {
+            qsort(dt, (size_t)ng, sizeof *dt, cmp_double);
+            double ms = 1e3 * dt[ng / 2], tps = B / dt[ng / 2];
+            if (base == 0) base = tps;
+            printf("%-5d %10.3f %12.1f %11.2fx\n", B, ms, tps, tps / base);
+        }
+        for (int q = 0; q < B; q++) k3_state_free(st[q]);
+        free(st), free(ids), free(next), free(lg), free(dt);
+        if (rc) return rc;
+    }
+    return K3_OK;
+}
+
 int main(int argc, char **argv) {
-    const char *dir = NULL, *tlist = "1,2", *json_path = NULL;
+    const char *dir = NULL, *tlist = "1,2", *json_path = NULL, *blist = NULL;
     int np = 64, ng = 32, probe_mb = 1024, chunk = 0;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--prompt") && i + 1 < argc) np = atoi(argv[++i]);
@@ -73,10 +121,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--probe-mb") && i + 1 < argc) probe_mb = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--chunk") && i + 1 < argc) chunk = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+        else if (!strcmp(argv[i], "--batch") && i + 1 < argc) blist = argv[++i];
         else if (argv[i][0] != '-' && !dir) dir = argv[i];
         else {
             fprintf(stderr, "usage: bench_decode MODEL_DIR [--prompt N] [--gen N] [--threads 1,2] [--probe-mb MB] [--chunk N] "
-                            "[--json FILE]\n");
+                            "[--batch 1,2,4,8] [--json FILE]\n");
             return 2;
         }
     }
@@ -189,6 +238,10 @@ int main(int argc, char **argv) {
                peak > 0 ? 100 * g / (peak * threads[ti]) : 0, pf[ti].pre_cpu, gc, peak > 0 ? 100 * gc / peak : 0);
     }
     printf("FMA peak: %.1f GFLOP/s per core (FMA chains on the kernel path in force, CPU time)\n", peak);
+    if (blist && batch_decode(m, blist, threads[0], np, ng, &err)) {
+        fprintf(stderr, "k3: %s\n", err.msg);
+        return err.code;
+    }
     if (json_path) {
         json_t *jpf = json_array();
         for (int ti = 0; ti < nt; ti++)

@@ -498,7 +498,7 @@ __attribute__((constructor)) static void e8m0_init(void) {
     __m256 lo[RB][TB], hi[RB][TB];                                                             \
     UNROLL for (int i = 0; i < RB; i++)                                                        \
         UNROLL for (int t = 0; t < TB; t++) lo[i][t] = hi[i][t] = _mm256_setzero_ps();         \
-    const char *pf = k_mv_prefetch(P->W, P->rows, r, RB, TB, (size_t)cols * ESZ, K_PF_BYTES);  \
+    const char *pf = k_mv_prefetch(P->W, P->rows, r, RB, (size_t)cols * ESZ, K_PF_BYTES);      \
     int j = 0;                                                                                 \
     for (; j + 16 <= cols; j += 16) {                                                          \
         if (pf)                                                                                \
@@ -534,7 +534,7 @@ __attribute__((constructor)) static void e8m0_init(void) {
         UNROLL for (int t = 0; t < TB; t++) lo[i][t] = hi[i][t] = _mm256_setzero_ps();         \
     const __m256 e2m1 = _mm256_loadu_ps(k_e2m1);                                               \
     const __m256i sh = mx_shifts();                                                            \
-    const char *pf = k_mv_prefetch(P->W, P->rows, r, RB, TB, (size_t)(cols / 2), K_PF_BYTES);  \
+    const char *pf = k_mv_prefetch(P->W, P->rows, r, RB, (size_t)(cols / 2), K_PF_BYTES);      \
     if (pf) k_mv_prefetch_scales(P->W, r, RB, (size_t)(cols / 2), ng, K_PF_BYTES);             \
     int j = 0;                                                                                 \
     for (int g = 0; g < ng; g++) {                                                             \

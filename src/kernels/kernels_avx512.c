@@ -524,9 +524,9 @@ INL __m512 trees4(const __m512 *x) {
     __m512 acc[RB][TB];                                                                        \
     UNROLL for (int i = 0; i < RB; i++)                                                        \
         UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                   \
-    /* matvec: prefetch the rows K_PF_BYTES ahead (the tile's rows are one    \
+    /* prefetch the rows K_PF_BYTES ahead (the tile's rows are one                             \
      * contiguous run: spread its lines over the column steps) */              \
-    const char *pf = k_mv_prefetch(P->W, P->rows, r, RB, TB, (size_t)cols * ESZ, K_PF_BYTES);  \
+    const char *pf = k_mv_prefetch(P->W, P->rows, r, RB, (size_t)cols * ESZ, K_PF_BYTES);      \
     int j = 0;                                                                                 \
     for (; j + 16 <= cols; j += 16) {                                                          \
         if (pf)                                                                                \
@@ -568,7 +568,7 @@ INL __m512 trees4(const __m512 *x) {
         UNROLL for (int t = 0; t < TB; t++) acc[i][t] = _mm512_setzero_ps();                   \
     const __m512 e2m1 = _mm512_loadu_ps(k_e2m1);                                               \
     const __m512i sh = mx_shifts();                                                            \
-    const char *pf = k_mv_prefetch(P->W, P->rows, r, RB, TB, (size_t)(cols / 2), K_PF_BYTES);  \
+    const char *pf = k_mv_prefetch(P->W, P->rows, r, RB, (size_t)(cols / 2), K_PF_BYTES);      \
     if (pf) k_mv_prefetch_scales(P->W, r, RB, (size_t)(cols / 2), ng, K_PF_BYTES);             \
     for (int g = 0, j = 0; g < ng; g++) {                                                      \
         __m512 lut[RB];                                                                        \
