@@ -469,6 +469,52 @@ TEST(kda_forward_sequences_and_saved_states) {
     pool_free();
 }
 
+/* A batch of decode states: sequences of different lengths and forms, each
+ * state apart and not zero, in one call. Each sequence's outputs and state
+ * have the bits of k_kda_forward on it alone, at every thread count. */
+TEST(kda_forward_seqs_apart_match_each_alone) {
+    const int H = 2, D = 16, nseq = 4;
+    const int lens[4] = {5, 1, 37, 0}, forms[4] = {0, 0, 16, 16};
+    const size_t P = (size_t)H * D, ns = (size_t)H * D * D;
+    int rows = 0;
+    for (int s = 0; s < nseq; s++) rows += lens[s];
+    float *Q, *K, *V, *G, *B;
+    kda_inputs(rows, H, D, -5.0f, &Q, &K, &V, &G, &B);
+    float *S0 = fzero((size_t)nseq * ns);
+    for (size_t i = 0; i < (size_t)nseq * ns; i++) S0[i] = 0.01f * (float)((i * 7919) % 201) - 1.0f;
+    for (int pass = 0; pass < K_ISA_COUNT; pass++) {
+        if (!k_set_isa((k_isa)pass)) continue;
+        for (int th = 1; th <= 3; th++) {
+            omp_set_num_threads(th);
+            float *O = fzero((size_t)rows * P), *Sb[4];
+            k_kda_seq seq[4];
+            size_t row = 0;
+            for (int s = 0; s < nseq; s++) { /* each state its own allocation */
+                Sb[s] = fzero(ns);
+                memcpy(Sb[s], S0 + s * ns, ns * 4);
+            }
+            for (int s = 0; s < nseq; s++) {
+                seq[s] = (k_kda_seq){.S = Sb[s], .row = row, .T = lens[s], .C = forms[s]};
+                row += (size_t)lens[s];
+            }
+            k_kda_forward_seqs(O, Q, K, V, G, B, seq, nseq, H, D, -5.0f);
+            row = 0;
+            for (int s = 0; s < nseq; s++) {
+                float *o1 = fzero((size_t)(lens[s] ? lens[s] : 1) * P), *S1 = fzero(ns);
+                memcpy(S1, S0 + s * ns, ns * 4);
+                if (lens[s])
+                    k_kda_forward(o1, S1, Q + row * P, K + row * P, V + row * P, G + row * P, B + row * H, 1, lens[s],
+                                  H, D, forms[s], -5.0f, NULL);
+                CHECKF(!memcmp(o1, O + row * P, (size_t)lens[s] * P * 4) && !memcmp(S1, Sb[s], ns * 4),
+                       "isa %d threads %d seq %d", pass, th, s);
+                row += (size_t)lens[s];
+            }
+        }
+    }
+    omp_set_num_threads(2);
+    pool_free();
+}
+
 TEST(kda_chunked_extreme_decay_no_nan) {
     /* every decay at the bound with a requested chunk of 64: e^{G} e^{-G}
      * over 64 positions would span e^{+-320} and overflow; the chunk is

@@ -310,35 +310,62 @@ void k_kda_chunked(float *o, float *S, const float *q, const float *k, const flo
 
 /* ---- both forms over sequences and heads ------------------------------------------- */
 
-void k_kda_forward(float *o, float *S, const float *q, const float *k, const float *v, const float *g,
-                   const float *beta, int nseq, int T, int H, int D, int C, float lower, float *Ssave) {
-    const k_vops *ops = k_ops();
-    if (T < 1 || nseq < 1) return;
+/* Sequence s's head h over its T rows from row r0 (a row: P floats of q, k,
+ * v, g, o; H of beta), its state Sh [D][D]; Ssave: the state entering every
+ * block, [nblocks][D][D] (NULL: none). */
+static void kda_head(const k_vops *ops, float *o, float *Sh, const float *q, const float *k, const float *v,
+                     const float *g, const float *beta, size_t r0, int T, int h, int H, int D, int C, float lower,
+                     float *Ssave) {
     const bool chunked = C > 0;
     /* the recurrent form runs a head in one sweep unless the states are saved */
     const int CK = !chunked && !Ssave ? T : k_kda_block_len(C, lower), nc = (T + CK - 1) / CK;
     const float qscale = 1.0f / sqrtf((float)D);
     const size_t P = (size_t)H * (size_t)D, DD = (size_t)D * D;
-#pragma omp parallel for schedule(static) if ((double)nseq * T * H * D * D > 32768.0)
+    k_kda_cws ws;
+    float *tmp = NULL;
+    if (chunked) k_kda_cws_init(&ws, CK, D);
+    else tmp = xmalloc_array(5 * (size_t)D, sizeof *tmp);
+    for (int ck = 0; ck < nc; ck++) {
+        const int t0 = ck * CK, L = T - t0 < CK ? T - t0 : CK;
+        if (Ssave) memcpy(Ssave + (size_t)ck * DD, Sh, sizeof(float) * DD);
+        const size_t a = (r0 + (size_t)t0) * P + (size_t)h * D;
+        const float *bt = beta + (r0 + (size_t)t0) * H + h;
+        if (chunked)
+            chunk_fwd(ops, &ws, o + a, Sh, q + a, k + a, v + a, g + a, bt, L, P, (size_t)H);
+        else
+            recur_head(ops, o + a, Sh, q + a, k + a, v + a, g + a, bt, L, H, D, qscale, tmp);
+    }
+    if (chunked) k_kda_cws_free(&ws);
+    free(tmp);
+}
+
+/* A team only where the (sequence, head) pairs carry enough work */
+#define KDA_PAR(rows, H, D) ((double)(rows) * (H) * (D) * (D) > 32768.0)
+
+void k_kda_forward(float *o, float *S, const float *q, const float *k, const float *v, const float *g,
+                   const float *beta, int nseq, int T, int H, int D, int C, float lower, float *Ssave) {
+    const k_vops *ops = k_ops();
+    if (T < 1 || nseq < 1) return;
+    const int nc = C > 0 || Ssave ? (T + k_kda_block_len(C, lower) - 1) / k_kda_block_len(C, lower) : 1;
+    const size_t DD = (size_t)D * D;
+#pragma omp parallel for schedule(static) if (KDA_PAR((double)nseq * T, H, D))
+    for (int sh = 0; sh < nseq * H; sh++)
+        kda_head(ops, o, S + (size_t)sh * DD, q, k, v, g, beta, (size_t)(sh / H) * T, T, sh % H, H, D, C, lower,
+                 Ssave ? Ssave + (size_t)sh * nc * DD : NULL);
+}
+
+void k_kda_forward_seqs(float *o, const float *q, const float *k, const float *v, const float *g,
+                        const float *beta, const k_kda_seq *seq, int nseq, int H, int D, float lower) {
+    const k_vops *ops = k_ops();
+    double rows = 0;
+    for (int s = 0; s < nseq; s++) rows += seq[s].T;
+    const size_t DD = (size_t)D * D;
+#pragma omp parallel for schedule(static) if (KDA_PAR(rows, H, D))
     for (int sh = 0; sh < nseq * H; sh++) {
-        const int s = sh / H, h = sh % H;
-        k_kda_cws ws;
-        float *tmp = NULL;
-        if (chunked) k_kda_cws_init(&ws, CK, D);
-        else tmp = xmalloc_array(5 * (size_t)D, sizeof *tmp);
-        float *Sh = S + ((size_t)s * H + h) * DD;
-        for (int ck = 0; ck < nc; ck++) {
-            const int t0 = ck * CK, L = T - t0 < CK ? T - t0 : CK;
-            if (Ssave) memcpy(Ssave + (((size_t)s * H + h) * nc + ck) * DD, Sh, sizeof(float) * DD);
-            const size_t r0 = ((size_t)s * T + t0) * P + (size_t)h * D;
-            const float *bt = beta + ((size_t)s * T + t0) * H + h;
-            if (chunked)
-                chunk_fwd(ops, &ws, o + r0, Sh, q + r0, k + r0, v + r0, g + r0, bt, L, P, (size_t)H);
-            else
-                recur_head(ops, o + r0, Sh, q + r0, k + r0, v + r0, g + r0, bt, L, H, D, qscale, tmp);
-        }
-        if (chunked) k_kda_cws_free(&ws);
-        free(tmp);
+        const k_kda_seq *x = &seq[sh / H];
+        if (x->T > 0)
+            kda_head(ops, o, x->S + (size_t)(sh % H) * DD, q, k, v, g, beta, x->row, x->T, sh % H, H, D, x->C, lower,
+                     NULL);
     }
 }
 

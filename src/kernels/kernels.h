@@ -275,6 +275,18 @@ void k_kda_chunked(float *o, float *S, const float *q, const float *k, const flo
  * training's backward restarts from. Bits do not depend on Ssave. */
 void k_kda_forward(float *o, float *S, const float *q, const float *k, const float *v, const float *g,
                    const float *beta, int nseq, int T, int H, int D, int C, float lower, float *Ssave);
+/* The same over sequences whose states lie apart and whose lengths differ (a
+ * batch of decode states): sequence s has seq[s].T rows from row seq[s].row
+ * of q, k, v, g, o (of beta: [row][H]), its state [H][D][D] at seq[s].S and
+ * its own form seq[s].C. Threads split all (sequence, head) pairs at once;
+ * each pair's bits are those of k_kda_forward on that sequence alone. */
+typedef struct {
+    float *S;
+    size_t row;
+    int T, C;
+} k_kda_seq;
+void k_kda_forward_seqs(float *o, const float *q, const float *k, const float *v, const float *g,
+                        const float *beta, const k_kda_seq *seq, int nseq, int H, int D, float lower);
 /* Positions per saved state: the clamped chunk (C > 0) or K_KDA_RECUR_BLOCK. */
 #define K_KDA_RECUR_BLOCK 16
 int k_kda_block_len(int C, float lower);

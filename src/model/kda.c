@@ -50,36 +50,31 @@ static size_t first_row(const int *len, int s, int T) {
     return r;
 }
 
-/* The recurrence on every sequence: one kernel call when the states lie one
- * after another (training's zero states), else one call per sequence (a
- * batch of decode states; the kernel's work per sequence is the same, so are
- * the bits). With lengths (len) each sequence runs the form it
- * runs alone: chunkwise only for several positions outside a recorded pass
- * (model.c's forward_chunk makes the same choice). */
+/* The recurrence on every sequence in one kernel call, the threads splitting
+ * (sequence, head) pairs: whether the states lie one after another
+ * (training's zero states) or apart (a batch of decode states), a pair's work
+ * is the same, so are the bits. With lengths (len) each sequence runs the
+ * form it runs alone: chunkwise only for several positions outside a recorded
+ * pass (model.c's forward_chunk makes the same choice). */
 static void kda_recur(const k3_kda_state *st, float *o, const float *q, const float *k, const float *v,
                       const float *g, const float *beta, int nseq, int T, const int *len, int H, int D, int chunk,
-                      float lower, float *Ssave) {
-    const size_t HDD = (size_t)H * D * D, P = (size_t)H * D;
-    if (len) {
-        for (int s = 0; s < nseq; s++) {
-            size_t a = first_row(len, s, T);
-            int cs = len[s] > 1 && !st[s].trace ? chunk : 0;
-            k_kda_forward(o + a * P, st[s].S, q + a * P, k + a * P, v + a * P, g + a * P, beta + a * H, 1, len[s], H,
-                          D, cs, lower, NULL);
-        }
-        return;
-    }
-    const size_t TP = (size_t)T * P, TH = (size_t)T * H;
-    bool packed = true;
+                      float lower, float *Ssave, k3_ws *ws) {
+    const size_t HDD = (size_t)H * D * D;
+    bool packed = !len;
     for (int s = 1; s < nseq && packed; s++) packed = st[s].S == st[0].S + (size_t)s * HDD;
-    if (packed) {
+    if (packed) { /* a record's zero states (saving states, without a workspace) always are */
         k_kda_forward(o, st[0].S, q, k, v, g, beta, nseq, T, H, D, chunk, lower, Ssave);
         return;
     }
-    size_t per = Ssave ? HDD * (size_t)((T + k_kda_block_len(chunk, lower) - 1) / k_kda_block_len(chunk, lower)) : 0;
-    for (int s = 0; s < nseq; s++)
-        k_kda_forward(o + s * TP, st[s].S, q + s * TP, k + s * TP, v + s * TP, g + s * TP, beta + s * TH, 1, T, H, D,
-                      chunk, lower, Ssave ? Ssave + s * per : NULL);
+    assert(ws && !Ssave);
+    /* each sequence's state apart (a batch of decode states): all in one team */
+    k_kda_seq *seq = ws_get(ws, (size_t)nseq * sizeof *seq);
+    for (int s = 0; s < nseq; s++) {
+        int Ts = len ? len[s] : T;
+        seq[s] = (k_kda_seq){.S = st[s].S, .row = first_row(len, s, T), .T = Ts,
+                             .C = len && (Ts <= 1 || st[s].trace) ? 0 : chunk};
+    }
+    k_kda_forward_seqs(o, q, k, v, g, beta, seq, nseq, H, D, lower);
 }
 
 /* A recorded pass's rows of one sequence (n rows from row a0 of the block's
@@ -100,10 +95,11 @@ static void trace_rows(k3_kda_trace *tr, const float *q, const float *k, const f
     memcpy(tr->beta + (size_t)tr->row * H, beta + a0 * H, n * H * sizeof(float));
 }
 
-/* One term per ws_f in kda_block below (pre, cv, gate, beta, fa). */
+/* One term per ws_get in kda_block below (pre, cv, gate, beta, fa) and
+ * kda_recur (a sequence per row at most). */
 size_t kda_ws_need(const k3_config *c, size_t N) {
     size_t H = (size_t)c->kda_heads, D = (size_t)c->kda_head_dim, NP = N * H * D;
-    return 2 * wsz(3 * NP) + wsz(NP) + wsz(N * H) + wsz(N * D);
+    return 2 * wsz(3 * NP) + wsz(NP) + wsz(N * H) + wsz(N * D) + wsb(N * sizeof(k_kda_seq));
 }
 
 K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *fo, const k3_kda_state *st,
@@ -164,7 +160,7 @@ K3_HOT void kda_block(const k3_config *c, const k3_kda_w *w, const k3_fwd_ops *f
             trace_rows(st[s].trace, q, k, v, g, beta, first_row(len, s, T), (size_t)(len ? len[s] : T), (size_t)P,
                        (size_t)H);
     float *o = rec ? rec->o : pre + 2 * NP;
-    kda_recur(st, o, q, k, v, g, beta, nseq, T, len, H, D, chunk, c->gate_lower_bound, rec ? rec->Ssave : NULL);
+    kda_recur(st, o, q, k, v, g, beta, nseq, T, len, H, D, chunk, c->gate_lower_bound, rec ? rec->Ssave : NULL, ws);
     float *normed = rec ? rec->y : k; /* k is consumed */
     if (rec) {
         /* the same head norm and gate, with the record: sigmoid(gate) kept */
