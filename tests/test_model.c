@@ -610,45 +610,67 @@ TEST(model_threads_1_and_2_bitwise) {
     CHECK(ok);
 }
 
-/* Batched decoding: three sequences at different positions, one token each
- * per pass (k3_forward_batch), give exactly the logits each gives alone
- * (k3_forward), step after step; a state given twice is refused. */
-TEST(model_forward_batch_same_bits_as_alone) {
-    k3_model *m = open_tiny_ckpt(false);
-    CHECK(m);
-    const int V = k3_model_config(m)->vocab_size, NS = 3, steps = 4;
-    const int pre[3] = {5, 1, 12}; /* prompt lengths: different positions, MLA caches and KDA states */
-    k3_state *bs[3] = {0}, *as[3] = {0};
+/* Batched decoding: NS sequences after prompts of pre[q] ids, one token
+ * each per pass (k3_forward_batch), give exactly the logits each gives alone
+ * (k3_forward), step after step, at 1 and 2 threads. */
+static bool batch_same_as_alone(k3_model *m, int NS, const int *pre, int steps) {
+    const int V = k3_model_config(m)->vocab_size, maxpos = 256;
+    k3_state *bs[8] = {0}, *as[8] = {0};
     k3_err err = {0};
-    bool ok = true;
-    for (int q = 0; q < NS; q++) {
-        ok = ok && !k3_state_new(m, 64, &bs[q], &err) && !k3_state_new(m, 64, &as[q], &err);
-        ok = ok && !k3_forward(m, bs[q], test_seq + 3 * q, pre[q], NULL, false, &err);
-        ok = ok && !k3_forward(m, as[q], test_seq + 3 * q, pre[q], NULL, false, &err);
+    bool ok = NS <= 8;
+    int32_t prompt[200];
+    for (int q = 0; ok && q < NS; q++) {
+        for (int i = 0; i < pre[q] && i < 200; i++) prompt[i] = test_seq[(i * 3 + q) % 40];
+        ok = ok && pre[q] <= 200 && !k3_state_new(m, maxpos, &bs[q], &err) && !k3_state_new(m, maxpos, &as[q], &err);
+        ok = ok && !k3_forward(m, bs[q], prompt, pre[q], NULL, false, &err);
+        ok = ok && !k3_forward(m, as[q], prompt, pre[q], NULL, false, &err);
     }
     float *lb = xmalloc_array((size_t)NS * V, sizeof(float)), *la = xmalloc_array((size_t)V, sizeof(float));
     for (int st = 0; ok && st < steps; st++) {
-        int32_t ids[3];
+        int32_t ids[8];
         for (int q = 0; q < NS; q++) ids[q] = test_seq[(7 * st + 5 * q + 2) % 40];
+        omp_set_num_threads(1 + st % 2);
         ok = !k3_forward_batch(m, bs, NS, ids, lb, &err);
         for (int q = 0; ok && q < NS; q++) {
+            omp_set_num_threads(2 - st % 2);
             ok = !k3_forward(m, as[q], &ids[q], 1, la, false, &err) && !memcmp(la, lb + (size_t)q * V, (size_t)V * 4) &&
                  k3_state_pos(bs[q]) == k3_state_pos(as[q]);
             if (!ok) fprintf(stderr, "step %d sequence %d differs (%s)\n", st, q, err.msg);
         }
     }
-    k3_state *twice[2] = {bs[0], bs[0]};
-    int32_t two[2] = {1, 2};
-    bool refused = ok && k3_forward_batch(m, twice, 2, two, lb, &err) == K3_EXIT_USAGE;
+    omp_set_num_threads(2);
+    if (ok) { /* a state given twice is refused */
+        k3_state *twice[2] = {bs[0], bs[0]};
+        int32_t two[2] = {1, 2};
+        ok = k3_forward_batch(m, twice, 2, two, lb, &err) == K3_EXIT_USAGE;
+    }
     for (int q = 0; q < NS; q++) {
         k3_state_free(bs[q]);
         k3_state_free(as[q]);
     }
     free(lb);
     free(la);
+    return ok;
+}
+
+/* Different positions, MLA caches and KDA states on the tiny checkpoint. */
+TEST(model_forward_batch_same_bits_as_alone) {
+    k3_model *m = open_tiny_ckpt(false);
+    CHECK(m);
+    const int pre[3] = {5, 1, 12};
+    CHECK(m && batch_same_as_alone(m, 3, pre, 4));
     k3_model_free(m);
-    CHECK(ok);
-    CHECK(refused);
+}
+
+/* models/default with 8 sequences past a hundred positions: enough attention
+ * work that the threads split the sequences of a pass. */
+TEST(model_forward_batch_default_model_same_bits_as_alone) {
+    k3_model *m = NULL;
+    k3_err err = {0};
+    CHECKF(!k3_model_open(t_repo("models/default"), NULL, &m, &err), "%s", err.msg);
+    const int pre[8] = {120, 97, 150, 131, 101, 180, 2, 140};
+    CHECK(m && batch_same_as_alone(m, 8, pre, 3));
+    k3_model_free(m);
 }
 
 /* The forward chunk (k3_model_opts.prefill_chunk) changes how many positions

@@ -45,77 +45,113 @@ static void mla_scores(float *sc, float *sr, const float *qa, const float *qrope
     k_softmax(sc, n);
 }
 
-/* The absorbed core over the cache rows 0..pos0+T-1: att [T][H dv]. */
-static void core_absorbed(const k3_config *c, const k3_mla_w *w, const k3_mla_cache *cache, int pos0, const float *q,
-                          int T, float *att, k3_ws *ws) {
+/* One decoded row's attention (row r of N, its sequence's n cached
+ * positions in latent) for heads [h0, h1): scores, softmax and the attended
+ * latents into ctx. Each head's scores, softmax and weighted sum are the ones
+ * of a whole row at a time (a score is its row's own canonical dot; a ctx
+ * element gets its fmas over p in order whatever the blocks), so the cache is
+ * read in blocks of rows that stay in L2 while every head of the call uses
+ * them: twice a layer instead of about once per head. A block is a multiple
+ * of 16 rows, so the dot kernels group rows as over the whole cache.
+ * score: [2][H][nmax] (the heads' own parts). */
+static void attend_row(const k3_config *c, const float *latent, int n, const float *qabs, const float *q, float *ctx,
+                       size_t N, size_t r, int h0, int h1, float *score, int nmax) {
+    const int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, rkv = c->kv_lora_rank, W = rkv + dr,
+              dq = dn + dr;
+    const float scale = 1.0f / sqrtf((float)dq);
+    k3_mat lat_m = {.type = KW_F32, .rows = n, .cols = W, .data = latent};
+    int blk = (int)((256 * 1024) / ((size_t)W * sizeof(float))) / 16 * 16;
+    if (blk < 16) blk = 16;
+    for (int p0 = 0; p0 < n; p0 += blk) {
+        int pn = n - p0 < blk ? n - p0 : blk;
+        const float *lb = latent + (size_t)p0 * W;
+        for (int h = h0; h < h1; h++) {
+            float *sc = score + (size_t)h * nmax + p0, *sr = score + (size_t)(H + h) * nmax + p0;
+            k_dots(sc, qabs + ((size_t)h * N + r) * rkv, lb, (size_t)W, pn, rkv);
+            k_dots(sr, q + r * H * dq + (size_t)h * dq + dn, lb + rkv, (size_t)W, pn, dr);
+            for (int p = 0; p < pn; p++) sc[p] = (sc[p] + sr[p]) * scale;
+        }
+    }
+    for (int h = h0; h < h1; h++) k_softmax(score + (size_t)h * nmax, n);
+    /* ctx_h = sum_p s_h[p] c_kv(p): all the call's heads on each block */
+    if (h1 > h0)
+        for (int p0 = 0; p0 < n; p0 += blk) {
+            int pn = n - p0 < blk ? n - p0 : blk;
+            k_gemm_acc(ctx + ((size_t)h0 * N + r) * rkv, (int)(N * rkv), h1 - h0, rkv, score + (size_t)h0 * nmax + p0,
+                       nmax, pn, &lat_m, p0);
+        }
+}
+
+/* The absorbed core of nseq sequences: sequence s's rows (T each, or
+ * len[s]; N in all, one sequence after another) over its cache rows
+ * 0..pos0[s]+rows-1: att [N][H dv]. The absorbed queries and the values are
+ * products over all N rows at once (a row's bits never depend on the
+ * others); the attention is each sequence's own. */
+static void core_absorbed(const k3_config *c, const k3_mla_w *w, const k3_mla_cache *cache, const int *pos0,
+                          int nseq, int T, const int *len, const float *q, int N, float *att, k3_ws *ws) {
     int H = c->mla_heads, dn = c->qk_nope_dim, dr = c->qk_rope_dim, dv = c->v_head_dim;
     int rkv = c->kv_lora_rank, dq = dn + dr, W = rkv + dr, hkv = dn + dv;
-    size_t Ts = (size_t)T;
-    int nmax = pos0 + T;
-    /* head-major: qabs[h][t][rkv], ctx[h][t][rkv], vout[h][t][dv] */
-    float *qabs = ws_f(ws, (size_t)H * Ts * rkv), *ctx = ws_f(ws, (size_t)H * Ts * rkv);
+    size_t Ns = (size_t)N;
+    int nmax = 1;
+    bool decode = true; /* one row a sequence */
+    for (int s = 0; s < nseq; s++) {
+        int Ts = len ? len[s] : T;
+        if (pos0[s] + Ts > nmax) nmax = pos0[s] + Ts;
+        decode = decode && Ts == 1;
+    }
+    /* head-major: qabs[h][r][rkv], ctx[h][r][rkv], vout[h][r][dv] */
+    float *qabs = ws_f(ws, (size_t)H * Ns * rkv), *ctx = ws_f(ws, (size_t)H * Ns * rkv);
     /* scores: [2][H][nmax] per thread (the rope part is summed in after) */
-    float *score = ws_f(ws, (size_t)omp_get_max_threads() * 2 * H * nmax), *vout = ws_f(ws, (size_t)H * Ts * dv);
-    float scale = 1.0f / sqrtf((float)dq);
-    /* absorbed queries Wk_h^T q_nope_h for every position at once: each element
-     * gets its fmas over i in increasing order (as a loop of axpy) */
-    memset(qabs, 0, (size_t)H * Ts * rkv * sizeof *qabs);
-    memset(ctx, 0, (size_t)H * Ts * rkv * sizeof *ctx);
     int nthr = omp_get_max_threads();
+    float *score = ws_f(ws, (size_t)nthr * 2 * H * nmax), *vout = ws_f(ws, (size_t)H * Ns * dv);
+    float scale = 1.0f / sqrtf((float)dq);
+    /* absorbed queries Wk_h^T q_nope_h for every row at once: each element
+     * gets its fmas over i in increasing order (as a loop of axpy) */
+    memset(qabs, 0, (size_t)H * Ns * rkv * sizeof *qabs);
+    memset(ctx, 0, (size_t)H * Ns * rkv * sizeof *ctx);
     float *wk = ws_f(ws, (size_t)nthr * dn * rkv); /* head h's key rows widened, per thread */
-#pragma omp parallel for schedule(static) num_threads(nthr) if ((double)T * H * dn * rkv > 262144.0)
+#pragma omp parallel for schedule(static) num_threads(nthr) if ((double)N * H * dn * rkv > 262144.0)
     for (int h = 0; h < H; h++) {
         float *b = wk + (size_t)omp_get_thread_num() * dn * rkv;
         for (int i = 0; i < dn; i++) k_mat_row(&w->kv_b, h * hkv + i, b + (size_t)i * rkv);
         k3_mat bm = {.type = KW_F32, .rows = dn, .cols = rkv, .data = b};
-        k_gemm_acc(qabs + (size_t)h * Ts * rkv, rkv, T, rkv, q + (size_t)h * dq, H * dq, dn, &bm, 0);
+        k_gemm_acc(qabs + (size_t)h * Ns * rkv, rkv, N, rkv, q + (size_t)h * dq, H * dq, dn, &bm, 0);
     }
-    k3_mat lat_m = {.type = KW_F32, .rows = nmax, .cols = W, .data = cache->latent};
-    if (T == 1) { /* decoding: the heads in parallel, the cache in blocks */
-        int ngrp = (H + 3) / 4, n = pos0 + 1;
-        /* Each head's scores, softmax and weighted sum are the ones of a whole
-         * row at a time (a score is its row's own canonical dot; a ctx element
-         * gets its fmas over p in order whatever the blocks), so the cache is
-         * read in blocks of rows that stay in L2 while every head of the
-         * thread uses them: twice a layer instead of about once per head. A
-         * block is a multiple of 16 rows, so the dot kernels group rows as
-         * over the whole cache. Threads split the heads (in groups of 4),
-         * never the positions. */
-        int blk = (int)((256 * 1024) / ((size_t)W * sizeof(float))) / 16 * 16;
-        if (blk < 16) blk = 16;
-#pragma omp parallel if ((double)H * n * (W + rkv) > 262144.0)
-        {
-            int nt = omp_get_num_threads(), id = omp_get_thread_num();
-            int h0 = 4 * (int)((int64_t)ngrp * id / nt), h1 = 4 * (int)((int64_t)ngrp * (id + 1) / nt);
-            if (h1 > H) h1 = H;
-            for (int p0 = 0; p0 < n; p0 += blk) {
-                int pn = n - p0 < blk ? n - p0 : blk;
-                const float *lb = cache->latent + (size_t)p0 * W;
-                for (int h = h0; h < h1; h++) {
-                    float *sc = score + (size_t)h * nmax + p0, *sr = score + (size_t)(H + h) * nmax + p0;
-                    k_dots(sc, qabs + (size_t)h * rkv, lb, (size_t)W, pn, rkv);
-                    k_dots(sr, q + (size_t)h * dq + dn, lb + rkv, (size_t)W, pn, dr);
-                    for (int p = 0; p < pn; p++) sc[p] = (sc[p] + sr[p]) * scale;
+    const double big = 262144.0; /* multiply-adds worth a thread team */
+    double all = 0;
+    for (int s = 0; s < nseq; s++) all += (double)H * (pos0[s] + 1) * (W + rkv);
+    if (decode && nseq > 1 && all / nseq <= big) {
+        /* a batch of short decoded rows: the threads split the sequences */
+#pragma omp parallel for schedule(dynamic, 1) if (all > big)
+        for (int s = 0; s < nseq; s++)
+            attend_row(c, cache[s].latent, pos0[s] + 1, qabs, q, ctx, Ns, (size_t)s, 0, H,
+                       score + (size_t)omp_get_thread_num() * 2 * H * nmax, nmax);
+    } else {
+        for (int s = 0, r0 = 0; s < nseq; r0 += len ? len[s] : T, s++) {
+            const int Ts = len ? len[s] : T;
+            if (Ts == 1) { /* decoding: the heads in parallel (in groups of 4), never the positions */
+                int ngrp = (H + 3) / 4, n = pos0[s] + 1;
+#pragma omp parallel if ((double)H * n * (W + rkv) > big)
+                {
+                    int nt = omp_get_num_threads(), id = omp_get_thread_num();
+                    int h0 = 4 * (int)((int64_t)ngrp * id / nt), h1 = 4 * (int)((int64_t)ngrp * (id + 1) / nt);
+                    if (h1 > H) h1 = H;
+                    attend_row(c, cache[s].latent, n, qabs, q, ctx, Ns, (size_t)r0, h0, h1, score, nmax);
                 }
+                continue;
             }
-            for (int h = h0; h < h1; h++) k_softmax(score + (size_t)h * nmax, n);
-            /* ctx_h = sum_p s_h[p] c_kv(p): all the thread's heads on each block */
-            if (h1 > h0)
-                for (int p0 = 0; p0 < n; p0 += blk) {
-                    int pn = n - p0 < blk ? n - p0 : blk;
-                    k_gemm_acc(ctx + (size_t)h0 * rkv, rkv, h1 - h0, rkv, score + (size_t)h0 * nmax + p0, nmax, pn,
-                               &lat_m, p0);
-                }
-        }
-    } else { /* prefill: the positions in parallel (one thread team), all heads of a position together */
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if ((double)H * T * nmax * (W + rkv) > 524288.0)
-        for (int t = 0; t < T; t++) {
-            int n = pos0 + t + 1; /* causal: positions 0..pos0+t */
-            float *sb = score + (size_t)omp_get_thread_num() * 2 * H * nmax;
-            for (int h = 0; h < H; h++)
-                mla_scores(sb + (size_t)h * nmax, sb + (size_t)(H + h) * nmax, qabs + ((size_t)h * Ts + t) * rkv,
-                           q + ((size_t)t * H + h) * dq + dn, cache->latent, W, rkv, dr, n, scale);
-            k_gemm_acc(ctx + (size_t)t * rkv, (int)(Ts * rkv), H, rkv, sb, nmax, n, &lat_m, 0);
+            /* prefill: the positions in parallel (one thread team), all heads of a position together */
+            k3_mat lat_m = {.type = KW_F32, .rows = pos0[s] + Ts, .cols = W, .data = cache[s].latent};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthr) if ((double)H * Ts * nmax * (W + rkv) > 2 * big)
+            for (int t = 0; t < Ts; t++) {
+                int n = pos0[s] + t + 1; /* causal: positions 0..pos0+t */
+                size_t r = (size_t)r0 + (size_t)t;
+                float *sb = score + (size_t)omp_get_thread_num() * 2 * H * nmax;
+                for (int h = 0; h < H; h++)
+                    mla_scores(sb + (size_t)h * nmax, sb + (size_t)(H + h) * nmax, qabs + ((size_t)h * Ns + r) * rkv,
+                               q + (r * H + h) * dq + dn, cache[s].latent, W, rkv, dr, n, scale);
+                k_gemm_acc(ctx + r * rkv, (int)(Ns * rkv), H, rkv, sb, nmax, n, &lat_m, 0);
+            }
         }
     }
     /* values: head h's value rows of kv_b on its attended latents, all heads in one batch */
@@ -123,12 +159,12 @@ static void core_absorbed(const k3_config *c, const k3_mla_w *w, const k3_mla_ca
     k_prod *vj = ws_get(ws, (size_t)H * sizeof *vj);
     for (int h = 0; h < H; h++) {
         wv[h] = mat_rows(&w->kv_b, h * hkv + dn, dv);
-        vj[h] = (k_prod){&wv[h], ctx + (size_t)h * Ts * rkv, T, vout + (size_t)h * Ts * dv};
+        vj[h] = (k_prod){&wv[h], ctx + (size_t)h * Ns * rkv, N, vout + (size_t)h * Ns * dv};
     }
     k_products(vj, H);
-    for (int t = 0; t < T; t++)
+    for (size_t r = 0; r < Ns; r++)
         for (int h = 0; h < H; h++)
-            memcpy(att + ((size_t)t * H + h) * dv, vout + ((size_t)h * Ts + t) * dv, (size_t)dv * sizeof *att);
+            memcpy(att + (r * H + h) * dv, vout + ((size_t)h * Ns + r) * dv, (size_t)dv * sizeof *att);
 }
 
 /* The causal softmax of one row of T scores (already scaled, mx their
@@ -195,9 +231,8 @@ K3_HOT void k3_mla_attend_expanded(const k3_config *c, k3_mla_rec *r, int nseq, 
     }
 }
 
-/* One term per ws_get in mla_block below (q, cq, cc, gate, att) and, for its
- * longest sequence, in core_absorbed (qabs, ctx, score, vout, wk, wv, vj;
- * released after each sequence). */
+/* One term per ws_get in mla_block below (q, cq, cc, gate, att) and in
+ * core_absorbed (qabs, ctx, score, vout, wk, wv, vj). */
 size_t mla_ws_need(const k3_config *c, size_t N, int64_t max_pos) {
     size_t H = (size_t)c->mla_heads, dn = (size_t)c->qk_nope_dim, dq = dn + (size_t)c->qk_rope_dim,
            dv = (size_t)c->v_head_dim, rkv = (size_t)c->kv_lora_rank, W = rkv + (size_t)c->qk_rope_dim,
@@ -244,7 +279,7 @@ K3_HOT void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, cons
         fo->products(&kv, 1);
         k3_mla_attend_expanded(c, rec, nseq, T, fo->mla_bf16);
         att = rec->o;
-    } else { /* the latent norm into each sequence's cache; the absorbed core, a sequence at a time */
+    } else { /* the latent norm into each sequence's cache; the absorbed core */
         att = ws_f(ws, NHV);
         size_t r0 = 0;
         for (int s = 0; s < nseq; s++) {
@@ -254,11 +289,9 @@ K3_HOT void mla_block(const k3_config *c, float eps_lat, const k3_mla_w *w, cons
                 k_rmsnorm(lat, cc + (r0 + t) * W, w->kv_a_norm, rkv, eps_lat);
                 memcpy(lat + rkv, cc + (r0 + t) * W + rkv, (size_t)dr * sizeof(float));
             }
-            size_t mark = ws->used;
-            core_absorbed(c, w, &cache[s], pos0[s], q + r0 * H * dq, Ts, att + r0 * H * dv, ws);
-            ws->used = mark;
             r0 += (size_t)Ts;
         }
+        core_absorbed(c, w, cache, pos0, nseq, T, len, q, N, att, ws);
     }
     float *ya = rec ? rec->y : att; /* o_proj's input */
     if (gate)
