@@ -47,11 +47,11 @@
 /* --draft-p-min's defaults: the chance of a pass's drafts all being kept
  * below which they stop (the gate, below; docs/speculation.md: how they were
  * chosen). A draft model's: its drafts are worth their rows when streamed. An
- * n-gram's: a verifying row costs about half a pass where the weights are
- * resident (models/default, 1 thread), so a draft must be likelier kept than
- * not. */
+ * n-gram's: a verifying row costs about 0.3 of a pass where the weights are
+ * resident (models/default, 1 thread), so a draft must be kept at least that
+ * often to pay; streamed, a row costs less still. */
 #define K3_DRAFT_P_MIN 0.2
-#define K3_NGRAM_P_MIN 0.5
+#define K3_NGRAM_P_MIN 0.3
 
 typedef struct k3_drafter k3_drafter;
 
@@ -238,7 +238,7 @@ int k3_spec_flags_check(k3_spec_flags *f, const char *cmd, k3_err *err);
     "                       kept falls below P, each draft's chance learnt from\n" \
     "                       how often drafts like it were kept (a draft model's:\n" \
     "                       as sure of its id; n-gram: as long a match); default\n" \
-    "                       0.2 with --draft, 0.5 for n-gram drafts; 0: K drafts,\n" \
+    "                       0.2 with --draft, 0.3 for n-gram drafts; 0: K drafts,\n" \
     "                       fewer while they are rejected\n"
 
 /* The drafter a command's flags ask for: --draft DIR (a draft model) or,
