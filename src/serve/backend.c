@@ -745,7 +745,9 @@ static void fill_model(backend *b, const k3_serve_spec_opts *so, k3_serve_model 
     sm->ctx_len = b->ctx;
     sm->tok = k3_engine_tokenizer(b->e);
     sm->chat = b->chat;
-    sm->threads = k3_engine_threads(b->e);
+    /* with several slots the workers never compute (the model thread does):
+     * a team of their own would only add threads to libgomp's count */
+    sm->threads = b->nslots > 1 ? 1 : k3_engine_threads(b->e);
     sm->slots = b->nslots;
     sm->prefill = be_prefill;
     sm->step = be_step;
@@ -758,6 +760,43 @@ static void fill_model(backend *b, const k3_serve_spec_opts *so, k3_serve_model 
     sm->batch_stats = be_batch_stats;
 }
 
+/* libgomp keeps a team of threads for each thread that ran a parallel
+ * region, and once all the teams' threads outnumber the CPUs its barriers
+ * stop spinning and sleep in the kernel: every parallel region of a forward
+ * pass then wakes its threads through a context switch (a server with one
+ * client, --threads 2 on 2 cores: about 30 switches a token, half the
+ * tokens/s). The passes run on a slot's worker or on the model thread, never
+ * here, so the loading (the shard index is read in parallel, the draft
+ * model's too) runs on a thread of its own that ends when it is done and
+ * takes its team with it. (Where MPI allows calls from the main thread only,
+ * it runs here.) */
+typedef struct {
+    const k3_engine_opts *eo;
+    int64_t ctx;
+    uint64_t cache_bytes;
+    int slots;
+    const k3_serve_spec_opts *so;
+    backend *b;
+    k3_err *err;
+    int rc;
+} opener;
+
+static void *open_main(void *arg) {
+    opener *o = arg;
+    o->rc = open_backend(o->eo, o->ctx, o->cache_bytes, o->slots, o->so, o->b, o->err);
+    return NULL;
+}
+
+static int open_apart(opener *o) {
+    pthread_t t;
+    if ((k3_dist_active() && !k3_dist_any_thread()) || pthread_create(&t, NULL, open_main, o) != 0) {
+        open_main(o);
+        return o->rc;
+    }
+    pthread_join(t, NULL);
+    return o->rc;
+}
+
 int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_bytes, int slots,
                           const k3_serve_spec_opts *so, k3_serve_backend **out, k3_serve_model *sm, k3_err *err) {
     backend *b = xcalloc(1, sizeof *b);
@@ -766,7 +805,8 @@ int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_
     pthread_cond_init(&b->work_cv, NULL);
     pthread_cond_init(&b->done_cv, NULL);
     b->mu_made = true;
-    int rc = open_backend(eo, ctx, cache_bytes, slots, so, b, err);
+    opener o = {.eo = eo, .ctx = ctx, .cache_bytes = cache_bytes, .slots = slots, .so = so, .b = b, .err = err};
+    int rc = open_apart(&o);
     /* a rank whose state or cache cannot fit stops every rank here */
     if ((rc = k3_engine_ready(b->e, rc, err))) {
         k3_serve_backend_free(b);

@@ -61,7 +61,8 @@ typedef struct {
     int64_t ctx_len;           /* positions one conversation may hold (prompt + generated) */
     const k3_tokenizer *tok;   /* required */
     const k3_chat *chat;       /* NULL: no XTML ids, /v1/chat/completions answers 400 */
-    int threads;               /* OpenMP threads the model computes with (0: default) */
+    int threads;               /* OpenMP threads of a slot's worker (0: default): the model's
+                                  when the workers compute, 1 when another thread does */
     /* Requests that may compute at once (>= 1), each on its own slot: a
      * slot is one conversation state, and every call below names the slot
      * its request runs on. A slot is used by one thread at a time. */
