@@ -15,9 +15,30 @@
 
 /* ---- ShortConv ----------------------------------------------------------- */
 
+/* One position (decoding): each channel's taps straight from its carried
+ * inputs, the same fmas in the same order as the windowed form below,
+ * without its buffers (a decoded token makes one call per plane and KDA
+ * layer, a batch one per sequence too: the windows' allocation and
+ * transposes cost more than the arithmetic). */
+K3_HOT static void shortconv_one(float *y, const float *x, int C, const float *w, int K, float *state) {
+    const int P = K - 1;
+    for (int c = 0; c < C; c++) {
+        float *s = state + (size_t)c * P, xc = x[c], acc = 0.0f;
+        const float *wc = w + (size_t)c * K;
+        for (int j = 0; j < P; j++) acc = fmaf(wc[j], s[j], acc);
+        for (int j = 0; j + 1 < P; j++) s[j] = s[j + 1];
+        if (P > 0) s[P - 1] = xc;
+        y[c] = fmaf(wc[P], xc, acc);
+    }
+}
+
 void k_shortconv(float *y, const float *x, int T, int C, const float *w, int K, float *state) {
     const k_vops *ops = k_ops();
     if (T <= 0 || C <= 0) return;
+    if (T == 1) {
+        shortconv_one(y, x, C, w, K, state);
+        return;
+    }
     int P = K - 1;
     /* win[(P + t)][c]: the P carried inputs then the T new ones, so tap j of
      * output t reads row t + j, and the new state is the last P rows. */
