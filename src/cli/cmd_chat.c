@@ -56,8 +56,7 @@ const char *const cmd_chat_help =
     "                       per forward pass; drafts from the whole conversation\n"
     "                       (n-gram lookup) unless --draft is given. The replies\n"
     "                       are exactly those without it (docs/speculation.md)\n"
-    "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
-    "                       --speculate defaults to 4 with it; not under mpirun\n"
+    K3_DRAFT_HELP
     K3_DRAFT_P_MIN_HELP
     "  --load FILE          start from a saved conversation: its messages, thinking\n"
     "                       setting and turn count (over --system and --think)\n"

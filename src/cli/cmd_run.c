@@ -41,8 +41,7 @@ const char *const cmd_run_help =
     "                       from the sequence's own history (n-gram lookup) unless\n"
     "                       --draft is given. The generated ids and logits are\n"
     "                       exactly those of plain decoding (docs/speculation.md)\n"
-    "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
-    "                       --speculate defaults to 4 with it; not under mpirun\n"
+    K3_DRAFT_HELP
     K3_DRAFT_P_MIN_HELP
     "  --out FILE.json      write prompt_ids, generated_ids, text, prefill_s,\n"
     "                       decode_s, tokens_per_s, peak_rss_bytes, threads,\n"

@@ -82,8 +82,7 @@ const char *const cmd_serve_help =
     "                       those without it; /metrics counts the drafts. With\n"
     "                       --parallel every slot drafts and verifies; the slots'\n"
     "                       verifying passes share one forward pass\n"
-    "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n"
-    "                       --speculate defaults to 4 with it; not under mpirun.\n"
+    K3_DRAFT_HELP
     "                       With --parallel the slots that draft in one step\n"
     "                       share its forward passes\n"
     K3_DRAFT_P_MIN_HELP

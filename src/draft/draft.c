@@ -223,6 +223,7 @@ int k3_drafter_model(const k3_engine_opts *o, const char *dir, const char *tok_d
     eo.kda_chunk = 0;
     eo.expert_placement = NULL;
     eo.max_pos = max_pos;
+    eo.alone = true; /* under mpirun each rank drafts with its own copy */
     k3_drafter *d = xcalloc(1, sizeof *d);
     d->vocab = vocab;
     d->max_k = max_k < 1 ? 1 : max_k;
@@ -507,8 +508,6 @@ int k3_drafter_for(const k3_engine *target, const char *draft_dir, double p_min,
                    k3_drafter **out, k3_err *err) {
     *out = NULL;
     if (kmax <= 0) return K3_OK;
-    if (draft_dir && k3_engine_ranks(target) > 1)
-        return k3_fail(err, K3_EXIT_USAGE, "--draft: a draft model is not supported under mpirun (use --speculate alone)");
     if (!draft_dir) {
         *out = k3_drafter_ngram(k3_engine_vocab(target), 2, 4, p_min);
         return K3_OK;

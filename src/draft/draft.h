@@ -233,6 +233,11 @@ typedef struct {
 void k3_spec_flags_init(k3_spec_flags *f);
 int k3_spec_parse_flag(k3_spec_flags *f, const char *cmd, int argc, char **argv, int *i, bool *used, k3_err *err);
 int k3_spec_flags_check(k3_spec_flags *f, const char *cmd, k3_err *err);
+/* The --draft line of run, chat and serve's help */
+#define K3_DRAFT_HELP \
+    "  --draft DIR          draft with the model in DIR (same tokenizer, else exit 2);\n" \
+    "                       --speculate defaults to 4 with it; under mpirun every\n" \
+    "                       rank loads a whole copy of it.\n"
 #define K3_DRAFT_P_MIN_HELP \
     "  --draft-p-min P      a pass's drafts stop where the chance of all being\n" \
     "                       kept falls below P, each draft's chance learnt from\n" \

@@ -244,8 +244,8 @@ int k3_engine_open(const k3_engine_opts *o, k3_engine **out, k3_err *err) {
     k3_engine *e = xcalloc(1, sizeof *e);
     e->opts = *o;
     e->eos_id = -1;
-    e->rank = k3_dist_rank();
-    e->ranks = k3_dist_size();
+    e->rank = o->alone ? 0 : k3_dist_rank();
+    e->ranks = o->alone ? 1 : k3_dist_size();
     if (o->threads > 0) omp_set_num_threads(o->threads);
     e->threads = omp_get_max_threads();
     int64_t max_pos = o->max_pos > 0 ? o->max_pos : 1;

@@ -45,6 +45,10 @@ typedef struct {
                                 output rows like the trunk's (every rank holds and reads its
                                 rows of every expert); no expert exchange */
     k3_runmem_args mem;      /* --preset, --trunk, --trunk-gb, --cache-gb, --chunk, ... */
+    bool alone;              /* this process alone, even under mpirun: the whole model here and no
+                                call exchanges anything with the other ranks (a draft model: every
+                                rank runs its own copy, and the same history gives every rank the
+                                same drafts, as the logits bits do not depend on the machine) */
 } k3_engine_opts;
 
 void k3_engine_opts_init(k3_engine_opts *o);

@@ -4,7 +4,8 @@
 # give exactly plain decoding's output: the same text and the same
 # --dump-logits bytes (every row the loop sampled from), greedy and sampled,
 # n-gram and draft-model drafts, 1 and 2 threads, resident and with the
-# routed experts streamed, drafts capped by the context, under mpirun; the
+# routed experts streamed, drafts capped by the context, under mpirun (n-gram
+# and draft model); the
 # counters in --out say drafts were proposed and accepted; bad combinations
 # are one error line, exit 2; bytes_read_per_token drops with perfect drafts.
 # The plain run is the reference: the claim is
@@ -105,7 +106,7 @@ head -n -1 "$M/tiktoken.model" >"$OUT/other/tiktoken.model"
 expect_exit other-tokenizer 2 $K3 run "$M" --prompt "$P" --gen 4 --draft "$OUT/other"
 expect_err_contains other-tokenizer "tokenizer"
 
-# ---- under mpirun: the n-gram drafts, same bits as one process -----------------------------
+# ---- under mpirun: n-gram and draft-model drafts, same bits as one process ----------------
 [ "${K3#*asan}" != "$K3" ] && { finish; exit; } # the MPI runs: test_mpi*.sh
 mpi_setup
 export OMP_NUM_THREADS=1
@@ -113,5 +114,15 @@ $K3 run "$M" --prompt "$P" --gen 24 --quiet --dump-logits "$OUT/mpi.plain.bin" >
 expect_exit mpi-ngram 0 $MPI -np 2 $K3 run "$M" --prompt "$P" --gen 24 --quiet --speculate 4 \
   --dump-logits "$OUT/mpi.spec.bin"
 cmp -s "$OUT/mpi.plain.bin" "$OUT/mpi.spec.bin" && pass mpi-ngram:logits || fail mpi-ngram:logits "differ from one plain process"
-expect_exit mpi-draft 2 $MPI -np 2 $K3 run "$M" --prompt "$P" --gen 4 --draft "$M"
+# a draft model: every rank runs its own copy, so every rank drafts the same ids
+$K3 run "$M" --prompt "$P" --gen 24 --quiet --temperature 0.8 --seed 3 --dump-logits "$OUT/mpi.plain-s.bin" \
+  >"$OUT/mpi.plain-s.txt" 2>&1
+expect_exit mpi-draft 0 $MPI -np 2 $K3 run "$M" --prompt "$P" --gen 24 --quiet --draft "$D" \
+  --dump-logits "$OUT/mpi.draft.bin" --out "$OUT/mpi-draft.spec.json"
+cmp -s "$OUT/mpi.plain.bin" "$OUT/mpi.draft.bin" && pass mpi-draft:logits || fail mpi-draft:logits "differ from one plain process"
+counters mpi-draft
+expect_exit mpi-draft-sampled 0 $MPI -np 2 $K3 run "$M" --prompt "$P" --gen 24 --quiet --draft "$D" \
+  --temperature 0.8 --seed 3 --parallel-layout ep --dump-logits "$OUT/mpi.draft-s.bin"
+cmp -s "$OUT/mpi.plain-s.bin" "$OUT/mpi.draft-s.bin" && pass mpi-draft-sampled:logits \
+  || fail mpi-draft-sampled:logits "differ from one plain process"
 finish

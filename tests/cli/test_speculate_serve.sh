@@ -11,7 +11,7 @@
 #    n = 2 choices, streamed chat and completions with usage;
 #  - n-gram drafts at the server's K and at a request's smaller K, a draft
 #    model (here the model itself: greedy drafts the target mostly accepts),
-#    and 2 ranks under mpirun (n-gram: every rank drafts the same ids);
+#    and 2 ranks under mpirun (n-gram and the draft model);
 #  - four requests sent at once to a --parallel 4 server that speculates
 #    (n-gram, and the draft model: one per slot), their verifying passes
 #    batched in one pass over the weights (/metrics: more sequences than
@@ -20,7 +20,7 @@
 #    gets alone from a plain --parallel 1 server;
 #  - /metrics counts the drafts (some proposed and accepted, none without
 #    speculation); bad "speculate" values get 400 naming the field; bad flags
-#    exit 2 (--speculate 17, --draft with another tokenizer or under mpirun).
+#    exit 2 (--speculate 17, --draft with another tokenizer).
 # Servers listen on loopback; every wait is bounded.
 # asan
 set -u
@@ -249,5 +249,8 @@ run_set mpi '{}' $MPIRUN -np 2 "$K3" serve $M --port 0 --speculate 4
 grep -q 'expert parallel over 2 ranks' "$OUT/mpi.log" && pass mpi:ranks || fail mpi:ranks "$(head -c 300 "$OUT/mpi.log")"
 same mpi
 drafted mpi
-expect_exit mpi-draft 2 $MPI -np 2 $K3 serve $M --port 0 --draft $M
+# a draft model: each rank opens its own copy (rank 0's drafts go with its commands)
+run_set mpi-draft '{}' $MPIRUN -np 2 "$K3" serve $M --port 0 --draft $M
+same mpi-draft
+drafted mpi-draft
 finish
