@@ -715,6 +715,23 @@ static void agree_slots(backend *b) {
     while (b->nslots > keep) free_slot(b, --b->nslots);
 }
 
+/* Under several ranks a new prompt's drafter catches up as many ids a step
+ * on every rank, as its drafts (so the verifying passes, so the exchanges)
+ * depend on it: the smallest of the ranks' draft-model chunks (each rank
+ * plans its own copy of the draft model for its own memory). */
+static void agree_catchup(backend *b) {
+    int R = k3_engine_ranks(b->e);
+    k3_engine *de = k3_drafter_engine(b->sl[0].drafter);
+    if (R <= 1 || !de || b->nslots <= 1) return;
+    int32_t mine = k3_engine_chunk(de), *all = xmalloc_array((size_t)R, sizeof *all);
+    k3_dist_allgather(&mine, sizeof mine, all, "k3 serve's draft catch-up");
+    int keep = mine;
+    for (int r = 0; r < R; r++)
+        if (all[r] < keep) keep = all[r];
+    free(all);
+    for (int q = 0; q < b->nslots; q++) k3_drafter_set_catchup(b->sl[q].drafter, keep);
+}
+
 /* The model thread of several slots (rank 0 or one process) and the
  * arrays of a batched pass. */
 static int start_batching(backend *b, k3_err *err) {
@@ -814,6 +831,7 @@ int k3_serve_backend_open(const k3_engine_opts *eo, int64_t ctx, uint64_t cache_
         return rc;
     }
     agree_slots(b);
+    agree_catchup(b);
     b->lead = k3_engine_ranks(b->e) > 1 && k3_engine_rank(b->e) == 0;
     if ((rc = start_batching(b, err))) {
         k3_serve_backend_quit(b, rc); /* the followers wait for rank 0's first command */
