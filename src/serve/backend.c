@@ -700,18 +700,23 @@ static int open_backend(const k3_engine_opts *opts, int64_t ctx, uint64_t cache_
     return K3_OK;
 }
 
+/* The smallest of every rank's `mine` (a collective: every rank calls it). */
+static int least_of_ranks(backend *b, int mine, const char *what) {
+    int R = k3_engine_ranks(b->e);
+    int32_t v = mine, *all = xmalloc_array((size_t)R, sizeof *all);
+    k3_dist_allgather(&v, sizeof v, all, what);
+    for (int r = 0; r < R; r++)
+        if (all[r] < mine) mine = all[r];
+    free(all);
+    return mine;
+}
+
 /* Under several ranks every rank keeps the fewest slots any rank's budget
  * holds (a count asked with --parallel either fits every rank or stopped the
  * job), so that rank 0's slots exist on every rank. */
 static void agree_slots(backend *b) {
-    int R = k3_engine_ranks(b->e);
-    if (R <= 1) return;
-    int32_t mine = b->nslots, *all = xmalloc_array((size_t)R, sizeof *all);
-    k3_dist_allgather(&mine, sizeof mine, all, "k3 serve's slot counts");
-    int keep = b->nslots;
-    for (int r = 0; r < R; r++)
-        if (all[r] < keep) keep = all[r];
-    free(all);
+    if (k3_engine_ranks(b->e) <= 1) return;
+    int keep = least_of_ranks(b, b->nslots, "k3 serve's slot counts");
     while (b->nslots > keep) free_slot(b, --b->nslots);
 }
 
@@ -720,15 +725,9 @@ static void agree_slots(backend *b) {
  * depend on it: the smallest of the ranks' draft-model chunks (each rank
  * plans its own copy of the draft model for its own memory). */
 static void agree_catchup(backend *b) {
-    int R = k3_engine_ranks(b->e);
     k3_engine *de = k3_drafter_engine(b->sl[0].drafter);
-    if (R <= 1 || !de || b->nslots <= 1) return;
-    int32_t mine = k3_engine_chunk(de), *all = xmalloc_array((size_t)R, sizeof *all);
-    k3_dist_allgather(&mine, sizeof mine, all, "k3 serve's draft catch-up");
-    int keep = mine;
-    for (int r = 0; r < R; r++)
-        if (all[r] < keep) keep = all[r];
-    free(all);
+    if (k3_engine_ranks(b->e) <= 1 || !de || b->nslots <= 1) return;
+    int keep = least_of_ranks(b, k3_engine_chunk(de), "k3 serve's draft catch-up");
     for (int q = 0; q < b->nslots; q++) k3_drafter_set_catchup(b->sl[q].drafter, keep);
 }
 
