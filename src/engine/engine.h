@@ -128,7 +128,8 @@ const char *k3_engine_model_dir(const k3_engine *e);
 /* The options it was opened with (a draft model opens its own engine alike). */
 const k3_engine_opts *k3_engine_options(const k3_engine *e);
 /* Under mpirun: this process is rank k3_engine_rank of k3_engine_ranks (one
- * process: 0 of 1); only rank 0 should talk to the user. */
+ * process, or an engine opened alone: 0 of 1); only rank 0 should talk to
+ * the user. */
 int k3_engine_rank(const k3_engine *e);
 int k3_engine_ranks(const k3_engine *e);
 /* A line per forward call on f (--verbose), or none (NULL, the default). */

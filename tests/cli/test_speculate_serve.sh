@@ -249,7 +249,7 @@ run_set mpi '{}' $MPIRUN -np 2 "$K3" serve $M --port 0 --speculate 4
 grep -q 'expert parallel over 2 ranks' "$OUT/mpi.log" && pass mpi:ranks || fail mpi:ranks "$(head -c 300 "$OUT/mpi.log")"
 same mpi
 drafted mpi
-# a draft model: each rank opens its own copy (rank 0's drafts go with its commands)
+# a draft model: each rank opens its own copy and drafts the same ids from the same session
 run_set mpi-draft '{}' $MPIRUN -np 2 "$K3" serve $M --port 0 --draft $M
 same mpi-draft
 drafted mpi-draft
